@@ -1,0 +1,146 @@
+"""A request as one engine's scheduler tracks it.
+
+The scheduler schedules tokens, not phases: ``num_computed_tokens`` catches
+up with ``num_tokens``. Prefill, chunking, prefix hits, resumption after
+preemption and remote KV are all cases of that one rule.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import Any
+
+from scheduler.messages import EngineRequest, FinishReason, Logprobs, SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    WAITING_FOR_REMOTE_KVS = 1
+    RUNNING = 2
+    PREEMPTED = 3
+    # everything from here on is finished
+    FINISHED_STOPPED = 10
+    FINISHED_LENGTH_CAPPED = 11
+    FINISHED_ABORTED = 12
+    FINISHED_IGNORED = 13
+    FINISHED_ERROR = 14
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_IGNORED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+}
+
+
+class Request:
+    __slots__ = (
+        "request_id",
+        "prompt_token_ids",
+        "num_prompt_tokens",
+        "all_token_ids",
+        "sampling_params",
+        "priority",
+        "arrival_time",
+        "cache_salt",
+        "kv_transfer_params",
+        "eos_token_id",
+        "status",
+        "num_computed_tokens",
+        "num_cached_tokens",
+        "num_preemptions",
+        "stop_reason",
+        "error",
+        "block_hashes",
+        "pending_logprobs",
+        "first_scheduled_time",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        *,
+        eos_token_id: int | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.all_token_ids = list(self.prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.priority = priority
+        self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.cache_salt = cache_salt
+        self.kv_transfer_params = kv_transfer_params
+        self.eos_token_id = eos_token_id
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit on first schedule; -1 = not yet
+        self.num_preemptions = 0
+        self.stop_reason: int | None = None
+        self.error: str | None = None
+        self.block_hashes: list[int] = []  # hashes of full blocks, filled lazily
+        self.pending_logprobs: list[Logprobs] | None = None
+        self.first_scheduled_time: float | None = None
+
+    @classmethod
+    def from_engine_request(cls, req: EngineRequest, eos_token_id: int | None) -> Request:
+        return cls(
+            req.request_id,
+            req.prompt_token_ids,
+            req.sampling_params,
+            eos_token_id=eos_token_id,
+            priority=req.priority,
+            arrival_time=req.arrival_time or None,
+            cache_salt=req.cache_salt,
+            kv_transfer_params=req.kv_transfer_params,
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+
+    def __lt__(self, other: Request) -> bool:
+        # priority queue order: lower priority value first, then arrival, then id
+        return (self.priority, self.arrival_time, self.request_id) < (
+            other.priority,
+            other.arrival_time,
+            other.request_id,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.name}, "
+            f"computed={self.num_computed_tokens}/{self.num_tokens})"
+        )
