@@ -1,0 +1,52 @@
+"""Scheduler configuration: one typed place, validated at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scheduler.queues import QUEUES
+
+
+@dataclass
+class SchedulerConfig:
+    num_kv_blocks: int = 1024
+    block_size: int = 16
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+    # A single prefill takes at most this many tokens per step (0 = no cap),
+    # so one long prompt cannot starve the decodes batched with it.
+    long_prefill_token_threshold: int = 0
+    enable_prefix_caching: bool = True
+    policy: str = "fcfs"  # or "priority"
+    # What to do when a remote KV load fails: compute the KV locally, or
+    # finish the request with FINISHED_ERROR.
+    load_failure_policy: str = "recompute"
+
+    def __post_init__(self) -> None:
+        for name in ("num_kv_blocks", "block_size", "max_num_batched_tokens", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(
+                f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}"
+            )
+        if self.policy not in QUEUES:
+            raise ValueError(f"policy must be one of {sorted(QUEUES)}, got {self.policy!r}")
+        if self.load_failure_policy not in ("recompute", "fail"):
+            raise ValueError(
+                f"load_failure_policy must be 'recompute' or 'fail', got {self.load_failure_policy!r}"
+            )
+        if self.num_kv_blocks * self.block_size < self.max_model_len:
+            raise ValueError(
+                f"num_kv_blocks ({self.num_kv_blocks}) x block_size ({self.block_size}) must hold "
+                f"max_model_len ({self.max_model_len}) tokens, or a lone request could never finish"
+            )
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                "max_num_batched_tokens must be >= max_model_len when chunked prefill is off "
+                f"({self.max_num_batched_tokens} < {self.max_model_len})"
+            )

@@ -1,0 +1,450 @@
+"""The per-engine scheduler.
+
+Each step gives requests tokens under a token budget and a sequence cap:
+
+    running  : [r1 decode 1][r2 chunk 512][r3 decode 1]   <- served first
+    waiting  : [r4 prompt 900 (hit 256)] [r5 ...]         <- admitted while budget lasts
+    remote   : {r6: blocks being filled by a NIXL read}   <- skipped until loaded
+
+A request computes ``num_tokens - num_computed_tokens`` tokens; prefill,
+chunked prefill, prefix hits, resumption and remote KV all reduce to that.
+When a running request cannot get a block, the lowest-priority (FCFS: newest)
+running request is preempted: its blocks are freed and it recomputes later.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+from scheduler.config import SchedulerConfig
+from scheduler.kv_cache_manager import KVCacheManager
+from scheduler.messages import (
+    CachedRequestData,
+    EngineOutput,
+    EngineOutputs,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+    SchedulerStats,
+)
+from scheduler.queues import create_queue
+from scheduler.request import Request, RequestStatus
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        connector=None,  # kvtransfer.base.KVConnectorSchedulerSide (duck-typed: no import)
+        engine_id: str = "",
+    ) -> None:
+        self.config = config
+        self.connector = connector
+        self.engine_id = engine_id
+        self.kv = KVCacheManager(
+            config.num_kv_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.requests: dict[str, Request] = {}  # every request that holds state here
+        self.waiting = create_queue(config.policy)
+        self.running: list[Request] = []
+        self.waiting_for_remote: dict[str, Request] = {}
+        self.held_for_send: dict[str, Request] = {}  # finished; blocks kept for a peer
+        self.finished_req_ids: list[str] = []  # runner must forget these next step
+        self.pending_outputs: list[EngineOutput] = []  # outputs produced outside a step
+        # cumulative stats
+        self.num_preemptions = 0
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+
+    # ---- requests in and out -------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Validate and queue. Raises ``ValueError`` naming the bad field."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        if request.num_prompt_tokens == 0:
+            raise ValueError("prompt_token_ids must not be empty")
+        if request.num_prompt_tokens >= self.config.max_model_len:
+            raise ValueError(
+                f"prompt_token_ids has {request.num_prompt_tokens} tokens; it must be shorter "
+                f"than max_model_len ({self.config.max_model_len})"
+            )
+        request.sampling_params.validate()
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
+        """Finish requests from any state (abort, error). Unknown ids and
+        already finished requests are ignored, so this is idempotent."""
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        assert status.is_finished
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            if rid in self.held_for_send:
+                # The client is gone; nobody will use the peer's copy.
+                del self.held_for_send[rid]
+                if self.connector is not None:
+                    self.connector.cancel_send(rid)
+                self._release(req)
+                continue
+            if req.is_finished:  # aborted while its remote read is in flight
+                continue
+            prev = req.status
+            req.status = status
+            if prev == RequestStatus.RUNNING:
+                self.running.remove(req)
+                self.finished_req_ids.append(rid)
+            elif prev == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                # NIXL is writing into its blocks: free them when the read ends.
+                if self.connector is not None:
+                    self.connector.request_finished(req, self.kv.get_block_ids(rid))
+                continue
+            else:
+                self.waiting.remove(req)
+            self._free_finished(req)
+
+    def _free_finished(self, req: Request) -> dict | None:
+        """Free a finished request's blocks unless the connector holds them for
+        a peer. Returns the connector's kv_transfer_params."""
+        params = None
+        delay = False
+        if self.connector is not None:
+            delay, params = self.connector.request_finished(
+                req, self.kv.get_block_ids(req.request_id)
+            )
+        if delay:
+            self.held_for_send[req.request_id] = req
+        else:
+            self._release(req)
+        return params
+
+    def _release(self, req: Request) -> None:
+        self.kv.free(req)
+        self.requests.pop(req.request_id, None)
+
+    # ---- scheduling ------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached = CachedRequestData()
+        preempted: list[str] = []
+        threshold = cfg.long_prefill_token_threshold
+
+        # 1. running requests, oldest first
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = req.num_tokens - req.num_computed_tokens
+            if threshold and num_new > threshold:
+                num_new = threshold
+            num_new = min(num_new, budget)
+            while True:
+                new_block_ids = self.kv.allocate_slots(req, num_new)
+                if new_block_ids is not None:
+                    break
+                victim = self._pick_victim()
+                if self.running.index(victim) < i:
+                    # Priority policy: the victim was already scheduled this step.
+                    i -= 1
+                    budget += num_scheduled.pop(victim.request_id)
+                    j = cached.req_ids.index(victim.request_id)
+                    del cached.req_ids[j], cached.new_block_ids[j], cached.num_computed_tokens[j]
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is req:
+                    break
+            if new_block_ids is None:  # preempted itself; nothing after it can run
+                break
+            num_scheduled[req.request_id] = num_new
+            budget -= num_new
+            cached.req_ids.append(req.request_id)
+            cached.new_block_ids.append(new_block_ids)
+            cached.num_computed_tokens.append(req.num_computed_tokens)
+            i += 1
+
+        # 2. waiting requests, unless this step already had to preempt
+        if not preempted:
+            budget = self._schedule_waiting(budget, num_scheduled, new_reqs)
+
+        out = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=cfg.max_num_batched_tokens - budget,
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids=preempted,
+        )
+        self.finished_req_ids = []
+        if self.connector is not None:
+            out.kv_connector_metadata = self.connector.build_connector_meta(out)
+        # The runner computes what was scheduled: advance now, so the counts
+        # always describe the KV that exists once this step ran.
+        requests = self.requests
+        for rid, n in num_scheduled.items():
+            requests[rid].num_computed_tokens += n
+        return out
+
+    def _schedule_waiting(
+        self, budget: int, num_scheduled: dict[str, int], new_reqs: list[NewRequestData]
+    ) -> int:
+        cfg = self.config
+        connector = self.connector
+        threshold = cfg.long_prefill_token_threshold
+        skipped: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            req = self.waiting.peek()
+            computed_blocks = None
+            num_new_computed = 0
+            num_external = 0
+            load_async = False
+            if req.num_computed_tokens == 0:
+                computed_blocks, num_new_computed = self.kv.get_computed_blocks(req)
+                if connector is not None:
+                    num_external, load_async = connector.get_num_new_matched_tokens(
+                        req, num_new_computed
+                    )
+            num_computed = req.num_computed_tokens + num_new_computed + num_external
+            if load_async:
+                num_new = 0  # blocks only; the tokens arrive by the read
+            else:
+                num_new = req.num_tokens - num_computed
+                if threshold and num_new > threshold:
+                    num_new = threshold
+                if num_new > budget and not cfg.enable_chunked_prefill:
+                    break
+                num_new = min(num_new, budget)
+            new_block_ids = self.kv.allocate_slots(
+                req,
+                num_new + num_external,
+                num_new_computed,
+                computed_blocks,
+                delay_cache_blocks=load_async,
+            )
+            if new_block_ids is None:
+                break  # no room; it keeps its place at the head of the queue
+            self.waiting.pop()
+            if req.num_computed_tokens == 0:
+                self.prefix_cache_queries += req.num_tokens
+                self.prefix_cache_hits += num_new_computed
+                if req.num_cached_tokens < 0:
+                    req.num_cached_tokens = num_new_computed
+            block_ids = self.kv.get_block_ids(req.request_id)
+            if connector is not None:
+                connector.update_state_after_alloc(req, block_ids, num_external)
+            req.num_computed_tokens = num_computed
+            if load_async:
+                req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                self.waiting_for_remote[req.request_id] = req
+                continue
+            if num_new == 0:
+                skipped.append(req)  # nothing fits this step
+                continue
+            req.status = RequestStatus.RUNNING
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.time()
+            self.running.append(req)
+            num_scheduled[req.request_id] = num_new
+            budget -= num_new
+            self.num_prompt_tokens += max(0, min(num_new, req.num_prompt_tokens - num_computed))
+            new_reqs.append(
+                NewRequestData(
+                    req_id=req.request_id,
+                    all_token_ids=list(req.all_token_ids),
+                    num_prompt_tokens=req.num_prompt_tokens,
+                    sampling_params=req.sampling_params,
+                    block_ids=block_ids,
+                    num_computed_tokens=num_computed,
+                )
+            )
+        if skipped:
+            self.waiting.prepend_all(skipped)
+        return budget
+
+    def _pick_victim(self) -> Request:
+        if self.config.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time, r.request_id))
+        return self.running[-1]
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend(req)
+
+    # ---- results -----------------------------------------------------------------
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> EngineOutputs:
+        outputs = self.pending_outputs
+        self.pending_outputs = []
+        if runner_output.kv_connector_output is not None:
+            self._update_kv_transfers(runner_output.kv_connector_output, outputs)
+        logprobs = runner_output.logprobs
+        requests = self.requests
+        cfg_max_len = self.config.max_model_len
+        for idx, (rid, token_ids) in enumerate(
+            zip(runner_output.req_ids, runner_output.sampled_token_ids, strict=True)
+        ):
+            if not token_ids:
+                continue  # partial prefill chunk
+            req = requests.get(rid)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue  # finished or preempted meanwhile
+            new_tokens = []
+            status = None
+            for tok in token_ids:
+                req.all_token_ids.append(tok)
+                new_tokens.append(tok)
+                status = self._check_stop(req, tok, cfg_max_len)
+                if status is not None:
+                    break
+            self.num_generation_tokens += len(new_tokens)
+            out = EngineOutput(request_id=rid, new_token_ids=new_tokens)
+            if logprobs is not None:
+                out.new_logprobs = logprobs[idx][: len(new_tokens)]
+            if status is not None:
+                req.status = status
+                out.finish_reason = status.finish_reason
+                out.stop_reason = req.stop_reason
+                out.num_cached_tokens = max(req.num_cached_tokens, 0)
+                self.running.remove(req)
+                self.finished_req_ids.append(rid)
+                out.kv_transfer_params = self._free_finished(req)
+            outputs.append(out)
+        return EngineOutputs(engine_id=self.engine_id, outputs=outputs, timestamp=time.time())
+
+    @staticmethod
+    def _check_stop(req: Request, token: int, max_model_len: int) -> RequestStatus | None:
+        sp = req.sampling_params
+        num_output = req.num_tokens - req.num_prompt_tokens
+        if num_output >= sp.min_tokens:
+            if token == req.eos_token_id and not sp.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if token in sp.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if num_output >= sp.max_tokens or req.num_tokens >= max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
+
+    def _update_kv_transfers(self, kv_out, outputs: list[EngineOutput]) -> None:
+        if self.connector is not None:
+            self.connector.update_connector_output(kv_out)
+        invalid = set(kv_out.invalid_block_ids)
+        for rid in kv_out.finished_recving:
+            req = self.waiting_for_remote.pop(rid, None)
+            if req is None:
+                continue
+            if req.is_finished:  # aborted during the read: blocks are safe to free now
+                self._release(req)
+                continue
+            self._finish_remote_load(req, invalid, outputs)
+        for rid in kv_out.finished_sending:
+            req = self.held_for_send.pop(rid, None)
+            if req is not None:
+                self._release(req)
+
+    def _finish_remote_load(
+        self, req: Request, invalid: set[int], outputs: list[EngineOutput]
+    ) -> None:
+        block_ids = self.kv.get_block_ids(req.request_id)
+        bad = [i for i, b in enumerate(block_ids) if b in invalid]
+        if bad:
+            if self.config.load_failure_policy == "fail":
+                req.status = RequestStatus.FINISHED_ERROR
+                req.error = "remote KV load failed"
+                self._release(req)
+                outputs.append(
+                    EngineOutput(
+                        request_id=req.request_id,
+                        finish_reason=req.status.finish_reason,
+                        error=req.error,
+                    )
+                )
+                return
+            # Recompute from the first bad block on; earlier blocks are good.
+            req.num_computed_tokens = min(req.num_computed_tokens, bad[0] * self.config.block_size)
+            self.kv.truncate_computed(req, req.num_computed_tokens)
+        # The KV is in place: publish the filled blocks for prefix hits and
+        # stop treating the request as remote (a later preemption recomputes).
+        self.kv.cache_blocks(req, req.num_computed_tokens)
+        req.kv_transfer_params = None
+        req.status = RequestStatus.WAITING
+        self.waiting.prepend(req)
+
+    # ---- introspection -------------------------------------------------------------
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running or self.waiting or self.waiting_for_remote)
+
+    def has_work(self) -> bool:
+        """The engine loop must keep stepping: requests to run, or transfers to poll."""
+        return bool(
+            self.has_unfinished_requests()
+            or self.held_for_send
+            or self.finished_req_ids
+            or self.pending_outputs
+            or (self.connector is not None and self.connector.has_pending_work())
+        )
+
+    def get_request_counts(self) -> tuple[int, int]:
+        """(running, waiting) — waiting includes requests waiting for remote KV."""
+        return len(self.running), len(self.waiting) + len(self.waiting_for_remote)
+
+    def num_blocks_held_for_transfer(self) -> int:
+        return sum(len(self.kv.req_blocks.get(r, ())) for r in self.held_for_send)
+
+    def make_stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            num_waiting_for_remote_kvs=len(self.waiting_for_remote),
+            kv_cache_usage=self.kv.usage(),
+            num_blocks_held_for_transfer=self.num_blocks_held_for_transfer(),
+            prefix_cache_queries=self.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits,
+            num_preemptions=self.num_preemptions,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_generation_tokens=self.num_generation_tokens,
+        )
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv.reset_prefix_cache()
+
+    def check_integrity(self, idle: bool = True) -> None:
+        """Raise AssertionError on any inconsistency. With ``idle`` (default),
+        also require that nothing is tracked and every block is free."""
+        self.kv.check_integrity()
+        tracked = (
+            {r.request_id for r in self.running}
+            | {r.request_id for r in self.waiting}
+            | set(self.waiting_for_remote)
+            | set(self.held_for_send)
+        )
+        assert tracked == set(self.requests), (
+            f"orphaned requests: {sorted(set(self.requests) ^ tracked)}"
+        )
+        assert len(self.running) <= self.config.max_num_seqs
+        for r in self.running:
+            assert r.status == RequestStatus.RUNNING, r
+        for rid in self.kv.req_blocks:
+            assert rid in self.requests, f"blocks held by unknown request {rid}"
+        if idle:
+            assert not self.requests, f"requests still tracked: {sorted(self.requests)}"
+            assert self.kv.num_free_blocks == self.config.num_kv_blocks, (
+                f"{self.config.num_kv_blocks - self.kv.num_free_blocks} blocks leaked"
+            )
