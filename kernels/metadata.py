@@ -1,0 +1,99 @@
+"""Per-step attention metadata, built once by the model runner and shared by every layer.
+
+Tokens of a step are flat, sequence by sequence::
+
+    query tokens   | s0 t0 t1 t2 | s1 t0 | s2 t0 t1 |
+    query_start_loc  0            3      4          6
+    seq_lens         [10, 7, 2]   (context INCLUDING this step's tokens)
+
+Token j of sequence i sits at position ``seq_lens[i] - query_lens[i] + j`` and attends to keys
+``0..position`` of its sequence, read from the paged cache through ``block_tables[i]``::
+
+    block_tables[i] = [5, 2, 0, 0]   (padded with 0)
+    position p lives in slot block_tables[i][p // block_size] * block_size + p % block_size
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything attention needs to read and write the paged KV cache for one step.
+
+    ``slot_mapping[t]`` is where token ``t``'s K/V is written (-1 skips the write, e.g. padding).
+    ``seq_lens_list`` / ``query_lens_list`` are host copies so the CPU path never syncs.
+    ``derived`` is a per-step scratch dict where kernels cache index tensors they compute from
+    the fields above (shared by all layers of the step); never reuse a metadata across steps
+    after mutating its tensors.
+    """
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    block_tables: torch.Tensor  # [num_seqs, max_num_blocks] int32, padded with 0
+    seq_lens: torch.Tensor  # [num_seqs] int32
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    max_query_len: int
+    max_seq_len: int
+    seq_lens_list: list[int]
+    query_lens_list: list[int]
+    derived: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_list)
+
+    @property
+    def num_query_tokens(self) -> int:
+        return sum(self.query_lens_list)
+
+    @classmethod
+    def build(
+        cls,
+        block_tables: list[list[int]],
+        seq_lens: list[int],
+        query_lens: list[int],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> AttentionMetadata:
+        """Build the metadata from host lists (one entry per sequence, tokens seq by seq).
+
+        Each ``block_tables[i]`` must cover ``seq_lens[i]`` positions
+        (``len >= ceil(seq_lens[i] / block_size)``); ``1 <= query_lens[i] <= seq_lens[i]``.
+        The slot mapping covers exactly ``sum(query_lens)`` tokens.
+        """
+        num_seqs = len(seq_lens)
+        if len(block_tables) != num_seqs or len(query_lens) != num_seqs:
+            raise ValueError("block_tables, seq_lens and query_lens need one entry per sequence")
+        max_num_blocks = max((len(row) for row in block_tables), default=0)
+        max_num_blocks = max(max_num_blocks, 1)
+        padded = [list(row) + [0] * (max_num_blocks - len(row)) for row in block_tables]
+        table = torch.tensor(padded, dtype=torch.int32).reshape(num_seqs, max_num_blocks)
+
+        seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
+        query_lens_t = torch.tensor(query_lens, dtype=torch.int32)
+        query_start_loc = torch.zeros(num_seqs + 1, dtype=torch.int32)
+        torch.cumsum(query_lens_t, 0, out=query_start_loc[1:])
+
+        # Position of every query token, then its slot through the block table.
+        num_tokens = int(query_start_loc[-1])
+        seq_of_token = torch.repeat_interleave(torch.arange(num_seqs), query_lens_t.long())
+        first_pos = (seq_lens_t - query_lens_t).long()
+        token_idx = torch.arange(num_tokens)
+        positions = first_pos[seq_of_token] + token_idx - query_start_loc[seq_of_token].long()
+        blocks = table[seq_of_token, positions // block_size].long()
+        slot_mapping = blocks * block_size + positions % block_size
+
+        return cls(
+            slot_mapping=slot_mapping.to(device),
+            block_tables=table.to(device),
+            seq_lens=seq_lens_t.to(device),
+            query_start_loc=query_start_loc.to(device),
+            max_query_len=max(query_lens, default=0),
+            max_seq_len=max(seq_lens, default=0),
+            seq_lens_list=list(seq_lens),
+            query_lens_list=list(query_lens),
+        )
