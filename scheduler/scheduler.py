@@ -50,6 +50,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.waiting_for_remote: dict[str, Request] = {}
         self.held_for_send: dict[str, Request] = {}  # finished; blocks kept for a peer
+        # Running requests the model runner has not seen yet (remote KV just
+        # landed): their first scheduled step sends NewRequestData.
+        self.unseen_by_runner: set[str] = set()
         self.finished_req_ids: list[str] = []  # runner must forget these next step
         self.pending_outputs: list[EngineOutput] = []  # outputs produced outside a step
         # cumulative stats
@@ -100,6 +103,7 @@ class Scheduler:
             req.status = status
             if prev == RequestStatus.RUNNING:
                 self.running.remove(req)
+                self.unseen_by_runner.discard(rid)
                 self.finished_req_ids.append(rid)
             elif prev == RequestStatus.WAITING_FOR_REMOTE_KVS:
                 # NIXL is writing into its blocks: free them when the read ends.
@@ -157,8 +161,12 @@ class Scheduler:
                     # Priority policy: the victim was already scheduled this step.
                     i -= 1
                     budget += num_scheduled.pop(victim.request_id)
-                    j = cached.req_ids.index(victim.request_id)
-                    del cached.req_ids[j], cached.new_block_ids[j], cached.num_computed_tokens[j]
+                    if victim.request_id in cached.req_ids:
+                        j = cached.req_ids.index(victim.request_id)
+                        del cached.req_ids[j], cached.new_block_ids[j]
+                        del cached.num_computed_tokens[j]
+                    else:
+                        new_reqs[:] = [n for n in new_reqs if n.req_id != victim.request_id]
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is req:
@@ -167,10 +175,14 @@ class Scheduler:
                 break
             num_scheduled[req.request_id] = num_new
             budget -= num_new
+            i += 1
+            if req.request_id in self.unseen_by_runner:
+                self.unseen_by_runner.discard(req.request_id)
+                new_reqs.append(self._new_request_data(req))
+                continue
             cached.req_ids.append(req.request_id)
             cached.new_block_ids.append(new_block_ids)
             cached.num_computed_tokens.append(req.num_computed_tokens)
-            i += 1
 
         # 2. waiting requests, unless this step already had to preempt
         if not preempted:
@@ -201,7 +213,13 @@ class Scheduler:
         connector = self.connector
         threshold = cfg.long_prefill_token_threshold
         skipped: list[Request] = []
-        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+        # Requests waiting for remote KV count against max_num_seqs: they join
+        # the running set as soon as their KV lands.
+        while (
+            self.waiting
+            and budget > 0
+            and len(self.running) + len(self.waiting_for_remote) < cfg.max_num_seqs
+        ):
             req = self.waiting.peek()
             computed_blocks = None
             num_new_computed = 0
@@ -256,19 +274,20 @@ class Scheduler:
             num_scheduled[req.request_id] = num_new
             budget -= num_new
             self.num_prompt_tokens += max(0, min(num_new, req.num_prompt_tokens - num_computed))
-            new_reqs.append(
-                NewRequestData(
-                    req_id=req.request_id,
-                    all_token_ids=list(req.all_token_ids),
-                    num_prompt_tokens=req.num_prompt_tokens,
-                    sampling_params=req.sampling_params,
-                    block_ids=block_ids,
-                    num_computed_tokens=num_computed,
-                )
-            )
+            new_reqs.append(self._new_request_data(req))
         if skipped:
             self.waiting.prepend_all(skipped)
         return budget
+
+    def _new_request_data(self, req: Request) -> NewRequestData:
+        return NewRequestData(
+            req_id=req.request_id,
+            all_token_ids=list(req.all_token_ids),
+            num_prompt_tokens=req.num_prompt_tokens,
+            sampling_params=req.sampling_params,
+            block_ids=self.kv.get_block_ids(req.request_id),
+            num_computed_tokens=req.num_computed_tokens,
+        )
 
     def _pick_victim(self) -> Request:
         if self.config.policy == "priority":
@@ -277,6 +296,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
+        self.unseen_by_runner.discard(req.request_id)
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
@@ -381,10 +401,16 @@ class Scheduler:
             self.kv.truncate_computed(req, req.num_computed_tokens)
         # The KV is in place: publish the filled blocks for prefix hits and
         # stop treating the request as remote (a later preemption recomputes).
+        # It joins the running set directly: it holds blocks, so it must be
+        # preemptable like any running request (a waiting request holding
+        # blocks could deadlock the pool).
         self.kv.cache_blocks(req, req.num_computed_tokens)
         req.kv_transfer_params = None
-        req.status = RequestStatus.WAITING
-        self.waiting.prepend(req)
+        req.status = RequestStatus.RUNNING
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = time.time()
+        self.running.append(req)
+        self.unseen_by_runner.add(req.request_id)
 
     # ---- introspection -------------------------------------------------------------
 
