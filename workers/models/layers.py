@@ -1,0 +1,96 @@
+"""Building blocks shared by the Llama-family models: Linear, RMSNorm, SiLU MLP.
+
+Parameters are created with ``torch.empty`` (no init: the loader overwrites
+every one of them) and never require grad.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class Linear(nn.Module):
+    """``y = x @ W.T (+ b)``.
+
+    A fused Linear stacks several HF weights along the output dimension, e.g.
+    ``qkv_proj`` holds ``q_proj``, ``k_proj`` and ``v_proj`` (rows in that
+    order). ``shard_names`` are those HF module names (siblings of this
+    module); ``out_sizes`` their row counts. One matmul instead of three is
+    cheaper on CPU, where small matmuls are dominated by call overhead.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_sizes: list[int],
+        bias: bool,
+        dtype: torch.dtype,
+        shard_names: list[str] | None = None,
+    ) -> None:
+        super().__init__()
+        if shard_names is not None and len(shard_names) != len(out_sizes):
+            raise ValueError("shard_names and out_sizes must have the same length")
+        self.out_sizes = list(out_sizes)
+        self.shard_names = shard_names
+        self.weight = _param(sum(out_sizes), in_features, dtype=dtype)
+        if bias:
+            self.bias = _param(sum(out_sizes), dtype=dtype)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class Embedding(nn.Module):
+    """Token embedding table ``[vocab, hidden]``."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = _param(vocab_size, hidden_size, dtype=dtype)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.weight)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dim, computed in float32 like transformers'."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = _param(size, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        input_dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(input_dtype)
+
+
+class SiluMLP(nn.Module):
+    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one matmul."""
+
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, bias: bool, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = Linear(
+            hidden_size,
+            [intermediate_size, intermediate_size],
+            bias,
+            dtype,
+            shard_names=["gate_proj", "up_proj"],
+        )
+        self.down_proj = Linear(intermediate_size, [hidden_size], bias, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
