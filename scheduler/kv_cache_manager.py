@@ -89,6 +89,17 @@ class KVCacheManager:
         fill these blocks; ``cache_blocks`` publishes them afterwards).
         """
         blocks = self.req_blocks.get(request.request_id)
+        if blocks is not None and not new_computed_blocks:
+            # Fast path (every decode step): the request's blocks have room.
+            num_total = request.num_computed_tokens + num_new_tokens
+            if num_total <= len(blocks) * self.block_size:
+                if (
+                    not delay_cache_blocks
+                    and self.enable_prefix_caching
+                    and num_total // self.block_size > self.num_cached_blocks[request.request_id]
+                ):
+                    self.cache_blocks(request, min(num_total, len(request.all_token_ids)))
+                return []
         if blocks is None:
             blocks = self.req_blocks[request.request_id] = []
             self.num_cached_blocks[request.request_id] = 0

@@ -148,7 +148,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = req.num_tokens - req.num_computed_tokens
+            num_new = len(req.all_token_ids) - req.num_computed_tokens
             if threshold and num_new > threshold:
                 num_new = threshold
             num_new = min(num_new, budget)
@@ -324,14 +324,19 @@ class Scheduler:
             req = requests.get(rid)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # finished or preempted meanwhile
-            new_tokens = []
             status = None
-            for tok in token_ids:
-                req.all_token_ids.append(tok)
-                new_tokens.append(tok)
-                status = self._check_stop(req, tok, cfg_max_len)
-                if status is not None:
-                    break
+            if len(token_ids) == 1:
+                req.all_token_ids.append(token_ids[0])
+                status = self._check_stop(req, token_ids[0], cfg_max_len)
+                new_tokens = token_ids
+            else:
+                new_tokens = []
+                for tok in token_ids:
+                    req.all_token_ids.append(tok)
+                    new_tokens.append(tok)
+                    status = self._check_stop(req, tok, cfg_max_len)
+                    if status is not None:
+                        break
             self.num_generation_tokens += len(new_tokens)
             out = EngineOutput(request_id=rid, new_token_ids=new_tokens)
             if logprobs is not None:
@@ -350,14 +355,15 @@ class Scheduler:
     @staticmethod
     def _check_stop(req: Request, token: int, max_model_len: int) -> RequestStatus | None:
         sp = req.sampling_params
-        num_output = req.num_tokens - req.num_prompt_tokens
+        num_tokens = len(req.all_token_ids)
+        num_output = num_tokens - req.num_prompt_tokens
         if num_output >= sp.min_tokens:
             if token == req.eos_token_id and not sp.ignore_eos:
                 return RequestStatus.FINISHED_STOPPED
-            if token in sp.stop_token_ids:
+            if sp.stop_token_ids and token in sp.stop_token_ids:
                 req.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
-        if num_output >= sp.max_tokens or req.num_tokens >= max_model_len:
+        if num_output >= sp.max_tokens or num_tokens >= max_model_len:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None
 
