@@ -1,0 +1,505 @@
+"""The HTTP front door: OpenAI-compatible completions over a ``Backend``.
+
+    POST /v1/completions, /v1/chat/completions   (stream and not)
+    GET  /v1/models, /health, /metrics
+
+Per request:
+
+    parse + validate (protocol) -> tokenize -> EngineRequest
+    -> backend.generate() -> detokenize + stop strings -> SSE chunks / JSON body
+
+The response runs next to a watcher of the ASGI receive channel: when the
+client disconnects (``http.disconnect``) the work is cancelled and the
+request is aborted on the backend. A matched stop string also aborts it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import socket
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from contextlib import aclosing
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, Response
+from starlette.types import Receive, Scope, Send
+
+from cluster import protocol
+from cluster.backend import Backend, BackendUnavailable
+from cluster.metrics import EngineMetricsCollector, GatewayMetrics, render
+from cluster.protocol import ChatCompletionRequest, CompletionRequest, ProtocolError
+from scheduler.messages import EngineOutput, EngineRequest, FinishReason, Logprobs
+from workers.detokenizer import IncrementalDetokenizer
+from workers.tokenizer import apply_chat_template, encode_prompt
+
+logger = logging.getLogger(__name__)
+
+_SSE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
+_JSON_HEADERS = [(b"content-type", b"application/json")]
+
+
+def create_app(backend: Backend, *, api_key: str | None = None) -> FastAPI:
+    """The gateway app. ``api_key`` (if set) is required on ``/v1/*`` as
+    ``Authorization: Bearer <key>``; ``/health`` and ``/metrics`` stay open."""
+    registry = CollectorRegistry()
+    gateway = Gateway(backend, GatewayMetrics(registry))
+    registry.register(EngineMetricsCollector(backend))
+    app = FastAPI(title="tandem", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.gateway = gateway
+
+    def check_api_key(request: Request) -> None:
+        if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
+            raise ProtocolError(
+                "Invalid or missing API key.",
+                status_code=401,
+                type="authentication_error",
+                code="invalid_api_key",
+            )
+
+    @app.exception_handler(ProtocolError)
+    async def _protocol_error(request: Request, exc: ProtocolError) -> Response:
+        if request.url.path.startswith("/v1/") and request.method == "POST":
+            gateway.metrics.request_rejected.labels(str(exc.status_code)).inc()
+        return JSONResponse(exc.body(), status_code=exc.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
+        return JSONResponse(protocol.error_body(str(exc), "invalid_request_error"), 400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(protocol.error_body(str(exc.detail), kind), exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception) -> Response:
+        logger.exception("unhandled error on %s", request.url.path)
+        return JSONResponse(protocol.error_body("Internal server error.", "server_error"), 500)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        arrival_s = time.perf_counter()
+        check_api_key(request)
+        req = protocol.decode_request(await request.body(), CompletionRequest)
+        return gateway.prepare_completion(req, arrival_s)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        arrival_s = time.perf_counter()
+        check_api_key(request)
+        req = protocol.decode_request(await request.body(), ChatCompletionRequest)
+        return gateway.prepare_chat(req, arrival_s)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        check_api_key(request)
+        card = {
+            "id": backend.model_name,
+            "object": "model",
+            "created": gateway.started_at,
+            "owned_by": "tandem",
+            "root": backend.model_name,
+            "max_model_len": backend.max_model_len,
+            "vocab_size": gateway.vocab_size,
+        }
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.get("/health")
+    async def health() -> Response:
+        ready, reason = backend.is_ready()
+        if ready:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(render(registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+class _Job:
+    """One validated request, ready to dispatch."""
+
+    __slots__ = (
+        "engine_request",
+        "formatter",
+        "stream",
+        "include_usage",
+        "stop",
+        "skip_special_tokens",
+        "include_stop_str_in_output",
+        "arrival_s",
+        "num_output_tokens",
+    )
+
+    def __init__(self, **fields: Any) -> None:
+        for name, value in fields.items():
+            setattr(self, name, value)
+        self.num_output_tokens = 0
+
+    @property
+    def request_id(self) -> str:
+        return self.engine_request.request_id
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.engine_request.prompt_token_ids)
+
+
+class _Step:
+    """What one engine output adds to the response."""
+
+    __slots__ = ("text", "logprobs", "finish_reason", "error")
+
+    def __init__(
+        self,
+        text: str = "",
+        logprobs: list[Logprobs] | None = None,
+        finish_reason: str | None = None,
+        error: str | None = None,
+    ) -> None:
+        self.text = text
+        self.logprobs = logprobs
+        self.finish_reason = finish_reason
+        self.error = error
+
+
+class Gateway:
+    """Request preparation and the generation loop, independent of routes."""
+
+    def __init__(self, backend: Backend, metrics: GatewayMetrics) -> None:
+        self.backend = backend
+        self.metrics = metrics
+        self.tokenizer = backend.tokenizer
+        self.vocab_size = len(backend.tokenizer)
+        self.started_at = int(time.time())
+        self.token_text = functools.lru_cache(maxsize=1 << 16)(self._decode_one)
+
+    def _decode_one(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    # ---- preparation (raises ProtocolError) ----
+
+    def prepare_completion(self, req: CompletionRequest, arrival_s: float) -> Response:
+        protocol.validate_common(req, self.backend.model_name)
+        prompt = protocol.completion_prompt(req)
+        if isinstance(prompt, str):
+            prompt_ids = encode_prompt(self.tokenizer, prompt)
+        else:
+            prompt_ids = self._check_token_ids(prompt)
+        self._check_prompt_len(prompt_ids)
+        max_tokens = 16 if req.max_tokens is None else req.max_tokens
+        self._check_total_len(prompt_ids, max_tokens, "max_tokens")
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        formatter = protocol.CompletionFormatter(
+            request_id, self.backend.model_name, int(time.time()), req.logprobs, self.token_text
+        )
+        params = protocol.sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs)
+        return self._response(req, prompt_ids, params, formatter, arrival_s)
+
+    def prepare_chat(self, req: ChatCompletionRequest, arrival_s: float) -> Response:
+        protocol.validate_common(req, self.backend.model_name)
+        protocol.check_chat_fields(req)
+        num_logprobs = protocol.chat_logprobs(req)
+        try:
+            prompt_ids = apply_chat_template(
+                self.tokenizer, req.messages, add_generation_prompt=req.add_generation_prompt
+            )
+        except ValueError as exc:
+            raise ProtocolError(str(exc), param="messages") from None
+        self._check_prompt_len(prompt_ids)
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+        if max_tokens is None:
+            max_tokens = self.backend.max_model_len - len(prompt_ids)
+        else:
+            self._check_total_len(prompt_ids, max_tokens, param)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        formatter = protocol.ChatFormatter(
+            request_id, self.backend.model_name, int(time.time()), num_logprobs, self.token_text
+        )
+        params = protocol.sampling_params(req, max_tokens=max_tokens, logprobs=num_logprobs)
+        return self._response(req, prompt_ids, params, formatter, arrival_s)
+
+    def _response(self, req: Any, prompt_ids, params, formatter, arrival_s: float) -> Response:
+        self._check_token_ids(params.stop_token_ids, param="stop_token_ids")
+        job = _Job(
+            engine_request=EngineRequest(
+                formatter.request_id, prompt_ids, params, arrival_time=time.time()
+            ),
+            formatter=formatter,
+            stream=req.stream,
+            include_usage=bool(req.stream_options and req.stream_options.include_usage),
+            stop=protocol.stop_strings(req),
+            skip_special_tokens=req.skip_special_tokens,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            arrival_s=arrival_s,
+        )
+        return GenerationResponse(self, job)
+
+    def _check_token_ids(self, token_ids: list[int], param: str = "prompt") -> list[int]:
+        for token_id in token_ids:
+            if not 0 <= token_id < self.vocab_size:
+                raise ProtocolError(
+                    f"Token id {token_id} is out of range [0, {self.vocab_size}).", param=param
+                )
+        return token_ids
+
+    def _check_prompt_len(self, prompt_ids: list[int]) -> None:
+        if not prompt_ids:
+            raise ProtocolError("The prompt is empty.", param="prompt")
+        if len(prompt_ids) >= self.backend.max_model_len:
+            raise ProtocolError(
+                f"The prompt has {len(prompt_ids)} tokens; the model's context length is "
+                f"{self.backend.max_model_len}, which leaves no room to generate.",
+                param="prompt",
+                code="context_length_exceeded",
+            )
+
+    def _check_total_len(self, prompt_ids: list[int], max_tokens: int, param: str) -> None:
+        if len(prompt_ids) + max_tokens > self.backend.max_model_len:
+            raise ProtocolError(
+                f"This model's maximum context length is {self.backend.max_model_len} tokens; "
+                f"the request asks for {len(prompt_ids)} prompt + {max_tokens} output tokens.",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+    # ---- generation ----
+
+    async def run(self, job: _Job) -> AsyncIterator[_Step]:
+        """The request's steps; the last has ``finish_reason`` or ``error``.
+
+        Raises ``BackendUnavailable`` before the first step. If the consumer
+        stops early (stop string, disconnect, cancellation) the request is
+        aborted on the backend.
+        """
+        metrics = self.metrics
+        request = job.engine_request
+        detokenizer = IncrementalDetokenizer(
+            self.tokenizer,
+            request.prompt_token_ids,
+            skip_special_tokens=job.skip_special_tokens,
+            stop=job.stop,
+            include_stop_str_in_output=job.include_stop_str_in_output,
+        )
+        outputs = self.backend.generate(request)
+        metrics.request_queue_time.observe(time.perf_counter() - job.arrival_s)
+        metrics.num_requests_in_flight.inc()
+        outcome = "abort"  # until a final output says otherwise
+        last_token_s = 0.0
+        try:
+            async for output in outputs:
+                now_s = time.perf_counter()
+                if output.new_token_ids:
+                    if last_token_s:
+                        metrics.inter_token_latency.observe(now_s - last_token_s)
+                    else:
+                        metrics.time_to_first_token.observe(now_s - job.arrival_s)
+                    last_token_s = now_s
+                if output.finish_reason is FinishReason.ERROR:
+                    outcome = "error"
+                    yield _Step(error=output.error or "The engine failed the request.")
+                    return
+                step = self._step(job, detokenizer, output)
+                if step.finish_reason is not None:
+                    # A stop-string match still needs an abort; else the backend is done.
+                    outcome = "stop-string" if output.finish_reason is None else step.finish_reason
+                yield step
+                if step.finish_reason is not None:
+                    return
+            outcome = "error"
+            yield _Step(error="The backend ended the request without a final output.")
+        except BackendUnavailable:
+            outcome = "unavailable"
+            raise
+        finally:
+            await outputs.aclose()
+            metrics.num_requests_in_flight.dec()
+            if outcome in ("abort", "stop-string"):
+                await self.backend.abort(request.request_id)
+            if outcome == "unavailable":
+                metrics.request_rejected.labels("503").inc()
+            else:
+                metrics.prompt_tokens.inc(job.num_prompt_tokens)
+                metrics.generation_tokens.inc(job.num_output_tokens)
+                reason = "stop" if outcome == "stop-string" else outcome
+                metrics.request_success.labels(reason).inc()
+                metrics.e2e_request_latency.observe(time.perf_counter() - job.arrival_s)
+
+    def _step(self, job: _Job, detokenizer: IncrementalDetokenizer, output: EngineOutput) -> _Step:
+        token_ids = output.new_token_ids
+        finish = output.finish_reason
+        # EOS / stop token: counted, not shown (Backend.generate contract).
+        text_ids = token_ids[:-1] if finish is FinishReason.STOP and token_ids else token_ids
+        if job.stop:
+            # One token at a time, to know which token completed the stop string.
+            parts = []
+            for num_consumed, token_id in enumerate(text_ids, 1):
+                parts.append(detokenizer.update([token_id]))
+                if detokenizer.stop_matched is not None:
+                    token_ids = token_ids[:num_consumed]
+                    break
+            text = "".join(parts)
+        else:
+            text = detokenizer.update(text_ids) if text_ids else ""
+        finish_reason = None
+        if detokenizer.stop_matched is not None:
+            finish_reason = "stop"
+        elif finish is not None:
+            finish_reason = str(finish)
+            text += detokenizer.finish()
+        job.num_output_tokens += len(token_ids)
+        logprobs = output.new_logprobs
+        if logprobs is not None and len(logprobs) > len(token_ids):
+            logprobs = logprobs[: len(token_ids)]
+        return _Step(text, logprobs, finish_reason)
+
+
+class GenerationResponse(Response):
+    """Runs a ``_Job`` and writes its response, stream or not.
+
+    The work runs as a task beside a watcher of ``receive``; whichever ends
+    first wins. A disconnect cancels the work, whose cleanup aborts the
+    request on the backend.
+    """
+
+    def __init__(self, gateway: Gateway, job: _Job) -> None:
+        self.gateway = gateway
+        self.job = job
+        self.status_code = 200
+        self.background = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        work = asyncio.create_task(self._respond(send))
+        watcher = asyncio.create_task(_wait_for_disconnect(receive))
+        try:
+            await asyncio.wait((work, watcher), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            if not work.done():
+                work.cancel()  # client gone (or server shutting down)
+            await asyncio.gather(work, watcher, return_exceptions=True)
+
+    async def _respond(self, send: Send) -> None:
+        job = self.job
+        headers_sent = False
+        try:
+            async with aclosing(self.gateway.run(job)) as steps:
+                try:
+                    first = await anext(steps)
+                except BackendUnavailable as exc:
+                    body = protocol.error_body(str(exc), "service_unavailable", code="unavailable")
+                    await _send_json(send, 503, body)
+                    return
+                if job.stream:
+                    headers_sent = True
+                    await self._stream(send, first, steps)
+                else:
+                    await self._collect(send, first, steps)
+        except (asyncio.CancelledError, OSError):
+            raise
+        except Exception:
+            logger.exception("request %s failed", job.request_id)
+            body = protocol.error_body("Internal server error.", "server_error")
+            if headers_sent:
+                await _send_body(send, protocol.sse(body) + protocol.SSE_DONE, more_body=False)
+            else:
+                await _send_json(send, 500, body)
+
+    async def _stream(self, send: Send, step: _Step, steps: AsyncIterator[_Step]) -> None:
+        job, formatter = self.job, self.job.formatter
+        await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+        for chunk in formatter.stream_start():
+            await _send_body(send, chunk)
+        while True:
+            if step.error is not None:
+                body = protocol.error_body(step.error, "server_error", code="engine_error")
+                await _send_body(send, protocol.sse(body) + protocol.SSE_DONE, more_body=False)
+                return
+            if step.text or step.logprobs or step.finish_reason is not None:
+                await _send_body(
+                    send, formatter.stream_delta(step.text, step.logprobs, step.finish_reason)
+                )
+            if step.finish_reason is not None:
+                break
+            step = await anext(steps)
+        tail = protocol.SSE_DONE
+        if job.include_usage:
+            usage = protocol.usage(job.num_prompt_tokens, job.num_output_tokens)
+            tail = formatter.stream_usage(usage) + tail
+        await _send_body(send, tail, more_body=False)
+
+    async def _collect(self, send: Send, step: _Step, steps: AsyncIterator[_Step]) -> None:
+        job = self.job
+        texts: list[str] = []
+        logprobs: list[Logprobs] = []
+        while True:
+            if step.error is not None:
+                body = protocol.error_body(step.error, "server_error", code="engine_error")
+                await _send_json(send, 500, body)
+                return
+            texts.append(step.text)
+            logprobs.extend(step.logprobs or ())
+            if step.finish_reason is not None:
+                break
+            step = await anext(steps)
+        usage = protocol.usage(job.num_prompt_tokens, job.num_output_tokens)
+        body = job.formatter.response("".join(texts), logprobs, step.finish_reason, usage)
+        await send({"type": "http.response.start", "status": 200, "headers": _JSON_HEADERS})
+        await _send_body(send, body, more_body=False)
+
+
+async def _wait_for_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _send_body(send: Send, body: bytes, more_body: bool = True) -> None:
+    await send({"type": "http.response.body", "body": body, "more_body": more_body})
+
+
+async def _send_json(send: Send, status_code: int, payload: dict[str, Any]) -> None:
+    await send({"type": "http.response.start", "status": status_code, "headers": _JSON_HEADERS})
+    await _send_body(send, protocol.encode_json(payload), more_body=False)
+
+
+@contextlib.contextmanager
+def serve_in_thread(app: Any, *, host: str = "127.0.0.1", timeout_s: float = 10.0) -> Iterator[str]:
+    """Run ``app`` under uvicorn in a background thread on a free port; yield
+    its base URL (``http://host:port``); stop the server on exit. For tests
+    and embedding."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline_s = time.monotonic() + timeout_s
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline_s:
+                raise RuntimeError("gateway server did not start")
+            time.sleep(0.01)
+        yield f"http://{host}:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout_s)
+        sock.close()

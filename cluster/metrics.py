@@ -1,0 +1,218 @@
+"""Prometheus metrics of the gateway and, read at scrape time, of the engines.
+
+Names follow vLLM's under the ``tandem:`` prefix (ARCHITECTURE §6). Two kinds:
+
+* request-level, measured in the gateway (``GatewayMetrics``): TTFT, ITL,
+  end-to-end and queue time histograms, token and request counters;
+* engine-level, labelled ``engine`` and ``role``, copied from
+  ``Backend.metrics_snapshot()`` by ``EngineMetricsCollector`` at each scrape.
+
+Each app owns a ``CollectorRegistry``, so several gateways can live in one
+process (tests) without clashing in the global registry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from cluster.backend import Backend, EngineMetrics
+
+PREFIX = "tandem:"
+
+_TTFT_BUCKETS_S = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0,
+)  # fmt: skip
+_ITL_BUCKETS_S = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+    0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+_REQUEST_BUCKETS_S = (
+    0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0,
+    20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0,
+)  # fmt: skip
+
+
+class GatewayMetrics:
+    """Request-level metrics; the gateway calls these per request / output."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.time_to_first_token = Histogram(
+            f"{PREFIX}time_to_first_token_seconds",
+            "Arrival at the gateway to the first generated token.",
+            buckets=_TTFT_BUCKETS_S,
+            registry=registry,
+        )
+        self.inter_token_latency = Histogram(
+            f"{PREFIX}inter_token_latency_seconds",
+            "Time between consecutive token-bearing engine outputs of a request.",
+            buckets=_ITL_BUCKETS_S,
+            registry=registry,
+        )
+        self.e2e_request_latency = Histogram(
+            f"{PREFIX}e2e_request_latency_seconds",
+            "Arrival at the gateway to the request's last output.",
+            buckets=_REQUEST_BUCKETS_S,
+            registry=registry,
+        )
+        self.request_queue_time = Histogram(
+            f"{PREFIX}request_queue_time_seconds",
+            "Arrival at the gateway to dispatch to the backend (parse, tokenize, admit).",
+            buckets=_REQUEST_BUCKETS_S,
+            registry=registry,
+        )
+        self.prompt_tokens = Counter(
+            f"{PREFIX}prompt_tokens", "Prompt tokens of dispatched requests.", registry=registry
+        )
+        self.generation_tokens = Counter(
+            f"{PREFIX}generation_tokens", "Generated tokens received.", registry=registry
+        )
+        self.request_success = Counter(
+            f"{PREFIX}request_success",
+            "Finished requests by finish reason (stop, length, abort, error).",
+            ["finished_reason"],
+            registry=registry,
+        )
+        self.request_rejected = Counter(
+            f"{PREFIX}request_rejected",
+            "Generation requests answered with an HTTP error before dispatch.",
+            ["status_code"],
+            registry=registry,
+        )
+        self.num_requests_in_flight = Gauge(
+            f"{PREFIX}num_requests_in_flight",
+            "Requests dispatched to the backend and not finished.",
+            registry=registry,
+        )
+
+
+# Per-engine metrics taken from SchedulerStats: (name, help, kind, attribute).
+_SCHEDULER_STATS = (
+    ("num_requests_running", "Requests in the engine's running batch.", "gauge", "num_running_reqs"),
+    ("num_requests_waiting", "Requests waiting to be scheduled.", "gauge", "num_waiting_reqs"),
+    (
+        "num_requests_waiting_for_remote_kvs",
+        "Requests waiting for KV from a prefill engine.",
+        "gauge",
+        "num_waiting_for_remote_kvs",
+    ),
+    ("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).", "gauge", "kv_cache_usage"),
+    (
+        "kv_blocks_held_for_transfer",
+        "Blocks kept alive until a decode engine has read them.",
+        "gauge",
+        "num_blocks_held_for_transfer",
+    ),
+    ("num_preemptions", "Preemptions.", "counter", "num_preemptions"),
+    ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "counter", "prefix_cache_queries"),
+    ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", "counter", "prefix_cache_hits"),
+    (
+        "prompt_tokens_computed",
+        "Prompt tokens the engine computed (not cached, not received).",
+        "counter",
+        "num_prompt_tokens",
+    ),
+)  # fmt: skip
+
+# Help text for the connector metrics engines report by name.
+_KNOWN_HELP = {
+    "kv_transfer_bytes": "Bytes of KV read from peers.",
+    "kv_transfer_descriptors": "NIXL descriptors transferred.",
+    "kv_transfer_failures": "KV transfers that failed.",
+    "kv_notify_failures": "Transfer notifications that failed.",
+    "kv_transfer_seconds": "Duration of one request's KV transfer.",
+}
+
+_LABELS = ("engine", "role")
+# Names already exported from SchedulerStats; ignored in the by-name dicts.
+_RESERVED = frozenset(name for name, *_ in _SCHEDULER_STATS)
+
+
+class EngineMetricsCollector(Collector):
+    """Reads ``backend.metrics_snapshot()`` at every scrape (no cached copies)."""
+
+    def __init__(self, backend: Backend) -> None:
+        self._backend = backend
+
+    def describe(self) -> list[Metric]:
+        return []  # names depend on the snapshot; nothing to check at registration
+
+    def collect(self) -> Iterator[Metric]:
+        snapshot = self._backend.metrics_snapshot()
+        yield from _scheduler_families(snapshot.engines)
+        yield from _named_families(snapshot.engines)
+        decisions = CounterMetricFamily(
+            f"{PREFIX}disagg_decisions",
+            "Router decisions: prefill on a remote engine or locally on decode.",
+            labels=["path"],
+        )
+        for path, count in sorted(snapshot.num_disagg_decisions.items()):
+            decisions.add_metric([path], count)
+        yield decisions
+
+
+def _scheduler_families(engines: list[EngineMetrics]) -> Iterator[Metric]:
+    for name, help_text, kind, attribute in _SCHEDULER_STATS:
+        family_type = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
+        family = family_type(f"{PREFIX}{name}", help_text, labels=_LABELS)
+        for engine in engines:
+            value = getattr(engine.scheduler_stats, attribute)
+            family.add_metric([engine.engine_id, engine.role], value)
+        yield family
+
+
+def _named_families(engines: list[EngineMetrics]) -> Iterator[Metric]:
+    counters: dict[str, CounterMetricFamily] = {}
+    gauges: dict[str, GaugeMetricFamily] = {}
+    histograms: dict[str, HistogramMetricFamily] = {}
+    for engine in engines:
+        labels = [engine.engine_id, engine.role]
+        for name, value in engine.counters.items():
+            base = name.removesuffix("_total")
+            if base in _RESERVED:
+                continue
+            if base not in counters:
+                counters[base] = CounterMetricFamily(
+                    f"{PREFIX}{base}", _KNOWN_HELP.get(base, base), labels=_LABELS
+                )
+            counters[base].add_metric(labels, value)
+        for name, value in engine.gauges.items():
+            if name in _RESERVED:
+                continue
+            if name not in gauges:
+                gauges[name] = GaugeMetricFamily(
+                    f"{PREFIX}{name}", _KNOWN_HELP.get(name, name), labels=_LABELS
+                )
+            gauges[name].add_metric(labels, value)
+        for name, hist in engine.histograms.items():
+            if name not in histograms:
+                histograms[name] = HistogramMetricFamily(
+                    f"{PREFIX}{name}", _KNOWN_HELP.get(name, name), labels=_LABELS
+                )
+            buckets = [
+                (_le(bound), count)
+                for bound, count in zip(hist.bucket_upper_bounds, hist.bucket_counts, strict=True)
+            ]
+            buckets.append(("+Inf", hist.count))
+            histograms[name].add_metric(labels, buckets, hist.sum)
+    yield from counters.values()
+    yield from gauges.values()
+    yield from histograms.values()
+
+
+def _le(bound: float) -> str:
+    return repr(float(bound))
+
+
+def render(registry: CollectorRegistry) -> bytes:
+    """The Prometheus text exposition of everything in ``registry``."""
+    return generate_latest(registry)

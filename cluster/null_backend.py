@@ -1,0 +1,183 @@
+"""A backend without engines: deterministic tokens, produced at once.
+
+For gateway tests and the gateway-overhead benchmark. Output token ``i`` of
+every request is ``output_token_ids[i % len(output_token_ids)]`` (by default
+the tokens of "The quick brown fox jumps over the lazy dog. "), sent
+``num_tokens_per_output`` per ``EngineOutput``. Honours ``max_tokens``,
+``max_model_len``, ``min_tokens``, stop token ids, EOS (unless
+``ignore_eos``), logprobs and aborts, like an engine would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+from cluster.backend import (
+    Backend,
+    BackendMetrics,
+    BackendUnavailable,
+    EngineMetrics,
+    HistogramSnapshot,
+)
+from scheduler.messages import (
+    EngineOutput,
+    EngineRequest,
+    FinishReason,
+    Logprobs,
+    SchedulerStats,
+)
+
+DEFAULT_TEXT = "The quick brown fox jumps over the lazy dog. "
+
+
+class NullBackend(Backend):
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        model_name: str = "tiny",
+        max_model_len: int = 4096,
+        num_tokens_per_output: int = 1,
+        output_token_ids: list[int] | None = None,
+        output_interval_s: float = 0.0,
+        max_num_running: int | None = None,
+    ) -> None:
+        """``output_interval_s`` paces outputs (0: yield to the loop only);
+        ``max_num_running`` makes ``generate`` raise ``BackendUnavailable``
+        beyond that many concurrent requests."""
+        if num_tokens_per_output < 1:
+            raise ValueError(f"num_tokens_per_output must be >= 1, got {num_tokens_per_output}")
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.tokenizer = tokenizer
+        self.eos_token_id = tokenizer.eos_token_id
+        self.num_tokens_per_output = num_tokens_per_output
+        self.output_token_ids = output_token_ids or list(
+            tokenizer.encode(DEFAULT_TEXT, add_special_tokens=False)
+        )
+        self.output_interval_s = output_interval_s
+        self.max_num_running = max_num_running
+        # Fault injection: end every request with an ERROR output after this many tokens.
+        self.fail_after_num_tokens: int | None = None
+        self.aborted_request_ids: collections.deque[str] = collections.deque(maxlen=4096)
+        self._ready, self._not_ready_reason = True, ""
+        self._running: set[str] = set()
+        self._aborting: set[str] = set()
+        self._num_requests = 0
+        self._num_prompt_tokens = 0
+        self._num_generation_tokens = 0
+
+    @classmethod
+    def tiny(cls, **kwargs: Any) -> NullBackend:
+        """A NullBackend with the built-in tiny model's tokenizer."""
+        from workers.tiny import ensure_tiny_model
+        from workers.tokenizer import load_tokenizer
+
+        return cls(load_tokenizer(ensure_tiny_model()), **kwargs)
+
+    def set_ready(self, ready: bool, reason: str = "") -> None:
+        self._ready, self._not_ready_reason = ready, reason
+
+    def is_ready(self) -> tuple[bool, str]:
+        return self._ready, ("" if self._ready else self._not_ready_reason or "not ready")
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def token_ids_for(self, num_tokens: int) -> list[int]:
+        """The first ``num_tokens`` output tokens of any request."""
+        cycle = self.output_token_ids
+        return [cycle[i % len(cycle)] for i in range(num_tokens)]
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        if not self._ready:
+            raise BackendUnavailable(f"No ready engine: {self._not_ready_reason or 'not ready'}")
+        if self.max_num_running is not None and len(self._running) >= self.max_num_running:
+            raise BackendUnavailable(f"Overloaded: {len(self._running)} requests running")
+        request_id = request.request_id
+        self._running.add(request_id)
+        self._num_requests += 1
+        self._num_prompt_tokens += len(request.prompt_token_ids)
+        try:
+            async with aclosing(self._outputs(request)) as outputs:
+                async for output in outputs:
+                    yield output
+                    if self.output_interval_s > 0:
+                        await asyncio.sleep(self.output_interval_s)
+                    else:
+                        await asyncio.sleep(0)
+        finally:
+            self._running.discard(request_id)
+            self._aborting.discard(request_id)
+
+    async def _outputs(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        params = request.sampling_params
+        request_id = request.request_id
+        stop_ids = set(params.stop_token_ids)
+        if self.eos_token_id is not None and not params.ignore_eos:
+            stop_ids.add(self.eos_token_id)
+        budget = min(params.max_tokens, self.max_model_len - len(request.prompt_token_ids))
+        num_done = 0
+        while True:
+            if request_id in self._aborting:
+                yield EngineOutput(request_id, finish_reason=FinishReason.ABORT)
+                return
+            if self.fail_after_num_tokens is not None and num_done >= self.fail_after_num_tokens:
+                yield EngineOutput(request_id, finish_reason=FinishReason.ERROR, error="injected")
+                return
+            token_ids, finish, stop_reason = [], None, None
+            while len(token_ids) < self.num_tokens_per_output and finish is None:
+                token_id = self.output_token_ids[num_done % len(self.output_token_ids)]
+                token_ids.append(token_id)
+                num_done += 1
+                if token_id in stop_ids and num_done > params.min_tokens:
+                    finish = FinishReason.STOP
+                    stop_reason = token_id if token_id != self.eos_token_id else None
+                elif num_done >= budget:
+                    finish = FinishReason.LENGTH
+            self._num_generation_tokens += len(token_ids)
+            yield EngineOutput(
+                request_id,
+                new_token_ids=token_ids,
+                new_logprobs=self._logprobs(token_ids, params.logprobs),
+                finish_reason=finish,
+                stop_reason=stop_reason,
+            )
+            if finish is not None:
+                return
+
+    def _logprobs(self, token_ids: list[int], num_top: int | None) -> list[Logprobs] | None:
+        """Sampled token at -0.5; top-N alternatives: itself, then ids+1, +2... lower."""
+        if num_top is None:
+            return None
+        entries = []
+        for token_id in token_ids:
+            top_ids = [token_id, *((token_id + k) % len(self.tokenizer) for k in range(1, num_top))]
+            top_lps = [-0.5 - k for k in range(len(top_ids))][:num_top]
+            entries.append(Logprobs(token_id, -0.5, top_ids[:num_top], top_lps))
+        return entries
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted_request_ids.append(request_id)
+        if request_id in self._running:
+            self._aborting.add(request_id)
+
+    def metrics_snapshot(self) -> BackendMetrics:
+        stats = SchedulerStats(
+            num_running_reqs=len(self._running),
+            num_prompt_tokens=self._num_prompt_tokens,
+            num_generation_tokens=self._num_generation_tokens,
+        )
+        engine = EngineMetrics(
+            "null-0",
+            "colocated",
+            stats,
+            counters={"kv_transfer_bytes_total": 0.0},
+            histograms={"kv_transfer_seconds": HistogramSnapshot([0.01, 0.1], [0, 0])},
+        )
+        return BackendMetrics([engine], {"local": self._num_requests})

@@ -1,0 +1,429 @@
+"""The OpenAI wire format: request schemas, their validation, response bodies.
+
+Requests are decoded with msgspec (strict types: ``"5"`` is not an int,
+``true`` is not a number); every problem becomes a ``ProtocolError`` that
+the gateway answers with the OpenAI envelope
+``{"error": {"message", "type", "param", "code"}}`` and a 4xx status.
+Nothing here knows about tokenizers' internals or the backend.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from scheduler.messages import Logprobs, SamplingParams
+
+MAX_LOGPROBS = 20
+_LOGPROB_FLOOR = -9999.0  # JSON has no -inf; clients expect a number
+
+
+class ProtocolError(Exception):
+    """A request the gateway refuses; carries the HTTP status and envelope."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status_code: int = 400,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status_code = status_code
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(
+    message: str, type: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+# ---- requests --------------------------------------------------------------------
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
+class _CommonRequest(msgspec.Struct, kw_only=True):
+    """Fields shared by completions and chat completions (plus vLLM extras)."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    n: int = 1
+    user: str | None = None
+    # unsupported unless neutral
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM extras
+    top_k: int | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+
+class CompletionRequest(_CommonRequest, kw_only=True):
+    prompt: str | list[str | int | list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ChatCompletionRequest(_CommonRequest, kw_only=True):
+    messages: list[dict[str, Any]]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+_AT_PATH = re.compile(r" - at `\$\.?([^`]*)`$")
+_MISSING_FIELD = re.compile(r"missing required field `([^`]*)`")
+
+
+def decode_request(body: bytes, request_type: type[Any]) -> Any:
+    """Decode and type-check a JSON body; ``ProtocolError`` on any problem."""
+    try:
+        return msgspec.json.decode(body, type=request_type)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        path_match = _AT_PATH.search(text)
+        param = path_match.group(1) if path_match else None
+        missing = _MISSING_FIELD.search(text)
+        if missing:
+            param = f"{param}.{missing.group(1)}" if param else missing.group(1)
+        raise ProtocolError(f"Invalid request: {text}", param=param or None) from None
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"Invalid JSON body: {exc}") from None
+
+
+def validate_common(req: _CommonRequest, served_model: str) -> None:
+    """Checks that need no tokenizer. Raises ``ProtocolError``."""
+    if req.model is not None and req.model != served_model:
+        raise ProtocolError(
+            f"The model `{req.model}` does not exist; this server serves `{served_model}`.",
+            param="model",
+            code="model_not_found",
+        )
+    if req.n != 1:
+        raise ProtocolError("Only n=1 is supported.", param="n")
+    if req.stream_options is not None and not req.stream:
+        raise ProtocolError(
+            "stream_options is only allowed with stream=true.", param="stream_options"
+        )
+    if req.temperature is not None and not (
+        math.isfinite(req.temperature) and req.temperature >= 0
+    ):
+        raise ProtocolError(
+            f"temperature must be >= 0, got {req.temperature}.", param="temperature"
+        )
+    if req.top_p is not None and not (0.0 < req.top_p <= 1.0):
+        raise ProtocolError(f"top_p must be in (0, 1], got {req.top_p}.", param="top_p")
+    if req.top_k is not None and req.top_k < -1:
+        raise ProtocolError(f"top_k must be -1, 0 or >= 1, got {req.top_k}.", param="top_k")
+    if req.min_tokens < 0:
+        raise ProtocolError(f"min_tokens must be >= 0, got {req.min_tokens}.", param="min_tokens")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(req, name) not in (None, 0.0):
+            raise ProtocolError(f"{name} is not supported.", param=name)
+    if req.repetition_penalty not in (None, 1.0):
+        raise ProtocolError("repetition_penalty is not supported.", param="repetition_penalty")
+    if req.logit_bias:
+        raise ProtocolError("logit_bias is not supported.", param="logit_bias")
+    for stop in stop_strings(req):
+        if not stop:
+            raise ProtocolError("stop strings must be non-empty.", param="stop")
+
+
+def check_max_tokens(max_tokens: int | None, param: str) -> None:
+    if max_tokens is not None and max_tokens < 1:
+        raise ProtocolError(f"{param} must be at least 1, got {max_tokens}.", param=param)
+
+
+def stop_strings(req: _CommonRequest) -> list[str]:
+    if req.stop is None:
+        return []
+    return [req.stop] if isinstance(req.stop, str) else list(req.stop)
+
+
+def completion_prompt(req: CompletionRequest) -> str | list[int]:
+    """The single prompt: text or token ids. Refuses unsupported fields."""
+    if req.echo:
+        raise ProtocolError("echo is not supported.", param="echo")
+    if req.suffix:
+        raise ProtocolError("suffix is not supported.", param="suffix")
+    if req.best_of not in (None, 1):
+        raise ProtocolError("Only best_of=1 is supported.", param="best_of")
+    if req.logprobs is not None and not (0 <= req.logprobs <= MAX_LOGPROBS):
+        raise ProtocolError(f"logprobs must be in [0, {MAX_LOGPROBS}].", param="logprobs")
+    check_max_tokens(req.max_tokens, "max_tokens")
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        return prompt
+    if prompt and all(type(t) is int for t in prompt):
+        return list(prompt)  # type: ignore[arg-type]
+    if len(prompt) == 1 and isinstance(prompt[0], str | list):
+        return prompt[0]  # type: ignore[return-value]
+    if len(prompt) > 1 and all(isinstance(p, str | list) for p in prompt):
+        raise ProtocolError("Only one prompt per request is supported.", param="prompt")
+    raise ProtocolError(
+        "prompt must be a string, a list of token ids, or a list with one of those.",
+        param="prompt",
+    )
+
+
+def chat_logprobs(req: ChatCompletionRequest) -> int | None:
+    """Number of top logprobs to return per token, or None for no logprobs."""
+    if req.top_logprobs is not None:
+        if not req.logprobs:
+            raise ProtocolError("top_logprobs requires logprobs=true.", param="top_logprobs")
+        if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+            raise ProtocolError(
+                f"top_logprobs must be in [0, {MAX_LOGPROBS}].", param="top_logprobs"
+            )
+    return (req.top_logprobs or 0) if req.logprobs else None
+
+
+def check_chat_fields(req: ChatCompletionRequest) -> None:
+    if req.tools:
+        raise ProtocolError("tools are not supported.", param="tools")
+    if req.response_format and req.response_format.get("type") not in (None, "text"):
+        raise ProtocolError(
+            "Only response_format type 'text' is supported.", param="response_format"
+        )
+    check_max_tokens(req.max_tokens, "max_tokens")
+    check_max_tokens(req.max_completion_tokens, "max_completion_tokens")
+
+
+def sampling_params(
+    req: _CommonRequest, *, max_tokens: int, logprobs: int | None
+) -> SamplingParams:
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        min_tokens=req.min_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_k=0 if req.top_k is None else req.top_k,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        seed=req.seed,
+        stop_token_ids=list(req.stop_token_ids or []),
+        ignore_eos=req.ignore_eos,
+        logprobs=logprobs,
+    )
+    try:
+        params.validate()
+    except ValueError as exc:
+        raise ProtocolError(str(exc)) from None
+    return params
+
+
+# ---- responses -------------------------------------------------------------------
+
+encode_json = msgspec.json.encode
+
+
+def sse(payload: Any) -> bytes:
+    return b"data: " + encode_json(payload) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def usage(num_prompt_tokens: int, num_output_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": num_prompt_tokens,
+        "completion_tokens": num_output_tokens,
+        "total_tokens": num_prompt_tokens + num_output_tokens,
+    }
+
+
+def _lp(value: float) -> float:
+    return value if value > _LOGPROB_FLOOR else _LOGPROB_FLOOR
+
+
+class CompletionFormatter:
+    """Bodies and SSE chunks of one ``/v1/completions`` response."""
+
+    object_name = "text_completion"
+
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        created: int,
+        num_logprobs: int | None,
+        token_text: Callable[[int], str],
+    ) -> None:
+        self.request_id = request_id
+        self.model = model
+        self.created = created
+        self.num_logprobs = num_logprobs
+        self._token_text = token_text
+        self._num_chars = 0  # text_offset of the next token
+        head = {"id": request_id, "object": self.object_name, "created": created, "model": model}
+        # Fast path for the common chunk (text only, not last): a fixed frame.
+        self._delta_prefix = b"data: " + encode_json(head)[:-1] + b',"choices":[{"index":0,"text":'
+        self._delta_suffix = b',"logprobs":null,"finish_reason":null}]}\n\n'
+        self._head = head
+
+    def stream_start(self) -> list[bytes]:
+        return []
+
+    def stream_delta(
+        self, text: str, logprobs: list[Logprobs] | None, finish_reason: str | None
+    ) -> bytes:
+        if logprobs is None and finish_reason is None:
+            return self._delta_prefix + encode_json(text) + self._delta_suffix
+        return sse({**self._head, "choices": [self._choice(text, logprobs, finish_reason)]})
+
+    def stream_usage(self, usage_body: dict[str, int]) -> bytes:
+        return sse({**self._head, "choices": [], "usage": usage_body})
+
+    def response(
+        self,
+        text: str,
+        logprobs: list[Logprobs] | None,
+        finish_reason: str,
+        usage_body: dict[str, int],
+    ) -> bytes:
+        choice = self._choice(text, logprobs, finish_reason)
+        return encode_json({**self._head, "choices": [choice], "usage": usage_body})
+
+    def _choice(
+        self, text: str, logprobs: list[Logprobs] | None, finish_reason: str | None
+    ) -> dict[str, Any]:
+        return {
+            "index": 0,
+            "text": text,
+            "logprobs": self._logprobs(logprobs) if self.num_logprobs is not None else None,
+            "finish_reason": finish_reason,
+        }
+
+    def _logprobs(self, entries: list[Logprobs] | None) -> dict[str, list[Any]]:
+        tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
+        for entry in entries or ():
+            token = self._token_text(entry.token_id)
+            tokens.append(token)
+            token_logprobs.append(_lp(entry.logprob))
+            top = {token: _lp(entry.logprob)}
+            for top_id, top_lp in zip(entry.top_token_ids, entry.top_logprobs, strict=False):
+                top.setdefault(self._token_text(top_id), _lp(top_lp))
+            top_logprobs.append(top)
+            text_offset.append(self._num_chars)
+            self._num_chars += len(token)
+        return {
+            "tokens": tokens,
+            "token_logprobs": token_logprobs,
+            "top_logprobs": top_logprobs,
+            "text_offset": text_offset,
+        }
+
+
+class ChatFormatter:
+    """Bodies and SSE chunks of one ``/v1/chat/completions`` response."""
+
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        created: int,
+        num_logprobs: int | None,
+        token_text: Callable[[int], str],
+    ) -> None:
+        self.request_id = request_id
+        self.num_logprobs = num_logprobs
+        self._token_text = token_text
+        self._chunk_head = {
+            "id": request_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+        }
+        self._head = {**self._chunk_head, "object": "chat.completion"}
+        self._delta_prefix = (
+            b"data: "
+            + encode_json(self._chunk_head)[:-1]
+            + b',"choices":[{"index":0,"delta":{"content":'
+        )
+        self._delta_suffix = b'},"logprobs":null,"finish_reason":null}]}\n\n'
+
+    def stream_start(self) -> list[bytes]:
+        choice = {
+            "index": 0,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+        return [sse({**self._chunk_head, "choices": [choice]})]
+
+    def stream_delta(
+        self, text: str, logprobs: list[Logprobs] | None, finish_reason: str | None
+    ) -> bytes:
+        if logprobs is None and finish_reason is None:
+            return self._delta_prefix + encode_json(text) + self._delta_suffix
+        choice = {
+            "index": 0,
+            "delta": {"content": text} if text else {},
+            "logprobs": self._logprobs(logprobs),
+            "finish_reason": finish_reason,
+        }
+        return sse({**self._chunk_head, "choices": [choice]})
+
+    def stream_usage(self, usage_body: dict[str, int]) -> bytes:
+        return sse({**self._chunk_head, "choices": [], "usage": usage_body})
+
+    def response(
+        self,
+        text: str,
+        logprobs: list[Logprobs] | None,
+        finish_reason: str,
+        usage_body: dict[str, int],
+    ) -> bytes:
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": self._logprobs(logprobs),
+            "finish_reason": finish_reason,
+        }
+        return encode_json({**self._head, "choices": [choice], "usage": usage_body})
+
+    def _logprobs(self, entries: list[Logprobs] | None) -> dict[str, Any] | None:
+        if self.num_logprobs is None:
+            return None
+        content = []
+        for entry in entries or ():
+            top = [
+                self._entry(top_id, top_lp)
+                for top_id, top_lp in zip(entry.top_token_ids, entry.top_logprobs, strict=False)
+            ][: self.num_logprobs]
+            content.append({**self._entry(entry.token_id, entry.logprob), "top_logprobs": top})
+        return {"content": content}
+
+    def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        token = self._token_text(token_id)
+        return {"token": token, "logprob": _lp(logprob), "bytes": list(token.encode("utf-8"))}
