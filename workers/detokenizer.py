@@ -1,0 +1,181 @@
+"""Incremental detokenization with stop strings, one instance per request.
+
+Token ids arrive a few at a time; clients want text deltas that are never
+broken UTF-8 and that concatenate to the decoded output. Two windows:
+
+    ids:  | last emitted tokens | held tokens | new tokens |
+          ^0                    ^read_offset
+    delta = decode(ids) - decode(ids[:read_offset])          (string diff)
+
+(at the start the "last emitted tokens" are the prompt's last few tokens).
+
+Decoding the new tokens after the last emitted ones, not alone, gives
+SentencePiece decoders the left context they need for leading spaces
+("▁world" after "Hello" is " world"), and byte-level BPE the bytes of a
+character split across tokens (vLLM's approach). While the decoded window ends in U+FFFD (an
+incomplete UTF-8 sequence) the new tokens are held back; ``finish()`` emits
+whatever is left, replacement characters included. The concatenated deltas
+equal ``decode(prompt + output)`` minus ``decode(prompt)`` (for a prompt that
+ends on a character boundary), which is ``decode(output)`` for byte-level
+BPE or an empty prompt; a SentencePiece continuation keeps the leading
+space that ``decode(output)`` alone would strip. Each update decodes only the window, so the cost is
+O(new tokens), not O(output).
+
+Stop strings: text that could still be the start of a stop string is held
+back until the next tokens decide it. A stop string never starts inside
+emitted text, so only the held text needs searching. On a match the delta
+ends before the stop string (or after it with
+``include_stop_str_in_output``), ``stop_matched`` is set, and the caller
+must finish the request; later updates return "".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import tokenizers
+from transformers import PreTrainedTokenizerBase
+from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+# Prompt tokens kept as left context for the first output tokens.
+_NUM_PROMPT_CONTEXT_TOKENS = 5
+_REPLACEMENT_CHAR = "\ufffd"
+# A UTF-8 character has at most 4 bytes, so valid text is decided within 4
+# tokens (plus any special tokens between). After this many undecided tokens
+# the window is emitted as is (invalid bytes, or a run of skipped special
+# tokens), which bounds the cost of one update.
+_MAX_HELD_TOKENS = 16
+
+
+class IncrementalDetokenizer:
+    """Turns a request's output token ids into text deltas."""
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        prompt_token_ids: list[int],
+        *,
+        skip_special_tokens: bool = True,
+        stop: list[str] | None = None,
+        include_stop_str_in_output: bool = False,
+    ) -> None:
+        self._decode = _make_decode(tokenizer, skip_special_tokens)
+        self._stops = [s for s in (stop or []) if s]
+        self._include_stop = include_stop_str_in_output
+        self._ids = list(prompt_token_ids[-_NUM_PROMPT_CONTEXT_TOKENS:])
+        self._read_offset = len(self._ids)
+        self._prefix_text = self._decode(self._ids)
+        self._pending = ""  # decoded text held back as a possible stop-string start
+        self._pieces: list[str] = []  # emitted deltas
+        self._text_cache: str | None = ""
+        self.stop_matched: str | None = None
+        self.finished = False
+
+    @property
+    def text(self) -> str:
+        """All text emitted so far (the concatenated deltas)."""
+        if self._text_cache is None:
+            self._text_cache = "".join(self._pieces)
+        return self._text_cache
+
+    def update(self, new_token_ids: list[int]) -> str:
+        """Add output tokens; return the newly decided text (maybe "")."""
+        if self.finished or self.stop_matched is not None:
+            return ""
+        # One token at a time: a character split over a chunk boundary then
+        # holds back only its own bytes, never the complete text before it.
+        new_text = ""
+        for token_id in new_token_ids:
+            self._ids.append(token_id)
+            new_text += self._decode_new(force=False)
+        return self._emit(new_text, final=False)
+
+    def finish(self) -> str:
+        """Flush held text at the end of the request (no more tokens come)."""
+        if self.finished or self.stop_matched is not None:
+            self.finished = True
+            return ""
+        self.finished = True
+        return self._emit(self._decode_new(force=True), final=True)
+
+    def _decode_new(self, force: bool) -> str:
+        """Text of the tokens after ``read_offset``, or "" while held back."""
+        num_held = len(self._ids) - self._read_offset
+        if num_held == 0:
+            return ""
+        window_text = self._decode(self._ids)
+        undecided = len(window_text) <= len(self._prefix_text) or window_text.endswith(
+            _REPLACEMENT_CHAR
+        )
+        if undecided and not force and num_held < _MAX_HELD_TOKENS:
+            return ""  # incomplete character, or only skipped special tokens so far
+        delta = window_text[len(self._prefix_text) :]
+        # The next window starts at the tokens just decided: they begin on a
+        # character boundary and give the next tokens their left context.
+        del self._ids[: self._read_offset]
+        self._read_offset = len(self._ids)
+        self._prefix_text = self._decode(self._ids)
+        return delta
+
+    def _emit(self, new_text: str, final: bool) -> str:
+        if not self._stops:
+            return self._append(new_text)
+        pending = self._pending + new_text
+        match_start, match = _find_first_stop(pending, self._stops)
+        if match is not None:
+            self.stop_matched = match
+            end = match_start + len(match) if self._include_stop else match_start
+            self._pending = ""
+            return self._append(pending[:end])
+        held = 0 if final else _longest_stop_prefix_suffix(pending, self._stops)
+        self._pending = pending[len(pending) - held :] if held else ""
+        return self._append(pending[: len(pending) - held])
+
+    def _append(self, delta: str) -> str:
+        if delta:
+            self._pieces.append(delta)
+            self._text_cache = None
+        return delta
+
+
+def _make_decode(
+    tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool
+) -> Callable[[list[int]], str]:
+    """``ids -> text`` without clean-up of spaces (it would break the diff).
+
+    For Rust-backed tokenizers that do not override decoding, calls the
+    ``tokenizers`` backend directly: same text, a quarter of the overhead.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if (
+        isinstance(backend, tokenizers.Tokenizer)
+        and type(tokenizer)._decode is TokenizersBackend._decode
+    ):
+        return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
+    return lambda ids: tokenizer.decode(
+        ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
+    )
+
+
+def _find_first_stop(text: str, stops: list[str]) -> tuple[int, str | None]:
+    """Earliest stop-string occurrence in ``text``: (start, stop) or (-1, None).
+
+    At equal starts the stop listed first wins.
+    """
+    best_start, best = -1, None
+    for stop in stops:
+        start = text.find(stop)
+        if start != -1 and (best is None or start < best_start):
+            best_start, best = start, stop
+    return best_start, best
+
+
+def _longest_stop_prefix_suffix(text: str, stops: list[str]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of a stop."""
+    longest = 0
+    for stop in stops:
+        for length in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:length]):
+                longest = length
+                break
+    return longest
