@@ -13,11 +13,10 @@ import torch
 from kernels import reference
 from kernels.metadata import AttentionMetadata
 
-_FORCE_TRITON = os.environ.get("TANDEM_FORCE_TRITON", "0") == "1"
-
 
 def _use_triton(tensor: torch.Tensor) -> bool:
-    return tensor.is_cuda or _FORCE_TRITON
+    # Read per call (cheap) so a test can set the variable after ``kernels`` was imported.
+    return tensor.is_cuda or os.environ.get("TANDEM_FORCE_TRITON") == "1"
 
 
 def write_kv_cache(
