@@ -1,0 +1,114 @@
+"""Engine configuration: one typed place for every engine flag.
+
+The same fields are the flags of ``tandem generate`` and ``tandem serve``
+(``--block-size`` ... ``--no-prefix-caching``); ``add_engine_arguments`` and
+``EngineConfig.from_args`` keep the two in step. Per-pool overrides in
+``tandem serve`` use the same names with a ``--prefill-`` / ``--decode-``
+prefix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class EngineConfig:
+    model: str = "tiny"
+    dtype: str = "auto"
+    device: str = "cpu"
+    block_size: int = 16
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # default: the model's context length, capped at 4096
+    num_kv_blocks: int | None = None  # explicit block count; wins over memory sizing
+    kv_cache_memory: int | None = None  # bytes for the KV cache (CPU); default 1 GiB
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    policy: str = "fcfs"
+    seed: int = 0
+    # identity and disaggregation
+    engine_id: str = "engine-0"
+    epoch: int = 0
+    role: str = "colocated"  # "prefill" | "decode" | "colocated"
+    kv_connector: str | None = None  # "nixl" to exchange KV with peers
+    kv_host: str = "127.0.0.1"  # side-channel host peers connect to
+    kv_port: int = 0  # 0: pick a free port
+    kv_lease_s: float = 60.0
+    kv_load_timeout_s: float = 30.0
+    load_failure_policy: str = "recompute"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
+            raise ValueError(f"kv_cache_memory must be >= 1 byte, got {self.kv_cache_memory}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.role not in ("prefill", "decode", "colocated"):
+            raise ValueError(f"role must be prefill, decode or colocated, got {self.role!r}")
+        if self.load_failure_policy not in ("recompute", "fail"):
+            raise ValueError(
+                f"load_failure_policy must be recompute or fail, got {self.load_failure_policy!r}"
+            )
+
+    def replace(self, **changes: Any) -> EngineConfig:
+        return dataclasses.replace(self, **changes)
+
+
+# flag name -> (field, type, help). Booleans that default to on get --no-X.
+_FLAGS: list[tuple[str, str, Any, str]] = [
+    ("--dtype", "dtype", str, "auto|float32|bfloat16|float16"),
+    ("--device", "device", str, "cpu or cuda"),
+    ("--block-size", "block_size", int, "tokens per KV block"),
+    ("--max-num-seqs", "max_num_seqs", int, "max running requests per engine"),
+    ("--max-num-batched-tokens", "max_num_batched_tokens", int, "token budget per step"),
+    ("--max-model-len", "max_model_len", int, "max prompt + output tokens"),
+    ("--num-kv-blocks", "num_kv_blocks", int, "KV blocks (overrides memory sizing)"),
+    ("--kv-cache-memory", "kv_cache_memory", int, "bytes of KV cache (CPU)"),
+    ("--gpu-memory-utilization", "gpu_memory_utilization", float, "fraction of GPU memory"),
+    ("--long-prefill-token-threshold", "long_prefill_token_threshold", int, "prefill chunk cap"),
+    ("--policy", "policy", str, "fcfs or priority"),
+]
+_BOOL_OFF_FLAGS = [
+    ("--no-prefix-caching", "enable_prefix_caching"),
+    ("--no-chunked-prefill", "enable_chunked_prefill"),
+]
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser, prefix: str = "") -> None:
+    """Engine flags; ``prefix`` ("prefill-") makes per-pool variants that default to None."""
+    for flag, dest, typ, help_ in _FLAGS:
+        name = "--" + prefix + flag[2:]
+        parser.add_argument(name, dest=prefix.replace("-", "_") + dest, type=typ, help=help_)
+    for flag, dest in _BOOL_OFF_FLAGS:
+        name = "--" + prefix + flag[2:]
+        parser.add_argument(
+            name, dest=prefix.replace("-", "_") + dest, action="store_false", default=None
+        )
+
+
+def engine_overrides(args: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
+    """Fields the user set on the command line (None = not given)."""
+    out = {}
+    p = prefix.replace("-", "_")
+    for _, dest, _, _ in _FLAGS:
+        v = getattr(args, p + dest, None)
+        if v is not None:
+            out[dest] = v
+    for _, dest in _BOOL_OFF_FLAGS:
+        v = getattr(args, p + dest, None)
+        if v is not None:
+            out[dest] = v
+    return out

@@ -1,0 +1,243 @@
+"""EngineCore: one engine's loop, ``schedule() -> execute() -> update_from_output()``.
+
+In-process use: ``add_request`` / ``abort`` / ``step``. As a service,
+``serve_zmq`` feeds the loop from a ZMQ PULL socket and pushes
+``EngineOutputs`` to the gateway:
+
+    gateway PUSH --[b"R", EngineRequest | b"A", EngineAbort | b"U", UtilityCall]--> engine PULL
+    gateway PULL <--[b"O", EngineOutputs | b"U", UtilityResult]------------------- engine PUSH
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import msgspec
+import torch
+
+from scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
+from scheduler.messages import EngineAbort, EngineOutput, EngineOutputs, EngineRequest, FinishReason
+from workers.config import EngineConfig
+from workers.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for
+from workers.loader import load_model, resolve_model_path
+from workers.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+MAX_DEFAULT_MODEL_LEN = 4096
+
+
+class UtilityCall(msgspec.Struct, array_like=True):
+    call_id: int
+    method: str
+    args: list[Any] = []
+
+
+class UtilityResult(msgspec.Struct, array_like=True, omit_defaults=True):
+    call_id: int
+    result: Any = None
+    error: str | None = None
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        device = torch.device(config.device)
+        self.model_path = resolve_model_path(config.model)
+        self.model, self.hf_config = load_model(self.model_path, config.dtype, device)
+        m = self.model
+        self.dtype = next(m.parameters()).dtype
+        eos = getattr(self.hf_config, "eos_token_id", None)
+        eos_ids = eos if isinstance(eos, list) else ([] if eos is None else [eos])
+        self.eos_token_id: int | None = eos_ids[0] if eos_ids else None
+        self.extra_eos_ids = eos_ids[1:]
+        max_len = config.max_model_len or min(m.max_context_len, MAX_DEFAULT_MODEL_LEN)
+        if max_len > m.max_context_len:
+            raise ValueError(
+                f"max_model_len {max_len} exceeds the model's context length {m.max_context_len}"
+            )
+        self.max_model_len = max_len
+        block_bytes = bytes_per_block(
+            m.num_layers, config.block_size, m.num_kv_heads, m.head_dim, self.dtype
+        )
+        num_blocks = num_blocks_for(
+            block_bytes=block_bytes,
+            num_kv_blocks=config.num_kv_blocks,
+            kv_cache_memory=config.kv_cache_memory,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            device=device,
+        )
+        if config.max_model_len is None:
+            # Default: the model's length, but never more than the cache holds.
+            self.max_model_len = max_len = min(max_len, num_blocks * config.block_size)
+        self.kv_cache = allocate_kv_cache(
+            num_blocks,
+            m.num_layers,
+            config.block_size,
+            m.num_kv_heads,
+            m.head_dim,
+            self.dtype,
+            device,
+        )
+        self.sched_config = SchedulerConfig(
+            num_kv_blocks=num_blocks,
+            block_size=config.block_size,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=max_len,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            long_prefill_token_threshold=config.long_prefill_token_threshold,
+            enable_prefix_caching=config.enable_prefix_caching,
+            policy=config.policy,
+            load_failure_policy=config.load_failure_policy,
+        )
+        self.connector_scheduler, self.connector_worker = self._make_connector(block_bytes)
+        self.scheduler = Scheduler(self.sched_config, self.connector_scheduler, config.engine_id)
+        self.runner = ModelRunner(
+            self.model,
+            self.kv_cache,
+            config.block_size,
+            self.eos_token_id,
+            connector=self.connector_worker,
+            seed=config.seed,
+        )
+        self._shutdown = threading.Event()
+
+    def _make_connector(self, block_bytes: int):
+        if not self.config.kv_connector:
+            return None, None
+        from kvtransfer.registry import create_connector
+
+        return create_connector(self.config, engine=self)
+
+    # ---- in-process API ------------------------------------------------------
+
+    def add_request(self, req: EngineRequest) -> EngineOutput | None:
+        """Queue a request; on bad input return an error output instead of raising."""
+        try:
+            sp = req.sampling_params
+            if self.extra_eos_ids:
+                sp = msgspec.structs.replace(
+                    sp, stop_token_ids=list(sp.stop_token_ids) + self.extra_eos_ids
+                )
+            request = Request.from_engine_request(req, self.eos_token_id)
+            request.sampling_params = sp
+            vocab = self.model.vocab_size
+            bad = next((t for t in request.prompt_token_ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise ValueError(
+                    f"prompt_token_ids contains {bad}, outside the vocabulary [0, {vocab})"
+                )
+            self.scheduler.add_request(request)
+        except ValueError as exc:
+            return EngineOutput(
+                request_id=req.request_id, finish_reason=FinishReason.ERROR, error=str(exc)
+            )
+        return None
+
+    def abort(self, request_ids: list[str]) -> None:
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def step(self) -> EngineOutputs:
+        so = self.scheduler.schedule()
+        out = self.runner.execute(so)
+        return self.scheduler.update_from_output(so, out)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def check_integrity(self) -> bool:
+        self.scheduler.check_integrity()
+        return True
+
+    def stats(self) -> dict[str, Any]:
+        s = msgspec.structs.asdict(self.scheduler.make_stats())
+        if self.connector_worker is not None:
+            s["kv_transfer"] = self.connector_worker.stats()
+        s["engine_id"] = self.config.engine_id
+        s["role"] = self.config.role
+        s["epoch"] = self.config.epoch
+        return s
+
+    def kv_transfer_address(self) -> tuple[str, int] | None:
+        if self.connector_worker is None:
+            return None
+        return self.connector_worker.side_channel_address()
+
+    def shutdown(self) -> None:
+        self._shutdown.set()
+        if self.connector_worker is not None:
+            self.connector_worker.shutdown()
+
+    # ---- ZMQ service loop ------------------------------------------------------
+
+    def serve_zmq(self, input_addr: str, output_addr: str, *, bind_input: bool = True) -> None:
+        """Run until ``shutdown()``. Blocks on the input socket when idle, polls
+        it without waiting while requests run, and briefly while only
+        transfers are in flight."""
+        import zmq
+
+        ctx = zmq.Context.instance()
+        inp = ctx.socket(zmq.PULL)
+        out = ctx.socket(zmq.PUSH)
+        out.setsockopt(zmq.LINGER, 1000)
+        inp.setsockopt(zmq.LINGER, 0)
+        (inp.bind if bind_input else inp.connect)(input_addr)
+        out.connect(output_addr)
+        poller = zmq.Poller()
+        poller.register(inp, zmq.POLLIN)
+        req_decoder = msgspec.msgpack.Decoder(EngineRequest)
+        abort_decoder = msgspec.msgpack.Decoder(EngineAbort)
+        util_decoder = msgspec.msgpack.Decoder(UtilityCall)
+        enc = msgspec.msgpack.Encoder()
+        try:
+            while not self._shutdown.is_set():
+                if self.scheduler.has_unfinished_requests():
+                    timeout_ms = 0
+                elif self.has_work():
+                    timeout_ms = 1
+                else:
+                    timeout_ms = 100
+                events = dict(poller.poll(timeout_ms))
+                errors: list[EngineOutput] = []
+                while inp in events:
+                    kind, payload = inp.recv_multipart()
+                    if kind == b"R":
+                        err = self.add_request(req_decoder.decode(payload))
+                        if err is not None:
+                            errors.append(err)
+                    elif kind == b"A":
+                        self.abort(abort_decoder.decode(payload).request_ids)
+                    elif kind == b"U":
+                        out.send_multipart(
+                            [b"U", enc.encode(self._utility(util_decoder.decode(payload)))]
+                        )
+                    events = dict(poller.poll(0))
+                if errors:
+                    out.send_multipart(
+                        [
+                            b"O",
+                            enc.encode(EngineOutputs(self.config.engine_id, errors, time.time())),
+                        ]
+                    )
+                if self.has_work():
+                    outputs = self.step()
+                    if outputs.outputs:
+                        out.send_multipart([b"O", enc.encode(outputs)])
+        finally:
+            inp.close()
+            out.close()
+
+    def _utility(self, call: UtilityCall) -> UtilityResult:
+        allowed = {"check_integrity", "stats", "reset_prefix_cache", "kv_transfer_address"}
+        if call.method not in allowed:
+            return UtilityResult(call.call_id, error=f"unknown utility {call.method!r}")
+        try:
+            if call.method == "reset_prefix_cache":
+                return UtilityResult(call.call_id, self.scheduler.reset_prefix_cache())
+            return UtilityResult(call.call_id, getattr(self, call.method)(*call.args))
+        except Exception as exc:  # noqa: BLE001 - reported to the caller, loop goes on
+            return UtilityResult(call.call_id, error=f"{type(exc).__name__}: {exc}")

@@ -1,0 +1,80 @@
+"""Offline, in-process generation: ``LLM(model="tiny").generate(...)``.
+
+Runs one EngineCore loop in the calling thread until every request finished.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scheduler.messages import EngineRequest, SamplingParams
+from workers.config import EngineConfig
+from workers.detokenizer import IncrementalDetokenizer
+from workers.engine_core import EngineCore
+from workers.tokenizer import encode_prompt, load_tokenizer
+
+
+@dataclass
+class GenerationResult:
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    error: str | None = None
+
+
+class LLM:
+    def __init__(self, config: EngineConfig | None = None, **overrides) -> None:
+        config = (
+            (config or EngineConfig()).replace(**overrides)
+            if overrides
+            else (config or EngineConfig())
+        )
+        self.engine = EngineCore(config)
+        try:
+            self.tokenizer = load_tokenizer(self.engine.model_path)
+        except (OSError, ValueError):
+            self.tokenizer = None  # a bare checkpoint: token ids in and out, no text
+        self._next_id = 0
+
+    def generate(
+        self,
+        prompts: list[str] | None = None,
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        *,
+        prompt_token_ids: list[list[int]] | None = None,
+    ) -> list[GenerationResult]:
+        token_lists = list(prompt_token_ids or [])
+        if prompts and self.tokenizer is None:
+            raise ValueError("this model has no tokenizer files: pass prompt_token_ids")
+        token_lists += [encode_prompt(self.tokenizer, p) for p in prompts or []]
+        if not isinstance(sampling_params, list):
+            sampling_params = [sampling_params or SamplingParams()] * len(token_lists)
+        if len(sampling_params) != len(token_lists):
+            raise ValueError("sampling_params must be one per prompt")
+        ids, detoks, tokens, finish, errors = [], {}, {}, {}, {}
+        for toks, sp in zip(token_lists, sampling_params):
+            rid = f"gen-{self._next_id}"
+            self._next_id += 1
+            ids.append(rid)
+            detoks[rid] = self.tokenizer and IncrementalDetokenizer(self.tokenizer, toks)
+            tokens[rid] = []
+            err = self.engine.add_request(EngineRequest(rid, list(toks), sp))
+            if err is not None:
+                finish[rid], errors[rid] = "error", err.error
+        while self.engine.has_work():
+            for o in self.engine.step().outputs:
+                tokens[o.request_id].extend(o.new_token_ids)
+                if detoks[o.request_id]:
+                    detoks[o.request_id].update(o.new_token_ids)
+                if o.finish_reason is not None:
+                    finish[o.request_id] = str(o.finish_reason)
+                    errors[o.request_id] = o.error
+        results = []
+        for rid, toks in zip(ids, token_lists):
+            d = detoks[rid]
+            text = d.text + d.finish() if d else ""
+            results.append(
+                GenerationResult(list(toks), tokens[rid], text, finish[rid], errors.get(rid))
+            )
+        return results
