@@ -59,10 +59,14 @@ def _download(repo_id: str, cache_dir: str | None) -> str:
     from huggingface_hub import snapshot_download
 
     try:
-        return snapshot_download(
+        cached = snapshot_download(
             repo_id, cache_dir=cache_dir, allow_patterns=_HUB_PATTERNS, local_files_only=True
         )
-    except Exception:  # noqa: BLE001 - not cached (or partially): try the network
+        if os.path.isfile(os.path.join(cached, "config.json")) and any(
+            Path(cached).glob("*.safetensors")
+        ):
+            return cached
+    except Exception:  # noqa: BLE001 - not in the local cache: try the network
         pass
     try:
         return snapshot_download(repo_id, cache_dir=cache_dir, allow_patterns=_HUB_PATTERNS)
