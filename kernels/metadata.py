@@ -15,9 +15,11 @@ Token j of sequence i sits at position ``seq_lens[i] - query_lens[i] + j`` and a
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -68,30 +70,34 @@ class AttentionMetadata:
         num_seqs = len(seq_lens)
         if len(block_tables) != num_seqs or len(query_lens) != num_seqs:
             raise ValueError("block_tables, seq_lens and query_lens need one entry per sequence")
-        max_num_blocks = max((len(row) for row in block_tables), default=0)
-        max_num_blocks = max(max_num_blocks, 1)
-        padded = [list(row) + [0] * (max_num_blocks - len(row)) for row in block_tables]
-        table = torch.tensor(padded, dtype=torch.int32).reshape(num_seqs, max_num_blocks)
+        # numpy on the host: far cheaper than many small torch ops for these tiny arrays.
+        row_lens = np.fromiter(map(len, block_tables), dtype=np.int64, count=num_seqs)
+        width = max(int(row_lens.max(initial=0)), 1)
+        table = np.zeros((num_seqs, width), dtype=np.int32)
+        flat = np.fromiter(itertools.chain.from_iterable(block_tables), dtype=np.int32)
+        table[np.arange(width)[None, :] < row_lens[:, None]] = flat
 
-        seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
-        query_lens_t = torch.tensor(query_lens, dtype=torch.int32)
-        query_start_loc = torch.zeros(num_seqs + 1, dtype=torch.int32)
-        torch.cumsum(query_lens_t, 0, out=query_start_loc[1:])
+        seq_lens_np = np.asarray(seq_lens, dtype=np.int32)
+        query_lens_np = np.asarray(query_lens, dtype=np.int32)
+        query_start_loc = np.zeros(num_seqs + 1, dtype=np.int32)
+        np.cumsum(query_lens_np, out=query_start_loc[1:])
 
         # Position of every query token, then its slot through the block table.
-        num_tokens = int(query_start_loc[-1])
-        seq_of_token = torch.repeat_interleave(torch.arange(num_seqs), query_lens_t.long())
-        first_pos = (seq_lens_t - query_lens_t).long()
-        token_idx = torch.arange(num_tokens)
-        positions = first_pos[seq_of_token] + token_idx - query_start_loc[seq_of_token].long()
-        blocks = table[seq_of_token, positions // block_size].long()
+        seq_of_token = np.repeat(np.arange(num_seqs), query_lens_np)
+        token_idx = np.arange(int(query_start_loc[-1]), dtype=np.int64)
+        first_pos = (seq_lens_np - query_lens_np - query_start_loc[:-1]).astype(np.int64)
+        positions = first_pos[seq_of_token] + token_idx
+        blocks = table[seq_of_token, positions // block_size].astype(np.int64)
         slot_mapping = blocks * block_size + positions % block_size
 
+        def to_device(array: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(array).to(device)
+
         return cls(
-            slot_mapping=slot_mapping.to(device),
-            block_tables=table.to(device),
-            seq_lens=seq_lens_t.to(device),
-            query_start_loc=query_start_loc.to(device),
+            slot_mapping=to_device(slot_mapping),
+            block_tables=to_device(table),
+            seq_lens=to_device(seq_lens_np),
+            query_start_loc=to_device(query_start_loc),
             max_query_len=max(query_lens, default=0),
             max_seq_len=max(seq_lens, default=0),
             seq_lens_list=list(seq_lens),

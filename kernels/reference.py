@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -43,13 +44,12 @@ def write_kv_cache(
 
 
 @dataclass
-class _DecodePlan:
-    """Sequences with query_len == 1, batched into one padded gather."""
+class _DecodeGroup:
+    """Sequences with query_len == 1 and similar lengths, batched into one padded gather."""
 
-    token_idx: torch.Tensor | None  # [B] rows of query/output; None = all rows 0..B-1
-    block_ids: torch.Tensor  # [B * num_blocks] int64, flat, padded with 0
-    num_blocks: int  # blocks per sequence after padding
-    mask: torch.Tensor  # [B, 1, 1, num_blocks * block_size] bool, True = attend
+    token_idx: torch.Tensor | None  # [B] rows of query/output; None = rows 0..B-1 in order
+    block_ids: torch.Tensor  # [B * num_blocks] int64, flat, padded with block 0
+    mask: torch.Tensor | None  # [B, 1, 1, num_blocks * block_size] bool; None = attend to all
 
 
 @dataclass
@@ -63,61 +63,78 @@ class _PrefillSeq:
     mask: torch.Tensor | None  # [query_len, seq_len] bool, None = plain causal (no prefix)
 
 
-def _plan(meta: AttentionMetadata, block_size: int) -> tuple[_DecodePlan | None, list[_PrefillSeq]]:
+_MAX_PADDING = 1.25  # a decode group may gather at most this many blocks per useful block
+
+
+def _group_decodes(seq_ids: np.ndarray, num_blocks: np.ndarray) -> list[np.ndarray]:
+    """Split decode sequences so padding to each group's longest wastes little.
+
+    One group in the original order when that already pads little; otherwise longest first,
+    starting a new group when a sequence needs under 1/_MAX_PADDING of the group's width.
+    """
+    widths = num_blocks[seq_ids]
+    if int(widths.max()) * len(seq_ids) <= _MAX_PADDING * int(widths.sum()):
+        return [seq_ids]
+    order = np.argsort(-widths, kind="stable")
+    groups, start = [], 0
+    for i in range(1, len(order)):
+        if widths[order[i]] * _MAX_PADDING < widths[order[start]] and i - start >= 4:
+            groups.append(seq_ids[order[start:i]])
+            start = i
+    if not groups:
+        return [seq_ids]
+    groups.append(seq_ids[order[start:]])
+    return groups
+
+
+def _plan(meta: AttentionMetadata, block_size: int) -> tuple[list[_DecodeGroup], list[_PrefillSeq]]:
     """Index tensors for one step, computed once and cached on ``meta`` for every layer."""
     key = ("reference_plan", block_size)
     cached = meta.derived.get(key)
     if cached is not None:
         return cached
-    seq_lens, query_lens = meta.seq_lens_list, meta.query_lens_list
-    block_tables = meta.block_tables.cpu().long()
-    starts = [0] * len(seq_lens)
-    for i in range(1, len(seq_lens)):
-        starts[i] = starts[i - 1] + query_lens[i - 1]
+    device = meta.block_tables.device
+    seq_lens = np.asarray(meta.seq_lens_list, dtype=np.int64)
+    query_lens = np.asarray(meta.query_lens_list, dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(query_lens)[:-1]]).astype(np.int64)
+    num_blocks = (seq_lens + block_size - 1) // block_size
+    block_tables = meta.block_tables.cpu().numpy()
 
-    decode_seqs = [i for i, n in enumerate(query_lens) if n == 1]
-    decode = None
-    if decode_seqs:
-        dec_lens = torch.tensor([seq_lens[i] for i in decode_seqs])
-        num_blocks = (int(dec_lens.max()) + block_size - 1) // block_size
-        all_rows = len(decode_seqs) == len(seq_lens)  # tokens are then exactly 0..B-1
-        seq_idx = torch.tensor(decode_seqs)
-        table = block_tables[seq_idx, :num_blocks] if not all_rows else block_tables[:, :num_blocks]
-        positions = torch.arange(num_blocks * block_size)
-        decode = _DecodePlan(
-            token_idx=None if all_rows else torch.tensor([starts[i] for i in decode_seqs]),
-            block_ids=table.reshape(-1).contiguous(),
-            num_blocks=num_blocks,
-            mask=(positions[None, :] < dec_lens[:, None])[:, None, None, :],
+    def to_device(array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array)).to(device)
+
+    decodes = []
+    decode_seqs = np.flatnonzero(query_lens == 1)
+    for seq_ids in _group_decodes(decode_seqs, num_blocks) if len(decode_seqs) else []:
+        width = int(num_blocks[seq_ids].max())
+        lens = seq_lens[seq_ids]
+        # Every sequence decodes, in order: its rows are then the tokens 0..B-1.
+        in_order = len(seq_ids) == len(seq_lens) and bool((np.diff(seq_ids) > 0).all())
+        mask = None
+        if (lens != width * block_size).any():
+            mask = to_device(
+                (np.arange(width * block_size)[None, :] < lens[:, None])[:, None, None]
+            )
+        decodes.append(
+            _DecodeGroup(
+                token_idx=None if in_order else to_device(starts[seq_ids]),
+                block_ids=to_device(block_tables[seq_ids, :width].astype(np.int64).reshape(-1)),
+                mask=mask,
+            )
         )
 
     prefills = []
-    for i, (seq_len, query_len) in enumerate(zip(seq_lens, query_lens, strict=True)):
-        if query_len <= 1:
-            continue
-        num_blocks = (seq_len + block_size - 1) // block_size
+    for i in np.flatnonzero(query_lens > 1).tolist():
+        seq_len, query_len = int(seq_lens[i]), int(query_lens[i])
         mask = None
         if query_len != seq_len:
-            q_pos = torch.arange(seq_len - query_len, seq_len)
-            mask = torch.arange(seq_len)[None, :] <= q_pos[:, None]
-        prefills.append(
-            _PrefillSeq(starts[i], query_len, seq_len, block_tables[i, :num_blocks], mask)
-        )
+            q_pos = np.arange(seq_len - query_len, seq_len)
+            mask = to_device(np.arange(seq_len)[None, :] <= q_pos[:, None])
+        table = block_tables[i, : num_blocks[i]].astype(np.int64)
+        prefills.append(_PrefillSeq(int(starts[i]), query_len, seq_len, to_device(table), mask))
 
-    device = meta.block_tables.device
-    if device.type != "cpu":
-        if decode is not None:
-            decode = _DecodePlan(
-                token_idx=None if decode.token_idx is None else decode.token_idx.to(device),
-                block_ids=decode.block_ids.to(device),
-                num_blocks=decode.num_blocks,
-                mask=decode.mask.to(device),
-            )
-        for p in prefills:
-            p.block_ids = p.block_ids.to(device)
-            p.mask = None if p.mask is None else p.mask.to(device)
-    meta.derived[key] = (decode, prefills)
-    return decode, prefills
+    meta.derived[key] = (decodes, prefills)
+    return decodes, prefills
 
 
 def _gather(
@@ -140,26 +157,21 @@ def paged_attention(
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = layer_cache.shape[2], layer_cache.shape[3]
     group = num_heads // num_kv_heads
-    decode, prefills = _plan(meta, block_size)
+    decodes, prefills = _plan(meta, block_size)
     out_dtype = query.dtype
     query = query.to(layer_cache.dtype)
 
-    if decode is not None and decode.token_idx is None and not prefills:
-        num_seqs = decode.mask.shape[0]
-        out = _decode(query[:num_seqs], layer_cache, decode, scale, group)
+    if len(decodes) == 1 and decodes[0].token_idx is None:  # decode-only step, one gather
+        num_seqs = len(meta.seq_lens_list)
+        out = _decode(query[:num_seqs], layer_cache, decodes[0], scale, group)
         if num_seqs < num_tokens:
             out = torch.cat([out, out.new_zeros(num_tokens - num_seqs, num_heads, head_dim)])
         return out.to(out_dtype)
 
     out = query.new_zeros(num_tokens, num_heads, head_dim)
-    if decode is not None:
-        q = query if decode.token_idx is None else query.index_select(0, decode.token_idx)
-        q = q[: decode.mask.shape[0]]
-        rows = _decode(q, layer_cache, decode, scale, group)
-        if decode.token_idx is None:
-            out[: rows.shape[0]] = rows
-        else:
-            out.index_copy_(0, decode.token_idx, rows)
+    for d in decodes:  # token_idx is set: only the early return above takes rows in order
+        rows = _decode(query.index_select(0, d.token_idx), layer_cache, d, scale, group)
+        out.index_copy_(0, d.token_idx, rows)
     for p in prefills:
         k = _gather(layer_cache, 0, p.block_ids, 1)[0, :, : p.seq_len]
         v = _gather(layer_cache, 1, p.block_ids, 1)[0, :, : p.seq_len]
@@ -172,7 +184,7 @@ def paged_attention(
 
 
 def _decode(
-    query: torch.Tensor, layer_cache: torch.Tensor, plan: _DecodePlan, scale: float, group: int
+    query: torch.Tensor, layer_cache: torch.Tensor, plan: _DecodeGroup, scale: float, group: int
 ) -> torch.Tensor:
     """One query row per sequence; GQA folded so each KV head sees ``group`` query rows."""
     num_seqs, num_heads, head_dim = query.shape

@@ -72,3 +72,13 @@ def test_padding_rows_are_zero_and_plan_is_shared_across_layers():
     assert len(case.meta.derived) == 1
     again = reference.paged_attention(case.query, case.layer_cache, case.meta, case.scale)
     assert torch.equal(again, out[:-3])
+
+
+def test_ragged_decodes_split_into_groups_match_oracle():
+    lens = [3, 70, 5, 64, 2, 33, 1, 40, 9, 17, 80, 4]
+    case = make_case([(n, 1) for n in lens] + [(12, 5)], 4, 4, 2, 32)
+    write_kv_cache(case.key, case.value, case.layer_cache, case.meta.slot_mapping)
+    out = paged_attention(case.query, case.layer_cache, case.meta, case.scale)
+    decodes, _ = case.meta.derived[("reference_plan", 4)]
+    assert len(decodes) > 1
+    torch.testing.assert_close(out.double(), attention_oracle(case), atol=2e-5, rtol=2e-5)
