@@ -462,8 +462,7 @@ class GenerationResponse(Response):
             step = await anext(steps)
         usage = protocol.usage(job.num_prompt_tokens, job.num_output_tokens)
         body = job.formatter.response("".join(texts), logprobs, step.finish_reason, usage)
-        await send({"type": "http.response.start", "status": 200, "headers": _JSON_HEADERS})
-        await _send_body(send, body, more_body=False)
+        await _send_bytes(send, 200, body)
 
 
 async def _wait_for_disconnect(receive: Receive) -> None:
@@ -476,8 +475,13 @@ async def _send_body(send: Send, body: bytes, more_body: bool = True) -> None:
 
 
 async def _send_json(send: Send, status_code: int, payload: dict[str, Any]) -> None:
-    await send({"type": "http.response.start", "status": status_code, "headers": _JSON_HEADERS})
-    await _send_body(send, protocol.encode_json(payload), more_body=False)
+    await _send_bytes(send, status_code, protocol.encode_json(payload))
+
+
+async def _send_bytes(send: Send, status_code: int, body: bytes) -> None:
+    headers = [*_JSON_HEADERS, (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status_code, "headers": headers})
+    await _send_body(send, body, more_body=False)
 
 
 @contextlib.contextmanager
@@ -485,7 +489,9 @@ def serve_in_thread(app: Any, *, host: str = "127.0.0.1", timeout_s: float = 10.
     """Run ``app`` under uvicorn in a background thread on a free port; yield
     its base URL (``http://host:port``); stop the server on exit. For tests
     and embedding."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # proto=IPPROTO_TCP matters: asyncio sets TCP_NODELAY on accepted sockets
+    # only then; without it every keep-alive response waits ~40 ms (Nagle).
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, 0))
     port = sock.getsockname()[1]

@@ -1,0 +1,551 @@
+"""Gateway + NullBackend through a real uvicorn server and the official openai client.
+
+Oracles: the tokenizer (``decode`` of the NullBackend's known token ids,
+``encode_prompt`` / ``apply_chat_template`` for prompt sizes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import time
+from collections.abc import Callable, Iterator
+from urllib.parse import urlparse
+
+import httpx
+import openai
+import pytest
+
+from cluster.gateway import create_app, serve_in_thread
+from cluster.null_backend import NullBackend
+from workers.tiny import build_tokenizer
+from workers.tokenizer import apply_chat_template, encode_prompt
+
+MAX_MODEL_LEN = 256
+DEADLINE_S = 5.0
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def http() -> Iterator[httpx.Client]:
+    # One client for the module: creating one costs ~10-100 ms (TLS context).
+    with httpx.Client(verify=False) as client:
+        yield client
+
+
+def make_client(url: str, http: httpx.Client, api_key: str = "unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=api_key, max_retries=0, http_client=http)
+
+
+@contextlib.contextmanager
+def running(backend: NullBackend, api_key: str | None = None) -> Iterator[str]:
+    with serve_in_thread(create_app(backend, api_key=api_key)) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def server(tokenizer):
+    backend = NullBackend(tokenizer, max_model_len=MAX_MODEL_LEN)
+    with running(backend) as url:
+        yield backend, url
+
+
+@pytest.fixture
+def backend(server) -> NullBackend:
+    return server[0]
+
+
+@pytest.fixture
+def url(server) -> str:
+    return server[1]
+
+
+@pytest.fixture
+def client(url, http) -> openai.OpenAI:
+    return make_client(url, http)
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float = DEADLINE_S) -> None:
+    deadline_s = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline_s, "condition not met before the deadline"
+        time.sleep(0.005)
+
+
+def expected_text(backend: NullBackend, num_tokens: int) -> str:
+    return backend.tokenizer.decode(backend.token_ids_for(num_tokens))
+
+
+# ---- completions -------------------------------------------------------------------
+
+
+def test_completion(client, backend, tokenizer):
+    response = client.completions.create(model="tiny", prompt="hello", max_tokens=12)
+    assert response.id.startswith("cmpl-")
+    assert response.object == "text_completion"
+    assert response.model == "tiny"
+    [choice] = response.choices
+    assert choice.text == expected_text(backend, 12) == "The quick br"
+    assert choice.finish_reason == "length"
+    num_prompt_tokens = len(encode_prompt(tokenizer, "hello"))
+    assert response.usage.prompt_tokens == num_prompt_tokens
+    assert response.usage.completion_tokens == 12
+    assert response.usage.total_tokens == num_prompt_tokens + 12
+
+
+def test_completion_default_max_tokens_is_16(client, backend):
+    response = client.completions.create(model="tiny", prompt="hello")
+    assert response.choices[0].text == expected_text(backend, 16)
+    assert response.usage.completion_tokens == 16
+
+
+def test_completion_stream_with_usage(client, backend, tokenizer):
+    chunks = list(
+        client.completions.create(
+            model="tiny",
+            prompt="hello",
+            max_tokens=9,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    *token_chunks, usage_chunk = chunks
+    assert "".join(c.choices[0].text for c in token_chunks) == expected_text(backend, 9)
+    assert [c.choices[0].finish_reason for c in token_chunks] == [None] * 8 + ["length"]
+    assert usage_chunk.choices == []
+    assert usage_chunk.usage.prompt_tokens == len(encode_prompt(tokenizer, "hello"))
+    assert usage_chunk.usage.completion_tokens == 9
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_completion_stream_raw_sse_framing(url, http):
+    body = {"prompt": "hi", "max_tokens": 3, "stream": True}
+    with http.stream("POST", f"{url}/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        raw = b"".join(response.iter_bytes())
+    events = raw.split(b"\n\n")
+    assert events[-1] == b""  # every event ends with a blank line
+    assert events[-2] == b"data: [DONE]"
+    payloads = [json.loads(e.removeprefix(b"data: ")) for e in events[:-2]]
+    assert [p["choices"][0]["text"] for p in payloads] == ["T", "h", "e"]
+    assert all("usage" not in p for p in payloads)
+
+
+def test_prompt_as_token_ids(client, backend):
+    for prompt in ([5, 6, 7], [[5, 6, 7]], ["abc"]):
+        response = client.completions.create(model="tiny", prompt=prompt, max_tokens=4)
+        assert response.choices[0].text == expected_text(backend, 4)
+        assert response.usage.prompt_tokens == (4 if prompt == ["abc"] else 3)  # <s> + 3 bytes
+
+
+def test_multi_token_outputs(tokenizer, http):
+    backend = NullBackend(tokenizer, num_tokens_per_output=4)
+    with running(backend) as url:
+        client = make_client(url, http)
+        chunks = list(
+            client.completions.create(prompt="x", max_tokens=10, stream=True, model="tiny")
+        )
+        assert [c.choices[0].text for c in chunks] == ["The ", "quic", "k "]
+        response = client.completions.create(prompt="x", max_tokens=10, stop=["ic"], model="tiny")
+        assert response.choices[0].text == "The qu"
+        assert response.usage.completion_tokens == 8  # the token completing "ic" is counted
+
+
+# ---- chat ------------------------------------------------------------------------
+
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+
+
+def test_chat(client, backend, tokenizer):
+    response = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=10)
+    assert response.id.startswith("chatcmpl-")
+    assert response.object == "chat.completion"
+    [choice] = response.choices
+    assert choice.message.role == "assistant"
+    assert choice.message.content == expected_text(backend, 10)
+    assert choice.finish_reason == "length"
+    assert response.usage.prompt_tokens == len(apply_chat_template(tokenizer, MESSAGES))
+    assert response.usage.completion_tokens == 10
+
+
+def test_chat_default_max_tokens_fills_context(client, tokenizer):
+    response = client.chat.completions.create(model="tiny", messages=MESSAGES)
+    num_prompt_tokens = len(apply_chat_template(tokenizer, MESSAGES))
+    assert response.usage.completion_tokens == MAX_MODEL_LEN - num_prompt_tokens
+    assert response.choices[0].finish_reason == "length"
+
+
+def test_chat_max_completion_tokens(client):
+    response = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_completion_tokens=3
+    )
+    assert response.choices[0].message.content == "The"
+
+
+def test_chat_stream_with_usage(client, backend, tokenizer):
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=MESSAGES,
+            max_tokens=7,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    first, *token_chunks, usage_chunk = chunks
+    assert first.choices[0].delta.role == "assistant"
+    assert first.choices[0].delta.content == ""
+    assert "".join(c.choices[0].delta.content for c in token_chunks) == expected_text(backend, 7)
+    assert token_chunks[-1].choices[0].finish_reason == "length"
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert usage_chunk.choices == []
+    assert usage_chunk.usage.completion_tokens == 7
+    assert usage_chunk.usage.prompt_tokens == len(apply_chat_template(tokenizer, MESSAGES))
+
+
+# ---- stopping --------------------------------------------------------------------
+
+
+def test_stop_string_completion(client, backend, tokenizer):
+    response = client.completions.create(
+        model="tiny", prompt="x", max_tokens=40, stop=["fox", "zzz"]
+    )
+    assert response.choices[0].text == "The quick brown "
+    assert response.choices[0].finish_reason == "stop"
+    assert response.usage.completion_tokens == len("The quick brown fox")  # one byte per token
+    wait_until(lambda: response.id in backend.aborted_request_ids)
+
+
+def test_stop_string_stream_and_included(client):
+    chunks = list(
+        client.completions.create(
+            model="tiny", prompt="x", max_tokens=40, stop="brown", stream=True
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks) == "The quick "
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    response = client.chat.completions.create(
+        model="tiny",
+        messages=MESSAGES,
+        max_tokens=40,
+        stop=["brown"],
+        extra_body={"include_stop_str_in_output": True},
+    )
+    assert response.choices[0].message.content == "The quick brown"
+
+
+def test_stop_token_id(client, tokenizer):
+    [q_id] = tokenizer.encode("q", add_special_tokens=False)
+    response = client.completions.create(
+        model="tiny", prompt="x", max_tokens=40, extra_body={"stop_token_ids": [q_id]}
+    )
+    assert response.choices[0].text == "The "  # the stop token is counted, not shown
+    assert response.choices[0].finish_reason == "stop"
+    assert response.usage.completion_tokens == 5
+
+
+def test_eos_respects_ignore_eos_and_min_tokens(tokenizer, http):
+    eos = tokenizer.eos_token_id
+    cycle = tokenizer.encode("ab", add_special_tokens=False) + [eos]
+    backend = NullBackend(tokenizer, output_token_ids=cycle)
+    with running(backend) as url:
+        client = make_client(url, http)
+        response = client.completions.create(model="tiny", prompt="x", max_tokens=8)
+        assert (response.choices[0].text, response.choices[0].finish_reason) == ("ab", "stop")
+        assert response.usage.completion_tokens == 3
+        response = client.completions.create(
+            model="tiny", prompt="x", max_tokens=8, extra_body={"ignore_eos": True}
+        )
+        assert (response.choices[0].text, response.choices[0].finish_reason) == ("ababab", "length")
+        response = client.completions.create(
+            model="tiny", prompt="x", max_tokens=8, extra_body={"min_tokens": 4}
+        )
+        assert (response.choices[0].text, response.usage.completion_tokens) == ("abab", 6)
+
+
+# ---- logprobs --------------------------------------------------------------------
+
+
+def test_completion_logprobs_shape(client, tokenizer):
+    response = client.completions.create(model="tiny", prompt="x", max_tokens=5, logprobs=2)
+    logprobs = response.choices[0].logprobs
+    assert logprobs.tokens == ["T", "h", "e", " ", "q"]
+    assert logprobs.token_logprobs == [-0.5] * 5
+    assert logprobs.top_logprobs[0] == {"T": -0.5, "U": -1.5}
+    assert all(len(top) == 2 for top in logprobs.top_logprobs)
+    assert logprobs.text_offset == [0, 1, 2, 3, 4]
+    chunks = list(
+        client.completions.create(model="tiny", prompt="x", max_tokens=3, logprobs=0, stream=True)
+    )
+    assert [c.choices[0].logprobs.tokens for c in chunks] == [["T"], ["h"], ["e"]]
+    assert [c.choices[0].logprobs.text_offset for c in chunks] == [[0], [1], [2]]
+
+
+def test_chat_logprobs_shape(client):
+    response = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=4, logprobs=True, top_logprobs=3
+    )
+    content = response.choices[0].logprobs.content
+    assert [c.token for c in content] == ["T", "h", "e", " "]
+    assert content[0].bytes == [ord("T")]
+    assert [t.token for t in content[0].top_logprobs] == ["T", "U", "V"]
+    assert [t.logprob for t in content[0].top_logprobs] == [-0.5, -1.5, -2.5]
+    response = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2)
+    assert response.choices[0].logprobs is None
+
+
+# ---- bad input -------------------------------------------------------------------
+
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+BAD_REQUESTS = [
+    (C, b"{not json", None),
+    (C, b"[1, 2]", None),
+    (C, {"max_tokens": 5}, "prompt"),
+    (C, {"prompt": "x", "max_tokens": "5"}, "max_tokens"),
+    (C, {"prompt": "x", "max_tokens": 5.5}, "max_tokens"),
+    (C, {"prompt": "x", "temperature": "hot"}, "temperature"),
+    (C, {"prompt": "x", "stream": "yes"}, "stream"),
+    (C, {"prompt": 42}, "prompt"),
+    (C, {"prompt": ["a", "b"]}, "prompt"),
+    (C, {"prompt": [[1], [2]]}, "prompt"),
+    (C, {"prompt": []}, "prompt"),
+    (C, {"prompt": [1, 99999]}, "prompt"),
+    (C, {"prompt": [-1]}, "prompt"),
+    (C, {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    (C, {"prompt": "x", "max_tokens": -3}, "max_tokens"),
+    (C, {"prompt": "x", "max_tokens": MAX_MODEL_LEN}, "max_tokens"),
+    (C, {"prompt": [1] * MAX_MODEL_LEN}, "prompt"),
+    (C, {"prompt": "x", "model": "gpt-4"}, "model"),
+    (C, {"prompt": "x", "temperature": -0.1}, "temperature"),
+    (C, {"prompt": "x", "top_p": 0}, "top_p"),
+    (C, {"prompt": "x", "top_p": 1.5}, "top_p"),
+    (C, {"prompt": "x", "top_k": -2}, "top_k"),
+    (C, {"prompt": "x", "n": 2}, "n"),
+    (C, {"prompt": "x", "echo": True}, "echo"),
+    (C, {"prompt": "x", "logprobs": 21}, "logprobs"),
+    (C, {"prompt": "x", "stop": [""]}, "stop"),
+    (C, {"prompt": "x", "stop": [1]}, "stop[0]"),
+    (C, {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+    (C, {"prompt": "x", "min_tokens": 20, "max_tokens": 5}, None),
+    (C, {"prompt": "x", "frequency_penalty": 0.5}, "frequency_penalty"),
+    (C, {"prompt": "x", "stop_token_ids": [100000]}, "stop_token_ids"),
+    (CHAT, {"max_tokens": 5}, "messages"),
+    (CHAT, {"messages": []}, "messages"),
+    (CHAT, {"messages": "hi"}, "messages"),
+    (CHAT, {"messages": [{"content": "hi"}]}, "messages"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+    (CHAT, {"messages": MESSAGES, "max_completion_tokens": 0}, "max_completion_tokens"),
+    (CHAT, {"messages": MESSAGES, "max_tokens": MAX_MODEL_LEN}, "max_tokens"),
+    (CHAT, {"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"),
+    (CHAT, {"messages": MESSAGES, "logprobs": 2}, "logprobs"),
+    (CHAT, {"messages": MESSAGES, "logprobs": True, "top_logprobs": 50}, "top_logprobs"),
+    (CHAT, {"messages": MESSAGES, "n": 3}, "n"),
+    (CHAT, {"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools"),
+    (CHAT, {"messages": [{"role": "user", "content": "x" * MAX_MODEL_LEN}]}, "prompt"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "param"), BAD_REQUESTS)
+def test_bad_request_is_400_with_envelope(url, path, body, param, http):
+    if isinstance(body, bytes):
+        response = http.post(f"{url}{path}", content=body)
+    else:
+        response = http.post(f"{url}{path}", json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error"
+    assert error["message"]
+    assert error["param"] == param
+
+
+def test_still_serving_after_bad_requests(client, url, backend, http):
+    for path, body, _ in BAD_REQUESTS:
+        http.post(f"{url}{path}", json=body if isinstance(body, dict) else None)
+    with pytest.raises(openai.BadRequestError) as excinfo:
+        client.completions.create(model="tiny", prompt="x", max_tokens=0)
+    assert excinfo.value.status_code == 400
+    assert (
+        client.completions.create(model="tiny", prompt="x", max_tokens=3).choices[0].text == "The"
+    )
+    assert backend.num_running == 0
+
+
+def test_unknown_route_and_method(url, http):
+    response = http.get(f"{url}/v1/nope")
+    assert response.status_code == 404
+    assert response.json()["error"]["type"] == "not_found_error"
+    assert http.get(f"{url}/v1/completions").status_code == 405
+
+
+def test_models(client):
+    [model] = client.models.list().data
+    assert model.id == "tiny"
+    assert model.max_model_len == MAX_MODEL_LEN
+
+
+# ---- auth, health, unavailable, errors -------------------------------------------
+
+
+def test_api_key(tokenizer, http):
+    with running(NullBackend(tokenizer), api_key="sekret") as url:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekret"}):
+            response = http.post(
+                f"{url}/v1/completions", json={"prompt": "x"}, headers=headers, timeout=10
+            )
+            assert response.status_code == 401
+            assert response.json()["error"]["code"] == "invalid_api_key"
+        assert http.get(f"{url}/v1/models").status_code == 401
+        assert http.get(f"{url}/health").status_code == 200
+        client = make_client(url, http, api_key="sekret")
+        assert client.completions.create(model="tiny", prompt="x", max_tokens=2).usage
+        with pytest.raises(openai.AuthenticationError):
+            make_client(url, http, api_key="no").models.list()
+
+
+def test_health_and_503_until_ready(tokenizer, http):
+    backend = NullBackend(tokenizer)
+    backend.set_ready(False, "loading weights")
+    with running(backend) as url:
+        response = http.get(f"{url}/health")
+        assert response.status_code == 503
+        assert response.json()["reason"] == "loading weights"
+        for stream in (False, True):
+            response = http.post(
+                f"{url}/v1/completions", json={"prompt": "x", "stream": stream}, timeout=10
+            )
+            assert response.status_code == 503
+            assert "loading weights" in response.json()["error"]["message"]
+        backend.set_ready(True)
+        assert http.get(f"{url}/health").json() == {"status": "ok"}
+        response = http.post(f"{url}/v1/completions", json={"prompt": "x"})
+        assert response.status_code == 200
+        metrics = http.get(f"{url}/metrics").text
+        assert 'tandem:request_rejected_total{status_code="503"} 2.0' in metrics
+
+
+def test_overload_is_503(tokenizer, http):
+    backend = NullBackend(tokenizer, max_num_running=1, output_interval_s=0.02)
+    with running(backend) as url:
+        body = {"prompt": "x", "max_tokens": 200, "stream": True}
+        with http.stream("POST", f"{url}/v1/completions", json=body) as first:
+            assert first.status_code == 200
+            response = http.post(f"{url}/v1/completions", json={"prompt": "x"})
+            assert response.status_code == 503
+            assert response.json()["error"]["type"] == "service_unavailable"
+
+
+def test_backend_error_mid_stream_and_not(tokenizer, http):
+    backend = NullBackend(tokenizer)
+    backend.fail_after_num_tokens = 3
+    with running(backend) as url:
+        body = {"prompt": "x", "max_tokens": 10, "stream": True}
+        with http.stream("POST", f"{url}/v1/completions", json=body) as response:
+            events = [e for e in response.iter_lines() if e]
+        assert events[-1] == "data: [DONE]"
+        error = json.loads(events[-2].removeprefix("data: "))["error"]
+        assert error["message"] == "injected"
+        texts = [json.loads(e.removeprefix("data: "))["choices"][0]["text"] for e in events[:-2]]
+        assert texts == ["T", "h", "e"]
+        response = http.post(f"{url}/v1/completions", json={"prompt": "x"})
+        assert response.status_code == 500
+        assert response.json()["error"]["message"] == "injected"
+        metrics = http.get(f"{url}/metrics").text
+        assert 'tandem:request_success_total{finished_reason="error"} 2.0' in metrics
+    assert list(backend.aborted_request_ids) == []  # errors are final: nothing to abort
+
+
+# ---- metrics ---------------------------------------------------------------------
+
+
+def test_metrics_names(client, url, http):
+    client.completions.create(model="tiny", prompt="hello", max_tokens=4)
+    text = http.get(f"{url}/metrics").text
+    for name in (
+        "tandem:time_to_first_token_seconds_bucket",
+        "tandem:inter_token_latency_seconds_count",
+        "tandem:e2e_request_latency_seconds_sum",
+        "tandem:request_queue_time_seconds_count",
+        "tandem:prompt_tokens_total",
+        "tandem:generation_tokens_total",
+        'tandem:request_success_total{finished_reason="length"}',
+        'tandem:num_requests_running{engine="null-0",role="colocated"}',
+        'tandem:num_requests_waiting{engine="null-0",role="colocated"}',
+        'tandem:kv_cache_usage_perc{engine="null-0",role="colocated"}',
+        'tandem:num_preemptions_total{engine="null-0",role="colocated"}',
+        'tandem:prefix_cache_hits_total{engine="null-0",role="colocated"}',
+        'tandem:kv_transfer_bytes_total{engine="null-0",role="colocated"}',
+        'tandem:kv_transfer_seconds_bucket{engine="null-0",le="0.01",role="colocated"}',
+        'tandem:disagg_decisions_total{path="local"}',
+    ):
+        assert name in text, name
+
+
+def test_metrics_counts(tokenizer, http):
+    with running(NullBackend(tokenizer)) as url:
+        client = make_client(url, http)
+        client.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=4)
+        client.completions.create(model="tiny", prompt=[1, 2], max_tokens=6, stream=True)
+        lines = http.get(f"{url}/metrics").text.splitlines()
+    values = {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in lines
+        if line and not line.startswith("#")
+    }
+    assert values["tandem:prompt_tokens_total"] == 5
+    assert values["tandem:generation_tokens_total"] == 10
+    assert values['tandem:request_success_total{finished_reason="length"}'] == 2
+    assert values["tandem:time_to_first_token_seconds_count"] == 2
+    assert values["tandem:inter_token_latency_seconds_count"] == 3 + 5
+    assert values["tandem:e2e_request_latency_seconds_count"] == 2
+    assert values["tandem:num_requests_in_flight"] == 0
+
+
+# ---- client disconnect -----------------------------------------------------------
+
+
+@pytest.fixture
+def slow_server(tokenizer):
+    backend = NullBackend(tokenizer, output_interval_s=0.01, max_model_len=100_000)
+    with running(backend) as url:
+        yield backend, url
+
+
+def test_disconnect_mid_stream_aborts(slow_server, http):
+    backend, url = slow_server
+    body = {"prompt": "x", "max_tokens": 50_000, "stream": True}
+    with http.stream("POST", f"{url}/v1/completions", json=body) as response:
+        # Keep a reference to the line iterator: closing it closes the connection.
+        lines = response.iter_lines()
+        first = next(lines)
+        request_id = json.loads(first.removeprefix("data: "))["id"]
+        assert backend.num_running == 1
+        assert next(lines) == ""  # the blank line that ends the event
+    wait_until(lambda: request_id in backend.aborted_request_ids)
+    wait_until(lambda: backend.num_running == 0)
+    metrics = http.get(f"{url}/metrics").text
+    assert 'tandem:request_success_total{finished_reason="abort"} 1.0' in metrics
+
+
+def test_disconnect_before_response_aborts(slow_server):
+    """Non-streaming: nothing is sent until the end, so only the receive
+    channel can tell that the client left."""
+    backend, url = slow_server
+    body = json.dumps({"prompt": "x", "max_tokens": 50_000}).encode()
+    address = urlparse(url)
+    with socket.create_connection((address.hostname, address.port)) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        wait_until(lambda: backend.num_running == 1)
+    wait_until(lambda: len(backend.aborted_request_ids) == 1)
+    wait_until(lambda: backend.num_running == 0)
+    assert backend.aborted_request_ids[0].startswith("cmpl-")
