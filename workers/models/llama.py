@@ -47,10 +47,9 @@ class LlamaAttention(nn.Module):
         hidden = config.hidden_size
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
-        self.split_sizes = [q_size, kv_size, kv_size]
         self.qkv_proj = Linear(
             hidden,
-            self.split_sizes,
+            [q_size, kv_size, kv_size],
             arch.qkv_bias(config),
             dtype,
             shard_names=["q_proj", "k_proj", "v_proj"],
@@ -64,20 +63,24 @@ class LlamaAttention(nn.Module):
 
     def forward(
         self,
-        positions: torch.Tensor,
         x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
-        rope: RotaryEmbedding,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(positions, q, k)
+        num_heads, num_kv_heads = self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x).view(num_tokens, num_heads + 2 * num_kv_heads, self.head_dim)
+        if self.q_norm is None:
+            qk = qkv[:, : num_heads + num_kv_heads]
+        else:
+            q = self.q_norm(qkv[:, :num_heads])
+            k = self.k_norm(qkv[:, num_heads : num_heads + num_kv_heads])
+            qk = torch.cat((q, k), dim=1)
+        # q and k rotate together: one set of rope ops per layer, not two.
+        qk = RotaryEmbedding.apply(qk, *rope)
+        q, k = qk[:, :num_heads], qk[:, num_heads:]
+        v = qkv[:, num_heads + num_kv_heads :]
         layer_cache = kv_cache[:, self.layer_idx]
         write_kv_cache(k, v, layer_cache, meta.slot_mapping)
         out = paged_attention(q, layer_cache, meta, self.scale)
@@ -97,13 +100,12 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(
         self,
-        positions: torch.Tensor,
         h: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
-        rope: RotaryEmbedding,
     ) -> torch.Tensor:
-        h = h + self.self_attn(positions, self.input_layernorm(h), kv_cache, meta, rope)
+        h = h + self.self_attn(self.input_layernorm(h), rope, kv_cache, meta)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -127,8 +129,9 @@ class LlamaModel(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
+        rope = self.rotary_emb.lookup(positions, h.dtype)
         for layer in self.layers:
-            h = layer(positions, h, kv_cache, meta, self.rotary_emb)
+            h = layer(h, rope, kv_cache, meta)
         return self.norm(h)
 
 

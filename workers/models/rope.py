@@ -72,7 +72,7 @@ def _llama3_scale(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tens
 
 
 class RotaryEmbedding(nn.Module):
-    """Applies rope to q ``[T, H, D]`` and k ``[T, Hkv, D]`` at ``positions [T]``."""
+    """cos/sin tables; ``lookup`` once per step, ``apply`` in every layer."""
 
     def __init__(self, head_dim: int, max_position: int, config: Any) -> None:
         super().__init__()
@@ -85,16 +85,20 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    def lookup(
+        self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].to(q.dtype).unsqueeze(1)
-        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        """cos, sin ``[T, 1, head_dim / 2]`` in ``dtype`` for ``positions [T]``."""
+        cos = self.cos.index_select(0, positions).to(dtype).unsqueeze(1)
+        sin = self.sin.index_select(0, positions).to(dtype).unsqueeze(1)
+        return cos, sin
 
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x [T, heads, head_dim]`` (any strides); returns a new tensor.
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # Same roundings as HF's `x * cos + rotate_half(x) * sin` with cos/sin
-    # duplicated over both halves, at half the table size.
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        Same roundings as HF's ``x * cos + rotate_half(x) * sin`` with cos/sin
+        duplicated over both halves, at half the table size.
+        """
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
