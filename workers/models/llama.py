@@ -13,6 +13,10 @@ The batch is flat: T tokens from all sequences back to back, described by
 ``kv_cache`` is the whole engine cache, blocks-first
 ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``; layer
 ``i`` reads and writes ``kv_cache[:, i]``. Run it under ``torch.inference_mode()``.
+Padding tokens (slot -1) still need a valid position (< ``max_context_len``).
+Attributes for the runner: ``num_layers``, ``num_kv_heads``, ``head_dim``,
+``vocab_size``, ``dtype``, ``max_context_len`` (max_position_embeddings,
+capped by a sliding window, which we attend in full).
 
 Parameter names follow HF except the fused ``qkv_proj`` (q, k, v rows) and
 ``mlp.gate_up_proj`` (gate, up rows); ``load_weights`` maps HF names onto
