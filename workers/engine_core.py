@@ -11,8 +11,11 @@ In-process use: ``add_request`` / ``abort`` / ``step``. As a service,
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import msgspec
@@ -105,6 +108,8 @@ class EngineCore:
             seed=config.seed,
         )
         self._shutdown = threading.Event()
+        self._loop_running = False
+        self._control: queue.Queue[tuple[Callable[[], Any], Future]] = queue.Queue()
 
     def _make_connector(self, block_bytes: int):
         if not self.config.kv_connector:
@@ -167,6 +172,26 @@ class EngineCore:
             return None
         return self.connector_worker.side_channel_address()
 
+    def call_in_loop(self, fn: Callable[[], Any], timeout_s: float = 30.0) -> Any:
+        """Run ``fn`` on the engine loop thread between steps (scheduler state
+        is owned by that thread); directly when no loop is running."""
+        if not self._loop_running:
+            return fn()
+        fut: Future = Future()
+        self._control.put((fn, fut))
+        return fut.result(timeout_s)
+
+    def _run_control(self) -> None:
+        while True:
+            try:
+                fn, fut = self._control.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                fut.set_result(fn())
+            except Exception as exc:  # noqa: BLE001 - handed to the caller
+                fut.set_exception(exc)
+
     def shutdown(self) -> None:
         self._shutdown.set()
         if self.connector_worker is not None:
@@ -193,6 +218,7 @@ class EngineCore:
         abort_decoder = msgspec.msgpack.Decoder(EngineAbort)
         util_decoder = msgspec.msgpack.Decoder(UtilityCall)
         enc = msgspec.msgpack.Encoder()
+        self._loop_running = True
         try:
             while not self._shutdown.is_set():
                 if self.scheduler.has_unfinished_requests():
@@ -200,8 +226,9 @@ class EngineCore:
                 elif self.has_work():
                     timeout_ms = 1
                 else:
-                    timeout_ms = 100
+                    timeout_ms = 20
                 events = dict(poller.poll(timeout_ms))
+                self._run_control()
                 errors: list[EngineOutput] = []
                 while inp in events:
                     kind, payload = inp.recv_multipart()
@@ -228,6 +255,8 @@ class EngineCore:
                     if outputs.outputs:
                         out.send_multipart([b"O", enc.encode(outputs)])
         finally:
+            self._loop_running = False
+            self._run_control()
             inp.close()
             out.close()
 

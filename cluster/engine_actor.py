@@ -1,0 +1,90 @@
+"""One engine as a Ray actor.
+
+The actor owns an EngineCore whose loop runs on a background thread, fed by
+ZMQ (the data plane). Ray method calls are control only: ``ready`` (address,
+epoch), ``stats``, ``check_integrity``, ``shutdown``. Each start (including a
+restart by Ray after a crash) gets a new epoch, so peers and the router never
+reuse state of a previous incarnation.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+from workers.config import EngineConfig
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def node_ip() -> str:
+    if os.environ.get("TANDEM_HOST"):
+        return os.environ["TANDEM_HOST"]
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address()
+    except Exception:  # noqa: BLE001 - not in Ray: loopback
+        return "127.0.0.1"
+
+
+class EngineActor:
+    """Plain class; ``cluster.pools`` wraps it with ``ray.remote``."""
+
+    def __init__(self, config: EngineConfig, output_addr: str, torch_threads: int = 0) -> None:
+        import torch
+
+        from workers.engine_core import EngineCore
+
+        if torch_threads > 0:
+            torch.set_num_threads(torch_threads)
+        self.epoch = time.time_ns()
+        # "auto": this node's address (multi-node clusters); else as given.
+        host = node_ip() if config.kv_host in ("", "auto", "0.0.0.0") else config.kv_host
+        self.config = config.replace(epoch=self.epoch, kv_host=host)
+        self.engine = EngineCore(self.config)
+        self.input_addr = f"tcp://{host}:{free_port(host)}"
+        self._thread = threading.Thread(
+            target=self._serve, args=(output_addr,), name="engine-loop", daemon=True
+        )
+        self._thread.start()
+
+    def _serve(self, output_addr: str) -> None:
+        try:
+            self.engine.serve_zmq(self.input_addr, output_addr)
+        except BaseException:  # a dead loop must not leave a live-looking actor
+            os._exit(1)
+
+    def ready(self) -> dict[str, Any]:
+        kv = self.engine.kv_transfer_address()
+        return {
+            "engine_id": self.config.engine_id,
+            "role": self.config.role,
+            "epoch": self.epoch,
+            "input_addr": self.input_addr,
+            "max_model_len": self.engine.max_model_len,
+            "max_num_seqs": self.config.max_num_seqs,
+            "num_kv_blocks": self.engine.sched_config.num_kv_blocks,
+            "kv_address": list(kv) if kv else None,
+            "pid": os.getpid(),
+        }
+
+    def stats(self) -> dict[str, Any]:
+        return self.engine.call_in_loop(self.engine.stats)
+
+    def check_integrity(self) -> bool:
+        return self.engine.call_in_loop(self.engine.check_integrity)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine.call_in_loop(self.engine.scheduler.reset_prefix_cache)
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+        self._thread.join(timeout=10)

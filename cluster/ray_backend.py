@@ -1,0 +1,374 @@
+"""The production backend: Ray engine pools behind a ZMQ data plane.
+
+    gateway                                   engines (Ray actors)
+    PUSH per engine --EngineRequest/Abort-->  PULL (engine binds)
+    PULL (bound here) <--EngineOutputs------  PUSH (every engine connects)
+
+Disaggregated request (ARCHITECTURE §2):
+
+    P <- prompt, max_tokens=1, {do_remote_decode}
+    P -> first token + kv_transfer_params      -> streamed to the client at once
+    D <- prompt + first token, max_tokens-1, P's params + {do_remote_prefill}
+    D -> tokens ...                            -> streamed
+
+A health task polls every engine over Ray (``ready``/``stats``): a dead
+engine fails its in-flight requests (prefill: retried once on another
+prefill engine, else prefilled on the decode engine; decode: an error
+output), and a restarted one (new epoch) is reconnected and marked ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from cluster.backend import Backend, BackendMetrics, BackendUnavailable, EngineMetrics
+from cluster.pools import EngineHandle
+from cluster.router import EngineState, Router
+from scheduler.messages import (
+    EngineAbort,
+    EngineOutput,
+    EngineOutputs,
+    EngineRequest,
+    FinishReason,
+    SchedulerStats,
+)
+
+logger = logging.getLogger(__name__)
+
+_ENGINE_FAILED = "__engine_failed__"
+
+
+class _Engine:
+    def __init__(self, handle: EngineHandle, state: EngineState) -> None:
+        self.handle = handle
+        self.state = state
+        self.socket: zmq.asyncio.Socket | None = None
+        self.requests: set[str] = set()  # request ids in flight here
+        self.stats: dict[str, Any] = {}
+
+
+class RayBackend(Backend):
+    def __init__(
+        self,
+        handles: list[EngineHandle],
+        *,
+        tokenizer: Any,
+        model_name: str,
+        output_addr: str,
+        disagg_min_tokens: int = 0,
+        health_interval_s: float = 0.5,
+        call_timeout_s: float = 5.0,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.eos_token_id = getattr(tokenizer, "eos_token_id", None)
+        self.max_model_len = 0  # known once engines report ready
+        self.output_addr = output_addr
+        self.router = Router(disagg_min_tokens)
+        self.engines = {
+            h.engine_id: _Engine(h, self.router.add(h.engine_id, h.role)) for h in handles
+        }
+        self.disaggregated = "prefill" in self.router.pools() or "decode" in self.router.pools()
+        self.health_interval_s = health_interval_s
+        self.call_timeout_s = call_timeout_s
+        self._ctx = zmq.asyncio.Context()
+        self._pull: zmq.asyncio.Socket | None = None
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._tasks: list[asyncio.Task] = []
+        self._enc = msgspec.msgpack.Encoder()
+        self._dec = msgspec.msgpack.Decoder(EngineOutputs)
+        self.num_engine_restarts = 0
+
+    # ---- lifecycle -----------------------------------------------------------
+
+    async def start(self, ready_timeout_s: float = 600.0) -> None:
+        """Bind the output socket, wait until every engine is ready, start
+        the reader and health tasks. Must run on the gateway's event loop."""
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.bind(self.output_addr)
+        self._tasks.append(asyncio.create_task(self._read_outputs()))
+        deadline = asyncio.get_running_loop().time() + ready_timeout_s
+        while not all(e.state.ready for e in self.engines.values()):
+            await self._check_engines()
+            if asyncio.get_running_loop().time() > deadline:
+                missing = [e for e, x in self.engines.items() if not x.state.ready]
+                raise TimeoutError(f"engines not ready after {ready_timeout_s}s: {missing}")
+            await asyncio.sleep(0.2)
+        self._tasks.append(asyncio.create_task(self._health_loop()))
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for e in self.engines.values():
+            if e.socket is not None:
+                e.socket.close(linger=0)
+        if self._pull is not None:
+            self._pull.close(linger=0)
+        self._ctx.term()
+
+    async def _read_outputs(self) -> None:
+        assert self._pull is not None
+        while True:
+            kind, payload = await self._pull.recv_multipart()
+            if kind != b"O":
+                continue
+            batch = self._dec.decode(payload)
+            for out in batch.outputs:
+                q = self._streams.get(out.request_id)
+                if q is not None:
+                    q.put_nowait((batch.engine_id, out))
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_interval_s)
+            try:
+                await self._check_engines()
+            except Exception:  # noqa: BLE001 - keep probing
+                logger.exception("engine health check failed")
+
+    async def _check_engines(self) -> None:
+        await asyncio.gather(*(self._check_engine(e) for e in self.engines.values()))
+
+    async def _check_engine(self, e: _Engine) -> None:
+        try:
+            info = await asyncio.wait_for(
+                _await_ref(e.handle.actor.ready.remote()), self.call_timeout_s
+            )
+            stats = await asyncio.wait_for(
+                _await_ref(e.handle.actor.stats.remote()), self.call_timeout_s
+            )
+        except Exception as exc:  # noqa: BLE001 - actor dead, restarting or hung
+            if e.state.ready:
+                logger.warning("engine %s unavailable: %s", e.state.engine_id, exc)
+                e.state.ready = False
+                self._fail_inflight(e, f"engine {e.state.engine_id} failed: {type(exc).__name__}")
+            return
+        if info["epoch"] != e.state.epoch:
+            if e.state.epoch:
+                self.num_engine_restarts += 1
+                logger.warning("engine %s restarted (epoch %s)", e.state.engine_id, info["epoch"])
+                self._fail_inflight(e, f"engine {e.state.engine_id} restarted")
+            if e.socket is not None:
+                e.socket.close(linger=0)
+            e.socket = self._ctx.socket(zmq.PUSH)
+            e.socket.setsockopt(zmq.LINGER, 0)
+            e.socket.connect(info["input_addr"])
+            e.state.epoch = info["epoch"]
+            e.state.max_num_seqs = info["max_num_seqs"]
+            e.state.info = info
+            lens = [x.state.info.get("max_model_len", 0) for x in self.engines.values()]
+            self.max_model_len = min(v for v in lens if v) if any(lens) else 0
+        e.stats = stats
+        e.state.kv_cache_usage = stats.get("kv_cache_usage", 0.0)
+        e.state.num_running = stats.get("num_running_reqs", 0)
+        e.state.num_waiting = stats.get("num_waiting_reqs", 0) + stats.get(
+            "num_waiting_for_remote_kvs", 0
+        )
+        e.state.ready = True
+
+    def _fail_inflight(self, e: _Engine, reason: str) -> None:
+        for rid in list(e.requests):
+            q = self._streams.get(rid)
+            if q is not None:
+                q.put_nowait((e.state.engine_id, _ENGINE_FAILED, reason))
+        e.requests.clear()
+
+    # ---- Backend API ------------------------------------------------------------
+
+    def is_ready(self) -> tuple[bool, str]:
+        for role in sorted(self.router.pools()):
+            if not self.router.ready_engines(role):
+                return False, f"no ready {role} engine"
+        return True, ""
+
+    async def abort(self, request_id: str) -> None:
+        for e in self.engines.values():
+            if request_id in e.requests:
+                self._send(e, b"A", EngineAbort([request_id]))
+                e.requests.discard(request_id)
+
+    def _send(self, e: _Engine, kind: bytes, msg: Any) -> None:
+        if e.socket is None:
+            raise BackendUnavailable(f"engine {e.state.engine_id} is not connected")
+        e.socket.send_multipart([kind, self._enc.encode(msg)], flags=zmq.NOBLOCK)
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        rid = request.request_id
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[rid] = q
+        finished = False
+        try:
+            if not self.disaggregated:
+                eng = self._pick("colocated", request)
+                async for out in self._stream(eng, request, q):
+                    finished = out.finished
+                    yield out
+                return
+            decode_req = request
+            first = None
+            if request.sampling_params.max_tokens > 1 and self.router.use_remote_prefill(
+                len(request.prompt_token_ids)
+            ):
+                first = await self._remote_prefill(request, q)
+            if first is not None:
+                if first.finished:  # EOS as the first token: nothing to hand off
+                    finished = True
+                    yield first
+                    return
+                yield first
+                decode_req = _decode_request(request, first)
+            eng = self._pick("decode", request, streaming=first is not None)
+            if eng is None:
+                finished = True
+                yield _error(rid, "no ready decode engine")
+                return
+            async for out in self._stream(eng, decode_req, q):
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                await self.abort(rid)
+            self._streams.pop(rid, None)
+            for e in self.engines.values():
+                e.requests.discard(rid)
+
+    def _pick(self, role: str, request: EngineRequest, streaming: bool = False) -> _Engine | None:
+        st = self.router.pick_generator(role)
+        if st is None:
+            if streaming:
+                return None
+            raise BackendUnavailable(f"no ready {role} engine")
+        return self.engines[st.engine_id]
+
+    async def _remote_prefill(
+        self, request: EngineRequest, q: asyncio.Queue
+    ) -> EngineOutput | None:
+        """Run the prompt on a prefill engine; retry once on another. Returns
+        P's output (first token + kv_transfer_params), or None to prefill on
+        the decode engine instead."""
+        sp = request.sampling_params
+        p_req = msgspec.structs.replace(
+            request,
+            sampling_params=msgspec.structs.replace(
+                sp, max_tokens=1, min_tokens=min(sp.min_tokens, 1)
+            ),
+            kv_transfer_params={"do_remote_decode": True},
+        )
+        tried: set[str] = set()
+        for _ in range(2):
+            st = self.router.pick_prefill(exclude=tried)
+            if st is None:
+                return None
+            tried.add(st.engine_id)
+            e = self.engines[st.engine_id]
+            n = len(request.prompt_token_ids)
+            st.queued_prefill_tokens += n
+            try:
+                out = None
+                async for o in self._stream(e, p_req, q):
+                    out = o
+            finally:
+                st.queued_prefill_tokens -= n
+            if out is None or out.finish_reason == FinishReason.ERROR:
+                logger.warning("prefill on %s failed: %s", st.engine_id, out and out.error)
+                continue
+            if out.finish_reason == FinishReason.LENGTH and out.kv_transfer_params:
+                return EngineOutput(
+                    request_id=out.request_id,
+                    new_token_ids=out.new_token_ids,
+                    new_logprobs=out.new_logprobs,
+                    num_cached_tokens=out.num_cached_tokens,
+                    kv_transfer_params=out.kv_transfer_params,
+                )
+            return out  # finished on P (EOS / stop token): final as is
+        return None
+
+    async def _stream(
+        self, e: _Engine, request: EngineRequest, q: asyncio.Queue
+    ) -> AsyncIterator[EngineOutput]:
+        eid = e.state.engine_id
+        e.requests.add(request.request_id)
+        e.state.num_inflight += 1
+        try:
+            self._send(e, b"R", request)
+            while True:
+                item = await q.get()
+                if item[0] != eid:
+                    continue  # late output of an engine this request left
+                if item[1] is _ENGINE_FAILED:
+                    yield _error(request.request_id, item[2])
+                    return
+                out: EngineOutput = item[1]
+                yield out
+                if out.finished:
+                    return
+        finally:
+            e.state.num_inflight -= 1
+
+    def metrics_snapshot(self) -> BackendMetrics:
+        engines = []
+        for e in self.engines.values():
+            s = dict(e.stats)
+            kv = s.pop("kv_transfer", {}) or {}
+            sched = SchedulerStats(
+                **{k: v for k, v in s.items() if k in SchedulerStats.__struct_fields__}
+            )
+            counters = {k: float(v) for k, v in kv.items() if k.endswith("_total")}
+            gauges = {
+                k: float(v)
+                for k, v in kv.items()
+                if not k.endswith("_total") and isinstance(v, int | float)
+            }
+            gauges["kv_blocks_held_for_transfer"] = float(s.get("num_blocks_held_for_transfer", 0))
+            engines.append(
+                EngineMetrics(
+                    engine_id=e.state.engine_id,
+                    role=e.state.role,
+                    scheduler_stats=sched,
+                    counters=counters,
+                    gauges=gauges,
+                )
+            )
+        return BackendMetrics(engines=engines, num_disagg_decisions=dict(self.router.num_decisions))
+
+    # ---- test hooks -------------------------------------------------------------
+
+    async def call_all(self, method: str) -> dict[str, Any]:
+        """Call a control method (``check_integrity``, ``stats``) on every engine."""
+        out = {}
+        for eid, e in self.engines.items():
+            ref = getattr(e.handle.actor, method).remote()
+            out[eid] = await asyncio.wait_for(_await_ref(ref), self.call_timeout_s)
+        return out
+
+
+def _decode_request(request: EngineRequest, first: EngineOutput) -> EngineRequest:
+    sp = request.sampling_params
+    n = len(first.new_token_ids)
+    params = dict(first.kv_transfer_params or {})
+    params["do_remote_prefill"] = True
+    params.pop("do_remote_decode", None)
+    return msgspec.structs.replace(
+        request,
+        prompt_token_ids=list(request.prompt_token_ids) + list(first.new_token_ids),
+        sampling_params=msgspec.structs.replace(
+            sp, max_tokens=sp.max_tokens - n, min_tokens=max(0, sp.min_tokens - n)
+        ),
+        kv_transfer_params=params,
+    )
+
+
+def _error(request_id: str, message: str) -> EngineOutput:
+    return EngineOutput(request_id=request_id, finish_reason=FinishReason.ERROR, error=message)
+
+
+async def _await_ref(ref):
+    return await ref

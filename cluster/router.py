@@ -1,0 +1,73 @@
+"""Router: which engine gets a request.
+
+    prefill pool: least queued prefill tokens (tokens sent, not yet answered)
+    decode pool : lowest KV usage + running share (latest stats + in-flight here)
+    colocated   : same rule as decode
+    conditional disaggregation: prompts shorter than ``disagg_min_tokens``
+    skip the prefill pool and prefill on the decode engine.
+
+The router only keeps counters; ``RayBackend`` tells it what was sent and
+what came back. All calls happen on the gateway's event loop thread.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class EngineState:
+    engine_id: str
+    role: str
+    epoch: int = 0
+    ready: bool = False
+    max_num_seqs: int = 1
+    queued_prefill_tokens: int = 0
+    num_inflight: int = 0
+    kv_cache_usage: float = 0.0
+    num_running: int = 0
+    num_waiting: int = 0
+    info: dict = field(default_factory=dict)
+
+
+class Router:
+    def __init__(self, disagg_min_tokens: int = 0) -> None:
+        if disagg_min_tokens < 0:
+            raise ValueError(f"disagg_min_tokens must be >= 0, got {disagg_min_tokens}")
+        self.disagg_min_tokens = disagg_min_tokens
+        self.engines: dict[str, EngineState] = {}
+        self.num_decisions = {"remote": 0, "local": 0}
+
+    def add(self, engine_id: str, role: str) -> EngineState:
+        st = self.engines[engine_id] = EngineState(engine_id, role)
+        return st
+
+    def ready_engines(self, role: str) -> list[EngineState]:
+        return [e for e in self.engines.values() if e.role == role and e.ready]
+
+    def pools(self) -> set[str]:
+        return {e.role for e in self.engines.values()}
+
+    def use_remote_prefill(self, num_prompt_tokens: int) -> bool:
+        """Decide (and count) the path of one request in a disaggregated setup."""
+        remote = num_prompt_tokens >= self.disagg_min_tokens and bool(self.ready_engines("prefill"))
+        self.num_decisions["remote" if remote else "local"] += 1
+        return remote
+
+    def pick_prefill(self, exclude: set[str] = frozenset()) -> EngineState | None:
+        cands = [e for e in self.ready_engines("prefill") if e.engine_id not in exclude]
+        if not cands:
+            return None
+        return min(cands, key=lambda e: (e.queued_prefill_tokens, e.num_inflight, e.engine_id))
+
+    def pick_generator(self, role: str, exclude: set[str] = frozenset()) -> EngineState | None:
+        """Decode or colocated engine: least loaded by KV usage and running share."""
+        cands = [e for e in self.ready_engines(role) if e.engine_id not in exclude]
+        if not cands:
+            return None
+
+        def load(e: EngineState) -> tuple[float, str]:
+            share = max(e.num_inflight, e.num_running + e.num_waiting) / max(e.max_num_seqs, 1)
+            return (e.kv_cache_usage + share, e.engine_id)
+
+        return min(cands, key=load)

@@ -1,0 +1,242 @@
+"""``tandem serve``: Ray pools + router + OpenAI gateway in one command.
+
+    tandem serve --model tiny --prefill 1 --decode 1          # disaggregated (default)
+    tandem serve --colocated 2                                 # no disaggregation
+    tandem serve --decode-max-num-seqs 256 --prefill-max-num-batched-tokens 8192
+    tandem serve --config serve.yaml                           # same keys, YAML
+
+The gateway runs in this process (the Ray driver); engines are Ray actors.
+Ctrl-C stops the gateway, the engines and the Ray instance this command started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from typing import Any
+
+from workers.config import EngineConfig, add_engine_arguments, engine_overrides
+
+logger = logging.getLogger("tandem.serve")
+
+SERVE_DEFAULTS: dict[str, Any] = {
+    "model": "tiny",
+    "prefill": 1,
+    "decode": 1,
+    "colocated": 0,
+    "host": "127.0.0.1",
+    "port": 8000,
+    "api_key": None,
+    "address": None,
+    "disagg_min_tokens": 0,
+    "max_restarts": 3,
+    "num_gpus_per_engine": 0,
+    "kv_lease_s": 60.0,
+    "load_failure_policy": "recompute",
+}
+
+
+def add_serve_parser(sub: Any) -> None:
+    p = sub.add_parser("serve", help="serve the OpenAI API with Ray engine pools")
+    add_serve_arguments(p)
+    p.set_defaults(func=cmd_serve)
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="'tiny' (default), a local directory or a hub id")
+    p.add_argument("--prefill", type=int, help="prefill engines (default 1)")
+    p.add_argument("--decode", type=int, help="decode engines (default 1)")
+    p.add_argument("--colocated", type=int, help="colocated engines (replaces prefill/decode)")
+    p.add_argument("--host", help="gateway host (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="gateway port (default 8000)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/*")
+    p.add_argument("--address", help="Ray address to join (default: start a local Ray)")
+    p.add_argument("--config", help="YAML file with the same keys (CLI wins)")
+    p.add_argument(
+        "--disagg-min-tokens",
+        type=int,
+        help="prompts with fewer tokens prefill on the decode engine (default 0)",
+    )
+    p.add_argument("--max-restarts", type=int, help="Ray restarts per engine actor (default 3)")
+    p.add_argument("--num-gpus-per-engine", type=int, help="GPUs per engine (0 = CPU)")
+    p.add_argument("--kv-lease-s", type=float, help="prefill-side KV lease (default 60)")
+    p.add_argument("--load-failure-policy", choices=["recompute", "fail"])
+    add_engine_arguments(p)
+    for role in ("prefill", "decode", "colocated"):
+        add_engine_arguments(p, prefix=f"{role}-")
+
+
+def resolve_settings(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """Merge defaults < YAML file < command line. Returns (serve settings,
+    engine overrides per role)."""
+    file_cfg: dict[str, Any] = {}
+    if getattr(args, "config", None):
+        import yaml
+
+        with open(args.config) as f:
+            file_cfg = yaml.safe_load(f) or {}
+        if not isinstance(file_cfg, dict):
+            raise ValueError(f"--config {args.config}: expected a mapping at the top level")
+    settings = dict(SERVE_DEFAULTS)
+    unknown = (
+        set(file_cfg)
+        - set(SERVE_DEFAULTS)
+        - set(EngineConfig.__dataclass_fields__)
+        - {
+            "prefill_engine",
+            "decode_engine",
+            "colocated_engine",
+        }
+    )
+    if unknown:
+        raise ValueError(f"--config: unknown keys {sorted(unknown)}")
+    for k in SERVE_DEFAULTS:
+        if k in file_cfg:
+            settings[k] = file_cfg[k]
+        v = getattr(args, k, None)
+        if v is not None:
+            settings[k] = v
+    common = {k: v for k, v in file_cfg.items() if k in EngineConfig.__dataclass_fields__}
+    common.update(engine_overrides(args))
+    per_role = {}
+    for role in ("prefill", "decode", "colocated"):
+        o = dict(common)
+        o.update(file_cfg.get(f"{role}_engine", {}) or {})
+        o.update(engine_overrides(args, prefix=f"{role}-"))
+        per_role[role] = o
+    if settings["colocated"]:
+        settings["prefill"] = settings["decode"] = 0
+    elif settings["prefill"] < 0 or settings["decode"] < 1:
+        raise ValueError("--decode must be >= 1 and --prefill >= 0 (or use --colocated K)")
+    return settings, per_role
+
+
+def pool_specs(settings: dict[str, Any], per_role: dict[str, dict[str, Any]]):
+    from cluster.pools import PoolSpec
+
+    specs = []
+    for role in ("prefill", "decode", "colocated"):
+        n = settings[role]
+        if not n:
+            continue
+        cfg = EngineConfig(
+            model=settings["model"],
+            role=role,
+            kv_connector=None if role == "colocated" else "nixl",
+            kv_lease_s=settings["kv_lease_s"],
+            load_failure_policy=settings["load_failure_policy"],
+            kv_host="auto" if settings["address"] else "127.0.0.1",
+            **per_role[role],
+        )
+        specs.append(
+            PoolSpec(role, n, cfg, settings["num_gpus_per_engine"], settings["max_restarts"])
+        )
+    return specs
+
+
+class Service:
+    """Everything ``tandem serve`` runs, startable from tests too."""
+
+    def __init__(self, settings: dict[str, Any], per_role: dict[str, dict[str, Any]]) -> None:
+        self.settings = settings
+        self.per_role = per_role
+        self.handles: list = []
+        self.backend = None
+        self.started_ray = False
+        self.dashboard_url = None
+
+    async def start(self) -> None:
+        import ray
+
+        from cluster.engine_actor import free_port, node_ip
+        from cluster.pools import start_pools
+        from cluster.ray_backend import RayBackend
+        from workers.loader import resolve_model_path
+        from workers.tokenizer import load_tokenizer
+
+        if not ray.is_initialized():
+            if self.settings["address"]:
+                ctx = ray.init(address=self.settings["address"])
+            else:
+                ctx = ray.init(
+                    include_dashboard=self.settings.get("ray_dashboard", True),
+                    dashboard_host="127.0.0.1",
+                )
+                self.started_ray = True
+            self.dashboard_url = getattr(ctx, "dashboard_url", None)
+        host = node_ip() if self.settings["address"] else "127.0.0.1"
+        output_addr = f"tcp://{host}:{free_port(host)}"
+        model_path = resolve_model_path(self.settings["model"])
+        tokenizer = load_tokenizer(model_path)
+        self.handles = start_pools(pool_specs(self.settings, self.per_role), output_addr)
+        self.backend = RayBackend(
+            self.handles,
+            tokenizer=tokenizer,
+            model_name=self.settings["model"],
+            output_addr=output_addr,
+            disagg_min_tokens=self.settings["disagg_min_tokens"],
+        )
+        await self.backend.start()
+
+    async def stop(self) -> None:
+        import ray
+
+        from cluster.pools import stop_pools
+
+        if self.backend is not None:
+            await self.backend.close()
+        if self.handles:
+            stop_pools(self.handles)
+        if self.started_ray:
+            ray.shutdown()
+
+
+async def _serve(settings: dict[str, Any], per_role: dict[str, dict[str, Any]]) -> None:
+    import uvicorn
+
+    from cluster.gateway import create_app
+
+    svc = Service(settings, per_role)
+    try:
+        await svc.start()
+        app = create_app(svc.backend, api_key=settings["api_key"])
+        server = uvicorn.Server(
+            uvicorn.Config(
+                app,
+                host=settings["host"],
+                port=settings["port"],
+                log_level="warning",
+                lifespan="off",
+            )
+        )
+        base = f"http://{settings['host']}:{settings['port']}"
+        pools = ", ".join(
+            f"{settings[r]} {r}" for r in ("prefill", "decode", "colocated") if settings[r]
+        )
+        print(f"tandem: serving {settings['model']!r} with {pools}", flush=True)
+        print(f"  OpenAI API : {base}/v1", flush=True)
+        print(f"  health     : {base}/health", flush=True)
+        print(f"  metrics    : {base}/metrics", flush=True)
+        if svc.dashboard_url:
+            print(f"  Ray dashboard: http://{svc.dashboard_url}", flush=True)
+        await server.serve()
+    finally:
+        await svc.stop()
+        print("tandem: stopped", flush=True)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        settings, per_role = resolve_settings(args)
+        pool_specs(settings, per_role)  # validates engine configs before starting anything
+    except (ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        asyncio.run(_serve(settings, per_role))
+    except KeyboardInterrupt:
+        pass
+    return 0
