@@ -240,3 +240,75 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         pass
     return 0
+
+
+class ServiceThread:
+    """The whole service (Ray pools, backend, gateway) on a background event
+    loop, for tests and benchmarks::
+
+        with ServiceThread(settings, per_role) as svc:
+            httpx.get(svc.base_url + "/health")
+            svc.run(svc.service.backend.call_all("check_integrity"))
+    """
+
+    def __init__(
+        self,
+        settings: dict[str, Any],
+        per_role: dict[str, dict[str, Any]],
+        start_timeout_s: float = 300.0,
+    ) -> None:
+        import socket
+        import threading
+
+        self.service = Service(settings, per_role)
+        self.start_timeout_s = start_timeout_s
+        self.loop = asyncio.new_event_loop()
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((settings.get("host") or "127.0.0.1", 0))
+        self.base_url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+        self._server = None
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+
+    def run(self, coro: Any, timeout_s: float = 60.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def __enter__(self) -> ServiceThread:
+        import uvicorn
+
+        from cluster.gateway import create_app
+
+        self._thread.start()
+        try:
+            self.run(self.service.start(), self.start_timeout_s)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        app = create_app(self.service.backend, api_key=self.service.settings.get("api_key"))
+        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+        self._server.install_signal_handlers = lambda: None  # not the main thread
+        self._serve_future = asyncio.run_coroutine_threadsafe(
+            self._server.serve(sockets=[self._sock]), self.loop
+        )
+        import time
+
+        deadline = time.monotonic() + 30
+        while not self._server.started:
+            if self._serve_future.done() or time.monotonic() > deadline:
+                raise RuntimeError("gateway did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+            try:
+                self._serve_future.result(15)
+            except Exception:  # noqa: BLE001
+                pass
+        try:
+            self.run(self.service.stop(), 60)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(10)
+            self._sock.close()
