@@ -1,0 +1,112 @@
+"""``tandem bench`` against the gateway + NullBackend in a background server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+
+import pytest
+
+from cluster import bench
+from cluster.bench import BenchConfig
+from cluster.gateway import create_app, serve_in_thread
+from cluster.null_backend import NullBackend
+from workers.tiny import build_tokenizer
+
+
+@pytest.fixture(scope="module")
+def server():
+    backend = NullBackend(build_tokenizer(), num_tokens_per_output=2)
+    with serve_in_thread(create_app(backend)) as url:
+        yield backend, url
+
+
+def run(config: BenchConfig) -> dict:
+    return asyncio.run(bench.run_benchmark(config))
+
+
+def test_closed_loop_numbers_are_sane(server):
+    backend, url = server
+    summary = run(
+        BenchConfig(url, num_requests=24, concurrency=4, input_len=16, output_len=20, seed=3)
+    )
+    assert (summary["num_completed"], summary["num_failed"]) == (24, 0)
+    assert summary["model"] == "tiny"
+    assert summary["total_input_tokens"] == 24 * 16
+    assert summary["total_output_tokens"] == 24 * 20  # ignore_eos: exactly max_tokens
+    duration_s = summary["duration_s"]
+    assert 0 < duration_s < 30
+    assert summary["request_throughput"] == pytest.approx(24 / duration_s)
+    assert summary["output_token_throughput"] == pytest.approx(24 * 20 / duration_s)
+    ttft, tpot, itl, e2e = (summary[k] for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"))
+    for stats in (ttft, tpot, itl, e2e):
+        assert 0 <= stats["p50"] <= stats["p90"] <= stats["p99"]
+    assert 0 < ttft["p50"] <= e2e["p50"]
+    assert e2e["p99"] < duration_s * 1000
+    assert tpot["mean"] > 0
+    assert summary["goodput"] is None
+    assert backend.num_running == 0
+
+
+def test_goodput_counts_requests_meeting_slos(server):
+    _, url = server
+    lax = run(BenchConfig(url, num_requests=8, concurrency=2, input_len=4, output_len=4,
+                          slo_ttft_ms=60_000, slo_tpot_ms=60_000))  # fmt: skip
+    assert lax["goodput"] == pytest.approx(lax["request_throughput"])
+    strict = run(BenchConfig(url, num_requests=8, concurrency=2, input_len=4, output_len=4,
+                             slo_ttft_ms=1e-6))  # fmt: skip
+    assert strict["goodput"] == 0.0
+
+
+def test_poisson_rate_and_range_ratio(server):
+    _, url = server
+    config = BenchConfig(url, num_requests=16, request_rate=400.0, input_len=10, output_len=10,
+                         range_ratio=0.5, seed=7)  # fmt: skip
+    prompts, output_lens, offsets_s = bench.build_workload(config, vocab_size=262)
+    assert all(5 <= len(p) <= 15 for p in prompts) and all(5 <= n <= 15 for n in output_lens)
+    assert offsets_s[0] == 0.0 and offsets_s == sorted(offsets_s)
+    assert bench.build_workload(config, vocab_size=262) == (prompts, output_lens, offsets_s)
+    summary = run(config)
+    assert summary["num_completed"] == 16
+    assert summary["total_input_tokens"] == sum(len(p) for p in prompts)
+    assert summary["total_output_tokens"] == sum(output_lens)
+    assert summary["duration_s"] >= offsets_s[-1]
+
+
+def test_timeout_bounds_the_run():
+    backend = NullBackend(build_tokenizer(), output_interval_s=10.0)
+    with serve_in_thread(create_app(backend)) as url:
+        summary = run(BenchConfig(url, num_requests=3, concurrency=3, input_len=2, output_len=50,
+                                  request_timeout_s=0.3))  # fmt: skip
+        assert summary["num_failed"] == 3
+        assert summary["errors"] == {"timeout after 0.3 s": 3}
+        assert summary["duration_s"] < 5
+
+
+def test_server_errors_are_reported(server):
+    _, url = server
+    summary = run(BenchConfig(url, num_requests=2, input_len=5000, output_len=4))
+    assert summary["num_failed"] == 2
+    [error] = summary["errors"]
+    assert error.startswith("HTTP 400")
+
+
+def test_main_json_and_table(server, capsys):
+    _, url = server
+    args = ["--url", url, "--num-requests", "4", "--input-len", "3", "--output-len", "5"]
+    assert bench.main([*args, "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["num_completed"] == 4
+    assert bench.main([*args, "--slo-ttft-ms", "60000"]) == 0
+    table = capsys.readouterr().out
+    for label in ("TTFT", "TPOT", "ITL", "E2E", "goodput", "output throughput"):
+        assert label in table
+    assert bench.main([*args, "--concurrency", "0"]) == 2
+
+
+def test_percentile_matches_definition():
+    values = sorted(random.Random(0).random() for _ in range(101))
+    assert bench.percentile(values, 50) == values[50]
+    assert bench.percentile(values, 99) == values[99]
+    assert bench.percentile([1.0, 2.0], 50) == 1.5
