@@ -11,6 +11,8 @@ from tests.kernels.cases import attention_oracle, make_case, write_oracle
 MIXED = [(9, 9), (13, 1), (20, 6), (1, 1), (37, 37), (17, 1), (5, 2)]  # prefill/decode/chunk
 DECODE = [(1, 1), (7, 1), (16, 1), (33, 1), (64, 1)]
 PREFILL = [(3, 3), (16, 16), (29, 29)]
+SIMILAR = [(20, 8), (24, 7), (18, 8), (30, 6), (9, 9), (8, 8), (14, 1), (12, 1)]  # padded groups
+LONG = [(70, 70), (100, 66), (5, 1), (9, 3)]  # queries past SHORT_QUERY_LEN, one with a prefix
 
 
 def test_build_metadata_matches_python():
@@ -44,7 +46,9 @@ def test_write_kv_cache_matches_oracle_and_skips_minus_one(block_size):
 @pytest.mark.parametrize("head_dim", [32, 48, 64, 80])
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2), (8, 2)])
 @pytest.mark.parametrize("block_size", [4, 16])
-@pytest.mark.parametrize("seqs", [MIXED, DECODE, PREFILL], ids=["mixed", "decode", "prefill"])
+@pytest.mark.parametrize(
+    "seqs", [MIXED, DECODE, PREFILL, SIMILAR], ids=["mixed", "decode", "prefill", "similar"]
+)
 def test_attention_matches_oracle_fp32(head_dim, heads, block_size, seqs):
     case = make_case(seqs, block_size, heads[0], heads[1], head_dim, seed=head_dim + block_size)
     write_kv_cache(case.key, case.value, case.layer_cache, case.meta.slot_mapping)
@@ -79,6 +83,26 @@ def test_ragged_decodes_split_into_groups_match_oracle():
     case = make_case([(n, 1) for n in lens] + [(12, 5)], 4, 4, 2, 32)
     write_kv_cache(case.key, case.value, case.layer_cache, case.meta.slot_mapping)
     out = paged_attention(case.query, case.layer_cache, case.meta, case.scale)
-    decodes, _ = case.meta.derived[("reference_plan", 4)]
-    assert len(decodes) > 1
+    plan = case.meta.derived[("attention_plan", 4)]
+    assert len(plan.groups) > 2 and not plan.long_queries
+    torch.testing.assert_close(out.double(), attention_oracle(case), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("head_dim,heads,block_size", [(48, (4, 2), 16), (32, (4, 4), 4)])
+def test_long_queries_match_oracle(head_dim, heads, block_size):
+    case = make_case(LONG, block_size, heads[0], heads[1], head_dim)
+    write_kv_cache(case.key, case.value, case.layer_cache, case.meta.slot_mapping)
+    out = paged_attention(case.query, case.layer_cache, case.meta, case.scale)
+    plan = case.meta.derived[("attention_plan", block_size)]
+    assert len(plan.long_queries) == 2
+    torch.testing.assert_close(out.double(), attention_oracle(case), atol=2e-5, rtol=2e-5)
+
+
+def test_similar_short_queries_share_padded_groups():
+    case = make_case(SIMILAR, 16, 4, 2, 32)
+    write_kv_cache(case.key, case.value, case.layer_cache, case.meta.slot_mapping)
+    out = paged_attention(case.query, case.layer_cache, case.meta, case.scale)
+    plan = case.meta.derived[("attention_plan", 16)]
+    assert [(g.num_seqs, g.query_len) for g in plan.groups] == [(2, 1), (6, 9)]
+    assert plan.groups[1].valid_pos is not None
     torch.testing.assert_close(out.double(), attention_oracle(case), atol=2e-5, rtol=2e-5)
