@@ -1,0 +1,20 @@
+"""KV transfer between engines: connector interface, NIXL connector, params.
+
+``create_connector(KVTransferConfig(...))`` returns ``(scheduler_side,
+worker_side)``; see ``base.py`` for the contract of each half.
+"""
+
+from kvtransfer.base import KVConnectorSchedulerSide, KVConnectorWorkerSide
+from kvtransfer.config import KVTransferConfig
+from kvtransfer.params import KVTransferParams
+from kvtransfer.registry import available_connectors, create_connector, register_connector
+
+__all__ = [
+    "KVConnectorSchedulerSide",
+    "KVConnectorWorkerSide",
+    "KVTransferConfig",
+    "KVTransferParams",
+    "available_connectors",
+    "create_connector",
+    "register_connector",
+]

@@ -1,0 +1,97 @@
+"""KVTransferConfig: every knob of a KV connector, validated at construction.
+
+Both halves of a connector read the same config. P and D of one deployment
+must agree on ``lease_s`` (D assumes a renewal extends P's lease by it) and
+on every compatibility field (checked at handshake, see ``compat.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+
+ROLES = ("prefill", "decode", "both")
+LOAD_FAILURE_POLICIES = ("recompute", "fail")
+
+
+@dataclasses.dataclass(frozen=True)
+class KVTransferConfig:
+    # which connector class the registry builds
+    connector: str = "nixl"
+    # "prefill" serves its KV, "decode" pulls remote KV, "both" does either
+    role: str = "both"
+    engine_id: str = "engine-0"
+    # bumped by whoever restarts the engine; peers drop cached state when it changes
+    epoch: int = 0
+    # ZMQ side channel that serves handshakes (prefill/both roles); port 0 = pick a free one
+    side_channel_host: str = "127.0.0.1"
+    side_channel_port: int = 0
+    # host written into kv_transfer_params; None = side_channel_host (or this
+    # machine's address when binding a wildcard)
+    advertise_host: str | None = None
+    # P frees held blocks this long after the prefill finished unless D renews
+    lease_s: float = 60.0
+    # D gives up on one load (handshake + read) after this long
+    load_timeout_s: float = 30.0
+    handshake_timeout_s: float = 5.0
+    # what the scheduler does with a failed load: recompute on D, or finish with an error
+    load_failure_policy: str = "recompute"
+    block_size: int = 16
+    # compatibility fields; None = taken from the registered KV tensor
+    model_name: str = ""
+    kv_dtype: str | None = None
+    num_layers: int | None = None
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    # NIXL backends for the agent
+    backends: tuple[str, ...] = ("UCX",)
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"KVTransferConfig.role must be one of {ROLES}, got {self.role!r}")
+        if not self.engine_id or any(c.isspace() for c in self.engine_id):
+            raise ValueError(
+                f"KVTransferConfig.engine_id must be non-empty without spaces, got {self.engine_id!r}"
+            )
+        if not isinstance(self.epoch, int) or self.epoch < 0:
+            raise ValueError(f"KVTransferConfig.epoch must be an int >= 0, got {self.epoch!r}")
+        if not 0 <= self.side_channel_port < 65536:
+            raise ValueError(
+                f"KVTransferConfig.side_channel_port must be in 0..65535, got {self.side_channel_port}"
+            )
+        for name in ("lease_s", "load_timeout_s", "handshake_timeout_s"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ValueError(f"KVTransferConfig.{name} must be > 0, got {value!r}")
+        if self.load_failure_policy not in LOAD_FAILURE_POLICIES:
+            raise ValueError(
+                f"KVTransferConfig.load_failure_policy must be one of {LOAD_FAILURE_POLICIES}, "
+                f"got {self.load_failure_policy!r}"
+            )
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(
+                f"KVTransferConfig.block_size must be an int >= 1, got {self.block_size!r}"
+            )
+        for name in ("num_layers", "num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"KVTransferConfig.{name} must be an int >= 1, got {value!r}")
+        if not self.backends:
+            raise ValueError("KVTransferConfig.backends must name at least one NIXL backend")
+
+    @property
+    def serves_kv(self) -> bool:
+        """This engine hands out its KV to decode engines (needs a side channel)."""
+        return self.role in ("prefill", "both")
+
+    @property
+    def pulls_kv(self) -> bool:
+        return self.role in ("decode", "both")
+
+    def resolved_advertise_host(self) -> str:
+        """The host decode engines should connect to for handshakes."""
+        if self.advertise_host:
+            return self.advertise_host
+        if self.side_channel_host in ("0.0.0.0", "*", "", "::"):
+            return socket.gethostbyname(socket.gethostname())
+        return self.side_channel_host

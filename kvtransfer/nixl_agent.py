@@ -1,0 +1,166 @@
+"""One NIXL agent per worker, and the descriptor math of blocks-first KV.
+
+The KV cache is one tensor ``[num_blocks, num_layers, 2, block_size,
+num_kv_heads, head_dim]``, so block ``b`` of every layer is the single
+region ``base + b * block_len``. A transfer is one descriptor per RUN of
+blocks that are consecutive on both sides::
+
+    local  [7, 8, 9, 3, 4]      runs: (7 <- 20, 2 blocks)
+    remote [20, 21, 5, 6, 7]          (9 <- 5, 1 block)   21->5 breaks remote
+                                      (3 <- 6, 2 blocks)  9->3 breaks local
+
+All NIXL calls of the agent go through this class, behind one lock (NIXL
+does not promise thread safety; handshake threads add peers while the loop
+thread polls transfers).
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from typing import Any
+
+import numpy as np
+
+from kvtransfer.side_channel import RegionInfo
+
+XferHandle = Any
+
+
+def split_block_runs(
+    local_block_ids: list[int], remote_block_ids: list[int]
+) -> list[tuple[int, int, int]]:
+    """``(local_start, remote_start, num_blocks)`` per maximal run of blocks
+    consecutive on both sides, in order."""
+    if len(local_block_ids) != len(remote_block_ids):
+        raise ValueError(
+            f"{len(local_block_ids)} local vs {len(remote_block_ids)} remote block ids"
+        )
+    runs: list[tuple[int, int, int]] = []
+    for local_id, remote_id in zip(local_block_ids, remote_block_ids):
+        if runs:
+            local_start, remote_start, length = runs[-1]
+            if local_id == local_start + length and remote_id == remote_start + length:
+                runs[-1] = (local_start, remote_start, length + 1)
+                continue
+        runs.append((local_id, remote_id, 1))
+    return runs
+
+
+def run_descriptors(region: RegionInfo, starts: list[int], lengths: list[int]) -> np.ndarray:
+    """Nx3 ``(address, num_bytes, device_id)`` rows for block runs of ``region``."""
+    descs = np.empty((len(starts), 3), dtype=np.uint64)
+    descs[:, 0] = region.base_addr + np.asarray(starts, dtype=np.uint64) * region.block_len
+    descs[:, 1] = np.asarray(lengths, dtype=np.uint64) * region.block_len
+    descs[:, 2] = region.device_id
+    return descs
+
+
+def make_agent_name(engine_id: str, epoch: int) -> str:
+    """Unique per process incarnation, so NIXL never confuses two restarts."""
+    return f"tandem-{engine_id}-e{epoch}-{uuid.uuid4().hex[:8]}"
+
+
+class NixlAgent:
+    """A NIXL agent with the worker's KV cache registered as one region."""
+
+    def __init__(self, name: str, backends: tuple[str, ...] = ("UCX",)) -> None:
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        self.name = name
+        self._lock = threading.Lock()
+        self._agent = nixl_agent(name, nixl_agent_config(backends=list(backends)))
+        self._registered: Any = None
+        self.region: RegionInfo | None = None
+        self.metadata = b""
+
+    def register(self, kv_cache: Any) -> RegionInfo:
+        """Register a contiguous blocks-first tensor (DRAM on CPU, VRAM on
+        CUDA) once; returns where its blocks live."""
+        if self._registered is not None:
+            raise RuntimeError("the KV cache is already registered")
+        if not kv_cache.is_contiguous():
+            raise ValueError("the KV cache tensor must be contiguous")
+        num_blocks = kv_cache.shape[0]
+        device_id = kv_cache.get_device()
+        region = RegionInfo(
+            base_addr=kv_cache.data_ptr(),
+            block_len=kv_cache[0].numel() * kv_cache.element_size(),
+            num_blocks=num_blocks,
+            device_id=max(device_id, 0),
+            mem_type="DRAM" if device_id < 0 else "VRAM",
+        )
+        with self._lock:
+            self._registered = self._agent.register_memory(kv_cache)
+            self.metadata = self._agent.get_agent_metadata()
+        self.region = region
+        return region
+
+    def add_peer(self, metadata: bytes) -> str:
+        with self._lock:
+            return self._agent.add_remote_agent(metadata)
+
+    def remove_peer(self, peer_name: str) -> None:
+        with self._lock:
+            self._agent.remove_remote_agent(peer_name)
+
+    def start_read(
+        self, peer_name: str, peer_region: RegionInfo, runs: list[tuple[int, int, int]]
+    ) -> tuple[XferHandle, str]:
+        """Post one READ of ``runs`` (see ``split_block_runs``) from the peer
+        into the local region. Returns ``(handle, "DONE"|"PROC"|"ERR")``;
+        NIXL errors raise."""
+        assert self.region is not None, "register the KV cache first"
+        local_starts = [r[0] for r in runs]
+        remote_starts = [r[1] for r in runs]
+        lengths = [r[2] for r in runs]
+        local = run_descriptors(self.region, local_starts, lengths)
+        remote = run_descriptors(peer_region, remote_starts, lengths)
+        with self._lock:
+            local_descs = self._agent.get_xfer_descs(local, self.region.mem_type)
+            remote_descs = self._agent.get_xfer_descs(remote, peer_region.mem_type)
+            handle = self._agent.initialize_xfer("READ", local_descs, remote_descs, peer_name)
+            try:
+                state = self._agent.transfer(handle)
+            except Exception:
+                self._release_locked(handle)
+                raise
+        return handle, state
+
+    def check(self, handle: XferHandle) -> str:
+        """ "DONE", "PROC" or "ERR"; a NIXL exception counts as "ERR"."""
+        with self._lock:
+            try:
+                return self._agent.check_xfer_state(handle)
+            except Exception:
+                return "ERR"
+
+    def release(self, handle: XferHandle) -> bool:
+        """Free a handle (cancelling it if still active). False if NIXL refused."""
+        with self._lock:
+            return self._release_locked(handle)
+
+    def _release_locked(self, handle: XferHandle) -> bool:
+        try:
+            self._agent.release_xfer_handle(handle)
+            return True
+        except Exception:
+            return False
+
+    def send_notif(self, peer_name: str, message: bytes) -> None:
+        with self._lock:
+            self._agent.send_notif(peer_name, message)
+
+    def get_notifs(self) -> dict[str, list[bytes]]:
+        with self._lock:
+            return self._agent.get_new_notifs()
+
+    def close(self) -> None:
+        """Deregister the KV cache and drop the agent. Idempotent."""
+        with self._lock:
+            if self._registered is not None:
+                try:
+                    self._agent.deregister_memory(self._registered)
+                finally:
+                    self._registered = None
+            self._agent = None

@@ -1,0 +1,196 @@
+"""Peers of a decode worker: prefill engines it has handshaked with.
+
+Cached per ``(engine_id, epoch)``. A newer epoch for an engine id means it
+restarted: the old entries are dropped (``remove_remote_agent``) so a
+restarted peer is never served from stale NIXL state; params that still
+name an older epoch are refused. Handshakes (ZMQ request + compat check +
+``add_remote_agent``) run on a small thread pool; everything else here runs
+on the loop thread, which collects finished handshakes with ``poll()``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+from typing import Any
+
+import zmq
+
+from kvtransfer.compat import KVLayout, compat_hash, describe_mismatch
+from kvtransfer.nixl_agent import NixlAgent
+from kvtransfer.nixl_meta import PeerAddr
+from kvtransfer.side_channel import HandshakeError, RegionInfo, fetch_handshake
+
+logger = logging.getLogger(__name__)
+
+PeerKey = tuple[str, int]
+
+
+class IncompatiblePeerError(HandshakeError):
+    """The peer's KV blocks do not mean the same bytes as ours."""
+
+
+@dataclasses.dataclass
+class Peer:
+    addr: PeerAddr
+    future: concurrent.futures.Future | None = None
+    agent_name: str = ""
+    region: RegionInfo | None = None
+    # loads / notifies queued until the handshake finishes (owned by the worker)
+    waiting: list[Any] = dataclasses.field(default_factory=list)
+
+    @property
+    def key(self) -> PeerKey:
+        return (self.addr.engine_id, self.addr.epoch)
+
+    @property
+    def ready(self) -> bool:
+        return bool(self.agent_name)
+
+
+class PeerTable:
+    def __init__(
+        self,
+        agent: NixlAgent,
+        local_engine_id: str,
+        handshake_timeout_s: float,
+        max_concurrent_handshakes: int = 4,
+    ) -> None:
+        self._agent = agent
+        self._local_engine_id = local_engine_id
+        self._timeout_s = handshake_timeout_s
+        self._context = zmq.Context()
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=max_concurrent_handshakes, thread_name_prefix="kv-handshake"
+        )
+        self._peers: dict[PeerKey, Peer] = {}
+        self._latest_epoch: dict[str, int] = {}
+        # handshakes of dropped peers still running: their agents must be removed
+        self._orphans: list[concurrent.futures.Future] = []
+        self._layout: KVLayout | None = None
+        self._hash = ""
+        self._block_len = 0
+        self.num_handshakes = 0
+        self.num_handshake_failures = 0
+
+    def set_local_layout(self, layout: KVLayout, block_len: int) -> None:
+        self._layout, self._hash, self._block_len = layout, compat_hash(layout), block_len
+
+    def lookup(self, addr: PeerAddr) -> tuple[Peer | None, list[Peer], str]:
+        """``(peer, dropped, error)``. Starts a handshake for an unknown peer.
+        ``dropped`` are older incarnations removed now (the caller fails their
+        work); ``error`` (with peer None) means ``addr`` names a stale epoch."""
+        latest = self._latest_epoch.get(addr.engine_id)
+        if latest is not None and addr.epoch < latest:
+            return (
+                None,
+                [],
+                (
+                    f"prefill engine {addr.engine_id} restarted: epoch {addr.epoch} is stale "
+                    f"(latest seen {latest})"
+                ),
+            )
+        dropped: list[Peer] = []
+        if latest is None or addr.epoch > latest:
+            dropped = self.drop_engine(addr.engine_id)
+            self._latest_epoch[addr.engine_id] = addr.epoch
+        peer = self._peers.get((addr.engine_id, addr.epoch))
+        if peer is None:
+            peer = Peer(addr, future=self._executor.submit(self._handshake, addr))
+            self._peers[peer.key] = peer
+        return peer, dropped, ""
+
+    def drop_engine(self, engine_id: str) -> list[Peer]:
+        """Forget every incarnation of ``engine_id``; returns them."""
+        dropped = [p for key, p in self._peers.items() if key[0] == engine_id]
+        for peer in dropped:
+            self.invalidate(peer)
+        return dropped
+
+    def invalidate(self, peer: Peer) -> None:
+        """Forget ``peer`` (transfer error, peer gone, restart); the next
+        request that names it handshakes again."""
+        if self._peers.get(peer.key) is peer:
+            del self._peers[peer.key]
+        if peer.future is not None:
+            self._orphans.append(peer.future)
+            peer.future = None
+        if peer.ready:
+            self._remove_agent(peer.agent_name)
+            peer.agent_name = ""
+
+    def poll(self) -> tuple[list[Peer], list[tuple[Peer, str]]]:
+        """Collect finished handshakes: ``(now_ready, failed_with_reason)``.
+        Failed peers are forgotten (the next request retries)."""
+        ready: list[Peer] = []
+        failed: list[tuple[Peer, str]] = []
+        for peer in list(self._peers.values()):
+            if peer.future is None or not peer.future.done():
+                continue
+            future, peer.future = peer.future, None
+            try:
+                peer.agent_name, peer.region = future.result()
+                self.num_handshakes += 1
+                ready.append(peer)
+            except Exception as e:
+                self.num_handshake_failures += 1
+                del self._peers[peer.key]
+                addr = peer.addr
+                reason = f"handshake with {addr.engine_id}@{addr.host}:{addr.port} failed: {e}"
+                logger.warning(reason)
+                failed.append((peer, reason))
+        for future in [f for f in self._orphans if f.done()]:
+            self._orphans.remove(future)
+            if not future.cancelled() and future.exception() is None:
+                self._remove_agent(future.result()[0])
+        return ready, failed
+
+    def _handshake(self, addr: PeerAddr) -> tuple[str, RegionInfo]:
+        """Runs on a pool thread: the only NIXL call is add_remote_agent (locked)."""
+        info = fetch_handshake(
+            self._context, addr.host, addr.port, self._local_engine_id, self._timeout_s
+        )
+        if info.engine_id != addr.engine_id:
+            raise HandshakeError(
+                f"{addr.host}:{addr.port} is engine {info.engine_id!r}, expected {addr.engine_id!r}"
+            )
+        if info.epoch != addr.epoch:
+            raise HandshakeError(
+                f"engine {addr.engine_id} is at epoch {info.epoch}, the request names epoch "
+                f"{addr.epoch} (the engine restarted; its KV is gone)"
+            )
+        if self._layout is None:
+            raise HandshakeError("local KV cache not registered")
+        if info.compat_hash != self._hash:
+            raise IncompatiblePeerError(
+                f"engine {addr.engine_id} has incompatible KV blocks: "
+                f"{describe_mismatch(self._layout, info.layout)}"
+            )
+        if info.region.block_len != self._block_len:
+            raise IncompatiblePeerError(
+                f"engine {addr.engine_id} blocks are {info.region.block_len} bytes, "
+                f"ours {self._block_len}"
+            )
+        return self._agent.add_peer(info.agent_metadata), info.region
+
+    def _remove_agent(self, agent_name: str) -> None:
+        try:
+            self._agent.remove_peer(agent_name)
+        except Exception as e:  # already gone on the NIXL side
+            logger.debug("remove_remote_agent(%s): %s", agent_name, e)
+
+    def peers_with_waiting(self) -> list[Peer]:
+        return [p for p in self._peers.values() if p.waiting]
+
+    @property
+    def num_pending(self) -> int:
+        return sum(1 for p in self._peers.values() if p.future is not None) + len(self._orphans)
+
+    def close(self) -> None:
+        """Drop every peer; never waits for a running handshake. Idempotent."""
+        for peer in list(self._peers.values()):
+            self.invalidate(peer)
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        if not any(not f.done() for f in self._orphans):
+            self._context.term()

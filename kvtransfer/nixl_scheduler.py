@@ -1,0 +1,286 @@
+"""Scheduler side of the NIXL connector: bookkeeping only, no I/O.
+
+Prefill engine (P), a request sent with ``{"do_remote_decode": true}``::
+
+    finishes LENGTH_CAPPED -> request_finished: delay_free, params for D,
+                              SendSpec (blocks held until "done" or lease end)
+    finishes any other way  -> nothing held, no params
+    aborted while held      -> cancel_send: worker forgets the send
+
+Decode engine (D), a request sent with P's params (``do_remote_prefill``)::
+
+    get_num_new_matched_tokens -> (num_tokens - local hit, async) or (0, False)
+    update_state_after_alloc   -> LoadSpec for blocks [i0, i1) of the table,
+                                  or a "done" notify when nothing is missing
+    waiting for free blocks    -> "renew" notifies every lease_s / 3
+    finished before any load   -> "done" notify so P frees at once
+
+Block indices of a load (local hit ``L`` tokens, ``E`` external tokens)::
+
+    i0 = L // block_size          (L is a multiple of block_size)
+    i1 = ceil((L + E) / block_size)   the last block may be partial
+    local block_ids[i0:i1] <- remote_block_ids[i0:i1]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from kvtransfer.base import KVConnectorSchedulerSide
+from kvtransfer.config import KVTransferConfig
+from kvtransfer.nixl_meta import (
+    NOTIF_DONE,
+    NOTIF_RENEW,
+    LoadSpec,
+    NixlConnectorMetadata,
+    NotifySpec,
+    PeerAddr,
+    SendSpec,
+)
+from kvtransfer.params import KVTransferParams
+from scheduler.request import RequestStatus
+
+if TYPE_CHECKING:
+    from scheduler.messages import KVConnectorOutput, SchedulerOutput
+    from scheduler.request import Request
+
+logger = logging.getLogger(__name__)
+
+# phases of a decode-side request
+_WAITING = "waiting"  # params seen, no blocks yet
+_LOADING = "loading"  # LoadSpec issued
+_SETTLED = "settled"  # nothing (more) to do: notified, or params unusable
+
+
+@dataclasses.dataclass
+class _RemoteRequest:
+    params: KVTransferParams
+    peer: PeerAddr
+    lease_deadline: float  # what D knows of P's lease (unix seconds)
+    last_renew_time: float
+    num_local_computed: int = 0
+    phase: str = _WAITING
+    error: str = ""  # params unusable: compute locally, only tell P to free
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class NixlSchedulerSide(KVConnectorSchedulerSide):
+    def __init__(self, config: KVTransferConfig, side_channel_port: int | None) -> None:
+        self.config = config
+        self.block_size = config.block_size
+        self._host = config.resolved_advertise_host() if config.serves_kv else None
+        self._port = side_channel_port
+        # decode side: requests with do_remote_prefill until request_finished
+        self._remote: dict[str, _RemoteRequest] = {}
+        self._loads_in_flight: set[str] = set()
+        # prefill side: request id -> number of blocks held until finished_sending
+        self._held_sends: dict[str, int] = {}
+        # recorded since the last build_connector_meta
+        self._loads: list[LoadSpec] = []
+        self._notifies: list[NotifySpec] = []
+        self._new_sends: list[SendSpec] = []
+        self._cancelled_sends: list[str] = []
+
+    # ---- decode side ------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_local_computed_tokens: int
+    ) -> tuple[int, bool]:
+        state = self._remote_state(request)
+        if state is None or state.phase != _WAITING:
+            return 0, False
+        state.num_local_computed = num_local_computed_tokens
+        if state.error:
+            return 0, False
+        # at least one token is computed locally: the step that produces logits
+        num_remote = min(state.params.num_tokens, request.num_tokens - 1)
+        num_external = max(0, num_remote - num_local_computed_tokens)
+        return (num_external, True) if num_external > 0 else (0, False)
+
+    def update_state_after_alloc(
+        self, request: Request, block_ids: list[int], num_external_tokens: int
+    ) -> None:
+        state = self._remote.get(request.request_id)
+        if state is None or state.phase != _WAITING:
+            return
+        if num_external_tokens == 0:
+            self._notify(request.request_id, state, NOTIF_DONE)
+            state.phase = _SETTLED
+            return
+        num_local = state.num_local_computed
+        i0 = num_local // self.block_size
+        i1 = _cdiv(num_local + num_external_tokens, self.block_size)
+        remote_ids = state.params.remote_block_ids
+        error = ""
+        if num_local % self.block_size:
+            error = f"local hit of {num_local} tokens is not a multiple of {self.block_size}"
+        elif i1 > len(block_ids) or i1 > len(remote_ids):
+            error = (
+                f"load needs blocks [{i0}, {i1}) but the request has {len(block_ids)} local "
+                f"and {len(remote_ids)} remote blocks"
+            )
+        elif time.time() >= state.lease_deadline:
+            error = "the prefill engine's lease expired before the load could start"
+        self._loads.append(
+            LoadSpec(
+                request.request_id,
+                state.peer,
+                state.params.remote_request_id or "",
+                list(block_ids[i0:i1]) if not error else [],
+                list(remote_ids[i0:i1]) if not error else [],
+                state.lease_deadline,
+                error,
+            )
+        )
+        state.phase = _LOADING
+        self._loads_in_flight.add(request.request_id)
+
+    def _remote_state(self, request: Request) -> _RemoteRequest | None:
+        """The decode-side state of ``request``, created on first sight."""
+        state = self._remote.get(request.request_id)
+        if state is not None:
+            return state
+        raw = request.kv_transfer_params
+        if not raw or not raw.get("do_remote_prefill") or not self.config.pulls_kv:
+            return None
+        try:
+            params = KVTransferParams.from_dict(raw)
+        except ValueError as e:
+            logger.warning("request %s: ignoring kv_transfer_params: %s", request.request_id, e)
+            return None
+        peer = PeerAddr(
+            params.remote_engine_id or "",
+            params.remote_epoch,
+            params.remote_host or "",
+            params.remote_port or 0,
+        )
+        lease_s = self.config.lease_s
+        state = _RemoteRequest(params, peer, params.lease_deadline, params.lease_deadline - lease_s)
+        num_needed = _cdiv(params.num_tokens, self.block_size)
+        if len(params.remote_block_ids) < num_needed:
+            state.error = (
+                f"{len(params.remote_block_ids)} remote blocks cannot hold {params.num_tokens} "
+                f"tokens of {self.block_size}"
+            )
+            logger.warning("request %s: recomputing locally: %s", request.request_id, state.error)
+        self._remote[request.request_id] = state
+        return state
+
+    def _notify(self, request_id: str, state: _RemoteRequest, kind: str) -> None:
+        self._notifies.append(
+            NotifySpec(request_id, state.peer, state.params.remote_request_id or "", kind)
+        )
+
+    def _renew_leases(self, now: float) -> None:
+        """Renew P's lease for requests still waiting for blocks. A renewal sent
+        too close to the known deadline might arrive after P freed the blocks,
+        so it is sent but not counted."""
+        lease_s = self.config.lease_s
+        margin_s = min(lease_s / 4, 5.0)
+        for request_id, state in self._remote.items():
+            if state.phase != _WAITING or now - state.last_renew_time < lease_s / 3:
+                continue
+            self._notify(request_id, state, NOTIF_RENEW)
+            state.last_renew_time = now
+            if state.lease_deadline - now > margin_s:
+                state.lease_deadline = now + lease_s
+
+    # ---- prefill side -----------------------------------------------------------
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        state = self._remote.pop(request.request_id, None)
+        if state is not None:
+            if state.phase == _WAITING:  # finished before any load: let P free now
+                self._notify(request.request_id, state, NOTIF_DONE)
+            return False, None
+        raw = request.kv_transfer_params
+        if not raw or not raw.get("do_remote_decode") or not self.config.serves_kv:
+            return False, None
+        if request.status != RequestStatus.FINISHED_LENGTH_CAPPED:
+            return False, None  # EOS on the first token, abort, error: nothing to hand off
+        num_tokens = request.num_computed_tokens
+        num_blocks = _cdiv(num_tokens, self.block_size)
+        if num_tokens <= 0 or num_blocks > len(block_ids):
+            logger.error(
+                "request %s: cannot hand off %d tokens from %d blocks",
+                request.request_id,
+                num_tokens,
+                len(block_ids),
+            )
+            return False, None
+        lease_deadline = time.time() + self.config.lease_s
+        self._new_sends.append(SendSpec(request.request_id, num_blocks, lease_deadline))
+        self._held_sends[request.request_id] = num_blocks
+        params = KVTransferParams(
+            do_remote_prefill=True,
+            remote_engine_id=self.config.engine_id,
+            remote_host=self._host,
+            remote_port=self._port,
+            remote_block_ids=list(block_ids[:num_blocks]),
+            remote_request_id=request.request_id,
+            num_tokens=num_tokens,
+            remote_epoch=self.config.epoch,
+            lease_deadline=lease_deadline,
+        )
+        return True, params.to_dict()
+
+    def cancel_send(self, request_id: str) -> None:
+        if self._held_sends.pop(request_id, None) is None:
+            return
+        pending = [s for s in self._new_sends if s.request_id != request_id]
+        if len(pending) == len(self._new_sends):
+            self._cancelled_sends.append(request_id)  # the worker already tracks it
+        self._new_sends = pending
+
+    # ---- both -------------------------------------------------------------------
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> NixlConnectorMetadata:
+        self._renew_leases(time.time())
+        meta = NixlConnectorMetadata(
+            loads=self._loads,
+            notifies=self._notifies,
+            new_sends=self._new_sends,
+            cancelled_sends=self._cancelled_sends,
+        )
+        self._loads, self._notifies, self._new_sends, self._cancelled_sends = [], [], [], []
+        return meta
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        for request_id in connector_output.finished_sending:
+            self._held_sends.pop(request_id, None)
+        for request_id in connector_output.finished_recving:
+            self._loads_in_flight.discard(request_id)
+
+    def has_pending_work(self) -> bool:
+        return bool(
+            self._held_sends
+            or self._loads_in_flight
+            or self._loads
+            or self._notifies
+            or self._new_sends
+            or self._cancelled_sends
+        )
+
+    @property
+    def num_blocks_held_for_transfer(self) -> int:
+        """Blocks this (prefill) engine keeps for decode engines to pull."""
+        return sum(self._held_sends.values())
+
+    def check_integrity(self) -> None:
+        """Idle engine: nothing held, nothing in flight, no request tracked."""
+        problems = {
+            "held sends": sorted(self._held_sends),
+            "loads in flight": sorted(self._loads_in_flight),
+            "tracked decode requests": sorted(self._remote),
+        }
+        leftovers = {k: v for k, v in problems.items() if v}
+        if leftovers:
+            raise AssertionError(f"NixlSchedulerSide not idle: {leftovers}")

@@ -1,0 +1,396 @@
+"""Worker side of the NIXL connector: the KV bytes move here.
+
+Decode role, per LoadSpec::
+
+    start_load_kv: peer ready? -> post READ (one descriptor per block run)
+                   handshake pending? -> queue on the peer (never blocks)
+    get_finished:  handshakes done -> post queued READs
+                   READ DONE -> send_notif(P, "done:<P's request id>") -> done_recving
+                   ERR / peer gone / deadline / lease -> done_recving + load-error blocks,
+                   best-effort "done" to P, peer forgotten (re-handshake next time)
+
+Prefill role, per SendSpec: hold until "done" from D -> done_sending, or
+until the lease deadline (extended by "renew") -> done_sending.
+
+A load's deadline is ``min(start + load_timeout_s, lease_deadline)``: past
+the lease P may reuse the blocks, so a late read is a failed read.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import time
+from typing import Any
+
+from kvtransfer.base import KVConnectorWorkerSide
+from kvtransfer.compat import KVLayout, compat_hash
+from kvtransfer.config import KVTransferConfig
+from kvtransfer.nixl_agent import NixlAgent, make_agent_name, split_block_runs
+from kvtransfer.nixl_meta import (
+    NOTIF_DONE,
+    NOTIF_RENEW,
+    LoadSpec,
+    NixlConnectorMetadata,
+    NotifySpec,
+    decode_notif,
+    encode_notif,
+)
+from kvtransfer.nixl_peers import Peer, PeerTable
+from kvtransfer.side_channel import HandshakeInfo, SideChannelServer
+
+logger = logging.getLogger(__name__)
+
+_MAX_RECENT_TRANSFERS = 4096
+
+
+@dataclasses.dataclass
+class _Load:
+    spec: LoadSpec
+    deadline_mono: float
+    peer: Peer | None = None
+    handle: Any = None
+    start_s: float = 0.0
+    num_bytes: int = 0
+    num_descriptors: int = 0
+
+
+@dataclasses.dataclass
+class _Send:
+    num_blocks: int
+    lease_deadline: float
+
+
+class NixlWorkerSide(KVConnectorWorkerSide):
+    def __init__(self, config: KVTransferConfig) -> None:
+        self.config = config
+        self.agent = NixlAgent(make_agent_name(config.engine_id, config.epoch), config.backends)
+        self._server: SideChannelServer | None = None
+        if config.serves_kv:
+            self._server = SideChannelServer(
+                config.engine_id, config.side_channel_host, config.side_channel_port
+            )
+        self._peers = PeerTable(self.agent, config.engine_id, config.handshake_timeout_s)
+        self._layout: KVLayout | None = None
+        self._loads: dict[str, _Load] = {}  # in flight
+        self._zombies: list[Any] = []  # handles NIXL refused to cancel; retried
+        self._sends: dict[str, _Send] = {}
+        self._early_done: dict[str, float] = {}  # "done" before the SendSpec arrived
+        self._done_sending: set[str] = set()
+        self._done_recving: set[str] = set()
+        self._error_block_ids: set[int] = set()
+        self._counters: dict[str, float] = collections.defaultdict(float)
+        self._recent_transfer_s: collections.deque[float] = collections.deque(
+            maxlen=_MAX_RECENT_TRANSFERS
+        )
+        self._closed = False
+
+    @property
+    def side_channel_port(self) -> int | None:
+        return self._server.port if self._server is not None else None
+
+    @property
+    def layout(self) -> KVLayout | None:
+        return self._layout
+
+    # ---- registration -----------------------------------------------------------
+
+    def register_kv_caches(self, kv_cache: Any) -> None:
+        self._layout = self._check_layout(kv_cache)
+        region = self.agent.register(kv_cache)
+        self._peers.set_local_layout(self._layout, region.block_len)
+        if self._server is not None:
+            self._server.set_info(
+                HandshakeInfo(
+                    engine_id=self.config.engine_id,
+                    epoch=self.config.epoch,
+                    agent_name=self.agent.name,
+                    agent_metadata=self.agent.metadata,
+                    compat_hash=compat_hash(self._layout),
+                    layout=self._layout,
+                    region=region,
+                )
+            )
+
+    def _check_layout(self, kv_cache: Any) -> KVLayout:
+        cfg = self.config
+        if kv_cache.dim() != 6 or kv_cache.shape[2] != 2:
+            raise ValueError(
+                "KV cache must be [num_blocks, num_layers, 2, block_size, num_kv_heads, "
+                f"head_dim], got shape {tuple(kv_cache.shape)}"
+            )
+        _, num_layers, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+        dtype = str(kv_cache.dtype).removeprefix("torch.")
+        actual = {
+            "block_size": block_size,
+            "num_layers": num_layers,
+            "num_kv_heads": num_kv_heads,
+            "head_dim": head_dim,
+            "kv_dtype": dtype,
+        }
+        for name, value in actual.items():
+            expected = getattr(cfg, name)
+            if expected is not None and expected != value:
+                raise ValueError(
+                    f"KV cache {name}={value!r} but KVTransferConfig says {expected!r}"
+                )
+        return KVLayout(cfg.model_name, dtype, num_layers, num_kv_heads, head_dim, block_size)
+
+    # ---- per step ---------------------------------------------------------------
+
+    def start_load_kv(self, metadata: NixlConnectorMetadata | None) -> None:
+        if metadata is None or self._closed:
+            return
+        for send in metadata.new_sends:
+            if self._early_done.pop(send.request_id, None) is not None:
+                self._done_sending.add(send.request_id)
+            else:
+                self._sends[send.request_id] = _Send(send.num_blocks, send.lease_deadline)
+        for request_id in metadata.cancelled_sends:
+            self._sends.pop(request_id, None)
+        for spec in metadata.loads:
+            self._start_load(spec)
+        for notify in metadata.notifies:
+            self._start_notify(notify)
+
+    def get_finished(self) -> tuple[set[str], set[str]]:
+        if not self._closed:
+            self._poll_handshakes()
+            self._poll_loads()
+            self._poll_notifs()
+            self._expire_leases()
+        done_sending, self._done_sending = self._done_sending, set()
+        done_recving, self._done_recving = self._done_recving, set()
+        return done_sending, done_recving
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        block_ids, self._error_block_ids = self._error_block_ids, set()
+        return block_ids
+
+    # ---- decode side ------------------------------------------------------------
+
+    def _start_load(self, spec: LoadSpec) -> None:
+        load = _Load(spec, time.monotonic() + self.config.load_timeout_s)
+        if spec.error:
+            self._fail(load, spec.error)
+            return
+        peer = self._lookup(spec)
+        if peer is None:
+            return
+        load.peer = peer
+        if peer.ready:
+            self._issue(load)
+        else:
+            peer.waiting.append(load)
+
+    def _start_notify(self, notify: NotifySpec) -> None:
+        peer = self._lookup(notify)
+        if peer is None:
+            return
+        if peer.ready:
+            self._send_notif(peer, notify.kind, notify.remote_request_id)
+        else:
+            peer.waiting.append(notify)
+
+    def _lookup(self, spec: LoadSpec | NotifySpec) -> Peer | None:
+        peer, dropped, error = self._peers.lookup(spec.peer)
+        for old in dropped:
+            self._fail_peer_work(old, f"prefill engine {old.addr.engine_id} restarted")
+        if peer is None and isinstance(spec, LoadSpec):
+            self._fail(_Load(spec, 0.0), error)
+        return peer
+
+    def _issue(self, load: _Load) -> None:
+        spec, peer = load.spec, load.peer
+        assert peer is not None and peer.region is not None and self.agent.region is not None
+        if time.time() >= spec.lease_deadline:
+            self._fail(load, "the prefill engine's lease expired before the read started")
+            return
+        local_limit, remote_limit = self.agent.region.num_blocks, peer.region.num_blocks
+        if any(not 0 <= b < local_limit for b in spec.local_block_ids) or any(
+            not 0 <= b < remote_limit for b in spec.remote_block_ids
+        ):
+            self._fail(load, f"block id out of range (local {local_limit}, remote {remote_limit})")
+            return
+        try:
+            runs = split_block_runs(spec.local_block_ids, spec.remote_block_ids)
+            load.handle, state = self.agent.start_read(peer.agent_name, peer.region, runs)
+        except Exception as e:
+            self._fail(load, f"posting the READ failed: {e!r}")
+            self._peers.invalidate(peer)
+            return
+        load.start_s = time.perf_counter()
+        load.num_descriptors = len(runs)
+        load.num_bytes = len(spec.local_block_ids) * self.agent.region.block_len
+        self._loads[spec.request_id] = load
+        if state == "ERR":
+            self._finish_load(load, "ERR")
+
+    def _poll_handshakes(self) -> None:
+        ready, failed = self._peers.poll()
+        for peer in ready:
+            waiting, peer.waiting = peer.waiting, []
+            for item in waiting:
+                if isinstance(item, _Load):
+                    self._issue(item)
+                else:
+                    self._send_notif(peer, item.kind, item.remote_request_id)
+        for peer, reason in failed:
+            self._fail_peer_work(peer, reason)
+
+    def _poll_loads(self) -> None:
+        now_mono, now_s = time.monotonic(), time.time()
+        for load in list(self._loads.values()):
+            state = self.agent.check(load.handle)
+            if state == "PROC" and (
+                now_mono > load.deadline_mono or now_s > load.spec.lease_deadline
+            ):
+                state = "TIMEOUT"
+            if state != "PROC":
+                self._finish_load(load, state)
+        for peer in self._peers.peers_with_waiting():
+            for item in list(peer.waiting):
+                if isinstance(item, _Load) and now_mono > item.deadline_mono:
+                    peer.waiting.remove(item)
+                    self._fail(item, "timed out waiting for the handshake")
+        self._zombies = [h for h in self._zombies if not self.agent.release(h)]
+
+    def _finish_load(self, load: _Load, state: str) -> None:
+        spec, peer = load.spec, load.peer
+        del self._loads[spec.request_id]
+        if not self.agent.release(load.handle):
+            self._zombies.append(load.handle)
+        if state != "DONE":
+            reason = {"ERR": "the READ failed", "TIMEOUT": "the READ missed its deadline"}[state]
+            self._fail(load, reason)
+            if state == "ERR" and peer is not None:
+                self._peers.invalidate(peer)
+            return
+        seconds = time.perf_counter() - load.start_s
+        self._counters["kv_transfer_bytes_total"] += load.num_bytes
+        self._counters["kv_transfer_seconds_total"] += seconds
+        self._counters["num_transfers"] += 1
+        self._counters["num_descriptors"] += load.num_descriptors
+        self._counters["last_transfer_s"] = seconds
+        self._recent_transfer_s.append(seconds)
+        self._done_recving.add(spec.request_id)
+        if peer is not None:
+            self._send_notif(peer, NOTIF_DONE, spec.remote_request_id)
+
+    def _fail(self, load: _Load, reason: str) -> None:
+        """Report the load finished with its local blocks in error, and tell P
+        to free (best effort: otherwise its lease frees them)."""
+        spec = load.spec
+        logger.warning("KV load of request %s failed: %s", spec.request_id, reason)
+        self._counters["num_failures"] += 1
+        self._done_recving.add(spec.request_id)
+        self._error_block_ids.update(spec.local_block_ids)
+        if load.peer is not None and load.peer.ready:
+            self._send_notif(load.peer, NOTIF_DONE, spec.remote_request_id)
+
+    def _fail_peer_work(self, peer: Peer, reason: str) -> None:
+        """The peer is gone or never came: fail its queued and in-flight loads."""
+        waiting, peer.waiting = peer.waiting, []
+        for item in waiting:
+            if isinstance(item, _Load):
+                item.peer = None
+                self._fail(item, reason)
+        for load in [ld for ld in self._loads.values() if ld.peer is peer]:
+            del self._loads[load.spec.request_id]
+            if not self.agent.release(load.handle):
+                self._zombies.append(load.handle)
+            load.peer = None
+            self._fail(load, reason)
+
+    def _send_notif(self, peer: Peer, kind: str, remote_request_id: str) -> None:
+        try:
+            self.agent.send_notif(peer.agent_name, encode_notif(kind, remote_request_id))
+            self._counters["num_notifs_sent"] += 1
+        except Exception as e:
+            self._counters["num_notif_failures"] += 1
+            logger.warning(
+                "notification %s:%s to %s failed: %r",
+                kind,
+                remote_request_id,
+                peer.addr.engine_id,
+                e,
+            )
+
+    # ---- prefill side -----------------------------------------------------------
+
+    def _poll_notifs(self) -> None:
+        if not self.config.serves_kv:
+            return
+        now = time.time()
+        for messages in self.agent.get_notifs().values():
+            for message in messages:
+                decoded = decode_notif(message)
+                if decoded is None:
+                    logger.warning("ignoring unknown notification %r", message[:64])
+                    continue
+                kind, request_id = decoded
+                send = self._sends.get(request_id)
+                if kind == NOTIF_RENEW:
+                    if send is not None:
+                        send.lease_deadline = max(send.lease_deadline, now + self.config.lease_s)
+                        self._counters["num_lease_renewals"] += 1
+                elif send is not None:
+                    del self._sends[request_id]
+                    self._done_sending.add(request_id)
+                else:
+                    self._early_done[request_id] = now
+
+    def _expire_leases(self) -> None:
+        now = time.time()
+        for request_id, send in list(self._sends.items()):
+            if now >= send.lease_deadline:
+                del self._sends[request_id]
+                self._done_sending.add(request_id)
+                self._counters["num_lease_expiries"] += 1
+                logger.info("lease of request %s expired: freeing its blocks", request_id)
+        stale = [r for r, t in self._early_done.items() if now - t > self.config.lease_s]
+        for request_id in stale:
+            del self._early_done[request_id]
+
+    # ---- observability / lifecycle ----------------------------------------------
+
+    def stats(self) -> dict[str, float]:
+        out = {
+            name: self._counters.get(name, 0.0)
+            for name in (
+                "kv_transfer_bytes_total",
+                "kv_transfer_seconds_total",
+                "num_transfers",
+                "num_descriptors",
+                "num_failures",
+                "last_transfer_s",
+                "num_notifs_sent",
+                "num_notif_failures",
+                "num_lease_renewals",
+                "num_lease_expiries",
+            )
+        }
+        out["num_blocks_held_for_transfer"] = float(sum(s.num_blocks for s in self._sends.values()))
+        out["num_loads_in_flight"] = float(len(self._loads))
+        out["num_handshakes"] = float(self._peers.num_handshakes)
+        out["num_handshake_failures"] = float(self._peers.num_handshake_failures)
+        return out
+
+    def drain_transfer_seconds(self) -> list[float]:
+        """Per-transfer seconds since the last call (for a histogram)."""
+        out = list(self._recent_transfer_s)
+        self._recent_transfer_s.clear()
+        return out
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for load in self._loads.values():
+            self.agent.release(load.handle)
+        self._loads.clear()
+        self._peers.close()
+        if self._server is not None:
+            self._server.close()
+        self.agent.close()

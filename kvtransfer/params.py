@@ -1,0 +1,90 @@
+"""KVTransferParams: what travels in ``EngineRequest.kv_transfer_params``.
+
+Two directions, one struct::
+
+    gateway -> P  {"do_remote_decode": true}
+    P -> gateway  {"do_remote_prefill": true, "remote_engine_id", "remote_host",
+                   "remote_port", "remote_block_ids", "remote_request_id",
+                   "num_tokens", "remote_epoch", "lease_deadline"}
+    gateway -> D  the dict P returned, unchanged
+
+``num_tokens`` is how many tokens' KV the blocks hold (P computed the prompt,
+not its sampled first token). ``lease_deadline`` is unix seconds on P's
+clock: P frees the blocks then unless D renewed the lease.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import msgspec
+
+_PATH_RE = re.compile(r"at `\$\.?([^`]*)`")
+
+
+class KVTransferParams(
+    msgspec.Struct, omit_defaults=True, kw_only=True, forbid_unknown_fields=True
+):
+    do_remote_decode: bool = False
+    do_remote_prefill: bool = False
+    remote_engine_id: str | None = None
+    remote_host: str | None = None
+    remote_port: int | None = None
+    remote_block_ids: list[int] = []
+    remote_request_id: str | None = None
+    num_tokens: int = 0
+    remote_epoch: int = 0
+    lease_deadline: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able dict; fields at their default are left out."""
+        return msgspec.to_builtins(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> KVTransferParams:
+        """Decode and validate. Raises ``ValueError`` naming the bad field."""
+        if not isinstance(data, dict):
+            raise ValueError(f"kv_transfer_params must be an object, got {type(data).__name__}")
+        try:
+            params = msgspec.convert(data, cls)
+        except msgspec.ValidationError as e:
+            raise ValueError(_explain(e)) from None
+        params.validate()
+        return params
+
+    def validate(self) -> None:
+        """Semantic checks beyond types. Raises ``ValueError`` naming the field."""
+        if self.do_remote_decode and self.do_remote_prefill:
+            _bad("do_remote_prefill", "cannot be set together with do_remote_decode")
+        if self.num_tokens < 0:
+            _bad("num_tokens", f"must be >= 0, got {self.num_tokens}")
+        if self.remote_epoch < 0:
+            _bad("remote_epoch", f"must be >= 0, got {self.remote_epoch}")
+        for block_id in self.remote_block_ids:
+            if block_id < 0:
+                _bad("remote_block_ids", f"block ids must be >= 0, got {block_id}")
+        if self.remote_port is not None and not 0 < self.remote_port < 65536:
+            _bad("remote_port", f"must be in 1..65535, got {self.remote_port}")
+        if not self.do_remote_prefill:
+            return
+        for name in ("remote_engine_id", "remote_host", "remote_port", "remote_request_id"):
+            if not getattr(self, name):
+                _bad(name, "is required with do_remote_prefill")
+        if self.num_tokens > 0 and not self.remote_block_ids:
+            _bad("remote_block_ids", f"is empty but num_tokens={self.num_tokens}")
+        if self.lease_deadline <= 0:
+            _bad("lease_deadline", "is required with do_remote_prefill")
+
+
+def _bad(field: str, message: str) -> None:
+    raise ValueError(f"kv_transfer_params.{field} {message}")
+
+
+def _explain(error: msgspec.ValidationError) -> str:
+    text = str(error)
+    match = _PATH_RE.search(text)
+    message = _PATH_RE.sub("", text).strip(" -")
+    if match is None:  # unknown or missing field: msgspec names it in the message
+        return f"invalid kv_transfer_params: {message}"
+    return f"kv_transfer_params.{match.group(1)}: {message}"

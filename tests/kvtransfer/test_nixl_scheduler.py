@@ -1,0 +1,298 @@
+"""Scheduler-side bookkeeping of the NIXL connector, with real Request objects."""
+
+import time
+
+import pytest
+
+from kvtransfer.config import KVTransferConfig
+from kvtransfer.nixl_meta import LoadSpec, NotifySpec, PeerAddr, SendSpec
+from kvtransfer.nixl_scheduler import NixlSchedulerSide
+from scheduler.messages import KVConnectorOutput, SamplingParams, SchedulerOutput
+from scheduler.request import Request, RequestStatus
+
+BS = 4
+PEER = PeerAddr("p0", 3, "10.0.0.1", 5555)
+
+
+def make(role: str = "both", lease_s: float = 60.0) -> NixlSchedulerSide:
+    config = KVTransferConfig(
+        role=role,
+        engine_id="e0",
+        epoch=7,
+        block_size=BS,
+        side_channel_host="10.9.9.9",
+        lease_s=lease_s,
+    )
+    return NixlSchedulerSide(config, side_channel_port=4321)
+
+
+def p_request(rid: str, num_prompt: int, params=None) -> Request:
+    return Request(
+        rid,
+        list(range(num_prompt)),
+        SamplingParams(max_tokens=1),
+        kv_transfer_params={"do_remote_decode": True} if params is None else params,
+    )
+
+
+def d_params(num_tokens: int, block_ids: list[int], deadline: float | None = None) -> dict:
+    return {
+        "do_remote_prefill": True,
+        "remote_engine_id": "p0",
+        "remote_host": "10.0.0.1",
+        "remote_port": 5555,
+        "remote_block_ids": block_ids,
+        "remote_request_id": "p-req",
+        "num_tokens": num_tokens,
+        "remote_epoch": 3,
+        "lease_deadline": time.time() + 60 if deadline is None else deadline,
+    }
+
+
+def d_request(rid: str, num_prompt: int, params: dict) -> Request:
+    # prompt + P's first token
+    return Request(
+        rid, list(range(num_prompt + 1)), SamplingParams(max_tokens=8), kv_transfer_params=params
+    )
+
+
+def meta(conn: NixlSchedulerSide):
+    return conn.build_connector_meta(SchedulerOutput())
+
+
+def finish_prefill(req: Request, status=RequestStatus.FINISHED_LENGTH_CAPPED) -> None:
+    req.num_computed_tokens = req.num_prompt_tokens
+    req.append_output_token(99)
+    req.status = status
+
+
+# ---- prefill side ---------------------------------------------------------------
+
+
+def test_prefill_handoff_params_and_send_record():
+    conn = make()
+    req = p_request("r1", 10)
+    assert conn.get_num_new_matched_tokens(req, 0) == (0, False)
+    finish_prefill(req)
+    before = time.time()
+    delay, params = conn.request_finished(req, [5, 6, 2, 8])
+    assert delay is True
+    deadline = params.pop("lease_deadline")
+    assert before + 60 <= deadline <= time.time() + 60
+    assert params == {
+        "do_remote_prefill": True,
+        "remote_engine_id": "e0",
+        "remote_host": "10.9.9.9",
+        "remote_port": 4321,
+        "remote_block_ids": [5, 6, 2],  # ceil(10 / 4) blocks; the 4th holds no computed token
+        "remote_request_id": "r1",
+        "num_tokens": 10,
+        "remote_epoch": 7,
+    }
+    assert conn.has_pending_work() and conn.num_blocks_held_for_transfer == 3
+    m = meta(conn)
+    assert m.new_sends == [SendSpec("r1", 3, deadline)]
+    assert meta(conn).is_empty()
+    conn.update_connector_output(KVConnectorOutput(finished_sending=["r1"]))
+    assert not conn.has_pending_work()
+    conn.check_integrity()
+
+
+def test_prefill_prompt_shorter_than_a_block_sends_one_block():
+    conn = make()
+    req = p_request("r1", 2)
+    finish_prefill(req)
+    _, params = conn.request_finished(req, [11])
+    assert params["remote_block_ids"] == [11] and params["num_tokens"] == 2
+
+
+@pytest.mark.parametrize(
+    "status",
+    [RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR],
+)
+def test_prefill_finished_otherwise_holds_nothing(status):
+    conn = make()
+    req = p_request("r1", 10)
+    finish_prefill(req, status)
+    assert conn.request_finished(req, [1, 2, 3]) == (False, None)
+    assert meta(conn).is_empty() and not conn.has_pending_work()
+
+
+def test_plain_request_and_decode_role_hold_nothing():
+    conn = make()
+    req = p_request("r1", 10, params={})
+    finish_prefill(req)
+    assert conn.request_finished(req, [1, 2, 3]) == (False, None)
+    decode_only = make(role="decode")
+    req = p_request("r2", 10)
+    finish_prefill(req)
+    assert decode_only.request_finished(req, [1, 2, 3]) == (False, None)
+
+
+def test_cancel_before_meta_drops_the_record():
+    conn = make()
+    req = p_request("r1", 8)
+    finish_prefill(req)
+    conn.request_finished(req, [1, 2])
+    conn.cancel_send("r1")
+    assert meta(conn).is_empty() and not conn.has_pending_work()
+    conn.cancel_send("r1")  # idempotent
+    conn.cancel_send("unknown")
+
+
+def test_cancel_after_meta_tells_the_worker():
+    conn = make()
+    req = p_request("r1", 8)
+    finish_prefill(req)
+    conn.request_finished(req, [1, 2])
+    assert len(meta(conn).new_sends) == 1
+    conn.cancel_send("r1")
+    assert meta(conn).cancelled_sends == ["r1"]
+    assert not conn.has_pending_work()
+
+
+# ---- decode side ----------------------------------------------------------------
+
+
+def test_decode_no_local_hit_loads_everything():
+    conn = make()
+    req = d_request("d1", 10, d_params(10, [20, 21, 22]))
+    assert conn.get_num_new_matched_tokens(req, 0) == (10, True)
+    assert conn.get_num_new_matched_tokens(req, 0) == (10, True)  # idempotent
+    conn.update_state_after_alloc(req, [4, 5, 6], 10)
+    m = meta(conn)
+    assert len(m.loads) == 1
+    load = m.loads[0]
+    assert load == LoadSpec("d1", PEER, "p-req", [4, 5, 6], [20, 21, 22], load.lease_deadline)
+    assert conn.has_pending_work()
+    # after the load the connector offers nothing more (e.g. after a preemption)
+    assert conn.get_num_new_matched_tokens(req, 0) == (0, False)
+    conn.update_connector_output(KVConnectorOutput(finished_recving=["d1"]))
+    req.status = RequestStatus.FINISHED_STOPPED
+    assert conn.request_finished(req, [4, 5, 6]) == (False, None)
+    assert meta(conn).is_empty() and not conn.has_pending_work()
+    conn.check_integrity()
+
+
+def test_decode_partial_local_hit_reads_trailing_blocks_only():
+    conn = make()
+    req = d_request("d1", 10, d_params(10, [20, 21, 22]))
+    assert conn.get_num_new_matched_tokens(req, 8) == (2, True)
+    conn.update_state_after_alloc(req, [4, 5, 6, 7], 2)
+    (load,) = meta(conn).loads
+    assert (load.local_block_ids, load.remote_block_ids) == ([6], [22])
+
+
+def test_decode_partial_last_block_included():
+    conn = make()
+    req = d_request("d1", 9, d_params(9, [20, 21, 22]))
+    assert conn.get_num_new_matched_tokens(req, 4) == (5, True)
+    conn.update_state_after_alloc(req, [4, 5, 6], 5)
+    (load,) = meta(conn).loads
+    assert (load.local_block_ids, load.remote_block_ids) == ([5, 6], [21, 22])
+
+
+def test_decode_full_local_hit_only_notifies():
+    conn = make()
+    req = d_request("d1", 8, d_params(8, [20, 21]))
+    assert conn.get_num_new_matched_tokens(req, 8) == (0, False)
+    conn.update_state_after_alloc(req, [4, 5, 6], 0)
+    m = meta(conn)
+    assert m.loads == [] and m.notifies == [NotifySpec("d1", PEER, "p-req", "done")]
+    req.status = RequestStatus.FINISHED_STOPPED
+    conn.request_finished(req, [4, 5, 6])
+    assert meta(conn).is_empty()  # not notified twice
+    conn.check_integrity()
+
+
+def test_decode_keeps_one_token_to_compute():
+    conn = make()
+    # P computed all 8 tokens, D's request is exactly those 8 tokens (no first token)
+    req = Request("d1", list(range(8)), SamplingParams(), kv_transfer_params=d_params(8, [20, 21]))
+    assert conn.get_num_new_matched_tokens(req, 0) == (7, True)
+
+
+def test_decode_abort_before_alloc_notifies_peer():
+    conn = make()
+    req = d_request("d1", 10, d_params(10, [20, 21, 22]))
+    conn.get_num_new_matched_tokens(req, 0)
+    req.status = RequestStatus.FINISHED_ABORTED
+    assert conn.request_finished(req, []) == (False, None)
+    assert meta(conn).notifies == [NotifySpec("d1", PEER, "p-req", "done")]
+    conn.check_integrity()
+
+
+def test_decode_abort_during_load_keeps_load_in_flight():
+    conn = make()
+    req = d_request("d1", 10, d_params(10, [20, 21, 22]))
+    conn.get_num_new_matched_tokens(req, 0)
+    conn.update_state_after_alloc(req, [1, 2, 3], 10)
+    meta(conn)
+    req.status = RequestStatus.FINISHED_ABORTED
+    assert conn.request_finished(req, [1, 2, 3]) == (False, None)
+    assert meta(conn).is_empty()
+    assert conn.has_pending_work()  # until the worker reports the read finished
+    conn.update_connector_output(KVConnectorOutput(finished_recving=["d1"]))
+    conn.check_integrity()
+
+
+def test_decode_invalid_params_compute_locally():
+    conn = make()
+    bad = {**d_params(10, [20]), "remote_port": "x"}
+    req = d_request("d1", 10, bad)
+    assert conn.get_num_new_matched_tokens(req, 0) == (0, False)
+    conn.update_state_after_alloc(req, [1, 2, 3], 0)
+    req.status = RequestStatus.FINISHED_STOPPED
+    conn.request_finished(req, [1, 2, 3])
+    assert meta(conn).is_empty()
+    conn.check_integrity()
+
+
+def test_decode_too_few_remote_blocks_computes_locally_and_frees_peer():
+    conn = make()
+    req = d_request("d1", 10, d_params(10, [20, 21]))  # 10 tokens need 3 blocks of 4
+    assert conn.get_num_new_matched_tokens(req, 0) == (0, False)
+    conn.update_state_after_alloc(req, [1, 2, 3], 0)
+    assert meta(conn).notifies == [NotifySpec("d1", PEER, "p-req", "done")]
+
+
+def test_decode_expired_lease_makes_a_failing_load():
+    conn = make()
+    req = d_request("d1", 10, d_params(10, [20, 21, 22], deadline=time.time() - 1))
+    assert conn.get_num_new_matched_tokens(req, 0) == (10, True)
+    conn.update_state_after_alloc(req, [1, 2, 3], 10)
+    (load,) = meta(conn).loads
+    assert "lease expired" in load.error and load.local_block_ids == []
+
+
+def test_decode_renews_lease_while_waiting_for_blocks():
+    conn = make(lease_s=3.0)
+    now = time.time()
+    # params issued 1.5 s ago: 1.5 s of lease left, renew interval is 1 s
+    req = d_request("d1", 10, d_params(10, [20, 21, 22], deadline=now + 1.5))
+    conn.get_num_new_matched_tokens(req, 0)
+    m = meta(conn)
+    assert m.notifies == [NotifySpec("d1", PEER, "p-req", "renew")]
+    assert meta(conn).notifies == []  # not again before lease_s / 3
+    conn.update_state_after_alloc(req, [1, 2, 3], 10)
+    (load,) = meta(conn).loads
+    assert load.lease_deadline >= now + 3.0  # the renewal counted
+
+
+def test_decode_late_renewal_does_not_extend_known_deadline():
+    conn = make(lease_s=3.0)
+    deadline = time.time() + 0.5  # less than the safety margin (0.75 s) left
+    req = d_request("d1", 10, d_params(10, [20, 21, 22], deadline=deadline))
+    conn.get_num_new_matched_tokens(req, 0)
+    assert meta(conn).notifies[0].kind == "renew"
+    conn.update_state_after_alloc(req, [1, 2, 3], 10)
+    (load,) = meta(conn).loads
+    assert load.lease_deadline == deadline
+
+
+def test_prefill_only_role_ignores_remote_prefill():
+    conn = make(role="prefill")
+    req = d_request("d1", 10, d_params(10, [20, 21, 22]))
+    assert conn.get_num_new_matched_tokens(req, 0) == (0, False)
+    conn.update_state_after_alloc(req, [1, 2, 3], 0)
+    assert meta(conn).is_empty()
