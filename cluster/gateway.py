@@ -57,7 +57,8 @@ def create_app(backend: Backend, *, api_key: str | None = None) -> FastAPI:
     """The gateway app. ``api_key`` (if set) is required on ``/v1/*`` as
     ``Authorization: Bearer <key>``; ``/health`` and ``/metrics`` stay open."""
     registry = CollectorRegistry()
-    gateway = Gateway(backend, GatewayMetrics(registry))
+    gateway = Gateway(backend, GatewayMetrics())
+    registry.register(gateway.metrics)
     registry.register(EngineMetricsCollector(backend))
     app = FastAPI(title="tandem", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.gateway = gateway
@@ -74,7 +75,7 @@ def create_app(backend: Backend, *, api_key: str | None = None) -> FastAPI:
     @app.exception_handler(ProtocolError)
     async def _protocol_error(request: Request, exc: ProtocolError) -> Response:
         if request.url.path.startswith("/v1/") and request.method == "POST":
-            gateway.metrics.request_rejected.labels(str(exc.status_code)).inc()
+            gateway.metrics.rejected(exc.status_code)
         return JSONResponse(exc.body(), status_code=exc.status_code)
 
     @app.exception_handler(RequestValidationError)
@@ -301,7 +302,7 @@ class Gateway:
         )
         outputs = self.backend.generate(request)
         metrics.request_queue_time.observe(time.perf_counter() - job.arrival_s)
-        metrics.num_requests_in_flight.inc()
+        metrics.num_requests_in_flight += 1
         outcome = "abort"  # until a final output says otherwise
         last_token_s = 0.0
         try:
@@ -331,16 +332,16 @@ class Gateway:
             raise
         finally:
             await outputs.aclose()
-            metrics.num_requests_in_flight.dec()
+            metrics.num_requests_in_flight -= 1
             if outcome in ("abort", "stop-string"):
                 await self.backend.abort(request.request_id)
             if outcome == "unavailable":
-                metrics.request_rejected.labels("503").inc()
+                metrics.rejected(503)
             else:
-                metrics.prompt_tokens.inc(job.num_prompt_tokens)
-                metrics.generation_tokens.inc(job.num_output_tokens)
+                metrics.num_prompt_tokens += job.num_prompt_tokens
+                metrics.num_generation_tokens += job.num_output_tokens
                 reason = "stop" if outcome == "stop-string" else outcome
-                metrics.request_success.labels(reason).inc()
+                metrics.finished(reason)
                 metrics.e2e_request_latency.observe(time.perf_counter() - job.arrival_s)
 
     def _step(self, job: _Job, detokenizer: IncrementalDetokenizer, output: EngineOutput) -> _Step:

@@ -7,15 +7,18 @@ Names follow vLLM's under the ``tandem:`` prefix (ARCHITECTURE §6). Two kinds:
 * engine-level, labelled ``engine`` and ``role``, copied from
   ``Backend.metrics_snapshot()`` by ``EngineMetricsCollector`` at each scrape.
 
-Each app owns a ``CollectorRegistry``, so several gateways can live in one
-process (tests) without clashing in the global registry.
+Both are ``Collector``s read at scrape time. Each app owns a
+``CollectorRegistry``, so several gateways can live in one process (tests)
+without clashing in the global registry.
 """
 
 from __future__ import annotations
 
+import bisect
+import math
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -42,56 +45,107 @@ _REQUEST_BUCKETS_S = (
 )  # fmt: skip
 
 
-class GatewayMetrics:
-    """Request-level metrics; the gateway calls these per request / output."""
+class LoopHistogram:
+    """A histogram updated from the event loop thread only: no lock, a bisect
+    and two additions per observation (prometheus_client's costs ~5x more,
+    which shows at one observation per streamed token)."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.time_to_first_token = Histogram(
+    def __init__(self, name: str, help_text: str, bounds_s: tuple[float, ...]) -> None:
+        self.name, self.help_text, self.bounds = name, help_text, bounds_s
+        self.counts = [0] * (len(bounds_s) + 1)  # last: above every bound
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def family(self) -> HistogramMetricFamily:
+        cumulative, buckets = 0, []
+        for bound, count in zip((*self.bounds, math.inf), self.counts, strict=True):
+            cumulative += count
+            buckets.append(("+Inf" if bound == math.inf else _le(bound), cumulative))
+        return HistogramMetricFamily(self.name, self.help_text, buckets=buckets, sum_value=self.sum)
+
+
+class GatewayMetrics(Collector):
+    """Request-level metrics, written by the gateway on its event loop and
+    read by the ``/metrics`` handler on the same loop."""
+
+    def __init__(self) -> None:
+        self.time_to_first_token = LoopHistogram(
             f"{PREFIX}time_to_first_token_seconds",
             "Arrival at the gateway to the first generated token.",
-            buckets=_TTFT_BUCKETS_S,
-            registry=registry,
+            _TTFT_BUCKETS_S,
         )
-        self.inter_token_latency = Histogram(
+        self.inter_token_latency = LoopHistogram(
             f"{PREFIX}inter_token_latency_seconds",
             "Time between consecutive token-bearing engine outputs of a request.",
-            buckets=_ITL_BUCKETS_S,
-            registry=registry,
+            _ITL_BUCKETS_S,
         )
-        self.e2e_request_latency = Histogram(
+        self.e2e_request_latency = LoopHistogram(
             f"{PREFIX}e2e_request_latency_seconds",
             "Arrival at the gateway to the request's last output.",
-            buckets=_REQUEST_BUCKETS_S,
-            registry=registry,
+            _REQUEST_BUCKETS_S,
         )
-        self.request_queue_time = Histogram(
+        self.request_queue_time = LoopHistogram(
             f"{PREFIX}request_queue_time_seconds",
             "Arrival at the gateway to dispatch to the backend (parse, tokenize, admit).",
-            buckets=_REQUEST_BUCKETS_S,
-            registry=registry,
+            _REQUEST_BUCKETS_S,
         )
-        self.prompt_tokens = Counter(
-            f"{PREFIX}prompt_tokens", "Prompt tokens of dispatched requests.", registry=registry
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        self.num_requests_in_flight = 0
+        self.num_finished: dict[str, int] = {}  # finish reason -> requests
+        self.num_rejected: dict[str, int] = {}  # HTTP status code -> requests
+
+    def finished(self, reason: str) -> None:
+        self.num_finished[reason] = self.num_finished.get(reason, 0) + 1
+
+    def rejected(self, status_code: int) -> None:
+        key = str(status_code)
+        self.num_rejected[key] = self.num_rejected.get(key, 0) + 1
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        for histogram in (
+            self.time_to_first_token,
+            self.inter_token_latency,
+            self.e2e_request_latency,
+            self.request_queue_time,
+        ):
+            yield histogram.family()
+        yield CounterMetricFamily(
+            f"{PREFIX}prompt_tokens",
+            "Prompt tokens of dispatched requests.",
+            value=self.num_prompt_tokens,
         )
-        self.generation_tokens = Counter(
-            f"{PREFIX}generation_tokens", "Generated tokens received.", registry=registry
+        yield CounterMetricFamily(
+            f"{PREFIX}generation_tokens",
+            "Generated tokens received.",
+            value=self.num_generation_tokens,
         )
-        self.request_success = Counter(
+        finished = CounterMetricFamily(
             f"{PREFIX}request_success",
             "Finished requests by finish reason (stop, length, abort, error).",
-            ["finished_reason"],
-            registry=registry,
+            labels=["finished_reason"],
         )
-        self.request_rejected = Counter(
+        for reason, count in sorted(self.num_finished.items()):
+            finished.add_metric([reason], count)
+        yield finished
+        rejected = CounterMetricFamily(
             f"{PREFIX}request_rejected",
             "Generation requests answered with an HTTP error before dispatch.",
-            ["status_code"],
-            registry=registry,
+            labels=["status_code"],
         )
-        self.num_requests_in_flight = Gauge(
+        for code, count in sorted(self.num_rejected.items()):
+            rejected.add_metric([code], count)
+        yield rejected
+        yield GaugeMetricFamily(
             f"{PREFIX}num_requests_in_flight",
             "Requests dispatched to the backend and not finished.",
-            registry=registry,
+            value=self.num_requests_in_flight,
         )
 
 

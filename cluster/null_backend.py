@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import collections
 from collections.abc import AsyncIterator
-from contextlib import aclosing
 from typing import Any
 
 from cluster.backend import (
@@ -99,57 +98,55 @@ class NullBackend(Backend):
             raise BackendUnavailable(f"No ready engine: {self._not_ready_reason or 'not ready'}")
         if self.max_num_running is not None and len(self._running) >= self.max_num_running:
             raise BackendUnavailable(f"Overloaded: {len(self._running)} requests running")
-        request_id = request.request_id
-        self._running.add(request_id)
-        self._num_requests += 1
-        self._num_prompt_tokens += len(request.prompt_token_ids)
-        try:
-            async with aclosing(self._outputs(request)) as outputs:
-                async for output in outputs:
-                    yield output
-                    if self.output_interval_s > 0:
-                        await asyncio.sleep(self.output_interval_s)
-                    else:
-                        await asyncio.sleep(0)
-        finally:
-            self._running.discard(request_id)
-            self._aborting.discard(request_id)
-
-    async def _outputs(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
         params = request.sampling_params
         request_id = request.request_id
         stop_ids = set(params.stop_token_ids)
         if self.eos_token_id is not None and not params.ignore_eos:
             stop_ids.add(self.eos_token_id)
         budget = min(params.max_tokens, self.max_model_len - len(request.prompt_token_ids))
+        cycle = self.output_token_ids
+        self._running.add(request_id)
+        self._num_requests += 1
+        self._num_prompt_tokens += len(request.prompt_token_ids)
         num_done = 0
-        while True:
-            if request_id in self._aborting:
-                yield EngineOutput(request_id, finish_reason=FinishReason.ABORT)
-                return
-            if self.fail_after_num_tokens is not None and num_done >= self.fail_after_num_tokens:
-                yield EngineOutput(request_id, finish_reason=FinishReason.ERROR, error="injected")
-                return
-            token_ids, finish, stop_reason = [], None, None
-            while len(token_ids) < self.num_tokens_per_output and finish is None:
-                token_id = self.output_token_ids[num_done % len(self.output_token_ids)]
-                token_ids.append(token_id)
-                num_done += 1
-                if token_id in stop_ids and num_done > params.min_tokens:
-                    finish = FinishReason.STOP
-                    stop_reason = token_id if token_id != self.eos_token_id else None
-                elif num_done >= budget:
-                    finish = FinishReason.LENGTH
-            self._num_generation_tokens += len(token_ids)
-            yield EngineOutput(
-                request_id,
-                new_token_ids=token_ids,
-                new_logprobs=self._logprobs(token_ids, params.logprobs),
-                finish_reason=finish,
-                stop_reason=stop_reason,
-            )
-            if finish is not None:
-                return
+        try:
+            while True:
+                if request_id in self._aborting:
+                    yield EngineOutput(request_id, finish_reason=FinishReason.ABORT)
+                    return
+                if (
+                    self.fail_after_num_tokens is not None
+                    and num_done >= self.fail_after_num_tokens
+                ):
+                    yield EngineOutput(
+                        request_id, finish_reason=FinishReason.ERROR, error="injected"
+                    )
+                    return
+                token_ids, finish, stop_reason = [], None, None
+                while len(token_ids) < self.num_tokens_per_output and finish is None:
+                    token_id = cycle[num_done % len(cycle)]
+                    token_ids.append(token_id)
+                    num_done += 1
+                    if token_id in stop_ids and num_done > params.min_tokens:
+                        finish = FinishReason.STOP
+                        stop_reason = token_id if token_id != self.eos_token_id else None
+                    elif num_done >= budget:
+                        finish = FinishReason.LENGTH
+                self._num_generation_tokens += len(token_ids)
+                yield EngineOutput(
+                    request_id,
+                    new_token_ids=token_ids,
+                    new_logprobs=self._logprobs(token_ids, params.logprobs),
+                    finish_reason=finish,
+                    stop_reason=stop_reason,
+                )
+                if finish is not None:
+                    return
+                # Pace like an engine step; at 0, still one event-loop turn per output.
+                await asyncio.sleep(self.output_interval_s)
+        finally:
+            self._running.discard(request_id)
+            self._aborting.discard(request_id)
 
     def _logprobs(self, token_ids: list[int], num_top: int | None) -> list[Logprobs] | None:
         """Sampled token at -0.5; top-N alternatives: itself, then ids+1, +2... lower."""

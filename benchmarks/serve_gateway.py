@@ -1,0 +1,238 @@
+"""Gateway overhead: our OpenAI SSE path vs a bare uvicorn SSE endpoint.
+
+Both servers run in their own process under the same uvicorn (h11, asyncio
+loop) and stream the same events: one SSE event per token, the same chunk
+shape, a usage chunk and ``[DONE]``. "gateway" is ``create_app(NullBackend)``
+(parse, tokenize-free token-id prompts, detokenize, metrics, disconnect
+watcher); "bare" is a raw ASGI app writing pre-encoded chunks. The client is
+``cluster.bench`` (aiohttp) in this process, so the two sides never share a
+GIL. Also reported: the server's CPU time per output token (from
+/proc/<pid>/stat), which does not depend on the client keeping up.
+
+Run: python benchmarks/serve_gateway.py [--output-len 128] [--concurrency 64 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks._machine import machine  # noqa: E402
+
+INPUT_LEN = 32
+SEED = 0
+START_TIMEOUT_S = 120.0
+
+
+# ---- servers (run in a child process) -------------------------------------------------
+
+
+def bare_app(model: str = "tiny"):
+    """A minimal ASGI app: /v1/models and a streaming /v1/completions."""
+    head = {"id": "cmpl-0", "object": "text_completion", "created": 0, "model": model}
+    chunk = (
+        b"data: "
+        + json.dumps(
+            {
+                **head,
+                "choices": [{"index": 0, "text": "a", "logprobs": None, "finish_reason": None}],
+            }
+        ).encode()
+        + b"\n\n"
+    )
+    models = json.dumps({"object": "list", "data": [{"id": model, "vocab_size": 262}]}).encode()
+    sse_headers = [(b"content-type", b"text/event-stream; charset=utf-8")]
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        if scope["path"] == "/v1/models":
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [(b"content-type", b"application/json")],
+                }
+            )
+            await send({"type": "http.response.body", "body": models})
+            return
+        request = json.loads(body)
+        num_tokens = request["max_tokens"]
+        await send({"type": "http.response.start", "status": 200, "headers": sse_headers})
+        for _ in range(num_tokens):
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await asyncio.sleep(0)  # like the NullBackend: one loop turn per token
+        usage = {
+            "prompt_tokens": len(request["prompt"]),
+            "completion_tokens": num_tokens,
+            "total_tokens": len(request["prompt"]) + num_tokens,
+        }
+        tail = b"data: " + json.dumps({**head, "choices": [], "usage": usage}).encode() + b"\n\n"
+        await send({"type": "http.response.body", "body": tail + b"data: [DONE]\n\n"})
+
+    return app
+
+
+def serve(kind: str, port: int) -> None:
+    import uvicorn
+
+    if kind == "bare":
+        app = bare_app()
+    else:
+        from cluster.gateway import create_app
+        from cluster.null_backend import NullBackend
+
+        app = create_app(NullBackend.tiny())
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+
+
+# ---- driver ----------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_server(kind: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, os.path.abspath(__file__), "--serve", kind, "--port", str(port)]
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline_s = time.monotonic() + START_TIMEOUT_S
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/v1/models", timeout=1):
+                return proc, url
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline_s:
+                stop_server(proc)
+                raise RuntimeError(f"{kind} server did not start") from None
+            time.sleep(0.1)
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def measure(url: str, pid: int, concurrency: int, output_len: int, num_rounds: int) -> dict:
+    from cluster.bench import BenchConfig, run_benchmark
+
+    config = BenchConfig(
+        url,
+        num_requests=concurrency * num_rounds,
+        concurrency=concurrency,
+        input_len=INPUT_LEN,
+        output_len=output_len,
+        seed=SEED,
+        request_timeout_s=300,
+    )
+    warmup = BenchConfig(
+        url,
+        num_requests=concurrency,
+        concurrency=concurrency,
+        input_len=INPUT_LEN,
+        output_len=8,
+        seed=SEED + 1,
+    )
+    asyncio.run(run_benchmark(warmup))
+    cpu_before_s = cpu_seconds(pid)
+    summary = asyncio.run(run_benchmark(config))
+    cpu_s = cpu_seconds(pid) - cpu_before_s
+    if summary["num_failed"]:
+        raise RuntimeError(f"{summary['num_failed']} requests failed: {summary['errors']}")
+    return {
+        "tok_s": summary["output_token_throughput"],
+        "cpu_us_per_tok": cpu_s / summary["total_output_tokens"] * 1e6,
+        "ttft_p50_ms": summary["ttft_ms"]["p50"],
+    }
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run with the median throughput (its CPU and TTFT figures with it)."""
+    return sorted(runs, key=lambda run: run["tok_s"])[len(runs) // 2]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--serve", choices=["bare", "gateway"], help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--num-rounds", type=int, default=4, help="requests = rounds x concurrency")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per server; median kept")
+    args = parser.parse_args()
+    if args.serve:
+        serve(args.serve, args.port)
+        return 0
+
+    # Both servers up at once; runs alternate bare/gateway so that load from
+    # other processes on the machine hits both alike; the median run is kept.
+    servers = {}
+    try:
+        for kind in ("bare", "gateway"):
+            servers[kind] = start_server(kind)
+        runs: dict[tuple[str, int], list[dict]] = {}
+        for concurrency in args.concurrency:
+            for _ in range(args.repeats):
+                for kind, (proc, url) in servers.items():
+                    run = measure(url, proc.pid, concurrency, args.output_len, args.num_rounds)
+                    runs.setdefault((kind, concurrency), []).append(run)
+    finally:
+        for proc, _ in servers.values():
+            stop_server(proc)
+    results = {key: median_run(key_runs) for key, key_runs in runs.items()}
+
+    print("serve_gateway: gateway (NullBackend) vs bare uvicorn SSE, output tokens/s")
+    print(f"machine: {machine()}")
+    print(
+        f"workload: input {INPUT_LEN} / output {args.output_len} tokens, 1 token per SSE event, "
+        f"{args.num_rounds} x concurrency requests, median of {args.repeats} alternating runs, "
+        f"uvicorn h11 + asyncio, client aiohttp in another process"
+    )
+    header = (
+        "| streams | bare tok/s | gateway tok/s | ratio | bare CPU us/tok "
+        "| gateway CPU us/tok | gateway TTFT p50 ms |"
+    )
+    print(header)
+    print("|" + "|".join("-" * len(c) for c in header.split("|")[1:-1]) + "|")
+    for concurrency in args.concurrency:
+        bare, gateway = results["bare", concurrency], results["gateway", concurrency]
+        print(
+            f"| {concurrency:>7} | {bare['tok_s']:>10.0f} | {gateway['tok_s']:>13.0f} "
+            f"| {gateway['tok_s'] / bare['tok_s']:>5.2f} | {bare['cpu_us_per_tok']:>15.1f} "
+            f"| {gateway['cpu_us_per_tok']:>18.1f} | {gateway['ttft_p50_ms']:>19.1f} |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
