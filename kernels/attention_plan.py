@@ -30,15 +30,18 @@ SHORT_QUERY_LEN = 64  # longer queries get an SDPA call of their own
 MAX_PADDING = 1.5  # a group may compute at most this many scores per useful score
 
 
+Rows = torch.Tensor | slice  # row indices; a slice when they are consecutive (no copy)
+
+
 @dataclass
 class Group:
     """Sequences sharing one gather and one SDPA call."""
 
     num_seqs: int
     query_len: int  # Q, rows per sequence after padding
-    token_idx: torch.Tensor | None  # [P * Q] query rows; None = rows 0..P-1 (decode, in order)
+    token_idx: Rows  # [P * Q] query rows
     valid_pos: torch.Tensor | None  # rows of the [P * Q] result that are real; None = all
-    out_idx: torch.Tensor | None  # output rows of the valid results; None = rows 0..P-1
+    out_idx: Rows  # output rows of the valid results
     block_ids: torch.Tensor  # [P * W] int64
     mask: torch.Tensor | None  # [P, 1, Q, W * block_size] bool, True = attend
 
@@ -132,7 +135,7 @@ def _build(meta: AttentionMetadata, block_size: int) -> Plan:
 
 
 def _group(ids, seq_lens, query_lens, starts, widths, block_tables, block_size, to_device) -> Group:
-    num_seqs, num_seqs_total = len(ids), len(seq_lens)
+    num_seqs = len(ids)
     q_lens, s_lens = query_lens[ids], seq_lens[ids]
     max_q, width = int(q_lens.max()), int(widths[ids].max())
     rows = np.minimum(np.arange(max_q)[None, :], q_lens[:, None] - 1)  # [P, Q], padding clamped
@@ -142,13 +145,18 @@ def _group(ids, seq_lens, query_lens, starts, widths, block_tables, block_size, 
     mask = key_pos[None, None, :] <= q_pos[:, :, None]  # [P, Q, W * bs]
     valid = (np.arange(max_q)[None, :] < q_lens[:, None]).reshape(-1)
 
-    in_order = max_q == 1 and num_seqs == num_seqs_total and bool((np.diff(ids) > 0).all())
+    def rows_of(index: np.ndarray) -> Rows:
+        first = int(index[0])
+        if (index == np.arange(first, first + len(index))).all():
+            return slice(first, first + len(index))
+        return to_device(index)
+
     return Group(
         num_seqs=num_seqs,
         query_len=max_q,
-        token_idx=None if in_order else to_device(token_idx.reshape(-1)),
+        token_idx=rows_of(token_idx.reshape(-1)),
         valid_pos=None if valid.all() else to_device(np.flatnonzero(valid)),
-        out_idx=None if in_order else to_device(token_idx.reshape(-1)[valid]),
+        out_idx=rows_of(token_idx.reshape(-1)[valid]),
         block_ids=to_device(block_tables[ids, :width].astype(np.int64).reshape(-1)),
         mask=None if mask.all() else to_device(mask[:, None]),
     )

@@ -63,15 +63,16 @@ def paged_attention(
     out_dtype = query.dtype
     query = query.to(layer_cache.dtype)
 
-    if len(plan.groups) == 1 and plan.groups[0].out_idx is None and not plan.long_queries:
-        out = _attend_group(query, layer_cache, plan.groups[0], scale)  # decode-only step
+    only = plan.groups[0] if len(plan.groups) == 1 and not plan.long_queries else None
+    if only is not None and only.out_idx == slice(0, plan.num_query_tokens):
+        out = _attend_group(query, layer_cache, only, scale)  # e.g. a decode-only step
     else:
         # Every row below num_query_tokens is written by exactly one group or long query.
         out = query.new_empty(plan.num_query_tokens, num_heads, head_dim)
         for group in plan.groups:
             rows = _attend_group(query, layer_cache, group, scale)
-            if group.out_idx is None:
-                out[: rows.shape[0]] = rows
+            if isinstance(group.out_idx, slice):
+                out[group.out_idx] = rows
             else:
                 out.index_copy_(0, group.out_idx, rows)
         for long_query in plan.long_queries:
@@ -88,7 +89,8 @@ def _attend_group(
     num_seqs, max_q = group.num_seqs, group.query_len
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = layer_cache.shape[3]
-    q = query[:num_seqs] if group.token_idx is None else query.index_select(0, group.token_idx)
+    idx = group.token_idx
+    q = query[idx] if isinstance(idx, slice) else query.index_select(0, idx)
     k = _gather(layer_cache, 0, group.block_ids, num_seqs)
     v = _gather(layer_cache, 1, group.block_ids, num_seqs)
     if max_q == 1:  # GQA folded: each KV head sees its query heads as `group` query rows

@@ -106,3 +106,15 @@ def test_similar_short_queries_share_padded_groups():
     assert [(g.num_seqs, g.query_len) for g in plan.groups] == [(2, 1), (6, 9)]
     assert plan.groups[1].valid_pos is not None
     torch.testing.assert_close(out.double(), attention_oracle(case), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("seqs", [MIXED, DECODE, LONG], ids=["mixed", "decode", "long"])
+def test_query_slice_of_fused_projection(seqs):
+    case = make_case(seqs, 4, 4, 2, 32)
+    write_kv_cache(case.key, case.value, case.layer_cache, case.meta.slot_mapping)
+    qkv = torch.cat([case.query, case.key, case.value], dim=1)  # [T, Hq + 2 Hkv, D]
+    query = qkv[:, :4]
+    assert not query.is_contiguous()
+    out = paged_attention(query, case.layer_cache, case.meta, case.scale)
+    expected = paged_attention(case.query, case.layer_cache, case.meta, case.scale)
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)

@@ -27,9 +27,9 @@ def test_interpreter_is_active():
     assert type(triton_attention._paged_attention_kernel).__name__ == "InterpretedFunction"
 
 
-@pytest.mark.parametrize("block_size", [4, 16])
-def test_write_kv_cache_matches_oracle_and_skips_minus_one(block_size):
-    case = make_case(MIXED, block_size, 4, 2, 48)
+@pytest.mark.parametrize("block_size,num_kv_heads,head_dim", [(4, 2, 48), (16, 1, 80), (16, 4, 32)])
+def test_write_kv_cache_matches_oracle_and_skips_minus_one(block_size, num_kv_heads, head_dim):
+    case = make_case(MIXED, block_size, 4, num_kv_heads, head_dim)
     case.meta.slot_mapping[[0, 5, 11]] = -1
     expected = case.kv_cache.clone()
     write_oracle(case)
