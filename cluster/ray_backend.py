@@ -146,6 +146,9 @@ class RayBackend(Backend):
                 _await_ref(e.handle.actor.stats.remote()), self.call_timeout_s
             )
         except Exception as exc:  # noqa: BLE001 - actor dead, restarting or hung
+            if getattr(exc, "actor_init_failed", False) and not e.state.epoch:
+                # never came up: a config or model error, not a crash to wait out
+                raise RuntimeError(f"engine {e.state.engine_id} failed to start: {exc}") from exc
             if e.state.ready:
                 logger.warning("engine %s unavailable: %s", e.state.engine_id, exc)
                 e.state.ready = False
