@@ -28,7 +28,13 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from cluster.backend import Backend, BackendMetrics, BackendUnavailable, EngineMetrics
+from cluster.backend import (
+    Backend,
+    BackendMetrics,
+    BackendUnavailable,
+    EngineMetrics,
+    HistogramSnapshot,
+)
 from cluster.pools import EngineHandle
 from cluster.router import EngineState, Router
 from scheduler.messages import (
@@ -324,20 +330,16 @@ class RayBackend(Backend):
             sched = SchedulerStats(
                 **{k: v for k, v in s.items() if k in SchedulerStats.__struct_fields__}
             )
-            counters = {k: float(v) for k, v in kv.items() if k.endswith("_total")}
-            gauges = {
-                k: float(v)
-                for k, v in kv.items()
-                if not k.endswith("_total") and isinstance(v, int | float)
-            }
-            gauges["kv_blocks_held_for_transfer"] = float(s.get("num_blocks_held_for_transfer", 0))
             engines.append(
                 EngineMetrics(
                     engine_id=e.state.engine_id,
                     role=e.state.role,
                     scheduler_stats=sched,
-                    counters=counters,
-                    gauges=gauges,
+                    counters=kv.get("counters", {}),
+                    gauges=kv.get("gauges", {}),
+                    histograms={
+                        k: HistogramSnapshot(**v) for k, v in kv.get("histograms", {}).items()
+                    },
                 )
             )
         return BackendMetrics(engines=engines, num_disagg_decisions=dict(self.router.num_decisions))

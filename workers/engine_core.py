@@ -108,15 +108,48 @@ class EngineCore:
             seed=config.seed,
         )
         self._shutdown = threading.Event()
+        self._transfer_hist: dict[str, Any] = {
+            "bucket_upper_bounds": [
+                0.001,
+                0.0025,
+                0.005,
+                0.01,
+                0.025,
+                0.05,
+                0.1,
+                0.25,
+                0.5,
+                1,
+                2.5,
+            ],
+            "bucket_counts": [0] * 11,
+            "count": 0,
+            "sum": 0.0,
+        }
         self._loop_running = False
         self._control: queue.Queue[tuple[Callable[[], Any], Future]] = queue.Queue()
 
     def _make_connector(self, block_bytes: int):
         if not self.config.kv_connector:
             return None, None
+        from kvtransfer.config import KVTransferConfig
         from kvtransfer.registry import create_connector
 
-        return create_connector(self.config, engine=self)
+        c = self.config
+        kv_config = KVTransferConfig(
+            connector=c.kv_connector,
+            role={"prefill": "prefill", "decode": "decode"}.get(c.role, "both"),
+            engine_id=c.engine_id,
+            epoch=c.epoch,
+            side_channel_host=c.kv_host,
+            side_channel_port=c.kv_port,
+            lease_s=c.kv_lease_s,
+            load_timeout_s=c.kv_load_timeout_s,
+            load_failure_policy=c.load_failure_policy,
+            block_size=c.block_size,
+            model_name=c.model,
+        )
+        return create_connector(kv_config)
 
     # ---- in-process API ------------------------------------------------------
 
@@ -161,16 +194,45 @@ class EngineCore:
     def stats(self) -> dict[str, Any]:
         s = msgspec.structs.asdict(self.scheduler.make_stats())
         if self.connector_worker is not None:
-            s["kv_transfer"] = self.connector_worker.stats()
+            s["kv_transfer"] = self._kv_metrics()
         s["engine_id"] = self.config.engine_id
         s["role"] = self.config.role
         s["epoch"] = self.config.epoch
         return s
 
+    def _kv_metrics(self) -> dict[str, Any]:
+        """Connector stats under the metric names of ARCHITECTURE §6."""
+        w = self.connector_worker
+        raw = w.stats()
+        hist = self._transfer_hist
+        for seconds in w.drain_transfer_seconds():
+            hist["count"] += 1
+            hist["sum"] += seconds
+            for i, bound in enumerate(hist["bucket_upper_bounds"]):
+                if seconds <= bound:
+                    hist["bucket_counts"][i] += 1
+        return {
+            "counters": {
+                "kv_transfer_bytes_total": raw.get("kv_transfer_bytes_total", 0.0),
+                "kv_transfer_descriptors_total": raw.get("num_descriptors", 0.0),
+                "kv_transfer_failures_total": raw.get("num_failures", 0.0),
+                "kv_transfer_notification_failures_total": raw.get("num_notif_failures", 0.0),
+                "kv_lease_expiries_total": raw.get("num_lease_expiries", 0.0),
+            },
+            "gauges": {
+                "kv_blocks_held_for_transfer": raw.get("num_blocks_held_for_transfer", 0.0),
+                "kv_loads_in_flight": raw.get("num_loads_in_flight", 0.0),
+            },
+            "histograms": {
+                "kv_transfer_seconds": dict(hist, bucket_counts=list(hist["bucket_counts"]))
+            },
+            "raw": raw,
+        }
+
     def kv_transfer_address(self) -> tuple[str, int] | None:
-        if self.connector_worker is None:
+        if self.connector_worker is None or not self.connector_worker.side_channel_port:
             return None
-        return self.connector_worker.side_channel_address()
+        return (self.config.kv_host, self.connector_worker.side_channel_port)
 
     def call_in_loop(self, fn: Callable[[], Any], timeout_s: float = 30.0) -> Any:
         """Run ``fn`` on the engine loop thread between steps (scheduler state
