@@ -1,0 +1,152 @@
+"""A prefill engine's connector in its own OS process, driven over a pipe.
+
+Used by the two-process tests (and mirrors what the benchmark does): the
+child owns a NIXL agent with a KV tensor of known random content (seeded),
+hands out kv_transfer_params for "finished prefills" and reports
+``done_sending`` events as D's notifications or lease expiries arrive.
+
+    parent -> child  ("finish", request_id, num_prompt_tokens, block_ids)
+    child -> parent  ("params", request_id, params_dict)
+    child -> parent  ("done_sending", request_id, seconds_since_finish)
+    parent -> child  ("stats",) -> ("stats", dict) ; ("stop",) -> exits
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from typing import Any
+
+
+def kv_content(shape: tuple[int, ...], seed: int):
+    """The deterministic KV tensor a prefill process registers."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=gen, dtype=torch.float32)
+
+
+def _context() -> mp.context.BaseContext:
+    """``forkserver`` with torch preloaded: each child still starts from a
+    clean server process (no NIXL/UCX state of the parent, like ``spawn``)
+    but skips the multi-second torch import, which dominates on 2 cores."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "kvtransfer.nixl_worker", "scheduler.request"])
+    return ctx
+
+
+def run_prefill(
+    conn,
+    config_kwargs: dict[str, Any],
+    shape: tuple[int, ...],
+    seed: int,
+    poll_interval_s: float,
+) -> None:
+    from kvtransfer import KVTransferConfig, create_connector
+    from scheduler.messages import KVConnectorOutput, SamplingParams
+    from scheduler.request import Request, RequestStatus
+
+    scheduler, worker = create_connector(KVTransferConfig(role="prefill", **config_kwargs))
+    kv = kv_content(shape, seed)
+    worker.register_kv_caches(kv)
+    conn.send(("ready", worker.side_channel_port))
+    finished_at: dict[str, float] = {}
+    try:
+        while True:
+            if conn.poll(poll_interval_s):
+                msg = conn.recv()
+                if msg[0] == "stop":
+                    return
+                if msg[0] == "stats":
+                    conn.send(("stats", worker.stats()))
+                    continue
+                _, request_id, num_prompt, block_ids = msg
+                req = Request(
+                    request_id,
+                    list(range(num_prompt)),
+                    SamplingParams(max_tokens=1),
+                    kv_transfer_params={"do_remote_decode": True},
+                )
+                req.num_computed_tokens = num_prompt
+                req.append_output_token(1)
+                req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+                _, params = scheduler.request_finished(req, block_ids)
+                finished_at[request_id] = time.perf_counter()
+                worker.start_load_kv(scheduler.build_connector_meta(None))
+                conn.send(("params", request_id, params))
+            done_sending, _ = worker.get_finished()
+            scheduler.update_connector_output(
+                KVConnectorOutput(finished_sending=list(done_sending))
+            )
+            for request_id in done_sending:
+                elapsed = time.perf_counter() - finished_at.pop(request_id)
+                conn.send(("done_sending", request_id, elapsed))
+    finally:
+        worker.shutdown()
+
+
+class PrefillProcess:
+    """Parent-side handle; every wait has a deadline, ``close`` always reaps."""
+
+    def __init__(
+        self,
+        config_kwargs: dict[str, Any],
+        shape: tuple[int, ...],
+        seed: int,
+        poll_interval_s: float = 0.002,
+    ):
+        ctx = _context()
+        self._conn, child = ctx.Pipe()
+        self.process = ctx.Process(
+            target=run_prefill,
+            args=(child, config_kwargs, shape, seed, poll_interval_s),
+            daemon=True,
+        )
+        self.process.start()
+        self.events: list[tuple] = []
+        self.port = self._wait(lambda m: m[0] == "ready", 60.0)[1]
+
+    def _wait(self, match, timeout_s: float) -> tuple:
+        for i, msg in enumerate(self.events):
+            if match(msg):
+                return self.events.pop(i)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.process.is_alive() and not self._conn.poll():
+                raise RuntimeError(f"prefill process died (exit code {self.process.exitcode})")
+            if self._conn.poll(0.05):
+                msg = self._conn.recv()
+                if match(msg):
+                    return msg
+                self.events.append(msg)
+        raise TimeoutError(f"no matching message from the prefill process in {timeout_s} s")
+
+    def finish(self, request_id: str, num_prompt: int, block_ids: list[int]) -> dict:
+        self._conn.send(("finish", request_id, num_prompt, block_ids))
+        return self._wait(lambda m: m[0] == "params" and m[1] == request_id, 10.0)[2]
+
+    def wait_done_sending(self, request_id: str, timeout_s: float = 10.0) -> float:
+        return self._wait(lambda m: m[0] == "done_sending" and m[1] == request_id, timeout_s)[2]
+
+    def poll_done_sending(self, request_id: str, timeout_s: float) -> bool:
+        try:
+            self.wait_done_sending(request_id, timeout_s)
+            return True
+        except TimeoutError:
+            return False
+
+    def stats(self) -> dict:
+        self._conn.send(("stats",))
+        return self._wait(lambda m: m[0] == "stats", 10.0)[1]
+
+    def close(self) -> None:
+        try:
+            if self.process.is_alive():
+                self._conn.send(("stop",))
+        except (BrokenPipeError, OSError):
+            pass
+        self.process.join(10)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
+        self._conn.close()
