@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import msgspec
 
@@ -64,12 +64,12 @@ class _CommonRequest(msgspec.Struct, kw_only=True):
     model: str | None = None
     max_tokens: int | None = None
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     temperature: float | None = None
     top_p: float | None = None
     seed: int | None = None
-    n: int = 1
+    n: int | None = 1
     user: str | None = None
     # unsupported unless neutral
     presence_penalty: float | None = None
@@ -78,29 +78,52 @@ class _CommonRequest(msgspec.Struct, kw_only=True):
     logit_bias: dict[str, float] | None = None
     # vLLM extras
     top_k: int | None = None
-    min_tokens: int = 0
-    ignore_eos: bool = False
+    min_tokens: int | None = 0
+    ignore_eos: bool | None = False
     stop_token_ids: list[int] | None = None
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool | None = True
+    include_stop_str_in_output: bool | None = False
+
+    def __post_init__(self) -> None:
+        # Clients send explicit nulls for "not set"; give those fields their defaults.
+        for name, default in self._NULL_DEFAULTS:
+            if getattr(self, name) is None:
+                setattr(self, name, default)
+
+    _NULL_DEFAULTS: ClassVar[tuple[tuple[str, Any], ...]] = (
+        ("stream", False),
+        ("n", 1),
+        ("min_tokens", 0),
+        ("ignore_eos", False),
+        ("skip_special_tokens", True),
+        ("include_stop_str_in_output", False),
+    )
 
 
 class CompletionRequest(_CommonRequest, kw_only=True):
     prompt: str | list[str | int | list[int]]
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool | None = False
     suffix: str | None = None
     best_of: int | None = None
+
+    _NULL_DEFAULTS = (*_CommonRequest._NULL_DEFAULTS, ("echo", False))
 
 
 class ChatCompletionRequest(_CommonRequest, kw_only=True):
     messages: list[dict[str, Any]]
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = None
-    add_generation_prompt: bool = True
+    add_generation_prompt: bool | None = True
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
+
+    _NULL_DEFAULTS = (
+        *_CommonRequest._NULL_DEFAULTS,
+        ("logprobs", False),
+        ("add_generation_prompt", True),
+    )
 
 
 _AT_PATH = re.compile(r" - at `\$\.?([^`]*)`$")
@@ -147,6 +170,8 @@ def validate_common(req: _CommonRequest, served_model: str) -> None:
         raise ProtocolError(f"top_p must be in (0, 1], got {req.top_p}.", param="top_p")
     if req.top_k is not None and req.top_k < -1:
         raise ProtocolError(f"top_k must be -1, 0 or >= 1, got {req.top_k}.", param="top_k")
+    if req.seed is not None and not -(2**63) <= req.seed < 2**64:
+        raise ProtocolError("seed must fit in 64 bits.", param="seed")
     if req.min_tokens < 0:
         raise ProtocolError(f"min_tokens must be >= 0, got {req.min_tokens}.", param="min_tokens")
     for name in ("presence_penalty", "frequency_penalty"):

@@ -334,6 +334,11 @@ BAD_REQUESTS = [
     (C, {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
     (C, {"prompt": "x", "min_tokens": 20, "max_tokens": 5}, None),
     (C, {"prompt": "x", "frequency_penalty": 0.5}, "frequency_penalty"),
+    (C, {"prompt": "x", "seed": 2**64}, "seed"),
+    (C, b'{"prompt": "x", "temperature": 1e400}', "temperature"),
+    (C, {"prompt": "x", "n": 2, "logit_bias": {"1": "x"}}, "logit_bias[...]"),
+    (C, b"", None),
+    (C, b"\xff\xfe", None),
     (C, {"prompt": "x", "stop_token_ids": [100000]}, "stop_token_ids"),
     (CHAT, {"max_tokens": 5}, "messages"),
     (CHAT, {"messages": []}, "messages"),
@@ -375,6 +380,17 @@ def test_still_serving_after_bad_requests(client, url, backend, http):
         client.completions.create(model="tiny", prompt="x", max_tokens=3).choices[0].text == "The"
     )
     assert backend.num_running == 0
+
+
+def test_explicit_nulls_mean_defaults(http, url, backend):
+    nulls = dict.fromkeys(["n", "stream", "echo", "max_tokens", "temperature", "stop", "seed"])
+    response = http.post(f"{url}/v1/completions", json={"prompt": "x", **nulls})
+    assert response.status_code == 200
+    assert response.json()["choices"][0]["text"] == expected_text(backend, 16)
+    nulls = dict.fromkeys(["logprobs", "top_logprobs", "add_generation_prompt", "stream_options"])
+    response = http.post(f"{url}/v1/chat/completions", json={"messages": MESSAGES, **nulls})
+    assert response.status_code == 200
+    assert response.json()["choices"][0]["logprobs"] is None
 
 
 def test_unknown_route_and_method(url, http):
