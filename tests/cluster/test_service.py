@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import threading
 import time
 
@@ -67,7 +66,9 @@ def wait_idle(svc, deadline_s: float = 30.0) -> dict:
         busy = {
             e: s
             for e, s in stats.items()
-            if s["num_running_reqs"] or s["num_waiting_reqs"] or s["num_waiting_for_remote_kvs"]
+            if s["num_running_reqs"]
+            or s["num_waiting_reqs"]
+            or s["num_waiting_for_remote_kvs"]
             or s["num_blocks_held_for_transfer"]
         }
         if not busy:
@@ -80,7 +81,10 @@ def wait_idle(svc, deadline_s: float = 30.0) -> dict:
 
 def greedy_completion(svc, prompt=PROMPT, max_tokens=12):
     r = client(svc).completions.create(
-        model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0,
+        model="tiny",
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0,
         extra_body={"ignore_eos": True, "return_token_ids": True},
     )
     return r
@@ -113,8 +117,13 @@ def test_openai_client_chat_and_stream(disagg):
     assert chat.usage.completion_tokens <= 6
     chunks = list(
         c.completions.create(
-            model="tiny", prompt=PROMPT, max_tokens=8, temperature=0, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+            model="tiny",
+            prompt=PROMPT,
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
         )
     )
     text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
@@ -122,9 +131,15 @@ def test_openai_client_chat_and_stream(disagg):
     assert chunks[-1].usage.completion_tokens == 8
     seeded = [
         c.completions.create(
-            model="tiny", prompt=PROMPT, max_tokens=10, temperature=1.0, seed=11,
+            model="tiny",
+            prompt=PROMPT,
+            max_tokens=10,
+            temperature=1.0,
+            seed=11,
             extra_body={"ignore_eos": True},
-        ).choices[0].text
+        )
+        .choices[0]
+        .text
         for _ in range(2)
     ]
     assert seeded[0] == seeded[1]
@@ -133,24 +148,40 @@ def test_openai_client_chat_and_stream(disagg):
 
 def test_seeded_sampling_same_split_or_not(disagg, colocated):
     def one(svc):
-        return client(svc).completions.create(
-            model="tiny", prompt=PROMPT, max_tokens=10, temperature=0.8, top_p=0.9, seed=5,
-            extra_body={"ignore_eos": True},
-        ).choices[0].text
+        return (
+            client(svc)
+            .completions.create(
+                model="tiny",
+                prompt=PROMPT,
+                max_tokens=10,
+                temperature=0.8,
+                top_p=0.9,
+                seed=5,
+                extra_body={"ignore_eos": True},
+            )
+            .choices[0]
+            .text
+        )
 
     assert one(disagg) == one(colocated)
 
 
 def test_32_concurrent_streams(disagg):
     async def run():
-        ac = openai.AsyncOpenAI(base_url=disagg.base_url + "/v1", api_key="x", max_retries=0,
-                                timeout=120)
+        ac = openai.AsyncOpenAI(
+            base_url=disagg.base_url + "/v1", api_key="x", max_retries=0, timeout=120
+        )
 
         async def one(i):
             n = 0
             stream = await ac.completions.create(
-                model="tiny", prompt=f"request {i} " * (1 + i % 7), max_tokens=16, stream=True,
-                extra_body={"ignore_eos": True}, temperature=0.7, seed=i,
+                model="tiny",
+                prompt=f"request {i} " * (1 + i % 7),
+                max_tokens=16,
+                stream=True,
+                extra_body={"ignore_eos": True},
+                temperature=0.7,
+                seed=i,
             )
             async for ch in stream:
                 if ch.choices and ch.choices[0].text:
@@ -172,9 +203,15 @@ def test_32_concurrent_streams(disagg):
 def test_client_disconnect_mid_stream_frees_everything(disagg):
     with httpx.Client(timeout=30) as h:
         with h.stream(
-            "POST", disagg.base_url + "/v1/completions",
-            json={"model": "tiny", "prompt": PROMPT * 4, "max_tokens": 500, "stream": True,
-                  "ignore_eos": True},
+            "POST",
+            disagg.base_url + "/v1/completions",
+            json={
+                "model": "tiny",
+                "prompt": PROMPT * 4,
+                "max_tokens": 500,
+                "stream": True,
+                "ignore_eos": True,
+            },
         ) as r:
             got = 0
             for line in r.iter_lines():
@@ -189,12 +226,19 @@ def test_disconnect_during_handoff_frees_both_sides(disagg):
     # A long prompt and an immediate disconnect: the client is gone while the
     # prefill runs or while the decode side pulls the KV.
     for delay_s in (0.0, 0.05, 0.2):
+
         def go():
             try:
                 with httpx.Client(timeout=httpx.Timeout(10, read=delay_s or 0.01)) as h:
-                    h.post(disagg.base_url + "/v1/completions",
-                           json={"model": "tiny", "prompt": "x" * 900, "max_tokens": 50,
-                                 "stream": True})
+                    h.post(
+                        disagg.base_url + "/v1/completions",
+                        json={
+                            "model": "tiny",
+                            "prompt": "x" * 900,
+                            "max_tokens": 50,
+                            "stream": True,
+                        },
+                    )
             except httpx.HTTPError:
                 pass
 
@@ -217,8 +261,12 @@ def test_bad_inputs_get_envelopes_and_service_keeps_serving(disagg):
         assert r.status_code == code, (body, r.text)
         err = r.json()["error"]
         assert set(err) >= {"message", "type", "param", "code"}
-    r = httpx.post(disagg.base_url + "/v1/completions", content=b"{not json", timeout=10,
-                   headers={"content-type": "application/json"})
+    r = httpx.post(
+        disagg.base_url + "/v1/completions",
+        content=b"{not json",
+        timeout=10,
+        headers={"content-type": "application/json"},
+    )
     assert r.status_code == 400
     assert greedy_completion(disagg, max_tokens=2).usage.completion_tokens == 2
 
@@ -277,10 +325,17 @@ def test_kill_decode_engine_mid_stream_clean_error(disagg):
     events = []
     with httpx.Client(timeout=60) as h:
         with h.stream(
-            "POST", disagg.base_url + "/v1/completions",
-            json={"model": "tiny", "prompt": PROMPT, "max_tokens": 2000, "stream": True,
-                  "ignore_eos": True},
+            "POST",
+            disagg.base_url + "/v1/completions",
+            json={
+                "model": "tiny",
+                "prompt": PROMPT,
+                "max_tokens": 900,
+                "stream": True,
+                "ignore_eos": True,
+            },
         ) as r:
+            assert r.status_code == 200
             for line in r.iter_lines():
                 if not line.startswith("data: "):
                     continue
