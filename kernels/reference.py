@@ -41,6 +41,10 @@ def write_kv_cache(
     layer_cache[:, 1].index_put_((blocks, offsets), value.to(layer_cache.dtype))
 
 
+_GATHER_BUDGET_BYTES = 2 << 20  # K+V gathered per SDPA call in big groups: about L2 size
+_MIN_CHUNK_SEQS = 4  # CPU SDPA costs ~0.1 ms per call: never fewer sequences per call
+
+
 def _gather(
     layer_cache: torch.Tensor, kv: int, block_ids: torch.Tensor, num_seqs: int
 ) -> torch.Tensor:
@@ -91,18 +95,60 @@ def _attend_group(
     num_kv_heads = layer_cache.shape[3]
     idx = group.token_idx
     q = query[idx] if isinstance(idx, slice) else query.index_select(0, idx)
-    k = _gather(layer_cache, 0, group.block_ids, num_seqs)
-    v = _gather(layer_cache, 1, group.block_ids, num_seqs)
     if max_q == 1:  # GQA folded: each KV head sees its query heads as `group` query rows
         q = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scale)
+        o = _sdpa_paged(q, layer_cache, group.block_ids, group.mask, scale, enable_gqa=False)
         return o.reshape(num_seqs, num_heads, head_dim)
     q = q.view(num_seqs, max_q, num_heads, head_dim).transpose(1, 2)
-    o = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=group.mask, scale=scale, enable_gqa=num_heads != num_kv_heads
-    )
+    gqa = num_heads != num_kv_heads
+    o = _sdpa_paged(q, layer_cache, group.block_ids, group.mask, scale, enable_gqa=gqa)
     o = o.transpose(1, 2).reshape(num_seqs * max_q, num_heads, head_dim)
     return o if group.valid_pos is None else o.index_select(0, group.valid_pos)
+
+
+def _sdpa_paged(
+    q: torch.Tensor,
+    layer_cache: torch.Tensor,
+    block_ids: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    enable_gqa: bool,
+) -> torch.Tensor:
+    """SDPA of ``q`` ``[P, H, R, D]`` over each sequence's ``block_ids`` (``[P * W]``).
+
+    Large groups are done a few sequences at a time through one reused gather buffer, so the
+    gathered K/V stay in cache for SDPA instead of a round trip through DRAM.
+    """
+    num_seqs = q.shape[0]
+    width = block_ids.numel() // num_seqs
+    _, _, block_size, num_kv_heads, head_dim = layer_cache.shape
+    seq_bytes = 2 * width * block_size * num_kv_heads * head_dim * layer_cache.element_size()
+    step = max(_MIN_CHUNK_SEQS, _GATHER_BUDGET_BYTES // seq_bytes)
+    if step >= num_seqs:
+        k = _gather(layer_cache, 0, block_ids, num_seqs)
+        v = _gather(layer_cache, 1, block_ids, num_seqs)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa
+        )
+    out = q.new_empty(q.shape)
+    k_buf = layer_cache.new_empty(step * width, block_size, num_kv_heads, head_dim)
+    v_buf = torch.empty_like(k_buf)
+    for start in range(0, num_seqs, step):
+        end = min(num_seqs, start + step)
+        ids = block_ids[start * width : end * width]
+        k = torch.index_select(layer_cache[:, 0], 0, ids, out=k_buf[: len(ids)])
+        v = torch.index_select(layer_cache[:, 1], 0, ids, out=v_buf[: len(ids)])
+        k = k.view(end - start, -1, num_kv_heads, head_dim).transpose(1, 2)
+        v = v.view(end - start, -1, num_kv_heads, head_dim).transpose(1, 2)
+        out[start:end] = F.scaled_dot_product_attention(
+            q[start:end],
+            k,
+            v,
+            attn_mask=None if mask is None else mask[start:end],
+            scale=scale,
+            enable_gqa=enable_gqa,
+        )
+    return out
 
 
 def _attend_long(

@@ -118,3 +118,14 @@ def test_query_slice_of_fused_projection(seqs):
     out = paged_attention(query, case.layer_cache, case.meta, case.scale)
     expected = paged_attention(case.query, case.layer_cache, case.meta, case.scale)
     torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("seqs", [DECODE * 3, SIMILAR * 2], ids=["decode", "similar"])
+def test_large_groups_gathered_in_chunks_match_oracle(monkeypatch, seqs):
+    monkeypatch.setattr(reference, "_GATHER_BUDGET_BYTES", 1)  # chunks of _MIN_CHUNK_SEQS
+    case = make_case(seqs, 4, 4, 2, 32)
+    write_kv_cache(case.key, case.value, case.layer_cache, case.meta.slot_mapping)
+    out = paged_attention(case.query, case.layer_cache, case.meta, case.scale)
+    plan = case.meta.derived[("attention_plan", 4)]
+    assert max(g.num_seqs for g in plan.groups) > reference._MIN_CHUNK_SEQS
+    torch.testing.assert_close(out.double(), attention_oracle(case), atol=2e-5, rtol=2e-5)
