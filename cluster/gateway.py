@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import socket
@@ -39,7 +40,7 @@ from cluster import protocol
 from cluster.backend import Backend, BackendUnavailable
 from cluster.metrics import EngineMetricsCollector, GatewayMetrics, render
 from cluster.protocol import ChatCompletionRequest, CompletionRequest, ProtocolError
-from scheduler.messages import EngineOutput, EngineRequest, FinishReason, Logprobs
+from scheduler.messages import EngineOutput, EngineRequest, FinishReason, Logprobs, SamplingParams
 from workers.detokenizer import IncrementalDetokenizer
 from workers.tokenizer import apply_chat_template, encode_prompt
 
@@ -134,25 +135,19 @@ def create_app(backend: Backend, *, api_key: str | None = None) -> FastAPI:
     return app
 
 
+@dataclasses.dataclass(slots=True)
 class _Job:
     """One validated request, ready to dispatch."""
 
-    __slots__ = (
-        "engine_request",
-        "formatter",
-        "stream",
-        "include_usage",
-        "stop",
-        "skip_special_tokens",
-        "include_stop_str_in_output",
-        "arrival_s",
-        "num_output_tokens",
-    )
-
-    def __init__(self, **fields: Any) -> None:
-        for name, value in fields.items():
-            setattr(self, name, value)
-        self.num_output_tokens = 0
+    engine_request: EngineRequest
+    formatter: protocol.CompletionFormatter | protocol.ChatFormatter
+    stream: bool
+    include_usage: bool
+    stop: list[str]
+    skip_special_tokens: bool
+    include_stop_str_in_output: bool
+    arrival_s: float  # time.perf_counter() when the HTTP request arrived
+    num_output_tokens: int = 0
 
     @property
     def request_id(self) -> str:
@@ -163,22 +158,14 @@ class _Job:
         return len(self.engine_request.prompt_token_ids)
 
 
+@dataclasses.dataclass(slots=True)
 class _Step:
     """What one engine output adds to the response."""
 
-    __slots__ = ("text", "logprobs", "finish_reason", "error")
-
-    def __init__(
-        self,
-        text: str = "",
-        logprobs: list[Logprobs] | None = None,
-        finish_reason: str | None = None,
-        error: str | None = None,
-    ) -> None:
-        self.text = text
-        self.logprobs = logprobs
-        self.finish_reason = finish_reason
-        self.error = error
+    text: str = ""
+    logprobs: list[Logprobs] | None = None
+    finish_reason: str | None = None
+    error: str | None = None
 
 
 class Gateway:
@@ -224,7 +211,7 @@ class Gateway:
             )
         except ValueError as exc:
             raise ProtocolError(str(exc), param="messages") from None
-        self._check_prompt_len(prompt_ids)
+        self._check_prompt_len(prompt_ids, param="messages")
         max_tokens = req.max_completion_tokens or req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
         if max_tokens is None:
@@ -238,7 +225,14 @@ class Gateway:
         params = protocol.sampling_params(req, max_tokens=max_tokens, logprobs=num_logprobs)
         return self._response(req, prompt_ids, params, formatter, arrival_s)
 
-    def _response(self, req: Any, prompt_ids, params, formatter, arrival_s: float) -> Response:
+    def _response(
+        self,
+        req: CompletionRequest | ChatCompletionRequest,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        formatter: protocol.CompletionFormatter | protocol.ChatFormatter,
+        arrival_s: float,
+    ) -> Response:
         self._check_token_ids(params.stop_token_ids, param="stop_token_ids")
         job = _Job(
             engine_request=EngineRequest(
@@ -262,14 +256,14 @@ class Gateway:
                 )
         return token_ids
 
-    def _check_prompt_len(self, prompt_ids: list[int]) -> None:
+    def _check_prompt_len(self, prompt_ids: list[int], param: str = "prompt") -> None:
         if not prompt_ids:
-            raise ProtocolError("The prompt is empty.", param="prompt")
+            raise ProtocolError("The prompt is empty.", param=param)
         if len(prompt_ids) >= self.backend.max_model_len:
             raise ProtocolError(
                 f"The prompt has {len(prompt_ids)} tokens; the model's context length is "
                 f"{self.backend.max_model_len}, which leaves no room to generate.",
-                param="prompt",
+                param=param,
                 code="context_length_exceeded",
             )
 

@@ -16,6 +16,8 @@ from urllib.parse import urlparse
 import httpx
 import openai
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cluster.gateway import create_app, serve_in_thread
 from cluster.null_backend import NullBackend
@@ -352,7 +354,7 @@ BAD_REQUESTS = [
     (CHAT, {"messages": MESSAGES, "logprobs": True, "top_logprobs": 50}, "top_logprobs"),
     (CHAT, {"messages": MESSAGES, "n": 3}, "n"),
     (CHAT, {"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools"),
-    (CHAT, {"messages": [{"role": "user", "content": "x" * MAX_MODEL_LEN}]}, "prompt"),
+    (CHAT, {"messages": [{"role": "user", "content": "x" * MAX_MODEL_LEN}]}, "messages"),
 ]
 
 
@@ -380,6 +382,48 @@ def test_still_serving_after_bad_requests(client, url, backend, http):
         client.completions.create(model="tiny", prompt="x", max_tokens=3).choices[0].text == "The"
     )
     assert backend.num_running == 0
+
+
+_JSON = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=12),
+    lambda children: (
+        st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=6), children, max_size=3)
+    ),
+    max_leaves=6,
+)
+_FIELDS = ["model", "max_tokens", "stop", "stream", "stream_options", "temperature", "top_p",
+           "seed", "n", "logprobs", "top_logprobs", "echo", "top_k", "min_tokens", "ignore_eos",
+           "max_completion_tokens", "stop_token_ids", "logit_bias"]  # fmt: skip
+_PROMPTS = st.text(max_size=20) | st.lists(st.integers(-3, 300), max_size=6) | _JSON
+_MESSAGES = (
+    st.lists(
+        st.fixed_dictionaries({"role": st.sampled_from(["user", "system", 3]), "content": _JSON}),
+        max_size=2,
+    )
+    | _JSON
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    fields=st.dictionaries(st.sampled_from(_FIELDS), _JSON, max_size=5),
+    prompt=_PROMPTS,
+    messages=_MESSAGES,
+    chat=st.booleans(),
+)
+def test_never_500_for_bad_input(server, http, fields, prompt, messages, chat):
+    _, url = server
+    if chat:
+        response = http.post(f"{url}{CHAT}", json={"messages": messages, **fields})
+    else:
+        response = http.post(f"{url}{C}", json={"prompt": prompt, **fields})
+    assert response.status_code in (200, 400), response.text
+    if response.status_code == 400:
+        assert set(response.json()["error"]) == {"message", "type", "param", "code"}
 
 
 def test_explicit_nulls_mean_defaults(http, url, backend):
