@@ -100,27 +100,44 @@ def _split(seq_ids: np.ndarray, query_lens: np.ndarray, widths: np.ndarray) -> l
     return groups
 
 
+@dataclass
+class _Step:
+    """Host copies of one step's per-sequence arrays."""
+
+    seq_lens: np.ndarray
+    query_lens: np.ndarray
+    starts: np.ndarray  # first query row of each sequence
+    widths: np.ndarray  # blocks each sequence's context spans
+    block_tables: np.ndarray
+    block_size: int
+    device: torch.device
+
+    def to_device(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
+
+    def rows(self, index: np.ndarray) -> Rows:
+        first = int(index[0])
+        if (index == np.arange(first, first + len(index))).all():
+            return slice(first, first + len(index))
+        return self.to_device(index)
+
+
 def _build(meta: AttentionMetadata, block_size: int) -> Plan:
-    device = meta.block_tables.device
     seq_lens = np.asarray(meta.seq_lens_list, dtype=np.int64)
     query_lens = np.asarray(meta.query_lens_list, dtype=np.int64)
     starts = np.zeros(len(seq_lens), dtype=np.int64)
     np.cumsum(query_lens[:-1], out=starts[1:])
     widths = (seq_lens + block_size - 1) // block_size
     block_tables = meta.block_tables.cpu().numpy()
-
-    def to_device(array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(array)).to(device)
+    step = _Step(
+        seq_lens, query_lens, starts, widths, block_tables, block_size, meta.block_tables.device
+    )
 
     groups = []
     for short in (query_lens == 1, (query_lens > 1) & (query_lens <= SHORT_QUERY_LEN)):
         seq_ids = np.flatnonzero(short)
-        for ids in _split(seq_ids, query_lens, widths) if len(seq_ids) else []:
-            groups.append(
-                _group(
-                    ids, seq_lens, query_lens, starts, widths, block_tables, block_size, to_device
-                )
-            )
+        if len(seq_ids):
+            groups += [_group(step, ids) for ids in _split(seq_ids, query_lens, widths)]
 
     long_queries = []
     for i in np.flatnonzero(query_lens > SHORT_QUERY_LEN).tolist():
@@ -128,35 +145,27 @@ def _build(meta: AttentionMetadata, block_size: int) -> Plan:
         mask = None
         if query_len != seq_len:
             q_pos = np.arange(seq_len - query_len, seq_len)
-            mask = to_device(np.arange(seq_len)[None, :] <= q_pos[:, None])
-        table = block_tables[i, : widths[i]].astype(np.int64)
-        long_queries.append(LongQuery(int(starts[i]), query_len, seq_len, to_device(table), mask))
+            mask = step.to_device(np.arange(seq_len)[None, :] <= q_pos[:, None])
+        table = step.to_device(block_tables[i, : widths[i]].astype(np.int64))
+        long_queries.append(LongQuery(int(starts[i]), query_len, seq_len, table, mask))
     return Plan(groups, long_queries, int(query_lens.sum()))
 
 
-def _group(ids, seq_lens, query_lens, starts, widths, block_tables, block_size, to_device) -> Group:
-    num_seqs = len(ids)
-    q_lens, s_lens = query_lens[ids], seq_lens[ids]
-    max_q, width = int(q_lens.max()), int(widths[ids].max())
+def _group(step: _Step, ids: np.ndarray) -> Group:
+    q_lens, s_lens = step.query_lens[ids], step.seq_lens[ids]
+    max_q, width = int(q_lens.max()), int(step.widths[ids].max())
     rows = np.minimum(np.arange(max_q)[None, :], q_lens[:, None] - 1)  # [P, Q], padding clamped
-    token_idx = starts[ids][:, None] + rows
+    token_idx = (step.starts[ids][:, None] + rows).reshape(-1)
     q_pos = (s_lens - q_lens)[:, None] + rows
-    key_pos = np.arange(width * block_size)
+    key_pos = np.arange(width * step.block_size)
     mask = key_pos[None, None, :] <= q_pos[:, :, None]  # [P, Q, W * bs]
     valid = (np.arange(max_q)[None, :] < q_lens[:, None]).reshape(-1)
-
-    def rows_of(index: np.ndarray) -> Rows:
-        first = int(index[0])
-        if (index == np.arange(first, first + len(index))).all():
-            return slice(first, first + len(index))
-        return to_device(index)
-
     return Group(
-        num_seqs=num_seqs,
+        num_seqs=len(ids),
         query_len=max_q,
-        token_idx=rows_of(token_idx.reshape(-1)),
-        valid_pos=None if valid.all() else to_device(np.flatnonzero(valid)),
-        out_idx=rows_of(token_idx.reshape(-1)[valid]),
-        block_ids=to_device(block_tables[ids, :width].astype(np.int64).reshape(-1)),
-        mask=None if mask.all() else to_device(mask[:, None]),
+        token_idx=step.rows(token_idx),
+        valid_pos=None if valid.all() else step.to_device(np.flatnonzero(valid)),
+        out_idx=step.rows(token_idx[valid]),
+        block_ids=step.to_device(step.block_tables[ids, :width].astype(np.int64).reshape(-1)),
+        mask=None if mask.all() else step.to_device(mask[:, None]),
     )
