@@ -127,7 +127,7 @@ class NullBackend(Backend):
                     token_id = cycle[num_done % len(cycle)]
                     token_ids.append(token_id)
                     num_done += 1
-                    if token_id in stop_ids and num_done > params.min_tokens:
+                    if token_id in stop_ids and num_done >= params.min_tokens:
                         finish = FinishReason.STOP
                         stop_reason = token_id if token_id != self.eos_token_id else None
                     elif num_done >= budget:
