@@ -227,7 +227,7 @@ def test_disconnect_during_handoff_frees_both_sides(disagg):
     # prefill runs or while the decode side pulls the KV.
     for delay_s in (0.0, 0.05, 0.2):
 
-        def go():
+        def go(delay_s=delay_s):
             try:
                 with httpx.Client(timeout=httpx.Timeout(10, read=delay_s or 0.01)) as h:
                     h.post(

@@ -1,0 +1,146 @@
+"""Engines in their own OS processes, joined by a small ZMQ harness (no Ray).
+
+harness PUSH --R/A/U--> engine PULL        harness PULL <--O/U-- engine PUSH
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing as mp
+import socket
+import time
+from typing import Any
+
+import msgspec
+import zmq
+
+from scheduler.messages import EngineAbort, EngineOutput, EngineOutputs, EngineRequest
+from workers.config import EngineConfig
+from workers.engine_core import UtilityCall, UtilityResult
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _engine_main(config: EngineConfig, input_addr: str, output_addr: str) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    from workers.engine_core import EngineCore
+
+    EngineCore(config).serve_zmq(input_addr, output_addr)
+
+
+class EngineProcess:
+    def __init__(self, config: EngineConfig, output_addr: str) -> None:
+        self.config = config
+        self.input_addr = f"tcp://127.0.0.1:{_free_port()}"
+        ctx = mp.get_context("spawn")
+        self.proc = ctx.Process(
+            target=_engine_main, args=(config, self.input_addr, output_addr), daemon=True
+        )
+        self.proc.start()
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(10)
+
+
+class Harness:
+    """Starts engines, sends requests, collects outputs with deadlines."""
+
+    def __init__(self) -> None:
+        self.ctx = zmq.Context()
+        self.output_addr = f"tcp://127.0.0.1:{_free_port()}"
+        self.pull = self.ctx.socket(zmq.PULL)
+        self.pull.bind(self.output_addr)
+        self.engines: dict[str, EngineProcess] = {}
+        self.push: dict[str, zmq.Socket] = {}
+        self.outputs: dict[str, list[tuple[str, EngineOutput]]] = {}
+        self.utility: dict[int, UtilityResult] = {}
+        self._ids = itertools.count()
+        self._enc = msgspec.msgpack.Encoder()
+        self._dec_out = msgspec.msgpack.Decoder(EngineOutputs)
+        self._dec_util = msgspec.msgpack.Decoder(UtilityResult)
+
+    def start(self, name: str, config: EngineConfig) -> None:
+        ep = EngineProcess(config.replace(engine_id=name), self.output_addr)
+        self.engines[name] = ep
+        sock = self.ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(ep.input_addr)
+        self.push[name] = sock
+        self.call(name, "check_integrity", timeout_s=180)  # ready once it answers
+
+    def send(self, name: str, req: EngineRequest) -> None:
+        self.outputs.setdefault(req.request_id, [])
+        self.push[name].send_multipart([b"R", self._enc.encode(req)])
+
+    def abort(self, name: str, request_id: str) -> None:
+        self.push[name].send_multipart([b"A", self._enc.encode(EngineAbort([request_id]))])
+
+    def _pump(self, timeout_ms: int) -> None:
+        if not self.pull.poll(timeout_ms):
+            return
+        while True:
+            try:
+                kind, payload = self.pull.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if kind == b"O":
+                batch = self._dec_out.decode(payload)
+                for o in batch.outputs:
+                    self.outputs.setdefault(o.request_id, []).append((batch.engine_id, o))
+            else:
+                r = self._dec_util.decode(payload)
+                self.utility[r.call_id] = r
+
+    def call(self, name: str, method: str, timeout_s: float = 30.0) -> Any:
+        cid = next(self._ids)
+        self.push[name].send_multipart([b"U", self._enc.encode(UtilityCall(cid, method))])
+        end = time.monotonic() + timeout_s
+        while cid not in self.utility:
+            if not self.engines[name].proc.is_alive():
+                raise RuntimeError(f"engine {name} died (exit {self.engines[name].proc.exitcode})")
+            assert time.monotonic() < end, f"{name}.{method} timed out"
+            self._pump(50)
+        r = self.utility.pop(cid)
+        if r.error:
+            raise AssertionError(f"{name}.{method}: {r.error}")
+        return r.result
+
+    def wait_final(self, request_id: str, engine: str, timeout_s: float = 60.0) -> EngineOutput:
+        end = time.monotonic() + timeout_s
+        while True:
+            for eid, o in self.outputs.get(request_id, []):
+                if eid == engine and o.finish_reason is not None:
+                    return o
+            assert time.monotonic() < end, f"{request_id} did not finish on {engine}"
+            self._pump(50)
+
+    def tokens(self, request_id: str, engine: str) -> list[int]:
+        return [t for eid, o in self.outputs[request_id] if eid == engine for t in o.new_token_ids]
+
+    def wait_idle(self, name: str, timeout_s: float = 30.0) -> dict:
+        end = time.monotonic() + timeout_s
+        while True:
+            s = self.call(name, "stats")
+            held = s.get("kv_transfer", {}).get("gauges", {}).get("kv_blocks_held_for_transfer", 0)
+            busy = s["num_running_reqs"] + s["num_waiting_reqs"] + s["num_waiting_for_remote_kvs"]
+            if not busy and not held and not s["num_blocks_held_for_transfer"]:
+                assert self.call(name, "check_integrity") is True
+                return s
+            assert time.monotonic() < end, f"{name} not idle: {s}"
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        for ep in self.engines.values():
+            ep.kill()
+        for s in self.push.values():
+            s.close(0)
+        self.pull.close(0)
+        self.ctx.term()

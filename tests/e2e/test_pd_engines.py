@@ -1,0 +1,196 @@
+"""A prefill EngineCore and a decode EngineCore in separate processes, real
+NIXL between them, joined by a ZMQ harness: the handoff of ARCHITECTURE §2."""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+import pytest
+import torch
+
+from scheduler.messages import EngineRequest, FinishReason, SamplingParams
+from tests.e2e.engine_proc import Harness
+from tests.workers.hf_checkpoints import load_hf_model
+from workers.config import EngineConfig
+from workers.llm import LLM
+
+pytestmark = pytest.mark.slow
+
+BLOCK = 16
+BUDGET = 64
+BASE = dict(block_size=BLOCK, max_num_batched_tokens=BUDGET, num_kv_blocks=96, max_model_len=512)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    from tests.workers.hf_checkpoints import make_checkpoint
+
+    return make_checkpoint("llama", tmp_path_factory.mktemp("pd-llama"))
+
+
+@pytest.fixture(scope="module")
+def pd(ckpt):
+    h = Harness()
+    try:
+        common = dict(BASE, model=ckpt, kv_connector="nixl", kv_lease_s=3.0)
+        h.start("P", EngineConfig(role="prefill", **common))
+        h.start("D", EngineConfig(role="decode", kv_load_timeout_s=5.0, **common))
+        yield h
+    finally:
+        h.close()
+
+
+def handoff(h: Harness, rid: str, prompt: list[int], sp: SamplingParams, p="P", d="D"):
+    """Prefill on P (first token streamed), decode on D; returns all tokens."""
+    p_sp = msgspec.structs.replace(sp, max_tokens=1, min_tokens=min(sp.min_tokens, 1))
+    h.send(p, EngineRequest(rid, prompt, p_sp, kv_transfer_params={"do_remote_decode": True}))
+    first = h.wait_final(rid, p)
+    assert first.finish_reason == FinishReason.LENGTH, first
+    params = dict(first.kv_transfer_params, do_remote_prefill=True)
+    d_sp = msgspec.structs.replace(sp, max_tokens=sp.max_tokens - 1)
+    h.send(d, EngineRequest(rid, prompt + first.new_token_ids, d_sp, kv_transfer_params=params))
+    last = h.wait_final(rid, d)
+    return first.new_token_ids + h.tokens(rid, d), last, params
+
+
+def kv_bytes(h: Harness, name: str) -> float:
+    return h.call(name, "stats")["kv_transfer"]["counters"]["kv_transfer_bytes_total"]
+
+
+def block_bytes(num_layers=2, kv_heads=2, head_dim=16) -> int:
+    return num_layers * 2 * BLOCK * kv_heads * head_dim * 4
+
+
+def test_greedy_split_equals_single_engine_and_transformers(pd, ckpt):
+    g = torch.Generator().manual_seed(5)
+    lens = [1, BLOCK, 5 * BLOCK + 3, BUDGET + 29]  # 1 token, one block, many, > budget
+    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in lens]
+    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    single = LLM(EngineConfig(model=ckpt, **BASE)).generate(
+        prompt_token_ids=prompts, sampling_params=sp
+    )
+    hf = load_hf_model(ckpt)
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
+    for i, prompt in enumerate(prompts):
+        before = kv_bytes(pd, "D")
+        toks, last, params = handoff(pd, f"g{i}", prompt, sp)
+        with torch.inference_mode():
+            ref = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=8)
+        assert toks == single[i].token_ids == ref[0, len(prompt) :].tolist()
+        assert last.finish_reason == FinishReason.LENGTH
+        # every block of the prompt travelled (a short prompt still sends one)
+        num_blocks = -(-len(prompt) // BLOCK)
+        assert len(params["remote_block_ids"]) == num_blocks
+        assert kv_bytes(pd, "D") - before == num_blocks * block_bytes()
+    pd.wait_idle("P")
+    pd.wait_idle("D")
+
+
+def test_partial_prefix_hit_on_decode_reads_only_missing_blocks(pd):
+    g = torch.Generator().manual_seed(9)
+    shared = torch.randint(3, 300, (3 * BLOCK,), generator=g).tolist()
+    sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    # warm D's prefix cache with the 3 shared blocks (a local request on D)
+    pd.send("D", EngineRequest("warm", shared + [7], sp))
+    pd.wait_final("warm", "D")
+    prompt = shared + torch.randint(3, 300, (2 * BLOCK + 5,), generator=g).tolist()
+    before = kv_bytes(pd, "D")
+    toks, _, params = handoff(pd, "hit", prompt, sp)
+    assert len(params["remote_block_ids"]) == 6
+    assert kv_bytes(pd, "D") - before == 3 * block_bytes()  # blocks 3, 4, 5 only
+    assert len(toks) == 4
+    pd.wait_idle("P")
+    pd.wait_idle("D")
+
+
+def test_seeded_sampling_same_split_or_not(pd, ckpt):
+    prompt = list(range(10, 60))
+    sp = SamplingParams(max_tokens=10, temperature=1.0, top_k=50, seed=1234, ignore_eos=True)
+    (single,) = LLM(EngineConfig(model=ckpt, **BASE)).generate(
+        prompt_token_ids=[prompt], sampling_params=sp
+    )
+    toks, _, _ = handoff(pd, "seeded", prompt, sp)
+    assert toks == single.token_ids
+    pd.wait_idle("P")
+    pd.wait_idle("D")
+
+
+def test_decode_never_reads_prefill_frees_at_lease_expiry(pd):
+    sp = SamplingParams(max_tokens=1, temperature=0.0)
+    pd.send(
+        "P",
+        EngineRequest(
+            "orphan", list(range(5, 45)), sp, kv_transfer_params={"do_remote_decode": True}
+        ),
+    )
+    pd.wait_final("orphan", "P")
+    s = pd.call("P", "stats")
+    assert s["num_blocks_held_for_transfer"] == 3
+    t0 = time.monotonic()
+    pd.wait_idle("P", timeout_s=15)  # lease is 3 s
+    assert time.monotonic() - t0 < 10
+    assert pd.call("P", "stats")["kv_transfer"]["counters"]["kv_lease_expiries_total"] >= 1
+
+
+def test_abort_while_held_frees_at_once(pd):
+    sp = SamplingParams(max_tokens=1, temperature=0.0)
+    pd.send(
+        "P",
+        EngineRequest(
+            "held", list(range(5, 45)), sp, kv_transfer_params={"do_remote_decode": True}
+        ),
+    )
+    pd.wait_final("held", "P")
+    pd.abort("P", "held")
+    pd.wait_idle("P", timeout_s=2)
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_prefill_killed_before_read(ckpt, policy):
+    h = Harness()
+    try:
+        common = dict(BASE, model=ckpt, kv_connector="nixl", kv_lease_s=30.0)
+        h.start("P", EngineConfig(role="prefill", **common))
+        h.start(
+            "D",
+            EngineConfig(
+                role="decode", kv_load_timeout_s=3.0, load_failure_policy=policy, **common
+            ),
+        )
+        prompt = list(range(20, 70))
+        sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        h.send(
+            "P",
+            EngineRequest(
+                "k",
+                prompt,
+                msgspec.structs.replace(sp, max_tokens=1),
+                kv_transfer_params={"do_remote_decode": True},
+            ),
+        )
+        first = h.wait_final("k", "P")
+        h.engines["P"].kill()
+        params = dict(first.kv_transfer_params, do_remote_prefill=True)
+        h.send(
+            "D",
+            EngineRequest(
+                "k",
+                prompt + first.new_token_ids,
+                msgspec.structs.replace(sp, max_tokens=5),
+                kv_transfer_params=params,
+            ),
+        )
+        last = h.wait_final("k", "D", timeout_s=60)
+        if policy == "recompute":
+            (single,) = LLM(EngineConfig(model=ckpt, **BASE)).generate(
+                prompt_token_ids=[prompt], sampling_params=sp
+            )
+            assert first.new_token_ids + h.tokens("k", "D") == single.token_ids
+            assert last.finish_reason == FinishReason.LENGTH
+        else:
+            assert last.finish_reason == FinishReason.ERROR and last.error
+        h.wait_idle("D")
+    finally:
+        h.close()
