@@ -43,8 +43,10 @@ def test_write_kv_cache_matches_oracle_and_skips_minus_one(block_size):
     assert torch.equal(case.kv_cache, expected)
 
 
-@pytest.mark.parametrize("head_dim", [32, 48, 64, 80])
-@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (8, 2)])
+@pytest.mark.parametrize(
+    "head_dim,heads",
+    [(32, (4, 4)), (48, (4, 2)), (64, (8, 2)), (80, (4, 4)), (80, (8, 2)), (48, (2, 1))],
+)
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize(
     "seqs", [MIXED, DECODE, PREFILL, SIMILAR], ids=["mixed", "decode", "prefill", "similar"]
