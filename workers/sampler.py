@@ -1,23 +1,34 @@
 """Token sampling: greedy, temperature, top-k, top-p, per-request seeds, logprobs.
 
-Every random choice is a Gumbel-max draw ("exponential race"): with
-``q_i ~ Exp(1)`` independent per vocabulary entry,
-``argmax_i(logit_i / T - log q_i)`` is distributed as ``softmax(logit / T)``.
-Filtering (top-k, top-p, min_tokens) sets logits to ``-inf`` first, so a
-masked token can never win. The draw is a pure function of the filtered
-logits and the noise vector, which makes seeded sampling reproducible:
+A random row is sampled by inverse CDF with ONE uniform number per row:
 
-    seeded row:   noise = Exp(1)^V from a generator seeded by mix64(seed, position)
-    unseeded row: noise from one shared generator (one call for all such rows)
+    probs = softmax(filtered logits / T)       (masked tokens: exactly 0)
+    cdf   = cumsum(probs)
+    token = first i with cdf[i] > u * cdf[-1]
 
-``position`` is the absolute index of the token being sampled (the number of
-tokens before it), so a request split across a prefill engine and a decode
-engine draws exactly the tokens it would draw on one engine, whatever its
-batch mates. The stream depends on the device type (CPU and CUDA generators
-differ) and on the vocabulary size, both fixed for one model deployment.
+so a masked token (zero-width interval) can never be drawn, and the cost is
+a few passes over the logits instead of one random number per vocabulary
+entry (per-element RNG dominates on CPU; per-row generator reseeding costs
+a kernel launch each on GPU).
+
+Seeds: for a seeded row, ``u`` is a pure function of (seed, position),
+computed with integer arithmetic in Python (``uniform_for``), where position
+is the absolute index of the token being sampled (the number of tokens
+before it). A request split across a prefill engine and a decode engine
+therefore draws exactly the tokens it would draw on one engine, whatever its
+batch mates, process or call count. Unseeded rows draw ``u`` from one shared
+``random.Random``.
+
+Filtering keeps tokens by value, never by sort position: top-k keeps every
+token >= the k-th largest logit, top-p every token >= the logit at which the
+descending cumulative probability first reaches ``top_p`` (the most likely
+token is always kept). Ties at a boundary all stay, so the kept set does not
+depend on sort order or batch composition.
 """
 
 from __future__ import annotations
+
+import random
 
 import torch
 
@@ -26,37 +37,38 @@ from scheduler.messages import Logprobs, SamplingParams
 # Below this temperature a row is sampled greedily: dividing by a tiny
 # temperature overflows float32 and argmax is the limit anyway.
 _MIN_TEMPERATURE = 1e-5
-# Smallest exponential noise value: keeps -log(q) finite so that
-# -inf (masked) + noise stays -inf instead of becoming NaN.
-_MIN_NOISE = 1e-30
+# top-p looks for its cut among this many most likely tokens first; rows
+# whose cut lies beyond fall back to a full sort.
+_TOP_P_CANDIDATES = 256
 _MASK64 = (1 << 64) - 1
+_GOLDEN64 = 0x9E3779B97F4A7C15
 
 
 def mix_seed(seed: int, position: int) -> int:
-    """64-bit seed for (request seed, token position): splitmix64 of both.
-
-    Pure arithmetic on Python ints, identical in every process.
-    """
-    x = (seed & _MASK64) ^ ((position * 0x9E3779B97F4A7C15) & _MASK64)
-    for _ in range(2):  # two splitmix64 rounds so nearby (seed, position) pairs decorrelate
-        x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    """64-bit hash of (request seed, token position): two splitmix64 rounds."""
+    x = (seed & _MASK64) ^ ((position * _GOLDEN64) & _MASK64)
+    for _ in range(2):
+        x = (x + _GOLDEN64) & _MASK64
         x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
         x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
         x ^= x >> 31
     return x
 
 
+def uniform_for(seed: int, position: int) -> float:
+    """The uniform number in [0, 1) a seeded request uses at ``position``."""
+    return (mix_seed(seed, position) >> 11) * 2.0**-53
+
+
 class Sampler:
     """Samples one token per row of a logits batch.
 
-    ``seed`` fixes the shared generator used by unseeded rows (for
-    reproducible tests); ``None`` seeds it nondeterministically.
+    ``seed`` fixes the stream of unseeded rows (reproducible tests);
+    ``None`` seeds it from the OS.
     """
 
     def __init__(self, seed: int | None = None) -> None:
-        self._shared_seed = seed
-        self._shared_generators: dict[torch.device, torch.Generator] = {}
-        self._seeded_generators: dict[torch.device, torch.Generator] = {}
+        self._rng = random.Random(seed)
 
     def sample(
         self,
@@ -72,19 +84,20 @@ class Sampler:
             logits: ``[N, V]`` float32 raw model logits (not modified).
             params: sampling parameters per row.
             positions: absolute position of the token being sampled per row
-                (number of tokens before it in the sequence); keys seeded noise.
+                (number of tokens before it in the sequence); keys seeded rows.
             output_counts: output tokens the row's request already has; while
                 below ``min_tokens``, EOS and ``stop_token_ids`` are masked.
             eos_token_ids: EOS id per row (``None``: no EOS).
 
         Returns:
-            ``(token_ids, logprobs)``. ``logprobs`` is ``None`` when no row asked
-            for them, else one entry per row (``None`` for rows that did not
-            ask). Logprobs are the log-softmax of the raw logits (before
-            temperature and any masking), as OpenAI and vLLM report them; top
-            entries are sorted by logprob, ties by lower token id.
+            ``(token_ids, logprobs)``. Greedy rows (temperature 0 or top_k 1)
+            get exactly the argmax, lowest id on ties. ``logprobs`` is
+            ``None`` when no row asked for them, else one entry per row
+            (``None`` for rows that did not ask): the log-softmax of the RAW
+            logits (before temperature and masking), as OpenAI and vLLM
+            report them; top entries sorted by logprob, ties by lower id.
         """
-        num_rows, vocab_size = logits.shape
+        num_rows = logits.shape[0]
         if not (len(params) == len(positions) == len(output_counts) == len(eos_token_ids)):
             raise ValueError("params, positions, output_counts, eos_token_ids must match rows")
         if len(params) != num_rows:
@@ -97,63 +110,20 @@ class Sampler:
             i for i, p in enumerate(params) if p.temperature >= _MIN_TEMPERATURE and p.top_k != 1
         ]
         if random_rows:
-            sampled = self._sample_random(masked, random_rows, params, positions, vocab_size)
+            uniforms = []
+            for i in random_rows:
+                seed = params[i].seed
+                uniforms.append(
+                    self._rng.random() if seed is None else uniform_for(seed, positions[i])
+                )
             rows = torch.tensor(random_rows, device=logits.device)
+            sampled = _sample_rows(
+                masked.index_select(0, rows), [params[i] for i in random_rows], uniforms
+            )
             token_ids.index_copy_(0, rows, sampled)
 
         token_list = token_ids.tolist()
         return token_list, _compute_logprobs(raw_logits, params, token_list)
-
-    def _sample_random(
-        self,
-        logits: torch.Tensor,
-        rows: list[int],
-        params: list[SamplingParams],
-        positions: list[int],
-        vocab_size: int,
-    ) -> torch.Tensor:
-        device = logits.device
-        rows_t = torch.tensor(rows, device=device)
-        temps = torch.tensor([params[i].temperature for i in rows], device=device)
-        scaled = logits.index_select(0, rows_t) / temps.unsqueeze(1)
-        scaled = _apply_top_k_top_p(scaled, [params[i] for i in rows], vocab_size)
-
-        noise = torch.empty_like(scaled)
-        unseeded = [j for j, i in enumerate(rows) if params[i].seed is None]
-        if unseeded:
-            gen = self._shared_generator(device)
-            draws = torch.empty(len(unseeded), vocab_size, device=device)
-            draws.exponential_(generator=gen)
-            noise[torch.tensor(unseeded, device=device)] = draws
-        seeded_gen = None
-        for j, i in enumerate(rows):
-            seed = params[i].seed
-            if seed is None:
-                continue
-            if seeded_gen is None:
-                seeded_gen = self._seeded_generator(device)
-            seeded_gen.manual_seed(mix_seed(seed, positions[i]))
-            noise[j].exponential_(generator=seeded_gen)
-        gumbel = noise.clamp_(min=_MIN_NOISE).log_().neg_()
-        return (scaled + gumbel).argmax(dim=-1)
-
-    def _shared_generator(self, device: torch.device) -> torch.Generator:
-        gen = self._shared_generators.get(device)
-        if gen is None:
-            gen = torch.Generator(device=device)
-            if self._shared_seed is None:
-                gen.seed()
-            else:
-                gen.manual_seed(self._shared_seed & _MASK64)
-            self._shared_generators[device] = gen
-        return gen
-
-    def _seeded_generator(self, device: torch.device) -> torch.Generator:
-        gen = self._seeded_generators.get(device)
-        if gen is None:
-            gen = torch.Generator(device=device)
-            self._seeded_generators[device] = gen
-        return gen
 
 
 def _mask_min_tokens(
@@ -186,42 +156,74 @@ def _mask_min_tokens(
     return masked
 
 
-def _apply_top_k_top_p(
-    scaled: torch.Tensor, params: list[SamplingParams], vocab_size: int
+def _sample_rows(
+    logits: torch.Tensor, params: list[SamplingParams], uniforms: list[float]
 ) -> torch.Tensor:
-    """Temperature-scaled logits with tokens outside top-k / top-p at -inf.
-
-    top-k keeps every token whose logit is >= the k-th largest (ties at the
-    boundary all stay, so the kept set never depends on sort order). top-p
-    then keeps the smallest prefix of the remaining tokens, by descending
-    probability, whose mass reaches ``top_p``; the most likely token is
-    always kept.
-    """
+    """Inverse-CDF draw per row of ``logits`` (already min_tokens-masked)."""
+    device = logits.device
+    vocab_size = logits.shape[1]
+    temps = torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
+    scaled = logits / temps
     top_ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
-    top_ps = [p.top_p for p in params]
-    need_k = any(k < vocab_size for k in top_ks)
-    need_p = any(p < 1.0 for p in top_ps)
-    if not (need_k or need_p):
-        return scaled
-    device = scaled.device
-    k_index = torch.tensor(top_ks, device=device).sub_(1).unsqueeze(1)
-    if not need_p:
-        max_k = max(top_ks)
-        top_values = scaled.topk(max_k, dim=-1).values
-        kth_value = top_values.gather(1, k_index)
-        return scaled.masked_fill(scaled < kth_value, float("-inf"))
+    if any(k < vocab_size for k in top_ks):
+        scaled = _apply_top_k(scaled, top_ks)
+    p_rows = [j for j, p in enumerate(params) if p.top_p < 1.0]
+    if p_rows:
+        index = torch.tensor(p_rows, device=device)
+        kept = _apply_top_p(scaled.index_select(0, index), [params[j].top_p for j in p_rows])
+        scaled = scaled.index_copy(0, index, kept)
 
-    sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True, stable=True)
-    kth_value = sorted_logits.gather(1, k_index)
-    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth_value, float("-inf"))
-    probs = sorted_logits.softmax(dim=-1)
+    probs = scaled.softmax(dim=-1)
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    u = torch.tensor(uniforms, dtype=torch.float64, device=device).unsqueeze(1)
+    # Strictly below the total, so the search always lands inside the vocabulary.
+    target = torch.minimum(
+        (u * total.double()).float(), torch.nextafter(total, torch.zeros_like(total))
+    )
+    chosen = torch.searchsorted(cdf, target, right=True).clamp_(max=vocab_size - 1)
+    # A zero-probability pick needs a non-monotone cumsum (parallel scans can
+    # round that way); never let it through.
+    valid = probs.gather(1, chosen) > 0
+    return torch.where(valid, chosen, probs.argmax(dim=-1, keepdim=True)).squeeze(1)
+
+
+def _apply_top_k(scaled: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
+    """Tokens below each row's k-th largest value set to -inf (k = V: none)."""
+    k_index = torch.tensor(top_ks, device=scaled.device).sub_(1).unsqueeze(1)
+    top_values = scaled.topk(max(top_ks), dim=-1).values
+    kth_value = top_values.gather(1, k_index)
+    return scaled.masked_fill(scaled < kth_value, float("-inf"))
+
+
+def _apply_top_p(scaled: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
+    """Tokens outside each row's nucleus set to -inf."""
+    device = scaled.device
+    vocab_size = scaled.shape[1]
+    top_p = torch.tensor(top_ps, device=device).unsqueeze(1)
+    log_total = scaled.logsumexp(dim=-1, keepdim=True)
+    num_candidates = min(vocab_size, _TOP_P_CANDIDATES)
+    values = scaled.topk(num_candidates, dim=-1).values
+    num_keep = _num_in_nucleus(values, log_total, top_p)
+    cutoff = values.gather(1, (num_keep - 1).unsqueeze(1))
+    if num_candidates < vocab_size:
+        # The cut lies beyond the candidates when all of them are kept.
+        beyond = (num_keep == num_candidates).nonzero().squeeze(1)
+        if beyond.numel():
+            rows = scaled.index_select(0, beyond)
+            full = rows.sort(dim=-1, descending=True).values
+            keep = _num_in_nucleus(full, log_total[beyond], top_p[beyond])
+            cutoff[beyond] = full.gather(1, (keep - 1).unsqueeze(1))
+    return scaled.masked_fill(scaled < cutoff, float("-inf"))
+
+
+def _num_in_nucleus(
+    sorted_values: torch.Tensor, log_total: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """Per row: how many leading tokens to keep, >= 1 (mass before them < top_p)."""
+    probs = (sorted_values - log_total).exp()
     mass_before = probs.cumsum(dim=-1).sub_(probs)
-    # Rows without top-p get an infinite threshold: rounding in the cumulative
-    # sum must not trim their tail just because a batch mate needed sorting.
-    thresholds = [p if p < 1.0 else float("inf") for p in top_ps]
-    top_p = torch.tensor(thresholds, device=device, dtype=probs.dtype).unsqueeze(1)
-    sorted_logits = sorted_logits.masked_fill(mass_before >= top_p, float("-inf"))
-    return torch.empty_like(scaled).scatter_(1, sorted_ids, sorted_logits)
+    return (mass_before < top_p).sum(dim=-1).clamp_(min=1)
 
 
 def _compute_logprobs(
@@ -231,36 +233,51 @@ def _compute_logprobs(
     if not rows:
         return None
     device = raw_logits.device
-    rows_t = torch.tensor(rows, device=device)
-    logprobs = torch.log_softmax(raw_logits.index_select(0, rows_t), dim=-1)
+    logprobs = torch.log_softmax(raw_logits.index_select(0, torch.tensor(rows, device=device)), -1)
     sampled = torch.tensor([token_ids[i] for i in rows], device=device).unsqueeze(1)
     sampled_lp = logprobs.gather(1, sampled).squeeze(1).tolist()
-
     num_tops = [min(params[i].logprobs, logprobs.shape[1]) for i in rows]
-    max_top = max(num_tops)
-    kth_values = None
-    if max_top > 0:
-        top_values = logprobs.topk(max_top, dim=-1).values
-        kth_index = torch.tensor([max(n - 1, 0) for n in num_tops], device=device).unsqueeze(1)
-        kth_values = top_values.gather(1, kth_index).squeeze(1)
+    top_ids, top_lps = _top_logprobs(logprobs, num_tops)
 
     result: list[Logprobs | None] = [None] * len(params)
     for j, i in enumerate(rows):
-        n = num_tops[j]
-        top_ids: list[int] = []
-        top_lps: list[float] = []
-        if n and kth_values is not None:
-            # Every candidate with logprob >= the n-th value, then a stable sort:
-            # ties keep ascending token id whatever topk's internal order was.
-            candidates = (logprobs[j] >= kth_values[j]).nonzero().squeeze(1)
-            values = logprobs[j].index_select(0, candidates)
-            order = values.argsort(descending=True, stable=True)[:n]
-            top_ids = candidates.index_select(0, order).tolist()
-            top_lps = values.index_select(0, order).tolist()
         result[i] = Logprobs(
             token_id=token_ids[i],
             logprob=sampled_lp[j],
-            top_token_ids=top_ids,
-            top_logprobs=top_lps,
+            top_token_ids=top_ids[j],
+            top_logprobs=top_lps[j],
         )
     return result
+
+
+def _top_logprobs(
+    logprobs: torch.Tensor, num_tops: list[int]
+) -> tuple[list[list[int]], list[list[float]]]:
+    """Top-n ids and values per row, by value descending then id ascending."""
+    num_rows = logprobs.shape[0]
+    max_top = max(num_tops)
+    if max_top == 0:
+        return [[] for _ in range(num_rows)], [[] for _ in range(num_rows)]
+    values, ids = logprobs.topk(max_top, dim=-1)
+    # topk's order among equal values is unspecified: re-sort by id, then
+    # stably by value.
+    by_id = ids.argsort(dim=-1)
+    ids, values = ids.gather(1, by_id), values.gather(1, by_id)
+    by_value = values.argsort(dim=-1, descending=True, stable=True)
+    ids, values = ids.gather(1, by_value), values.gather(1, by_value)
+    # A tie across the n-th place may have made topk pick a higher id than
+    # an equal value outside its result: such rows are redone exactly.
+    n_index = torch.tensor([max(n - 1, 0) for n in num_tops], device=logprobs.device)
+    nth_value = values.gather(1, n_index.unsqueeze(1))
+    num_at_least = (logprobs >= nth_value).sum(dim=-1).tolist()
+    id_lists, value_lists = ids.tolist(), values.tolist()
+    for j, n in enumerate(num_tops):
+        if n and num_at_least[j] > n:
+            candidates = (logprobs[j] >= nth_value[j]).nonzero().squeeze(1)
+            candidate_values = logprobs[j].index_select(0, candidates)
+            order = candidate_values.argsort(descending=True, stable=True)[:n]
+            id_lists[j] = candidates.index_select(0, order).tolist()
+            value_lists[j] = candidate_values.index_select(0, order).tolist()
+        else:
+            id_lists[j], value_lists[j] = id_lists[j][:n], value_lists[j][:n]
+    return id_lists, value_lists

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from scheduler.messages import SamplingParams
-from workers.sampler import Sampler, mix_seed
+from workers.sampler import Sampler, mix_seed, uniform_for
 
 
 def _sample(sampler, logits, params, positions=None, counts=None, eos=None):
@@ -173,6 +173,49 @@ def test_top_p_keeps_the_most_likely_token():
     assert tokens == [1] * 50
 
 
+def _draw_many(logits: torch.Tensor, params: SamplingParams, num_calls: int, seed: int):
+    """num_calls x 50 draws from one logits row, in batches of 50 rows."""
+    sampler, batch = Sampler(seed=seed), logits.expand(50, -1).contiguous()
+    tokens: list[int] = []
+    for _ in range(num_calls):
+        tokens += _sample(sampler, batch, [params] * 50)[0]
+    return tokens
+
+
+def test_inverse_cdf_keeps_mass_over_a_large_vocab():
+    """Float32 cumsum over 20k tokens must not shift mass between groups."""
+    vocab_size = 20_000
+    logits = torch.zeros(vocab_size)
+    logits[::2] = 1.0  # even ids carry e / (1 + e) of the mass
+    even_mass = torch.e / (1 + torch.e)
+    tokens = _draw_many(logits, SamplingParams(temperature=1.0), 20, seed=7)
+    sigma = (len(tokens) * even_mass * (1 - even_mass)) ** 0.5
+    assert abs(sum(t % 2 == 0 for t in tokens) - len(tokens) * even_mass) < 4 * sigma
+
+
+def test_top_p_cut_beyond_the_candidates():
+    """A long tail puts the top-p cut past the 256 candidates (full-sort path)."""
+    vocab_size = 2000
+    logits = torch.empty(vocab_size)
+    logits[:10] = 6.0 + torch.arange(10) * 0.01  # 10 heavy tokens
+    logits[10:] = -torch.arange(vocab_size - 10) * 2e-4  # slowly falling tail, by id
+    heavy_mass = float(torch.softmax(logits.double(), -1)[:10].sum())
+    assert 0.4 < heavy_mass < 0.8
+    top_p = heavy_mass + 0.5 * (1 - heavy_mass)  # about half of the tail
+    cut_id = max(_allowed_set(logits, 1.0, 0, top_p)) + 1  # allowed: ids < cut_id
+    assert 500 < cut_id < 1500
+    tokens = _draw_many(logits, SamplingParams(temperature=1.0, top_p=top_p), 20, seed=8)
+    # float32 vs the float64 reference may move the cut by a token or two.
+    assert cut_id - 100 < max(tokens) < cut_id + 3
+
+
+def test_seeded_stream_is_pinned():
+    """P and D engines of different builds must agree: the stream is frozen."""
+    assert uniform_for(0, 0) == 0.6524484863740322
+    assert uniform_for(1234, 56789) == 0.5234319476980501
+    assert mix_seed(-1, 2**40) == 0x4043E770D2F31EFE
+
+
 def test_min_tokens_masks_eos_and_stop_ids():
     vocab_size = 40
     eos_id, stop_ids = 3, [7, 9]
@@ -224,8 +267,23 @@ def test_logprobs_are_raw_log_softmax_sorted_with_stable_ties():
     assert lp2.token_id == tokens[2] and lp2.top_token_ids == [] and lp2.top_logprobs == []
     assert lp2.logprob == expected[2, tokens[2]].item()
 
-    lp3 = logprobs[3]
+    lp3 = logprobs[3]  # every id: ties anywhere, longer than topk's stable range
     ref = sorted(range(vocab_size), key=lambda t: (-expected[3, t].item(), t))
     assert lp3.top_token_ids == ref
     assert lp3.top_logprobs == [expected[3, t].item() for t in ref]
     assert lp3.token_id == ref[0]
+
+
+def test_top_logprobs_ties_across_the_cut_pick_lower_ids():
+    logits = torch.zeros(3, 2000)
+    logits[:, 1500] = 5.0
+    logits[:, [1999, 700, 3]] = 2.0  # three-way tie for places 2-4
+    params = [
+        SamplingParams(temperature=0.0, logprobs=2),
+        SamplingParams(temperature=0.0, logprobs=3),
+        SamplingParams(temperature=0.0, logprobs=6),
+    ]
+    _, logprobs = _sample(Sampler(), logits, params)
+    assert logprobs[0].top_token_ids == [1500, 3]
+    assert logprobs[1].top_token_ids == [1500, 3, 700]
+    assert logprobs[2].top_token_ids == [1500, 3, 700, 1999, 0, 1]
