@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 from typing import Any
 
@@ -157,8 +158,9 @@ class Service:
         from workers.tokenizer import load_tokenizer
 
         if not ray.is_initialized():
-            if self.settings["address"]:
-                ctx = ray.init(address=self.settings["address"])
+            if self.settings["address"] or os.environ.get("RAY_ADDRESS"):
+                # joining a cluster (--address, or inside `ray job submit`)
+                ctx = ray.init(address=self.settings["address"] or None)
             else:
                 ctx = ray.init(
                     include_dashboard=self.settings.get("ray_dashboard", True),

@@ -1,0 +1,112 @@
+"""`ray start --head` + `ray job submit --working-dir . -- python -m cluster serve`
+on loopback: the service comes up from the working dir and answers."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BIN = os.path.dirname(sys.executable)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(*args, env, timeout=120, check=True):
+    return subprocess.run(
+        [os.path.join(BIN, "ray"), *args],
+        env=env,
+        cwd=ROOT,
+        timeout=timeout,
+        check=check,
+        capture_output=True,
+        text=True,
+    )
+
+
+def test_ray_job_submit_serves_completions():
+    tmp = tempfile.mkdtemp(prefix="tandem-ray-")
+    gcs, dash, api = free_port(), free_port(), free_port()
+    # the job's `python` is looked up on PATH: the one running these tests
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", PATH=BIN + os.pathsep + os.environ["PATH"])
+    env.pop("RAY_ADDRESS", None)
+    started = False
+    job_id = None
+    dash_url = f"http://127.0.0.1:{dash}"
+    try:
+        run(
+            "start",
+            "--head",
+            "--node-ip-address=127.0.0.1",
+            f"--port={gcs}",
+            f"--dashboard-port={dash}",
+            "--dashboard-host=127.0.0.1",
+            "--num-cpus=2",
+            f"--temp-dir={tmp}",
+            "--include-dashboard=true",
+            env=env,
+        )
+        started = True
+        out = run(
+            "job",
+            "submit",
+            f"--address={dash_url}",
+            "--working-dir",
+            ".",
+            "--no-wait",
+            "--",
+            "python",
+            "-m",
+            "cluster",
+            "serve",
+            "--port",
+            str(api),
+            "--prefill",
+            "1",
+            "--decode",
+            "1",
+            "--num-kv-blocks",
+            "128",
+            "--max-model-len",
+            "512",
+            env=env,
+        )
+        job_id = next(w for w in out.stdout.split() if w.startswith("raysubmit_"))
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{api}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                logs = run("job", "logs", f"--address={dash_url}", job_id, env=env, check=False)
+                pytest.fail(f"service did not become healthy; job logs:\n{logs.stdout[-4000:]}")
+            time.sleep(1)
+        r = httpx.post(
+            f"http://127.0.0.1:{api}/v1/completions",
+            timeout=60,
+            json={"model": "tiny", "prompt": "hello", "max_tokens": 4, "ignore_eos": True},
+        )
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 4
+    finally:
+        if job_id:
+            run("job", "stop", f"--address={dash_url}", job_id, env=env, check=False)
+        if started:
+            run("stop", "--force", env=env, check=False, timeout=60)
+        shutil.rmtree(tmp, ignore_errors=True)
