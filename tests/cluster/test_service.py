@@ -104,6 +104,25 @@ def test_same_greedy_tokens_disagg_colocated_and_generate(disagg, colocated):
         if line.startswith("tandem:kv_transfer_bytes_total") and 'role="decode"' in line
     ]
     assert sent and sent[0] > 0, metrics
+    names = {line.split("{")[0].split(" ")[0] for line in metrics.splitlines()}
+    for name in (
+        "time_to_first_token_seconds_bucket",
+        "inter_token_latency_seconds_bucket",
+        "e2e_request_latency_seconds_bucket",
+        "num_requests_running",
+        "num_requests_waiting",
+        "kv_cache_usage_perc",
+        "prompt_tokens_total",
+        "generation_tokens_total",
+        "num_preemptions_total",
+        "prefix_cache_hits_total",
+        "kv_transfer_seconds_bucket",
+        "kv_transfer_failures_total",
+        "kv_blocks_held_for_transfer",
+        "disagg_decisions_total",
+        "request_success_total",
+    ):
+        assert "tandem:" + name in names, name
     wait_idle(disagg)
     wait_idle(colocated)
 
