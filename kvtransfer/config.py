@@ -12,6 +12,7 @@ import socket
 
 ROLES = ("prefill", "decode", "both")
 LOAD_FAILURE_POLICIES = ("recompute", "fail")
+NOTIFICATION_TRANSPORTS = ("side_channel", "nixl")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +46,17 @@ class KVTransferConfig:
     head_dim: int | None = None
     # NIXL backends for the agent
     backends: tuple[str, ...] = ("UCX",)
+    # NIXL's progress thread spins a whole core per engine. Off, transfers and
+    # notifications progress when the loop polls (get_finished), which is every
+    # step while anything is held or loading. Turn it on when the prefill side
+    # must serve two-sided transports (UCX over TCP between hosts) during long
+    # forward passes. Measured on a 2-core VM: off is ~3x faster (benchmarks/kv_transfer.py).
+    nixl_progress_thread: bool = False
+    # How D tells P "done" / "renew". "side_channel" (ZMQ, default) keeps READs
+    # one-sided; "nixl" (NIXL notifications) makes a READ after a notification
+    # wait for P's loop unless P runs a progress thread (see side_channel.py).
+    # A prefill engine accepts both.
+    notification_transport: str = "side_channel"
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -76,6 +88,11 @@ class KVTransferConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"KVTransferConfig.{name} must be an int >= 1, got {value!r}")
+        if self.notification_transport not in NOTIFICATION_TRANSPORTS:
+            raise ValueError(
+                f"KVTransferConfig.notification_transport must be one of "
+                f"{NOTIFICATION_TRANSPORTS}, got {self.notification_transport!r}"
+            )
         if not self.backends:
             raise ValueError("KVTransferConfig.backends must name at least one NIXL backend")
 

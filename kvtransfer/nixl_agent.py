@@ -64,12 +64,15 @@ def make_agent_name(engine_id: str, epoch: int) -> str:
 class NixlAgent:
     """A NIXL agent with the worker's KV cache registered as one region."""
 
-    def __init__(self, name: str, backends: tuple[str, ...] = ("UCX",)) -> None:
+    def __init__(
+        self, name: str, backends: tuple[str, ...] = ("UCX",), progress_thread: bool = False
+    ) -> None:
         from nixl._api import nixl_agent, nixl_agent_config
 
         self.name = name
         self._lock = threading.Lock()
-        self._agent = nixl_agent(name, nixl_agent_config(backends=list(backends)))
+        config = nixl_agent_config(enable_prog_thread=progress_thread, backends=list(backends))
+        self._agent = nixl_agent(name, config)
         self._registered: Any = None
         self.region: RegionInfo | None = None
         self.metadata = b""
@@ -109,7 +112,11 @@ class NixlAgent:
     ) -> tuple[XferHandle, str]:
         """Post one READ of ``runs`` (see ``split_block_runs``) from the peer
         into the local region. Returns ``(handle, "DONE"|"PROC"|"ERR")``;
-        NIXL errors raise."""
+        NIXL errors raise.
+
+        Between processes of one host UCX picks its ``cma`` transport
+        (process_vm_readv): the kernel copies inside this call, which then
+        returns "DONE". Over RDMA or TCP the READ proceeds in the background."""
         assert self.region is not None, "register the KV cache first"
         local_starts = [r[0] for r in runs]
         remote_starts = [r[1] for r in runs]

@@ -53,6 +53,7 @@ class PeerTable:
     def __init__(
         self,
         agent: NixlAgent,
+        context: zmq.Context,
         local_engine_id: str,
         handshake_timeout_s: float,
         max_concurrent_handshakes: int = 4,
@@ -60,7 +61,7 @@ class PeerTable:
         self._agent = agent
         self._local_engine_id = local_engine_id
         self._timeout_s = handshake_timeout_s
-        self._context = zmq.Context()
+        self._context = context
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=max_concurrent_handshakes, thread_name_prefix="kv-handshake"
         )
@@ -187,10 +188,10 @@ class PeerTable:
     def num_pending(self) -> int:
         return sum(1 for p in self._peers.values() if p.future is not None) + len(self._orphans)
 
-    def close(self) -> None:
-        """Drop every peer; never waits for a running handshake. Idempotent."""
+    def close(self) -> bool:
+        """Drop every peer; never waits for a running handshake. Idempotent.
+        Returns False while a handshake thread may still use the ZMQ context."""
         for peer in list(self._peers.values()):
             self.invalidate(peer)
         self._executor.shutdown(wait=False, cancel_futures=True)
-        if not any(not f.done() for f in self._orphans):
-            self._context.term()
+        return all(f.done() for f in self._orphans)

@@ -5,12 +5,15 @@ Decode role, per LoadSpec::
     start_load_kv: peer ready? -> post READ (one descriptor per block run)
                    handshake pending? -> queue on the peer (never blocks)
     get_finished:  handshakes done -> post queued READs
-                   READ DONE -> send_notif(P, "done:<P's request id>") -> done_recving
+                   READ DONE -> notify P "done" (its request id) -> done_recving
                    ERR / peer gone / deadline / lease -> done_recving + load-error blocks,
                    best-effort "done" to P, peer forgotten (re-handshake next time)
 
 Prefill role, per SendSpec: hold until "done" from D -> done_sending, or
 until the lease deadline (extended by "renew") -> done_sending.
+
+Notifications go over the ZMQ side channel by default (see side_channel.py
+for why), or as NIXL notifications; P accepts both.
 
 A load's deadline is ``min(start + load_timeout_s, lease_deadline)``: past
 the lease P may reuse the blocks, so a late read is a failed read.
@@ -24,6 +27,8 @@ import logging
 import time
 from typing import Any
 
+import zmq
+
 from kvtransfer.base import KVConnectorWorkerSide
 from kvtransfer.compat import KVLayout, compat_hash
 from kvtransfer.config import KVTransferConfig
@@ -34,11 +39,17 @@ from kvtransfer.nixl_meta import (
     LoadSpec,
     NixlConnectorMetadata,
     NotifySpec,
+    PeerAddr,
     decode_notif,
     encode_notif,
 )
 from kvtransfer.nixl_peers import Peer, PeerTable
-from kvtransfer.side_channel import HandshakeInfo, SideChannelServer
+from kvtransfer.side_channel import (
+    HandshakeInfo,
+    Notification,
+    NotificationSender,
+    SideChannelServer,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -65,13 +76,19 @@ class _Send:
 class NixlWorkerSide(KVConnectorWorkerSide):
     def __init__(self, config: KVTransferConfig) -> None:
         self.config = config
-        self.agent = NixlAgent(make_agent_name(config.engine_id, config.epoch), config.backends)
+        self.agent = NixlAgent(
+            make_agent_name(config.engine_id, config.epoch),
+            config.backends,
+            progress_thread=config.nixl_progress_thread,
+        )
         self._server: SideChannelServer | None = None
         if config.serves_kv:
             self._server = SideChannelServer(
-                config.engine_id, config.side_channel_host, config.side_channel_port
+                config.engine_id, config.epoch, config.side_channel_host, config.side_channel_port
             )
-        self._peers = PeerTable(self.agent, config.engine_id, config.handshake_timeout_s)
+        self._zmq = zmq.Context()
+        self._notifier = NotificationSender(self._zmq)
+        self._peers = PeerTable(self.agent, self._zmq, config.engine_id, config.handshake_timeout_s)
         self._layout: KVLayout | None = None
         self._loads: dict[str, _Load] = {}  # in flight
         self._zombies: list[Any] = []  # handles NIXL refused to cancel; retried
@@ -158,8 +175,11 @@ class NixlWorkerSide(KVConnectorWorkerSide):
         if not self._closed:
             self._poll_handshakes()
             self._poll_loads()
-            self._poll_notifs()
-            self._expire_leases()
+            if self.config.serves_kv:
+                self._poll_notifs()
+                self._expire_leases()
+            elif self.config.notification_transport == "nixl":
+                self.agent.get_notifs()  # progress UCX so queued notifications go out
         done_sending, self._done_sending = self._done_sending, set()
         done_recving, self._done_recving = self._done_recving, set()
         return done_sending, done_recving
@@ -172,8 +192,8 @@ class NixlWorkerSide(KVConnectorWorkerSide):
 
     def _start_load(self, spec: LoadSpec) -> None:
         load = _Load(spec, time.monotonic() + self.config.load_timeout_s)
-        if spec.error:
-            self._fail(load, spec.error)
+        if spec.error or self._layout is None:
+            self._fail(load, spec.error or "the local KV cache is not registered")
             return
         peer = self._lookup(spec)
         if peer is None:
@@ -185,11 +205,14 @@ class NixlWorkerSide(KVConnectorWorkerSide):
             peer.waiting.append(load)
 
     def _start_notify(self, notify: NotifySpec) -> None:
-        peer = self._lookup(notify)
+        if self.config.notification_transport == "side_channel":
+            self._notify(notify.peer, notify.kind, notify.remote_request_id)
+            return
+        peer = self._lookup(notify)  # NIXL notifications need the peer's agent
         if peer is None:
             return
         if peer.ready:
-            self._send_notif(peer, notify.kind, notify.remote_request_id)
+            self._notify(peer.addr, notify.kind, notify.remote_request_id, peer)
         else:
             peer.waiting.append(notify)
 
@@ -213,6 +236,7 @@ class NixlWorkerSide(KVConnectorWorkerSide):
         ):
             self._fail(load, f"block id out of range (local {local_limit}, remote {remote_limit})")
             return
+        load.start_s = time.perf_counter()  # cma copies inside the post: time it too
         try:
             runs = split_block_runs(spec.local_block_ids, spec.remote_block_ids)
             load.handle, state = self.agent.start_read(peer.agent_name, peer.region, runs)
@@ -220,7 +244,6 @@ class NixlWorkerSide(KVConnectorWorkerSide):
             self._fail(load, f"posting the READ failed: {e!r}")
             self._peers.invalidate(peer)
             return
-        load.start_s = time.perf_counter()
         load.num_descriptors = len(runs)
         load.num_bytes = len(spec.local_block_ids) * self.agent.region.block_len
         self._loads[spec.request_id] = load
@@ -235,7 +258,7 @@ class NixlWorkerSide(KVConnectorWorkerSide):
                 if isinstance(item, _Load):
                     self._issue(item)
                 else:
-                    self._send_notif(peer, item.kind, item.remote_request_id)
+                    self._notify(peer.addr, item.kind, item.remote_request_id, peer)
         for peer, reason in failed:
             self._fail_peer_work(peer, reason)
 
@@ -275,8 +298,7 @@ class NixlWorkerSide(KVConnectorWorkerSide):
         self._counters["last_transfer_s"] = seconds
         self._recent_transfer_s.append(seconds)
         self._done_recving.add(spec.request_id)
-        if peer is not None:
-            self._send_notif(peer, NOTIF_DONE, spec.remote_request_id)
+        self._notify(spec.peer, NOTIF_DONE, spec.remote_request_id, peer)
 
     def _fail(self, load: _Load, reason: str) -> None:
         """Report the load finished with its local blocks in error, and tell P
@@ -286,8 +308,7 @@ class NixlWorkerSide(KVConnectorWorkerSide):
         self._counters["num_failures"] += 1
         self._done_recving.add(spec.request_id)
         self._error_block_ids.update(spec.local_block_ids)
-        if load.peer is not None and load.peer.ready:
-            self._send_notif(load.peer, NOTIF_DONE, spec.remote_request_id)
+        self._notify(spec.peer, NOTIF_DONE, spec.remote_request_id, load.peer)
 
     def _fail_peer_work(self, peer: Peer, reason: str) -> None:
         """The peer is gone or never came: fail its queued and in-flight loads."""
@@ -303,43 +324,54 @@ class NixlWorkerSide(KVConnectorWorkerSide):
             load.peer = None
             self._fail(load, reason)
 
-    def _send_notif(self, peer: Peer, kind: str, remote_request_id: str) -> None:
-        try:
-            self.agent.send_notif(peer.agent_name, encode_notif(kind, remote_request_id))
+    def _notify(
+        self, addr: PeerAddr, kind: str, remote_request_id: str, peer: Peer | None = None
+    ) -> None:
+        """Tell P ``kind`` about its request; never blocks, failures are counted
+        (P's lease still frees the blocks)."""
+        ok = False
+        if self.config.notification_transport == "side_channel":
+            message = Notification(addr.engine_id, addr.epoch, kind, remote_request_id)
+            ok = self._notifier.send(addr.host, addr.port, message)
+        elif peer is not None and peer.ready:
+            try:
+                self.agent.send_notif(peer.agent_name, encode_notif(kind, remote_request_id))
+                ok = True
+            except Exception as e:
+                logger.warning("NIXL notification to %s failed: %r", addr.engine_id, e)
+        if ok:
             self._counters["num_notifs_sent"] += 1
-        except Exception as e:
+        else:
             self._counters["num_notif_failures"] += 1
-            logger.warning(
-                "notification %s:%s to %s failed: %r",
-                kind,
-                remote_request_id,
-                peer.addr.engine_id,
-                e,
-            )
 
     # ---- prefill side -----------------------------------------------------------
 
-    def _poll_notifs(self) -> None:
-        if not self.config.serves_kv:
-            return
-        now = time.time()
+    def _received_notifs(self) -> list[tuple[str, str]]:
+        """``(kind, request_id)`` from the side channel and from NIXL. Calling
+        get_new_notifs also progresses UCX, which two-sided transports need."""
+        received = self._server.drain_notifications() if self._server is not None else []
         for messages in self.agent.get_notifs().values():
             for message in messages:
                 decoded = decode_notif(message)
                 if decoded is None:
                     logger.warning("ignoring unknown notification %r", message[:64])
-                    continue
-                kind, request_id = decoded
-                send = self._sends.get(request_id)
-                if kind == NOTIF_RENEW:
-                    if send is not None:
-                        send.lease_deadline = max(send.lease_deadline, now + self.config.lease_s)
-                        self._counters["num_lease_renewals"] += 1
-                elif send is not None:
-                    del self._sends[request_id]
-                    self._done_sending.add(request_id)
                 else:
-                    self._early_done[request_id] = now
+                    received.append(decoded)
+        return received
+
+    def _poll_notifs(self) -> None:
+        now = time.time()
+        for kind, request_id in self._received_notifs():
+            send = self._sends.get(request_id)
+            if kind == NOTIF_RENEW:
+                if send is not None:
+                    send.lease_deadline = max(send.lease_deadline, now + self.config.lease_s)
+                    self._counters["num_lease_renewals"] += 1
+            elif send is not None:
+                del self._sends[request_id]
+                self._done_sending.add(request_id)
+            else:
+                self._early_done[request_id] = now
 
     def _expire_leases(self) -> None:
         now = time.time()
@@ -390,7 +422,10 @@ class NixlWorkerSide(KVConnectorWorkerSide):
         for load in self._loads.values():
             self.agent.release(load.handle)
         self._loads.clear()
-        self._peers.close()
+        handshakes_idle = self._peers.close()
+        self._notifier.close()
         if self._server is not None:
             self._server.close()
+        if handshakes_idle:  # else a handshake thread may still hold a socket
+            self._zmq.term()
         self.agent.close()

@@ -1,19 +1,27 @@
-"""ZMQ side channel: how a decode engine learns to talk to a prefill engine.
+"""ZMQ side channel of a prefill engine: handshakes and notifications.
 
 ::
 
-    D (handshake thread)                 P (side-channel thread)
-    REQ --HandshakeRequest-------------> REP
-        <--HandshakeResponse------------     agent metadata, engine id, epoch,
-                                             compat hash + layout, KV region
-    D: check compat, add_remote_agent(metadata), cache per (engine id, epoch)
+    D handshake thread  REQ ----HandshakeRequest----> ROUTER  P side-channel thread
+                            <---HandshakeResponse----         agent metadata, engine id,
+                                                              epoch, compat hash + layout,
+                                                              KV region (encoded once)
+    D loop thread    DEALER ----Notification--------> ROUTER  -> queue -> P worker
+                            ("done" / "renew" + P's request id; one way)
 
-The server answers from a reply encoded once after the KV cache is
-registered; it makes no NIXL call. Every client wait has a deadline.
+Why notifications travel here and not as NIXL notifications: measured with
+UCX and no progress thread (nixl 1.5.1), a READ posted after a NIXL
+notification to the same peer waits until the peer's loop next progresses
+UCX (a whole prefill forward, on a busy P). Kept off NIXL, READs stay
+one-sided and P's side-channel thread receives notifications at once.
+
+The server makes no NIXL call. Every client wait has a deadline; sending a
+notification never blocks (ZMQ queues it).
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 
@@ -25,6 +33,7 @@ from kvtransfer.compat import CONNECTOR_VERSION, KVLayout
 logger = logging.getLogger(__name__)
 
 _POLL_MS = 100
+_MAX_NOTIFY_SOCKETS = 256
 
 
 class RegionInfo(msgspec.Struct, array_like=True, frozen=True):
@@ -48,9 +57,19 @@ class HandshakeInfo(msgspec.Struct, array_like=True):
     region: RegionInfo
 
 
-class HandshakeRequest(msgspec.Struct, array_like=True):
+class HandshakeRequest(msgspec.Struct, array_like=True, tag="handshake"):
     connector_version: int
     requester_engine_id: str
+
+
+class Notification(msgspec.Struct, array_like=True, tag="notify"):
+    """``kind`` ("done" / "renew") about P's ``request_id``; addressed to one
+    incarnation (engine id + epoch) so a restarted P ignores stale ones."""
+
+    engine_id: str
+    epoch: int
+    kind: str
+    request_id: str
 
 
 class HandshakeResponse(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -63,21 +82,29 @@ class HandshakeError(RuntimeError):
     """The peer could not be reached, refused, or is incompatible."""
 
 
+_REQUEST_DECODER = msgspec.msgpack.Decoder(HandshakeRequest | Notification)
+
+
 def _endpoint(host: str, port: int) -> str:
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
 class SideChannelServer:
-    """A REP socket on a daemon thread. ``port`` is known once constructed."""
+    """A ROUTER socket on a daemon thread. ``port`` is known once constructed."""
 
-    def __init__(self, engine_id: str, host: str, port: int, *, start_timeout_s: float = 5.0):
+    def __init__(
+        self, engine_id: str, epoch: int, host: str, port: int, *, start_timeout_s: float = 5.0
+    ):
         self.engine_id = engine_id
+        self.epoch = epoch
         self._context = zmq.Context()
         self._reply: bytes = msgspec.msgpack.encode(
             HandshakeResponse(
                 CONNECTOR_VERSION, error=f"engine {engine_id}: KV cache not registered"
             )
         )
+        # (kind, request_id), appended by the server thread, drained by the worker
+        self._notifications: collections.deque[tuple[str, str]] = collections.deque()
         self._stop = threading.Event()
         self._bound = threading.Event()
         self._bind_error: BaseException | None = None
@@ -98,8 +125,15 @@ class SideChannelServer:
         """Serve ``info`` from now on (called once the KV cache is registered)."""
         self._reply = msgspec.msgpack.encode(HandshakeResponse(CONNECTOR_VERSION, info=info))
 
+    def drain_notifications(self) -> list[tuple[str, str]]:
+        """``(kind, request_id)`` received since the last call, in order."""
+        out = []
+        while self._notifications:
+            out.append(self._notifications.popleft())
+        return out
+
     def _serve(self, host: str, port: int) -> None:
-        sock = self._context.socket(zmq.REP)
+        sock = self._context.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         try:
             if ":" in host:
@@ -121,28 +155,34 @@ class SideChannelServer:
             while not self._stop.is_set():
                 if not poller.poll(_POLL_MS):
                     continue
-                raw = sock.recv()
-                sock.send(self._answer(raw))
-        except zmq.ZMQError as e:  # context terminated while closing
+                while True:
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    reply = self._handle(frames[-1])
+                    if reply is not None:  # [identity, b"", payload] for a REQ client
+                        sock.send_multipart([frames[0], b"", reply])
+        except zmq.ZMQError as e:
             if not self._stop.is_set():
                 logger.error("side channel of %s stopped: %s", self.engine_id, e)
         finally:
             sock.close()
 
-    def _answer(self, raw: bytes) -> bytes:
+    def _handle(self, payload: bytes) -> bytes | None:
         try:
-            request = msgspec.msgpack.decode(raw, type=HandshakeRequest)
+            message = _REQUEST_DECODER.decode(payload)
         except msgspec.DecodeError:
             return msgspec.msgpack.encode(
-                HandshakeResponse(CONNECTOR_VERSION, error="undecodable handshake request")
+                HandshakeResponse(CONNECTOR_VERSION, error="undecodable side-channel message")
             )
-        if request.connector_version != CONNECTOR_VERSION:
-            return msgspec.msgpack.encode(
-                HandshakeResponse(
-                    CONNECTOR_VERSION,
-                    error=f"connector version {request.connector_version} != {CONNECTOR_VERSION}",
-                )
-            )
+        if isinstance(message, Notification):
+            if message.engine_id == self.engine_id and message.epoch == self.epoch:
+                self._notifications.append((message.kind, message.request_id))
+            return None
+        if message.connector_version != CONNECTOR_VERSION:
+            error = f"connector version {message.connector_version} != {CONNECTOR_VERSION}"
+            return msgspec.msgpack.encode(HandshakeResponse(CONNECTOR_VERSION, error=error))
         self.num_handshakes_served += 1
         return self._reply
 
@@ -185,3 +225,41 @@ def fetch_handshake(
     if response.info is None:
         raise HandshakeError(f"peer {host}:{port} refused handshake: {response.error}")
     return response.info
+
+
+class NotificationSender:
+    """One DEALER per peer endpoint; for the loop thread only. ``send`` never
+    blocks: ZMQ queues messages until the connection is up (or drops them at
+    the high-water mark, which counts as a failure)."""
+
+    def __init__(self, context: zmq.Context) -> None:
+        self._context = context
+        self._sockets: collections.OrderedDict[tuple[str, int], zmq.Socket] = (
+            collections.OrderedDict()
+        )
+
+    def send(self, host: str, port: int, notification: Notification) -> bool:
+        key = (host, port)
+        sock = self._sockets.get(key)
+        if sock is None:
+            sock = self._context.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 10_000)
+            if ":" in host:
+                sock.setsockopt(zmq.IPV6, 1)
+            sock.connect(_endpoint(host, port))
+            self._sockets[key] = sock
+            if len(self._sockets) > _MAX_NOTIFY_SOCKETS:
+                self._sockets.popitem(last=False)[1].close()
+        else:
+            self._sockets.move_to_end(key)
+        try:
+            sock.send_multipart([b"", msgspec.msgpack.encode(notification)], zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError:
+            return False
+
+    def close(self) -> None:
+        for sock in self._sockets.values():
+            sock.close()
+        self._sockets.clear()

@@ -8,7 +8,8 @@ hands out kv_transfer_params for "finished prefills" and reports
     parent -> child  ("finish", request_id, num_prompt_tokens, block_ids)
     child -> parent  ("params", request_id, params_dict)
     child -> parent  ("done_sending", request_id, seconds_since_finish)
-    parent -> child  ("stats",) -> ("stats", dict) ; ("stop",) -> exits
+    parent -> child  ("stats",) -> ("stats", dict) ; ("ping",) -> ("pong",)
+    parent -> child  ("stop",) -> exits
 """
 
 from __future__ import annotations
@@ -59,6 +60,9 @@ def run_prefill(
                     return
                 if msg[0] == "stats":
                     conn.send(("stats", worker.stats()))
+                    continue
+                if msg[0] == "ping":
+                    conn.send(("pong",))
                     continue
                 _, request_id, num_prompt, block_ids = msg
                 req = Request(
@@ -134,6 +138,13 @@ class PrefillProcess:
             return True
         except TimeoutError:
             return False
+
+    def ping(self) -> float:
+        """Seconds of one pipe round trip (the machine's wake-up latency)."""
+        start = time.perf_counter()
+        self._conn.send(("ping",))
+        self._wait(lambda m: m[0] == "pong", 10.0)
+        return time.perf_counter() - start
 
     def stats(self) -> dict:
         self._conn.send(("stats",))

@@ -15,7 +15,6 @@ import torch
 
 from kvtransfer import KVTransferConfig, create_connector
 from kvtransfer.nixl_meta import LoadSpec, NixlConnectorMetadata, PeerAddr
-from kvtransfer.nixl_scheduler import NixlSchedulerSide
 from scheduler.messages import KVConnectorOutput, SamplingParams
 from scheduler.request import Request, RequestStatus
 from tests.kvtransfer.prefill_process import PrefillProcess, kv_content
@@ -162,34 +161,49 @@ def test_restarted_prefill_is_rehandshaked_and_read_fresh(decode, caplog):
     assert worker.stats()["num_handshakes"] == 2
 
 
-def test_lease_expires_without_decode_and_renewal_extends_it(decode):
-    _, worker, _ = decode
+@pytest.mark.parametrize("transport", ["side_channel", "nixl"])
+def test_lease_expiry_renewal_and_done_notification(transport):
     lease_s = 1.0
-    with prefill(lease_s=lease_s) as p:
-        p.finish("orphan", 8, [1, 2])
-        elapsed = p.wait_done_sending("orphan", timeout_s=10)
-        assert elapsed >= lease_s
-        stats = p.stats()
-        assert stats["num_lease_expiries"] == 1 and stats["num_blocks_held_for_transfer"] == 0
+    config = KVTransferConfig(
+        role="decode", engine_id="d0", lease_s=lease_s, notification_transport=transport, **COMMON
+    )
+    scheduler, worker = create_connector(config)
+    d_kv = torch.zeros(D_SHAPE)
+    worker.register_kv_caches(d_kv)
+    try:
+        with prefill(lease_s=lease_s) as p:
+            p.finish("orphan", 8, [1, 2])
+            elapsed = p.wait_done_sending("orphan", timeout_s=10)
+            assert elapsed >= lease_s
+            stats = p.stats()
+            assert stats["num_lease_expiries"] == 1 and stats["num_blocks_held_for_transfer"] == 0
 
-        params = p.finish("waiting", 8, [3, 4])
-        # D sees the request as if it had waited 0.4 s for blocks: it renews now
-        d_scheduler = NixlSchedulerSide(
-            KVTransferConfig(role="decode", engine_id="d0", lease_s=lease_s, **COMMON), None
-        )
-        seen = params | {"lease_deadline": params["lease_deadline"] - 0.4}
-        req = Request("waiting", list(range(9)), SamplingParams(), kv_transfer_params=seen)
-        assert d_scheduler.get_num_new_matched_tokens(req, 0) == (8, True)
-        meta = d_scheduler.build_connector_meta(None)
-        assert [n.kind for n in meta.notifies] == ["renew"]
-        renew_sent_after = time.time()
-        worker.start_load_kv(meta)
-        deadline = time.monotonic() + 10
-        while not p.poll_done_sending("waiting", 0.01):
-            worker.get_finished()  # lets the handshake finish and the renewal go out
-            assert time.monotonic() < deadline
-        assert time.time() >= renew_sent_after + lease_s
-        assert p.stats()["num_lease_renewals"] == 1
+            params = p.finish("waiting", 8, [3, 4])
+            # D sees the request as if it had waited 0.4 s for blocks: it renews now
+            seen = params | {"lease_deadline": params["lease_deadline"] - 0.4}
+            req = Request("waiting", list(range(9)), SamplingParams(), kv_transfer_params=seen)
+            assert scheduler.get_num_new_matched_tokens(req, 0) == (8, True)
+            meta = scheduler.build_connector_meta(None)
+            assert [n.kind for n in meta.notifies] == ["renew"]
+            renew_sent_after = time.time()
+            worker.start_load_kv(meta)
+            deadline = time.monotonic() + 10
+            while not p.poll_done_sending("waiting", 0.01):
+                worker.get_finished()  # (nixl transport) lets the handshake finish
+                assert time.monotonic() < deadline
+            assert time.time() >= renew_sent_after + lease_s
+            assert p.stats()["num_lease_renewals"] == 1
+            req.status = RequestStatus.FINISHED_ABORTED
+            scheduler.request_finished(req, [])
+
+            # a pulled request: P frees on D's "done", well before its lease
+            params = p.finish("pulled", 8, [5, 6])
+            assert pull((scheduler, worker, d_kv), "pulled", params, 8, [7, 8]) == (8, set())
+            assert p.wait_done_sending("pulled", timeout_s=10) < lease_s
+            assert p.stats()["num_lease_expiries"] == 2  # "orphan" and "waiting", not "pulled"
+            assert_blocks(d_kv, kv_content(P_SHAPE, seed=0), [(7, 5), (8, 6)], [])
+    finally:
+        worker.shutdown()
 
 
 def test_unreachable_peer_fails_after_handshake_timeout():

@@ -1,0 +1,251 @@
+"""KV transfer between two processes over NIXL/UCX, vs a torch copy.
+
+Run from the repository root::
+
+    .venv/bin/python benchmarks/kv_transfer.py
+    .venv/bin/python benchmarks/kv_transfer.py --ucx-tls tcp --progress-thread --notify nixl
+
+A prefill process (P) registers a blocks-first KV cache; this process (D)
+pulls requests through the real connector (scheduler side -> metadata ->
+worker side -> NIXL READ -> "done" notification -> P frees).
+
+* Throughput: 1/16/64/256 MiB requests laid out as real KV blocks, a few
+  runs each (so a few descriptors), NIXL READ time vs ``Tensor.copy_`` of
+  the same runs inside one process.
+* Handoff latency: a one-block request, from P having its
+  kv_transfer_params to P processing D's "done" notification (the blocks
+  are filled before that), after the first handshake; p50/p99.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+# [blocks, layers, K/V, block_size, kv heads, head dim] fp32: 512 KiB per block
+BLOCK_SIZE = 16
+NUM_BLOCKS = 1024
+BLOCK_SHAPE = (8, 2, BLOCK_SIZE, 8, 64)
+SEED = 0
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown cpu"
+
+
+def pick_blocks(rng, num_blocks: int, num_runs: int, limit: int) -> list[int]:
+    """``num_blocks`` distinct block ids in ``num_runs`` contiguous runs."""
+    num_runs = min(num_runs, num_blocks)
+    sizes = [num_blocks // num_runs + (i < num_blocks % num_runs) for i in range(num_runs)]
+    slot = limit // num_runs  # one run per slot: runs never overlap
+    ids: list[int] = []
+    for i, size in enumerate(sizes):
+        start = i * slot + int(rng.integers(0, slot - size + 1))
+        ids.extend(range(start, start + size))
+    order = rng.permutation(num_runs)  # runs not in address order
+    runs, pos = [], 0
+    for size in sizes:
+        runs.append(ids[pos : pos + size])
+        pos += size
+    return [b for i in order for b in runs[i]]
+
+
+class Decode:
+    def __init__(self, config_kwargs: dict) -> None:
+        import torch
+
+        from kvtransfer import KVTransferConfig, create_connector
+
+        self.scheduler, self.worker = create_connector(
+            KVTransferConfig(role="decode", engine_id="bench-d", **config_kwargs)
+        )
+        self.kv = torch.zeros((NUM_BLOCKS, *BLOCK_SHAPE))
+        self.worker.register_kv_caches(self.kv)
+
+    def pull(self, request_id: str, params: dict, num_tokens: int, block_ids: list[int]) -> None:
+        from scheduler.messages import KVConnectorOutput, SamplingParams
+        from scheduler.request import Request, RequestStatus
+
+        req = Request(
+            request_id, [0] * (num_tokens + 1), SamplingParams(), kv_transfer_params=params
+        )
+        num_external, _ = self.scheduler.get_num_new_matched_tokens(req, 0)
+        self.scheduler.update_state_after_alloc(req, block_ids, num_external)
+        self.worker.start_load_kv(self.scheduler.build_connector_meta(None))
+        deadline = time.monotonic() + 60
+        while request_id not in self.worker.get_finished()[1]:
+            if time.monotonic() > deadline:
+                raise TimeoutError(request_id)
+            time.sleep(50e-6)  # poll like an engine loop; leave P a core
+        if self.worker.get_block_ids_with_load_errors():
+            raise RuntimeError(f"load of {request_id} failed")
+        self.scheduler.update_connector_output(KVConnectorOutput(finished_recving=[request_id]))
+        req.status = RequestStatus.FINISHED_STOPPED
+        self.scheduler.request_finished(req, block_ids)
+
+
+def throughput_row(p, d: Decode, size_mib: int, rng, iters: int) -> dict:
+    import torch
+
+    from kvtransfer.nixl_agent import split_block_runs
+
+    block_bytes = d.kv[0].numel() * d.kv.element_size()
+    num_blocks = size_mib * 2**20 // block_bytes
+    num_bytes = num_blocks * block_bytes
+    # fresh blocks every transfer (a few runs each, not in address order)
+    layouts = [
+        (pick_blocks(rng, num_blocks, 3, NUM_BLOCKS), pick_blocks(rng, num_blocks, 4, NUM_BLOCKS))
+        for _ in range(iters + 1)
+    ]
+    # the same layout copied inside one process right after each READ (so both
+    # see the same machine load), with 1 thread (like the kernel's single-threaded
+    # cma copy) and with torch's default threads
+    src = torch.empty_like(d.kv).fill_(1.0)
+    default_threads = torch.get_num_threads()
+    read_s, wall_s, copy_s = [], [], {1: [], default_threads: []}
+    for i, (local, remote) in enumerate(layouts):  # the first one warms up
+        rid = f"tp-{size_mib}-{i}"
+        params = p.finish(rid, num_blocks * BLOCK_SIZE, remote)
+        t0 = time.perf_counter()
+        d.pull(rid, params, num_blocks * BLOCK_SIZE, local)
+        wall = time.perf_counter() - t0
+        (read,) = d.worker.drain_transfer_seconds()
+        p.wait_done_sending(rid)
+        for threads in copy_s:
+            torch.set_num_threads(threads)
+            t0 = time.perf_counter()
+            for local_start, remote_start, n in split_block_runs(local, remote):
+                d.kv[local_start : local_start + n].copy_(src[remote_start : remote_start + n])
+            if i:
+                copy_s[threads].append(time.perf_counter() - t0)
+        torch.set_num_threads(default_threads)
+        if i:
+            read_s.append(read)
+            wall_s.append(wall)
+    del src
+    copy_gbs = {t: num_bytes / statistics.median(v) / 1e9 for t, v in copy_s.items()}
+    read_gbs = num_bytes / statistics.median(read_s) / 1e9
+    num_descs = [len(split_block_runs(local, remote)) for local, remote in layouts]
+    return {
+        "size": f"{size_mib} MiB",
+        "blocks": num_blocks,
+        "descs": f"{min(num_descs)}-{max(num_descs)}",
+        "nixl": read_gbs,
+        "wall": num_bytes / statistics.median(wall_s) / 1e9,
+        "copy1": copy_gbs[1],
+        "copyn": copy_gbs[default_threads],
+        "ratio": read_gbs / max(copy_gbs.values()),
+    }
+
+
+def handoff(p, d: Decode, iters: int) -> tuple[list[float], list[float]]:
+    """(P: params ready -> D's done processed, D: params received -> blocks filled)."""
+    p_lat, d_lat = [], []
+    for i in range(iters + 5):
+        rid = f"h-{i}"
+        params = p.finish(rid, BLOCK_SIZE, [i % NUM_BLOCKS])
+        t0 = time.perf_counter()
+        d.pull(rid, params, BLOCK_SIZE, [(i * 7) % NUM_BLOCKS])
+        d_s = time.perf_counter() - t0
+        p_s = p.wait_done_sending(rid)
+        if i >= 5:
+            p_lat.append(p_s)
+            d_lat.append(d_s)
+    return p_lat, d_lat
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 16, 64, 256])
+    parser.add_argument(
+        "--iters", type=int, default=8, help="timed transfers per size (at least 64 / MiB)"
+    )
+    parser.add_argument("--handoff-iters", type=int, default=200)
+    parser.add_argument("--ucx-tls", default=None, help="set UCX_TLS for both processes")
+    parser.add_argument("--progress-thread", action="store_true", help="NIXL progress threads on")
+    parser.add_argument("--notify", default="side_channel", choices=["side_channel", "nixl"])
+    args = parser.parse_args()
+    if args.ucx_tls:
+        os.environ["UCX_TLS"] = args.ucx_tls
+
+    import numpy as np
+    import torch
+
+    from tests.kvtransfer.prefill_process import PrefillProcess
+
+    config = {
+        "block_size": BLOCK_SIZE,
+        "model_name": "bench",
+        "nixl_progress_thread": args.progress_thread,
+        "notification_transport": args.notify,
+    }
+    rng = np.random.default_rng(SEED)
+    p = PrefillProcess(
+        {"engine_id": "bench-p", **config}, (NUM_BLOCKS, *BLOCK_SHAPE), SEED, poll_interval_s=0.0001
+    )
+    d = Decode(config)
+    try:
+        rows = [
+            throughput_row(p, d, size, rng, max(args.iters, 64 // size)) for size in args.sizes_mib
+        ]
+        p_lat, d_lat = handoff(p, d, args.handoff_iters)
+        ping_s = [p.ping() for _ in range(args.handoff_iters)]
+    finally:
+        d.worker.shutdown()
+        p.close()
+
+    from importlib.metadata import version
+
+    print(
+        f"\nKV transfer, 2 processes, NIXL {version('nixl')} UCX (UCX_TLS="
+        f"{os.environ.get('UCX_TLS', 'default')}, progress thread "
+        f"{'on' if args.progress_thread else 'off'}, notifications via {args.notify})\n"
+        f"{cpu_name()}, {os.cpu_count()} cores, "
+        f"torch {torch.__version__} ({torch.get_num_threads()} threads)"
+    )
+    print(
+        f"blocks-first fp32 KV, {d.kv[0].numel() * 4 // 1024} KiB/block, fresh blocks per "
+        f"transfer; medians over >= {args.iters} transfers after a warm-up\n"
+    )
+    threads = torch.get_num_threads()
+    print(
+        f"{'size':>8} {'blocks':>6} {'descs':>5} {'NIXL READ':>10} {'+connector':>11} "
+        f"{'copy 1 thr':>11} {f'copy {threads} thr':>11} {'READ/best copy':>15}   (GB/s)"
+    )
+    for r in rows:
+        print(
+            f"{r['size']:>8} {r['blocks']:>6} {r['descs']:>5} {r['nixl']:>10.2f} "
+            f"{r['wall']:>11.2f} {r['copy1']:>11.2f} {r['copyn']:>11.2f} {r['ratio']:>15.0%}"
+        )
+    print(
+        f"\nhandoff, 1-block request, {len(p_lat)} iterations after the first handshake:\n"
+        f"  P params ready -> D read + P got 'done': p50 {pct(p_lat, 0.5) * 1e3:.2f} ms, "
+        f"p99 {pct(p_lat, 0.99) * 1e3:.2f} ms\n"
+        f"  D params in -> blocks filled (done_recving): p50 {pct(d_lat, 0.5) * 1e3:.2f} ms, "
+        f"p99 {pct(d_lat, 0.99) * 1e3:.2f} ms\n"
+        f"  for scale, a pipe round trip D->P->D: p50 {pct(ping_s, 0.5) * 1e3:.2f} ms, "
+        f"p99 {pct(ping_s, 0.99) * 1e3:.2f} ms; load average {os.getloadavg()[0]:.1f}"
+    )
+
+
+if __name__ == "__main__":
+    main()
