@@ -51,18 +51,35 @@ def test_closed_loop_numbers_are_sane(server):
 
 def test_goodput_counts_requests_meeting_slos(server):
     _, url = server
-    lax = run(BenchConfig(url, num_requests=8, concurrency=2, input_len=4, output_len=4,
-                          slo_ttft_ms=60_000, slo_tpot_ms=60_000))  # fmt: skip
+    lax = run(
+        BenchConfig(
+            url,
+            num_requests=8,
+            concurrency=2,
+            input_len=4,
+            output_len=4,
+            slo_ttft_ms=60_000,
+            slo_tpot_ms=60_000,
+        )
+    )
     assert lax["goodput"] == pytest.approx(lax["request_throughput"])
-    strict = run(BenchConfig(url, num_requests=8, concurrency=2, input_len=4, output_len=4,
-                             slo_ttft_ms=1e-6))  # fmt: skip
+    strict = run(
+        BenchConfig(url, num_requests=8, concurrency=2, input_len=4, output_len=4, slo_ttft_ms=1e-6)
+    )
     assert strict["goodput"] == 0.0
 
 
 def test_poisson_rate_and_range_ratio(server):
     _, url = server
-    config = BenchConfig(url, num_requests=16, request_rate=400.0, input_len=10, output_len=10,
-                         range_ratio=0.5, seed=7)  # fmt: skip
+    config = BenchConfig(
+        url,
+        num_requests=16,
+        request_rate=400.0,
+        input_len=10,
+        output_len=10,
+        range_ratio=0.5,
+        seed=7,
+    )
     prompts, output_lens, offsets_s = bench.build_workload(config, vocab_size=262)
     assert all(5 <= len(p) <= 15 for p in prompts) and all(5 <= n <= 15 for n in output_lens)
     assert offsets_s[0] == 0.0 and offsets_s == sorted(offsets_s)
@@ -77,8 +94,16 @@ def test_poisson_rate_and_range_ratio(server):
 def test_timeout_bounds_the_run():
     backend = NullBackend(build_tokenizer(), output_interval_s=10.0)
     with serve_in_thread(create_app(backend)) as url:
-        summary = run(BenchConfig(url, num_requests=3, concurrency=3, input_len=2, output_len=50,
-                                  request_timeout_s=0.3))  # fmt: skip
+        summary = run(
+            BenchConfig(
+                url,
+                num_requests=3,
+                concurrency=3,
+                input_len=2,
+                output_len=50,
+                request_timeout_s=0.3,
+            )
+        )
         assert summary["num_failed"] == 3
         assert summary["errors"] == {"timeout after 0.3 s": 3}
         assert summary["duration_s"] < 5
