@@ -210,6 +210,7 @@ async def _serve(settings: dict[str, Any], per_role: dict[str, dict[str, Any]]) 
                 host=settings["host"],
                 port=settings["port"],
                 log_level="warning",
+                access_log=False,
                 lifespan="off",
             )
         )
@@ -287,7 +288,9 @@ class ServiceThread:
             self.__exit__(None, None, None)
             raise
         app = create_app(self.service.backend, api_key=self.service.settings.get("api_key"))
-        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+        self._server = uvicorn.Server(
+            uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False)
+        )
         self._server.install_signal_handlers = lambda: None  # not the main thread
         self._serve_future = asyncio.run_coroutine_threadsafe(
             self._server.serve(sockets=[self._sock]), self.loop
