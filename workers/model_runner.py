@@ -23,7 +23,12 @@ from scheduler.messages import (
     SamplingParams,
     SchedulerOutput,
 )
+from workers.attention import SplitAttention, StepMetadata
+from workers.dense_decode import DenseDecodeKV, DenseDecodeStep
 from workers.sampler import Sampler
+
+# CPU only: bytes the dense decode copy of the KV may use (see workers/dense_decode.py).
+DEFAULT_DENSE_DECODE_BYTES = 1 << 30
 
 
 class _ReqState:
@@ -49,6 +54,7 @@ class ModelRunner:
         *,
         connector: Any = None,  # kvtransfer.base.KVConnectorWorkerSide
         seed: int | None = 0,
+        dense_decode_bytes: int | None = None,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
@@ -58,15 +64,24 @@ class ModelRunner:
         self.connector = connector
         self.sampler = Sampler(seed)
         self.requests: dict[str, _ReqState] = {}
+        # Dense decode rows: a CPU fast path (the Triton kernels read the paged cache directly).
+        if dense_decode_bytes is None:
+            dense_decode_bytes = DEFAULT_DENSE_DECODE_BYTES if self.device.type == "cpu" else 0
+        self.dense = None
+        if dense_decode_bytes > 0:
+            num_heads = model.config.num_attention_heads
+            self.dense = DenseDecodeKV(kv_cache, num_heads, dense_decode_bytes)
         if connector is not None:
             connector.register_kv_caches(kv_cache)
 
     def _update_states(self, so: SchedulerOutput) -> None:
-        for rid in so.finished_req_ids:
+        for rid in (*so.finished_req_ids, *so.preempted_req_ids):
             self.requests.pop(rid, None)
-        for rid in so.preempted_req_ids:
-            self.requests.pop(rid, None)
+            if self.dense is not None:
+                self.dense.release(rid)
         for nr in so.scheduled_new_reqs:
+            if self.dense is not None:
+                self.dense.release(nr.req_id)
             self.requests[nr.req_id] = _ReqState(
                 list(nr.all_token_ids),
                 list(nr.block_ids),
@@ -101,14 +116,15 @@ class ModelRunner:
         return out
 
     def _forward_and_sample(self, so: SchedulerOutput, out: ModelRunnerOutput) -> None:
+        req_ids = list(so.num_scheduled_tokens)
+        order, dense_step = self._order_for_dense(so, req_ids)
         input_ids: list[int] = []
         positions: list[int] = []
         block_tables, seq_lens, query_lens = [], [], []
         sample_rows: list[int] = []  # flat index of each sampled token's last query token
         sample_reqs: list[_ReqState] = []
-        req_ids = list(so.num_scheduled_tokens)
-        sampled_slot: list[int] = []  # per request: index into sample_reqs or -1
-        for rid in req_ids:
+        sampled_slot: dict[str, int] = {}  # req id -> index into sample_reqs
+        for rid in order:
             n = so.num_scheduled_tokens[rid]
             st = self.requests[rid]
             start = st.num_computed
@@ -124,21 +140,23 @@ class ModelRunner:
             query_lens.append(n)
             st.num_computed = end
             if end == len(st.token_ids):
-                sampled_slot.append(len(sample_reqs))
+                sampled_slot[rid] = len(sample_reqs)
                 sample_rows.append(len(input_ids) - 1)
                 sample_reqs.append(st)
-            else:
-                sampled_slot.append(-1)
         dev = self.device
-        meta = AttentionMetadata.build(block_tables, seq_lens, query_lens, self.block_size, dev)
+        meta = self._metadata(block_tables, seq_lens, query_lens, positions, dense_step)
         ids_t = torch.tensor(input_ids, dtype=torch.long, device=dev)
         pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
         hidden = self.model(ids_t, pos_t, self.kv_cache, meta)
         tokens: list[int] = []
         logprobs = None
         if sample_reqs:
-            rows = torch.tensor(sample_rows, dtype=torch.long, device=dev)
-            logits = self.model.compute_logits(hidden.index_select(0, rows))
+            if sample_rows == list(range(len(hidden))):
+                last = hidden  # decode-only step: every row is sampled, in order
+            else:
+                rows = torch.tensor(sample_rows, dtype=torch.long, device=dev)
+                last = hidden.index_select(0, rows)
+            logits = self.model.compute_logits(last)
             tokens, logprobs = self.sampler.sample(
                 logits,
                 [st.params for st in sample_reqs],
@@ -148,9 +166,52 @@ class ModelRunner:
             )
             for st, tok in zip(sample_reqs, tokens):
                 st.token_ids.append(tok)
+        slots = [sampled_slot.get(rid, -1) for rid in req_ids]
         out.req_ids = req_ids
-        out.sampled_token_ids = [[tokens[k]] if k >= 0 else [] for k in sampled_slot]
+        out.sampled_token_ids = [[tokens[k]] if k >= 0 else [] for k in slots]
         if logprobs is not None:
             out.logprobs = [
-                [logprobs[k]] if k >= 0 and logprobs[k] is not None else [] for k in sampled_slot
+                [logprobs[k]] if k >= 0 and logprobs[k] is not None else [] for k in slots
             ]
+
+    def _order_for_dense(
+        self, so: SchedulerOutput, req_ids: list[str]
+    ) -> tuple[list[str], DenseDecodeStep | None]:
+        """Flat token order: decodes on the dense path first (by row), then the rest."""
+        if self.dense is None:
+            return req_ids, None
+        decodes = []
+        for rid in req_ids:
+            st = self.requests[rid]
+            if so.num_scheduled_tokens[rid] == 1:
+                decodes.append((rid, st.num_computed, st.block_ids))
+            else:
+                self.dense.release(rid)  # its KV is being (re)computed: the row would be stale
+        chosen, step = self.dense.prepare(decodes)
+        if step is None:
+            return req_ids, None
+        first = [decodes[i][0] for i in chosen]
+        taken = set(first)
+        return first + [rid for rid in req_ids if rid not in taken], step
+
+    def _metadata(
+        self,
+        block_tables: list[list[int]],
+        seq_lens: list[int],
+        query_lens: list[int],
+        positions: list[int],
+        dense_step: DenseDecodeStep | None,
+    ) -> StepMetadata:
+        dev, bs = self.device, self.block_size
+        if dense_step is None:
+            return AttentionMetadata.build(block_tables, seq_lens, query_lens, bs, dev)
+        n = dense_step.num_tokens
+        dense_slots = [
+            table[pos // bs] * bs + pos % bs for table, pos in zip(block_tables[:n], positions)
+        ]
+        paged = None
+        slot_mapping = torch.tensor(dense_slots, dtype=torch.long, device=dev)
+        if len(block_tables) > n:
+            paged = AttentionMetadata.build(block_tables[n:], seq_lens[n:], query_lens[n:], bs, dev)
+            slot_mapping = torch.cat((slot_mapping, paged.slot_mapping.long()))
+        return SplitAttention(slot_mapping, dense_step, paged)

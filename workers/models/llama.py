@@ -9,7 +9,9 @@ Contract shared by every model class::
     logits = model.compute_logits(hidden[idx])    # [N, vocab] float32
 
 The batch is flat: T tokens from all sequences back to back, described by
-``kernels.AttentionMetadata`` (slot mapping, block tables, lengths).
+``kernels.AttentionMetadata`` (slot mapping, block tables, lengths), or a
+``workers.attention.SplitAttention`` when the runner sends decodes through
+the dense CPU fast path.
 ``kv_cache`` is the whole engine cache, blocks-first
 ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``; layer
 ``i`` reads and writes ``kv_cache[:, i]``. Run it under ``torch.inference_mode()``.
@@ -32,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import AttentionMetadata, paged_attention, write_kv_cache
+from workers.attention import StepMetadata, attention
 from workers.models.layers import Embedding, Linear, RMSNorm, SiluMLP
 from workers.models.rope import RotaryEmbedding
 
@@ -70,7 +72,7 @@ class LlamaAttention(nn.Module):
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: StepMetadata,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         num_heads, num_kv_heads = self.num_heads, self.num_kv_heads
@@ -85,9 +87,7 @@ class LlamaAttention(nn.Module):
         qk = RotaryEmbedding.apply(qk, *rope)
         q, k = qk[:, :num_heads], qk[:, num_heads:]
         v = qkv[:, num_heads + num_kv_heads :]
-        layer_cache = kv_cache[:, self.layer_idx]
-        write_kv_cache(k, v, layer_cache, meta.slot_mapping)
-        out = paged_attention(q, layer_cache, meta, self.scale)
+        out = attention(self.layer_idx, q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, -1))
 
 
@@ -107,7 +107,7 @@ class LlamaDecoderLayer(nn.Module):
         h: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: StepMetadata,
     ) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), rope, kv_cache, meta)
         return h + self.mlp(self.post_attention_layernorm(h))
@@ -130,7 +130,7 @@ class LlamaModel(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: StepMetadata,
     ) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
         rope = self.rotary_emb.lookup(positions, h.dtype)
@@ -193,7 +193,7 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: StepMetadata,
     ) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` after the final norm; writes this step's KV."""
         return self.model(input_ids, positions, kv_cache, meta)

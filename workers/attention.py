@@ -1,0 +1,54 @@
+"""The models' attention entry point: paged kernels, plus the CPU dense-decode fast path.
+
+A step's metadata is either a plain ``kernels.AttentionMetadata`` (every token through the
+paged kernels) or a ``SplitAttention`` built by the model runner, whose tokens come in two
+runs::
+
+    tokens   | decodes in dense rows (num_dense) | everything else (paged)          |
+    K/V      written to the paged cache for ALL tokens (it stays the source of truth)
+    attend   DenseDecodeStep.attend              paged_attention(meta=paged)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels import AttentionMetadata, paged_attention, write_kv_cache
+from workers.dense_decode import DenseDecodeStep
+
+
+@dataclass
+class SplitAttention:
+    """Step metadata when some decodes take the dense path (see module docstring)."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64, every token of the step
+    dense: DenseDecodeStep  # the first dense.num_tokens tokens
+    paged: AttentionMetadata | None  # the remaining tokens, None when there are none
+
+
+StepMetadata = AttentionMetadata | SplitAttention
+
+
+def attention(
+    layer_idx: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: StepMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Write this step's ``k``/``v`` ``[T, Hkv, D]`` to layer ``layer_idx`` of ``kv_cache``
+    and return causal attention of ``q`` ``[T, Hq, D]`` as ``[T, Hq, D]``."""
+    layer_cache = kv_cache[:, layer_idx]
+    write_kv_cache(k, v, layer_cache, meta.slot_mapping)
+    if isinstance(meta, AttentionMetadata):
+        return paged_attention(q, layer_cache, meta, scale)
+    n = meta.dense.num_tokens
+    out = meta.dense.attend(layer_idx, q[:n], k[:n], v[:n], layer_cache, scale)
+    if meta.paged is None:
+        return out
+    rest = paged_attention(q[n:], layer_cache, meta.paged, scale)
+    return torch.cat((out, rest))

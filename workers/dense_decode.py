@@ -1,0 +1,252 @@
+"""Dense decode KV: the CPU fast path for decode attention.
+
+On CPU, paged decode attention spends most of its time gathering every sequence's blocks
+into contiguous K/V, in every layer of every step. Here each decoding request also owns a
+row of a dense copy of its KV, filled from the paged cache once when the request starts
+decoding, then extended by one position per step, so decode attention reads contiguous
+memory and gathers nothing::
+
+    keys    [layer, row, kv_head, head_dim, position]   K stored transposed: q @ K^T is a
+    values  [layer, row, kv_head, position, head_dim]   plain row-major matmul (2x faster)
+
+    row 0  | req a: positions 0..130 |........  lengths[0] = 131
+    row 1  | req c: positions 0..97  |........  lengths[1] = 98
+    row 2  | (free)                             lengths[2] = 0      positions < capacity
+
+The paged cache stays the source of truth (every token is still written there): a row is
+only a copy, dropped whenever its request stops decoding (finished, preempted, scheduled
+with more than one token) and refilled from the paged cache when it decodes again. The copy
+is bounded by ``max_bytes``; decodes that do not fit take the paged path.
+
+Per step, ``DenseDecodeKV.prepare`` assigns rows and returns a ``DenseDecodeStep`` whose
+``attend`` runs one layer: fill new rows, append this token's K/V at (row, position), then
+attention over rows ``[0, num_rows)`` in two batched matmuls with GQA folded (the query
+heads of one KV head are the rows of one matrix) and an additive mask hiding positions past
+each row's length.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import torch
+
+_CAPACITY_QUANTUM = 128  # positions; capacity grows in multiples of this (or doubles)
+
+
+class DenseDecodeStep:
+    """One step's dense decode attention, shared by every layer.
+
+    Token ``i`` of the step's dense decodes (in the order ``DenseDecodeKV.prepare``
+    returned) sits in row ``rows[i]`` at position ``positions[i]``; ``fills`` are
+    ``(row, num_positions, block_ids)`` of rows to copy from the paged cache first.
+    """
+
+    def __init__(
+        self,
+        cache: DenseDecodeKV,
+        rows: list[int],
+        positions: list[int],
+        fills: list[tuple[int, int, torch.Tensor]],
+    ) -> None:
+        self.cache = cache
+        self.fills = fills
+        self.num_tokens = len(rows)
+        self.num_rows = max(rows) + 1  # attention runs over rows [0, num_rows)
+        self.identity = rows == list(range(self.num_rows))
+        self.rows = torch.tensor(rows, dtype=torch.long)
+        pos = torch.tensor(positions, dtype=torch.long)
+        num_kv_heads, head_dim, capacity = cache.num_kv_heads, cache.head_dim, cache.capacity
+        row_heads = self.rows[:, None] * num_kv_heads + torch.arange(num_kv_heads)  # [N, Hkv]
+        # element (row, head, :, pos) of keys[layer] and row (row, head, pos) of values[layer]
+        dims = torch.arange(head_dim) * capacity
+        self.key_idx = (row_heads * head_dim * capacity)[:, :, None] + dims + pos[:, None, None]
+        self.key_idx = self.key_idx.view(-1)
+        self.value_idx = (row_heads * capacity + pos[:, None]).view(-1)
+
+        lengths = cache.lengths[: self.num_rows].clone()
+        lengths[self.rows] = pos + 1
+        cache.lengths[self.rows] = pos + 1
+        lengths.clamp_(min=1)  # idle rows in range attend to something finite; output dropped
+        self.max_len = int(lengths.max())
+        mask = torch.zeros(self.num_rows, self.max_len, dtype=cache.dtype)
+        mask.masked_fill_(torch.arange(self.max_len)[None, :] >= lengths[:, None], float("-inf"))
+        group = cache.num_heads_per_kv
+        # [rows * Hkv, group, max_len]: the shape of the score matrices
+        self.mask = (
+            mask[:, None, None, :]
+            .expand(self.num_rows, num_kv_heads, group, self.max_len)
+            .reshape(self.num_rows * num_kv_heads, group, self.max_len)
+        )
+
+    def attend(
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_cache: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """Append ``k``/``v`` ``[N, Hkv, D]`` to the rows and attend ``q`` ``[N, Hq, D]``.
+
+        New rows are first filled from ``layer_cache`` (this layer of the paged cache, this
+        step's K/V already written): their context may have been computed earlier in this
+        very step (a prefix-cache hit on blocks another request of the step prefills).
+        Returns ``[N, Hq, D]`` in ``q``'s dtype.
+        """
+        cache = self.cache
+        for row, num_positions, block_ids in self.fills:
+            cache.fill_layer(layer_idx, row, num_positions, block_ids, layer_cache)
+        keys, values = cache.keys[layer_idx], cache.values[layer_idx]
+        keys.view(-1).index_copy_(0, self.key_idx, k.to(cache.dtype).reshape(-1))
+        values.view(-1, cache.head_dim).index_copy_(
+            0, self.value_idx, v.to(cache.dtype).reshape(-1, cache.head_dim)
+        )
+
+        out_dtype = q.dtype
+        num_tokens, num_heads, head_dim = q.shape
+        num_rows, max_len = self.num_rows, self.max_len
+        batch = num_rows * cache.num_kv_heads
+        q = q.to(cache.dtype)
+        if not self.identity:
+            q = q.new_zeros(num_rows, num_heads, head_dim).index_copy_(0, self.rows, q)
+        q = q.reshape(batch, cache.num_heads_per_kv, head_dim)
+        keys_t = keys[:num_rows].view(batch, head_dim, -1)[:, :, :max_len]
+        scores = torch.baddbmm(self.mask, q, keys_t, alpha=scale)
+        probs = torch.softmax(scores, dim=-1)
+        out = torch.bmm(probs, values[:num_rows].view(batch, -1, head_dim)[:, :max_len])
+        out = out.view(num_rows, num_heads, head_dim)
+        if not self.identity:
+            out = out.index_select(0, self.rows)
+        return out.to(out_dtype)
+
+
+class DenseDecodeKV:
+    """Rows of dense KV for decoding requests (see module docstring).
+
+    The model runner calls ``prepare`` once per step and ``release`` whenever a request
+    stops decoding. Not thread-safe (one runner owns it).
+    """
+
+    def __init__(self, kv_cache: torch.Tensor, num_heads: int, max_bytes: int) -> None:
+        _, num_layers, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+        self.num_layers = num_layers
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.num_heads_per_kv = num_heads // num_kv_heads
+        self.dtype = kv_cache.dtype
+        self.max_bytes = max_bytes
+        self.bytes_per_position = num_layers * 2 * num_kv_heads * head_dim * kv_cache.element_size()
+        self.capacity = 0
+        self.keys = kv_cache.new_zeros(num_layers, 0, num_kv_heads, head_dim, 0)
+        self.values = kv_cache.new_zeros(num_layers, 0, num_kv_heads, 0, head_dim)
+        self.lengths = torch.zeros(0, dtype=torch.long)  # positions held per row
+        self.row_of: dict[str, int] = {}
+        self._free_rows: list[int] = []  # heap: lowest row first keeps the used rows compact
+
+    @property
+    def num_rows(self) -> int:
+        return self.keys.shape[1]
+
+    def release(self, req_id: str) -> None:
+        """Forget ``req_id``'s row (no-op without one)."""
+        row = self.row_of.pop(req_id, None)
+        if row is not None:
+            self.lengths[row] = 0
+            heapq.heappush(self._free_rows, row)
+
+    def prepare(
+        self, decodes: list[tuple[str, int, list[int]]]
+    ) -> tuple[list[int], DenseDecodeStep | None]:
+        """Give rows to this step's single-token queries ``(req_id, position, block_ids)``.
+
+        Returns the indices into ``decodes`` that take the dense path, ordered by row, and
+        the step (None when none fit the budget). Rows new to their request get positions
+        ``0..position-1`` copied from the paged cache layer by layer in ``attend``.
+        """
+        if not decodes:
+            return [], None
+        needed_len = max(pos for _, pos, _ in decodes) + 1
+        if needed_len > self.capacity:
+            self._grow(needed_len)
+        chosen: list[tuple[int, int]] = []  # (row, index into decodes)
+        fills: list[tuple[int, int, torch.Tensor]] = []
+        for i, (req_id, pos, block_ids) in enumerate(decodes):
+            if pos >= self.capacity:
+                self.release(req_id)
+                continue
+            row = self.row_of.get(req_id)
+            if row is None:
+                row = self._take_row()
+                if row is None:
+                    continue
+                self.row_of[req_id] = row
+            if int(self.lengths[row]) != pos and pos > 0:
+                num_blocks = -(-pos // self.block_size)
+                fills.append((row, pos, torch.tensor(block_ids[:num_blocks], dtype=torch.long)))
+            chosen.append((row, i))
+        if not chosen:
+            return [], None
+        chosen.sort()
+        rows = [row for row, _ in chosen]
+        positions = [decodes[i][1] for _, i in chosen]
+        return [i for _, i in chosen], DenseDecodeStep(self, rows, positions, fills)
+
+    def fill_layer(
+        self,
+        layer_idx: int,
+        row: int,
+        num_positions: int,
+        block_ids: torch.Tensor,
+        layer_cache: torch.Tensor,
+    ) -> None:
+        """Copy positions ``0..num_positions-1`` of ``row`` from the paged ``layer_cache``
+        (``block_ids``: the row's first ``ceil(num_positions / block_size)`` blocks)."""
+        blocks = layer_cache.index_select(0, block_ids)  # [W, 2, bs, Hkv, D]
+        seq = blocks.permute(1, 3, 0, 2, 4).reshape(2, self.num_kv_heads, -1, self.head_dim)
+        n = num_positions
+        self.keys[layer_idx, row, :, :, :n] = seq[0, :, :n].transpose(1, 2)
+        self.values[layer_idx, row, :, :n] = seq[1, :, :n]
+
+    def _take_row(self) -> int | None:
+        if self._free_rows:
+            return heapq.heappop(self._free_rows)
+        num_rows = self.num_rows
+        new_rows = max(8, 2 * num_rows)
+        while new_rows > num_rows and not self._fits(new_rows, self.capacity):
+            new_rows -= 1
+        if new_rows == num_rows:
+            return None
+        self._resize(new_rows, self.capacity)
+        for row in range(num_rows + 1, new_rows):
+            heapq.heappush(self._free_rows, row)
+        return num_rows
+
+    def _grow(self, needed_len: int) -> None:
+        """Raise the capacity to hold ``needed_len`` positions, if the budget allows."""
+        quantum = _CAPACITY_QUANTUM
+        num_rows = max(self.num_rows, 1)
+        for capacity in (max(needed_len, 2 * self.capacity), needed_len):
+            capacity = -(-capacity // quantum) * quantum
+            if self._fits(num_rows, capacity):
+                self._resize(self.num_rows, capacity)
+                return
+
+    def _fits(self, num_rows: int, capacity: int) -> bool:
+        return num_rows * capacity * self.bytes_per_position <= self.max_bytes
+
+    def _resize(self, num_rows: int, capacity: int) -> None:
+        rows, length = min(num_rows, self.num_rows), min(capacity, self.capacity)
+        keys = self.keys.new_zeros(
+            self.num_layers, num_rows, self.num_kv_heads, self.head_dim, capacity
+        )
+        keys[:, :rows, :, :, :length] = self.keys[:, :rows, :, :, :length]
+        values = self.values.new_zeros(
+            self.num_layers, num_rows, self.num_kv_heads, capacity, self.head_dim
+        )
+        values[:, :rows, :, :length] = self.values[:, :rows, :, :length]
+        lengths = torch.zeros(num_rows, dtype=torch.long)
+        lengths[:rows] = self.lengths[:rows]
+        self.keys, self.values, self.lengths, self.capacity = keys, values, lengths, capacity
