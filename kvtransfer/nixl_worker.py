@@ -195,6 +195,10 @@ class NixlWorkerSide(KVConnectorWorkerSide):
         if spec.error or self._layout is None:
             self._fail(load, spec.error or "the local KV cache is not registered")
             return
+        if not spec.local_block_ids:  # nothing to read; P is told "done" at once
+            self._done_recving.add(spec.request_id)
+            self._notify(spec.peer, NOTIF_DONE, spec.remote_request_id)
+            return
         peer = self._lookup(spec)
         if peer is None:
             return
@@ -414,6 +418,23 @@ class NixlWorkerSide(KVConnectorWorkerSide):
         out = list(self._recent_transfer_s)
         self._recent_transfer_s.clear()
         return out
+
+    def check_integrity(self) -> None:
+        """Idle engine: no load in flight or queued, no send held."""
+        queued = [
+            item.spec.request_id
+            for peer in self._peers.peers_with_waiting()
+            for item in peer.waiting
+            if isinstance(item, _Load)
+        ]
+        leftovers = {
+            "loads in flight": sorted(self._loads),
+            "loads waiting for a handshake": sorted(queued),
+            "sends held": sorted(self._sends),
+        }
+        leftovers = {k: v for k, v in leftovers.items() if v}
+        if leftovers:
+            raise AssertionError(f"NixlWorkerSide not idle: {leftovers}")
 
     def shutdown(self) -> None:
         if self._closed:

@@ -74,3 +74,16 @@ def test_compat_hash_stable_and_sensitive_to_every_field():
 def test_config_is_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         KVTransferConfig().epoch = 3  # type: ignore[misc]
+
+
+def test_registry_rejects_unknown_connector():
+    from kvtransfer import available_connectors, create_connector
+
+    assert "nixl" in available_connectors()
+    with pytest.raises(ValueError, match=r"unknown KV connector 'nope'.*nixl"):
+        create_connector(KVTransferConfig(connector="nope"))
+
+
+def test_notification_transport_validated():
+    with pytest.raises(ValueError, match="KVTransferConfig.notification_transport"):
+        KVTransferConfig(notification_transport="carrier-pigeon")

@@ -115,6 +115,8 @@ def test_read_noncontiguous_blocks_then_notify(decode):
         assert stats["num_handshakes"] == 1 and stats["num_descriptors"] == 5
         p.wait_done_sending("r2")
         assert p.stats()["num_lease_expiries"] == 0
+    worker.check_integrity()
+    decode[0].check_integrity()
 
 
 def test_incompatible_peer_is_refused(decode, caplog):
@@ -159,6 +161,8 @@ def test_restarted_prefill_is_rehandshaked_and_read_fresh(decode, caplog):
         assert "epoch 1 is stale" in caplog.text
         p2.wait_done_sending("c")
     assert worker.stats()["num_handshakes"] == 2
+    worker.check_integrity()
+    decode[0].check_integrity()
 
 
 @pytest.mark.parametrize("transport", ["side_channel", "nixl"])
