@@ -110,3 +110,72 @@ def test_bad_prompt_token_is_an_error_not_a_crash(tiny_model_dir):
     (r,) = llm.generate(prompt_token_ids=[[1, 10**9]], sampling_params=GREEDY)
     assert r.finish_reason == "error" and "vocabulary" in r.error
     llm.engine.check_integrity()
+
+
+def test_logprobs_match_transformers(make_checkpoint):
+    path = make_checkpoint("qwen2")
+    prompt = list(range(5, 30))
+    sp = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=4)
+    llm = LLM(EngineConfig(model=path, num_kv_blocks=32))
+    rid_outputs = []
+    from scheduler.messages import EngineRequest
+
+    llm.engine.add_request(EngineRequest("lp", prompt, sp))
+    while llm.engine.has_work():
+        rid_outputs += llm.engine.step().outputs
+    logprobs = [lp for o in rid_outputs for lp in (o.new_logprobs or [])]
+    tokens = [t for o in rid_outputs for t in o.new_token_ids]
+    assert len(logprobs) == 3
+    hf = load_hf_model(path)
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf(torch.tensor([prompt + tokens])).logits[0].float(), -1)
+    for i, lp in enumerate(logprobs):
+        row = ref[len(prompt) - 1 + i]
+        assert lp.token_id == tokens[i] == int(row.argmax())
+        assert abs(lp.logprob - float(row[tokens[i]])) < 1e-4
+        top = torch.topk(row, 4)
+        assert lp.top_token_ids == top.indices.tolist()
+        assert max(abs(a - b) for a, b in zip(lp.top_logprobs, top.values.tolist())) < 1e-4
+
+
+def test_cli_generate_json_matches_llm(tiny_model_dir):
+    import json
+    import subprocess
+    import sys
+
+    out = (
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "cluster",
+                "generate",
+                "--model",
+                tiny_model_dir,
+                "--prompt-token-ids",
+                "256,72,105",
+                "--prompt",
+                "Hi",
+                "--max-tokens",
+                "6",
+                "--ignore-eos",
+                "--num-kv-blocks",
+                "32",
+                "--json",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=180,
+            check=True,
+        )
+        .stdout.strip()
+        .splitlines()
+    )
+    rows = [json.loads(line) for line in out]
+    llm = LLM(EngineConfig(model=tiny_model_dir, num_kv_blocks=32))
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    ref = llm.generate(["Hi"], sp, prompt_token_ids=[[256, 72, 105]])
+    assert [r["token_ids"] for r in rows] == [r.token_ids for r in ref]
+    assert [r["text"] for r in rows] == [r.text for r in ref]
+    assert rows[0]["prompt_token_ids"] == [256, 72, 105]
+    assert {r["finish_reason"] for r in rows} == {"length"}
