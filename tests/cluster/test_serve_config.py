@@ -1,0 +1,65 @@
+"""`tandem serve` settings: defaults < YAML < command line, per-pool engine flags."""
+
+import pytest
+
+from cluster.cli import build_parser
+from cluster.serve import pool_specs, resolve_settings
+
+
+def parse(argv):
+    return build_parser().parse_args(["serve", *argv])
+
+
+def test_defaults_one_prefill_one_decode_tiny():
+    settings, per_role = resolve_settings(parse([]))
+    specs = pool_specs(settings, per_role)
+    assert [(s.role, s.num_engines) for s in specs] == [("prefill", 1), ("decode", 1)]
+    assert all(s.config.model == "tiny" and s.config.kv_connector == "nixl" for s in specs)
+    assert settings["port"] == 8000 and settings["host"] == "127.0.0.1"
+
+
+def test_yaml_then_cli_then_per_pool(tmp_path):
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text(
+        "prefill: 2\ndecode: 3\nport: 9000\nblock_size: 32\nmax_num_seqs: 16\n"
+        "decode_engine: {max_num_seqs: 200}\n"
+    )
+    args = parse(
+        [
+            "--config",
+            str(cfg),
+            "--port",
+            "9100",
+            "--prefill-max-num-batched-tokens",
+            "8192",
+            "--no-prefix-caching",
+        ]
+    )
+    settings, per_role = resolve_settings(args)
+    specs = {s.role: s for s in pool_specs(settings, per_role)}
+    assert settings["port"] == 9100  # CLI wins over YAML
+    assert specs["prefill"].num_engines == 2 and specs["decode"].num_engines == 3
+    assert specs["prefill"].config.max_num_batched_tokens == 8192
+    assert specs["decode"].config.max_num_batched_tokens == 2048  # per pool only
+    assert specs["decode"].config.max_num_seqs == 200 and specs["prefill"].config.max_num_seqs == 16
+    assert all(s.config.block_size == 32 for s in specs.values())
+    assert not any(s.config.enable_prefix_caching for s in specs.values())
+
+
+def test_colocated_replaces_pools():
+    settings, per_role = resolve_settings(parse(["--colocated", "2"]))
+    specs = pool_specs(settings, per_role)
+    assert [(s.role, s.num_engines, s.config.kv_connector) for s in specs] == [
+        ("colocated", 2, None)
+    ]
+
+
+def test_bad_settings_are_clear_errors(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("prefil: 2\n")
+    with pytest.raises(ValueError, match="prefil"):
+        resolve_settings(parse(["--config", str(bad)]))
+    with pytest.raises(ValueError, match="decode"):
+        resolve_settings(parse(["--decode", "0"]))
+    with pytest.raises(ValueError, match="block_size"):
+        pool_specs(*resolve_settings(parse(["--block-size", "0"])))
