@@ -97,13 +97,19 @@ def test_same_greedy_tokens_disagg_colocated_and_generate(disagg, colocated):
     (c,) = llm.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     assert a.choices[0].text == b.choices[0].text == c.text
     assert a.usage.completion_tokens == 12
-    metrics = httpx.get(disagg.base_url + "/metrics", timeout=10).text
-    sent = [
-        float(line.split()[-1])
-        for line in metrics.splitlines()
-        if line.startswith("tandem:kv_transfer_bytes_total") and 'role="decode"' in line
-    ]
-    assert sent and sent[0] > 0, metrics
+    # engine stats reach /metrics with the health poll (every 0.5 s)
+    end = time.monotonic() + 10
+    while True:
+        metrics = httpx.get(disagg.base_url + "/metrics", timeout=10).text
+        sent = [
+            float(line.split()[-1])
+            for line in metrics.splitlines()
+            if line.startswith("tandem:kv_transfer_bytes_total") and 'role="decode"' in line
+        ]
+        if sent and sent[0] > 0:
+            break
+        assert time.monotonic() < end, metrics
+        time.sleep(0.1)
     names = {line.split("{")[0].split(" ")[0] for line in metrics.splitlines()}
     for name in (
         "time_to_first_token_seconds_bucket",
