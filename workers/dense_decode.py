@@ -56,13 +56,10 @@ class DenseDecodeStep:
         self.identity = rows == list(range(self.num_rows))
         self.rows = torch.tensor(rows, dtype=torch.long)
         pos = torch.tensor(positions, dtype=torch.long)
-        num_kv_heads, head_dim, capacity = cache.num_kv_heads, cache.head_dim, cache.capacity
-        row_heads = self.rows[:, None] * num_kv_heads + torch.arange(num_kv_heads)  # [N, Hkv]
-        # element (row, head, :, pos) of keys[layer] and row (row, head, pos) of values[layer]
-        dims = torch.arange(head_dim) * capacity
-        self.key_idx = (row_heads * head_dim * capacity)[:, :, None] + dims + pos[:, None, None]
-        self.key_idx = self.key_idx.view(-1)
-        self.value_idx = (row_heads * capacity + pos[:, None]).view(-1)
+        self.positions = pos
+        # row (row, head, pos) of values[layer] viewed as [rows * Hkv * capacity, D]
+        row_heads = self.rows[:, None] * cache.num_kv_heads + torch.arange(cache.num_kv_heads)
+        self.value_idx = (row_heads * cache.capacity + pos[:, None]).view(-1)
 
         lengths = cache.lengths[: self.num_rows].clone()
         lengths[self.rows] = pos + 1
@@ -71,7 +68,7 @@ class DenseDecodeStep:
         self.max_len = int(lengths.max())
         mask = torch.zeros(self.num_rows, self.max_len, dtype=cache.dtype)
         mask.masked_fill_(torch.arange(self.max_len)[None, :] >= lengths[:, None], float("-inf"))
-        group = cache.num_heads_per_kv
+        num_kv_heads, group = cache.num_kv_heads, cache.num_heads_per_kv
         # [rows * Hkv, group, max_len]: the shape of the score matrices
         self.mask = (
             mask[:, None, None, :]
@@ -99,7 +96,7 @@ class DenseDecodeStep:
         for row, num_positions, block_ids in self.fills:
             cache.fill_layer(layer_idx, row, num_positions, block_ids, layer_cache)
         keys, values = cache.keys[layer_idx], cache.values[layer_idx]
-        keys.view(-1).index_copy_(0, self.key_idx, k.to(cache.dtype).reshape(-1))
+        keys[self.rows, :, :, self.positions] = k.to(cache.dtype)  # a column per (row, head)
         values.view(-1, cache.head_dim).index_copy_(
             0, self.value_idx, v.to(cache.dtype).reshape(-1, cache.head_dim)
         )

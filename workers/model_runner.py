@@ -24,6 +24,7 @@ from scheduler.messages import (
     SchedulerOutput,
 )
 from workers.attention import SplitAttention, StepMetadata
+from workers.cpu_allocator import tune_malloc_for_inference
 from workers.dense_decode import DenseDecodeKV, DenseDecodeStep
 from workers.sampler import Sampler
 
@@ -64,9 +65,13 @@ class ModelRunner:
         self.connector = connector
         self.sampler = Sampler(seed)
         self.requests: dict[str, _ReqState] = {}
+        if self.device.type == "cpu":
+            tune_malloc_for_inference()
         # Dense decode rows: a CPU fast path (the Triton kernels read the paged cache directly).
+        # fp32 only: its softmax runs in the cache dtype, unlike SDPA's fp32 accumulation.
         if dense_decode_bytes is None:
-            dense_decode_bytes = DEFAULT_DENSE_DECODE_BYTES if self.device.type == "cpu" else 0
+            on_cpu_fp32 = self.device.type == "cpu" and kv_cache.dtype == torch.float32
+            dense_decode_bytes = DEFAULT_DENSE_DECODE_BYTES if on_cpu_fp32 else 0
         self.dense = None
         if dense_decode_bytes > 0:
             num_heads = model.config.num_attention_heads

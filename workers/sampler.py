@@ -40,6 +40,8 @@ _MIN_TEMPERATURE = 1e-5
 # top-p looks for its cut among this many most likely tokens first; rows
 # whose cut lies beyond fall back to a full sort.
 _TOP_P_CANDIDATES = 256
+# argmax_rows: ids per chunk (a multiple of the SIMD width).
+_ARGMAX_CHUNK = 128
 _MASK64 = (1 << 64) - 1
 _GOLDEN64 = 0x9E3779B97F4A7C15
 
@@ -105,7 +107,7 @@ class Sampler:
         raw_logits = logits.float()
 
         masked = _mask_min_tokens(raw_logits, params, output_counts, eos_token_ids)
-        token_ids = masked.argmax(dim=-1)
+        token_ids = argmax_rows(masked)
         random_rows = [
             i for i, p in enumerate(params) if p.temperature >= _MIN_TEMPERATURE and p.top_k != 1
         ]
@@ -124,6 +126,28 @@ class Sampler:
 
         token_list = token_ids.tolist()
         return token_list, _compute_logprobs(raw_logits, params, token_list)
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` of a ``[N, V]`` tensor: lowest id on ties.
+
+    CPU argmax is scalar code (about 6 ms for 64 x 32000); ``amax`` is vectorised. So for
+    large vocabularies: the max of every chunk of ``_ARGMAX_CHUNK`` ids, the first chunk
+    holding the row's max, then argmax inside that chunk only (ids below it are smaller).
+    """
+    num_rows, vocab_size = logits.shape
+    chunk = _ARGMAX_CHUNK
+    if logits.is_cuda or vocab_size < 32 * chunk or num_rows == 0:
+        return logits.argmax(dim=-1)
+    num_chunks = vocab_size // chunk
+    chunk_max = logits[:, : num_chunks * chunk].unflatten(1, (num_chunks, chunk)).amax(dim=-1)
+    if num_chunks * chunk < vocab_size:
+        tail_max = logits[:, num_chunks * chunk :].amax(dim=-1, keepdim=True)
+        chunk_max = torch.cat((chunk_max, tail_max), dim=1)
+    start = chunk_max.argmax(dim=-1) * chunk
+    # The tail chunk is shorter: its columns past the end repeat the last id, after it.
+    cols = (start[:, None] + torch.arange(chunk, device=logits.device)).clamp_(max=vocab_size - 1)
+    return start + logits.gather(1, cols).argmax(dim=-1)
 
 
 def _mask_min_tokens(

@@ -23,6 +23,10 @@ class Linear(nn.Module):
     order). ``shard_names`` are those HF module names (siblings of this
     module); ``out_sizes`` their row counts. One matmul instead of three is
     cheaper on CPU, where small matmuls are dominated by call overhead.
+
+    ``weight`` is ``[out, in]`` as in HF, but a transposed view of an
+    ``[in, out]`` row-major buffer: ``x @ W.T`` is then a plain row-major
+    matmul, which MKL runs 20-30% faster for decode-sized batches on CPU.
     """
 
     def __init__(
@@ -38,7 +42,9 @@ class Linear(nn.Module):
             raise ValueError("shard_names and out_sizes must have the same length")
         self.out_sizes = list(out_sizes)
         self.shard_names = shard_names
-        self.weight = _param(sum(out_sizes), in_features, dtype=dtype)
+        self.weight = nn.Parameter(
+            torch.empty(in_features, sum(out_sizes), dtype=dtype).t(), requires_grad=False
+        )
         if bias:
             self.bias = _param(sum(out_sizes), dtype=dtype)
         else:
