@@ -148,11 +148,16 @@ class DenseDecodeKV:
         return self.keys.shape[1]
 
     def release(self, req_id: str) -> None:
-        """Forget ``req_id``'s row (no-op without one)."""
+        """Forget ``req_id``'s row (no-op without one); the last release frees the memory."""
         row = self.row_of.pop(req_id, None)
-        if row is not None:
-            self.lengths[row] = 0
-            heapq.heappush(self._free_rows, row)
+        if row is None:
+            return
+        if not self.row_of:  # idle: give the copy back instead of holding the peak size
+            self._free_rows = []
+            self._resize(0, 0)
+            return
+        self.lengths[row] = 0
+        heapq.heappush(self._free_rows, row)
 
     def prepare(
         self, decodes: list[tuple[str, int, list[int]]]

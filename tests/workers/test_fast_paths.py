@@ -129,6 +129,10 @@ def test_dense_decode_equals_paged_attention_across_steps():
     for _ in range(10):
         assert _run_step(seqs, dense, {"e": 1, "c": 1, "d": 1}) == ["e", "d", "c"]
     assert dense.capacity == 256
+    for seq in ("c", "d", "e"):
+        dense.release(seq)
+    assert (dense.num_rows, dense.capacity) == (0, 0)  # idle: the copy is freed
+    assert _run_step(seqs, dense, {"d": 1, "c": 1}) == ["d", "c"]  # and rebuilt on demand
 
 
 def test_dense_decode_budget_sends_the_rest_to_the_paged_path():
@@ -169,5 +173,5 @@ def test_engine_with_a_two_row_budget_equals_transformers(make_checkpoint, monke
     for prompt, r in zip(prompts, results):
         assert r.token_ids == hf_greedy(hf, prompt, 10)
     assert max(num_dense) == 2 and max(num_decodes) == 4  # two dense, two paged decodes
-    assert dense.row_of == {}  # every row released when its request finished
+    assert dense.row_of == {} and dense.num_rows == 0  # every row released at finish
     llm.engine.check_integrity()
