@@ -1,11 +1,10 @@
 """Interference: decode ITL while long prompts arrive, 1P+1D vs 2 colocated.
 
-Both setups run the built-in `tiny` model on the same cores (2 engines, one
-torch thread each) under the same load, driven by `tandem bench`'s engine
-(cluster.bench.run_benchmark):
-
-  steady decodes : 4 concurrent streams, 32-token prompts, 256 output tokens
-  long prompts   : Poisson 2.5/s, 1800-token prompts, 2 output tokens
+Both setups run the same random Llama checkpoint (sizes in MODEL, the
+`tiny` byte tokenizer) on the same cores (2 engines, one torch thread each)
+under the same load (DECODES + LONGS), driven by `tandem bench`'s engine
+(cluster.bench.run_benchmark): steady decode streams with short prompts,
+and long prompts arriving as a Poisson process.
 
 Reported: ITL and TPOT of the steady decodes, TTFT of the long prompts.
 Target: disaggregated decode ITL p99 at most half the colocated one.
@@ -37,18 +36,46 @@ SETUPS = {
 }
 
 
+MODEL = dict(
+    hidden_size=256,
+    intermediate_size=768,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+)
+DECODES = dict(num_requests=8, concurrency=4, input_len=32, output_len=128)
+LONGS = dict(num_requests=10, request_rate=1.0, input_len=1536, output_len=2)
+
+
 async def _load(url: str, seed: int) -> tuple[dict, dict]:
-    decodes = BenchConfig(
-        url=url, num_requests=12, concurrency=4, input_len=32, output_len=256, seed=seed
-    )
-    longs = BenchConfig(
-        url=url, num_requests=24, request_rate=2.5, input_len=1800, output_len=2, seed=seed + 1
-    )
+    decodes = BenchConfig(url=url, seed=seed, **DECODES)
+    longs = BenchConfig(url=url, seed=seed + 1, **LONGS)
     return tuple(await asyncio.gather(run_benchmark(decodes), run_benchmark(longs)))
 
 
-def run_setup(pools: dict) -> tuple[dict, dict]:
-    settings = dict(SERVE_DEFAULTS, ray_dashboard=False, **pools)
+def make_checkpoint(out_dir: str) -> str:
+    """A random Llama big enough that a long prefill costs many decode steps."""
+    import shutil
+
+    import torch
+    import transformers
+
+    from workers.tiny import ensure_tiny_model
+
+    tiny = ensure_tiny_model()
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=262, max_position_embeddings=4096, bos_token_id=256, eos_token_id=257, **MODEL
+    )
+    transformers.LlamaForCausalLM(cfg).save_pretrained(out_dir)
+    for name in os.listdir(tiny):
+        if "token" in name or name == "chat_template.jinja":
+            shutil.copy(os.path.join(tiny, name), out_dir)
+    return out_dir
+
+
+def run_setup(pools: dict, model: str) -> tuple[dict, dict]:
+    settings = dict(SERVE_DEFAULTS, ray_dashboard=False, model=model, **pools)
     per_role = {r: dict(ENGINE) for r in ("prefill", "decode", "colocated")}
     with ServiceThread(settings, per_role) as svc:
         asyncio.run(_load(svc.base_url, seed=100))  # warm-up (handshakes, caches)
@@ -56,21 +83,24 @@ def run_setup(pools: dict) -> tuple[dict, dict]:
 
 
 def main() -> None:
+    import tempfile
+
     import ray
 
     ray.init(include_dashboard=False, log_to_driver=False)
     rows = []
+    model = make_checkpoint(tempfile.mkdtemp(prefix="tandem-bench-"))
     try:
         for name, pools in SETUPS.items():
-            d, lg = run_setup(pools)
+            d, lg = run_setup(pools, model)
             assert d["num_failed"] == 0 and lg["num_failed"] == 0, (d["errors"], lg["errors"])
             rows.append((name, d, lg))
     finally:
         ray.shutdown()
     print(f"machine: {machine()}")
     print(
-        "workload: tiny; 4 steady decode streams (32 in / 256 out) + long prompts "
-        "(1800 in / 2 out, Poisson 2.5/s); 2 engines, 1 torch thread each"
+        f"workload: random Llama {MODEL}, fp32; decodes {DECODES}; long prompts {LONGS}; "
+        "2 engines, 1 torch thread each"
     )
     hdr = (
         "| setup | decode ITL p50 ms | decode ITL p99 ms | decode TPOT mean ms "
