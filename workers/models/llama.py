@@ -175,7 +175,9 @@ class LlamaForCausalLM(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = Linear(config.hidden_size, [config.vocab_size], False, dtype)
+            self.lm_head = Linear(
+                config.hidden_size, [config.vocab_size], False, dtype, transposed=False
+            )
 
     def _max_context_len(self, config: Any) -> int:
         """Longest sequence (prompt + output) this model computes exactly.
