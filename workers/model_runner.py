@@ -8,6 +8,11 @@ the scheduler's diffs, and flattens a step into one batch:
     positions    [5 6 7]               [9]          [4]
     seq_lens     8                     10           5
     logits rows  a7 (if the chunk ends the prompt), b9, c4
+
+On CPU (fp32), single-token queries that get a dense decode row
+(``workers/dense_decode.py``) come first, ordered by row, and the step's
+metadata is a ``workers.attention.SplitAttention``; the rest keep the order
+above and go through the paged kernels.
 """
 
 from __future__ import annotations
