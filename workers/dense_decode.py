@@ -61,10 +61,9 @@ class DenseDecodeStep:
         row_heads = self.rows[:, None] * cache.num_kv_heads + torch.arange(cache.num_kv_heads)
         self.value_idx = (row_heads * cache.capacity + pos[:, None]).view(-1)
 
-        lengths = cache.lengths[: self.num_rows].clone()
-        lengths[self.rows] = pos + 1
-        cache.lengths[self.rows] = pos + 1
-        lengths.clamp_(min=1)  # idle rows in range attend to something finite; output dropped
+        # prepare() already set this step's lengths; idle rows in range attend to something
+        # finite (at least one position) and their output is dropped
+        lengths = torch.tensor(cache.lengths[: self.num_rows], dtype=torch.long).clamp_(min=1)
         self.max_len = int(lengths.max())
         mask = torch.zeros(self.num_rows, self.max_len, dtype=cache.dtype)
         mask.masked_fill_(torch.arange(self.max_len)[None, :] >= lengths[:, None], float("-inf"))
@@ -139,7 +138,7 @@ class DenseDecodeKV:
         self.capacity = 0
         self.keys = kv_cache.new_zeros(num_layers, 0, num_kv_heads, head_dim, 0)
         self.values = kv_cache.new_zeros(num_layers, 0, num_kv_heads, 0, head_dim)
-        self.lengths = torch.zeros(0, dtype=torch.long)  # positions held per row
+        self.lengths: list[int] = []  # positions held per row
         self.row_of: dict[str, int] = {}
         self._free_rows: list[int] = []  # heap: lowest row first keeps the used rows compact
 
@@ -185,9 +184,10 @@ class DenseDecodeKV:
                 if row is None:
                     continue
                 self.row_of[req_id] = row
-            if int(self.lengths[row]) != pos and pos > 0:
+            if self.lengths[row] != pos and pos > 0:
                 num_blocks = -(-pos // self.block_size)
                 fills.append((row, pos, torch.tensor(block_ids[:num_blocks], dtype=torch.long)))
+            self.lengths[row] = pos + 1  # this step appends position `pos`
             chosen.append((row, i))
         if not chosen:
             return [], None
@@ -249,6 +249,5 @@ class DenseDecodeKV:
             self.num_layers, num_rows, self.num_kv_heads, capacity, self.head_dim
         )
         values[:, :rows, :, :length] = self.values[:, :rows, :, :length]
-        lengths = torch.zeros(num_rows, dtype=torch.long)
-        lengths[:rows] = self.lengths[:rows]
+        lengths = self.lengths[:rows] + [0] * (num_rows - rows)
         self.keys, self.values, self.lengths, self.capacity = keys, values, lengths, capacity
