@@ -8,7 +8,8 @@ prompt (greedy, EOS ignored, fp32) after a warm-up run, and is timed end to end 
 decode). Engines:
 
     tandem      LLM(EngineConfig(...)).generate(prompt_token_ids=..., SamplingParams(...))
-    hf-cb       transformers' continuous batching, ``model.generate_batch`` (paged cache)
+    hf-cb       transformers' continuous batching, ``model.generate_batch`` (paged cache; pages
+                of 256 tokens, just enough of them, the same token budget per step as tandem)
     hf-static   transformers' ``model.generate`` on one static batch of all prompts
 
 Models: ``tiny`` (the built-in checkpoint) and ``medium``, a random Llama (hidden 512, 8 layers,
@@ -18,8 +19,8 @@ may legitimately flip a few under different batch shapes). "cpu s" is the proces
 the timed run: with one thread, close to "time s" unless other processes took the core.
 
 Threads: on a 2-core machine shared with other jobs, one torch thread is the robust choice.
-Two OpenMP threads win only on an idle machine; when the other core is busy, spinning OpenMP
-workers make every parallel region wait for a descheduled thread (10-25x slower measured here).
+Two OpenMP threads win only on an idle machine (1.3x tiny, 1.75x medium here); when the other
+core is busy, every parallel region waits for a descheduled thread (10-25x slower measured).
 """
 
 from __future__ import annotations
