@@ -38,13 +38,9 @@ def node_ip() -> str:
 class EngineActor:
     """Plain class; ``cluster.pools`` wraps it with ``ray.remote``."""
 
-    def __init__(self, config: EngineConfig, output_addr: str, torch_threads: int = 0) -> None:
-        import torch
-
+    def __init__(self, config: EngineConfig, output_addr: str) -> None:
         from workers.engine_core import EngineCore
 
-        if torch_threads > 0:
-            torch.set_num_threads(torch_threads)
         self.epoch = time.time_ns()
         # "auto": this node's address (multi-node clusters); else as given.
         host = node_ip() if config.kv_host in ("", "auto", "0.0.0.0") else config.kv_host

@@ -52,6 +52,8 @@ def start_pools(specs: list[PoolSpec], output_addr: str) -> list[EngineHandle]:
         for i in range(spec.num_engines):
             engine_id = f"{spec.role}-{i}"
             cfg = spec.config.replace(engine_id=engine_id, role=spec.role)
+            if not spec.num_gpus and not cfg.torch_threads:
+                cfg = cfg.replace(torch_threads=threads)
             options: dict = {
                 "max_restarts": spec.max_restarts,
                 "max_task_retries": 0,
@@ -64,9 +66,7 @@ def start_pools(specs: list[PoolSpec], output_addr: str) -> list[EngineHandle]:
                 pg = placement_group([{"GPU": spec.num_gpus, "CPU": 1}], strategy="STRICT_PACK")
                 options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg)
                 cfg = cfg.replace(device="cuda")
-            actor = remote_cls.options(**options).remote(
-                cfg, output_addr, 0 if spec.num_gpus else threads
-            )
+            actor = remote_cls.options(**options).remote(cfg, output_addr)
             handles.append(EngineHandle(engine_id, spec.role, actor, pg))
     return handles
 

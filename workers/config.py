@@ -32,6 +32,13 @@ class EngineConfig:
     long_prefill_token_threshold: int = 0
     policy: str = "fcfs"
     seed: int = 0
+    # CPU: torch intra-op threads (0 = torch's default). Pin it on shared
+    # machines: torch's default OpenMP threads stall badly when another
+    # process uses the same cores.
+    torch_threads: int = 0
+    # CPU fp32: bytes for the dense copy of decoding requests' KV (None =
+    # workers.model_runner default, 0 = off); see workers/dense_decode.py.
+    dense_decode_bytes: int | None = None
     # identity and disaggregation
     engine_id: str = "engine-0"
     epoch: int = 0
@@ -48,6 +55,8 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.torch_threads < 0:
+            raise ValueError(f"torch_threads must be >= 0, got {self.torch_threads}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
@@ -80,6 +89,8 @@ _FLAGS: list[tuple[str, str, Any, str]] = [
     ("--gpu-memory-utilization", "gpu_memory_utilization", float, "fraction of GPU memory"),
     ("--long-prefill-token-threshold", "long_prefill_token_threshold", int, "prefill chunk cap"),
     ("--policy", "policy", str, "fcfs or priority"),
+    ("--torch-threads", "torch_threads", int, "CPU threads per engine (0 = torch default)"),
+    ("--dense-decode-bytes", "dense_decode_bytes", int, "CPU dense decode KV copy (0 = off)"),
 ]
 _BOOL_OFF_FLAGS = [
     ("--no-prefix-caching", "enable_prefix_caching"),

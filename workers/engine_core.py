@@ -48,6 +48,8 @@ class UtilityResult(msgspec.Struct, array_like=True, omit_defaults=True):
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        if config.torch_threads > 0:
+            torch.set_num_threads(config.torch_threads)
         device = torch.device(config.device)
         self.model_path = resolve_model_path(config.model)
         self.model, self.hf_config = load_model(self.model_path, config.dtype, device)
@@ -106,6 +108,7 @@ class EngineCore:
             self.eos_token_id,
             connector=self.connector_worker,
             seed=config.seed,
+            dense_decode_bytes=config.dense_decode_bytes,
         )
         self._shutdown = threading.Event()
         self._transfer_hist: dict[str, Any] = {
