@@ -216,7 +216,7 @@ class RayBackend(Backend):
         finished = False
         try:
             if not self.disaggregated:
-                eng = self._pick("colocated", request)
+                eng = self._pick("colocated")
                 async for out in self._stream(eng, request, q):
                     finished = out.finished
                     yield out
@@ -234,7 +234,7 @@ class RayBackend(Backend):
                     return
                 yield first
                 decode_req = _decode_request(request, first)
-            eng = self._pick("decode", request, streaming=first is not None)
+            eng = self._pick("decode", streaming=first is not None)
             if eng is None:
                 finished = True
                 yield _error(rid, "no ready decode engine")
@@ -249,7 +249,7 @@ class RayBackend(Backend):
             for e in self.engines.values():
                 e.requests.discard(rid)
 
-    def _pick(self, role: str, request: EngineRequest, streaming: bool = False) -> _Engine | None:
+    def _pick(self, role: str, streaming: bool = False) -> _Engine | None:
         st = self.router.pick_generator(role)
         if st is None:
             if streaming:

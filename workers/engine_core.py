@@ -99,7 +99,7 @@ class EngineCore:
             policy=config.policy,
             load_failure_policy=config.load_failure_policy,
         )
-        self.connector_scheduler, self.connector_worker = self._make_connector(block_bytes)
+        self.connector_scheduler, self.connector_worker = self._make_connector()
         self.scheduler = Scheduler(self.sched_config, self.connector_scheduler, config.engine_id)
         self.runner = ModelRunner(
             self.model,
@@ -132,7 +132,7 @@ class EngineCore:
         self._loop_running = False
         self._control: queue.Queue[tuple[Callable[[], Any], Future]] = queue.Queue()
 
-    def _make_connector(self, block_bytes: int):
+    def _make_connector(self):
         if not self.config.kv_connector:
             return None, None
         from kvtransfer.config import KVTransferConfig

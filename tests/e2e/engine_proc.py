@@ -7,22 +7,16 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing as mp
-import socket
 import time
 from typing import Any
 
 import msgspec
 import zmq
 
+from cluster.engine_actor import free_port
 from scheduler.messages import EngineAbort, EngineOutput, EngineOutputs, EngineRequest
 from workers.config import EngineConfig
 from workers.engine_core import UtilityCall, UtilityResult
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _engine_main(config: EngineConfig, input_addr: str, output_addr: str) -> None:
@@ -37,7 +31,7 @@ def _engine_main(config: EngineConfig, input_addr: str, output_addr: str) -> Non
 class EngineProcess:
     def __init__(self, config: EngineConfig, output_addr: str) -> None:
         self.config = config
-        self.input_addr = f"tcp://127.0.0.1:{_free_port()}"
+        self.input_addr = f"tcp://127.0.0.1:{free_port()}"
         ctx = mp.get_context("spawn")
         self.proc = ctx.Process(
             target=_engine_main, args=(config, self.input_addr, output_addr), daemon=True
@@ -55,7 +49,7 @@ class Harness:
 
     def __init__(self) -> None:
         self.ctx = zmq.Context()
-        self.output_addr = f"tcp://127.0.0.1:{_free_port()}"
+        self.output_addr = f"tcp://127.0.0.1:{free_port()}"
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.bind(self.output_addr)
         self.engines: dict[str, EngineProcess] = {}
