@@ -2,8 +2,8 @@
 
 Both setups run the same random Llama checkpoint (sizes in MODEL, the
 `tiny` byte tokenizer) on the same cores (2 engines, one torch thread each)
-under the same load (DECODES + LONGS), driven by `tandem bench`'s engine
-(cluster.bench.run_benchmark): steady decode streams with short prompts,
+under the same load (DECODES + LONGS), driven by two `tandem bench`
+processes: steady decode streams with short prompts,
 and long prompts arriving as a Poisson process.
 
 Reported: ITL and TPOT of the steady decodes, TTFT of the long prompts.
@@ -14,14 +14,14 @@ Run: python benchmarks/serve_interference.py
 
 from __future__ import annotations
 
-import asyncio
+import json
 import os
+import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._machine import machine  # noqa: E402
-from cluster.bench import BenchConfig, run_benchmark  # noqa: E402
 from cluster.serve import SERVE_DEFAULTS, ServiceThread  # noqa: E402
 
 ENGINE = {
@@ -47,10 +47,21 @@ DECODES = dict(num_requests=8, concurrency=4, input_len=32, output_len=128)
 LONGS = dict(num_requests=10, request_rate=1.0, input_len=1536, output_len=2)
 
 
-async def _load(url: str, seed: int) -> tuple[dict, dict]:
-    decodes = BenchConfig(url=url, seed=seed, **DECODES)
-    longs = BenchConfig(url=url, seed=seed + 1, **LONGS)
-    return tuple(await asyncio.gather(run_benchmark(decodes), run_benchmark(longs)))
+def _bench(url: str, seed: int, spec: dict) -> subprocess.Popen:
+    """`tandem bench` in its own process (the gateway's process stays the gateway's)."""
+    args = [sys.executable, "-m", "cluster", "bench", "--url", url, "--seed", str(seed), "--json"]
+    for key, value in spec.items():
+        args += ["--" + key.replace("_", "-"), str(value)]
+    return subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
+
+
+def _load(url: str, seed: int) -> tuple[dict, dict]:
+    procs = [_bench(url, seed, DECODES), _bench(url, seed + 1, LONGS)]
+    out = []
+    for p in procs:
+        stdout, _ = p.communicate(timeout=600)
+        out.append(json.loads(stdout))
+    return out[0], out[1]
 
 
 def make_checkpoint(out_dir: str) -> str:
@@ -78,8 +89,8 @@ def run_setup(pools: dict, model: str) -> tuple[dict, dict]:
     settings = dict(SERVE_DEFAULTS, ray_dashboard=False, model=model, **pools)
     per_role = {r: dict(ENGINE) for r in ("prefill", "decode", "colocated")}
     with ServiceThread(settings, per_role) as svc:
-        asyncio.run(_load(svc.base_url, seed=100))  # warm-up (handshakes, caches)
-        return asyncio.run(_load(svc.base_url, seed=0))
+        _load(svc.base_url, seed=100)  # warm-up (handshakes, caches)
+        return _load(svc.base_url, seed=0)
 
 
 def main() -> None:
