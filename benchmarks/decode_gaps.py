@@ -1,6 +1,7 @@
-"""Decode engine alone under handoffs: token gaps on D while long prompts
-arrive through P (no gateway, no Ray; engines in their own processes joined
-over ZMQ, real NIXL between them). Separates the engine's own interference
+"""Engine-level interference: decode token gaps while long prompts arrive,
+prefilled on a separate prefill engine (handed off over real NIXL) versus on
+the decode engine itself. Engines run in their own processes joined over
+ZMQ (no gateway, no Ray), which separates the engines' own interference
 from the serving stack's in benchmarks/serve_interference.py.
 
 Run: python benchmarks/decode_gaps.py
@@ -18,21 +19,24 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def main() -> None:
-    from benchmarks._machine import machine
-    from benchmarks.serve_interference import MODEL, make_checkpoint
+LONG_PROMPTS_PER_S = 2.0
+
+
+def measure(disaggregated: bool, ckpt: str) -> tuple[list[float], int]:
+    """Token gaps (ms) of 4 decode streams while 1536-token prompts arrive
+    (LONG_PROMPTS_PER_S): prefilled on P and handed to D, or prefilled on D itself."""
     from scheduler.messages import EngineRequest, SamplingParams
     from tests.e2e.engine_proc import Harness
     from workers.config import EngineConfig
 
-    ckpt = make_checkpoint(tempfile.mkdtemp(prefix="tandem-gaps-"))
     h = Harness()
     try:
-        common = dict(
-            model=ckpt, kv_connector="nixl", num_kv_blocks=512, max_model_len=2048, torch_threads=1
-        )
-        h.start("P", EngineConfig(role="prefill", **common))
-        h.start("D", EngineConfig(role="decode", **common))
+        common = dict(model=ckpt, num_kv_blocks=512, max_model_len=2048, torch_threads=1)
+        if disaggregated:
+            h.start("P", EngineConfig(role="prefill", kv_connector="nixl", **common))
+            h.start("D", EngineConfig(role="decode", kv_connector="nixl", **common))
+        else:
+            h.start("D", EngineConfig(role="colocated", **common))
         rng = random.Random(0)
         sp = SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True)
         for i in range(4):
@@ -45,17 +49,24 @@ def main() -> None:
             if time.monotonic() >= next_long:
                 rid = f"L{n}"
                 n += 1
-                h.send(
-                    "P",
-                    EngineRequest(
-                        rid,
-                        [rng.randrange(262) for _ in range(1536)],
-                        SamplingParams(max_tokens=1),
-                        kv_transfer_params={"do_remote_decode": True},
-                    ),
-                )
-                pending.add(rid)
-                next_long += 1.0
+                prompt = [rng.randrange(262) for _ in range(1536)]
+                if disaggregated:
+                    h.send(
+                        "P",
+                        EngineRequest(
+                            rid,
+                            prompt,
+                            SamplingParams(max_tokens=1, ignore_eos=True),
+                            kv_transfer_params={"do_remote_decode": True},
+                        ),
+                    )
+                    pending.add(rid)
+                else:
+                    h.send(
+                        "D",
+                        EngineRequest(rid, prompt, SamplingParams(max_tokens=2, ignore_eos=True)),
+                    )
+                next_long += 1.0 / LONG_PROMPTS_PER_S
             h._pump(1)
             for rid in list(pending):
                 for eid, o in h.outputs.get(rid, []):
@@ -66,7 +77,7 @@ def main() -> None:
                             EngineRequest(
                                 rid,
                                 [0] * 1536 + o.new_token_ids,
-                                SamplingParams(max_tokens=1),
+                                SamplingParams(max_tokens=1, ignore_eos=True),
                                 kv_transfer_params=params,
                             ),
                         )
@@ -77,15 +88,32 @@ def main() -> None:
         gaps = sorted((b - a) * 1000 for ts in arrivals.values() for a, b in zip(ts, ts[1:]))
     finally:
         h.close()
+    return gaps, n
+
+
+def main() -> None:
+    from benchmarks._machine import machine
+    from benchmarks.serve_interference import MODEL, make_checkpoint
+
+    ckpt = make_checkpoint(tempfile.mkdtemp(prefix="tandem-gaps-"))
+    rows = [("1 prefill + 1 decode", *measure(True, ckpt)), ("1 colocated", *measure(False, ckpt))]
     print(f"machine: {machine()}")
     print(
-        f"workload: random Llama {MODEL}, fp32; 4 decode streams on D, {n} handoffs of "
-        "1536-token prompts (1/s) through P; 1 torch thread per engine; 10 s"
+        f"workload: random Llama {MODEL}, fp32; 4 decode streams, 1536-token prompts at "
+        f"{LONG_PROMPTS_PER_S:g}/s "
+        "(prefilled on P and handed off, or prefilled on the decode engine); "
+        "1 torch thread per engine; 10 s; engines over ZMQ, no gateway, no Ray"
     )
-    print("| gaps | median ms | p99 ms | max ms |")
-    print("|---:|---:|---:|---:|")
-    p99 = gaps[int(0.99 * (len(gaps) - 1))]
-    print(f"| {len(gaps)} | {statistics.median(gaps):.1f} | {p99:.1f} | {gaps[-1]:.1f} |")
+    print("| setup | long prompts | gaps | median ms | p99 ms | max ms |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, gaps, n in rows:
+        p99 = gaps[int(0.99 * (len(gaps) - 1))]
+        print(
+            f"| {name} | {n} | {len(gaps)} | {statistics.median(gaps):.1f} | {p99:.1f} "
+            f"| {gaps[-1]:.1f} |"
+        )
+    r = [g[int(0.99 * (len(g) - 1))] for _, g, _ in rows]
+    print(f"disaggregated / colocated decode gap p99: {r[0] / r[1]:.2f}")
 
 
 if __name__ == "__main__":

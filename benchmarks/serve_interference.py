@@ -44,7 +44,7 @@ MODEL = dict(
     num_key_value_heads=2,
 )
 DECODES = dict(num_requests=8, concurrency=4, input_len=32, output_len=128)
-LONGS = dict(num_requests=10, request_rate=1.0, input_len=1536, output_len=2)
+LONGS = dict(num_requests=16, request_rate=2.0, input_len=1536, output_len=2)
 
 
 def _bench(url: str, seed: int, spec: dict) -> subprocess.Popen:
