@@ -42,7 +42,7 @@ def measure(disaggregated: bool, ckpt: str) -> tuple[list[float], int]:
         for i in range(4):
             h.send("D", EngineRequest(f"d{i}", [rng.randrange(262) for _ in range(32)], sp))
         arrivals: dict[str, list[float]] = {f"d{i}": [] for i in range(4)}
-        pending: set[str] = set()
+        pending: dict[str, list[int]] = {}
         end = time.monotonic() + 10
         next_long, n = time.monotonic() + 0.5, 0
         while time.monotonic() < end:
@@ -60,7 +60,7 @@ def measure(disaggregated: bool, ckpt: str) -> tuple[list[float], int]:
                             kv_transfer_params={"do_remote_decode": True},
                         ),
                     )
-                    pending.add(rid)
+                    pending[rid] = prompt
                 else:
                     h.send(
                         "D",
@@ -76,12 +76,12 @@ def measure(disaggregated: bool, ckpt: str) -> tuple[list[float], int]:
                             "D",
                             EngineRequest(
                                 rid,
-                                [0] * 1536 + o.new_token_ids,
+                                pending[rid] + o.new_token_ids,
                                 SamplingParams(max_tokens=1, ignore_eos=True),
                                 kv_transfer_params=params,
                             ),
                         )
-                        pending.discard(rid)
+                        del pending[rid]
             now = time.monotonic()
             for rid, ts in arrivals.items():
                 ts.extend([now] * (len(h.outputs.get(rid, [])) - len(ts)))
