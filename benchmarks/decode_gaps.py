@@ -25,6 +25,7 @@ LONG_PROMPTS_PER_S = 2.0
 def measure(disaggregated: bool, ckpt: str) -> tuple[list[float], int]:
     """Token gaps (ms) of 4 decode streams while 1536-token prompts arrive
     (LONG_PROMPTS_PER_S): prefilled on P and handed to D, or prefilled on D itself."""
+    from kvtransfer.handoff import decode_request, prefill_request
     from scheduler.messages import EngineRequest, SamplingParams
     from tests.e2e.engine_proc import Harness
     from workers.config import EngineConfig
@@ -42,7 +43,7 @@ def measure(disaggregated: bool, ckpt: str) -> tuple[list[float], int]:
         for i in range(4):
             h.send("D", EngineRequest(f"d{i}", [rng.randrange(262) for _ in range(32)], sp))
         arrivals: dict[str, list[float]] = {f"d{i}": [] for i in range(4)}
-        pending: dict[str, list[int]] = {}
+        pending: dict[str, EngineRequest] = {}
         end = time.monotonic() + 10
         next_long, n = time.monotonic() + 0.5, 0
         while time.monotonic() < end:
@@ -51,16 +52,9 @@ def measure(disaggregated: bool, ckpt: str) -> tuple[list[float], int]:
                 n += 1
                 prompt = [rng.randrange(262) for _ in range(1536)]
                 if disaggregated:
-                    h.send(
-                        "P",
-                        EngineRequest(
-                            rid,
-                            prompt,
-                            SamplingParams(max_tokens=1, ignore_eos=True),
-                            kv_transfer_params={"do_remote_decode": True},
-                        ),
-                    )
-                    pending[rid] = prompt
+                    req = EngineRequest(rid, prompt, SamplingParams(max_tokens=2, ignore_eos=True))
+                    h.send("P", prefill_request(req))
+                    pending[rid] = req
                 else:
                     h.send(
                         "D",
@@ -71,17 +65,7 @@ def measure(disaggregated: bool, ckpt: str) -> tuple[list[float], int]:
             for rid in list(pending):
                 for eid, o in h.outputs.get(rid, []):
                     if eid == "P" and o.finish_reason is not None:
-                        params = dict(o.kv_transfer_params, do_remote_prefill=True)
-                        h.send(
-                            "D",
-                            EngineRequest(
-                                rid,
-                                pending[rid] + o.new_token_ids,
-                                SamplingParams(max_tokens=1, ignore_eos=True),
-                                kv_transfer_params=params,
-                            ),
-                        )
-                        del pending[rid]
+                        h.send("D", decode_request(pending.pop(rid), o))
             now = time.monotonic()
             for rid, ts in arrivals.items():
                 ts.extend([now] * (len(h.outputs.get(rid, [])) - len(ts)))

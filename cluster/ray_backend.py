@@ -37,6 +37,7 @@ from cluster.backend import (
 )
 from cluster.pools import EngineHandle
 from cluster.router import EngineState, Router
+from kvtransfer.handoff import decode_request, prefill_request
 from scheduler.messages import (
     EngineAbort,
     EngineOutput,
@@ -233,7 +234,7 @@ class RayBackend(Backend):
                     yield first
                     return
                 yield first
-                decode_req = _decode_request(request, first)
+                decode_req = decode_request(request, first)
             eng = self._pick("decode", streaming=first is not None)
             if eng is None:
                 finished = True
@@ -263,14 +264,7 @@ class RayBackend(Backend):
         """Run the prompt on a prefill engine; retry once on another. Returns
         P's output (first token + kv_transfer_params), or None to prefill on
         the decode engine instead."""
-        sp = request.sampling_params
-        p_req = msgspec.structs.replace(
-            request,
-            sampling_params=msgspec.structs.replace(
-                sp, max_tokens=1, min_tokens=min(sp.min_tokens, 1)
-            ),
-            kv_transfer_params={"do_remote_decode": True},
-        )
+        p_req = prefill_request(request)
         tried: set[str] = set()
         for _ in range(2):
             st = self.router.pick_prefill(exclude=tried)
@@ -353,22 +347,6 @@ class RayBackend(Backend):
             ref = getattr(e.handle.actor, method).remote()
             out[eid] = await asyncio.wait_for(_await_ref(ref), self.call_timeout_s)
         return out
-
-
-def _decode_request(request: EngineRequest, first: EngineOutput) -> EngineRequest:
-    sp = request.sampling_params
-    n = len(first.new_token_ids)
-    params = dict(first.kv_transfer_params or {})
-    params["do_remote_prefill"] = True
-    params.pop("do_remote_decode", None)
-    return msgspec.structs.replace(
-        request,
-        prompt_token_ids=list(request.prompt_token_ids) + list(first.new_token_ids),
-        sampling_params=msgspec.structs.replace(
-            sp, max_tokens=sp.max_tokens - n, min_tokens=max(0, sp.min_tokens - n)
-        ),
-        kv_transfer_params=params,
-    )
 
 
 def _error(request_id: str, message: str) -> EngineOutput:

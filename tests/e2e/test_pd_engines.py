@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import time
 
-import msgspec
 import pytest
 import torch
 
+from kvtransfer.handoff import decode_request, prefill_request
 from scheduler.messages import EngineRequest, FinishReason, SamplingParams
 from tests.e2e.engine_proc import Harness
 from tests.workers.hf_checkpoints import load_hf_model
@@ -43,15 +43,14 @@ def pd(ckpt):
 
 def handoff(h: Harness, rid: str, prompt: list[int], sp: SamplingParams, p="P", d="D"):
     """Prefill on P (first token streamed), decode on D; returns all tokens."""
-    p_sp = msgspec.structs.replace(sp, max_tokens=1, min_tokens=min(sp.min_tokens, 1))
-    h.send(p, EngineRequest(rid, prompt, p_sp, kv_transfer_params={"do_remote_decode": True}))
+    req = EngineRequest(rid, prompt, sp)
+    h.send(p, prefill_request(req))
     first = h.wait_final(rid, p)
     assert first.finish_reason == FinishReason.LENGTH, first
-    params = dict(first.kv_transfer_params, do_remote_prefill=True)
-    d_sp = msgspec.structs.replace(sp, max_tokens=sp.max_tokens - 1)
-    h.send(d, EngineRequest(rid, prompt + first.new_token_ids, d_sp, kv_transfer_params=params))
+    d_req = decode_request(req, first)
+    h.send(d, d_req)
     last = h.wait_final(rid, d)
-    return first.new_token_ids + h.tokens(rid, d), last, params
+    return first.new_token_ids + h.tokens(rid, d), last, d_req.kv_transfer_params
 
 
 def kv_bytes(h: Harness, name: str) -> float:
@@ -161,27 +160,11 @@ def test_prefill_killed_before_read(ckpt, policy):
         )
         prompt = list(range(20, 70))
         sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-        h.send(
-            "P",
-            EngineRequest(
-                "k",
-                prompt,
-                msgspec.structs.replace(sp, max_tokens=1),
-                kv_transfer_params={"do_remote_decode": True},
-            ),
-        )
+        req = EngineRequest("k", prompt, sp)
+        h.send("P", prefill_request(req))
         first = h.wait_final("k", "P")
         h.engines["P"].kill()
-        params = dict(first.kv_transfer_params, do_remote_prefill=True)
-        h.send(
-            "D",
-            EngineRequest(
-                "k",
-                prompt + first.new_token_ids,
-                msgspec.structs.replace(sp, max_tokens=5),
-                kv_transfer_params=params,
-            ),
-        )
+        h.send("D", decode_request(req, first))
         last = h.wait_final("k", "D", timeout_s=60)
         if policy == "recompute":
             (single,) = LLM(EngineConfig(model=ckpt, **BASE)).generate(
