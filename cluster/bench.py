@@ -234,6 +234,8 @@ def _stats_ms(values_s: list[float]) -> dict[str, float]:
         "p50": percentile(values, 50),
         "p90": percentile(values, 90),
         "p99": percentile(values, 99),
+        "p99.9": percentile(values, 99.9),
+        "max": values[-1] if values else float("nan"),
     }
 
 
@@ -321,10 +323,11 @@ def format_table(summary: dict[str, Any]) -> str:
             if summary[key] is not None
         )
         lines.append(f"{'goodput (req/s)':<28}{summary['goodput']:.2f}  ({slo})")
-    lines += ["", f"{'(ms)':<8}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}"]
+    columns = ("mean", "p50", "p90", "p99", "p99.9", "max")
+    lines += ["", f"{'(ms)':<8}" + "".join(f"{k:>10}" for k in columns)]
     for name in ("ttft", "tpot", "itl", "e2e"):
         stats = summary[f"{name}_ms"]
-        row = "".join(f"{stats[k]:>10.2f}" for k in ("mean", "p50", "p90", "p99"))
+        row = "".join(f"{stats[k]:>10.2f}" for k in columns)
         lines.append(f"{name.upper():<8}{row}")
     for error, count in summary["errors"].items():
         lines.append(f"error x{count}: {error}")

@@ -41,7 +41,7 @@ def test_closed_loop_numbers_are_sane(server):
     assert summary["output_token_throughput"] == pytest.approx(24 * 20 / duration_s)
     ttft, tpot, itl, e2e = (summary[k] for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"))
     for stats in (ttft, tpot, itl, e2e):
-        assert 0 <= stats["p50"] <= stats["p90"] <= stats["p99"]
+        assert 0 <= stats["p50"] <= stats["p90"] <= stats["p99"] <= stats["p99.9"] <= stats["max"]
     assert 0 < ttft["p50"] <= e2e["p50"]
     assert e2e["p99"] < duration_s * 1000
     assert tpot["mean"] > 0
@@ -135,3 +135,14 @@ def test_percentile_matches_definition():
     assert bench.percentile(values, 50) == values[50]
     assert bench.percentile(values, 99) == values[99]
     assert bench.percentile([1.0, 2.0], 50) == 1.5
+
+
+def test_stats_tail_columns():
+    # 1001 values 0..1000 ms, shuffled: p99.9 is the 1000th value, max the last
+    values_s = [i / 1000.0 for i in range(1001)]
+    random.Random(1).shuffle(values_s)
+    stats = bench._stats_ms(values_s)
+    assert stats["p99"] == pytest.approx(990.0)
+    assert stats["p99.9"] == pytest.approx(999.0)
+    assert stats["max"] == pytest.approx(1000.0)
+    assert stats["mean"] == pytest.approx(500.0)
