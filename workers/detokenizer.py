@@ -31,6 +31,7 @@ must finish the request; later updates return "".
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import tokenizers
@@ -60,6 +61,7 @@ class IncrementalDetokenizer:
         include_stop_str_in_output: bool = False,
     ) -> None:
         self._decode = _make_decode(tokenizer, skip_special_tokens)
+        self._token_text = _whole_token_text(tokenizer)
         self._stops = [s for s in (stop or []) if s]
         self._include_stop = include_stop_str_in_output
         self._ids = list(prompt_token_ids[-_NUM_PROMPT_CONTEXT_TOKENS:])
@@ -86,6 +88,21 @@ class IncrementalDetokenizer:
         # holds back only its own bytes, never the complete text before it.
         new_text = ""
         for token_id in new_token_ids:
+            text = None
+            if (
+                self._token_text is not None
+                and self._read_offset == len(self._ids)
+                and not self._prefix_text.endswith(_REPLACEMENT_CHAR)
+            ):
+                text = self._token_text(token_id)
+            if text is not None:
+                # Nothing held and the token is whole text: it is the delta, and
+                # the window restarts at it, as after any decided token.
+                self._ids = [token_id]
+                self._read_offset = 1
+                self._prefix_text = text
+                new_text += text
+                continue
             self._ids.append(token_id)
             new_text += self._decode_new(force=False)
         return self._emit(new_text, final=False)
@@ -155,6 +172,51 @@ def _make_decode(
     return lambda ids: tokenizer.decode(
         ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
     )
+
+
+_WHOLE_TOKEN_TEXT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _whole_token_text(tokenizer: PreTrainedTokenizerBase) -> Callable[[int], str | None] | None:
+    """``token_id -> text`` for tokens whose text never depends on their neighbours,
+    else None; None for the whole tokenizer when that cannot be known.
+
+    Byte-level BPE decoding (GPT-2, Llama 3, Qwen, ``tiny``) maps each token to bytes
+    and decodes their concatenation, so after text that ends on a character boundary
+    a token whose own bytes are complete UTF-8 adds exactly its own text. Added
+    tokens (special or not) are left to the window. One cache per tokenizer, shared
+    by every request: most output tokens then cost a dict lookup, not two decodes.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if not (
+        isinstance(backend, tokenizers.Tokenizer)
+        and type(tokenizer)._decode is TokenizersBackend._decode
+        and isinstance(backend.decoder, tokenizers.decoders.ByteLevel)
+    ):
+        return None
+    try:
+        return _WHOLE_TOKEN_TEXT[tokenizer]
+    except KeyError:
+        pass
+    added = set(tokenizer.added_tokens_decoder)
+    vocab_size = backend.get_vocab_size(with_added_tokens=True)
+    cache: dict[int, str | None] = {}
+
+    def token_text(token_id: int) -> str | None:
+        try:
+            return cache[token_id]
+        except KeyError:
+            pass
+        text = None
+        if token_id not in added and 0 <= token_id < vocab_size:
+            decoded = backend.decode([token_id], skip_special_tokens=False)
+            if decoded and _REPLACEMENT_CHAR not in decoded:
+                text = decoded
+        cache[token_id] = text
+        return text
+
+    _WHOLE_TOKEN_TEXT[tokenizer] = token_text
+    return token_text
 
 
 def _find_first_stop(text: str, stops: list[str]) -> tuple[int, str | None]:

@@ -14,7 +14,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from workers.detokenizer import IncrementalDetokenizer
+from workers.detokenizer import IncrementalDetokenizer, _whole_token_text
 from workers.tokenizer import (
     FALLBACK_CHAT_TEMPLATE,
     apply_chat_template,
@@ -330,3 +330,32 @@ def test_template_exceptions_become_value_errors(byte_bpe):
             apply_chat_template(byte_bpe, [{"role": "user", "content": "x"}])
     finally:
         byte_bpe.chat_template = None
+
+
+def test_whole_tokens_skip_the_decoder_on_byte_level_bpe(byte_bpe, byte_fallback):
+    """Byte-level BPE: a token whose bytes are whole UTF-8 is emitted from a per-id
+    cache without decoding (after the first sight of that id); split characters and
+    added tokens still go through the window. SentencePiece gets no such cache."""
+    assert _whole_token_text(byte_fallback) is None
+    token_text = _whole_token_text(byte_bpe)
+    assert token_text is _whole_token_text(byte_bpe)  # one cache per tokenizer
+    special = byte_bpe.bos_token_id
+    assert token_text(special) is None
+    emoji = byte_bpe.encode("🦀", add_special_tokens=False)
+    assert len(emoji) > 1 and all(token_text(i) is None for i in emoji)  # partial bytes
+
+    def run(text: str) -> list[int]:
+        ids = byte_bpe.encode(text, add_special_tokens=False)
+        detok = IncrementalDetokenizer(byte_bpe, [special])
+        calls: list[int] = []
+        decode = detok._decode
+        detok._decode = lambda window: calls.append(len(window)) or decode(window)
+        deltas = [detok.update([i]) for i in ids] + [detok.finish()]
+        assert "".join(deltas) == detok.text == text
+        return [i for i in ids if token_text(i) is None], calls
+
+    partial, calls = run("The quick brown fox said: stop. Hello world! " * 8)
+    assert partial == [] and calls == []  # every token from the cache
+    partial, calls = run("The quick brown fox 🦀 said: stop. Hello world! " * 8)
+    assert len(partial) >= 8  # the crabs' byte tokens
+    assert 0 < len(calls) <= 2 * len(partial)  # only they reach the decoder
