@@ -16,7 +16,11 @@ memory and gathers nothing::
 The paged cache stays the source of truth (every token is still written there): a row is
 only a copy, dropped whenever its request stops decoding (finished, preempted, scheduled
 with more than one token) and refilled from the paged cache when it decodes again. The copy
-is bounded by ``max_bytes``; decodes that do not fit take the paged path.
+is bounded by ``max_bytes``; decodes that do not fit take the paged path. Growing it (new
+rows or a longer capacity) allocates, zeroes and copies the whole copy inside one step
+(50-200 ms at tens of MiB on a busy CPU), so it is kept at its size while rows come and go
+and given back only after ``idle_release_s`` with no row in use (``release_if_idle``, called
+by the engine loop when it has nothing to run).
 
 Per step, ``DenseDecodeKV.prepare`` assigns rows and returns a ``DenseDecodeStep`` whose
 ``attend`` runs one layer: fill new rows, append this token's K/V at (row, position), then
@@ -28,6 +32,7 @@ each row's length.
 from __future__ import annotations
 
 import heapq
+import time
 
 import torch
 
@@ -125,7 +130,13 @@ class DenseDecodeKV:
     stops decoding. Not thread-safe (one runner owns it).
     """
 
-    def __init__(self, kv_cache: torch.Tensor, num_heads: int, max_bytes: int) -> None:
+    def __init__(
+        self,
+        kv_cache: torch.Tensor,
+        num_heads: int,
+        max_bytes: int,
+        idle_release_s: float = 5.0,
+    ) -> None:
         _, num_layers, _, block_size, num_kv_heads, head_dim = kv_cache.shape
         self.num_layers = num_layers
         self.block_size = block_size
@@ -134,6 +145,8 @@ class DenseDecodeKV:
         self.num_heads_per_kv = num_heads // num_kv_heads
         self.dtype = kv_cache.dtype
         self.max_bytes = max_bytes
+        self.idle_release_s = idle_release_s
+        self._idle_since: float | None = None  # monotonic time the last row was released
         self.bytes_per_position = num_layers * 2 * num_kv_heads * head_dim * kv_cache.element_size()
         self.capacity = 0
         self.keys = kv_cache.new_zeros(num_layers, 0, num_kv_heads, head_dim, 0)
@@ -147,16 +160,28 @@ class DenseDecodeKV:
         return self.keys.shape[1]
 
     def release(self, req_id: str) -> None:
-        """Forget ``req_id``'s row (no-op without one); the last release frees the memory."""
+        """Forget ``req_id``'s row (no-op without one). The memory stays (see
+        ``release_if_idle``)."""
         row = self.row_of.pop(req_id, None)
         if row is None:
             return
-        if not self.row_of:  # idle: give the copy back instead of holding the peak size
-            self._free_rows = []
-            self._resize(0, 0)
-            return
         self.lengths[row] = 0
         heapq.heappush(self._free_rows, row)
+        if not self.row_of:
+            self._idle_since = time.monotonic()
+
+    def release_if_idle(self, now_s: float) -> bool:
+        """Free the copy if no row has been in use for ``idle_release_s``."""
+        if self.row_of or self.capacity == 0:
+            return False
+        if self._idle_since is None:  # rows were never taken since the last growth
+            self._idle_since = now_s
+        if now_s - self._idle_since < self.idle_release_s:
+            return False
+        self._idle_since = None
+        self._free_rows = []
+        self._resize(0, 0)
+        return True
 
     def prepare(
         self, decodes: list[tuple[str, int, list[int]]]
@@ -191,6 +216,7 @@ class DenseDecodeKV:
             chosen.append((row, i))
         if not chosen:
             return [], None
+        self._idle_since = None
         chosen.sort()
         rows = [row for row, _ in chosen]
         positions = [decodes[i][1] for _, i in chosen]

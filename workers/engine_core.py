@@ -319,6 +319,8 @@ class EngineCore:
                     outputs = self.step()
                     if outputs.outputs:
                         out.send_multipart([b"O", enc.encode(outputs)])
+                else:
+                    self.runner.release_idle_memory()
         finally:
             self._loop_running = False
             self._run_control()

@@ -17,6 +17,7 @@ above and go through the paged kernels.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -83,6 +84,11 @@ class ModelRunner:
             self.dense = DenseDecodeKV(kv_cache, num_heads, dense_decode_bytes)
         if connector is not None:
             connector.register_kv_caches(kv_cache)
+
+    def release_idle_memory(self) -> None:
+        """Called by the engine loop while it has nothing to run."""
+        if self.dense is not None:
+            self.dense.release_if_idle(time.monotonic())
 
     def _update_states(self, so: SchedulerOutput) -> None:
         for rid in (*so.finished_req_ids, *so.preempted_req_ids):

@@ -4,6 +4,7 @@ the chunked argmax vs torch.argmax, and the engine with dense rows under a tight
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
@@ -131,8 +132,20 @@ def test_dense_decode_equals_paged_attention_across_steps():
     assert dense.capacity == 256
     for seq in ("c", "d", "e"):
         dense.release(seq)
-    assert (dense.num_rows, dense.capacity) == (0, 0)  # idle: the copy is freed
-    assert _run_step(seqs, dense, {"d": 1, "c": 1}) == ["d", "c"]  # and rebuilt on demand
+    # idle: the copy keeps its size for idle_release_s (a growth costs a whole copy),
+    # then is freed, and rebuilt on demand
+    assert (dense.num_rows, dense.capacity) == (8, 256)
+    now_s = time.monotonic()
+    assert not dense.release_if_idle(now_s)
+    assert _run_step(seqs, dense, {"d": 1, "c": 1}) == ["d", "c"]  # rows reused, no growth
+    assert (dense.num_rows, dense.capacity) == (8, 256)
+    assert not dense.release_if_idle(now_s + 2 * dense.idle_release_s)  # rows in use
+    dense.release("c")
+    dense.release("d")
+    assert not dense.release_if_idle(time.monotonic() + 0.5 * dense.idle_release_s)
+    assert dense.release_if_idle(time.monotonic() + dense.idle_release_s)
+    assert (dense.num_rows, dense.capacity) == (0, 0)
+    assert _run_step(seqs, dense, {"d": 1, "c": 1}) == ["d", "c"]
 
 
 def test_dense_decode_budget_sends_the_rest_to_the_paged_path():
@@ -173,5 +186,8 @@ def test_engine_with_a_two_row_budget_equals_transformers(make_checkpoint, monke
     for prompt, r in zip(prompts, results):
         assert r.token_ids == hf_greedy(hf, prompt, 10)
     assert max(num_dense) == 2 and max(num_decodes) == 4  # two dense, two paged decodes
-    assert dense.row_of == {} and dense.num_rows == 0  # every row released at finish
+    assert dense.row_of == {} and dense.num_rows > 0  # every row released at finish
+    dense.idle_release_s = 0.0
+    llm.engine.runner.release_idle_memory()  # what the engine loop does while idle
+    assert dense.num_rows == 0 and dense.capacity == 0
     llm.engine.check_integrity()
