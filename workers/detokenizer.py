@@ -155,6 +155,18 @@ class IncrementalDetokenizer:
         return delta
 
 
+def _rust_backend(tokenizer: PreTrainedTokenizerBase) -> tokenizers.Tokenizer | None:
+    """The ``tokenizers`` object that decodes for ``tokenizer``, if it does not override
+    decoding in Python (then the backend gives the same text)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if (
+        isinstance(backend, tokenizers.Tokenizer)
+        and type(tokenizer)._decode is TokenizersBackend._decode
+    ):
+        return backend
+    return None
+
+
 def _make_decode(
     tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool
 ) -> Callable[[list[int]], str]:
@@ -163,11 +175,8 @@ def _make_decode(
     For Rust-backed tokenizers that do not override decoding, calls the
     ``tokenizers`` backend directly: same text, a quarter of the overhead.
     """
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if (
-        isinstance(backend, tokenizers.Tokenizer)
-        and type(tokenizer)._decode is TokenizersBackend._decode
-    ):
+    backend = _rust_backend(tokenizer)
+    if backend is not None:
         return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
     return lambda ids: tokenizer.decode(
         ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
@@ -187,12 +196,8 @@ def _whole_token_text(tokenizer: PreTrainedTokenizerBase) -> Callable[[int], str
     tokens (special or not) are left to the window. One cache per tokenizer, shared
     by every request: most output tokens then cost a dict lookup, not two decodes.
     """
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if not (
-        isinstance(backend, tokenizers.Tokenizer)
-        and type(tokenizer)._decode is TokenizersBackend._decode
-        and isinstance(backend.decoder, tokenizers.decoders.ByteLevel)
-    ):
+    backend = _rust_backend(tokenizer)
+    if backend is None or not isinstance(backend.decoder, tokenizers.decoders.ByteLevel):
         return None
     try:
         return _WHOLE_TOKEN_TEXT[tokenizer]
