@@ -39,11 +39,12 @@ from starlette.types import Receive, Scope, Send
 
 from cluster import protocol
 from cluster.backend import Backend, BackendUnavailable
+from cluster.edge.limits import GatewayLimits, RequestSlots, read_body
+from cluster.edge.tokenizer_pool import TokenizerPool, chat_text_len
 from cluster.metrics import EngineMetricsCollector, GatewayMetrics, render
 from cluster.protocol import ChatCompletionRequest, CompletionRequest, ProtocolError
 from scheduler.messages import EngineOutput, EngineRequest, FinishReason, Logprobs, SamplingParams
 from workers.detokenizer import IncrementalDetokenizer
-from workers.tokenizer import apply_chat_template, encode_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,7 @@ _SSE_HEADERS = [
     (b"x-accel-buffering", b"no"),
 ]
 _JSON_HEADERS = [(b"content-type", b"application/json")]
+_LAST_WORDS_TIMEOUT_S = 1.0  # sending a deadline's error to a client
 
 
 # We export Prometheus metrics ourselves; FastAPI's OpenTelemetry hooks (newer
@@ -78,11 +80,16 @@ class _GatewayApp(FastAPI):
         await super().__call__(scope, receive, send)
 
 
-def create_app(backend: Backend, *, api_key: str | None = None) -> FastAPI:
+def create_app(
+    backend: Backend, *, api_key: str | None = None, limits: GatewayLimits | None = None
+) -> FastAPI:
     """The gateway app. ``api_key`` (if set) is required on ``/v1/*`` as
-    ``Authorization: Bearer <key>``; ``/health`` and ``/metrics`` stay open."""
+    ``Authorization: Bearer <key>``; ``/health`` and ``/metrics`` stay open.
+    ``limits``: body size, concurrency, deadline, tokenizer threads
+    (``cluster.edge.limits``; defaults when None)."""
+    limits = limits or GatewayLimits()
     registry = CollectorRegistry()
-    gateway = Gateway(backend, GatewayMetrics())
+    gateway = Gateway(backend, GatewayMetrics(), limits)
     registry.register(gateway.metrics)
     registry.register(EngineMetricsCollector(backend))
     app = _GatewayApp(title="tandem", docs_url=None, redoc_url=None, openapi_url=None, **_NO_OTEL)
@@ -101,7 +108,8 @@ def create_app(backend: Backend, *, api_key: str | None = None) -> FastAPI:
     async def _protocol_error(request: Request, exc: ProtocolError) -> Response:
         if request.url.path.startswith("/v1/") and request.method == "POST":
             gateway.metrics.rejected(exc.status_code)
-        return JSONResponse(exc.body(), status_code=exc.status_code)
+        headers = getattr(exc, "headers", None)
+        return JSONResponse(exc.body(), status_code=exc.status_code, headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
@@ -119,17 +127,31 @@ def create_app(backend: Backend, *, api_key: str | None = None) -> FastAPI:
 
     # Generation routes are plain Starlette routes: FastAPI's dependency
     # solving would add ~0.2 ms per request and they take no parameters.
+    # Each holds a request slot from arrival to the end of its response
+    # (GenerationResponse releases it); a refusal before that releases it here.
     async def completions(request: Request) -> Response:
         arrival_s = time.perf_counter()
         check_api_key(request)
-        req = protocol.decode_request(await request.body(), CompletionRequest)
-        return gateway.prepare_completion(req, arrival_s)
+        gateway.slots.acquire()
+        try:
+            body = await read_body(request, limits.max_request_body_bytes)
+            req = protocol.decode_request(body, CompletionRequest)
+            return await gateway.prepare_completion(req, arrival_s)
+        except BaseException:
+            gateway.slots.release()
+            raise
 
     async def chat_completions(request: Request) -> Response:
         arrival_s = time.perf_counter()
         check_api_key(request)
-        req = protocol.decode_request(await request.body(), ChatCompletionRequest)
-        return gateway.prepare_chat(req, arrival_s)
+        gateway.slots.acquire()
+        try:
+            body = await read_body(request, limits.max_request_body_bytes)
+            req = protocol.decode_request(body, ChatCompletionRequest)
+            return await gateway.prepare_chat(req, arrival_s)
+        except BaseException:
+            gateway.slots.release()
+            raise
 
     app.add_route("/v1/completions", completions, methods=["POST"])
     app.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
@@ -174,6 +196,7 @@ class _Job:
     skip_special_tokens: bool
     include_stop_str_in_output: bool
     arrival_s: float  # time.perf_counter() when the HTTP request arrived
+    deadline_s: float | None  # event-loop time after which the request is cut (504)
     num_output_tokens: int = 0
 
     @property
@@ -198,10 +221,15 @@ class _Step:
 class Gateway:
     """Request preparation and the generation loop, independent of routes."""
 
-    def __init__(self, backend: Backend, metrics: GatewayMetrics) -> None:
+    def __init__(
+        self, backend: Backend, metrics: GatewayMetrics, limits: GatewayLimits | None = None
+    ) -> None:
         self.backend = backend
         self.metrics = metrics
+        self.limits = limits = limits or GatewayLimits()
+        self.slots = RequestSlots(limits.max_num_requests, limits.retry_after_s)
         self.tokenizer = backend.tokenizer
+        self.tokenizer_pool = TokenizerPool(backend.tokenizer, limits.tokenizer_workers)
         self.vocab_size = len(backend.tokenizer)
         self.started_at = int(time.time())
         self.token_text = functools.lru_cache(maxsize=1 << 16)(self._decode_one)
@@ -211,11 +239,12 @@ class Gateway:
 
     # ---- preparation (raises ProtocolError) ----
 
-    def prepare_completion(self, req: CompletionRequest, arrival_s: float) -> Response:
+    async def prepare_completion(self, req: CompletionRequest, arrival_s: float) -> Response:
         protocol.validate_common(req, self.backend.model_name)
         prompt = protocol.completion_prompt(req)
         if isinstance(prompt, str):
-            prompt_ids = encode_prompt(self.tokenizer, prompt)
+            self.tokenizer_pool.check_text_len(len(prompt), self.backend.max_model_len, "prompt")
+            prompt_ids = await self.tokenizer_pool.encode(prompt)
         else:
             prompt_ids = self._check_token_ids(prompt)
         self._check_prompt_len(prompt_ids)
@@ -228,14 +257,14 @@ class Gateway:
         params = protocol.sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs)
         return self._response(req, prompt_ids, params, formatter, arrival_s)
 
-    def prepare_chat(self, req: ChatCompletionRequest, arrival_s: float) -> Response:
+    async def prepare_chat(self, req: ChatCompletionRequest, arrival_s: float) -> Response:
         protocol.validate_common(req, self.backend.model_name)
         protocol.check_chat_fields(req)
         num_logprobs = protocol.chat_logprobs(req)
+        num_chars = chat_text_len(req.messages)
+        self.tokenizer_pool.check_text_len(num_chars, self.backend.max_model_len, "messages")
         try:
-            prompt_ids = apply_chat_template(
-                self.tokenizer, req.messages, add_generation_prompt=req.add_generation_prompt
-            )
+            prompt_ids = await self.tokenizer_pool.chat(req.messages, req.add_generation_prompt)
         except ValueError as exc:
             raise ProtocolError(str(exc), param="messages") from None
         self._check_prompt_len(prompt_ids, param="messages")
@@ -261,6 +290,12 @@ class Gateway:
         arrival_s: float,
     ) -> Response:
         self._check_token_ids(params.stop_token_ids, param="stop_token_ids")
+        deadline_s = None
+        if self.limits.request_timeout_s:
+            elapsed_s = time.perf_counter() - arrival_s
+            deadline_s = (
+                asyncio.get_running_loop().time() + self.limits.request_timeout_s - elapsed_s
+            )
         job = _Job(
             engine_request=EngineRequest(
                 formatter.request_id, prompt_ids, params, arrival_time=time.time()
@@ -272,6 +307,7 @@ class Gateway:
             skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
             arrival_s=arrival_s,
+            deadline_s=deadline_s,
         )
         return GenerationResponse(self, job)
 
@@ -399,7 +435,9 @@ class GenerationResponse(Response):
 
     The work runs as a task beside a watcher of ``receive``; whichever ends
     first wins. A disconnect cancels the work, whose cleanup aborts the
-    request on the backend.
+    request on the backend. Past the job's deadline the work is cancelled
+    the same way and the client gets 504 (or, mid-stream, an error event).
+    The request's slot (``RequestSlots``) is released when this ends.
     """
 
     def __init__(self, gateway: Gateway, job: _Job) -> None:
@@ -407,6 +445,7 @@ class GenerationResponse(Response):
         self.job = job
         self.status_code = 200
         self.background = None
+        self._headers_sent = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         work = asyncio.create_task(self._respond(send, scope.get(_SERVER_SEND, send)))
@@ -418,10 +457,31 @@ class GenerationResponse(Response):
             if not work.done():
                 work.cancel()  # client gone (or server shutting down)
             await asyncio.gather(work, watcher, return_exceptions=True)
+            self.gateway.slots.release()
 
     async def _respond(self, send: Send, body_send: Send) -> None:
+        try:
+            async with asyncio.timeout_at(self.job.deadline_s):
+                await self._respond_in_time(send, body_send)
+        except TimeoutError:
+            # The work was cancelled, so run()'s cleanup aborted the request.
+            job = self.job
+            logger.warning("request %s passed its deadline", job.request_id)
+            timeout_s = self.gateway.limits.request_timeout_s
+            body = protocol.error_body(
+                f"The request did not finish within {timeout_s} s.",
+                "timeout_error",
+                code="request_timeout",
+            )
+            # A client that is not reading gets no more time than this.
+            async with asyncio.timeout(_LAST_WORDS_TIMEOUT_S):
+                if self._headers_sent:
+                    await _send_body(body_send, protocol.sse(body) + protocol.SSE_DONE, False)
+                else:
+                    await _send_json(send, 504, body)
+
+    async def _respond_in_time(self, send: Send, body_send: Send) -> None:
         job = self.job
-        headers_sent = False
         try:
             async with aclosing(self.gateway.run(job)) as steps:
                 try:
@@ -431,7 +491,7 @@ class GenerationResponse(Response):
                     await _send_json(send, 503, body)
                     return
                 if job.stream:
-                    headers_sent = True
+                    self._headers_sent = True
                     await self._stream(send, body_send, first, steps)
                 else:
                     await self._collect(send, first, steps)
@@ -440,7 +500,7 @@ class GenerationResponse(Response):
         except Exception:
             logger.exception("request %s failed", job.request_id)
             body = protocol.error_body("Internal server error.", "server_error")
-            if headers_sent:
+            if self._headers_sent:
                 await _send_body(send, protocol.sse(body) + protocol.SSE_DONE, more_body=False)
             else:
                 await _send_json(send, 500, body)

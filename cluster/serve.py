@@ -36,6 +36,11 @@ SERVE_DEFAULTS: dict[str, Any] = {
     "num_gpus_per_engine": 0,
     "kv_lease_s": 60.0,
     "load_failure_policy": "recompute",
+    # gateway limits (cluster/edge/limits.py)
+    "max_request_body_mb": 8.0,
+    "max_num_requests": 0,
+    "request_timeout_s": 600.0,
+    "tokenizer_workers": 2,
 }
 
 
@@ -64,6 +69,22 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-gpus-per-engine", type=int, help="GPUs per engine (0 = CPU)")
     p.add_argument("--kv-lease-s", type=float, help="prefill-side KV lease (default 60)")
     p.add_argument("--load-failure-policy", choices=["recompute", "fail"])
+    p.add_argument(
+        "--max-request-body-mb", type=float, help="larger request bodies get 413 (default 8)"
+    )
+    p.add_argument(
+        "--max-num-requests",
+        type=int,
+        help="concurrent requests; more get 503 + Retry-After (default 0 = no cap)",
+    )
+    p.add_argument(
+        "--request-timeout-s",
+        type=float,
+        help="per-request deadline: aborted on the engines, 504 / error event (default 600, 0 = none)",
+    )
+    p.add_argument(
+        "--tokenizer-workers", type=int, help="threads that tokenize prompts (default 2)"
+    )
     add_engine_arguments(p)
     for role in ("prefill", "decode", "colocated"):
         add_engine_arguments(p, prefix=f"{role}-")
@@ -137,6 +158,14 @@ def pool_specs(settings: dict[str, Any], per_role: dict[str, dict[str, Any]]):
     return specs
 
 
+def gateway_limits(settings: dict[str, Any]):
+    """The gateway's ``GatewayLimits`` from serve settings (ValueError names the field)."""
+    from cluster.edge.limits import GatewayLimits
+
+    names = ("max_request_body_mb", "max_num_requests", "request_timeout_s", "tokenizer_workers")
+    return GatewayLimits(**{k: settings.get(k, SERVE_DEFAULTS[k]) for k in names})
+
+
 class Service:
     """Everything ``tandem serve`` runs, startable from tests too."""
 
@@ -203,7 +232,7 @@ async def _serve(settings: dict[str, Any], per_role: dict[str, dict[str, Any]]) 
     svc = Service(settings, per_role)
     try:
         await svc.start()
-        app = create_app(svc.backend, api_key=settings["api_key"])
+        app = create_app(svc.backend, api_key=settings["api_key"], limits=gateway_limits(settings))
         server = uvicorn.Server(
             uvicorn.Config(
                 app,
@@ -235,6 +264,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         settings, per_role = resolve_settings(args)
         pool_specs(settings, per_role)  # validates engine configs before starting anything
+        gateway_limits(settings)
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -287,7 +317,12 @@ class ServiceThread:
         except BaseException:
             self.__exit__(None, None, None)
             raise
-        app = create_app(self.service.backend, api_key=self.service.settings.get("api_key"))
+        settings = self.service.settings
+        app = create_app(
+            self.service.backend,
+            api_key=settings.get("api_key"),
+            limits=gateway_limits(settings),
+        )
         self._server = uvicorn.Server(
             uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False)
         )
