@@ -203,6 +203,7 @@ def main() -> None:
         {"engine_id": "bench-p", **config}, (NUM_BLOCKS, *BLOCK_SHAPE), SEED, poll_interval_s=0.0001
     )
     d = Decode(config)
+    d.scheduler.set_prefill_endpoints([p.endpoint])  # what the cluster registers
     try:
         rows = [
             throughput_row(p, d, size, rng, max(args.iters, 64 // size)) for size in args.sizes_mib

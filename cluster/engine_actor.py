@@ -2,7 +2,7 @@
 
 The actor owns an EngineCore whose loop runs on a background thread, fed by
 ZMQ (the data plane). Ray method calls are control only: ``ready`` (address,
-epoch), ``stats``, ``check_integrity``, ``shutdown``. Each start (including a
+epoch), ``stats``, ``check_integrity``, ``set_prefill_endpoints``, ``shutdown``. Each start (including a
 restart by Ray after a crash) gets a new epoch, so peers and the router never
 reuse state of a previous incarnation.
 """
@@ -77,6 +77,11 @@ class EngineActor:
 
     def check_integrity(self) -> bool:
         return self.engine.call_in_loop(self.engine.check_integrity)
+
+    def set_prefill_endpoints(self, endpoints: list[list[Any]]) -> bool:
+        """Control call from the cluster: the registered prefill engines'
+        ``[engine_id, epoch, host, port]``; D reads KV only from these."""
+        return self.engine.call_in_loop(lambda: self.engine.set_prefill_endpoints(endpoints))
 
     def reset_prefix_cache(self) -> bool:
         return self.engine.call_in_loop(self.engine.scheduler.reset_prefix_cache)

@@ -36,6 +36,7 @@ from cluster.backend import (
     HistogramSnapshot,
 )
 from cluster.pools import EngineHandle
+from cluster.prefill_endpoints import push_prefill_endpoints
 from cluster.router import EngineState, Router
 from kvtransfer.handoff import decode_request, prefill_request
 from scheduler.messages import (
@@ -59,6 +60,12 @@ class _Engine:
         self.socket: zmq.asyncio.Socket | None = None
         self.requests: set[str] = set()  # request ids in flight here
         self.stats: dict[str, Any] = {}
+        # decode: (own epoch, prefill endpoints) it last acknowledged
+        self.pushed_endpoints: tuple[int, list] | None = None
+        # new incarnation not yet in the registry exchange: a prefill engine
+        # not yet known to the decode engines, a decode engine without the list
+        self.unregistered = False
+        self.answered = False  # the last health check got an answer
 
 
 class RayBackend(Backend):
@@ -143,6 +150,29 @@ class RayBackend(Backend):
 
     async def _check_engines(self) -> None:
         await asyncio.gather(*(self._check_engine(e) for e in self.engines.values()))
+        await self._register_prefill_engines()
+
+    async def _register_prefill_engines(self) -> None:
+        """Tell decode engines which prefill engines they may read from. A
+        new decode incarnation gets requests once it holds the list, a new
+        prefill one once every answering decode engine holds it."""
+        engines = list(self.engines.values())
+
+        async def call(e: _Engine, endpoints: list) -> Any:
+            return await _await_ref(e.handle.actor.set_prefill_endpoints.remote(endpoints))
+
+        decode = [e for e in engines if e.state.role == "decode" and e.answered]
+        all_ok = await push_prefill_endpoints(decode, engines, call, self.call_timeout_s)
+        for e in engines:
+            if not e.unregistered or not e.answered:
+                continue
+            if (
+                e.state.role == "decode"
+                and e.pushed_endpoints is not None
+                and e.pushed_endpoints[0] == e.state.epoch
+            ) or (e.state.role == "prefill" and all_ok):
+                e.unregistered = False
+                e.state.ready = True
 
     async def _check_engine(self, e: _Engine) -> None:
         try:
@@ -156,6 +186,7 @@ class RayBackend(Backend):
             if getattr(exc, "actor_init_failed", False) and not e.state.epoch:
                 # never came up: a config or model error, not a crash to wait out
                 raise RuntimeError(f"engine {e.state.engine_id} failed to start: {exc}") from exc
+            e.answered = False
             if e.state.ready:
                 logger.warning("engine %s unavailable: %s", e.state.engine_id, exc)
                 e.state.ready = False
@@ -172,6 +203,7 @@ class RayBackend(Backend):
             e.socket.setsockopt(zmq.LINGER, 0)
             e.socket.connect(info["input_addr"])
             e.state.epoch = info["epoch"]
+            e.unregistered = e.state.role in ("prefill", "decode")
             e.state.max_num_seqs = info["max_num_seqs"]
             e.state.info = info
             lens = [x.state.info.get("max_model_len", 0) for x in self.engines.values()]
@@ -182,7 +214,8 @@ class RayBackend(Backend):
         e.state.num_waiting = stats.get("num_waiting_reqs", 0) + stats.get(
             "num_waiting_for_remote_kvs", 0
         )
-        e.state.ready = True
+        e.answered = True
+        e.state.ready = not e.unregistered  # see _register_prefill_engines
 
     def _fail_inflight(self, e: _Engine, reason: str) -> None:
         for rid in list(e.requests):

@@ -32,6 +32,10 @@ class KVTransferConfig:
     advertise_host: str | None = None
     # P frees held blocks this long after the prefill finished unless D renews
     lease_s: float = 60.0
+    # D stops using a lease this long before it would end by D's count: covers
+    # the params' trip P -> gateway -> D, which D cannot measure (no shared
+    # clock). None = min(2 s, lease_s / 4)
+    lease_margin_s: float | None = None
     # D gives up on one load (handshake + read) after this long
     load_timeout_s: float = 30.0
     handshake_timeout_s: float = 5.0
@@ -75,6 +79,11 @@ class KVTransferConfig:
             value = getattr(self, name)
             if not value > 0:
                 raise ValueError(f"KVTransferConfig.{name} must be > 0, got {value!r}")
+        if self.lease_margin_s is not None and not 0 <= self.lease_margin_s < self.lease_s:
+            raise ValueError(
+                f"KVTransferConfig.lease_margin_s must be in [0, lease_s={self.lease_s}), "
+                f"got {self.lease_margin_s!r}"
+            )
         if self.load_failure_policy not in LOAD_FAILURE_POLICIES:
             raise ValueError(
                 f"KVTransferConfig.load_failure_policy must be one of {LOAD_FAILURE_POLICIES}, "
@@ -95,6 +104,12 @@ class KVTransferConfig:
             )
         if not self.backends:
             raise ValueError("KVTransferConfig.backends must name at least one NIXL backend")
+
+    @property
+    def resolved_lease_margin_s(self) -> float:
+        if self.lease_margin_s is not None:
+            return self.lease_margin_s
+        return min(2.0, self.lease_s / 4)
 
     @property
     def serves_kv(self) -> bool:

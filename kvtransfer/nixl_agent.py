@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -76,6 +77,12 @@ class NixlAgent:
         self._registered: Any = None
         self.region: RegionInfo | None = None
         self.metadata = b""
+        # Test hooks, None in production. NIXL refuses to release a handle it
+        # cannot cancel; on one host (UCX cma) or over TCP it always can, so
+        # tests that need the refusal set these: returning True makes
+        # ``release`` / ``remove_peer`` report a refusal without calling NIXL.
+        self.test_refuse_release: Callable[[XferHandle], bool] | None = None
+        self.test_refuse_remove_peer: Callable[[str], bool] | None = None
 
     def register(self, kv_cache: Any) -> RegionInfo:
         """Register a contiguous blocks-first tensor (DRAM on CPU, VRAM on
@@ -104,6 +111,10 @@ class NixlAgent:
             return self._agent.add_remote_agent(metadata)
 
     def remove_peer(self, peer_name: str) -> None:
+        """Forget the peer's metadata and disconnect; after it no transfer
+        with that peer can start or land. Raises when NIXL refuses."""
+        if self.test_refuse_remove_peer is not None and self.test_refuse_remove_peer(peer_name):
+            raise RuntimeError(f"remove_remote_agent({peer_name}) refused (test hook)")
         with self._lock:
             self._agent.remove_remote_agent(peer_name)
 
@@ -143,7 +154,10 @@ class NixlAgent:
                 return "ERR"
 
     def release(self, handle: XferHandle) -> bool:
-        """Free a handle (cancelling it if still active). False if NIXL refused."""
+        """Free a handle (cancelling it if still active). False if NIXL refused:
+        then the READ may still land, and its local blocks must stay untouched."""
+        if self.test_refuse_release is not None and self.test_refuse_release(handle):
+            return False
         with self._lock:
             return self._release_locked(handle)
 

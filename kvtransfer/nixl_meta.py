@@ -34,7 +34,7 @@ class LoadSpec(_Meta):
     remote_request_id: str
     local_block_ids: list[int]
     remote_block_ids: list[int]
-    lease_deadline: float  # unix seconds (peer clock); P may free the blocks after it
+    lease_deadline_mono: float  # D's monotonic clock: P may free the blocks after it
     error: str = ""
 
 
@@ -50,11 +50,11 @@ class NotifySpec(_Meta):
 
 class SendSpec(_Meta):
     """P holds ``num_blocks`` blocks of ``request_id`` until D's ``done``
-    notification or ``lease_deadline`` (unix seconds)."""
+    notification or ``lease_deadline_mono`` (P's monotonic clock)."""
 
     request_id: str
     num_blocks: int
-    lease_deadline: float
+    lease_deadline_mono: float
 
 
 class NixlConnectorMetadata(_Meta):

@@ -37,6 +37,8 @@ class Peer:
     future: concurrent.futures.Future | None = None
     agent_name: str = ""
     region: RegionInfo | None = None
+    # NIXL forgot the peer's agent (or never knew it): none of its READs can land any more
+    agent_removed: bool = False
     # loads / notifies queued until the handshake finishes (owned by the worker)
     waiting: list[Any] = dataclasses.field(default_factory=list)
 
@@ -118,8 +120,12 @@ class PeerTable:
             self._orphans.append(peer.future)
             peer.future = None
         if peer.ready:
-            self._remove_agent(peer.agent_name)
-            peer.agent_name = ""
+            if self._remove_agent(peer.agent_name):
+                peer.agent_removed = True
+                peer.agent_name = ""
+            # else the name is kept: invalidating again retries the removal
+        else:
+            peer.agent_removed = True  # no READ was ever posted to it
 
     def poll(self) -> tuple[list[Peer], list[tuple[Peer, str]]]:
         """Collect finished handshakes: ``(now_ready, failed_with_reason)``.
@@ -175,11 +181,14 @@ class PeerTable:
             )
         return self._agent.add_peer(info.agent_metadata), info.region
 
-    def _remove_agent(self, agent_name: str) -> None:
+    def _remove_agent(self, agent_name: str) -> bool:
+        """True once NIXL no longer knows the agent (removed now or before)."""
         try:
             self._agent.remove_peer(agent_name)
-        except Exception as e:  # already gone on the NIXL side
-            logger.debug("remove_remote_agent(%s): %s", agent_name, e)
+            return True
+        except Exception as e:
+            logger.warning("remove_remote_agent(%s) refused: %s", agent_name, e)
+            return False
 
     def peers_with_waiting(self) -> list[Peer]:
         return [p for p in self._peers.values() if p.waiting]

@@ -14,6 +14,11 @@ Decode engine (D), a request sent with P's params (``do_remote_prefill``)::
                                   or a "done" notify when nothing is missing
     waiting for free blocks    -> "renew" notifies every lease_s / 3
     finished before any load   -> "done" notify so P frees at once
+    P not registered           -> a LoadSpec with an error: a load error
+
+Leases are durations on each side's own monotonic clock (``clock``): P's
+params carry ``lease_remaining_s``; D's deadline is its receipt time of the
+request plus that, minus ``lease_margin_s`` (the trip P -> gateway -> D).
 
 Block indices of a load (local hit ``L`` tokens, ``E`` external tokens)::
 
@@ -27,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kvtransfer.base import KVConnectorSchedulerSide
@@ -41,6 +47,7 @@ from kvtransfer.nixl_meta import (
     SendSpec,
 )
 from kvtransfer.params import KVTransferParams
+from kvtransfer.prefill_registry import PrefillRegistry
 from scheduler.request import RequestStatus
 
 if TYPE_CHECKING:
@@ -59,11 +66,12 @@ _SETTLED = "settled"  # nothing (more) to do: notified, or params unusable
 class _RemoteRequest:
     params: KVTransferParams
     peer: PeerAddr
-    lease_deadline: float  # what D knows of P's lease (unix seconds)
-    last_renew_time: float
+    lease_deadline_mono: float  # what D knows of P's lease, on D's monotonic clock
+    last_renew_mono: float
     num_local_computed: int = 0
     phase: str = _WAITING
     error: str = ""  # params unusable: compute locally, only tell P to free
+    refusal: str = ""  # P not registered: the load fails as a load error
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -71,11 +79,16 @@ def _cdiv(a: int, b: int) -> int:
 
 
 class NixlSchedulerSide(KVConnectorSchedulerSide):
-    def __init__(self, config: KVTransferConfig, side_channel_port: int | None) -> None:
+    def __init__(
+        self,
+        config: KVTransferConfig,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.config = config
         self.block_size = config.block_size
-        self._host = config.resolved_advertise_host() if config.serves_kv else None
-        self._port = side_channel_port
+        self._clock = clock
+        # decode side: prefill engines we may read from (set by the cluster)
+        self.prefill_registry = PrefillRegistry()
         # decode side: requests with do_remote_prefill until request_finished
         self._remote: dict[str, _RemoteRequest] = {}
         self._loads_in_flight: set[str] = set()
@@ -125,16 +138,20 @@ class NixlSchedulerSide(KVConnectorSchedulerSide):
                 f"load needs blocks [{i0}, {i1}) but the request has {len(block_ids)} local "
                 f"and {len(remote_ids)} remote blocks"
             )
-        elif time.time() >= state.lease_deadline:
+        elif state.refusal:
+            error = state.refusal
+        elif self._clock() >= state.lease_deadline_mono:
             error = "the prefill engine's lease expired before the load could start"
         self._loads.append(
             LoadSpec(
                 request.request_id,
                 state.peer,
                 state.params.remote_request_id or "",
-                list(block_ids[i0:i1]) if not error else [],
+                # on error the blocks are still named: the worker reports them
+                # as load errors, so the scheduler never takes them for loaded KV
+                list(block_ids[i0:i1]),
                 list(remote_ids[i0:i1]) if not error else [],
-                state.lease_deadline,
+                state.lease_deadline_mono,
                 error,
             )
         )
@@ -154,14 +171,16 @@ class NixlSchedulerSide(KVConnectorSchedulerSide):
         except ValueError as e:
             logger.warning("request %s: ignoring kv_transfer_params: %s", request.request_id, e)
             return None
-        peer = PeerAddr(
-            params.remote_engine_id or "",
-            params.remote_epoch,
-            params.remote_host or "",
-            params.remote_port or 0,
-        )
-        lease_s = self.config.lease_s
-        state = _RemoteRequest(params, peer, params.lease_deadline, params.lease_deadline - lease_s)
+        engine_id = params.remote_engine_id or ""
+        peer, refusal = self.prefill_registry.lookup(engine_id, params.remote_epoch)
+        if peer is None:  # nothing is sent anywhere for it (no address to send to)
+            peer = PeerAddr(engine_id, params.remote_epoch, "", 0)
+            logger.warning("request %s: refusing its KV load: %s", request.request_id, refusal)
+        # P's lease, counted from when this engine received the request
+        deadline = request.arrival_mono + params.lease_remaining_s
+        deadline -= self.config.resolved_lease_margin_s
+        renewed = request.arrival_mono + params.lease_remaining_s - self.config.lease_s
+        state = _RemoteRequest(params, peer, deadline, renewed, refusal=refusal)
         num_needed = _cdiv(params.num_tokens, self.block_size)
         if len(params.remote_block_ids) < num_needed:
             state.error = (
@@ -178,18 +197,27 @@ class NixlSchedulerSide(KVConnectorSchedulerSide):
         )
 
     def _renew_leases(self, now: float) -> None:
-        """Renew P's lease for requests still waiting for blocks. A renewal sent
-        too close to the known deadline might arrive after P freed the blocks,
-        so it is sent but not counted."""
+        """Renew P's lease for requests still waiting for blocks (``now`` on
+        D's monotonic clock). P extends to its receipt time + lease_s, which
+        is later than D's send time + lease_s, so D's new view is safe. A
+        renewal sent too close to the known deadline might arrive after P
+        freed the blocks, so it is sent but not counted."""
         lease_s = self.config.lease_s
         margin_s = min(lease_s / 4, 5.0)
         for request_id, state in self._remote.items():
-            if state.phase != _WAITING or now - state.last_renew_time < lease_s / 3:
+            if state.phase != _WAITING or state.refusal:
+                continue
+            if now - state.last_renew_mono < lease_s / 3:
                 continue
             self._notify(request_id, state, NOTIF_RENEW)
-            state.last_renew_time = now
-            if state.lease_deadline - now > margin_s:
-                state.lease_deadline = now + lease_s
+            state.last_renew_mono = now
+            if state.lease_deadline_mono - now > margin_s:
+                state.lease_deadline_mono = now + lease_s
+
+    def set_prefill_endpoints(self, endpoints: list[Any]) -> None:
+        """The cluster's registered prefill engines (the whole list each time,
+        see ``prefill_registry.py``). Raises ``ValueError`` on a bad entry."""
+        self.prefill_registry.replace(endpoints)
 
     # ---- prefill side -----------------------------------------------------------
 
@@ -198,7 +226,7 @@ class NixlSchedulerSide(KVConnectorSchedulerSide):
     ) -> tuple[bool, dict[str, Any] | None]:
         state = self._remote.pop(request.request_id, None)
         if state is not None:
-            if state.phase == _WAITING:  # finished before any load: let P free now
+            if state.phase == _WAITING and not state.refusal:  # no load: let P free now
                 self._notify(request.request_id, state, NOTIF_DONE)
             return False, None
         raw = request.kv_transfer_params
@@ -216,19 +244,17 @@ class NixlSchedulerSide(KVConnectorSchedulerSide):
                 len(block_ids),
             )
             return False, None
-        lease_deadline = time.time() + self.config.lease_s
-        self._new_sends.append(SendSpec(request.request_id, num_blocks, lease_deadline))
+        lease_deadline_mono = self._clock() + self.config.lease_s
+        self._new_sends.append(SendSpec(request.request_id, num_blocks, lease_deadline_mono))
         self._held_sends[request.request_id] = num_blocks
         params = KVTransferParams(
             do_remote_prefill=True,
             remote_engine_id=self.config.engine_id,
-            remote_host=self._host,
-            remote_port=self._port,
             remote_block_ids=list(block_ids[:num_blocks]),
             remote_request_id=request.request_id,
             num_tokens=num_tokens,
             remote_epoch=self.config.epoch,
-            lease_deadline=lease_deadline,
+            lease_remaining_s=self.config.lease_s,
         )
         return True, params.to_dict()
 
@@ -243,7 +269,7 @@ class NixlSchedulerSide(KVConnectorSchedulerSide):
     # ---- both -------------------------------------------------------------------
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> NixlConnectorMetadata:
-        self._renew_leases(time.time())
+        self._renew_leases(self._clock())
         meta = NixlConnectorMetadata(
             loads=self._loads,
             notifies=self._notifies,

@@ -12,6 +12,19 @@ Decode role, per LoadSpec::
 Prefill role, per SendSpec: hold until "done" from D -> done_sending, or
 until the lease deadline (extended by "renew") -> done_sending.
 
+Quarantine: a load that ends (deadline, peer gone, error) while NIXL
+refuses to release its handle could still be written by a late READ. Its
+request is not reported (so the scheduler neither frees, reuses, recomputes
+into nor hashes its blocks) until the READ can no longer land::
+
+    end of load -> release(handle) ok ------------------------> report
+                   refused -> quarantine -> each poll: handle DONE/ERR and
+                              released, or the peer's agent removed
+                              (remove_remote_agent: NIXL drops the
+                              connection and the remote's registration) -> report
+
+Deadlines and leases are on this process's monotonic clock (``clock``).
+
 Notifications go over the ZMQ side channel by default (see side_channel.py
 for why), or as NIXL notifications; P accepts both.
 
@@ -25,6 +38,7 @@ import collections
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -65,17 +79,21 @@ class _Load:
     start_s: float = 0.0
     num_bytes: int = 0
     num_descriptors: int = 0
+    failure: str = ""  # why it failed ("" = the READ completed)
 
 
 @dataclasses.dataclass
 class _Send:
     num_blocks: int
-    lease_deadline: float
+    lease_deadline_mono: float
 
 
 class NixlWorkerSide(KVConnectorWorkerSide):
-    def __init__(self, config: KVTransferConfig) -> None:
+    def __init__(
+        self, config: KVTransferConfig, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.config = config
+        self._clock = clock
         self.agent = NixlAgent(
             make_agent_name(config.engine_id, config.epoch),
             config.backends,
@@ -91,7 +109,11 @@ class NixlWorkerSide(KVConnectorWorkerSide):
         self._peers = PeerTable(self.agent, self._zmq, config.engine_id, config.handshake_timeout_s)
         self._layout: KVLayout | None = None
         self._loads: dict[str, _Load] = {}  # in flight
-        self._zombies: list[Any] = []  # handles NIXL refused to cancel; retried
+        # ended loads whose READ may still land: blocks held, request not reported
+        self._quarantine: dict[str, _Load] = {}
+        # handles NIXL refused to free after their peer's agent was removed
+        # (nothing can land any more); release retried, no blocks tied to them
+        self._zombies: list[Any] = []
         self._sends: dict[str, _Send] = {}
         self._early_done: dict[str, float] = {}  # "done" before the SendSpec arrived
         self._done_sending: set[str] = set()
@@ -163,7 +185,7 @@ class NixlWorkerSide(KVConnectorWorkerSide):
             if self._early_done.pop(send.request_id, None) is not None:
                 self._done_sending.add(send.request_id)
             else:
-                self._sends[send.request_id] = _Send(send.num_blocks, send.lease_deadline)
+                self._sends[send.request_id] = _Send(send.num_blocks, send.lease_deadline_mono)
         for request_id in metadata.cancelled_sends:
             self._sends.pop(request_id, None)
         for spec in metadata.loads:
@@ -175,6 +197,7 @@ class NixlWorkerSide(KVConnectorWorkerSide):
         if not self._closed:
             self._poll_handshakes()
             self._poll_loads()
+            self._poll_quarantine()
             if self.config.serves_kv:
                 self._poll_notifs()
                 self._expire_leases()
@@ -191,7 +214,7 @@ class NixlWorkerSide(KVConnectorWorkerSide):
     # ---- decode side ------------------------------------------------------------
 
     def _start_load(self, spec: LoadSpec) -> None:
-        load = _Load(spec, time.monotonic() + self.config.load_timeout_s)
+        load = _Load(spec, self._clock() + self.config.load_timeout_s)
         if spec.error or self._layout is None:
             self._fail(load, spec.error or "the local KV cache is not registered")
             return
@@ -231,7 +254,7 @@ class NixlWorkerSide(KVConnectorWorkerSide):
     def _issue(self, load: _Load) -> None:
         spec, peer = load.spec, load.peer
         assert peer is not None and peer.region is not None and self.agent.region is not None
-        if time.time() >= spec.lease_deadline:
+        if self._clock() >= spec.lease_deadline_mono:
             self._fail(load, "the prefill engine's lease expired before the read started")
             return
         local_limit, remote_limit = self.agent.region.num_blocks, peer.region.num_blocks
@@ -267,11 +290,11 @@ class NixlWorkerSide(KVConnectorWorkerSide):
             self._fail_peer_work(peer, reason)
 
     def _poll_loads(self) -> None:
-        now_mono, now_s = time.monotonic(), time.time()
+        now_mono = self._clock()
         for load in list(self._loads.values()):
             state = self.agent.check(load.handle)
             if state == "PROC" and (
-                now_mono > load.deadline_mono or now_s > load.spec.lease_deadline
+                now_mono > load.deadline_mono or now_mono > load.spec.lease_deadline_mono
             ):
                 state = "TIMEOUT"
             if state != "PROC":
@@ -286,14 +309,14 @@ class NixlWorkerSide(KVConnectorWorkerSide):
     def _finish_load(self, load: _Load, state: str) -> None:
         spec, peer = load.spec, load.peer
         del self._loads[spec.request_id]
-        if not self.agent.release(load.handle):
-            self._zombies.append(load.handle)
         if state != "DONE":
             reason = {"ERR": "the READ failed", "TIMEOUT": "the READ missed its deadline"}[state]
-            self._fail(load, reason)
             if state == "ERR" and peer is not None:
                 self._peers.invalidate(peer)
+            self._end_failed(load, reason)
             return
+        if not self.agent.release(load.handle):  # DONE: nothing more can land
+            self._zombies.append(load.handle)
         seconds = time.perf_counter() - load.start_s
         self._counters["kv_transfer_bytes_total"] += load.num_bytes
         self._counters["kv_transfer_seconds_total"] += seconds
@@ -303,6 +326,47 @@ class NixlWorkerSide(KVConnectorWorkerSide):
         self._recent_transfer_s.append(seconds)
         self._done_recving.add(spec.request_id)
         self._notify(spec.peer, NOTIF_DONE, spec.remote_request_id, peer)
+
+    def _end_failed(self, load: _Load, reason: str) -> None:
+        """A posted READ failed or was given up: report it once it cannot land."""
+        if self._can_still_land(load):
+            load.failure = reason
+            self._quarantine[load.spec.request_id] = load
+            self._counters["num_quarantined_loads"] += 1
+            logger.warning(
+                "KV load of request %s failed (%s) but NIXL cannot cancel its READ yet: "
+                "its blocks stay quarantined",
+                load.spec.request_id,
+                reason,
+            )
+            return
+        self._fail(load, reason)
+
+    def _can_still_land(self, load: _Load) -> bool:
+        """Try to make the READ of ``load`` impossible: release (cancel) its
+        handle, else remove the peer's agent. False once nothing can land."""
+        if load.handle is None or self.agent.release(load.handle):
+            load.handle = None
+            return False
+        peer = load.peer
+        if peer is not None and not peer.agent_removed:
+            self._peers.invalidate(peer)  # NIXL disconnects and drops its registration
+            if peer.agent_removed:
+                self._fail_peer_work(peer, f"prefill engine {peer.addr.engine_id} was dropped")
+        if peer is None or peer.agent_removed:
+            self._zombies.append(load.handle)
+            load.handle = None
+            return False
+        return True
+
+    def _poll_quarantine(self) -> None:
+        for request_id, load in list(self._quarantine.items()):
+            if load.handle is not None and self.agent.check(load.handle) != "PROC":
+                if self.agent.release(load.handle):
+                    load.handle = None
+            if load.handle is None or not self._can_still_land(load):
+                del self._quarantine[request_id]
+                self._fail(load, load.failure)
 
     def _fail(self, load: _Load, reason: str) -> None:
         """Report the load finished with its local blocks in error, and tell P
@@ -323,10 +387,7 @@ class NixlWorkerSide(KVConnectorWorkerSide):
                 self._fail(item, reason)
         for load in [ld for ld in self._loads.values() if ld.peer is peer]:
             del self._loads[load.spec.request_id]
-            if not self.agent.release(load.handle):
-                self._zombies.append(load.handle)
-            load.peer = None
-            self._fail(load, reason)
+            self._end_failed(load, reason)
 
     def _notify(
         self, addr: PeerAddr, kind: str, remote_request_id: str, peer: Peer | None = None
@@ -334,6 +395,8 @@ class NixlWorkerSide(KVConnectorWorkerSide):
         """Tell P ``kind`` about its request; never blocks, failures are counted
         (P's lease still frees the blocks)."""
         ok = False
+        if not addr.host:  # P was never registered: there is nobody to tell
+            return
         if self.config.notification_transport == "side_channel":
             message = Notification(addr.engine_id, addr.epoch, kind, remote_request_id)
             ok = self._notifier.send(addr.host, addr.port, message)
@@ -364,12 +427,14 @@ class NixlWorkerSide(KVConnectorWorkerSide):
         return received
 
     def _poll_notifs(self) -> None:
-        now = time.time()
+        now = self._clock()
         for kind, request_id in self._received_notifs():
             send = self._sends.get(request_id)
             if kind == NOTIF_RENEW:
                 if send is not None:
-                    send.lease_deadline = max(send.lease_deadline, now + self.config.lease_s)
+                    send.lease_deadline_mono = max(
+                        send.lease_deadline_mono, now + self.config.lease_s
+                    )
                     self._counters["num_lease_renewals"] += 1
             elif send is not None:
                 del self._sends[request_id]
@@ -378,9 +443,9 @@ class NixlWorkerSide(KVConnectorWorkerSide):
                 self._early_done[request_id] = now
 
     def _expire_leases(self) -> None:
-        now = time.time()
+        now = self._clock()
         for request_id, send in list(self._sends.items()):
-            if now >= send.lease_deadline:
+            if now >= send.lease_deadline_mono:
                 del self._sends[request_id]
                 self._done_sending.add(request_id)
                 self._counters["num_lease_expiries"] += 1
@@ -409,6 +474,8 @@ class NixlWorkerSide(KVConnectorWorkerSide):
         }
         out["num_blocks_held_for_transfer"] = float(sum(s.num_blocks for s in self._sends.values()))
         out["num_loads_in_flight"] = float(len(self._loads))
+        out["num_loads_quarantined"] = float(len(self._quarantine))
+        out["num_quarantined_loads_total"] = self._counters.get("num_quarantined_loads", 0.0)
         out["num_handshakes"] = float(self._peers.num_handshakes)
         out["num_handshake_failures"] = float(self._peers.num_handshake_failures)
         return out
@@ -430,6 +497,7 @@ class NixlWorkerSide(KVConnectorWorkerSide):
         leftovers = {
             "loads in flight": sorted(self._loads),
             "loads waiting for a handshake": sorted(queued),
+            "loads quarantined (a READ may still land)": sorted(self._quarantine),
             "sends held": sorted(self._sends),
         }
         leftovers = {k: v for k, v in leftovers.items() if v}
@@ -440,9 +508,11 @@ class NixlWorkerSide(KVConnectorWorkerSide):
         if self._closed:
             return
         self._closed = True
-        for load in self._loads.values():
-            self.agent.release(load.handle)
+        for load in [*self._loads.values(), *self._quarantine.values()]:
+            if load.handle is not None:
+                self.agent.release(load.handle)
         self._loads.clear()
+        self._quarantine.clear()
         handshakes_idle = self._peers.close()
         self._notifier.close()
         if self._server is not None:

@@ -3,14 +3,21 @@
 Two directions, one struct::
 
     gateway -> P  {"do_remote_decode": true}
-    P -> gateway  {"do_remote_prefill": true, "remote_engine_id", "remote_host",
-                   "remote_port", "remote_block_ids", "remote_request_id",
-                   "num_tokens", "remote_epoch", "lease_deadline"}
+    P -> gateway  {"do_remote_prefill": true, "remote_engine_id", "remote_epoch",
+                   "remote_block_ids", "remote_request_id", "num_tokens",
+                   "lease_remaining_s"}
     gateway -> D  the dict P returned, unchanged
 
 ``num_tokens`` is how many tokens' KV the blocks hold (P computed the prompt,
-not its sampled first token). ``lease_deadline`` is unix seconds on P's
-clock: P frees the blocks then unless D renewed the lease.
+not its sampled first token). ``lease_remaining_s`` is a duration measured on
+P's monotonic clock when P wrote the params: P frees the blocks that long
+after unless D renews. D counts it from when it received the request, on
+its own clock, minus a safety margin (``KVTransferConfig.lease_margin_s``),
+so the two machines' clocks never need to agree.
+
+No address travels: D looks ``(remote_engine_id, remote_epoch)`` up among
+the prefill engines the cluster registered with it (``prefill_registry.py``)
+and refuses the load when they are not there.
 """
 
 from __future__ import annotations
@@ -29,13 +36,11 @@ class KVTransferParams(
     do_remote_decode: bool = False
     do_remote_prefill: bool = False
     remote_engine_id: str | None = None
-    remote_host: str | None = None
-    remote_port: int | None = None
     remote_block_ids: list[int] = []
     remote_request_id: str | None = None
     num_tokens: int = 0
     remote_epoch: int = 0
-    lease_deadline: float = 0.0
+    lease_remaining_s: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict; fields at their default are left out."""
@@ -64,17 +69,15 @@ class KVTransferParams(
         for block_id in self.remote_block_ids:
             if block_id < 0:
                 _bad("remote_block_ids", f"block ids must be >= 0, got {block_id}")
-        if self.remote_port is not None and not 0 < self.remote_port < 65536:
-            _bad("remote_port", f"must be in 1..65535, got {self.remote_port}")
         if not self.do_remote_prefill:
             return
-        for name in ("remote_engine_id", "remote_host", "remote_port", "remote_request_id"):
+        for name in ("remote_engine_id", "remote_request_id"):
             if not getattr(self, name):
                 _bad(name, "is required with do_remote_prefill")
         if self.num_tokens > 0 and not self.remote_block_ids:
             _bad("remote_block_ids", f"is empty but num_tokens={self.num_tokens}")
-        if self.lease_deadline <= 0:
-            _bad("lease_deadline", "is required with do_remote_prefill")
+        if not self.lease_remaining_s > 0:
+            _bad("lease_remaining_s", "is required (> 0) with do_remote_prefill")
 
 
 def _bad(field: str, message: str) -> None:

@@ -42,12 +42,12 @@ def create_connector(config: KVTransferConfig) -> ConnectorPair:
 
 
 def create_nixl_connector(config: KVTransferConfig) -> ConnectorPair:
-    """The worker side binds the side channel first, so the scheduler side
-    can advertise the port actually bound (``side_channel_port=0`` picks one)."""
+    """The worker side binds the side channel (``side_channel_port=0`` picks a
+    port; the cluster reads it back from ``worker.side_channel_port``)."""
     from kvtransfer.nixl_scheduler import NixlSchedulerSide
     from kvtransfer.nixl_worker import NixlWorkerSide
 
     worker = NixlWorkerSide(config)
     port = worker.side_channel_port
     scheduler_config = dataclasses.replace(config, side_channel_port=port or 0)
-    return NixlSchedulerSide(scheduler_config, port), worker
+    return NixlSchedulerSide(scheduler_config), worker

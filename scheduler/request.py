@@ -53,6 +53,7 @@ class Request:
         "sampling_params",
         "priority",
         "arrival_time",
+        "arrival_mono",
         "cache_salt",
         "kv_transfer_params",
         "eos_token_id",
@@ -86,6 +87,9 @@ class Request:
         self.sampling_params = sampling_params
         self.priority = priority
         self.arrival_time = time.time() if arrival_time is None else arrival_time
+        # when this process received it, on its own monotonic clock (durations
+        # that travel with the request, like a KV lease, count from here)
+        self.arrival_mono = time.monotonic()
         self.cache_salt = cache_salt
         self.kv_transfer_params = kv_transfer_params
         self.eos_token_id = eos_token_id

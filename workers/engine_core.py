@@ -232,6 +232,17 @@ class EngineCore:
             "raw": raw,
         }
 
+    def set_prefill_endpoints(self, endpoints: list[Any]) -> bool:
+        """The prefill engines this engine may read KV from, as the cluster
+        registered them: ``[engine_id, epoch, host, port]`` each, the whole
+        list every time (``kvtransfer/prefill_registry.py``). Loop thread only
+        (``call_in_loop``). Raises ``ValueError`` on a bad entry."""
+        setter = getattr(self.connector_scheduler, "set_prefill_endpoints", None)
+        if setter is None:
+            raise ValueError(f"engine {self.config.engine_id} has no KV connector that reads")
+        setter(endpoints)
+        return True
+
     def kv_transfer_address(self) -> tuple[str, int] | None:
         if self.connector_worker is None or not self.connector_worker.side_channel_port:
             return None
@@ -328,7 +339,13 @@ class EngineCore:
             out.close()
 
     def _utility(self, call: UtilityCall) -> UtilityResult:
-        allowed = {"check_integrity", "stats", "reset_prefix_cache", "kv_transfer_address"}
+        allowed = {
+            "check_integrity",
+            "stats",
+            "reset_prefix_cache",
+            "kv_transfer_address",
+            "set_prefill_endpoints",
+        }
         if call.method not in allowed:
             return UtilityResult(call.call_id, error=f"unknown utility {call.method!r}")
         try:

@@ -69,6 +69,20 @@ class Harness:
         sock.connect(ep.input_addr)
         self.push[name] = sock
         self.call(name, "check_integrity", timeout_s=180)  # ready once it answers
+        if config.kv_connector:
+            self._register_prefill_engines()
+
+    def _register_prefill_engines(self) -> None:
+        """What the cluster does: tell every decode engine the prefill
+        engines' side channels (D reads from nowhere else)."""
+        endpoints = []
+        for name, ep in self.engines.items():
+            if ep.config.role == "prefill" and ep.proc.is_alive():
+                host, port = self.call(name, "kv_transfer_address")
+                endpoints.append([name, ep.config.epoch, host, port])
+        for name, ep in self.engines.items():
+            if ep.config.role == "decode" and ep.proc.is_alive():
+                self.call(name, "set_prefill_endpoints", args=[endpoints])
 
     def send(self, name: str, req: EngineRequest) -> None:
         self.outputs.setdefault(req.request_id, [])
@@ -93,9 +107,12 @@ class Harness:
                 r = self._dec_util.decode(payload)
                 self.utility[r.call_id] = r
 
-    def call(self, name: str, method: str, timeout_s: float = 30.0) -> Any:
+    def call(
+        self, name: str, method: str, timeout_s: float = 30.0, args: list | None = None
+    ) -> Any:
         cid = next(self._ids)
-        self.push[name].send_multipart([b"U", self._enc.encode(UtilityCall(cid, method))])
+        call = UtilityCall(cid, method, args or [])
+        self.push[name].send_multipart([b"U", self._enc.encode(call)])
         end = time.monotonic() + timeout_s
         while cid not in self.utility:
             if not self.engines[name].proc.is_alive():

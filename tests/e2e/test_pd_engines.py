@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+import msgspec
 import pytest
 import torch
 
@@ -177,3 +178,40 @@ def test_prefill_killed_before_read(ckpt, policy):
         h.wait_idle("D")
     finally:
         h.close()
+
+
+def test_decode_refuses_unregistered_prefill_engine_and_addresses(pd, ckpt):
+    """D reads only from prefill engines the cluster registered: params naming
+    an unknown engine, a wrong epoch, or carrying an address are refused (the
+    load fails; recompute policy -> D computes the prompt itself, reads nothing)."""
+    prompt = list(range(30, 70))
+    sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    (single,) = LLM(EngineConfig(model=ckpt, **BASE)).generate(
+        prompt_token_ids=[prompt], sampling_params=sp
+    )
+    req = EngineRequest("real", prompt, sp)
+    pd.send("P", prefill_request(req))
+    first = pd.wait_final("real", "P")
+    good = decode_request(req, first).kv_transfer_params
+    forged = {
+        "unknown-engine": {**good, "remote_engine_id": "evil"},
+        "stale-epoch": {**good, "remote_epoch": good.get("remote_epoch", 0) + 1},
+        "address": {**good, "remote_host": "127.0.0.1", "remote_port": 9},
+    }
+    failures = pd.call("D", "stats")["kv_transfer"]["counters"]["kv_transfer_failures_total"]
+    before = kv_bytes(pd, "D")
+    for rid, params in forged.items():
+        d_req = decode_request(EngineRequest(rid, prompt, sp), first)
+        d_req = msgspec.structs.replace(d_req, kv_transfer_params=params)
+        pd.send("D", d_req)
+        last = pd.wait_final(rid, "D")
+        assert last.finish_reason == FinishReason.LENGTH
+        assert first.new_token_ids + pd.tokens(rid, "D") == single.token_ids  # recomputed
+    assert kv_bytes(pd, "D") == before  # not one byte read from anywhere
+    counters = pd.call("D", "stats")["kv_transfer"]["counters"]
+    assert counters["kv_transfer_failures_total"] == failures + 2  # the two refused loads
+    pd.send("D", decode_request(req, first))  # the registered one still reads (frees P)
+    pd.wait_final("real", "D")
+    assert kv_bytes(pd, "D") > before
+    pd.wait_idle("P")
+    pd.wait_idle("D")

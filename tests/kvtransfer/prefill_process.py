@@ -42,7 +42,11 @@ def run_prefill(
     shape: tuple[int, ...],
     seed: int,
     poll_interval_s: float,
+    env: dict[str, str] | None = None,
 ) -> None:
+    import os
+
+    os.environ.update(env or {})  # before NIXL reads UCX's settings
     from kvtransfer import KVTransferConfig, create_connector
     from scheduler.messages import KVConnectorOutput, SamplingParams
     from scheduler.request import Request, RequestStatus
@@ -98,12 +102,15 @@ class PrefillProcess:
         shape: tuple[int, ...],
         seed: int,
         poll_interval_s: float = 0.002,
+        env: dict[str, str] | None = None,
     ):
         ctx = _context()
         self._conn, child = ctx.Pipe()
+        self.engine_id = config_kwargs.get("engine_id", "engine-0")
+        self.epoch = config_kwargs.get("epoch", 0)
         self.process = ctx.Process(
             target=run_prefill,
-            args=(child, config_kwargs, shape, seed, poll_interval_s),
+            args=(child, config_kwargs, shape, seed, poll_interval_s, env),
             daemon=True,
         )
         self.process.start()
@@ -124,6 +131,11 @@ class PrefillProcess:
                     return msg
                 self.events.append(msg)
         raise TimeoutError(f"no matching message from the prefill process in {timeout_s} s")
+
+    @property
+    def endpoint(self) -> list:
+        """What the cluster registers with decode engines for this process."""
+        return [self.engine_id, self.epoch, "127.0.0.1", self.port]
 
     def finish(self, request_id: str, num_prompt: int, block_ids: list[int]) -> dict:
         self._conn.send(("finish", request_id, num_prompt, block_ids))

@@ -38,9 +38,21 @@ def decode():
         worker.shutdown()
 
 
+# what the cluster would have registered with D: engine id -> latest endpoint
+_REGISTERED: dict[str, list] = {}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_registrations():
+    _REGISTERED.clear()
+    yield
+    _REGISTERED.clear()
+
+
 @contextlib.contextmanager
 def prefill(engine_id="p0", epoch=0, seed=0, shape=P_SHAPE, **kwargs):
     proc = PrefillProcess({"engine_id": engine_id, "epoch": epoch, **COMMON, **kwargs}, shape, seed)
+    _REGISTERED[engine_id] = proc.endpoint
     try:
         yield proc
     finally:
@@ -50,6 +62,7 @@ def prefill(engine_id="p0", epoch=0, seed=0, shape=P_SHAPE, **kwargs):
 def pull(decode, request_id, params, num_prompt, local_block_ids, num_local=0, timeout_s=15.0):
     """Drive D's connector for one request until the worker reports it received."""
     scheduler, worker, _ = decode
+    scheduler.set_prefill_endpoints(list(_REGISTERED.values()))
     req = Request(
         request_id,
         list(range(num_prompt + 1)),  # prompt + P's first token
@@ -158,7 +171,7 @@ def test_restarted_prefill_is_rehandshaked_and_read_fresh(decode, caplog):
                 12,
                 {9, 10, 11},
             )
-        assert "epoch 1 is stale" in caplog.text
+        assert "epoch 1 is not its registered epoch 2" in caplog.text
         p2.wait_done_sending("c")
     assert worker.stats()["num_handshakes"] == 2
     worker.check_integrity()
@@ -184,8 +197,9 @@ def test_lease_expiry_renewal_and_done_notification(transport):
 
             params = p.finish("waiting", 8, [3, 4])
             # D sees the request as if it had waited 0.4 s for blocks: it renews now
-            seen = params | {"lease_deadline": params["lease_deadline"] - 0.4}
-            req = Request("waiting", list(range(9)), SamplingParams(), kv_transfer_params=seen)
+            scheduler.set_prefill_endpoints([p.endpoint])
+            req = Request("waiting", list(range(9)), SamplingParams(), kv_transfer_params=params)
+            req.arrival_mono -= 0.4
             assert scheduler.get_num_new_matched_tokens(req, 0) == (8, True)
             meta = scheduler.build_connector_meta(None)
             assert [n.kind for n in meta.notifies] == ["renew"]
@@ -217,7 +231,7 @@ def test_unreachable_peer_fails_after_handshake_timeout():
     try:
         worker.register_kv_caches(torch.zeros(D_SHAPE))
         dead = PeerAddr("nobody", 0, "127.0.0.1", 9)  # discard port: nothing answers
-        spec = LoadSpec("x", dead, "x", [1, 2], [1, 2], time.time() + 60)
+        spec = LoadSpec("x", dead, "x", [1, 2], [1, 2], time.monotonic() + 60)
         worker.start_load_kv(NixlConnectorMetadata(loads=[spec]))
         deadline = time.monotonic() + 10
         while "x" not in worker.get_finished()[1]:

@@ -14,7 +14,17 @@ BS = 4
 PEER = PeerAddr("p0", 3, "10.0.0.1", 5555)
 
 
-def make(role: str = "both", lease_s: float = 60.0) -> NixlSchedulerSide:
+class Clock:
+    """A monotonic clock the test moves by hand."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(role: str = "both", lease_s: float = 60.0, clock=time.monotonic) -> NixlSchedulerSide:
     config = KVTransferConfig(
         role=role,
         engine_id="e0",
@@ -23,7 +33,9 @@ def make(role: str = "both", lease_s: float = 60.0) -> NixlSchedulerSide:
         side_channel_host="10.9.9.9",
         lease_s=lease_s,
     )
-    return NixlSchedulerSide(config, side_channel_port=4321)
+    conn = NixlSchedulerSide(config, clock=clock)
+    conn.set_prefill_endpoints([["p0", 3, "10.0.0.1", 5555]])
+    return conn
 
 
 def p_request(rid: str, num_prompt: int, params=None) -> Request:
@@ -35,25 +47,28 @@ def p_request(rid: str, num_prompt: int, params=None) -> Request:
     )
 
 
-def d_params(num_tokens: int, block_ids: list[int], deadline: float | None = None) -> dict:
+def d_params(num_tokens: int, block_ids: list[int], remaining_s: float = 60.0) -> dict:
     return {
         "do_remote_prefill": True,
         "remote_engine_id": "p0",
-        "remote_host": "10.0.0.1",
-        "remote_port": 5555,
         "remote_block_ids": block_ids,
         "remote_request_id": "p-req",
         "num_tokens": num_tokens,
         "remote_epoch": 3,
-        "lease_deadline": time.time() + 60 if deadline is None else deadline,
+        "lease_remaining_s": remaining_s,
     }
 
 
-def d_request(rid: str, num_prompt: int, params: dict) -> Request:
+def d_request(
+    rid: str, num_prompt: int, params: dict, arrival_mono: float | None = None
+) -> Request:
     # prompt + P's first token
-    return Request(
+    req = Request(
         rid, list(range(num_prompt + 1)), SamplingParams(max_tokens=8), kv_transfer_params=params
     )
+    if arrival_mono is not None:
+        req.arrival_mono = arrival_mono
+    return req
 
 
 def meta(conn: NixlSchedulerSide):
@@ -70,28 +85,25 @@ def finish_prefill(req: Request, status=RequestStatus.FINISHED_LENGTH_CAPPED) ->
 
 
 def test_prefill_handoff_params_and_send_record():
-    conn = make()
+    clock = Clock(500.0)
+    conn = make(clock=clock)
     req = p_request("r1", 10)
     assert conn.get_num_new_matched_tokens(req, 0) == (0, False)
     finish_prefill(req)
-    before = time.time()
     delay, params = conn.request_finished(req, [5, 6, 2, 8])
     assert delay is True
-    deadline = params.pop("lease_deadline")
-    assert before + 60 <= deadline <= time.time() + 60
-    assert params == {
+    assert params == {  # no address: D looks "e0" epoch 7 up in its registry
         "do_remote_prefill": True,
         "remote_engine_id": "e0",
-        "remote_host": "10.9.9.9",
-        "remote_port": 4321,
         "remote_block_ids": [5, 6, 2],  # ceil(10 / 4) blocks; the 4th holds no computed token
         "remote_request_id": "r1",
         "num_tokens": 10,
         "remote_epoch": 7,
+        "lease_remaining_s": 60.0,
     }
     assert conn.has_pending_work() and conn.num_blocks_held_for_transfer == 3
     m = meta(conn)
-    assert m.new_sends == [SendSpec("r1", 3, deadline)]
+    assert m.new_sends == [SendSpec("r1", 3, 560.0)]  # P's own monotonic clock
     assert meta(conn).is_empty()
     conn.update_connector_output(KVConnectorOutput(finished_sending=["r1"]))
     assert not conn.has_pending_work()
@@ -163,7 +175,7 @@ def test_decode_no_local_hit_loads_everything():
     m = meta(conn)
     assert len(m.loads) == 1
     load = m.loads[0]
-    assert load == LoadSpec("d1", PEER, "p-req", [4, 5, 6], [20, 21, 22], load.lease_deadline)
+    assert load == LoadSpec("d1", PEER, "p-req", [4, 5, 6], [20, 21, 22], load.lease_deadline_mono)
     assert conn.has_pending_work()
     # after the load the connector offers nothing more (e.g. after a preemption)
     assert conn.get_num_new_matched_tokens(req, 0) == (0, False)
@@ -238,7 +250,7 @@ def test_decode_abort_during_load_keeps_load_in_flight():
 
 def test_decode_invalid_params_compute_locally():
     conn = make()
-    bad = {**d_params(10, [20]), "remote_port": "x"}
+    bad = {**d_params(10, [20]), "num_tokens": "x"}
     req = d_request("d1", 10, bad)
     assert conn.get_num_new_matched_tokens(req, 0) == (0, False)
     conn.update_state_after_alloc(req, [1, 2, 3], 0)
@@ -257,37 +269,60 @@ def test_decode_too_few_remote_blocks_computes_locally_and_frees_peer():
 
 
 def test_decode_expired_lease_makes_a_failing_load():
-    conn = make()
-    req = d_request("d1", 10, d_params(10, [20, 21, 22], deadline=time.time() - 1))
+    clock = Clock()
+    conn = make(clock=clock)
+    req = d_request("d1", 10, d_params(10, [20, 21, 22], remaining_s=5.0), clock.now)
+    clock.now += 5.0 - 2.0  # 2 s left by D's count, within the safety margin
     assert conn.get_num_new_matched_tokens(req, 0) == (10, True)
     conn.update_state_after_alloc(req, [1, 2, 3], 10)
     (load,) = meta(conn).loads
-    assert "lease expired" in load.error and load.local_block_ids == []
+    assert "lease expired" in load.error
+    assert (load.local_block_ids, load.remote_block_ids) == ([1, 2, 3], [])  # all load errors
 
 
 def test_decode_renews_lease_while_waiting_for_blocks():
-    conn = make(lease_s=3.0)
-    now = time.time()
-    # params issued 1.5 s ago: 1.5 s of lease left, renew interval is 1 s
-    req = d_request("d1", 10, d_params(10, [20, 21, 22], deadline=now + 1.5))
+    clock = Clock()
+    conn = make(lease_s=3.0, clock=clock)
+    # 2 s of P's lease left on arrival (P sent it 1 s ago): a renewal is due (every 1 s)
+    req = d_request("d1", 10, d_params(10, [20, 21, 22], remaining_s=2.0), clock.now)
     conn.get_num_new_matched_tokens(req, 0)
     m = meta(conn)
     assert m.notifies == [NotifySpec("d1", PEER, "p-req", "renew")]
     assert meta(conn).notifies == []  # not again before lease_s / 3
     conn.update_state_after_alloc(req, [1, 2, 3], 10)
     (load,) = meta(conn).loads
-    assert load.lease_deadline >= now + 3.0  # the renewal counted
+    assert load.lease_deadline_mono == clock.now + 3.0  # the renewal counted
 
 
 def test_decode_late_renewal_does_not_extend_known_deadline():
-    conn = make(lease_s=3.0)
-    deadline = time.time() + 0.5  # less than the safety margin (0.75 s) left
-    req = d_request("d1", 10, d_params(10, [20, 21, 22], deadline=deadline))
+    clock = Clock()
+    conn = make(lease_s=3.0, clock=clock)
+    # 1.25 s left minus the 0.75 s margin = 0.5 s: less than the renewal margin
+    req = d_request("d1", 10, d_params(10, [20, 21, 22], remaining_s=1.25), clock.now)
     conn.get_num_new_matched_tokens(req, 0)
     assert meta(conn).notifies[0].kind == "renew"
     conn.update_state_after_alloc(req, [1, 2, 3], 10)
     (load,) = meta(conn).loads
-    assert load.lease_deadline == deadline
+    assert load.lease_deadline_mono == clock.now + 0.5
+
+
+def test_unregistered_prefill_engine_or_epoch_is_a_load_error():
+    conn = make()
+    for rid, patch in (("d1", {"remote_engine_id": "evil"}), ("d2", {"remote_epoch": 4})):
+        req = d_request(rid, 10, {**d_params(10, [20, 21, 22]), **patch})
+        assert conn.get_num_new_matched_tokens(req, 0) == (10, True)
+        conn.update_state_after_alloc(req, [1, 2, 3], 10)
+        (load,) = meta(conn).loads
+        assert load.local_block_ids == [1, 2, 3] and load.remote_block_ids == []
+        assert load.peer.host == ""  # nothing to connect to
+        assert "not registered" in load.error or "not its registered epoch" in load.error
+        conn.update_connector_output(KVConnectorOutput(finished_recving=[rid]))
+        req.status = RequestStatus.FINISHED_ERROR
+        conn.request_finished(req, [1, 2, 3])
+        assert meta(conn).is_empty()  # no notification to an unregistered engine
+    conn.check_integrity()
+    with pytest.raises(ValueError, match="port"):
+        conn.set_prefill_endpoints([["p0", 3, "10.0.0.1", 0]])
 
 
 def test_prefill_only_role_ignores_remote_prefill():

@@ -7,13 +7,11 @@ from kvtransfer.params import KVTransferParams
 FULL = {
     "do_remote_prefill": True,
     "remote_engine_id": "p0",
-    "remote_host": "10.0.0.1",
-    "remote_port": 5555,
     "remote_block_ids": [3, 4, 9],
     "remote_request_id": "req-1",
     "num_tokens": 40,
     "remote_epoch": 2,
-    "lease_deadline": 1700000000.5,
+    "lease_remaining_s": 59.5,
 }
 
 
@@ -31,16 +29,16 @@ def test_defaults_are_omitted():
 @pytest.mark.parametrize(
     ("patch", "field"),
     [
-        ({"remote_port": "5555"}, "remote_port"),
-        ({"remote_port": 70000}, "remote_port"),
+        ({"lease_remaining_s": "60"}, "lease_remaining_s"),
         ({"remote_block_ids": [1, "x"]}, "remote_block_ids[1]"),
         ({"remote_block_ids": [1, -2]}, "remote_block_ids"),
         ({"num_tokens": -1}, "num_tokens"),
         ({"remote_epoch": -3}, "remote_epoch"),
         ({"remote_engine_id": None}, "remote_engine_id"),
-        ({"remote_host": ""}, "remote_host"),
+        ({"remote_engine_id": ""}, "remote_engine_id"),
         ({"remote_request_id": None}, "remote_request_id"),
-        ({"lease_deadline": 0}, "lease_deadline"),
+        ({"lease_remaining_s": 0}, "lease_remaining_s"),
+        ({"lease_remaining_s": -5.0}, "lease_remaining_s"),
         ({"remote_block_ids": []}, "remote_block_ids"),
         ({"do_remote_decode": True}, "do_remote_prefill"),
         ({"do_remote_prefill": "yes"}, "do_remote_prefill"),
@@ -59,3 +57,10 @@ def test_unknown_field_is_named():
 def test_not_a_dict():
     with pytest.raises(ValueError, match="must be an object"):
         KVTransferParams.from_dict(["do_remote_decode"])  # type: ignore[arg-type]
+
+
+def test_an_address_in_params_is_refused():
+    """Addresses never travel: D looks the prefill engine up by id + epoch."""
+    for field, value in (("remote_host", "203.0.113.9"), ("remote_port", 5555)):
+        with pytest.raises(ValueError, match=field):
+            KVTransferParams.from_dict({**FULL, field: value})

@@ -9,9 +9,7 @@ from tests.unit.fakes import FakeRunner, step
 
 
 def make():
-    conn = NixlSchedulerSide(
-        KVTransferConfig(role="prefill", engine_id="p0", block_size=4), side_channel_port=5555
-    )
+    conn = NixlSchedulerSide(KVTransferConfig(role="prefill", engine_id="p0", block_size=4))
     cfg = SchedulerConfig(
         num_kv_blocks=32, block_size=4, max_num_batched_tokens=64, max_model_len=64
     )
@@ -51,7 +49,7 @@ def test_short_prompt_sends_its_partial_block_and_frees_on_done():
     r = FakeRunner()
     params = prefill(s, r, "short", [7, 8])
     assert params["remote_block_ids"] == [0] and params["num_tokens"] == 2
-    assert params["remote_engine_id"] == "p0" and params["remote_port"] == 5555
+    assert params["remote_engine_id"] == "p0" and params["lease_remaining_s"] == 60.0
     r.kv_output = KVConnectorOutput(finished_sending=["short"])
     step(s, r)
     s.check_integrity()

@@ -1,0 +1,67 @@
+"""Registering prefill engines with the engines that read their KV.
+
+Decode engines read KV only from prefill engines the cluster registered
+(``kvtransfer/prefill_registry.py``). After every health round the backend
+compares the registered list with what each decode engine last received and
+pushes the whole list where it differs::
+
+    P ready / restarted (engine id, epoch, kv address from ready())
+      -> D.set_prefill_endpoints([[engine_id, epoch, host, port], ...])
+      -> only then does the router send P requests (a handoff never names
+         an incarnation D has not been told about)
+
+Runs on the gateway's event loop; every call has a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+Endpoint = list[Any]  # [engine_id, epoch, host, port]
+
+
+def prefill_endpoints(engines: list[Any]) -> list[Endpoint]:
+    """The registered list: prefill engines that reported a KV address at
+    their current epoch (``state.info`` from ``ready()``), sorted by id."""
+    out = []
+    for e in engines:
+        st = e.state
+        address = st.info.get("kv_address") if st.info else None
+        if st.role == "prefill" and st.epoch and address:
+            out.append([st.engine_id, st.epoch, address[0], int(address[1])])
+    return sorted(out)
+
+
+async def push_prefill_endpoints(
+    decode_engines: list[Any],
+    all_engines: list[Any],
+    call: Callable[[Any, list[Endpoint]], Awaitable[Any]],
+    timeout_s: float,
+) -> bool:
+    """Send the registered list (from ``all_engines``) to every decode engine
+    whose last acknowledged ``(epoch, list)`` (``e.pushed_endpoints``)
+    differs. True when all of ``decode_engines`` hold the current list; a
+    failed push is retried on the next round."""
+    endpoints = prefill_endpoints(all_engines)
+    targets = [
+        e
+        for e in decode_engines
+        if e.state.epoch and e.pushed_endpoints != (e.state.epoch, endpoints)
+    ]
+
+    async def push(e: Any) -> bool:
+        try:
+            await asyncio.wait_for(call(e, endpoints), timeout_s)
+        except Exception as exc:  # noqa: BLE001 - retried next round
+            logger.warning("registering prefill engines with %s failed: %s", e.state.engine_id, exc)
+            return False
+        e.pushed_endpoints = (e.state.epoch, endpoints)
+        return True
+
+    results = await asyncio.gather(*(push(e) for e in targets))
+    return all(results)
