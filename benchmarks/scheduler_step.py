@@ -3,11 +3,12 @@
 A fake model runner returns one token per request whose chunk reached the end
 of its tokens; only the scheduler's own time is measured. Prefix caching on,
 block size 16, distinct random prompts, EOS ignored, all requests admitted
-at once. Run: python benchmarks/scheduler_step.py
+at once. Run: python benchmarks/scheduler_step.py [--hash-algo sha256|xxhash128|builtin]
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import random
 import statistics
@@ -18,6 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._machine import machine  # noqa: E402
 from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig  # noqa: E402
+from scheduler.block_hash import HASH_ALGOS  # noqa: E402
 from scheduler.messages import ModelRunnerOutput  # noqa: E402
 
 WORKLOADS = [(64, 128, 128), (256, 128, 128), (1024, 32, 64)]
@@ -44,7 +46,9 @@ def fake_execute(so, lens: dict[str, list[int]]) -> ModelRunnerOutput:
     return out
 
 
-def run(num_reqs: int, prompt_len: int, output_len: int, seed: int = 0) -> dict:
+def run(
+    num_reqs: int, prompt_len: int, output_len: int, hash_algo: str = "sha256", seed: int = 0
+) -> dict:
     rng = random.Random(seed)
     max_len = prompt_len + output_len
     cfg = SchedulerConfig(
@@ -54,6 +58,7 @@ def run(num_reqs: int, prompt_len: int, output_len: int, seed: int = 0) -> dict:
         max_num_seqs=num_reqs,
         max_model_len=max(max_len + 1, 2048),
         enable_prefix_caching=True,
+        prefix_caching_hash_algo=hash_algo,
     )
     s = Scheduler(cfg)
     for i in range(num_reqs):
@@ -89,9 +94,13 @@ def run(num_reqs: int, prompt_len: int, output_len: int, seed: int = 0) -> dict:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hash-algo", default="sha256", choices=HASH_ALGOS)
+    args = parser.parse_args()
     print(f"machine: {machine()}")
     print(
-        "workload: distinct random prompts, prefix caching on, block 16, budget 8192, EOS ignored"
+        "workload: distinct random prompts, prefix caching on, block 16, budget 8192, "
+        f"EOS ignored, block hash {args.hash_algo}"
     )
     hdr = (
         f"| {'reqs':>5} | {'prompt':>6} | {'output':>6} | {'steps':>5} | {'mean us/step':>12} "
@@ -100,7 +109,7 @@ def main() -> None:
     print(hdr)
     print("|" + "|".join("-" * (len(c)) for c in hdr.split("|")[1:-1]) + "|")
     for n, p, o in WORKLOADS:
-        r = run(n, p, o)
+        r = run(n, p, o, args.hash_algo)
         print(
             f"| {n:>5} | {p:>6} | {o:>6} | {r['steps']:>5} | {r['mean_us']:>12.0f} "
             f"| {r['median_us']:>14.0f} | {r['decode_median_us']:>21.0f} | {r['us_per_token']:>8.2f} |"

@@ -198,6 +198,7 @@ class _Job:
     arrival_s: float  # time.perf_counter() when the HTTP request arrived
     deadline_s: float | None  # event-loop time after which the request is cut (504)
     num_output_tokens: int = 0
+    num_cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens
 
     @property
     def request_id(self) -> str:
@@ -298,7 +299,11 @@ class Gateway:
             )
         job = _Job(
             engine_request=EngineRequest(
-                formatter.request_id, prompt_ids, params, arrival_time=time.time()
+                formatter.request_id,
+                prompt_ids,
+                params,
+                arrival_time=time.time(),
+                cache_salt=req.cache_salt,
             ),
             formatter=formatter,
             stream=req.stream,
@@ -370,6 +375,10 @@ class Gateway:
                         metrics.inter_token_latency.observe(now_s - last_token_s)
                     else:
                         metrics.time_to_first_token.observe(now_s - job.arrival_s)
+                        # The first output's prefix hit is the request's: under P/D
+                        # it is P's (tokens not computed); D's local hits only save
+                        # reading blocks from P, not computing them.
+                        job.num_cached_tokens = output.num_cached_tokens
                     last_token_s = now_s
                 if output.finish_reason is FinishReason.ERROR:
                     outcome = "error"
@@ -527,7 +536,9 @@ class GenerationResponse(Response):
             step = await anext(steps)
         tail = protocol.SSE_DONE
         if job.include_usage:
-            usage = protocol.usage(job.num_prompt_tokens, job.num_output_tokens)
+            usage = protocol.usage(
+                job.num_prompt_tokens, job.num_output_tokens, job.num_cached_tokens
+            )
             tail = formatter.stream_usage(usage) + tail
         await _send_body(body_send, tail, more_body=False)
 
@@ -545,7 +556,7 @@ class GenerationResponse(Response):
             if step.finish_reason is not None:
                 break
             step = await anext(steps)
-        usage = protocol.usage(job.num_prompt_tokens, job.num_output_tokens)
+        usage = protocol.usage(job.num_prompt_tokens, job.num_output_tokens, job.num_cached_tokens)
         body = job.formatter.response("".join(texts), logprobs, step.finish_reason, usage)
         await _send_bytes(send, 200, body)
 

@@ -83,6 +83,8 @@ class _CommonRequest(msgspec.Struct, kw_only=True):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = True
     include_stop_str_in_output: bool | None = False
+    # Prefix-cache tenant key: requests share cached KV only with equal salts.
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         # Clients send explicit nulls for "not set"; give those fields their defaults.
@@ -184,6 +186,8 @@ def validate_common(req: _CommonRequest, served_model: str) -> None:
     for stop in stop_strings(req):
         if not stop:
             raise ProtocolError("stop strings must be non-empty.", param="stop")
+    if req.cache_salt is not None and not req.cache_salt:
+        raise ProtocolError("cache_salt must be a non-empty string.", param="cache_salt")
 
 
 def check_max_tokens(max_tokens: int | None, param: str) -> None:
@@ -279,11 +283,16 @@ def sse(payload: Any) -> bytes:
 SSE_DONE = b"data: [DONE]\n\n"
 
 
-def usage(num_prompt_tokens: int, num_output_tokens: int) -> dict[str, int]:
+def usage(
+    num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int = 0
+) -> dict[str, Any]:
+    """OpenAI's usage object; ``cached_tokens``: prompt tokens served from the
+    prefix cache instead of computed (see Gateway.run for P/D)."""
     return {
         "prompt_tokens": num_prompt_tokens,
         "completion_tokens": num_output_tokens,
         "total_tokens": num_prompt_tokens + num_output_tokens,
+        "prompt_tokens_details": {"cached_tokens": num_cached_tokens},
     }
 
 
@@ -326,7 +335,7 @@ class CompletionFormatter:
             return self._delta_prefix + encode_json(text) + self._delta_suffix
         return sse({**self._head, "choices": [self._choice(text, logprobs, finish_reason)]})
 
-    def stream_usage(self, usage_body: dict[str, int]) -> bytes:
+    def stream_usage(self, usage_body: dict[str, Any]) -> bytes:
         return sse({**self._head, "choices": [], "usage": usage_body})
 
     def response(
@@ -334,7 +343,7 @@ class CompletionFormatter:
         text: str,
         logprobs: list[Logprobs] | None,
         finish_reason: str,
-        usage_body: dict[str, int],
+        usage_body: dict[str, Any],
     ) -> bytes:
         choice = self._choice(text, logprobs, finish_reason)
         return encode_json({**self._head, "choices": [choice], "usage": usage_body})
@@ -419,7 +428,7 @@ class ChatFormatter:
         }
         return sse({**self._chunk_head, "choices": [choice]})
 
-    def stream_usage(self, usage_body: dict[str, int]) -> bytes:
+    def stream_usage(self, usage_body: dict[str, Any]) -> bytes:
         return sse({**self._chunk_head, "choices": [], "usage": usage_body})
 
     def response(
@@ -427,7 +436,7 @@ class ChatFormatter:
         text: str,
         logprobs: list[Logprobs] | None,
         finish_reason: str,
-        usage_body: dict[str, int],
+        usage_body: dict[str, Any],
     ) -> bytes:
         choice = {
             "index": 0,

@@ -1,8 +1,8 @@
 """Block pool: ref-counted KV blocks, prefix-cache hash map, LRU free queue.
 
     free queue (LRU first)        hash map
-    head <-> b7 <-> b2 <-> tail    hash(parent, tokens, extra) -> block
-             ^ cached, ref 0        (full blocks only)
+    head <-> b7 <-> b2 <-> tail    hash(parent, tokens, extra keys) -> block
+             ^ cached, ref 0        (full blocks only; scheduler/block_hash.py)
 
 A block with ``ref_cnt == 0`` sits in the free queue; if it still has a
 hash it is an evictable cached block that a prefix hit can revive. New
@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from scheduler.block_hash import BlockHash
+
 
 class KVBlock:
     __slots__ = ("block_id", "ref_cnt", "block_hash", "prev", "next")
@@ -20,7 +22,7 @@ class KVBlock:
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
-        self.block_hash: int | None = None
+        self.block_hash: BlockHash | None = None
         self.prev: KVBlock | None = None
         self.next: KVBlock | None = None
 
@@ -71,13 +73,6 @@ class FreeBlockQueue:
             b = b.next
 
 
-def hash_block_tokens(
-    parent_hash: int | None, token_ids: Sequence[int], extra: object = None
-) -> int:
-    """Chained hash of one full block: it identifies the block and its whole prefix."""
-    return hash((parent_hash, tuple(token_ids), extra))
-
-
 class BlockPool:
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
         if num_blocks < 1:
@@ -86,7 +81,7 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
-        self.cached: dict[int, KVBlock] = {}
+        self.cached: dict[BlockHash, KVBlock] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -95,7 +90,7 @@ class BlockPool:
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks
 
-    def get_cached_block(self, block_hash: int) -> KVBlock | None:
+    def get_cached_block(self, block_hash: BlockHash) -> KVBlock | None:
         return self.cached.get(block_hash)
 
     def get_new_blocks(self, num_blocks: int) -> list[KVBlock]:
@@ -118,7 +113,7 @@ class BlockPool:
                 self.free_queue.remove(b)
             b.ref_cnt += 1
 
-    def cache_block(self, block: KVBlock, block_hash: int) -> None:
+    def cache_block(self, block: KVBlock, block_hash: BlockHash) -> None:
         """Publish a full, computed block under ``block_hash``. If another block
         already holds that hash (two requests computed the same prefix), the
         first one stays the canonical copy."""

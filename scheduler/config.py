@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from scheduler.block_hash import get_block_hasher
 from scheduler.queues import QUEUES
 
 
@@ -19,6 +20,8 @@ class SchedulerConfig:
     # so one long prompt cannot starve the decodes batched with it.
     long_prefill_token_threshold: int = 0
     enable_prefix_caching: bool = True
+    # Block hash of the prefix cache: sha256 | xxhash128 | builtin (block_hash.py).
+    prefix_caching_hash_algo: str = "sha256"
     policy: str = "fcfs"  # or "priority"
     # What to do when a remote KV load fails: compute the KV locally, or
     # finish the request with FINISHED_ERROR.
@@ -34,6 +37,7 @@ class SchedulerConfig:
             raise ValueError(
                 f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}"
             )
+        get_block_hasher(self.prefix_caching_hash_algo)  # ValueError naming the field
         if self.policy not in QUEUES:
             raise ValueError(f"policy must be one of {sorted(QUEUES)}, got {self.policy!r}")
         if self.load_failure_policy not in ("recompute", "fail"):

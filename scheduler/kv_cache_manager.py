@@ -6,12 +6,15 @@
 
 A request's blocks are hashed (published for prefix hits) once they are full
 and their tokens are known, except blocks a remote read is still filling:
-those are published by ``cache_blocks`` after the read completes.
+those are published by ``cache_blocks`` after the read completes. Each full
+block is hashed once per request (``request.block_hashes`` only grows), with
+``scheduler.block_hash`` (the request's ``cache_salt`` keys its first block).
 """
 
 from __future__ import annotations
 
-from scheduler.block_pool import BlockPool, KVBlock, hash_block_tokens
+from scheduler.block_hash import get_block_hasher, hash_request_blocks
+from scheduler.block_pool import BlockPool, KVBlock
 from scheduler.request import Request
 
 
@@ -21,10 +24,16 @@ def cdiv(a: int, b: int) -> int:
 
 class KVCacheManager:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        hash_algo: str = "sha256",
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        get_block_hasher(hash_algo)  # ValueError naming the field if unknown
+        self.hash_algo = hash_algo
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
@@ -45,13 +54,15 @@ class KVCacheManager:
 
     def _extend_hashes(self, request: Request, num_full_blocks: int) -> None:
         hashes = request.block_hashes
-        bs = self.block_size
-        tokens = request.all_token_ids
-        parent = hashes[-1] if hashes else None
-        for i in range(len(hashes), num_full_blocks):
-            extra = request.cache_salt if i == 0 else None
-            parent = hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs], extra)
-            hashes.append(parent)
+        if len(hashes) < num_full_blocks:
+            hashes += hash_request_blocks(
+                request.all_token_ids,
+                self.block_size,
+                cache_salt=request.cache_salt,
+                algo=self.hash_algo,
+                prev_hashes=hashes,
+                num_blocks=num_full_blocks,
+            )
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """Longest cached prefix of full blocks. At least one token is always

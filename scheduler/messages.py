@@ -74,6 +74,8 @@ class EngineRequest(_Wire):
     sampling_params: SamplingParams
     arrival_time: float = 0.0
     priority: int = 0
+    # Tenant key of the prefix cache: requests share cached blocks only when
+    # their salts are equal (scheduler/block_hash.py). None = the shared pool.
     cache_salt: str | None = None
     # Disaggregation: {"do_remote_decode": True} to a prefill engine; the
     # prefill engine's returned params plus {"do_remote_prefill": True} to a
@@ -160,6 +162,9 @@ class EngineOutput(_Wire):
     finish_reason: FinishReason | None = None
     stop_reason: int | None = None  # the stop token id that ended the request
     error: str | None = None
+    # Prompt tokens this engine took from its prefix cache (not computed, not
+    # read from a peer); set on the request's first output with tokens and on
+    # its final output.
     num_cached_tokens: int = 0
     kv_transfer_params: dict[str, Any] | None = None
 

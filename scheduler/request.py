@@ -99,7 +99,7 @@ class Request:
         self.num_preemptions = 0
         self.stop_reason: int | None = None
         self.error: str | None = None
-        self.block_hashes: list[int] = []  # hashes of full blocks, filled lazily
+        self.block_hashes: list[bytes] = []  # hashes of full blocks, filled lazily
         self.pending_logprobs: list[Logprobs] | None = None
         self.first_scheduled_time: float | None = None
 

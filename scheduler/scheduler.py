@@ -43,7 +43,10 @@ class Scheduler:
         self.connector = connector
         self.engine_id = engine_id
         self.kv = KVCacheManager(
-            config.num_kv_blocks, config.block_size, config.enable_prefix_caching
+            config.num_kv_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            config.prefix_caching_hash_algo,
         )
         self.requests: dict[str, Request] = {}  # every request that holds state here
         self.waiting = create_queue(config.policy)
@@ -75,6 +78,9 @@ class Scheduler:
                 f"prompt_token_ids has {request.num_prompt_tokens} tokens; it must be shorter "
                 f"than max_model_len ({self.config.max_model_len})"
             )
+        salt = request.cache_salt
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise ValueError(f"cache_salt must be a non-empty string when given, got {salt!r}")
         request.sampling_params.validate()
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
@@ -339,6 +345,9 @@ class Scheduler:
                         break
             self.num_generation_tokens += len(new_tokens)
             out = EngineOutput(request_id=rid, new_token_ids=new_tokens)
+            if len(req.all_token_ids) - req.num_prompt_tokens == len(new_tokens):
+                # the request's first output: the gateway learns its prefix hit now
+                out.num_cached_tokens = max(req.num_cached_tokens, 0)
             if logprobs is not None:
                 out.new_logprobs = logprobs[idx][: len(new_tokens)]
             if status is not None:

@@ -14,6 +14,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from scheduler.block_hash import HASH_ALGOS, get_block_hasher
+
 
 @dataclass
 class EngineConfig:
@@ -28,6 +30,7 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes for the KV cache (CPU); default 1 GiB
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "sha256"  # sha256 | xxhash128 | builtin
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
     policy: str = "fcfs"
@@ -65,6 +68,7 @@ class EngineConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
+        get_block_hasher(self.prefix_caching_hash_algo)  # ValueError naming the field
         if self.role not in ("prefill", "decode", "colocated"):
             raise ValueError(f"role must be prefill, decode or colocated, got {self.role!r}")
         if self.load_failure_policy not in ("recompute", "fail"):
@@ -89,6 +93,12 @@ _FLAGS: list[tuple[str, str, Any, str]] = [
     ("--gpu-memory-utilization", "gpu_memory_utilization", float, "fraction of GPU memory"),
     ("--long-prefill-token-threshold", "long_prefill_token_threshold", int, "prefill chunk cap"),
     ("--policy", "policy", str, "fcfs or priority"),
+    (
+        "--prefix-caching-hash-algo",
+        "prefix_caching_hash_algo",
+        str,
+        f"prefix-cache block hash: {' | '.join(HASH_ALGOS)} (default sha256)",
+    ),
     ("--torch-threads", "torch_threads", int, "CPU threads per engine (0 = torch default)"),
     ("--dense-decode-bytes", "dense_decode_bytes", int, "CPU dense decode KV copy (0 = off)"),
 ]

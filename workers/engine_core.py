@@ -96,6 +96,7 @@ class EngineCore:
             enable_chunked_prefill=config.enable_chunked_prefill,
             long_prefill_token_threshold=config.long_prefill_token_threshold,
             enable_prefix_caching=config.enable_prefix_caching,
+            prefix_caching_hash_algo=config.prefix_caching_hash_algo,
             policy=config.policy,
             load_failure_policy=config.load_failure_policy,
         )

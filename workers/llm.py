@@ -21,6 +21,7 @@ class GenerationResult:
     text: str
     finish_reason: str
     error: str | None = None
+    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache
 
 
 class LLM:
@@ -43,7 +44,11 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         *,
         prompt_token_ids: list[list[int]] | None = None,
+        cache_salt: str | None = None,
     ) -> list[GenerationResult]:
+        """Run every prompt to completion. ``cache_salt``: the prefix-cache
+        tenant of these requests (they share cached blocks only with requests
+        of the same salt)."""
         token_lists = list(prompt_token_ids or [])
         if prompts and self.tokenizer is None:
             raise ValueError("this model has no tokenizer files: pass prompt_token_ids")
@@ -52,19 +57,20 @@ class LLM:
             sampling_params = [sampling_params or SamplingParams()] * len(token_lists)
         if len(sampling_params) != len(token_lists):
             raise ValueError("sampling_params must be one per prompt")
-        ids, detoks, tokens, finish, errors = [], {}, {}, {}, {}
+        ids, detoks, tokens, finish, errors, cached = [], {}, {}, {}, {}, {}
         for toks, sp in zip(token_lists, sampling_params):
             rid = f"gen-{self._next_id}"
             self._next_id += 1
             ids.append(rid)
             detoks[rid] = self.tokenizer and IncrementalDetokenizer(self.tokenizer, toks)
             tokens[rid] = []
-            err = self.engine.add_request(EngineRequest(rid, list(toks), sp))
+            err = self.engine.add_request(EngineRequest(rid, list(toks), sp, cache_salt=cache_salt))
             if err is not None:
                 finish[rid], errors[rid] = "error", err.error
         while self.engine.has_work():
             for o in self.engine.step().outputs:
                 tokens[o.request_id].extend(o.new_token_ids)
+                cached[o.request_id] = max(cached.get(o.request_id, 0), o.num_cached_tokens)
                 if detoks[o.request_id]:
                     detoks[o.request_id].update(o.new_token_ids)
                 if o.finish_reason is not None:
@@ -75,6 +81,13 @@ class LLM:
             d = detoks[rid]
             text = d.text + d.finish() if d else ""
             results.append(
-                GenerationResult(list(toks), tokens[rid], text, finish[rid], errors.get(rid))
+                GenerationResult(
+                    list(toks),
+                    tokens[rid],
+                    text,
+                    finish[rid],
+                    errors.get(rid),
+                    cached.get(rid, 0),
+                )
             )
         return results
