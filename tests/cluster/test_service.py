@@ -191,6 +191,48 @@ def test_seeded_sampling_same_split_or_not(disagg, colocated):
     assert one(disagg) == one(colocated)
 
 
+@pytest.mark.parametrize("svc_name", ["colocated", "disagg"])
+def test_cache_salt_and_cached_tokens_through_openai_client(request, svc_name):
+    """A repeated prompt reports its prefix hit in usage.prompt_tokens_details;
+    another tenant's salt sees none of it (stream and not, completions and chat)."""
+    svc = request.getfixturevalue(svc_name)
+    c = client(svc)
+    prompt = "Prefix caching keeps tenants apart. " * 3
+
+    def completion(salt, stream=False):
+        kw = dict(model="tiny", prompt=prompt, max_tokens=4, temperature=0)
+        body = {"ignore_eos": True, "cache_salt": salt}
+        if not stream:
+            return c.completions.create(**kw, extra_body=body).usage
+        chunks = list(
+            c.completions.create(
+                **kw, extra_body=body, stream=True, stream_options={"include_usage": True}
+            )
+        )
+        return chunks[-1].usage
+
+    first = completion("tenant-1")
+    full_blocks = (first.prompt_tokens - 1) // 16 * 16  # a hit leaves one token to compute
+    assert full_blocks >= 6 * 16
+    assert first.prompt_tokens_details.cached_tokens == 0
+    assert completion("tenant-1").prompt_tokens_details.cached_tokens == full_blocks
+    assert completion("tenant-2", stream=True).prompt_tokens_details.cached_tokens == 0
+    assert completion("tenant-2", stream=True).prompt_tokens_details.cached_tokens == full_blocks
+    messages = [{"role": "user", "content": prompt}]
+    chats = [
+        c.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=3, extra_body={"cache_salt": "tenant-3"}
+        ).usage
+        for _ in range(2)
+    ]
+    assert chats[0].prompt_tokens_details.cached_tokens == 0
+    assert chats[1].prompt_tokens_details.cached_tokens == (chats[1].prompt_tokens - 1) // 16 * 16
+    with pytest.raises(openai.BadRequestError) as bad:
+        completion("")
+    assert bad.value.body["param"] == "cache_salt"
+    wait_idle(svc)
+
+
 def test_32_concurrent_streams(disagg):
     async def run():
         ac = openai.AsyncOpenAI(

@@ -105,6 +105,42 @@ def test_partial_prefix_hit_on_decode_reads_only_missing_blocks(pd):
     pd.wait_idle("D")
 
 
+def test_cache_salt_isolates_tenants_across_the_handoff(pd, ckpt):
+    g = torch.Generator().manual_seed(11)
+    shared = torch.randint(3, 300, (3 * BLOCK,), generator=g).tolist()
+    prompt = shared + torch.randint(3, 300, (2 * BLOCK + 5,), generator=g).tolist()
+    sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    (single,) = LLM(EngineConfig(model=ckpt, **BASE)).generate(
+        prompt_token_ids=[prompt], sampling_params=sp
+    )
+    # tenant A warms D's prefix cache with the 3 shared blocks
+    pd.send("D", EngineRequest("warm-a", shared + [7], sp, cache_salt="tenant-a"))
+    pd.wait_final("warm-a", "D")
+
+    def salted_handoff(rid, salt):
+        req = EngineRequest(rid, prompt, sp, cache_salt=salt)
+        pd.send("P", prefill_request(req))
+        first = pd.wait_final(rid, "P")
+        d_req = decode_request(req, first)
+        assert d_req.cache_salt == salt  # the salt travels with the handoff
+        before = kv_bytes(pd, "D")
+        pd.send("D", d_req)
+        last = pd.wait_final(rid, "D")
+        toks = first.new_token_ids + pd.tokens(rid, "D")
+        assert toks == single.token_ids and last.finish_reason == FinishReason.LENGTH
+        return first.num_cached_tokens, (kv_bytes(pd, "D") - before) // block_bytes()
+
+    # tenant B: D must not use A's blocks, so all 6 blocks are read from P
+    assert salted_handoff("salt-b", "tenant-b") == (0, 6)
+    # tenant A: D's 3 local blocks are A's, only blocks 3..5 travel
+    assert salted_handoff("salt-a", "tenant-a") == (0, 3)
+    # tenant B again: P hits 5 full blocks (80 tokens); D has them too and
+    # reads only the partial last block
+    assert salted_handoff("salt-b2", "tenant-b") == (5 * BLOCK, 1)
+    pd.wait_idle("P")
+    pd.wait_idle("D")
+
+
 def test_seeded_sampling_same_split_or_not(pd, ckpt):
     prompt = list(range(10, 60))
     sp = SamplingParams(max_tokens=10, temperature=1.0, top_k=50, seed=1234, ignore_eos=True)

@@ -17,6 +17,7 @@ request_st = st.fixed_dictionaries(
         "load_steps": st.integers(1, 4),
         "priority": st.integers(0, 3),
         "remote": st.sampled_from([None, "ok", "fail", "hold"]),
+        "salt": st.sampled_from([None, "a", "b"]),
     }
 )
 
@@ -32,9 +33,19 @@ request_st = st.fixed_dictionaries(
     chunked=st.booleans(),
     threshold=st.sampled_from([0, 3]),
     fail_policy=st.sampled_from(["recompute", "fail"]),
+    hash_algo=st.sampled_from(["sha256", "builtin"]),
 )
 def test_random_workload_invariants(
-    reqs, num_blocks, block_size, budget, max_seqs, policy, chunked, threshold, fail_policy
+    reqs,
+    num_blocks,
+    block_size,
+    budget,
+    max_seqs,
+    policy,
+    chunked,
+    threshold,
+    fail_policy,
+    hash_algo,
 ):
     max_model_len = 32
     if not chunked:
@@ -49,6 +60,7 @@ def test_random_workload_invariants(
         enable_chunked_prefill=chunked,
         long_prefill_token_threshold=threshold,
         load_failure_policy=fail_policy,
+        prefix_caching_hash_algo=hash_algo,
     )
     conn = FakeConnector()
     s = Scheduler(cfg, conn)
@@ -76,6 +88,7 @@ def test_random_workload_invariants(
                     priority=spec["priority"],
                     arrival_time=float(t) + i * 1e-3,
                     kv_transfer_params=params,
+                    cache_salt=spec["salt"],
                 )
             )
             added[rid] = spec
@@ -106,11 +119,21 @@ def test_random_workload_invariants(
         s.check_integrity(idle=False)
         # no block has two owners unless it is a shared cached block
         owners: dict[int, int] = {}
-        for blocks in s.kv.req_blocks.values():
+        salts: dict[int, set] = {}
+        for rid, blocks in s.kv.req_blocks.items():
             for b in blocks:
                 owners[b.block_id] = owners.get(b.block_id, 0) + 1
+                salts.setdefault(b.block_id, set()).add(added[rid]["salt"])
         for bid, n in owners.items():
             if n > 1:
                 assert s.kv.pool.blocks[bid].block_hash is not None
+                assert len(salts[bid]) == 1, f"block {bid} shared by salts {salts[bid]}"
+        # a hashed block sits in a request's table only under the request's
+        # own hash at that position (its salt and prefix): tenants never mix
+        for rid, blocks in s.kv.req_blocks.items():
+            hashes = s.requests[rid].block_hashes
+            for i, b in enumerate(blocks):
+                if b.block_hash is not None:
+                    assert i < len(hashes) and hashes[i] == b.block_hash, (rid, i, b)
     assert not pending and not s.has_work(), "workload did not drain within 400 steps"
     s.check_integrity()
