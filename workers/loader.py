@@ -1,10 +1,18 @@
-"""Find a model (``tiny``, a local directory or a hub id) and load it.
+"""Find a model (a built-in name, a GGUF file, a local directory or a hub id) and load it.
 
-    resolve_model_path("tiny" | "/path/to/dir" | "org/name") -> local directory
+    resolve_model_path("tiny" | "smollm2" | "x.gguf" | "/path/to/dir" | "org/name")
+        -> local HF directory
     load_model(model, dtype="auto", device="cpu") -> (model, hf_config)
 
 A model directory holds ``config.json`` and ``*.safetensors`` (one file, or
-shards listed in ``model.safetensors.index.json``), plus tokenizer files.
+shards listed in ``model.safetensors.index.json``), plus tokenizer files. A
+GGUF file (named directly, in a directory without ``config.json``, or shipped
+by a built-in model's package) is converted once into such a directory in
+the cache (``workers/checkpoints/gguf_convert.py``).
+
+End ids: ``load_config`` merges ``generation_config.json``'s ``eos_token_id``
+into the config's, so the engine stops on every id either file names (chat
+models end a turn with a token that is not always the config's eos).
 
 dtype "auto" takes the config's ``dtype`` / ``torch_dtype`` (float32 when
 absent), except that float16 becomes float32 on CPU: CPU fp16 matmuls are
@@ -34,25 +42,53 @@ _HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
 
 
 def resolve_model_path(model: str, *, cache_dir: str | None = None) -> str:
-    """Local directory holding ``model``.
+    """Local HF directory holding ``model``.
 
-    ``"tiny"`` builds the built-in checkpoint on first use; an existing
-    directory is returned as is; anything else is a hub id fetched with
+    ``"tiny"`` builds the built-in checkpoint on first use; a built-in GGUF
+    name (``"smollm2"``), a ``.gguf`` file or a directory holding exactly one
+    GGUF file and no ``config.json`` is converted into the cache on first use;
+    an existing directory is returned as is; anything else is a hub id fetched with
     ``huggingface_hub.snapshot_download`` (the local HF cache is tried first,
     ``cache_dir`` overrides the HF cache location). A string that looks like
     a path (starts with ``/``, ``.`` or ``~``) but is not a directory raises
-    ``FileNotFoundError``; an unknown or unreachable hub id raises ``ValueError``.
+    ``FileNotFoundError``; an unknown or unreachable hub id raises ``ValueError``,
+    as do unreadable GGUF files and missing built-in packages (one line naming
+    the file or package and the cause).
     """
+    from workers.checkpoints.builtin import BUILTIN_MODELS, builtin_gguf_path
+    from workers.checkpoints.gguf_convert import ensure_converted
+
     if model == "tiny":
         from workers.tiny import ensure_tiny_model
 
         return ensure_tiny_model()
+    if model in BUILTIN_MODELS:
+        return ensure_converted(builtin_gguf_path(model))
     expanded = os.path.expanduser(model)
+    if os.path.isfile(expanded):
+        return ensure_converted(expanded)
     if os.path.isdir(expanded):
-        return os.path.abspath(expanded)
+        gguf = _lone_gguf(expanded)
+        return ensure_converted(gguf) if gguf else os.path.abspath(expanded)
     if model.startswith(("/", ".", "~")) or model.count("/") > 1:
         raise FileNotFoundError(f"model directory {model!r} does not exist")
     return _download(model, cache_dir)
+
+
+def _lone_gguf(path: str) -> str | None:
+    """The GGUF file of a directory without ``config.json`` (None if it has a config).
+
+    ``ValueError`` when such a directory holds several GGUF files (name one).
+    """
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return None
+    files = sorted(str(f) for f in Path(path).glob("*.gguf"))
+    if len(files) > 1:
+        raise ValueError(
+            f"{path}: holds {len(files)} GGUF files ({', '.join(Path(f).name for f in files)}); "
+            "pass one file as --model"
+        )
+    return files[0] if files else None
 
 
 def _download(repo_id: str, cache_dir: str | None) -> str:
@@ -78,12 +114,31 @@ def _download(repo_id: str, cache_dir: str | None) -> str:
 
 
 def load_config(path: str) -> Any:
-    """``transformers.AutoConfig`` for a model directory."""
+    """``transformers.AutoConfig`` for a model directory, end ids merged.
+
+    ``eos_token_id`` becomes the config's end ids followed by any other ones
+    ``generation_config.json`` names (an int when there is one).
+    """
     from transformers import AutoConfig
 
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"no config.json in model directory {path!r}")
-    return AutoConfig.from_pretrained(path)
+    config = AutoConfig.from_pretrained(path)
+    end_ids = _as_list(getattr(config, "eos_token_id", None))
+    gen_file = os.path.join(path, "generation_config.json")
+    if os.path.isfile(gen_file):
+        with open(gen_file) as f:
+            gen_ids = _as_list(json.load(f).get("eos_token_id"))
+        end_ids += [i for i in gen_ids if i not in end_ids]
+    if end_ids:
+        config.eos_token_id = end_ids[0] if len(end_ids) == 1 else end_ids
+    return config
+
+
+def _as_list(ids: Any) -> list[int]:
+    if ids is None:
+        return []
+    return [int(i) for i in ids] if isinstance(ids, (list, tuple)) else [int(ids)]
 
 
 def resolve_dtype(dtype: str | torch.dtype, config: Any, device: str | torch.device) -> torch.dtype:
@@ -157,7 +212,9 @@ def load_model(
     if not os.path.isdir(path):
         raise FileNotFoundError(f"model directory {path!r} does not exist")
     config = load_config(path)
-    model_cls = get_model_class(getattr(config, "architectures", None))
+    model_cls = get_model_class(
+        getattr(config, "architectures", None), getattr(config, "model_type", None)
+    )
     files = safetensors_files(path)
     torch_dtype = resolve_dtype(dtype, config, device)
     with torch.device(device):

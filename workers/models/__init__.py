@@ -1,4 +1,8 @@
-"""Model registry: HF ``architectures`` name -> our model class."""
+"""Model registry: HF ``architectures`` name -> our model class.
+
+A config without ``architectures`` (GGUF metadata, hand-written configs)
+resolves by ``model_type``, as transformers and vLLM do.
+"""
 
 from __future__ import annotations
 
@@ -13,13 +17,33 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
 }
+# HF model_type -> architecture name, for configs without ``architectures``.
+MODEL_TYPES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 
 
-def get_model_class(architectures: list[str] | None) -> type[nn.Module]:
-    """First supported class among a config's ``architectures``.
+def architecture_for_model_type(model_type: str | None) -> str:
+    """Architecture name for ``model_type``; ``ValueError`` naming the supported types."""
+    if model_type not in MODEL_TYPES:
+        raise ValueError(
+            f"unsupported model_type {model_type!r}; supported: {', '.join(sorted(MODEL_TYPES))}"
+        )
+    return MODEL_TYPES[model_type]
+
+
+def get_model_class(
+    architectures: list[str] | None, model_type: str | None = None
+) -> type[nn.Module]:
+    """First supported class among a config's ``architectures``; without any, by ``model_type``.
 
     Raises ``ValueError`` naming the architectures and the supported list.
     """
+    if not architectures and model_type is not None:
+        return MODEL_REGISTRY[architecture_for_model_type(model_type)]
     for name in architectures or []:
         if name in MODEL_REGISTRY:
             return MODEL_REGISTRY[name]
@@ -34,6 +58,8 @@ __all__ = [
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
+    "MODEL_TYPES",
     "Qwen3ForCausalLM",
+    "architecture_for_model_type",
     "get_model_class",
 ]
