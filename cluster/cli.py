@@ -62,7 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="offline generation with one in-process engine")
-    g.add_argument("--model", default="tiny", help="'tiny', a local directory or a hub id")
+    g.add_argument(
+        "--model",
+        default="smollm2",
+        help="'smollm2' (default), 'tiny', a .gguf file, a local directory or a hub id",
+    )
     g.add_argument("--prompt", action="append", help="prompt text (repeatable)")
     g.add_argument(
         "--prompt-token-ids", action="append", type=_parse_ids, help="1,2,3 (repeatable)"

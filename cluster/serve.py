@@ -1,6 +1,6 @@
 """``tandem serve``: Ray pools + router + OpenAI gateway in one command.
 
-    tandem serve --model tiny --prefill 1 --decode 1          # disaggregated (default)
+    tandem serve --model smollm2 --prefill 1 --decode 1       # disaggregated (default)
     tandem serve --colocated 2                                 # no disaggregation
     tandem serve --decode-max-num-seqs 256 --prefill-max-num-batched-tokens 8192
     tandem serve --config serve.yaml                           # same keys, YAML
@@ -23,7 +23,7 @@ from workers.config import EngineConfig, add_engine_arguments, engine_overrides
 logger = logging.getLogger("tandem.serve")
 
 SERVE_DEFAULTS: dict[str, Any] = {
-    "model": "tiny",
+    "model": "smollm2",
     "prefill": 1,
     "decode": 1,
     "colocated": 0,
@@ -51,7 +51,9 @@ def add_serve_parser(sub: Any) -> None:
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="'tiny' (default), a local directory or a hub id")
+    p.add_argument(
+        "--model", help="'smollm2' (default), 'tiny', a .gguf file, a local directory or a hub id"
+    )
     p.add_argument("--prefill", type=int, help="prefill engines (default 1)")
     p.add_argument("--decode", type=int, help="decode engines (default 1)")
     p.add_argument("--colocated", type=int, help="colocated engines (replaces prefill/decode)")
@@ -265,6 +267,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         settings, per_role = resolve_settings(args)
         pool_specs(settings, per_role)  # validates engine configs before starting anything
         gateway_limits(settings)
+        from workers.loader import resolve_model_path
+
+        resolve_model_path(settings["model"])  # bad model: one line, exit 2 (GGUF: convert once)
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -10,11 +10,11 @@ def parse(argv):
     return build_parser().parse_args(["serve", *argv])
 
 
-def test_defaults_one_prefill_one_decode_tiny():
+def test_defaults_one_prefill_one_decode_smollm2():
     settings, per_role = resolve_settings(parse([]))
     specs = pool_specs(settings, per_role)
     assert [(s.role, s.num_engines) for s in specs] == [("prefill", 1), ("decode", 1)]
-    assert all(s.config.model == "tiny" and s.config.kv_connector == "nixl" for s in specs)
+    assert all(s.config.model == "smollm2" and s.config.kv_connector == "nixl" for s in specs)
     assert settings["port"] == 8000 and settings["host"] == "127.0.0.1"
 
 

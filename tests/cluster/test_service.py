@@ -24,7 +24,7 @@ PROMPT = "The history of disaggregated serving"
 
 
 def _settings(**kw):
-    s = dict(SERVE_DEFAULTS, ray_dashboard=False, max_restarts=2)
+    s = dict(SERVE_DEFAULTS, model="tiny", ray_dashboard=False, max_restarts=2)
     s.update(kw)
     return s
 
