@@ -68,6 +68,8 @@ def test_ray_job_submit_serves_completions():
             "-m",
             "cluster",
             "serve",
+            "--model",
+            "tiny",
             "--port",
             str(api),
             "--prefill",
