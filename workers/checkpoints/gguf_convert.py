@@ -132,6 +132,11 @@ def _write_checkpoint(reader: Any, source: str, out_dir: str) -> None:
             f"transformers could not read its config/tokenizer ({type(exc).__name__}: {exc})",
         ) from exc
     config.architectures = [architecture_for_model_type(config.model_type)]
+    # transformers maps head_dim from GGUF for llama only; qwen3's default (128) is
+    # wrong for other sizes. The file states it for every architecture.
+    head_dim = metadata(reader, f"{metadata(reader, 'general.architecture')}.attention.key_length")
+    if head_dim is not None:
+        config.head_dim = int(head_dim)
     config.dtype = "float32"
     config.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
