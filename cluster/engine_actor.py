@@ -59,6 +59,8 @@ class EngineActor:
             os._exit(1)
 
     def ready(self) -> dict[str, Any]:
+        import ray
+
         kv = self.engine.kv_transfer_address()
         return {
             "engine_id": self.config.engine_id,
@@ -70,6 +72,7 @@ class EngineActor:
             "num_kv_blocks": self.engine.sched_config.num_kv_blocks,
             "kv_address": list(kv) if kv else None,
             "pid": os.getpid(),
+            "node_id": ray.get_runtime_context().get_node_id(),
         }
 
     def stats(self) -> dict[str, Any]:

@@ -4,14 +4,15 @@
     --colocated K             ->  colocated-0..K-1                (no connector)
 
 On GPU clusters each engine gets ``num_gpus`` GPUs in its own STRICT_PACK
-placement group; on CPU the actors ask for no Ray resources (they share the
-node's cores; ``torch_threads`` splits them).
+placement group; on CPU the actors ask for no CPU or GPU (they share the
+node's cores; ``torch_threads`` splits them). ``resources`` (custom Ray
+resources, ``cluster.placement``) pins a pool to the nodes that advertise them.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from workers.config import EngineConfig
 
@@ -23,6 +24,9 @@ class PoolSpec:
     config: EngineConfig
     num_gpus: int = 0
     max_restarts: int = 3
+    # Ray custom resources per engine (cluster.placement): pins a pool to
+    # the nodes that advertise them.
+    resources: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -61,9 +65,12 @@ def start_pools(specs: list[PoolSpec], output_addr: str) -> list[EngineHandle]:
                 "num_gpus": spec.num_gpus,
                 "max_concurrency": 4,  # control calls run beside a slow one
             }
+            if spec.resources:
+                options["resources"] = dict(spec.resources)
             pg = None
             if spec.num_gpus > 0:
-                pg = placement_group([{"GPU": spec.num_gpus, "CPU": 1}], strategy="STRICT_PACK")
+                bundle = {"GPU": spec.num_gpus, "CPU": 1, **spec.resources}
+                pg = placement_group([bundle], strategy="STRICT_PACK")
                 options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg)
                 cfg = cfg.replace(device="cuda")
             actor = remote_cls.options(**options).remote(cfg, output_addr)

@@ -18,6 +18,7 @@ import os
 import sys
 from typing import Any
 
+from cluster.placement import add_placement_arguments, resolve_placement
 from workers.config import EngineConfig, add_engine_arguments, engine_overrides
 
 logger = logging.getLogger("tandem.serve")
@@ -41,6 +42,13 @@ SERVE_DEFAULTS: dict[str, Any] = {
     "max_num_requests": 0,
     "request_timeout_s": 600.0,
     "tokenizer_workers": 2,
+    # per pool (cluster.placement): Ray custom resources and GPUs per engine
+    "prefill_ray_resources": {},
+    "decode_ray_resources": {},
+    "colocated_ray_resources": {},
+    "prefill_num_gpus_per_engine": None,
+    "decode_num_gpus_per_engine": None,
+    "colocated_num_gpus_per_engine": None,
 }
 
 
@@ -87,6 +95,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--tokenizer-workers", type=int, help="threads that tokenize prompts (default 2)"
     )
+    p.add_argument(
+        "--check-config",
+        action="store_true",
+        help="validate flags + YAML, print the resolved config and exit (0 ok, 2 bad)",
+    )
+    add_placement_arguments(p)
     add_engine_arguments(p)
     for role in ("prefill", "decode", "colocated"):
         add_engine_arguments(p, prefix=f"{role}-")
@@ -122,18 +136,29 @@ def resolve_settings(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str
         v = getattr(args, k, None)
         if v is not None:
             settings[k] = v
-    common = {k: v for k, v in file_cfg.items() if k in EngineConfig.__dataclass_fields__}
+    common = {
+        k: v
+        for k, v in file_cfg.items()
+        if k in EngineConfig.__dataclass_fields__ and k not in SERVE_DEFAULTS
+    }
     common.update(engine_overrides(args))
     per_role = {}
     for role in ("prefill", "decode", "colocated"):
         o = dict(common)
-        o.update(file_cfg.get(f"{role}_engine", {}) or {})
+        role_cfg = file_cfg.get(f"{role}_engine", {}) or {}
+        if not isinstance(role_cfg, dict):
+            raise ValueError(f"--config: {role}_engine must be a mapping")
+        bad = set(role_cfg) - set(EngineConfig.__dataclass_fields__)
+        if bad:
+            raise ValueError(f"--config: unknown keys in {role}_engine: {sorted(bad)}")
+        o.update(role_cfg)
         o.update(engine_overrides(args, prefix=f"{role}-"))
         per_role[role] = o
     if settings["colocated"]:
         settings["prefill"] = settings["decode"] = 0
     elif settings["prefill"] < 0 or settings["decode"] < 1:
         raise ValueError("--decode must be >= 1 and --prefill >= 0 (or use --colocated K)")
+    resolve_placement(settings)
     return settings, per_role
 
 
@@ -155,7 +180,14 @@ def pool_specs(settings: dict[str, Any], per_role: dict[str, dict[str, Any]]):
             **per_role[role],
         )
         specs.append(
-            PoolSpec(role, n, cfg, settings["num_gpus_per_engine"], settings["max_restarts"])
+            PoolSpec(
+                role,
+                n,
+                cfg,
+                settings[f"{role}_num_gpus_per_engine"],
+                settings["max_restarts"],
+                resources=settings[f"{role}_ray_resources"],
+            )
         )
     return specs
 
@@ -262,6 +294,10 @@ async def _serve(settings: dict[str, Any], per_role: dict[str, dict[str, Any]]) 
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    if args.check_config:
+        from cluster.check_config import check_config
+
+        return check_config(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         settings, per_role = resolve_settings(args)

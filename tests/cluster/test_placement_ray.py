@@ -1,0 +1,98 @@
+"""Per-pool Ray resources on a real multi-node local Ray: each pool's engines
+land only on the nodes that advertise its resource (what the Helm chart's
+worker groups do with ``rayStartParams.resources``)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from cluster.cli import build_parser
+from cluster.pools import start_pools, stop_pools
+from cluster.serve import pool_specs, resolve_settings
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def two_groups():
+    """Head (no pool resource) + a 'prefill' node + a 'decode' node, all on 127.0.0.1."""
+    import ray
+    import ray._private.ray_constants as ray_constants
+    from ray.cluster_utils import Cluster
+
+    # Keep every address on loopback: without this Ray rewrites 127.0.0.1 in
+    # the bootstrap address to the machine's outward interface.
+    patch = pytest.MonkeyPatch()
+    patch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
+    patch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 1, "include_dashboard": False, "node_ip_address": "127.0.0.1"},
+    )
+    nodes = {
+        "prefill": cluster.add_node(
+            num_cpus=1, resources={"tandem_prefill": 2}, node_ip_address="127.0.0.1"
+        ),
+        "decode": cluster.add_node(
+            num_cpus=1, resources={"tandem_decode": 2}, node_ip_address="127.0.0.1"
+        ),
+    }
+    ray.init(address=cluster.address, log_to_driver=False)
+    try:
+        cluster.wait_for_nodes(timeout=120)
+        yield {role: node.node_id for role, node in nodes.items()}, cluster.head_node.node_id
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        patch.undo()
+
+
+def test_engines_land_on_their_pools_nodes(two_groups):
+    import ray
+
+    node_of_pool, head_id = two_groups
+    args = build_parser().parse_args(
+        [
+            "serve", "--prefill", "2", "--decode", "1",
+            "--prefill-ray-resources", '{"tandem_prefill": 1}',
+            "--decode-ray-resources", '{"tandem_decode": 1}',
+            "--num-kv-blocks", "32", "--max-model-len", "256", "--torch-threads", "1",
+        ]
+    )  # fmt: skip
+    settings, per_role = resolve_settings(args)
+    handles = start_pools(pool_specs(settings, per_role), "tcp://127.0.0.1:1")
+    try:
+        refs = {h.engine_id: h.actor.ready.remote() for h in handles}
+        deadline = time.monotonic() + 240
+        infos = {}
+        for engine_id, ref in refs.items():
+            infos[engine_id] = ray.get(ref, timeout=max(1.0, deadline - time.monotonic()))
+        placed = {eid: info["node_id"] for eid, info in infos.items()}
+        assert placed == {
+            "prefill-0": node_of_pool["prefill"],
+            "prefill-1": node_of_pool["prefill"],
+            "decode-0": node_of_pool["decode"],
+        }
+        assert head_id not in placed.values()
+        checks = ray.get([h.actor.check_integrity.remote() for h in handles], timeout=60)
+        assert all(checks)
+    finally:
+        stop_pools(handles)
+
+
+def test_a_pool_whose_resource_no_node_has_is_not_placed(two_groups):
+    """A third pool asking for an unknown resource stays pending (never lands
+    on the wrong group)."""
+    import ray
+
+    args = build_parser().parse_args(
+        ["serve", "--colocated", "1", "--colocated-ray-resources", '{"tandem_colocated": 1}']
+    )
+    handles = start_pools(pool_specs(*resolve_settings(args)), "tcp://127.0.0.1:1")
+    try:
+        ready, _ = ray.wait([handles[0].actor.ready.remote()], timeout=3)
+        assert ready == []
+    finally:
+        stop_pools(handles, timeout_s=2)
