@@ -191,8 +191,10 @@ def main() -> None:
     import torch
 
     from tests.kvtransfer.prefill_process import PrefillProcess
+    from wire.auth import generate_secret
 
     config = {
+        "cluster_secret": generate_secret(),  # CURVE on the side channel, as served
         "block_size": BLOCK_SIZE,
         "model_name": "bench",
         "nixl_progress_thread": args.progress_thread,

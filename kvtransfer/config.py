@@ -61,6 +61,9 @@ class KVTransferConfig:
     # wait for P's loop unless P runs a progress thread (see side_channel.py).
     # A prefill engine accepts both.
     notification_transport: str = "side_channel"
+    # Per-cluster secret: the side channel and D's sockets to it use CURVE
+    # keys derived from it (wire/auth.py). None = plain ZMQ (development).
+    cluster_secret: bytes | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

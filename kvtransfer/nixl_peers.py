@@ -21,6 +21,8 @@ from kvtransfer.compat import KVLayout, compat_hash, describe_mismatch
 from kvtransfer.nixl_agent import NixlAgent
 from kvtransfer.nixl_meta import PeerAddr
 from kvtransfer.side_channel import HandshakeError, RegionInfo, fetch_handshake
+from wire.auth import PlaneAuth
+from wire.frames import FrameCounters
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +61,12 @@ class PeerTable:
         local_engine_id: str,
         handshake_timeout_s: float,
         max_concurrent_handshakes: int = 4,
+        *,
+        auth: PlaneAuth | None = None,
+        malformed: FrameCounters | None = None,
     ) -> None:
+        self._auth = auth
+        self._malformed = malformed
         self._agent = agent
         self._local_engine_id = local_engine_id
         self._timeout_s = handshake_timeout_s
@@ -156,7 +163,13 @@ class PeerTable:
     def _handshake(self, addr: PeerAddr) -> tuple[str, RegionInfo]:
         """Runs on a pool thread: the only NIXL call is add_remote_agent (locked)."""
         info = fetch_handshake(
-            self._context, addr.host, addr.port, self._local_engine_id, self._timeout_s
+            self._context,
+            addr.host,
+            addr.port,
+            self._local_engine_id,
+            self._timeout_s,
+            auth=self._auth,
+            malformed=self._malformed,
         )
         if info.engine_id != addr.engine_id:
             raise HandshakeError(

@@ -64,6 +64,8 @@ from kvtransfer.side_channel import (
     NotificationSender,
     SideChannelServer,
 )
+from wire.auth import PlaneAuth
+from wire.frames import FrameCounters
 
 logger = logging.getLogger(__name__)
 
@@ -102,11 +104,25 @@ class NixlWorkerSide(KVConnectorWorkerSide):
         self._server: SideChannelServer | None = None
         if config.serves_kv:
             self._server = SideChannelServer(
-                config.engine_id, config.epoch, config.side_channel_host, config.side_channel_port
+                config.engine_id,
+                config.epoch,
+                config.side_channel_host,
+                config.side_channel_port,
+                secret=config.cluster_secret,
             )
         self._zmq = zmq.Context()
-        self._notifier = NotificationSender(self._zmq)
-        self._peers = PeerTable(self.agent, self._zmq, config.engine_id, config.handshake_timeout_s)
+        # client side only (no ZAP thread): handshakes and notifications to P
+        self._auth = PlaneAuth(self._zmq, config.cluster_secret)
+        self.malformed_frames = FrameCounters()
+        self._notifier = NotificationSender(self._zmq, self._auth)
+        self._peers = PeerTable(
+            self.agent,
+            self._zmq,
+            config.engine_id,
+            config.handshake_timeout_s,
+            auth=self._auth,
+            malformed=self.malformed_frames,
+        )
         self._layout: KVLayout | None = None
         self._loads: dict[str, _Load] = {}  # in flight
         # ended loads whose READ may still land: blocks held, request not reported
@@ -124,6 +140,16 @@ class NixlWorkerSide(KVConnectorWorkerSide):
             maxlen=_MAX_RECENT_TRANSFERS
         )
         self._closed = False
+
+    def wire_stats(self) -> dict[str, dict[str, int]]:
+        """Malformed messages and refused handshakes per socket name
+        (``kv_side_channel`` on P, ``kv_handshake_reply`` on D)."""
+        malformed = self.malformed_frames.snapshot()
+        auth: dict[str, int] = {}
+        if self._server is not None:
+            malformed.update(self._server.malformed_frames.snapshot())
+            auth.update(self._server.auth.failures())
+        return {"malformed_frames": malformed, "auth_failures": auth}
 
     @property
     def side_channel_port(self) -> int | None:

@@ -17,6 +17,14 @@ one-sided and P's side-channel thread receives notifications at once.
 
 The server makes no NIXL call. Every client wait has a deadline; sending a
 notification never blocks (ZMQ queues it).
+
+Hardening (``wire/``): with a cluster secret the ROUTER is a CURVE server and
+D's sockets CURVE clients, so a peer without the secret never completes a
+handshake and never learns P's agent metadata or KV region. Every message
+either side receives is checked (frame count, size cap, msgpack of the
+expected type); a malformed one is dropped and counted under
+``kv_side_channel`` (P) or ``kv_handshake_reply`` (D), and the thread keeps
+serving.
 """
 
 from __future__ import annotations
@@ -29,11 +37,28 @@ import msgspec
 import zmq
 
 from kvtransfer.compat import CONNECTOR_VERSION, KVLayout
+from wire.auth import PlaneAuth
+from wire.frames import (
+    HARD_LIMIT_FACTOR,
+    FrameCounters,
+    MalformedFrame,
+    MiB,
+    check_size,
+    decode,
+    frame_bytes,
+    peer_address,
+)
 
 logger = logging.getLogger(__name__)
 
 _POLL_MS = 100
 _MAX_NOTIFY_SOCKETS = 256
+# Handshake requests and notifications are tens of bytes; a reply carries
+# NIXL agent metadata (kilobytes).
+MAX_REQUEST_BYTES = 1 * MiB
+MAX_REPLY_BYTES = 16 * MiB
+SERVER_SOCKET = "kv_side_channel"
+REPLY_SOCKET = "kv_handshake_reply"
 
 
 class RegionInfo(msgspec.Struct, array_like=True, frozen=True):
@@ -83,6 +108,7 @@ class HandshakeError(RuntimeError):
 
 
 _REQUEST_DECODER = msgspec.msgpack.Decoder(HandshakeRequest | Notification)
+_REPLY_DECODER = msgspec.msgpack.Decoder(HandshakeResponse)
 
 
 def _endpoint(host: str, port: int) -> str:
@@ -93,11 +119,20 @@ class SideChannelServer:
     """A ROUTER socket on a daemon thread. ``port`` is known once constructed."""
 
     def __init__(
-        self, engine_id: str, epoch: int, host: str, port: int, *, start_timeout_s: float = 5.0
+        self,
+        engine_id: str,
+        epoch: int,
+        host: str,
+        port: int,
+        *,
+        secret: bytes | None = None,
+        start_timeout_s: float = 5.0,
     ):
         self.engine_id = engine_id
         self.epoch = epoch
         self._context = zmq.Context()
+        self.auth = PlaneAuth(self._context, secret)
+        self.malformed_frames = FrameCounters()
         self._reply: bytes = msgspec.msgpack.encode(
             HandshakeResponse(
                 CONNECTOR_VERSION, error=f"engine {engine_id}: KV cache not registered"
@@ -135,7 +170,9 @@ class SideChannelServer:
     def _serve(self, host: str, port: int) -> None:
         sock = self._context.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES * HARD_LIMIT_FACTOR)
         try:
+            self.auth.server(sock, SERVER_SOCKET)
             if ":" in host:
                 sock.setsockopt(zmq.IPV6, 1)
             if port == 0:
@@ -143,7 +180,7 @@ class SideChannelServer:
             else:
                 sock.bind(_endpoint(host, port))
                 self.port = port
-        except zmq.ZMQError as e:
+        except (zmq.ZMQError, RuntimeError) as e:
             self._bind_error = e
             sock.close()
             self._bound.set()
@@ -157,10 +194,10 @@ class SideChannelServer:
                     continue
                 while True:
                     try:
-                        frames = sock.recv_multipart(zmq.NOBLOCK)
+                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
-                    reply = self._handle(frames[-1])
+                    reply = self._handle(frames)
                     if reply is not None:  # [identity, b"", payload] for a REQ client
                         sock.send_multipart([frames[0], b"", reply])
         except zmq.ZMQError as e:
@@ -169,12 +206,25 @@ class SideChannelServer:
         finally:
             sock.close()
 
-    def _handle(self, payload: bytes) -> bytes | None:
+    def _handle(self, frames: list) -> bytes | None:
+        """``[identity, b"", payload]`` from a REQ or DEALER peer. A malformed
+        message is counted; if it is REQ-shaped it gets an error reply (so a
+        REQ client fails at once instead of at its deadline)."""
+        if len(frames) != 3 or len(frame_bytes(frames[1])) != 0:
+            self.malformed_frames.record(
+                SERVER_SOCKET,
+                peer_address(frames),
+                f"expected [identity, empty, payload], got {len(frames)} frames",
+            )
+            return None
         try:
-            message = _REQUEST_DECODER.decode(payload)
-        except msgspec.DecodeError:
+            payload = frame_bytes(frames[2])
+            check_size(payload, MAX_REQUEST_BYTES)
+            message = decode(_REQUEST_DECODER, payload)
+        except MalformedFrame as e:
+            self.malformed_frames.record(SERVER_SOCKET, peer_address(frames), e)
             return msgspec.msgpack.encode(
-                HandshakeResponse(CONNECTOR_VERSION, error="undecodable side-channel message")
+                HandshakeResponse(CONNECTOR_VERSION, error=f"malformed side-channel message: {e}")
             )
         if isinstance(message, Notification):
             if message.engine_id == self.engine_id and message.epoch == self.epoch:
@@ -195,32 +245,51 @@ class SideChannelServer:
         if self._thread.is_alive():  # never block shutdown on a stuck thread
             logger.warning("side channel thread of %s did not stop", self.engine_id)
             return
+        self.auth.close()
         self._context.term()
 
 
 def fetch_handshake(
-    context: zmq.Context, host: str, port: int, requester_engine_id: str, timeout_s: float
+    context: zmq.Context,
+    host: str,
+    port: int,
+    requester_engine_id: str,
+    timeout_s: float,
+    *,
+    auth: PlaneAuth | None = None,
+    malformed: FrameCounters | None = None,
 ) -> HandshakeInfo:
     """One request/reply with the peer's side channel. Raises ``HandshakeError``
-    on timeout, an undecodable reply or a refusal. Safe to call from any thread
-    (the socket is private to the call)."""
+    on timeout, a malformed reply (counted in ``malformed``) or a refusal.
+    With ``auth`` the socket is a CURVE client: a peer that is not a cluster
+    member never answers (timeout). Safe to call from any thread (the socket
+    is private to the call)."""
     sock = context.socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES * HARD_LIMIT_FACTOR)
     if ":" in host:
         sock.setsockopt(zmq.IPV6, 1)
+    if auth is not None:
+        auth.client(sock)
     try:
         sock.connect(_endpoint(host, port))
         sock.send(msgspec.msgpack.encode(HandshakeRequest(CONNECTOR_VERSION, requester_engine_id)))
         if not sock.poll(int(timeout_s * 1000), zmq.POLLIN):
             raise HandshakeError(f"no handshake reply from {host}:{port} within {timeout_s} s")
-        raw = sock.recv()
+        frames = sock.recv_multipart(copy=False)
     finally:
         sock.close()
     try:
-        response = msgspec.msgpack.decode(raw, type=HandshakeResponse)
-    except msgspec.DecodeError as e:
+        if len(frames) != 1:
+            raise MalformedFrame(f"expected 1 frame, got {len(frames)}")
+        raw = frame_bytes(frames[0])
+        check_size(raw, MAX_REPLY_BYTES)
+        response = decode(_REPLY_DECODER, raw)
+    except MalformedFrame as e:
+        if malformed is not None:
+            malformed.record(REPLY_SOCKET, f"{host}:{port}", e)
         raise HandshakeError(
-            f"undecodable handshake reply from {host}:{port} (connector version mismatch?): {e}"
+            f"malformed handshake reply from {host}:{port} (connector version mismatch?): {e}"
         ) from None
     if response.info is None:
         raise HandshakeError(f"peer {host}:{port} refused handshake: {response.error}")
@@ -232,8 +301,9 @@ class NotificationSender:
     blocks: ZMQ queues messages until the connection is up (or drops them at
     the high-water mark, which counts as a failure)."""
 
-    def __init__(self, context: zmq.Context) -> None:
+    def __init__(self, context: zmq.Context, auth: PlaneAuth | None = None) -> None:
         self._context = context
+        self._auth = auth
         self._sockets: collections.OrderedDict[tuple[str, int], zmq.Socket] = (
             collections.OrderedDict()
         )
@@ -247,6 +317,8 @@ class NotificationSender:
             sock.setsockopt(zmq.SNDHWM, 10_000)
             if ":" in host:
                 sock.setsockopt(zmq.IPV6, 1)
+            if self._auth is not None:
+                self._auth.client(sock)
             sock.connect(_endpoint(host, port))
             self._sockets[key] = sock
             if len(self._sockets) > _MAX_NOTIFY_SOCKETS:

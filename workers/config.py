@@ -52,6 +52,11 @@ class EngineConfig:
     kv_lease_s: float = 60.0
     kv_load_timeout_s: float = 30.0
     load_failure_policy: str = "recompute"
+    # Per-cluster secret of the internal planes (engine sockets, KV side
+    # channel): CURVE keys are derived from it (wire/auth.py). None = plain
+    # ZMQ, the development mode of in-process engines; ``tandem serve`` always
+    # sets one. Never printed.
+    cluster_secret: bytes | None = field(default=None, repr=False)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -75,6 +80,10 @@ class EngineConfig:
             raise ValueError(
                 f"load_failure_policy must be recompute or fail, got {self.load_failure_policy!r}"
             )
+
+        from wire.auth import check_secret
+
+        check_secret(self.cluster_secret, "EngineConfig.cluster_secret")
 
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)

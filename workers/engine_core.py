@@ -23,6 +23,7 @@ import torch
 
 from scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
 from scheduler.messages import EngineAbort, EngineOutput, EngineOutputs, EngineRequest, FinishReason
+from wire.frames import FrameCounters, FrameSpec, MalformedFrame, MiB, peer_address
 from workers.config import EngineConfig
 from workers.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for
 from workers.loader import load_model, resolve_model_path
@@ -43,6 +44,15 @@ class UtilityResult(msgspec.Struct, array_like=True, omit_defaults=True):
     call_id: int
     result: Any = None
     error: str | None = None
+
+
+# What the engine's input socket accepts (``wire.frames``). 64 MiB holds a
+# prompt of millions of token ids; the socket cuts a sender at 4x that.
+ENGINE_INPUT = FrameSpec(
+    "engine_input",
+    {b"R": EngineRequest, b"A": EngineAbort, b"U": UtilityCall},
+    max_frame_bytes=64 * MiB,
+)
 
 
 class EngineCore:
@@ -131,6 +141,8 @@ class EngineCore:
             "sum": 0.0,
         }
         self._loop_running = False
+        self.malformed_frames = FrameCounters()
+        self._auth: Any = None  # wire.auth.PlaneAuth while serve_zmq runs
         self._control: queue.Queue[tuple[Callable[[], Any], Future]] = queue.Queue()
 
     def _make_connector(self):
@@ -152,6 +164,7 @@ class EngineCore:
             load_failure_policy=c.load_failure_policy,
             block_size=c.block_size,
             model_name=c.model,
+            cluster_secret=c.cluster_secret,
         )
         return create_connector(kv_config)
 
@@ -199,10 +212,23 @@ class EngineCore:
         s = msgspec.structs.asdict(self.scheduler.make_stats())
         if self.connector_worker is not None:
             s["kv_transfer"] = self._kv_metrics()
+        s["wire"] = self.wire_stats()
         s["engine_id"] = self.config.engine_id
         s["role"] = self.config.role
         s["epoch"] = self.config.epoch
         return s
+
+    def wire_stats(self) -> dict[str, dict[str, int]]:
+        """Dropped malformed messages and refused handshakes per socket name,
+        of this engine's sockets and its connector's side channel."""
+        malformed = self.malformed_frames.snapshot()
+        auth = self._auth.failures() if self._auth is not None else {}
+        connector = getattr(self.connector_worker, "wire_stats", None)
+        if connector is not None:
+            extra = connector()
+            malformed.update(extra["malformed_frames"])
+            auth.update(extra["auth_failures"])
+        return {"malformed_frames": malformed, "auth_failures": auth}
 
     def _kv_metrics(self) -> dict[str, Any]:
         """Connector stats under the metric names of ARCHITECTURE §6."""
@@ -279,21 +305,30 @@ class EngineCore:
     def serve_zmq(self, input_addr: str, output_addr: str, *, bind_input: bool = True) -> None:
         """Run until ``shutdown()``. Blocks on the input socket when idle, polls
         it without waiting while requests run, and briefly while only
-        transfers are in flight."""
+        transfers are in flight. A malformed input message is dropped and
+        counted (``wire.frames``); with ``config.cluster_secret`` both sockets
+        use CURVE (``wire.auth``) and unauthenticated peers are refused."""
         import zmq
 
-        ctx = zmq.Context.instance()
+        from wire.auth import PlaneAuth
+
+        ctx = zmq.Context()
+        self._auth = auth = PlaneAuth(ctx, self.config.cluster_secret)
         inp = ctx.socket(zmq.PULL)
         out = ctx.socket(zmq.PUSH)
         out.setsockopt(zmq.LINGER, 1000)
         inp.setsockopt(zmq.LINGER, 0)
-        (inp.bind if bind_input else inp.connect)(input_addr)
+        inp.setsockopt(zmq.MAXMSGSIZE, ENGINE_INPUT.hard_limit)
+        if bind_input:
+            auth.server(inp, ENGINE_INPUT.socket)
+            inp.bind(input_addr)
+        else:
+            auth.client(inp)
+            inp.connect(input_addr)
+        auth.client(out)
         out.connect(output_addr)
         poller = zmq.Poller()
         poller.register(inp, zmq.POLLIN)
-        req_decoder = msgspec.msgpack.Decoder(EngineRequest)
-        abort_decoder = msgspec.msgpack.Decoder(EngineAbort)
-        util_decoder = msgspec.msgpack.Decoder(UtilityCall)
         enc = msgspec.msgpack.Encoder()
         self._loop_running = True
         try:
@@ -308,17 +343,20 @@ class EngineCore:
                 self._run_control()
                 errors: list[EngineOutput] = []
                 while inp in events:
-                    kind, payload = inp.recv_multipart()
+                    frames = inp.recv_multipart(copy=False)
+                    try:
+                        kind, msg = ENGINE_INPUT.decode(frames)
+                    except MalformedFrame as e:
+                        self.malformed_frames.record(ENGINE_INPUT.socket, peer_address(frames), e)
+                        kind = b""
                     if kind == b"R":
-                        err = self.add_request(req_decoder.decode(payload))
+                        err = self.add_request(msg)
                         if err is not None:
                             errors.append(err)
                     elif kind == b"A":
-                        self.abort(abort_decoder.decode(payload).request_ids)
+                        self.abort(msg.request_ids)
                     elif kind == b"U":
-                        out.send_multipart(
-                            [b"U", enc.encode(self._utility(util_decoder.decode(payload)))]
-                        )
+                        out.send_multipart([b"U", enc.encode(self._utility(msg))])
                     events = dict(poller.poll(0))
                 if errors:
                     out.send_multipart(
@@ -338,6 +376,8 @@ class EngineCore:
             self._run_control()
             inp.close()
             out.close()
+            auth.close()
+            ctx.term()
 
     def _utility(self, call: UtilityCall) -> UtilityResult:
         allowed = {

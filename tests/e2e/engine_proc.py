@@ -1,6 +1,9 @@
 """Engines in their own OS processes, joined by a small ZMQ harness (no Ray).
 
 harness PUSH --R/A/U--> engine PULL        harness PULL <--O/U-- engine PUSH
+
+Like ``tandem serve``, the harness generates a cluster secret and every
+socket uses CURVE (``wire/auth.py``); ``Harness(secret=None)`` runs plain.
 """
 
 from __future__ import annotations
@@ -15,8 +18,11 @@ import zmq
 
 from cluster.engine_actor import free_port
 from scheduler.messages import EngineAbort, EngineOutput, EngineOutputs, EngineRequest
+from wire.auth import PlaneAuth, generate_secret
 from workers.config import EngineConfig
 from workers.engine_core import UtilityCall, UtilityResult
+
+_NEW = object()
 
 
 def _engine_main(config: EngineConfig, input_addr: str, output_addr: str) -> None:
@@ -47,10 +53,13 @@ class EngineProcess:
 class Harness:
     """Starts engines, sends requests, collects outputs with deadlines."""
 
-    def __init__(self) -> None:
+    def __init__(self, secret: bytes | None | object = _NEW) -> None:
+        self.secret: bytes | None = generate_secret() if secret is _NEW else secret  # type: ignore[assignment]
         self.ctx = zmq.Context()
+        self.auth = PlaneAuth(self.ctx, self.secret)
         self.output_addr = f"tcp://127.0.0.1:{free_port()}"
         self.pull = self.ctx.socket(zmq.PULL)
+        self.auth.server(self.pull, "gateway_output")
         self.pull.bind(self.output_addr)
         self.engines: dict[str, EngineProcess] = {}
         self.push: dict[str, zmq.Socket] = {}
@@ -62,10 +71,13 @@ class Harness:
         self._dec_util = msgspec.msgpack.Decoder(UtilityResult)
 
     def start(self, name: str, config: EngineConfig) -> None:
-        ep = EngineProcess(config.replace(engine_id=name), self.output_addr)
+        ep = EngineProcess(
+            config.replace(engine_id=name, cluster_secret=self.secret), self.output_addr
+        )
         self.engines[name] = ep
         sock = self.ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 0)
+        self.auth.client(sock)
         sock.connect(ep.input_addr)
         self.push[name] = sock
         self.call(name, "check_integrity", timeout_s=180)  # ready once it answers
@@ -154,4 +166,5 @@ class Harness:
         for s in self.push.values():
             s.close(0)
         self.pull.close(0)
+        self.auth.close()
         self.ctx.term()

@@ -8,7 +8,7 @@ hands out kv_transfer_params for "finished prefills" and reports
     parent -> child  ("finish", request_id, num_prompt_tokens, block_ids)
     child -> parent  ("params", request_id, params_dict)
     child -> parent  ("done_sending", request_id, seconds_since_finish)
-    parent -> child  ("stats",) -> ("stats", dict) ; ("ping",) -> ("pong",)
+    parent -> child  ("stats",) -> ("stats", dict + "wire": wire_stats()) ; ("ping",) -> ("pong",)
     parent -> child  ("stop",) -> exits
 """
 
@@ -63,7 +63,7 @@ def run_prefill(
                 if msg[0] == "stop":
                     return
                 if msg[0] == "stats":
-                    conn.send(("stats", worker.stats()))
+                    conn.send(("stats", {**worker.stats(), "wire": worker.wire_stats()}))
                     continue
                 if msg[0] == "ping":
                     conn.send(("pong",))
