@@ -55,12 +55,19 @@ class EngineMetrics(msgspec.Struct):
     counters: dict[str, float] = {}
     gauges: dict[str, float] = {}
     histograms: dict[str, HistogramSnapshot] = {}
+    # Internal-plane sockets of this engine (engine_input, kv_side_channel,
+    # kv_handshake_reply): dropped malformed messages and refused handshakes.
+    malformed_frames: dict[str, int] = {}
+    auth_failures: dict[str, int] = {}
 
 
 class BackendMetrics(msgspec.Struct):
     engines: list[EngineMetrics] = []
     # Router decisions, cumulative: {"remote": n, "local": m}.
     num_disagg_decisions: dict[str, int] = {}
+    # The gateway's own internal-plane sockets (gateway_output), same meaning.
+    malformed_frames: dict[str, int] = {}
+    auth_failures: dict[str, int] = {}
 
 
 class Backend(abc.ABC):

@@ -26,7 +26,7 @@ def resolved_config(settings: dict[str, Any], per_role: dict[str, dict[str, Any]
     pools = []
     for spec in pool_specs(settings, per_role):
         engine = dataclasses.asdict(spec.config)
-        for key in ("engine_id", "epoch", "extra"):
+        for key in ("engine_id", "epoch", "extra", "cluster_secret"):  # secret: per run
             engine.pop(key, None)
         pools.append(
             {

@@ -27,7 +27,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from cluster.backend import Backend, EngineMetrics
+from cluster.backend import Backend, BackendMetrics, EngineMetrics
 
 PREFIX = "tandem:"
 
@@ -212,6 +212,7 @@ class EngineMetricsCollector(Collector):
         for path, count in sorted(snapshot.num_disagg_decisions.items()):
             decisions.add_metric([path], count)
         yield decisions
+        yield from _socket_families(snapshot)
 
 
 def _scheduler_families(engines: list[EngineMetrics]) -> Iterator[Metric]:
@@ -261,6 +262,22 @@ def _named_families(engines: list[EngineMetrics]) -> Iterator[Metric]:
     yield from counters.values()
     yield from gauges.values()
     yield from histograms.values()
+
+
+def _socket_families(snapshot: BackendMetrics) -> Iterator[Metric]:
+    """Per internal-plane socket: ``engine`` is the engine id, or "gateway"
+    for the gateway's own output socket."""
+    for name, help_text, attribute in (
+        ("malformed_frames", "Malformed ZMQ messages dropped, by socket.", "malformed_frames"),
+        ("auth_failures", "Peers refused at the CURVE handshake, by socket.", "auth_failures"),
+    ):
+        family = CounterMetricFamily(f"{PREFIX}{name}", help_text, labels=["socket", "engine"])
+        for socket, count in sorted(getattr(snapshot, attribute).items()):
+            family.add_metric([socket, "gateway"], count)
+        for engine in snapshot.engines:
+            for socket, count in sorted(getattr(engine, attribute).items()):
+                family.add_metric([socket, engine.engine_id], count)
+        yield family
 
 
 def _le(bound: float) -> str:

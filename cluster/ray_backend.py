@@ -11,6 +11,11 @@ Disaggregated request (ARCHITECTURE §2):
     D <- prompt + first token, max_tokens-1, P's params + {do_remote_prefill}
     D -> tokens ...                            -> streamed
 
+Both ZMQ directions are checked and, with a cluster secret, authenticated
+(``wire/``): the output PULL is a CURVE server that admits only cluster
+members, each engine PUSH a CURVE client; a malformed output message is
+dropped and counted (``gateway_output``), never raised into the reader.
+
 A health task polls every engine over Ray (``ready``/``stats``): a dead
 engine fails its in-flight requests (prefill: retried once on another
 prefill engine, else prefilled on the decode engine; decode: an error
@@ -47,10 +52,19 @@ from scheduler.messages import (
     FinishReason,
     SchedulerStats,
 )
+from wire.auth import PlaneAuth
+from wire.frames import FrameCounters, FrameSpec, MalformedFrame, MiB, peer_address
+from workers.engine_core import UtilityResult
 
 logger = logging.getLogger(__name__)
 
 _ENGINE_FAILED = "__engine_failed__"
+
+# What the gateway's output socket accepts: a batch of outputs, or a utility
+# reply (engines answer ZMQ utility calls there; the gateway makes none).
+GATEWAY_OUTPUT = FrameSpec(
+    "gateway_output", {b"O": EngineOutputs, b"U": UtilityResult}, max_frame_bytes=64 * MiB
+)
 
 
 class _Engine:
@@ -79,6 +93,7 @@ class RayBackend(Backend):
         disagg_min_tokens: int = 0,
         health_interval_s: float = 0.5,
         call_timeout_s: float = 5.0,
+        cluster_secret: bytes | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -93,11 +108,12 @@ class RayBackend(Backend):
         self.health_interval_s = health_interval_s
         self.call_timeout_s = call_timeout_s
         self._ctx = zmq.asyncio.Context()
+        self._auth = PlaneAuth(self._ctx, cluster_secret)
+        self.malformed_frames = FrameCounters()
         self._pull: zmq.asyncio.Socket | None = None
         self._streams: dict[str, asyncio.Queue] = {}
         self._tasks: list[asyncio.Task] = []
         self._enc = msgspec.msgpack.Encoder()
-        self._dec = msgspec.msgpack.Decoder(EngineOutputs)
         self.num_engine_restarts = 0
 
     # ---- lifecycle -----------------------------------------------------------
@@ -106,6 +122,8 @@ class RayBackend(Backend):
         """Bind the output socket, wait until every engine is ready, start
         the reader and health tasks. Must run on the gateway's event loop."""
         self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.MAXMSGSIZE, GATEWAY_OUTPUT.hard_limit)
+        self._auth.server(self._pull, GATEWAY_OUTPUT.socket)
         self._pull.bind(self.output_addr)
         self._tasks.append(asyncio.create_task(self._read_outputs()))
         deadline = asyncio.get_running_loop().time() + ready_timeout_s
@@ -126,15 +144,20 @@ class RayBackend(Backend):
                 e.socket.close(linger=0)
         if self._pull is not None:
             self._pull.close(linger=0)
+        self._auth.close()
         self._ctx.term()
 
     async def _read_outputs(self) -> None:
         assert self._pull is not None
         while True:
-            kind, payload = await self._pull.recv_multipart()
+            frames = await self._pull.recv_multipart(copy=False)
+            try:
+                kind, batch = GATEWAY_OUTPUT.decode(frames)
+            except MalformedFrame as e:
+                self.malformed_frames.record(GATEWAY_OUTPUT.socket, peer_address(frames), e)
+                continue
             if kind != b"O":
                 continue
-            batch = self._dec.decode(payload)
             for out in batch.outputs:
                 q = self._streams.get(out.request_id)
                 if q is not None:
@@ -201,6 +224,7 @@ class RayBackend(Backend):
                 e.socket.close(linger=0)
             e.socket = self._ctx.socket(zmq.PUSH)
             e.socket.setsockopt(zmq.LINGER, 0)
+            self._auth.client(e.socket)
             e.socket.connect(info["input_addr"])
             e.state.epoch = info["epoch"]
             e.unregistered = e.state.role in ("prefill", "decode")
@@ -357,10 +381,13 @@ class RayBackend(Backend):
             sched = SchedulerStats(
                 **{k: v for k, v in s.items() if k in SchedulerStats.__struct_fields__}
             )
+            wire = s.pop("wire", {}) or {}
             engines.append(
                 EngineMetrics(
                     engine_id=e.state.engine_id,
                     role=e.state.role,
+                    malformed_frames=wire.get("malformed_frames", {}),
+                    auth_failures=wire.get("auth_failures", {}),
                     scheduler_stats=sched,
                     counters=kv.get("counters", {}),
                     gauges=kv.get("gauges", {}),
@@ -369,7 +396,12 @@ class RayBackend(Backend):
                     },
                 )
             )
-        return BackendMetrics(engines=engines, num_disagg_decisions=dict(self.router.num_decisions))
+        return BackendMetrics(
+            engines=engines,
+            num_disagg_decisions=dict(self.router.num_decisions),
+            malformed_frames=self.malformed_frames.snapshot(),
+            auth_failures=self._auth.failures(),
+        )
 
     # ---- test hooks -------------------------------------------------------------
 

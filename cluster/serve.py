@@ -49,6 +49,8 @@ SERVE_DEFAULTS: dict[str, Any] = {
     "prefill_num_gpus_per_engine": None,
     "decode_num_gpus_per_engine": None,
     "colocated_num_gpus_per_engine": None,
+    "cluster_secret_file": None,
+    "internal_auth": True,
 }
 
 
@@ -100,6 +102,19 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="validate flags + YAML, print the resolved config and exit (0 ok, 2 bad)",
     )
+    p.add_argument(
+        "--cluster-secret-file",
+        help="file holding the secret of the internal planes (>= 16 bytes; "
+        "default: a fresh random secret per `tandem serve`)",
+    )
+    p.add_argument(
+        "--no-internal-auth",
+        dest="internal_auth",
+        action="store_false",
+        default=None,
+        help="development only: engine sockets and the KV side channel accept "
+        "anyone who can reach them (no CURVE)",
+    )
     add_placement_arguments(p)
     add_engine_arguments(p)
     for role in ("prefill", "decode", "colocated"):
@@ -130,6 +145,8 @@ def resolve_settings(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str
     )
     if unknown:
         raise ValueError(f"--config: unknown keys {sorted(unknown)}")
+    if "cluster_secret" in file_cfg:
+        raise ValueError("--config: cluster_secret cannot be inline; use cluster_secret_file")
     for k in SERVE_DEFAULTS:
         if k in file_cfg:
             settings[k] = file_cfg[k]
@@ -162,7 +179,22 @@ def resolve_settings(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str
     return settings, per_role
 
 
-def pool_specs(settings: dict[str, Any], per_role: dict[str, dict[str, Any]]):
+def cluster_secret(settings: dict[str, Any]) -> bytes | None:
+    """The internal planes' secret: read from ``cluster_secret_file``, else
+    generated for this run; None only with ``internal_auth`` off."""
+    from wire.auth import generate_secret, read_secret_file
+
+    if not settings["internal_auth"]:
+        logger.warning("internal auth is off: engine and KV sockets accept any peer")
+        return None
+    if settings["cluster_secret_file"]:
+        return read_secret_file(settings["cluster_secret_file"])
+    return generate_secret()
+
+
+def pool_specs(
+    settings: dict[str, Any], per_role: dict[str, dict[str, Any]], secret: bytes | None = None
+):
     from cluster.pools import PoolSpec
 
     specs = []
@@ -177,6 +209,7 @@ def pool_specs(settings: dict[str, Any], per_role: dict[str, dict[str, Any]]):
             kv_lease_s=settings["kv_lease_s"],
             load_failure_policy=settings["load_failure_policy"],
             kv_host="auto" if settings["address"] else "127.0.0.1",
+            cluster_secret=secret,
             **per_role[role],
         )
         specs.append(
@@ -210,6 +243,7 @@ class Service:
         self.backend = None
         self.started_ray = False
         self.dashboard_url = None
+        self.cluster_secret: bytes | None = None  # set by start(); tests act as members
 
     async def start(self) -> None:
         import ray
@@ -235,13 +269,15 @@ class Service:
         output_addr = f"tcp://{host}:{free_port(host)}"
         model_path = resolve_model_path(self.settings["model"])
         tokenizer = load_tokenizer(model_path)
-        self.handles = start_pools(pool_specs(self.settings, self.per_role), output_addr)
+        self.cluster_secret = secret = cluster_secret(self.settings)
+        self.handles = start_pools(pool_specs(self.settings, self.per_role, secret), output_addr)
         self.backend = RayBackend(
             self.handles,
             tokenizer=tokenizer,
             model_name=self.settings["model"],
             output_addr=output_addr,
             disagg_min_tokens=self.settings["disagg_min_tokens"],
+            cluster_secret=secret,
         )
         await self.backend.start()
 
@@ -306,6 +342,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from workers.loader import resolve_model_path
 
         resolve_model_path(settings["model"])  # bad model: one line, exit 2 (GGUF: convert once)
+        if settings["internal_auth"] and settings["cluster_secret_file"]:
+            from wire.auth import read_secret_file
+
+            read_secret_file(settings["cluster_secret_file"])  # a bad file fails before Ray starts
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -338,6 +338,87 @@ def test_bad_inputs_get_envelopes_and_service_keeps_serving(disagg):
     assert greedy_completion(disagg, max_tokens=2).usage.completion_tokens == 2
 
 
+def _metric(text: str, name: str, socket: str, engine: str) -> float:
+    prefix = f'{name}{{engine="{engine}",socket="{socket}"}} '
+    for line in text.splitlines():
+        if line.startswith(prefix):
+            return float(line[len(prefix) :])
+    return 0.0
+
+
+def test_internal_planes_refuse_outsiders_and_survive_malformed_frames(disagg):
+    """Issue 11: malformed frames on every socket and peers without the
+    cluster secret; counted on /metrics, no engine restarts, still serving."""
+    import msgspec
+    import zmq
+
+    from kvtransfer.side_channel import HandshakeError, fetch_handshake
+    from scheduler.messages import EngineAbort
+    from wire.auth import PlaneAuth
+
+    backend = disagg.service.backend
+    assert disagg.service.cluster_secret is not None  # auth is on by default
+    epochs = {eid: e.state.epoch for eid, e in backend.engines.items()}
+    restarts = backend.num_engine_restarts
+    garbage = [
+        [b"R", b"\xc1 not msgpack"],
+        [b"R", msgspec.msgpack.encode(EngineAbort(["x"]))],
+        [b"R"],
+    ]
+    ctx = zmq.Context()
+    member, outsider = PlaneAuth(ctx, disagg.service.cluster_secret), PlaneAuth(ctx, None)
+    sockets = []
+
+    def push(addr, auth):
+        sock = ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        auth.client(sock)
+        sock.connect(addr)
+        sockets.append(sock)
+        return sock
+
+    try:
+        for e in backend.engines.values():
+            for frames in garbage:
+                push(e.state.info["input_addr"], member).send_multipart(frames)
+            push(e.state.info["input_addr"], outsider).send_multipart([b"A", b"x"])
+        push(backend.output_addr, member).send_multipart([b"O", b"\xc1 garbage"])
+        push(backend.output_addr, outsider).send_multipart([b"O", b"forged"])
+        host, port = backend.engines["prefill-0"].state.info["kv_address"]
+        with pytest.raises(HandshakeError):
+            fetch_handshake(ctx, host, port, "outsider", 0.5, auth=outsider)
+        expected = [
+            ("malformed_frames", "engine_input", "prefill-0", 3),
+            ("malformed_frames", "engine_input", "decode-0", 3),
+            ("malformed_frames", "gateway_output", "gateway", 1),
+            ("auth_failures", "engine_input", "prefill-0", 1),
+            ("auth_failures", "engine_input", "decode-0", 1),
+            ("auth_failures", "gateway_output", "gateway", 1),
+            ("auth_failures", "kv_side_channel", "prefill-0", 1),
+        ]
+        deadline = time.monotonic() + 30
+        while True:
+            text = httpx.get(disagg.base_url + "/metrics", timeout=10).text
+            missing = [
+                x for x in expected if _metric(text, f"tandem:{x[0]}_total", x[1], x[2]) < x[3]
+            ]
+            if not missing:
+                break
+            assert time.monotonic() < deadline, f"counters not on /metrics: {missing}"
+            time.sleep(0.2)
+        # malformed counts are exact (outsiders retry their handshake, so >= above)
+        for name, socket, engine, count in expected[:3]:
+            assert _metric(text, f"tandem:{name}_total", socket, engine) == count
+    finally:
+        for sock in sockets:
+            sock.close()
+        ctx.term()
+    assert greedy_completion(disagg, max_tokens=3).usage.completion_tokens == 3
+    wait_idle(disagg)
+    assert backend.num_engine_restarts == restarts
+    assert {eid: e.state.epoch for eid, e in backend.engines.items()} == epochs
+
+
 def _kill(svc, role):
     import ray
 

@@ -1,0 +1,88 @@
+"""The gateway's output socket (RayBackend's reader) under hostile input,
+without Ray: malformed messages from a cluster member are dropped and
+counted, peers without the secret are refused and counted, and real outputs
+keep flowing. The counters reach /metrics' text."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgspec
+import zmq
+from prometheus_client import CollectorRegistry
+
+from cluster.engine_actor import free_port
+from cluster.metrics import EngineMetricsCollector, render
+from cluster.ray_backend import GATEWAY_OUTPUT, RayBackend
+from scheduler.messages import EngineOutput, EngineOutputs, EngineRequest, SamplingParams
+from wire.auth import PlaneAuth, generate_secret
+
+SECRET = generate_secret()
+enc = msgspec.msgpack.encode
+
+
+def outputs(rid: str, token: int) -> bytes:
+    return enc(EngineOutputs("decode-0", [EngineOutput(rid, new_token_ids=[token])], 0.0))
+
+
+async def wait_for(predicate, timeout_s=20.0):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)
+
+
+def test_reader_drops_malformed_and_refuses_outsiders():
+    async def scenario():
+        addr = f"tcp://127.0.0.1:{free_port()}"
+        backend = RayBackend(
+            [], tokenizer=None, model_name="m", output_addr=addr, cluster_secret=SECRET
+        )
+        await backend.start(ready_timeout_s=10)
+        ctx = zmq.Context()
+        member = ctx.socket(zmq.PUSH)
+        intruder = ctx.socket(zmq.PUSH)
+        try:
+            q: asyncio.Queue = asyncio.Queue()
+            backend._streams["r1"] = q
+            for sock, secret in ((member, SECRET), (intruder, None)):
+                sock.setsockopt(zmq.LINGER, 0)
+                PlaneAuth(ctx, secret).client(sock)
+                sock.connect(addr)
+            intruder.send_multipart([b"O", outputs("r1", 666)])
+            malformed = [
+                [b"O"],
+                [b"O", outputs("r1", 1), b"extra"],
+                [b"O", b"\xc1 garbage"],
+                [b"O", enc(EngineRequest("r1", [1], SamplingParams()))],  # wrong type
+                [b"X", outputs("r1", 1)],
+                [b"O", b"\x00" * (GATEWAY_OUTPUT.max_frame_bytes + 1)],
+            ]
+            for frames in malformed:
+                member.send_multipart(frames)
+            member.send_multipart([b"O", outputs("r1", 7)])
+            engine_id, out = await asyncio.wait_for(q.get(), 20)
+            assert (engine_id, out.new_token_ids) == ("decode-0", [7])
+            await wait_for(lambda: backend._auth.failures().get("gateway_output", 0) >= 1)
+            member.send_multipart([b"O", outputs("r1", 8)])
+            engine_id, out = await asyncio.wait_for(q.get(), 20)
+            assert out.new_token_ids == [8] and q.empty()  # 666 never arrived
+            snap = backend.metrics_snapshot()
+            assert snap.malformed_frames == {"gateway_output": len(malformed)}
+            registry = CollectorRegistry()
+            registry.register(EngineMetricsCollector(backend))
+            text = render(registry).decode()
+            assert (
+                'tandem:malformed_frames_total{engine="gateway",socket="gateway_output"} 6.0'
+                in text
+            )
+            assert 'tandem:auth_failures_total{engine="gateway",socket="gateway_output"}' in text
+            assert not any(t.done() for t in backend._tasks)  # the reader is alive
+        finally:
+            member.close()
+            intruder.close()
+            ctx.term()
+            await backend.close()
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))
