@@ -68,6 +68,17 @@ def resolve_placement(settings: dict[str, Any]) -> None:
             raise ValueError(f"{key} must be an integer >= 0, got {value!r}")
 
 
+def pool_placement(settings: dict[str, Any], role: str) -> tuple[int, dict[str, float]]:
+    """``(GPUs per engine, Ray resources per engine)`` of one pool, from
+    resolved settings or from a plain settings dict (tests, benchmarks)
+    that leaves the per-pool keys unset."""
+    num_gpus = settings.get(f"{role}_num_gpus_per_engine")
+    if num_gpus is None:
+        num_gpus = settings.get("num_gpus_per_engine") or 0
+    key = f"{role}_ray_resources"
+    return num_gpus, parse_ray_resources(settings.get(key), key)
+
+
 def add_placement_arguments(parser: Any) -> None:
     for role in ROLES:
         parser.add_argument(

@@ -18,7 +18,7 @@ import os
 import sys
 from typing import Any
 
-from cluster.placement import add_placement_arguments, resolve_placement
+from cluster.placement import add_placement_arguments, pool_placement, resolve_placement
 from workers.config import EngineConfig, add_engine_arguments, engine_overrides
 
 logger = logging.getLogger("tandem.serve")
@@ -212,15 +212,9 @@ def pool_specs(
             cluster_secret=secret,
             **per_role[role],
         )
+        num_gpus, resources = pool_placement(settings, role)
         specs.append(
-            PoolSpec(
-                role,
-                n,
-                cfg,
-                settings[f"{role}_num_gpus_per_engine"],
-                settings["max_restarts"],
-                resources=settings[f"{role}_ray_resources"],
-            )
+            PoolSpec(role, n, cfg, num_gpus, settings["max_restarts"], resources=resources)
         )
     return specs
 

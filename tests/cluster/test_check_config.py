@@ -104,3 +104,17 @@ def test_check_config_rejects_bad_config_with_exit_2(tmp_path, yaml_text, argv, 
     assert code == 2 and out == ""
     assert err.startswith("error: ") and message in err
     assert "Traceback" not in err
+
+
+def test_plain_settings_dicts_still_make_pool_specs():
+    """Tests and benchmarks build settings from SERVE_DEFAULTS without
+    resolve_settings: the per-pool keys fall back to the global ones."""
+    from cluster.serve import SERVE_DEFAULTS
+
+    settings = dict(SERVE_DEFAULTS, model="tiny", num_gpus_per_engine=0)
+    per_role = {r: {} for r in ("prefill", "decode", "colocated")}
+    specs = pool_specs(settings, per_role)
+    assert [(s.role, s.num_gpus, s.resources) for s in specs] == [
+        ("prefill", 0, {}),
+        ("decode", 0, {}),
+    ]
