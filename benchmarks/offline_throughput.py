@@ -12,8 +12,10 @@ decode). Engines:
                 of 256 tokens, just enough of them, the same token budget per step as tandem)
     hf-static   transformers' ``model.generate`` on one static batch of all prompts
 
-Models: ``tiny`` (the built-in checkpoint) and ``medium``, a random Llama (hidden 512, 8 layers,
-8 heads, 2 KV heads, vocab 32000) built with transformers and saved to a temporary directory.
+Models: ``tiny`` (the built-in checkpoint), ``medium``, a random Llama (hidden 512, 8 layers,
+8 heads, 2 KV heads, vocab 32000) built with transformers and saved to a temporary directory,
+and ``smollm2`` (``--models smollm2``: SmolLM2-135M-Instruct, 30 layers, from the built-in GGUF;
+every engine loads the cached fp32 directory it converts to, so the weights are the same).
 "match" is the fraction of prompts whose tokens equal hf-static's (near-ties in random models
 may legitimately flip a few under different batch shapes). "cpu s" is the process CPU time of
 the timed run: with one thread, close to "time s" unless other processes took the core.
@@ -57,13 +59,17 @@ Tokens = list[list[int]]
 
 
 def model_path(name: str, tmp_dir: str) -> str:
-    """Directory of ``tiny`` or of the random ``medium`` checkpoint (written once to tmp_dir)."""
+    """Directory of ``tiny``, ``smollm2`` or the random ``medium`` (written once to tmp_dir)."""
     if name == "tiny":
         from workers.tiny import ensure_tiny_model
 
         return ensure_tiny_model()
+    if name == "smollm2":  # the GGUF's converted fp32 directory: both sides load the same weights
+        from workers.loader import resolve_model_path
+
+        return resolve_model_path("smollm2")
     if name != "medium":
-        raise ValueError(f"unknown model {name!r} (tiny or medium)")
+        raise ValueError(f"unknown model {name!r} (tiny, medium or smollm2)")
     from transformers import LlamaConfig, LlamaForCausalLM
 
     path = os.path.join(tmp_dir, "medium")

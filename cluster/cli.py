@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 
 from workers.config import EngineConfig, add_engine_arguments, engine_overrides
@@ -22,6 +23,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from scheduler.messages import SamplingParams
     from workers.llm import LLM
 
+    # say where a GGUF model's converted copy is (first start: how long it took)
+    logging.basicConfig(format="%(message)s", stream=sys.stderr)
+    logging.getLogger("workers.checkpoints").setLevel(logging.INFO)
     if not args.prompt and not args.prompt_token_ids:
         print("error: give at least one --prompt or --prompt-token-ids", file=sys.stderr)
         return 2
