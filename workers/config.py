@@ -57,12 +57,25 @@ class EngineConfig:
     # ZMQ, the development mode of in-process engines; ``tandem serve`` always
     # sets one. Never printed.
     cluster_secret: bytes | None = field(default=None, repr=False)
+    # output backpressure (workers/output_sender.py): ZMQ send queue of the
+    # output socket, the local backlog behind it, and how long the gateway
+    # may read nothing before every stream is cut with an error
+    output_hwm_messages: int = 1000
+    output_backlog_messages: int = 64
+    output_stall_timeout_s: float = 60.0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("output_hwm_messages", "output_backlog_messages"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.output_stall_timeout_s > 0:
+            raise ValueError(
+                f"output_stall_timeout_s must be > 0, got {self.output_stall_timeout_s}"
+            )
         if self.torch_threads < 0:
             raise ValueError(f"torch_threads must be >= 0, got {self.torch_threads}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
@@ -110,6 +123,14 @@ _FLAGS: list[tuple[str, str, Any, str]] = [
     ),
     ("--torch-threads", "torch_threads", int, "CPU threads per engine (0 = torch default)"),
     ("--dense-decode-bytes", "dense_decode_bytes", int, "CPU dense decode KV copy (0 = off)"),
+    ("--output-hwm-messages", "output_hwm_messages", int, "ZMQ send queue to the gateway"),
+    ("--output-backlog-messages", "output_backlog_messages", int, "outputs held before pausing"),
+    (
+        "--output-stall-timeout-s",
+        "output_stall_timeout_s",
+        float,
+        "cut streams when the gateway reads nothing this long",
+    ),
 ]
 _BOOL_OFF_FLAGS = [
     ("--no-prefix-caching", "enable_prefix_caching"),

@@ -27,6 +27,7 @@ from wire.frames import FrameCounters, FrameSpec, MalformedFrame, MiB, peer_addr
 from workers.config import EngineConfig
 from workers.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for
 from workers.loader import load_model, resolve_model_path
+from workers.loop_wait import LoopWait
 from workers.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -143,6 +144,9 @@ class EngineCore:
         self._loop_running = False
         self.malformed_frames = FrameCounters()
         self._auth: Any = None  # wire.auth.PlaneAuth while serve_zmq runs
+        self._output: Any = None  # the loop's OutputSender while serving
+        self.last_step_num_tokens = 0
+        self.num_streams_cut = 0
         self._control: queue.Queue[tuple[Callable[[], Any], Future]] = queue.Queue()
 
     def _make_connector(self):
@@ -199,6 +203,7 @@ class EngineCore:
     def step(self) -> EngineOutputs:
         so = self.scheduler.schedule()
         out = self.runner.execute(so)
+        self.last_step_num_tokens = so.total_num_scheduled_tokens
         return self.scheduler.update_from_output(so, out)
 
     def has_work(self) -> bool:
@@ -213,6 +218,10 @@ class EngineCore:
         if self.connector_worker is not None:
             s["kv_transfer"] = self._kv_metrics()
         s["wire"] = self.wire_stats()
+        sender = self._output
+        s["output_backlog_messages"] = sender.backlog_len if sender is not None else 0
+        s["output_deferred_total"] = sender.num_deferred if sender is not None else 0
+        s["num_streams_cut"] = self.num_streams_cut
         s["engine_id"] = self.config.engine_id
         s["role"] = self.config.role
         s["epoch"] = self.config.epoch
@@ -305,18 +314,24 @@ class EngineCore:
     def serve_zmq(self, input_addr: str, output_addr: str, *, bind_input: bool = True) -> None:
         """Run until ``shutdown()``. Blocks on the input socket when idle, polls
         it without waiting while requests run, and briefly while only
-        transfers are in flight. A malformed input message is dropped and
-        counted (``wire.frames``); with ``config.cluster_secret`` both sockets
-        use CURVE (``wire.auth``) and unauthenticated peers are refused."""
+        transfers are in flight (``workers/loop_wait.py``). A malformed input
+        message is dropped and counted (``wire.frames``); with
+        ``config.cluster_secret`` both sockets use CURVE (``wire.auth``) and
+        unauthenticated peers are refused. Outputs go through a bounded send
+        queue (``workers/output_sender.py``): while the gateway does not keep
+        up the loop stops stepping, when the queue is full it stops reading
+        input, and after ``output_stall_timeout_s`` it cuts every stream."""
         import zmq
 
         from wire.auth import PlaneAuth
+        from workers.output_sender import OutputSender
 
         ctx = zmq.Context()
         self._auth = auth = PlaneAuth(ctx, self.config.cluster_secret)
         inp = ctx.socket(zmq.PULL)
         out = ctx.socket(zmq.PUSH)
         out.setsockopt(zmq.LINGER, 1000)
+        out.setsockopt(zmq.SNDHWM, self.config.output_hwm_messages)
         inp.setsockopt(zmq.LINGER, 0)
         inp.setsockopt(zmq.MAXMSGSIZE, ENGINE_INPUT.hard_limit)
         if bind_input:
@@ -327,18 +342,26 @@ class EngineCore:
             inp.connect(input_addr)
         auth.client(out)
         out.connect(output_addr)
+        sender = self._output = OutputSender(out, self.config.output_backlog_messages)
         poller = zmq.Poller()
         poller.register(inp, zmq.POLLIN)
+        out_poller = zmq.Poller()
+        out_poller.register(out, zmq.POLLOUT)
+        wait = LoopWait()
         enc = msgspec.msgpack.Encoder()
         self._loop_running = True
         try:
             while not self._shutdown.is_set():
-                if self.scheduler.has_unfinished_requests():
-                    timeout_ms = 0
-                elif self.has_work():
-                    timeout_ms = 1
+                if not sender.flush():
+                    if sender.stalled_s > self.config.output_stall_timeout_s:
+                        self._cut_streams(sender)
+                    if sender.full:  # read no input either: wait for the gateway
+                        out_poller.poll(20)
+                        self._run_control()
+                        continue
+                    timeout_ms = 5  # blocked: serve input, do not step
                 else:
-                    timeout_ms = 20
+                    timeout_ms = wait.next_ms(self.has_work(), self.last_step_num_tokens > 0)
                 events = dict(poller.poll(timeout_ms))
                 self._run_control()
                 errors: list[EngineOutput] = []
@@ -356,19 +379,23 @@ class EngineCore:
                     elif kind == b"A":
                         self.abort(msg.request_ids)
                     elif kind == b"U":
-                        out.send_multipart([b"U", enc.encode(self._utility(msg))])
+                        sender.send([b"U", enc.encode(self._utility(msg))])
                     events = dict(poller.poll(0))
+                    wait.reset()
                 if errors:
-                    out.send_multipart(
+                    sender.send(
                         [
                             b"O",
                             enc.encode(EngineOutputs(self.config.engine_id, errors, time.time())),
                         ]
                     )
+                if sender.blocked:
+                    continue  # the gateway is behind: produce nothing new
                 if self.has_work():
                     outputs = self.step()
                     if outputs.outputs:
-                        out.send_multipart([b"O", enc.encode(outputs)])
+                        sender.send([b"O", enc.encode(outputs)])
+                        wait.reset()
                 else:
                     self.runner.release_idle_memory()
         finally:
@@ -378,6 +405,35 @@ class EngineCore:
             out.close()
             auth.close()
             ctx.term()
+
+    def _cut_streams(self, sender: Any) -> None:
+        """The gateway read nothing for ``output_stall_timeout_s``: end every
+        unfinished request with an error (freeing its KV) and queue one
+        error output for them, so a gateway that comes back learns why."""
+        stall_s = sender.stalled_s
+        ids = [rid for rid, r in self.scheduler.requests.items() if not r.is_finished]
+        self.num_streams_cut += len(ids)
+        sender.reset_stall()
+        if not ids:
+            return
+        logger.warning(
+            "engine %s: gateway read no output for %.0f s: cutting %d streams",
+            self.config.engine_id,
+            stall_s,
+            len(ids),
+        )
+        self.abort(ids)
+        message = f"engine {self.config.engine_id}: outputs not read for {stall_s:.0f} s"
+        errors = [
+            EngineOutput(request_id=rid, finish_reason=FinishReason.ERROR, error=message)
+            for rid in ids
+        ]
+        sender.send(
+            [
+                b"O",
+                msgspec.msgpack.encode(EngineOutputs(self.config.engine_id, errors, time.time())),
+            ]
+        )
 
     def _utility(self, call: UtilityCall) -> UtilityResult:
         allowed = {

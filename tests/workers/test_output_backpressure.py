@@ -1,0 +1,147 @@
+"""Backpressure on an engine's output socket: a gateway PULL that stops
+reading slows the engine down (it stops stepping, its send queue stays
+bounded, it keeps answering control calls); when the gateway reads again
+nothing was lost; a gateway that reads nothing past the stall timeout gets
+every stream cut with an error and the engine frees everything."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import time
+
+import msgspec
+import pytest
+import zmq
+
+from cluster.engine_actor import free_port
+from scheduler.messages import EngineOutputs, EngineRequest, FinishReason, SamplingParams
+from workers.config import EngineConfig
+from workers.engine_core import EngineCore
+
+_IDS = itertools.count()
+NUM_REQUESTS = 16
+MAX_TOKENS = 150
+LOGPROBS = 20  # ~250 bytes per token: outputs outgrow the socket buffers fast
+BACKLOG = 4
+
+
+class Gateway:
+    """The gateway's two sockets, with a PULL that holds as little as ZMQ
+    allows; outputs over a Unix socket (fixed kernel buffers, unlike TCP's
+    autotuned ones)."""
+
+    def __init__(self, ipc_path: str) -> None:
+        self.ctx = zmq.Context()
+        self.pull = self.ctx.socket(zmq.PULL)
+        self.pull.setsockopt(zmq.RCVHWM, 1)
+        self.pull.setsockopt(zmq.RCVBUF, 4096)
+        self.out_addr = f"ipc://{ipc_path}"
+        self.pull.bind(self.out_addr)
+        self.in_addr = f"tcp://127.0.0.1:{free_port()}"
+        self.push = self.ctx.socket(zmq.PUSH)
+        self.push.setsockopt(zmq.LINGER, 0)
+        self.tokens: dict[str, int] = {}
+        self.finals: dict[str, object] = {}
+        self._dec = msgspec.msgpack.Decoder(EngineOutputs)
+
+    def send(self, req: EngineRequest) -> None:
+        self.push.send_multipart([b"R", msgspec.msgpack.encode(req)])
+
+    def read_until_finished(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while len(self.finals) < NUM_REQUESTS:
+            assert time.monotonic() < deadline, f"{len(self.finals)} of {NUM_REQUESTS} finished"
+            if not self.pull.poll(100):
+                continue
+            kind, payload = self.pull.recv_multipart()
+            if kind != b"O":
+                continue
+            for out in self._dec.decode(payload).outputs:
+                self.tokens[out.request_id] = self.tokens.get(out.request_id, 0) + len(
+                    out.new_token_ids
+                )
+                if out.finish_reason is not None:
+                    self.finals[out.request_id] = out
+
+    def close(self) -> None:
+        self.pull.close(0)
+        self.push.close(0)
+        self.ctx.term()
+
+
+@pytest.fixture
+def served(tiny_model_dir, request):
+    stall_s = getattr(request, "param", 600.0)
+    config = EngineConfig(
+        model=tiny_model_dir,
+        num_kv_blocks=NUM_REQUESTS * 12,
+        max_model_len=256,
+        output_hwm_messages=1,
+        output_backlog_messages=BACKLOG,
+        output_stall_timeout_s=stall_s,
+    )
+    engine = EngineCore(config)
+    gw = Gateway(f"/tmp/tandem-bp-{os.getpid()}-{next(_IDS)}")
+    thread = threading.Thread(target=engine.serve_zmq, args=(gw.in_addr, gw.out_addr), daemon=True)
+    thread.start()
+    gw.push.connect(gw.in_addr)
+    try:
+        yield engine, gw
+    finally:
+        engine.shutdown()
+        thread.join(10)
+        gw.close()
+        assert not thread.is_alive()
+
+
+def send_all(gw: Gateway) -> None:
+    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=LOGPROBS)
+    for i in range(NUM_REQUESTS):
+        gw.send(EngineRequest(f"r{i}", [5 + i, 6, 7, 8], sp))
+
+
+def in_loop(engine: EngineCore, fn):
+    return engine.call_in_loop(fn, timeout_s=10.0)  # the loop must keep answering
+
+
+def wait_blocked(engine: EngineCore, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while in_loop(engine, engine.stats)["output_backlog_messages"] == 0:
+        assert time.monotonic() < deadline, "the engine never had to hold outputs back"
+        time.sleep(0.05)
+
+
+def test_slow_gateway_slows_the_engine_and_loses_nothing(served):
+    engine, gw = served
+    send_all(gw)
+    wait_blocked(engine)
+    generated = lambda: engine.scheduler.num_generation_tokens  # noqa: E731
+    before = in_loop(engine, generated)
+    samples = []
+    for _ in range(10):
+        time.sleep(0.1)
+        samples.append(in_loop(engine, engine.stats)["output_backlog_messages"])
+    assert in_loop(engine, generated) == before  # no stepping while the gateway is behind
+    assert max(samples) <= BACKLOG + 1  # bounded memory
+    assert before < NUM_REQUESTS * MAX_TOKENS
+    gw.read_until_finished(timeout_s=300)
+    assert gw.tokens == {f"r{i}": MAX_TOKENS for i in range(NUM_REQUESTS)}
+    assert {o.finish_reason for o in gw.finals.values()} == {FinishReason.LENGTH}
+    assert in_loop(engine, engine.check_integrity)
+
+
+@pytest.mark.parametrize("served", [1.0], indirect=True)
+def test_gateway_reading_nothing_past_the_stall_timeout_cuts_streams(served):
+    engine, gw = served
+    send_all(gw)
+    wait_blocked(engine)
+    deadline = time.monotonic() + 60
+    while in_loop(engine, engine.stats)["num_streams_cut"] < NUM_REQUESTS:
+        assert time.monotonic() < deadline, "streams were not cut"
+        time.sleep(0.1)
+    assert in_loop(engine, engine.check_integrity)  # nothing held: KV all free
+    gw.read_until_finished(timeout_s=120)
+    for out in gw.finals.values():
+        assert out.finish_reason == FinishReason.ERROR and "not read" in out.error
