@@ -52,7 +52,7 @@ def main() -> None:
     h = Harness()
     rows = []
     try:
-        common = dict(num_kv_blocks=64, max_model_len=256, torch_threads=1)
+        common = dict(model="tiny", num_kv_blocks=64, max_model_len=256, torch_threads=1)
         kv = dict(kv_connector="nixl", kv_lease_s=600.0, kv_load_timeout_s=600.0)
         h.start("C", EngineConfig(role="colocated", **common))
         h.start("P", EngineConfig(role="prefill", **common, **kv))
