@@ -259,7 +259,12 @@ class RayBackend(Backend):
     async def abort(self, request_id: str) -> None:
         for e in self.engines.values():
             if request_id in e.requests:
-                self._send(e, b"A", EngineAbort([request_id]))
+                try:
+                    self._send(e, b"A", EngineAbort([request_id]))
+                except (BackendUnavailable, zmq.Again):
+                    # input queue full (engine stalled behind its outputs): its
+                    # stall timeout ends the request there
+                    logger.warning("abort of %s not delivered to %s", request_id, e.state.engine_id)
                 e.requests.discard(request_id)
 
     def _send(self, e: _Engine, kind: bytes, msg: Any) -> None:
@@ -358,7 +363,11 @@ class RayBackend(Backend):
         e.requests.add(request.request_id)
         e.state.num_inflight += 1
         try:
-            self._send(e, b"R", request)
+            try:
+                self._send(e, b"R", request)
+            except zmq.Again:  # the engine stopped reading: its output queue is full
+                yield _error(request.request_id, f"engine {eid} is not accepting requests")
+                return
             while True:
                 item = await q.get()
                 if item[0] != eid:
