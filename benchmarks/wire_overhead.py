@@ -10,7 +10,9 @@ which decodes every batch the way the gateway does. Three configurations:
   curve   : checked, with CURVE on both sockets (tandem serve's default)
 
 Reports microseconds per batch (sender and reader in one process, so the
-figure includes both ends) and the overhead against ``plain``. Run:
+figure includes both ends) and the overhead against ``plain``; then the
+reader's decode alone (no sockets, best of 5 timeit runs, so little
+affected by other load on the machine). Run:
 python benchmarks/wire_overhead.py [--batches 20000] [--batch-size 1 8 64] [--repeat 3]
 """
 
@@ -22,6 +24,7 @@ import statistics
 import sys
 import threading
 import time
+import timeit
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -46,13 +49,7 @@ def run(mode: str, num_batches: int, batch_size: int) -> float:
     port = pull.bind_to_random_port("tcp://127.0.0.1")
     client_auth.client(push)
     push.connect(f"tcp://127.0.0.1:{port}")
-    payload = msgspec.msgpack.encode(
-        EngineOutputs(
-            "decode-0",
-            [EngineOutput(f"req-{i}", new_token_ids=[1234]) for i in range(batch_size)],
-            0.0,
-        )
-    )
+    payload = _batch(batch_size)
     push.send_multipart([b"O", payload])  # connect + handshake outside the timing
     pull.recv_multipart()
     decoder = msgspec.msgpack.Decoder(EngineOutputs)
@@ -80,6 +77,21 @@ def run(mode: str, num_batches: int, batch_size: int) -> float:
     return elapsed / num_batches * 1e6
 
 
+def _batch(size: int) -> bytes:
+    outputs = [EngineOutput(f"req-{i}", new_token_ids=[1234]) for i in range(size)]
+    return msgspec.msgpack.encode(EngineOutputs("decode-0", outputs, 0.0))
+
+
+def decode_only_us(size: int, number: int = 100_000) -> tuple[float, float]:
+    """(plain decode, FrameSpec.decode of received zmq.Frames), µs per batch."""
+    payload = _batch(size)
+    decoder = msgspec.msgpack.Decoder(EngineOutputs)
+    frames = [zmq.Frame(b"O"), zmq.Frame(payload)]
+    plain = min(timeit.repeat(lambda: decoder.decode(payload), number=number, repeat=5))
+    checked = min(timeit.repeat(lambda: GATEWAY_OUTPUT.decode(frames), number=number, repeat=5))
+    return plain / number * 1e6, checked / number * 1e6
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batches", type=int, default=20000)
@@ -95,20 +107,18 @@ def main() -> None:
             mode: statistics.median(run(mode, args.batches, size) for _ in range(args.repeat))
             for mode in ("plain", "checked", "curve")
         }
-        nbytes = len(
-            msgspec.msgpack.encode(
-                EngineOutputs(
-                    "decode-0",
-                    [EngineOutput(f"req-{i}", new_token_ids=[1234]) for i in range(size)],
-                    0.0,
-                )
-            )
-        )
+        nbytes = len(_batch(size))
         print(
             f"| {size} | {nbytes} | {med['plain']:.1f} | {med['checked']:.1f} | {med['curve']:.1f} "
             f"| {100 * (med['checked'] / med['plain'] - 1):+.0f}% "
             f"| {100 * (med['curve'] / med['plain'] - 1):+.0f}% |"
         )
+    print("\nreader decode alone (best of 5):")
+    print("| outputs/batch | plain decode µs | FrameSpec.decode µs |")
+    print("| --- | --- | --- |")
+    for size in args.batch_size:
+        plain, checked = decode_only_us(size)
+        print(f"| {size} | {plain:.2f} | {checked:.2f} |")
 
 
 if __name__ == "__main__":

@@ -210,7 +210,7 @@ class SideChannelServer:
         """``[identity, b"", payload]`` from a REQ or DEALER peer. A malformed
         message is counted; if it is REQ-shaped it gets an error reply (so a
         REQ client fails at once instead of at its deadline)."""
-        if len(frames) != 3 or len(frame_bytes(frames[1])) != 0:
+        if len(frames) != 3 or len(frames[1]) != 0:
             self.malformed_frames.record(
                 SERVER_SOCKET,
                 peer_address(frames),
@@ -218,9 +218,8 @@ class SideChannelServer:
             )
             return None
         try:
-            payload = frame_bytes(frames[2])
-            check_size(payload, MAX_REQUEST_BYTES)
-            message = decode(_REQUEST_DECODER, payload)
+            check_size(frames[2], MAX_REQUEST_BYTES)
+            message = decode(_REQUEST_DECODER, frame_bytes(frames[2]))
         except MalformedFrame as e:
             self.malformed_frames.record(SERVER_SOCKET, peer_address(frames), e)
             return msgspec.msgpack.encode(
@@ -282,9 +281,8 @@ def fetch_handshake(
     try:
         if len(frames) != 1:
             raise MalformedFrame(f"expected 1 frame, got {len(frames)}")
-        raw = frame_bytes(frames[0])
-        check_size(raw, MAX_REPLY_BYTES)
-        response = decode(_REPLY_DECODER, raw)
+        check_size(frames[0], MAX_REPLY_BYTES)
+        response = decode(_REPLY_DECODER, frame_bytes(frames[0]))
     except MalformedFrame as e:
         if malformed is not None:
             malformed.record(REPLY_SOCKET, f"{host}:{port}", e)
