@@ -51,6 +51,18 @@ def setup(monkeypatch):
         worker.shutdown()
 
 
+def stop(pid: int) -> None:
+    """SIGSTOP ``pid`` and wait until the kernel shows it stopped."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while True:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                return
+        assert time.monotonic() < deadline, "the prefill process did not stop"
+        time.sleep(0.005)
+
+
 def start(scheduler, worker, request_id, params, num_prompt, local_block_ids):
     req = Request(
         request_id, list(range(num_prompt + 1)), SamplingParams(), kv_transfer_params=params
@@ -85,7 +97,7 @@ def test_refused_release_quarantines_blocks_until_the_late_read_lands(setup):
     agent.test_refuse_release = lambda handle: agent.check(handle) == "PROC"
     agent.test_refuse_remove_peer = lambda name: True  # removing the peer fails too
     params = proc.finish("late", 16, [8, 9, 10, 11])
-    os.kill(proc.process.pid, signal.SIGSTOP)  # P stops progressing UCX
+    stop(proc.process.pid)  # P stops progressing UCX
     start(scheduler, worker, "late", params, 16, [20, 21, 22, 23])
     # past the 1 s deadline the READ is still in flight: not reported, blocks held
     assert not poll_until(worker, "late", 2.5)
@@ -108,7 +120,7 @@ def test_refused_release_removes_the_peer_and_nothing_lands(setup):
     read_ok(setup, "warm", [0, 1, 2, 3], [0, 1, 2, 3])
     worker.agent.test_refuse_release = lambda handle: True  # NIXL never frees the handle
     params = proc.finish("late", 16, [8, 9, 10, 11])
-    os.kill(proc.process.pid, signal.SIGSTOP)
+    stop(proc.process.pid)
     start(scheduler, worker, "late", params, 16, [20, 21, 22, 23])
     # at the deadline the peer's agent is removed: no READ of it can land, so
     # the blocks are reported (as load errors) without waiting for P
