@@ -102,6 +102,9 @@ class Backend(abc.ABC):
         - An output with ``finish_reason`` STOP (EOS or a stop token id) carries
           that stop token as the last of its ``new_token_ids``; the gateway
           counts it but does not detokenize it.
+        - Under P/D, the first token-bearing output is the prefill engine's
+          and carries its ``kv_transfer_params`` (the gateway labels the
+          request's latencies ``path="remote"``); any other output has none.
         - An engine/transfer failure is a final output with ``finish_reason``
           ERROR and ``error`` text, never an exception and never silent garbage.
         - If the consumer stops iterating early (``aclose()``), the gateway

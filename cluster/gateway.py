@@ -367,14 +367,17 @@ class Gateway:
         metrics.num_requests_in_flight += 1
         outcome = "abort"  # until a final output says otherwise
         last_token_s = 0.0
+        path = "local"  # "remote" once the first token came from a prefill engine
         try:
             async for output in outputs:
                 now_s = time.perf_counter()
                 if output.new_token_ids:
                     if last_token_s:
-                        metrics.inter_token_latency.observe(now_s - last_token_s)
+                        metrics.inter_token_latency.observe(now_s - last_token_s, path)
                     else:
-                        metrics.time_to_first_token.observe(now_s - job.arrival_s)
+                        # P's first token carries the KV handoff (Backend.generate)
+                        path = "remote" if output.kv_transfer_params else "local"
+                        metrics.time_to_first_token.observe(now_s - job.arrival_s, path)
                         # The first output's prefix hit is the request's: under P/D
                         # it is P's (tokens not computed); D's local hits only save
                         # reading blocks from P, not computing them.
@@ -408,7 +411,7 @@ class Gateway:
                 metrics.num_generation_tokens += job.num_output_tokens
                 reason = "stop" if outcome == "stop-string" else outcome
                 metrics.finished(reason)
-                metrics.e2e_request_latency.observe(time.perf_counter() - job.arrival_s)
+                metrics.e2e_request_latency.observe(time.perf_counter() - job.arrival_s, path)
 
     def _step(self, job: _Job, detokenizer: IncrementalDetokenizer, output: EngineOutput) -> _Step:
         token_ids = output.new_token_ids

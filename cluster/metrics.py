@@ -60,11 +60,39 @@ class LoopHistogram:
         self.sum += value
 
     def family(self) -> HistogramMetricFamily:
+        return HistogramMetricFamily(
+            self.name, self.help_text, buckets=self.buckets(), sum_value=self.sum
+        )
+
+    def buckets(self) -> list[tuple[str, int]]:
         cumulative, buckets = 0, []
         for bound, count in zip((*self.bounds, math.inf), self.counts, strict=True):
             cumulative += count
             buckets.append(("+Inf" if bound == math.inf else _le(bound), cumulative))
-        return HistogramMetricFamily(self.name, self.help_text, buckets=buckets, sum_value=self.sum)
+        return buckets
+
+
+class PathHistogram:
+    """One ``LoopHistogram`` per request path, exported as one family with a
+    ``path`` label: ``remote`` (prefilled on a prefill engine, KV handed to
+    decode) or ``local`` (prefilled where it decodes: colocated, or short
+    prompts under conditional disaggregation)."""
+
+    def __init__(self, name: str, help_text: str, bounds_s: tuple[float, ...]) -> None:
+        self.name, self.help_text, self.bounds = name, help_text, bounds_s
+        self.by_path = {path: LoopHistogram(name, help_text, bounds_s) for path in PATHS}
+
+    def observe(self, value: float, path: str) -> None:
+        self.by_path[path].observe(value)
+
+    def family(self) -> HistogramMetricFamily:
+        family = HistogramMetricFamily(self.name, self.help_text, labels=["path"])
+        for path, histogram in self.by_path.items():
+            family.add_metric([path], histogram.buckets(), histogram.sum)
+        return family
+
+
+PATHS = ("local", "remote")
 
 
 class GatewayMetrics(Collector):
@@ -72,17 +100,17 @@ class GatewayMetrics(Collector):
     read by the ``/metrics`` handler on the same loop."""
 
     def __init__(self) -> None:
-        self.time_to_first_token = LoopHistogram(
+        self.time_to_first_token = PathHistogram(
             f"{PREFIX}time_to_first_token_seconds",
             "Arrival at the gateway to the first generated token.",
             _TTFT_BUCKETS_S,
         )
-        self.inter_token_latency = LoopHistogram(
+        self.inter_token_latency = PathHistogram(
             f"{PREFIX}inter_token_latency_seconds",
             "Time between consecutive token-bearing engine outputs of a request.",
             _ITL_BUCKETS_S,
         )
-        self.e2e_request_latency = LoopHistogram(
+        self.e2e_request_latency = PathHistogram(
             f"{PREFIX}e2e_request_latency_seconds",
             "Arrival at the gateway to the request's last output.",
             _REQUEST_BUCKETS_S,

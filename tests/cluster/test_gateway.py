@@ -564,9 +564,9 @@ def test_metrics_counts(tokenizer, http):
     assert values["tandem:prompt_tokens_total"] == 5
     assert values["tandem:generation_tokens_total"] == 10
     assert values['tandem:request_success_total{finished_reason="length"}'] == 2
-    assert values["tandem:time_to_first_token_seconds_count"] == 2
-    assert values["tandem:inter_token_latency_seconds_count"] == 3 + 5
-    assert values["tandem:e2e_request_latency_seconds_count"] == 2
+    assert values['tandem:time_to_first_token_seconds_count{path="local"}'] == 2
+    assert values['tandem:inter_token_latency_seconds_count{path="local"}'] == 3 + 5
+    assert values['tandem:e2e_request_latency_seconds_count{path="local"}'] == 2
     assert values["tandem:num_requests_in_flight"] == 0
 
 
