@@ -1,0 +1,194 @@
+"""The Grafana dashboards the chart ships (helm/tandem/dashboards/*.json):
+Grafana's dashboard JSON model, PromQL that parses (promql-parser), and
+every metric they query exposed by a running 1P+1D service's /metrics."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import promql_parser
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+DASHBOARDS = Path(__file__).resolve().parents[2] / "helm" / "tandem" / "dashboards"
+TITLES = {
+    "tandem-overview.json": "Tandem / Overview",
+    "tandem-prefill-decode.json": "Tandem / Prefill-Decode",
+}
+# Grafana's built-in interval variable; everything else in our PromQL is plain.
+GRAFANA_VARIABLES = {"$__rate_interval": "5m"}
+
+
+def load(name: str) -> dict:
+    return json.loads((DASHBOARDS / name).read_text())
+
+
+def exprs(dashboard: dict) -> list[str]:
+    return [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+
+
+def metric_names(expr: str) -> set[str]:
+    """Names of every series selector in ``expr`` (``foo_bucket`` included)."""
+    for variable, value in GRAFANA_VARIABLES.items():
+        expr = expr.replace(variable, value)
+    names: set[str] = set()
+
+    def visit(node) -> bool:
+        if isinstance(node, promql_parser.VectorSelector):
+            assert node.name, f"selector without a metric name in {expr!r}"
+            names.add(node.name)
+        return True
+
+    promql_parser.walk(promql_parser.parse(expr), visit)
+    return names
+
+
+def test_the_two_dashboards_exist():
+    assert sorted(p.name for p in DASHBOARDS.glob("*.json")) == sorted(TITLES)
+
+
+@pytest.mark.parametrize("name", sorted(TITLES))
+def test_dashboard_json_model(name):
+    """The fields Grafana's dashboard model requires, with their types, and a
+    layout inside the 24-column grid with no overlapping panels."""
+    board = load(name)
+    assert board["title"] == TITLES[name]
+    assert isinstance(board["uid"], str) and 0 < len(board["uid"]) <= 40
+    assert isinstance(board["schemaVersion"], int) and board["schemaVersion"] >= 36
+    assert isinstance(board["version"], int)
+    assert set(board["time"]) == {"from", "to"}
+    assert isinstance(board["templating"]["list"], list)
+    assert any(v["type"] == "datasource" for v in board["templating"]["list"])
+    ids, cells = set(), set()
+    assert board["panels"]
+    for panel in board["panels"]:
+        assert isinstance(panel["id"], int) and panel["id"] not in ids
+        ids.add(panel["id"])
+        assert panel["type"] == "timeseries" and panel["title"]
+        assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
+        pos = panel["gridPos"]
+        assert all(isinstance(pos[k], int) for k in ("h", "w", "x", "y"))
+        assert 0 <= pos["x"] and pos["x"] + pos["w"] <= 24 and pos["h"] > 0
+        area = {
+            (x, y)
+            for x in range(pos["x"], pos["x"] + pos["w"])
+            for y in range(pos["y"], pos["y"] + pos["h"])
+        }
+        assert not area & cells, f"panel {panel['title']!r} overlaps another"
+        cells |= area
+        ref_ids = [t["refId"] for t in panel["targets"]]
+        assert panel["targets"] and len(set(ref_ids)) == len(ref_ids)
+        assert "unit" in panel["fieldConfig"]["defaults"]
+
+
+def test_every_expression_parses_and_names_tandem_metrics():
+    for name in TITLES:
+        for expr in exprs(load(name)):
+            names = metric_names(expr)
+            assert names and all(n.startswith("tandem:") for n in names), expr
+
+
+def test_extractor_finds_every_selector_and_rejects_bad_promql():
+    expr = (
+        "histogram_quantile(0.9, sum by (le) (rate(tandem:a_bucket[$__rate_interval])))"
+        ' / on() group_left() sum(tandem:b{engine=~"$engine"}) + tandem:c offset 5m'
+    )
+    assert metric_names(expr) == {"tandem:a_bucket", "tandem:b", "tandem:c"}
+    with pytest.raises(Exception):  # noqa: B017 - the parser's own error type
+        metric_names("sum(rate(tandem:a[5m])")
+
+
+def test_the_issue_panels_are_there():
+    overview = " ".join(exprs(load("tandem-overview.json")))
+    for needed in (
+        "tandem:request_success_total",
+        "tandem:request_rejected_total",
+        "sum by (le, path) (rate(tandem:time_to_first_token_seconds_bucket",
+        "sum by (le, path) (rate(tandem:inter_token_latency_seconds_bucket",
+        "sum by (le, path) (rate(tandem:e2e_request_latency_seconds_bucket",
+        "tandem:prompt_tokens_total",
+        "tandem:generation_tokens_total",
+        "sum by (role) (tandem:num_requests_running)",
+        "sum by (role) (tandem:num_requests_waiting)",
+    ):
+        assert needed in overview, needed
+    pd = " ".join(exprs(load("tandem-prefill-decode.json")))
+    for needed in (
+        "tandem:kv_cache_usage_perc",
+        "tandem:kv_blocks_held_for_transfer",
+        "tandem:kv_loads_in_flight",
+        "tandem:kv_transfer_bytes_total",
+        "tandem:kv_transfer_seconds_bucket",
+        "tandem:kv_transfer_failures_total",
+        "tandem:kv_lease_expiries_total",
+        "tandem:prefix_cache_hits_total",
+        "tandem:num_preemptions_total",
+        "tandem:disagg_decisions_total",
+    ):
+        assert needed in pd, needed
+
+
+def wait_idle_and_check(svc, deadline_s: float = 30.0) -> None:
+    """Every engine idle (nothing running, waiting or held), then check_integrity()."""
+    end = time.monotonic() + deadline_s
+    busy_keys = (
+        "num_running_reqs",
+        "num_waiting_reqs",
+        "num_waiting_for_remote_kvs",
+        "num_blocks_held_for_transfer",
+    )
+    while True:
+        stats = svc.run(svc.service.backend.call_all("stats"))
+        busy = {e: s for e, s in stats.items() if any(s.get(k) for k in busy_keys)}
+        if not busy:
+            break
+        assert time.monotonic() < end, f"engines not idle: {busy}"
+        time.sleep(0.1)
+    assert all(svc.run(svc.service.backend.call_all("check_integrity")).values())
+
+
+@pytest.mark.slow
+def test_every_queried_metric_is_exposed_by_a_running_service():
+    """A real 1 prefill + 1 decode service on a local Ray, fed one remote and
+    one local request and one rejected one; then every name the dashboards
+    query is a sample of /metrics, and latencies carry both paths."""
+    import ray
+
+    from cluster.serve import SERVE_DEFAULTS, ServiceThread
+
+    engine = {"num_kv_blocks": 128, "max_num_seqs": 16, "max_model_len": 512}
+    settings = dict(
+        SERVE_DEFAULTS, model="tiny", ray_dashboard=False, prefill=1, decode=1, disagg_min_tokens=32
+    )
+    per_role = {r: dict(engine) for r in ("prefill", "decode", "colocated")}
+    ray.init(include_dashboard=False, num_cpus=2, log_to_driver=False)
+    try:
+        with ServiceThread(settings, per_role) as svc:
+            client = openai.OpenAI(
+                base_url=svc.base_url + "/v1", api_key="x", max_retries=0, timeout=60
+            )
+            long_prompt = "the quick brown fox " * 16  # >= 32 tokens: remote prefill
+            client.completions.create(model="tiny", prompt=long_prompt, max_tokens=4)
+            client.completions.create(model="tiny", prompt="hi", max_tokens=4)  # local
+            bad = httpx.post(svc.base_url + "/v1/completions", json={"model": "tiny"}, timeout=30)
+            assert bad.status_code == 400
+            text = httpx.get(svc.base_url + "/metrics", timeout=30).text
+            samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
+            wait_idle_and_check(svc)
+    finally:
+        ray.shutdown()
+    exposed = {s.name for s in samples}
+    queried = {n for name in TITLES for e in exprs(load(name)) for n in metric_names(e)}
+    assert queried - exposed == set()
+    ttft_paths = {
+        s.labels["path"]: s.value
+        for s in samples
+        if s.name == "tandem:time_to_first_token_seconds_count"
+    }
+    assert ttft_paths == {"remote": 1.0, "local": 1.0}
+    engines = {s.labels["engine"] for s in samples if s.name == "tandem:kv_loads_in_flight"}
+    assert engines == {"prefill-0", "decode-0"}
