@@ -73,7 +73,9 @@ EXPOSED = {  # API key from a chart-made Secret, Ingress, ServiceMonitor, hub mo
 }
 SCENARIOS = {
     "defaults": {},
-    "examples/gpu-values.yaml": yaml.safe_load((CHART / "examples" / "gpu-values.yaml").read_text()),
+    "examples/gpu-values.yaml": yaml.safe_load(
+        (CHART / "examples" / "gpu-values.yaml").read_text()
+    ),
     "gpu-2pxtp2-4dxtp1": GPU_DISAGG,
     "colocated-only": COLOCATED_ONLY,
     "apikey-ingress-servicemonitor": EXPOSED,
