@@ -137,6 +137,13 @@ def test_lint_is_clean_in_strict_mode(scenario):
     assert report["errors"] == [] and problems == [], report
 
 
+def test_lint_reports_bad_values():
+    """The lint oracle is not vacuous: values the schema rejects are errors."""
+    report = helm.lint(str(CHART), {"pools": {"decode": {"replicas": -1}}}, strict=True)
+    problems = [m["error"] for m in report["messages"] if m["severity"] >= 2] + report["errors"]
+    assert any("replicas" in p for p in problems), report
+
+
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_every_object_validates(scenario):
     objects = render(SCENARIOS[scenario])
