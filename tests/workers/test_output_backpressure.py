@@ -21,6 +21,8 @@ from workers.config import EngineConfig
 from workers.engine_core import EngineCore
 
 _IDS = itertools.count()
+pytestmark = pytest.mark.slow  # an engine loop on real sockets, ~20 s
+
 NUM_REQUESTS = 16
 MAX_TOKENS = 150
 LOGPROBS = 20  # ~250 bytes per token: outputs outgrow the socket buffers fast
