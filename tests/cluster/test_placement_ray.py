@@ -17,7 +17,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def two_groups():
-    """Head (no pool resource) + a 'prefill' node + a 'decode' node, all on 127.0.0.1."""
+    """Head (no pool resource) + a 'prefill' node + a 'decode' node, all on
+    127.0.0.1; the two pool nodes advertise 2 logical GPUs (no device)."""
     import ray
     import ray._private.ray_constants as ray_constants
     from ray.cluster_utils import Cluster
@@ -33,10 +34,10 @@ def two_groups():
     )
     nodes = {
         "prefill": cluster.add_node(
-            num_cpus=1, resources={"tandem_prefill": 2}, node_ip_address="127.0.0.1"
+            num_cpus=1, num_gpus=2, resources={"tandem_prefill": 2}, node_ip_address="127.0.0.1"
         ),
         "decode": cluster.add_node(
-            num_cpus=1, resources={"tandem_decode": 2}, node_ip_address="127.0.0.1"
+            num_cpus=1, num_gpus=2, resources={"tandem_decode": 2}, node_ip_address="127.0.0.1"
         ),
     }
     ray.init(address=cluster.address, log_to_driver=False)
@@ -94,5 +95,34 @@ def test_a_pool_whose_resource_no_node_has_is_not_placed(two_groups):
     try:
         ready, _ = ray.wait([handles[0].actor.ready.remote()], timeout=3)
         assert ready == []
+    finally:
+        stop_pools(handles, timeout_s=2)
+
+
+def test_gpu_engines_placement_groups_land_on_their_pools_nodes(two_groups):
+    """With GPUs per engine, each engine's placement group bundle carries its
+    pool's resource too, so the bundle (and the engine in it) is reserved on
+    the pool's node. Logical GPUs only: the engines themselves cannot start
+    CUDA here, so the test checks where Ray reserved their bundles."""
+    from ray.util.placement_group import placement_group_table
+
+    node_of_pool, _ = two_groups
+    args = build_parser().parse_args(
+        [
+            "serve", "--prefill", "1", "--decode", "1", "--max-restarts", "0",
+            "--num-gpus-per-engine", "1", "--prefill-num-gpus-per-engine", "2",
+            "--prefill-ray-resources", '{"tandem_prefill": 1}',
+            "--decode-ray-resources", '{"tandem_decode": 1}',
+        ]
+    )  # fmt: skip
+    handles = start_pools(pool_specs(*resolve_settings(args)), "tcp://127.0.0.1:1")
+    try:
+        for handle in handles:
+            assert handle.placement_group.wait(timeout_seconds=60)
+            table = placement_group_table(handle.placement_group)
+            role = handle.role
+            gpus = 2.0 if role == "prefill" else 1.0
+            assert table["bundles"] == {0: {"GPU": gpus, "CPU": 1.0, f"tandem_{role}": 1.0}}
+            assert table["bundles_to_node_id"] == {0: node_of_pool[role]}
     finally:
         stop_pools(handles, timeout_s=2)
