@@ -257,10 +257,13 @@ class EngineCore:
                 "kv_transfer_failures_total": raw.get("num_failures", 0.0),
                 "kv_transfer_notification_failures_total": raw.get("num_notif_failures", 0.0),
                 "kv_lease_expiries_total": raw.get("num_lease_expiries", 0.0),
+                "kv_quarantined_loads_total": raw.get("num_quarantined_loads_total", 0.0),
             },
             "gauges": {
                 "kv_blocks_held_for_transfer": raw.get("num_blocks_held_for_transfer", 0.0),
                 "kv_loads_in_flight": raw.get("num_loads_in_flight", 0.0),
+                # loads whose READ NIXL could not cancel: their blocks wait
+                "kv_loads_in_quarantine": raw.get("num_loads_quarantined", 0.0),
             },
             "histograms": {
                 "kv_transfer_seconds": dict(hist, bucket_counts=list(hist["bucket_counts"]))
