@@ -41,7 +41,7 @@ def service():
 
 @pytest.fixture(scope="module")
 def offline() -> LLM:
-    return LLM(EngineConfig(model="smollm2", num_kv_blocks=64, max_model_len=1024))
+    return LLM(EngineConfig(model="smollm2", num_kv_blocks=64, max_model_len=1024, torch_threads=1))
 
 
 def client(svc) -> openai.OpenAI:

@@ -65,6 +65,14 @@ def test_not_a_gguf_file(tmp_path, cache, capsys):
     assert_nothing_cached(cache)
 
 
+def test_serve_refuses_a_bad_model_before_starting_anything(tmp_path, cache, capsys):
+    bogus = tmp_path / "notes.gguf"
+    bogus.write_text("not a model\n")
+    assert tandem_main(["serve", "--model", str(bogus), "--port", "1"]) == 2
+    assert_one_line_error(capsys.readouterr().err, str(bogus), "not a GGUF file")
+    assert_nothing_cached(cache)
+
+
 def test_truncated_gguf_file(tmp_path, cache, capsys):
     import gguf
 
