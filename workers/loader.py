@@ -70,6 +70,8 @@ def resolve_model_path(model: str, *, cache_dir: str | None = None) -> str:
     if os.path.isdir(expanded):
         gguf = _lone_gguf(expanded)
         return ensure_converted(gguf) if gguf else os.path.abspath(expanded)
+    if model.endswith(".gguf"):
+        raise FileNotFoundError(f"{model}: no such GGUF file")
     if model.startswith(("/", ".", "~")) or model.count("/") > 1:
         raise FileNotFoundError(f"model directory {model!r} does not exist")
     return _download(model, cache_dir)

@@ -137,9 +137,10 @@ def test_missing_model_package_says_how_to_install(cache, capsys, monkeypatch):
 
 
 def test_missing_gguf_file(cache, capsys):
-    rc, err = run_generate("/nonexistent/dir/model.gguf", capsys)
-    assert rc == 2
-    assert_one_line_error(err, "/nonexistent/dir/model.gguf")
+    for missing in ("/nonexistent/dir/model.gguf", "model.gguf"):
+        rc, err = run_generate(missing, capsys)
+        assert rc == 2
+        assert_one_line_error(err, missing, "no such GGUF file")
     assert_nothing_cached(cache)
 
 
