@@ -109,6 +109,10 @@ class Backend(abc.ABC):
           ERROR and ``error`` text, never an exception and never silent garbage.
         - If the consumer stops iterating early (``aclose()``), the gateway
           also calls ``abort``; the generator's cleanup must not block.
+        - A backend that buffers outputs may bound the buffer: when the
+          consumer falls that far behind (a client that does not read), it
+          aborts the request and cancels the task iterating the generator,
+          as a client disconnect would.
         """
 
     @abc.abstractmethod

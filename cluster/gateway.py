@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import hmac
 import inspect
 import logging
 import socket
@@ -95,8 +96,12 @@ def create_app(
     app = _GatewayApp(title="tandem", docs_url=None, redoc_url=None, openapi_url=None, **_NO_OTEL)
     app.state.gateway = gateway
 
+    # constant-time comparison: the key's prefix cannot be learned by timing
+    expected_authorization = f"Bearer {api_key}".encode()
+
     def check_api_key(request: Request) -> None:
-        if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
+        given = request.headers.get("authorization", "").encode()
+        if api_key is not None and not hmac.compare_digest(given, expected_authorization):
             raise ProtocolError(
                 "Invalid or missing API key.",
                 status_code=401,

@@ -16,10 +16,25 @@ Both ZMQ directions are checked and, with a cluster secret, authenticated
 members, each engine PUSH a CURVE client; a malformed output message is
 dropped and counted (``gateway_output``), never raised into the reader.
 
-A health task polls every engine over Ray (``ready``/``stats``): a dead
-engine fails its in-flight requests (prefill: retried once on another
-prefill engine, else prefilled on the decode engine; decode: an error
-output), and a restarted one (new epoch) is reconnected and marked ready.
+Health (``cluster/engines/health.py``): engines send heartbeats from their
+loop threads on the output socket; a health task also calls ``ready`` over
+Ray. A slow engine (no recent heartbeat, Ray calls timing out) keeps its
+requests. A dead one (Ray says the actor died, or no heartbeat for
+``engine_dead_after_s``) fails its in-flight requests (prefill: retried
+once on another prefill engine, else prefilled on the decode engine;
+decode: an error output); they stay its orphans, aborted on it if the same
+incarnation comes back. A restarted one (new epoch) is reconnected and
+marked ready.
+
+A client that stops reading stalls its response task in the HTTP send while
+the reader keeps queueing its outputs: past ``max_queued_outputs`` undelivered
+outputs the stream is cut (aborted on its engines, its queue dropped, the
+task that consumes it cancelled, as a disconnect would), so gateway memory
+per stream stays bounded and the engines stop computing for it.
+
+The output reader is one task, supervised: if it ends, every stream in
+flight gets an error output (and is aborted on its engines), ``is_ready``
+says no, and the reader is restarted after a backoff.
 """
 
 from __future__ import annotations
@@ -40,12 +55,14 @@ from cluster.backend import (
     EngineMetrics,
     HistogramSnapshot,
 )
+from cluster.engines.health import EngineHealth, Liveness
 from cluster.pools import EngineHandle
 from cluster.prefill_endpoints import push_prefill_endpoints
 from cluster.router import EngineState, Router
 from kvtransfer.handoff import decode_request, prefill_request
 from scheduler.messages import (
     EngineAbort,
+    EngineHeartbeat,
     EngineOutput,
     EngineOutputs,
     EngineRequest,
@@ -63,14 +80,17 @@ _ENGINE_FAILED = "__engine_failed__"
 # What the gateway's output socket accepts: a batch of outputs, or a utility
 # reply (engines answer ZMQ utility calls there; the gateway makes none).
 GATEWAY_OUTPUT = FrameSpec(
-    "gateway_output", {b"O": EngineOutputs, b"U": UtilityResult}, max_frame_bytes=64 * MiB
+    "gateway_output",
+    {b"O": EngineOutputs, b"U": UtilityResult, b"H": EngineHeartbeat},
+    max_frame_bytes=64 * MiB,
 )
 
 
 class _Engine:
-    def __init__(self, handle: EngineHandle, state: EngineState) -> None:
+    def __init__(self, handle: EngineHandle, state: EngineState, health: EngineHealth) -> None:
         self.handle = handle
         self.state = state
+        self.health = health
         self.socket: zmq.asyncio.Socket | None = None
         self.requests: set[str] = set()  # request ids in flight here
         self.stats: dict[str, Any] = {}
@@ -94,15 +114,30 @@ class RayBackend(Backend):
         health_interval_s: float = 0.5,
         call_timeout_s: float = 5.0,
         cluster_secret: bytes | None = None,
+        engine_dead_after_s: float = 30.0,
+        reader_restart_delay_s: float = 0.5,
+        max_queued_outputs: int = 512,
     ) -> None:
+        """``call_timeout_s``: a Ray control call slower than this gives no
+        verdict (the engine may be slow); ``engine_dead_after_s``: no heartbeat
+        for this long means dead. ``reader_restart_delay_s``: first backoff
+        before restarting a failed output reader (doubles, up to 5 s).
+        ``max_queued_outputs``: undelivered outputs of one request before its
+        stream is cut (a client that does not read)."""
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.eos_token_id = getattr(tokenizer, "eos_token_id", None)
         self.max_model_len = 0  # known once engines report ready
         self.output_addr = output_addr
         self.router = Router(disagg_min_tokens)
+        slow_after_s = min(4 * health_interval_s, engine_dead_after_s / 2)
         self.engines = {
-            h.engine_id: _Engine(h, self.router.add(h.engine_id, h.role)) for h in handles
+            h.engine_id: _Engine(
+                h,
+                self.router.add(h.engine_id, h.role),
+                EngineHealth(dead_after_s=engine_dead_after_s, slow_after_s=slow_after_s),
+            )
+            for h in handles
         }
         self.disaggregated = "prefill" in self.router.pools() or "decode" in self.router.pools()
         self.health_interval_s = health_interval_s
@@ -115,6 +150,14 @@ class RayBackend(Backend):
         self._tasks: list[asyncio.Task] = []
         self._enc = msgspec.msgpack.Encoder()
         self.num_engine_restarts = 0
+        self.num_orphans_aborted = 0  # requests aborted on an engine that came back
+        self.reader_restart_delay_s = reader_restart_delay_s
+        self.reader_task: asyncio.Task | None = None
+        self.max_queued_outputs = max_queued_outputs
+        self._consumers: dict[str, asyncio.Task] = {}  # request id -> task iterating it
+        self.num_streams_cut = 0
+        self.num_reader_restarts = 0
+        self._reader_up = False
 
     # ---- lifecycle -----------------------------------------------------------
 
@@ -125,7 +168,7 @@ class RayBackend(Backend):
         self._pull.setsockopt(zmq.MAXMSGSIZE, GATEWAY_OUTPUT.hard_limit)
         self._auth.server(self._pull, GATEWAY_OUTPUT.socket)
         self._pull.bind(self.output_addr)
-        self._tasks.append(asyncio.create_task(self._read_outputs()))
+        self._tasks.append(asyncio.create_task(self._supervise_reader()))
         deadline = asyncio.get_running_loop().time() + ready_timeout_s
         while not all(e.state.ready for e in self.engines.values()):
             await self._check_engines()
@@ -147,6 +190,57 @@ class RayBackend(Backend):
         self._auth.close()
         self._ctx.term()
 
+    async def _supervise_reader(self) -> None:
+        """Run the output reader; whenever it ends, fail the streams in flight
+        and start it again after a backoff (``is_ready`` is False meanwhile)."""
+        loop = asyncio.get_running_loop()
+        num_quick_failures = 0
+        try:
+            while True:
+                self.reader_task = asyncio.create_task(self._read_outputs())
+                self._reader_up = True
+                started_s = loop.time()
+                await asyncio.wait([self.reader_task])
+                self._reader_up = False
+                task = self.reader_task
+                cause = "cancelled" if task.cancelled() else repr(task.exception())
+                if loop.time() - started_s > 30.0:
+                    num_quick_failures = 0  # it had been working: back off from the start
+                delay_s = min(self.reader_restart_delay_s * 2**num_quick_failures, 5.0)
+                num_quick_failures += 1
+                logger.error("output reader ended (%s); restarting in %.1f s", cause, delay_s)
+                self.num_reader_restarts += 1
+                self._fail_all_streams(f"the gateway's output reader failed ({cause})")
+                await asyncio.sleep(delay_s)
+        finally:
+            if self.reader_task is not None:
+                self.reader_task.cancel()
+
+    def _cut(self, request_id: str) -> None:
+        """The consumer of ``request_id`` is not keeping up: abort the request on
+        its engines, drop its queue, cancel its consumer (as a disconnect)."""
+        self.num_streams_cut += 1
+        logger.warning(
+            "request %s: %d outputs undelivered (client not reading); stream cut",
+            request_id,
+            self.max_queued_outputs,
+        )
+        for e in self.engines.values():
+            if request_id in e.requests:
+                self._send_abort(e, [request_id])
+                e.requests.discard(request_id)
+        self._streams.pop(request_id, None)
+        consumer = self._consumers.pop(request_id, None)
+        if consumer is not None:
+            consumer.cancel()
+
+    def _fail_all_streams(self, reason: str) -> None:
+        """Every request in flight ends with an error and is aborted on its engines."""
+        for e in self.engines.values():
+            if e.requests:
+                self._send_abort(e, list(e.requests))
+            self._fail_inflight(e, reason)
+
     async def _read_outputs(self) -> None:
         assert self._pull is not None
         while True:
@@ -156,12 +250,20 @@ class RayBackend(Backend):
             except MalformedFrame as e:
                 self.malformed_frames.record(GATEWAY_OUTPUT.socket, peer_address(frames), e)
                 continue
+            if kind == b"H":
+                engine = self.engines.get(batch.engine_id)
+                if engine is not None:
+                    engine.health.heartbeat(batch.epoch, batch.num_steps)
+                continue
             if kind != b"O":
                 continue
             for out in batch.outputs:
                 q = self._streams.get(out.request_id)
                 if q is not None:
-                    q.put_nowait((batch.engine_id, out))
+                    if q.qsize() >= self.max_queued_outputs:
+                        self._cut(out.request_id)
+                    else:
+                        q.put_nowait((batch.engine_id, out))
 
     async def _health_loop(self) -> None:
         while True:
@@ -198,48 +300,81 @@ class RayBackend(Backend):
                 e.state.ready = True
 
     async def _check_engine(self, e: _Engine) -> None:
+        """One health probe. A Ray timeout is no verdict (slow is not dead);
+        death is Ray saying so or ``engine_dead_after_s`` without a heartbeat."""
+        eid = e.state.engine_id
+        info = None
+        cause = "no heartbeat"
         try:
-            info = await asyncio.wait_for(
-                _await_ref(e.handle.actor.ready.remote()), self.call_timeout_s
-            )
-            stats = await asyncio.wait_for(
-                _await_ref(e.handle.actor.stats.remote()), self.call_timeout_s
-            )
-        except Exception as exc:  # noqa: BLE001 - actor dead, restarting or hung
+            info = await self._call(e, "ready")
+        except TimeoutError:
+            pass  # paused, starved or busy: the heartbeat decides
+        except Exception as exc:  # noqa: BLE001 - the actor died or is restarting
             if getattr(exc, "actor_init_failed", False) and not e.state.epoch:
                 # never came up: a config or model error, not a crash to wait out
-                raise RuntimeError(f"engine {e.state.engine_id} failed to start: {exc}") from exc
-            e.answered = False
+                raise RuntimeError(f"engine {eid} failed to start: {exc}") from exc
+            e.health.mark_actor_dead()
+            cause = type(exc).__name__
+        e.answered = info is not None
+        if info is not None and info["epoch"] != e.state.epoch:
+            self._connect(e, info)
+        if not e.state.epoch:
+            return  # not up yet
+        liveness = e.health.liveness()
+        if liveness is Liveness.DEAD:
             if e.state.ready:
-                logger.warning("engine %s unavailable: %s", e.state.engine_id, exc)
+                logger.warning("engine %s is dead (%s)", eid, cause)
                 e.state.ready = False
-                self._fail_inflight(e, f"engine {e.state.engine_id} failed: {type(exc).__name__}")
+                e.health.orphans.update(e.requests)
+                self._fail_inflight(e, f"engine {eid} failed: {cause}")
             return
-        if info["epoch"] != e.state.epoch:
-            if e.state.epoch:
-                self.num_engine_restarts += 1
-                logger.warning("engine %s restarted (epoch %s)", e.state.engine_id, info["epoch"])
-                self._fail_inflight(e, f"engine {e.state.engine_id} restarted")
-            if e.socket is not None:
-                e.socket.close(linger=0)
-            e.socket = self._ctx.socket(zmq.PUSH)
-            e.socket.setsockopt(zmq.LINGER, 0)
-            self._auth.client(e.socket)
-            e.socket.connect(info["input_addr"])
-            e.state.epoch = info["epoch"]
-            e.unregistered = e.state.role in ("prefill", "decode")
-            e.state.max_num_seqs = info["max_num_seqs"]
-            e.state.info = info
-            lens = [x.state.info.get("max_model_len", 0) for x in self.engines.values()]
-            self.max_model_len = min(v for v in lens if v) if any(lens) else 0
+        if e.health.orphans:  # the same incarnation is back: nothing may run for nobody
+            self.num_orphans_aborted += len(e.health.orphans)
+            logger.warning("engine %s is back; aborting %d orphans", eid, len(e.health.orphans))
+            orphans, e.health.orphans = sorted(e.health.orphans), set()
+            self._send_abort(e, orphans)
+        if liveness is Liveness.ALIVE:
+            # stats() runs on the loop thread: ask only while it heartbeats
+            try:
+                self._update_stats(e, await self._call(e, "stats"))
+            except Exception as exc:  # noqa: BLE001 - stale stats are not a verdict
+                logger.debug("engine %s stats: %r", eid, exc)
+        e.state.ready = not e.unregistered  # see _register_prefill_engines
+
+    async def _call(self, e: _Engine, method: str) -> Any:
+        ref = getattr(e.handle.actor, method).remote()
+        try:
+            return await asyncio.wait_for(_await_ref(ref), self.call_timeout_s)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"{method} took over {self.call_timeout_s} s") from None
+
+    def _connect(self, e: _Engine, info: dict[str, Any]) -> None:
+        """A (new) incarnation answered ready(): connect its input socket."""
+        if e.state.epoch:
+            self.num_engine_restarts += 1
+            logger.warning("engine %s restarted (epoch %s)", e.state.engine_id, info["epoch"])
+            self._fail_inflight(e, f"engine {e.state.engine_id} restarted")
+        if e.socket is not None:
+            e.socket.close(linger=0)
+        e.socket = self._ctx.socket(zmq.PUSH)
+        e.socket.setsockopt(zmq.LINGER, 0)
+        self._auth.client(e.socket)
+        e.socket.connect(info["input_addr"])
+        e.state.epoch = info["epoch"]
+        e.unregistered = e.state.role in ("prefill", "decode")
+        e.state.max_num_seqs = info["max_num_seqs"]
+        e.state.info = info
+        e.health.reset(info["epoch"])
+        lens = [x.state.info.get("max_model_len", 0) for x in self.engines.values()]
+        self.max_model_len = min(v for v in lens if v) if any(lens) else 0
+
+    def _update_stats(self, e: _Engine, stats: dict[str, Any]) -> None:
         e.stats = stats
         e.state.kv_cache_usage = stats.get("kv_cache_usage", 0.0)
         e.state.num_running = stats.get("num_running_reqs", 0)
         e.state.num_waiting = stats.get("num_waiting_reqs", 0) + stats.get(
             "num_waiting_for_remote_kvs", 0
         )
-        e.answered = True
-        e.state.ready = not e.unregistered  # see _register_prefill_engines
 
     def _fail_inflight(self, e: _Engine, reason: str) -> None:
         for rid in list(e.requests):
@@ -251,6 +386,8 @@ class RayBackend(Backend):
     # ---- Backend API ------------------------------------------------------------
 
     def is_ready(self) -> tuple[bool, str]:
+        if not self._reader_up:
+            return False, "the output reader is down (restarting)"
         for role in sorted(self.router.pools()):
             if not self.router.ready_engines(role):
                 return False, f"no ready {role} engine"
@@ -259,13 +396,22 @@ class RayBackend(Backend):
     async def abort(self, request_id: str) -> None:
         for e in self.engines.values():
             if request_id in e.requests:
-                try:
-                    self._send(e, b"A", EngineAbort([request_id]))
-                except (BackendUnavailable, zmq.Again):
-                    # input queue full (engine stalled behind its outputs): its
-                    # stall timeout ends the request there
-                    logger.warning("abort of %s not delivered to %s", request_id, e.state.engine_id)
+                self._send_abort(e, [request_id])
                 e.requests.discard(request_id)
+
+    def _send_abort(self, e: _Engine, request_ids: list[str]) -> None:
+        """Never raises: an abort that cannot be queued now (engine not
+        connected, its queue full) is kept as an orphan and sent once the
+        engine is alive again."""
+        try:
+            self._send(e, b"A", EngineAbort(request_ids))
+        except (BackendUnavailable, zmq.ZMQError):
+            # e.g. its input queue is full (engine stalled behind its outputs);
+            # retried at each health check, and its stall timeout ends them too
+            logger.warning(
+                "abort of %d requests not delivered to %s", len(request_ids), e.state.engine_id
+            )
+            e.health.orphans.update(request_ids)
 
     def _send(self, e: _Engine, kind: bytes, msg: Any) -> None:
         if e.socket is None:
@@ -276,6 +422,9 @@ class RayBackend(Backend):
         rid = request.request_id
         q: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = q
+        consumer = asyncio.current_task()
+        if consumer is not None:
+            self._consumers[rid] = consumer
         finished = False
         try:
             if not self.disaggregated:
@@ -309,6 +458,7 @@ class RayBackend(Backend):
             if not finished:
                 await self.abort(rid)
             self._streams.pop(rid, None)
+            self._consumers.pop(rid, None)
             for e in self.engines.values():
                 e.requests.discard(rid)
 

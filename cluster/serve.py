@@ -51,6 +51,10 @@ SERVE_DEFAULTS: dict[str, Any] = {
     "colocated_num_gpus_per_engine": None,
     "cluster_secret_file": None,
     "internal_auth": True,
+    # engine health (cluster/engines/health.py)
+    "engine_dead_after_s": 30.0,
+    "engine_call_timeout_s": 5.0,  # a slower Ray control call is no verdict
+    "max_queued_outputs": 512,
 }
 
 
@@ -93,6 +97,16 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "--request-timeout-s",
         type=float,
         help="per-request deadline: aborted on the engines, 504 / error event (default 600, 0 = none)",
+    )
+    p.add_argument(
+        "--engine-dead-after-s",
+        type=float,
+        help="an engine without a heartbeat this long is dead: its requests fail (default 30)",
+    )
+    p.add_argument(
+        "--max-queued-outputs",
+        type=int,
+        help="undelivered outputs of one stream before it is cut (client not reading; default 512)",
     )
     p.add_argument(
         "--tokenizer-workers", type=int, help="threads that tokenize prompts (default 2)"
@@ -272,6 +286,9 @@ class Service:
             output_addr=output_addr,
             disagg_min_tokens=self.settings["disagg_min_tokens"],
             cluster_secret=secret,
+            engine_dead_after_s=self.settings.get("engine_dead_after_s", 30.0),
+            call_timeout_s=self.settings.get("engine_call_timeout_s", 5.0),
+            max_queued_outputs=self.settings.get("max_queued_outputs", 512),
         )
         await self.backend.start()
 

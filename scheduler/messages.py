@@ -191,3 +191,16 @@ class EngineOutputs(_Wire):
     outputs: list[EngineOutput] = []
     timestamp: float = 0.0
     scheduler_stats: SchedulerStats | None = None
+
+
+class EngineHeartbeat(_Wire):
+    """Sent by an engine's loop thread about every ``HEARTBEAT_INTERVAL_S``
+    (between steps, never from another thread), so its arrival proves the
+    loop is alive; ``num_steps`` (cumulative) shows whether it progresses."""
+
+    engine_id: str = ""
+    epoch: int = 0
+    num_steps: int = 0
+
+
+HEARTBEAT_INTERVAL_S = 0.5

@@ -22,7 +22,15 @@ import msgspec
 import torch
 
 from scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
-from scheduler.messages import EngineAbort, EngineOutput, EngineOutputs, EngineRequest, FinishReason
+from scheduler.messages import (
+    HEARTBEAT_INTERVAL_S,
+    EngineAbort,
+    EngineHeartbeat,
+    EngineOutput,
+    EngineOutputs,
+    EngineRequest,
+    FinishReason,
+)
 from wire.frames import FrameCounters, FrameSpec, MalformedFrame, MiB, peer_address
 from workers.config import EngineConfig
 from workers.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for
@@ -123,6 +131,7 @@ class EngineCore:
             dense_decode_bytes=config.dense_decode_bytes,
         )
         self._shutdown = threading.Event()
+        self.num_steps = 0
         self._transfer_hist: dict[str, Any] = {
             "bucket_upper_bounds": [
                 0.001,
@@ -201,6 +210,7 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def step(self) -> EngineOutputs:
+        self.num_steps += 1
         so = self.scheduler.schedule()
         out = self.runner.execute(so)
         self.last_step_num_tokens = so.total_num_scheduled_tokens
@@ -353,8 +363,12 @@ class EngineCore:
         wait = LoopWait()
         enc = msgspec.msgpack.Encoder()
         self._loop_running = True
+        next_heartbeat_s = 0.0
         try:
             while not self._shutdown.is_set():
+                if time.monotonic() >= next_heartbeat_s:
+                    next_heartbeat_s = time.monotonic() + HEARTBEAT_INTERVAL_S
+                    self._send_heartbeat(out, enc)
                 if not sender.flush():
                     if sender.stalled_s > self.config.output_stall_timeout_s:
                         self._cut_streams(sender)
@@ -437,6 +451,16 @@ class EngineCore:
                 msgspec.msgpack.encode(EngineOutputs(self.config.engine_id, errors, time.time())),
             ]
         )
+
+    def _send_heartbeat(self, out: Any, enc: msgspec.msgpack.Encoder) -> None:
+        """Loop thread only: its arrival is the gateway's proof that this loop runs."""
+        import zmq
+
+        beat = EngineHeartbeat(self.config.engine_id, self.config.epoch, self.num_steps)
+        try:
+            out.send_multipart([b"H", enc.encode(beat)], flags=zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # the gateway is not reading; a lost heartbeat says the same
 
     def _utility(self, call: UtilityCall) -> UtilityResult:
         allowed = {

@@ -115,7 +115,7 @@ class Harness:
                 batch = self._dec_out.decode(payload)
                 for o in batch.outputs:
                     self.outputs.setdefault(o.request_id, []).append((batch.engine_id, o))
-            else:
+            elif kind == b"U":  # (b"H" heartbeats are the gateway's business)
                 r = self._dec_util.decode(payload)
                 self.utility[r.call_id] = r
 
