@@ -21,6 +21,7 @@ import time
 import httpx
 import pytest
 
+from cluster.placement import resolve_placement
 from cluster.serve import SERVE_DEFAULTS, ServiceThread
 from scheduler.messages import EngineRequest, SamplingParams
 
@@ -39,6 +40,7 @@ def svc():
     settings = dict(
         SERVE_DEFAULTS,
         ray_dashboard=False,
+        model="tiny",
         colocated=1,
         prefill=0,
         decode=0,
@@ -46,6 +48,7 @@ def svc():
         engine_call_timeout_s=1.0,
     )
     per_role = {r: dict(ENGINE) for r in ("prefill", "decode", "colocated")}
+    resolve_placement(settings)
     try:
         with ServiceThread(settings, per_role) as service:
             yield service
