@@ -68,6 +68,7 @@ _BLOCK_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _MAGIC = b"GGUF"
+_ROWS_PER_CHUNK = 4096
 
 
 class GGUFError(ValueError):
@@ -169,13 +170,30 @@ def iter_hf_tensors(reader: Any) -> Iterator[tuple[str, torch.Tensor]]:
         if t.name in _IGNORED_TENSORS:
             continue
         name = hf_tensor_name(t.name)
-        values = dequantize(t.data, t.tensor_type)
-        tensor = torch.tensor(np.asarray(values, dtype=np.float32)).reshape(shapes[name])
+        tensor = _dequantize_rows(t.data, t.tensor_type, shapes[name], dequantize)
         if arch == "llama" and ".attn_q." in t.name:
             tensor = _unpermute_rope_rows(tensor, num_heads)
         elif arch == "llama" and ".attn_k." in t.name:
             tensor = _unpermute_rope_rows(tensor, num_kv_heads)
         yield name, tensor
+
+
+def _dequantize_rows(
+    data: Any, qtype: Any, shape: tuple[int, ...], dequantize: Any
+) -> torch.Tensor:
+    """float32 tensor of ``shape`` from a GGUF tensor, ``_ROWS_PER_CHUNK`` rows at a time.
+
+    The dequantizer's numpy temporaries are several times its output; in
+    chunks they stay small next to the one output tensor.
+    """
+    out = torch.empty(shape, dtype=torch.float32)
+    if len(shape) != 2 or data.shape[0] != shape[0]:
+        out.copy_(torch.from_numpy(np.array(dequantize(data, qtype), np.float32)).reshape(shape))
+        return out
+    for start in range(0, shape[0], _ROWS_PER_CHUNK):
+        rows = np.array(dequantize(data[start : start + _ROWS_PER_CHUNK], qtype), np.float32)
+        out[start : start + rows.shape[0]] = torch.from_numpy(rows.reshape(rows.shape[0], -1))
+    return out
 
 
 def _unpermute_rope_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
