@@ -1,7 +1,14 @@
 """Project-level guarantees: import boundaries and the `kernels` name clash."""
 
+import ast
+import importlib
+import importlib.metadata
+import re
 import subprocess
 import sys
+from pathlib import Path
+
+import tomllib
 
 
 def _run(code: str) -> str:
@@ -35,3 +42,133 @@ def test_transformers_ignores_our_kernels_package():
         "print(is_kernels_available(), tuple(out.shape), kernels.__file__.endswith('kernels/__init__.py'))"
     )
     assert _run(code) == "False (1, 3, 32) True"
+
+
+# ---- declared dependencies ---------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[2]
+OUR_PACKAGES = {"scheduler", "kvtransfer", "workers", "kernels", "cluster", "benchmarks", "tests"}
+
+# How each floor in pyproject.toml was verified. "pin": the version CI
+# installs (requirements-cpu.txt), the only one the suite runs against.
+# "overlay": that exact version (with --no-deps, in front of the CI venv:
+# `pip install --no-deps --target D pkg==V; PYTHONPATH=D pytest ...`) passed
+# the named tests on 2026-11-23; the transformers overlay also held its own
+# floors tokenizers 0.22.1, huggingface-hub 1.3.0 and safetensors 0.4.3.
+# Lowering a floor means running such a check and recording it here.
+_TF = "overlay with transformers 5.0.0: tests/workers, tests/cluster/test_gateway.py"
+VERIFIED_FLOORS = {
+    "msgspec": ("0.19", "overlay: tests/unit, tests/cluster/test_gateway.py + serve_config"),
+    "xxhash": ("3.0", "overlay: tests/unit (block hashes)"),
+    "pyzmq": ("27.3", "pin"),
+    "numpy": ("1.26.4", "overlay: tests/kernels/test_reference.py, tests/workers/test_engine.py"),
+    "torch": ("2.13", "pin"),
+    "triton": ("3.9", "pin"),
+    "transformers": ("5.0", _TF),
+    "tokenizers": ("0.22.1", _TF),
+    "huggingface-hub": ("1.3", _TF),
+    "safetensors": ("0.4.3", _TF),
+    "gguf": ("0.19", "pin"),
+    "nixl": ("1.5.1", "pin"),
+    "ray": ("2.60", "pin"),
+    "fastapi": ("0.163.2", "pin"),
+    "starlette": ("1.10", "pin"),
+    "uvicorn": ("0.54", "pin"),
+    "prometheus-client": ("0.20", "overlay: tests/cluster/test_gateway.py (metrics)"),
+    "aiohttp": ("3.14.5", "pin"),
+    "pyyaml": ("6.0", "overlay: tests/cluster/test_serve_config.py"),
+}
+
+# API the code uses that older releases lack: (distribution, module, name,
+# first release that has it). Each floor must be at or above these.
+API_FLOORS = [
+    # workers/detokenizer.py: the Rust-backed tokenizer class of transformers 5
+    # (transformers 4.x has tokenization_utils_fast.PreTrainedTokenizerFast instead)
+    ("transformers", "transformers.tokenization_utils_tokenizers", "TokenizersBackend", "5.0"),
+    # scheduler/block_hash.py: --prefix-caching-hash-algo xxhash128
+    ("xxhash", "xxhash", "xxh3_128_digest", "2.0"),
+]
+
+
+def _normalize(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _declared() -> dict[str, dict[str, str]]:
+    """{"runtime"|"test": {normalized name: floor}} from pyproject.toml."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    out: dict[str, dict[str, str]] = {}
+    for group, specs in (
+        ("runtime", project["dependencies"]),
+        ("test", project["optional-dependencies"]["test"]),
+    ):
+        out[group] = {}
+        for spec in specs:
+            m = re.fullmatch(r"([A-Za-z0-9_.-]+)(\[[^\]]*\])?>=([0-9.]+)", spec)
+            assert m, f"{spec!r}: every dependency is declared as name>=floor"
+            out[group][_normalize(m.group(1))] = m.group(3)
+    return out
+
+
+def _vtuple(version: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in re.match(r"[0-9.]*[0-9]", version).group(0).split("."))
+
+
+def _third_party_imports(package: str) -> set[str]:
+    names = set()
+    for path in (ROOT / package).rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                mods = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                mods = [node.module]
+            else:
+                continue
+            for mod in mods:
+                top = mod.split(".")[0]
+                if top not in sys.stdlib_module_names and top not in OUR_PACKAGES:
+                    names.add(top)
+    return names
+
+
+def test_every_third_party_import_is_declared():
+    declared = _declared()
+    dists = importlib.metadata.packages_distributions()
+    runtime = {"scheduler", "kvtransfer", "workers", "kernels", "cluster"}
+    for package in sorted(runtime | {"tests"}):
+        allowed = declared["runtime"] | (declared["test"] if package == "tests" else {})
+        for top in sorted(_third_party_imports(package)):
+            names = {_normalize(d) for d in dists.get(top, [top])}
+            assert names & set(allowed), (
+                f"{package}/ imports {top} ({names}) but does not declare it"
+            )
+
+
+def test_floors_are_verified_and_installed():
+    declared = _declared()
+    pins = {}
+    for line in (ROOT / "requirements-cpu.txt").read_text().splitlines():
+        m = re.fullmatch(r"([A-Za-z0-9_.-]+)(\[[^\]]*\])?==(\S+)", line.strip())
+        if m:
+            pins[_normalize(m.group(1))] = m.group(3)
+    assert set(declared["runtime"]) == set(VERIFIED_FLOORS)
+    for name, floor in declared["runtime"].items():
+        recorded, how = VERIFIED_FLOORS[name]
+        assert floor == recorded, f"{name}>={floor} but the verified floor is {recorded} ({how})"
+        if how == "pin":
+            assert _vtuple(floor) == _vtuple(pins[name])[: len(_vtuple(floor))], (name, pins[name])
+        assert _vtuple(importlib.metadata.version(name)) >= _vtuple(floor), name
+    for name, floor in declared["test"].items():
+        assert _vtuple(floor) == _vtuple(pins[name])[: len(_vtuple(floor))], (name, pins[name])
+
+
+def test_floors_cover_the_api_the_code_uses():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    # asyncio.timeout (cluster/gateway.py) and tomllib are Python 3.11's; the suite runs on 3.11
+    assert project["requires-python"] == ">=3.11"
+    declared = _declared()["runtime"]
+    for dist, module, name, since in API_FLOORS:
+        assert hasattr(importlib.import_module(module), name), f"{module}.{name} missing"
+        assert _vtuple(declared[dist]) >= _vtuple(since), (
+            f"{dist}>={declared[dist]} but the code uses {module}.{name} (since {since})"
+        )
