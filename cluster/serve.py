@@ -211,6 +211,9 @@ def pool_specs(
 ):
     from cluster.pools import PoolSpec
 
+    # Callers that build settings themselves (ServiceThread, tests) skip
+    # resolve_settings: per-pool placement defaults are filled here too.
+    resolve_placement(settings)
     specs = []
     for role in ("prefill", "decode", "colocated"):
         n = settings[role]
