@@ -63,3 +63,13 @@ def test_bad_settings_are_clear_errors(tmp_path):
         resolve_settings(parse(["--decode", "0"]))
     with pytest.raises(ValueError, match="block_size"):
         pool_specs(*resolve_settings(parse(["--block-size", "0"])))
+
+
+def test_prefix_caching_hash_algo_per_pool_and_named_when_bad():
+    settings, per_role = resolve_settings(parse(["--decode-prefix-caching-hash-algo", "xxhash128"]))
+    specs = {s.role: s for s in pool_specs(settings, per_role)}
+    assert specs["prefill"].config.prefix_caching_hash_algo == "sha256"  # the default
+    assert specs["decode"].config.prefix_caching_hash_algo == "xxhash128"
+    with pytest.raises(ValueError, match="prefix_caching_hash_algo"):
+        settings, per_role = resolve_settings(parse(["--prefix-caching-hash-algo", "md5"]))
+        pool_specs(settings, per_role)
