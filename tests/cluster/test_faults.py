@@ -230,3 +230,44 @@ def test_consumer_that_stops_reading_is_cut_and_others_stream(svc):
     finally:
         backend.max_queued_outputs = 512
     wait_idle(svc)
+
+
+def test_http_client_that_never_reads_is_cut(svc):
+    """The same bound over a real HTTP connection: a client that sends a
+    streamed request and then never reads. Small socket buffers on both ends
+    (the listener's SO_SNDBUF is inherited by accepted connections) make the
+    server's send block after ~100 KB instead of megabytes; the outputs then
+    pile up behind it until the bound cuts the stream, the request is aborted
+    on the engine and a stream beside it completes."""
+    import socket
+
+    backend = svc.service.backend
+    backend.max_queued_outputs = 16
+    num_cut = backend.num_streams_cut
+    listener = svc._sock
+    sndbuf = listener.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    body = json.dumps(
+        {"model": "tiny", "prompt": PROMPT, "max_tokens": 900, "ignore_eos": True, "stream": True}
+    ).encode()
+    host, port = svc.base_url.removeprefix("http://").split(":")
+    client = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    try:
+        client.connect((host, int(port)))
+        client.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nhost: test\r\ncontent-type: application/json\r\n"
+            + f"content-length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        wait_for(lambda: backend.num_streams_cut > num_cut, 120, "never-reading client cut")
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
+        other = Stream(svc, 200)
+        assert completion_tokens(other.finish(120)) == 200
+    finally:
+        client.close()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
+        backend.max_queued_outputs = 512
+    wait_idle(svc)
+    # nothing of the cut stream is kept: its output queue went with it
+    wait_for(lambda: not backend._streams, 10, "per-request queues released")
