@@ -23,6 +23,60 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _attend_key_block(
+    q,
+    m_i,
+    l_i,
+    acc,
+    n_start,
+    kv_end,
+    q_pos,
+    dims,
+    dim_valid,
+    bt_row_ptr,
+    cache_ptr,
+    head_offset,
+    scale_log2,
+    stride_c_block,
+    stride_c_kv,
+    stride_c_slot,
+    stride_c_dim,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """Fold keys [n_start, n_start + BLOCK_N) into the online softmax state (m_i, l_i, acc)."""
+    pos = n_start + tl.arange(0, BLOCK_N)
+    pos_valid = pos < kv_end
+    block = tl.load(bt_row_ptr + pos // BLOCK_SIZE, mask=pos_valid, other=0)
+    slot_offsets = block.to(tl.int64) * stride_c_block + (pos % BLOCK_SIZE) * stride_c_slot
+    slot_offsets += head_offset
+    kv_mask = pos_valid[None, :] & dim_valid[:, None]
+    k_ptrs = cache_ptr + slot_offsets[None, :] + dims[:, None] * stride_c_dim
+    k = tl.load(k_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_D, BLOCK_N]
+    if DOT_FP32:
+        scores = tl.dot(q, k.to(tl.float32), input_precision="ieee")
+    else:
+        scores = tl.dot(q, k)
+    causal = (pos[None, :] <= q_pos[:, None]) & pos_valid[None, :]
+    scores = tl.where(causal, scores * scale_log2, float("-inf"))
+
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v_ptrs = cache_ptr + stride_c_kv + slot_offsets[:, None] + dims[None, :] * stride_c_dim
+    v = tl.load(v_ptrs, mask=pos_valid[:, None] & dim_valid[None, :], other=0.0)
+    if DOT_FP32:
+        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + pv
+    m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _paged_attention_kernel(
     out_ptr,
     query_ptr,
@@ -51,6 +105,7 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -85,36 +140,26 @@ def _paged_attention_kernel(
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         head_offset = kv_head * stride_c_head
-        for n_start in range(0, kv_end, BLOCK_N):
-            pos = n_start + tl.arange(0, BLOCK_N)
-            pos_valid = pos < kv_end
-            block = tl.load(
-                block_tables_ptr + seq * stride_bt_seq + pos // BLOCK_SIZE, mask=pos_valid, other=0
-            )
-            slot_offsets = block.to(tl.int64) * stride_c_block + (pos % BLOCK_SIZE) * stride_c_slot
-            slot_offsets += head_offset
-            kv_mask = pos_valid[None, :] & dim_valid[:, None]
-            k_ptrs = cache_ptr + slot_offsets[None, :] + dims[:, None] * stride_c_dim
-            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_D, BLOCK_N]
-            if DOT_FP32:
-                scores = tl.dot(q, k.to(tl.float32), input_precision="ieee")
-            else:
-                scores = tl.dot(q, k)
-            causal = (pos[None, :] <= q_pos[:, None]) & pos_valid[None, :]
-            scores = tl.where(causal, scores * scale_log2, float("-inf"))
-
-            m_new = tl.maximum(m_i, tl.max(scores, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(scores - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v_ptrs = cache_ptr + stride_c_kv + slot_offsets[:, None] + dims[None, :] * stride_c_dim
-            v = tl.load(v_ptrs, mask=pos_valid[:, None] & dim_valid[None, :], other=0.0)
-            if DOT_FP32:
-                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+        bt_row_ptr = block_tables_ptr + seq * stride_bt_seq
+        if INTERPRETED:
+            # Interpreters of Triton < 3.7 turn a loop bound into a Python int with int() on a
+            # one-element array, which NumPy >= 2.4 refuses; a while loop only needs bool().
+            n_start = 0
+            while n_start < kv_end:
+                m_i, l_i, acc = _attend_key_block(
+                    q, m_i, l_i, acc, n_start, kv_end, q_pos, dims, dim_valid, bt_row_ptr,
+                    cache_ptr, head_offset, scale_log2, stride_c_block, stride_c_kv,
+                    stride_c_slot, stride_c_dim, BLOCK_SIZE, BLOCK_N, DOT_FP32,
+                )  # fmt: skip
+                n_start += BLOCK_N
+        else:
+            # Compiled: a counted loop, which the compiler software-pipelines.
+            for n_start in range(0, kv_end, BLOCK_N):
+                m_i, l_i, acc = _attend_key_block(
+                    q, m_i, l_i, acc, n_start, kv_end, q_pos, dims, dim_valid, bt_row_ptr,
+                    cache_ptr, head_offset, scale_log2, stride_c_block, stride_c_kv,
+                    stride_c_slot, stride_c_dim, BLOCK_SIZE, BLOCK_N, DOT_FP32,
+                )  # fmt: skip
 
         l_i = tl.where(l_i == 0.0, 1.0, l_i)
         acc = acc / l_i[:, None]
@@ -170,5 +215,6 @@ def paged_attention(
         # fp32 caches get exact (non-TF32) dots. Off CUDA we run in the Triton interpreter,
         # whose tl.dot mis-reads bfloat16 operands, so it always computes in fp32 there.
         DOT_FP32=layer_cache.dtype == torch.float32 or not layer_cache.is_cuda,
+        INTERPRETED=not layer_cache.is_cuda,
     )
     return out
