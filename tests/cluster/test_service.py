@@ -14,6 +14,7 @@ import pytest
 
 from cluster.serve import SERVE_DEFAULTS, ServiceThread
 from scheduler.messages import SamplingParams
+from tests.cluster.service_helpers import client, wait_idle
 from workers.config import EngineConfig
 from workers.llm import LLM
 
@@ -52,31 +53,6 @@ def disagg(ray_local):
 def colocated(ray_local):
     with ServiceThread(_settings(colocated=1, prefill=0, decode=0), _per_role()) as svc:
         yield svc
-
-
-def client(svc) -> openai.OpenAI:
-    return openai.OpenAI(base_url=svc.base_url + "/v1", api_key="x", max_retries=0, timeout=60)
-
-
-def wait_idle(svc, deadline_s: float = 30.0) -> dict:
-    """Every engine idle, nothing held; then check_integrity() on each."""
-    end = time.monotonic() + deadline_s
-    while True:
-        stats = svc.run(svc.service.backend.call_all("stats"))
-        busy = {
-            e: s
-            for e, s in stats.items()
-            if s["num_running_reqs"]
-            or s["num_waiting_reqs"]
-            or s["num_waiting_for_remote_kvs"]
-            or s["num_blocks_held_for_transfer"]
-        }
-        if not busy:
-            break
-        assert time.monotonic() < end, f"engines not idle: {busy}"
-        time.sleep(0.1)
-    assert all(svc.run(svc.service.backend.call_all("check_integrity")).values())
-    return stats
 
 
 def greedy_completion(svc, prompt=PROMPT, max_tokens=12):

@@ -8,11 +8,11 @@ from __future__ import annotations
 import time
 
 import httpx
-import openai
 import pytest
 
 from cluster.serve import SERVE_DEFAULTS, ServiceThread
 from scheduler.messages import SamplingParams
+from tests.cluster.service_helpers import client, wait_idle
 from workers.config import EngineConfig
 from workers.llm import LLM
 from workers.tokenizer import apply_chat_template
@@ -44,29 +44,11 @@ def offline() -> LLM:
     return LLM(EngineConfig(model="smollm2", num_kv_blocks=64, max_model_len=1024, torch_threads=1))
 
 
-def client(svc) -> openai.OpenAI:
-    return openai.OpenAI(base_url=svc.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
-
-
-def wait_idle_and_check(svc, deadline_s: float = 30.0) -> None:
-    end = time.monotonic() + deadline_s
-    while True:
-        stats = svc.run(svc.service.backend.call_all("stats"))
-        if not any(
-            s["num_running_reqs"] or s["num_waiting_reqs"] or s["num_blocks_held_for_transfer"]
-            for s in stats.values()
-        ):
-            break
-        assert time.monotonic() < end, stats
-        time.sleep(0.1)
-    assert all(svc.run(svc.service.backend.call_all("check_integrity")).values())
-
-
 def test_pd_completions_equal_tandem_generate(service, offline):
     sp = SamplingParams(max_tokens=16, temperature=0.0)
     expected = offline.generate(PROMPTS, sp)
     for prompt, want in zip(PROMPTS, expected):
-        r = client(service).completions.create(
+        r = client(service, timeout_s=120).completions.create(
             model="smollm2", prompt=prompt, max_tokens=16, temperature=0
         )
         choice = r.choices[0]
@@ -75,7 +57,7 @@ def test_pd_completions_equal_tandem_generate(service, offline):
             want.finish_reason,
             len(want.token_ids),
         )
-    wait_idle_and_check(service)
+    wait_idle(service)
     assert decode_bytes_received(service) > 0  # the prompts' KV went P -> D over NIXL
 
 
@@ -99,15 +81,15 @@ def test_pd_chat_ends_with_stop_and_equals_generate(service, offline):
     (want,) = offline.generate(
         prompt_token_ids=[ids], sampling_params=SamplingParams(max_tokens=64, temperature=0.0)
     )
-    r = client(service).chat.completions.create(
+    r = client(service, timeout_s=120).chat.completions.create(
         model="smollm2", messages=CHAT, max_tokens=64, temperature=0
     )
     assert r.choices[0].finish_reason == "stop" == want.finish_reason
     assert r.choices[0].message.content == want.text == "The capital of France is Paris."
-    stream = client(service).chat.completions.create(
+    stream = client(service, timeout_s=120).chat.completions.create(
         model="smollm2", messages=CHAT, max_tokens=64, temperature=0, stream=True
     )
     chunks = list(stream)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
-    wait_idle_and_check(service)
+    wait_idle(service)

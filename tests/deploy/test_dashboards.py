@@ -5,7 +5,6 @@ every metric they query exposed by a running 1P+1D service's /metrics."""
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import httpx
@@ -13,6 +12,8 @@ import openai
 import promql_parser
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
+from tests.cluster.service_helpers import wait_idle
 
 DASHBOARDS = Path(__file__).resolve().parents[2] / "helm" / "tandem" / "dashboards"
 TITLES = {
@@ -132,25 +133,6 @@ def test_the_issue_panels_are_there():
         assert needed in pd, needed
 
 
-def wait_idle_and_check(svc, deadline_s: float = 30.0) -> None:
-    """Every engine idle (nothing running, waiting or held), then check_integrity()."""
-    end = time.monotonic() + deadline_s
-    busy_keys = (
-        "num_running_reqs",
-        "num_waiting_reqs",
-        "num_waiting_for_remote_kvs",
-        "num_blocks_held_for_transfer",
-    )
-    while True:
-        stats = svc.run(svc.service.backend.call_all("stats"))
-        busy = {e: s for e, s in stats.items() if any(s.get(k) for k in busy_keys)}
-        if not busy:
-            break
-        assert time.monotonic() < end, f"engines not idle: {busy}"
-        time.sleep(0.1)
-    assert all(svc.run(svc.service.backend.call_all("check_integrity")).values())
-
-
 @pytest.mark.slow
 def test_every_queried_metric_is_exposed_by_a_running_service():
     """A real 1 prefill + 1 decode service on a local Ray, fed one remote and
@@ -178,7 +160,7 @@ def test_every_queried_metric_is_exposed_by_a_running_service():
             assert bad.status_code == 400
             text = httpx.get(svc.base_url + "/metrics", timeout=30).text
             samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
-            wait_idle_and_check(svc)
+            wait_idle(svc)
     finally:
         ray.shutdown()
     exposed = {s.name for s in samples}

@@ -1,0 +1,35 @@
+"""Helpers shared by the tests that run a real ``ServiceThread``."""
+
+from __future__ import annotations
+
+import time
+
+import openai
+
+BUSY_KEYS = (
+    "num_running_reqs",
+    "num_waiting_reqs",
+    "num_waiting_for_remote_kvs",
+    "num_blocks_held_for_transfer",
+)
+
+
+def client(svc, timeout_s: float = 60.0) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=svc.base_url + "/v1", api_key="x", max_retries=0, timeout=timeout_s
+    )
+
+
+def wait_idle(svc, deadline_s: float = 30.0) -> dict:
+    """Every engine idle (nothing running, waiting or held for a transfer),
+    then check_integrity() on each; returns the last stats."""
+    end = time.monotonic() + deadline_s
+    while True:
+        stats = svc.run(svc.service.backend.call_all("stats"))
+        busy = {e: s for e, s in stats.items() if any(s.get(k) for k in BUSY_KEYS)}
+        if not busy:
+            break
+        assert time.monotonic() < end, f"engines not idle: {busy}"
+        time.sleep(0.1)
+    assert all(svc.run(svc.service.backend.call_all("check_integrity")).values())
+    return stats
