@@ -40,6 +40,7 @@ from starlette.types import Receive, Scope, Send
 
 from cluster import protocol
 from cluster.backend import Backend, BackendUnavailable
+from cluster.edge import sampling as edge_sampling
 from cluster.edge.limits import GatewayLimits, RequestSlots, read_body
 from cluster.edge.tokenizer_pool import TokenizerPool, chat_text_len
 from cluster.metrics import EngineMetricsCollector, GatewayMetrics, render
@@ -242,6 +243,7 @@ class Gateway:
     async def prepare_completion(self, req: CompletionRequest, arrival_s: float) -> Response:
         protocol.validate_common(req, self.backend.model_name)
         prompt = protocol.completion_prompt(req)
+        edge_sampling.check_num_logprobs(req.logprobs, "logprobs", self.limits.max_logprobs)
         if isinstance(prompt, str):
             self.tokenizer_pool.check_text_len(len(prompt), self.backend.max_model_len, "prompt")
             prompt_ids = await self.tokenizer_pool.encode(prompt)
@@ -261,6 +263,7 @@ class Gateway:
         protocol.validate_common(req, self.backend.model_name)
         protocol.check_chat_fields(req)
         num_logprobs = protocol.chat_logprobs(req)
+        edge_sampling.check_num_logprobs(req.top_logprobs, "top_logprobs", self.limits.max_logprobs)
         num_chars = chat_text_len(req.messages)
         self.tokenizer_pool.check_text_len(num_chars, self.backend.max_model_len, "messages")
         try:
@@ -290,6 +293,7 @@ class Gateway:
         arrival_s: float,
     ) -> Response:
         self._check_token_ids(params.stop_token_ids, param="stop_token_ids")
+        params = edge_sampling.with_token_fields(params, req, self.tokenizer, self.vocab_size)
         deadline_s = None
         if self.limits.request_timeout_s:
             elapsed_s = time.perf_counter() - arrival_s

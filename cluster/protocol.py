@@ -18,7 +18,6 @@ import msgspec
 
 from scheduler.messages import Logprobs, SamplingParams
 
-MAX_LOGPROBS = 20
 _LOGPROB_FLOOR = -9999.0  # JSON has no -inf; clients expect a number
 
 
@@ -71,12 +70,14 @@ class _CommonRequest(msgspec.Struct, kw_only=True):
     seed: int | None = None
     n: int | None = 1
     user: str | None = None
-    # unsupported unless neutral
+    # checked and converted by cluster/edge/sampling.py
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     # vLLM extras
+    min_p: float | None = None
+    bad_words: list[str] | None = None
     top_k: int | None = None
     min_tokens: int | None = 0
     ignore_eos: bool | None = False
@@ -177,12 +178,16 @@ def validate_common(req: _CommonRequest, served_model: str) -> None:
     if req.min_tokens < 0:
         raise ProtocolError(f"min_tokens must be >= 0, got {req.min_tokens}.", param="min_tokens")
     for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name) not in (None, 0.0):
-            raise ProtocolError(f"{name} is not supported.", param=name)
-    if req.repetition_penalty not in (None, 1.0):
-        raise ProtocolError("repetition_penalty is not supported.", param="repetition_penalty")
-    if req.logit_bias:
-        raise ProtocolError("logit_bias is not supported.", param="logit_bias")
+        value = getattr(req, name)
+        if value is not None and not (math.isfinite(value) and -2.0 <= value <= 2.0):
+            raise ProtocolError(f"{name} must be in [-2, 2], got {value}.", param=name)
+    rep = req.repetition_penalty
+    if rep is not None and not (math.isfinite(rep) and rep > 0):
+        raise ProtocolError(
+            f"repetition_penalty must be > 0, got {rep}.", param="repetition_penalty"
+        )
+    if req.min_p is not None and not (math.isfinite(req.min_p) and 0.0 <= req.min_p <= 1.0):
+        raise ProtocolError(f"min_p must be in [0, 1], got {req.min_p}.", param="min_p")
     for stop in stop_strings(req):
         if not stop:
             raise ProtocolError("stop strings must be non-empty.", param="stop")
@@ -209,8 +214,6 @@ def completion_prompt(req: CompletionRequest) -> str | list[int]:
         raise ProtocolError("suffix is not supported.", param="suffix")
     if req.best_of not in (None, 1):
         raise ProtocolError("Only best_of=1 is supported.", param="best_of")
-    if req.logprobs is not None and not (0 <= req.logprobs <= MAX_LOGPROBS):
-        raise ProtocolError(f"logprobs must be in [0, {MAX_LOGPROBS}].", param="logprobs")
     check_max_tokens(req.max_tokens, "max_tokens")
     prompt = req.prompt
     if isinstance(prompt, str):
@@ -232,10 +235,6 @@ def chat_logprobs(req: ChatCompletionRequest) -> int | None:
     if req.top_logprobs is not None:
         if not req.logprobs:
             raise ProtocolError("top_logprobs requires logprobs=true.", param="top_logprobs")
-        if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
-            raise ProtocolError(
-                f"top_logprobs must be in [0, {MAX_LOGPROBS}].", param="top_logprobs"
-            )
     return (req.top_logprobs or 0) if req.logprobs else None
 
 
@@ -263,6 +262,10 @@ def sampling_params(
         stop_token_ids=list(req.stop_token_ids or []),
         ignore_eos=req.ignore_eos,
         logprobs=logprobs,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        min_p=req.min_p or 0.0,
     )
     try:
         params.validate()

@@ -42,6 +42,7 @@ SERVE_DEFAULTS: dict[str, Any] = {
     "max_num_requests": 0,
     "request_timeout_s": 600.0,
     "tokenizer_workers": 2,
+    "max_logprobs": 20,
     # per pool (cluster.placement): Ray custom resources and GPUs per engine
     "prefill_ray_resources": {},
     "decode_ray_resources": {},
@@ -110,6 +111,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--tokenizer-workers", type=int, help="threads that tokenize prompts (default 2)"
+    )
+    p.add_argument(
+        "--max-logprobs", type=int, help="cap of logprobs / top_logprobs per token (default 20)"
     )
     p.add_argument(
         "--check-config",
@@ -240,7 +244,13 @@ def gateway_limits(settings: dict[str, Any]):
     """The gateway's ``GatewayLimits`` from serve settings (ValueError names the field)."""
     from cluster.edge.limits import GatewayLimits
 
-    names = ("max_request_body_mb", "max_num_requests", "request_timeout_s", "tokenizer_workers")
+    names = (
+        "max_request_body_mb",
+        "max_num_requests",
+        "request_timeout_s",
+        "tokenizer_workers",
+        "max_logprobs",
+    )
     return GatewayLimits(**{k: settings.get(k, SERVE_DEFAULTS[k]) for k in names})
 
 

@@ -34,11 +34,18 @@ def decode_request(request: EngineRequest, first: EngineOutput) -> EngineRequest
     params = dict(first.kv_transfer_params or {})
     params["do_remote_prefill"] = True
     params.pop("do_remote_decode", None)
+    # P's tokens stay output tokens for the penalties (SamplingParams).
+    num_penalty_prompt = sp.num_penalty_prompt_tokens
+    if num_penalty_prompt < 0:
+        num_penalty_prompt = len(request.prompt_token_ids)
     return msgspec.structs.replace(
         request,
         prompt_token_ids=list(request.prompt_token_ids) + list(first.new_token_ids),
         sampling_params=msgspec.structs.replace(
-            sp, max_tokens=sp.max_tokens - n, min_tokens=max(0, sp.min_tokens - n)
+            sp,
+            max_tokens=sp.max_tokens - n,
+            min_tokens=max(0, sp.min_tokens - n),
+            num_penalty_prompt_tokens=num_penalty_prompt,
         ),
         kv_transfer_params=params,
     )

@@ -11,6 +11,7 @@ changed travels to the model runner (``CachedRequestData``).
 from __future__ import annotations
 
 import enum
+import math
 from typing import Any
 
 import msgspec
@@ -32,6 +33,18 @@ class SamplingParams(_Wire):
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs to return per token
+    # Penalties (vLLM's semantics, workers/sampling/penalties.py): presence and
+    # frequency count output tokens, repetition prompt and output tokens.
+    presence_penalty: float = 0.0  # [-2, 2]
+    frequency_penalty: float = 0.0  # [-2, 2]
+    repetition_penalty: float = 1.0  # > 0; 1 = off
+    min_p: float = 0.0  # [0, 1]; 0 = off
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    bad_words_token_ids: list[list[int]] = []  # token sequences never completed
+    # Leading prompt_token_ids that are the client's prompt; the rest are
+    # earlier outputs moved into the prompt (P/D handoff, migration) and stay
+    # output tokens for the penalties. -1: all of prompt_token_ids.
+    num_penalty_prompt_tokens: int = -1
 
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -50,6 +63,22 @@ class SamplingParams(_Wire):
             raise ValueError(f"top_k must be -1, 0 (disabled) or >= 1, got {self.top_k!r}")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be >= 0, got {self.logprobs!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+        if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        for token_id, bias in (self.logit_bias or {}).items():
+            if token_id < 0 or not -100.0 <= bias <= 100.0:
+                raise ValueError(
+                    f"logit_bias needs token ids >= 0 and values in [-100, 100], "
+                    f"got {token_id!r}: {bias!r}"
+                )
+        if any(not word for word in self.bad_words_token_ids):
+            raise ValueError("bad_words_token_ids must not contain an empty word")
 
     @property
     def greedy(self) -> bool:

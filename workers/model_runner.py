@@ -33,6 +33,7 @@ from workers.attention import SplitAttention, StepMetadata
 from workers.cpu_allocator import tune_malloc_for_inference
 from workers.dense_decode import DenseDecodeKV, DenseDecodeStep
 from workers.sampler import Sampler
+from workers.sampling.state import SamplingExtras
 
 # CPU only: bytes the dense decode copy of the KV may use (see workers/dense_decode.py).
 DEFAULT_DENSE_DECODE_BYTES = 1 << 30
@@ -71,6 +72,8 @@ class ModelRunner:
         self.connector = connector
         self.sampler = Sampler(seed)
         self.requests: dict[str, _ReqState] = {}
+        # penalties / logit bias / bad words of the requests that use them
+        self.extras = SamplingExtras(model.vocab_size, self.device)
         if self.device.type == "cpu":
             tune_malloc_for_inference()
         # Dense decode rows: a CPU fast path (the Triton kernels read the paged cache directly).
@@ -93,6 +96,7 @@ class ModelRunner:
     def _update_states(self, so: SchedulerOutput) -> None:
         for rid in (*so.finished_req_ids, *so.preempted_req_ids):
             self.requests.pop(rid, None)
+            self.extras.remove(rid)
             if self.dense is not None:
                 self.dense.release(rid)
         for nr in so.scheduled_new_reqs:
@@ -105,6 +109,7 @@ class ModelRunner:
                 nr.num_prompt_tokens,
                 nr.sampling_params,
             )
+            self.extras.add(nr.req_id, nr.sampling_params, nr.all_token_ids, nr.num_prompt_tokens)
         c = so.scheduled_cached_reqs
         for rid, new_blocks, num_computed in zip(c.req_ids, c.new_block_ids, c.num_computed_tokens):
             st = self.requests[rid]
@@ -139,6 +144,7 @@ class ModelRunner:
         block_tables, seq_lens, query_lens = [], [], []
         sample_rows: list[int] = []  # flat index of each sampled token's last query token
         sample_reqs: list[_ReqState] = []
+        sample_ids: list[str] = []
         sampled_slot: dict[str, int] = {}  # req id -> index into sample_reqs
         for rid in order:
             n = so.num_scheduled_tokens[rid]
@@ -159,6 +165,7 @@ class ModelRunner:
                 sampled_slot[rid] = len(sample_reqs)
                 sample_rows.append(len(input_ids) - 1)
                 sample_reqs.append(st)
+                sample_ids.append(rid)
         dev = self.device
         meta = self._metadata(block_tables, seq_lens, query_lens, positions, dense_step)
         ids_t = torch.tensor(input_ids, dtype=torch.long, device=dev)
@@ -173,15 +180,21 @@ class ModelRunner:
                 rows = torch.tensor(sample_rows, dtype=torch.long, device=dev)
                 last = hidden.index_select(0, rows)
             logits = self.model.compute_logits(last)
+            extras = None
+            if self.extras.num_tracked:
+                histories = [(st.token_ids, st.num_prompt) for st in sample_reqs]
+                extras = self.extras.batch(sample_ids, histories)
             tokens, logprobs = self.sampler.sample(
                 logits,
                 [st.params for st in sample_reqs],
                 [len(st.token_ids) for st in sample_reqs],
                 [len(st.token_ids) - st.num_prompt for st in sample_reqs],
                 [self.eos_token_id] * len(sample_reqs),
+                extras,
             )
             for st, tok in zip(sample_reqs, tokens):
                 st.token_ids.append(tok)
+            self.extras.record(sample_ids, tokens)
         slots = [sampled_slot.get(rid, -1) for rid in req_ids]
         out.req_ids = req_ids
         out.sampled_token_ids = [[tokens[k]] if k >= 0 else [] for k in slots]

@@ -1,4 +1,8 @@
-"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds, logprobs.
+"""Token sampling: greedy, temperature, min-p, top-k, top-p, per-request seeds, logprobs.
+
+Penalties, logit bias and bad words come in as ``BatchExtras``
+(``workers/sampling/``) and change the logits every row samples from,
+greedy rows included; logprobs stay those of the raw logits.
 
 A random row is sampled by inverse CDF with ONE uniform number per row:
 
@@ -33,6 +37,8 @@ import random
 import torch
 
 from scheduler.messages import Logprobs, SamplingParams
+from workers.sampling.penalties import apply_min_p
+from workers.sampling.state import BatchExtras
 
 # Below this temperature a row is sampled greedily: dividing by a tiny
 # temperature overflows float32 and argmax is the limit anyway.
@@ -79,6 +85,7 @@ class Sampler:
         positions: list[int],
         output_counts: list[int],
         eos_token_ids: list[int | None],
+        extras: BatchExtras | None = None,
     ) -> tuple[list[int], list[Logprobs | None] | None]:
         """Sample one token per row.
 
@@ -90,6 +97,10 @@ class Sampler:
             output_counts: output tokens the row's request already has; while
                 below ``min_tokens``, EOS and ``stop_token_ids`` are masked.
             eos_token_ids: EOS id per row (``None``: no EOS).
+            extras: logit bias, bad words and penalties of the rows that use
+                them (``workers.sampling.state``), applied after the
+                min_tokens mask and before temperature; min-p applies after
+                temperature, before top-k/top-p.
 
         Returns:
             ``(token_ids, logprobs)``. Greedy rows (temperature 0 or top_k 1)
@@ -107,6 +118,8 @@ class Sampler:
         raw_logits = logits.float()
 
         masked = _mask_min_tokens(raw_logits, params, output_counts, eos_token_ids)
+        if extras is not None:
+            masked = extras.apply(masked)
         token_ids = argmax_rows(masked)
         random_rows = [
             i for i, p in enumerate(params) if p.temperature >= _MIN_TEMPERATURE and p.top_k != 1
@@ -188,6 +201,9 @@ def _sample_rows(
     vocab_size = logits.shape[1]
     temps = torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
     scaled = logits / temps
+    min_ps = [p.min_p for p in params]
+    if any(min_ps):
+        scaled = apply_min_p(scaled, torch.tensor(min_ps, device=device))
     top_ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
     if any(k < vocab_size for k in top_ks):
         scaled = _apply_top_k(scaled, top_ks)

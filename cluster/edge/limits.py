@@ -35,6 +35,7 @@ class GatewayLimits:
     request_timeout_s: float = 600.0
     tokenizer_workers: int = 2
     retry_after_s: int = 1
+    max_logprobs: int = 20  # cap of logprobs / top_logprobs (vLLM's default)
 
     def __post_init__(self) -> None:
         for name in ("max_request_body_mb", "request_timeout_s"):
@@ -43,7 +44,7 @@ class GatewayLimits:
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         if self.max_request_body_mb == 0:
             raise ValueError("max_request_body_mb must be > 0")
-        for name in ("max_num_requests", "tokenizer_workers", "retry_after_s"):
+        for name in ("max_num_requests", "tokenizer_workers", "retry_after_s", "max_logprobs"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")

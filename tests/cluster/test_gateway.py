@@ -335,7 +335,19 @@ BAD_REQUESTS = [
     (C, {"prompt": "x", "stop": [1]}, "stop[0]"),
     (C, {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
     (C, {"prompt": "x", "min_tokens": 20, "max_tokens": 5}, None),
-    (C, {"prompt": "x", "frequency_penalty": 0.5}, "frequency_penalty"),
+    (C, {"prompt": "x", "frequency_penalty": 2.5}, "frequency_penalty"),
+    (C, {"prompt": "x", "presence_penalty": -2.01}, "presence_penalty"),
+    (C, {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+    (C, {"prompt": "x", "repetition_penalty": -1.0}, "repetition_penalty"),
+    (C, {"prompt": "x", "min_p": 1.5}, "min_p"),
+    (C, {"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
+    (C, {"prompt": "x", "logit_bias": {"100000": 1}}, "logit_bias"),
+    (C, {"prompt": "x", "logit_bias": {"-1": 1}}, "logit_bias"),
+    (C, {"prompt": "x", "logit_bias": {"5": 100.5}}, "logit_bias"),
+    (C, {"prompt": "x", "bad_words": ["  "]}, "bad_words"),
+    (C, {"prompt": "x", "bad_words": "x"}, "bad_words"),
+    (CHAT, {"messages": MESSAGES, "presence_penalty": 3}, "presence_penalty"),
+    (CHAT, {"messages": MESSAGES, "logit_bias": {"5": -101}}, "logit_bias"),
     (C, {"prompt": "x", "seed": 2**64}, "seed"),
     (C, b'{"prompt": "x", "temperature": 1e400}', "temperature"),
     (C, {"prompt": "x", "n": 2, "logit_bias": {"1": "x"}}, "logit_bias[...]"),
@@ -401,7 +413,8 @@ _JSON = st.recursive(
 )
 _FIELDS = ["model", "max_tokens", "stop", "stream", "stream_options", "temperature", "top_p",
            "seed", "n", "logprobs", "top_logprobs", "echo", "top_k", "min_tokens", "ignore_eos",
-           "max_completion_tokens", "stop_token_ids", "logit_bias"]  # fmt: skip
+           "max_completion_tokens", "stop_token_ids", "logit_bias", "presence_penalty",
+           "frequency_penalty", "repetition_penalty", "min_p", "bad_words"]  # fmt: skip
 _PROMPTS = st.text(max_size=20) | st.lists(st.integers(-3, 300), max_size=6) | _JSON
 _MESSAGES = (
     st.lists(

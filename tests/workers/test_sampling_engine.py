@@ -1,0 +1,83 @@
+"""Sampling features through the engine: the same tokens whether a request
+is chunked, preempted, handed off (P/D style) or batched with others."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from kvtransfer.handoff import decode_request, prefill_request
+from scheduler.messages import EngineOutput, EngineRequest, SamplingParams
+from workers.config import EngineConfig
+from workers.llm import LLM
+
+PROMPT = [256, *range(40, 90), 72, 101, 108, 108, 111, 40, 41, 42]
+FEATURES = [
+    dict(temperature=1.0, seed=7, presence_penalty=1.2, frequency_penalty=0.4),
+    dict(temperature=0.8, seed=11, repetition_penalty=1.6, min_p=0.05, top_k=40),
+    dict(temperature=0.0, frequency_penalty=1.5, logit_bias={45: 3.0, 46: -100.0}),
+    dict(temperature=1.0, seed=5, bad_words_token_ids=[[101], [40, 41]], repetition_penalty=0.7),
+]
+
+
+def _params(**kw) -> SamplingParams:
+    return SamplingParams(max_tokens=24, ignore_eos=True, **kw)
+
+
+def _run(llm: LLM, prompts, params) -> list[list[int]]:
+    out = [r.token_ids for r in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+    llm.engine.check_integrity()
+    llm.engine.runner.extras.check_integrity()
+    assert llm.engine.runner.extras.num_tracked == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def whole(tiny_model_dir):
+    return LLM(EngineConfig(model=tiny_model_dir, num_kv_blocks=64))
+
+
+@pytest.mark.parametrize("features", FEATURES)
+def test_same_tokens_chunked_preempted_batched_or_handed_off(tiny_model_dir, whole, features):
+    params = _params(**features)
+    (alone,) = _run(whole, [PROMPT], [params])
+    # the features change the output (against the same request without them)
+    base = {k: v for k, v in features.items() if k in ("temperature", "seed", "top_k")}
+    (plain,) = _run(whole, [PROMPT], [_params(**base)])
+    assert alone != plain
+    # chunked prefill (budget 16 tokens per step)
+    chunked = LLM(EngineConfig(model=tiny_model_dir, num_kv_blocks=64, max_num_batched_tokens=16))
+    assert _run(chunked, [PROMPT], [params]) == [alone]
+    # batched with requests that use other features, or none
+    mates = [_params(temperature=1.0), _params(**FEATURES[(FEATURES.index(features) + 1) % 4])]
+    together = _run(whole, [[1, 2, 3], PROMPT, [9] * 20], [mates[0], params, mates[1]])
+    assert together[1] == alone
+    # handoff: first token on one engine, the rest on another that sees it in the prompt
+    req = EngineRequest("h", PROMPT, params)
+    first = _one(whole, prefill_request(req))
+    rest = _one(
+        chunked, msgspec.structs.replace(decode_request(req, first), kv_transfer_params=None)
+    )
+    assert first.new_token_ids + rest.new_token_ids == alone
+
+
+def test_same_tokens_after_preemption(tiny_model_dir, whole):
+    params = [_params(**f) for f in FEATURES]
+    prompts = [PROMPT, PROMPT[5:], PROMPT[10:], PROMPT[::-1]]
+    expected = _run(whole, prompts, params)
+    small = LLM(EngineConfig(model=tiny_model_dir, block_size=8, num_kv_blocks=16))
+    assert _run(small, prompts, params) == expected
+    assert small.engine.scheduler.num_preemptions > 0
+
+
+def _one(llm: LLM, request: EngineRequest) -> EngineOutput:
+    """Run one request to the end; its tokens in one EngineOutput."""
+    assert llm.engine.add_request(request) is None
+    tokens: list[int] = []
+    while llm.engine.has_work():
+        for out in llm.engine.step().outputs:
+            tokens.extend(out.new_token_ids)
+            if out.finished:
+                final = out
+    llm.engine.check_integrity()
+    return msgspec.structs.replace(final, new_token_ids=tokens)
