@@ -307,6 +307,7 @@ class Gateway:
                 params,
                 arrival_time=time.time(),
                 cache_salt=req.cache_salt,
+                priority=req.priority,
             ),
             formatter=formatter,
             stream=req.stream,

@@ -86,6 +86,8 @@ class _CommonRequest(msgspec.Struct, kw_only=True):
     include_stop_str_in_output: bool | None = False
     # Prefix-cache tenant key: requests share cached KV only with equal salts.
     cache_salt: str | None = None
+    # vLLM's scheduling priority: lower value first (--scheduling-policy priority)
+    priority: int | None = 0
 
     def __post_init__(self) -> None:
         # Clients send explicit nulls for "not set"; give those fields their defaults.
@@ -100,6 +102,7 @@ class _CommonRequest(msgspec.Struct, kw_only=True):
         ("ignore_eos", False),
         ("skip_special_tokens", True),
         ("include_stop_str_in_output", False),
+        ("priority", 0),
     )
 
 
@@ -191,6 +194,8 @@ def validate_common(req: _CommonRequest, served_model: str) -> None:
     for stop in stop_strings(req):
         if not stop:
             raise ProtocolError("stop strings must be non-empty.", param="stop")
+    if not -(2**63) <= req.priority < 2**63:
+        raise ProtocolError("priority must fit in 64 bits.", param="priority")
     if req.cache_salt is not None and not req.cache_salt:
         raise ProtocolError("cache_salt must be a non-empty string.", param="cache_salt")
 

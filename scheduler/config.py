@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from scheduler.block_hash import get_block_hasher
-from scheduler.queues import QUEUES
+from scheduler.policies import check_policy
 
 
 @dataclass
@@ -22,7 +22,14 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     # Block hash of the prefix cache: sha256 | xxhash128 | builtin (block_hash.py).
     prefix_caching_hash_algo: str = "sha256"
-    policy: str = "fcfs"  # or "priority"
+    # fcfs | priority | prefill-first (scheduler/policies.py)
+    policy: str = "fcfs"
+    # Fraction of the KV blocks kept free when admitting a request (0 = none).
+    kv_admission_margin: float = 0.0
+    # Per step: requests in prefill (0 = no limit), of which long ones (more
+    # than long_prefill_token_threshold tokens left; 0 = no limit).
+    max_num_partial_prefills: int = 0
+    max_long_partial_prefills: int = 0
     # What to do when a remote KV load fails: compute the KV locally, or
     # finish the request with FINISHED_ERROR.
     load_failure_policy: str = "recompute"
@@ -38,8 +45,19 @@ class SchedulerConfig:
                 f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}"
             )
         get_block_hasher(self.prefix_caching_hash_algo)  # ValueError naming the field
-        if self.policy not in QUEUES:
-            raise ValueError(f"policy must be one of {sorted(QUEUES)}, got {self.policy!r}")
+        check_policy(self.policy)
+        if not 0.0 <= self.kv_admission_margin < 1.0:
+            raise ValueError(
+                f"kv_admission_margin must be in [0, 1), got {self.kv_admission_margin}"
+            )
+        for name in ("max_num_partial_prefills", "max_long_partial_prefills"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0 = no limit), got {getattr(self, name)}")
+        if self.max_long_partial_prefills and not self.long_prefill_token_threshold:
+            raise ValueError(
+                "max_long_partial_prefills needs long_prefill_token_threshold > 0 "
+                "(what counts as long)"
+            )
         if self.load_failure_policy not in ("recompute", "fail"):
             raise ValueError(
                 f"load_failure_policy must be 'recompute' or 'fail', got {self.load_failure_policy!r}"

@@ -17,8 +17,9 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
+from scheduler import policies
 from scheduler.config import SchedulerConfig
-from scheduler.kv_cache_manager import KVCacheManager
+from scheduler.kv_cache_manager import KVCacheManager, cdiv
 from scheduler.messages import (
     CachedRequestData,
     EngineOutput,
@@ -49,7 +50,10 @@ class Scheduler:
             config.prefix_caching_hash_algo,
         )
         self.requests: dict[str, Request] = {}  # every request that holds state here
-        self.waiting = create_queue(config.policy)
+        self.waiting = create_queue(policies.queue_kind(config.policy))
+        self.margin_blocks = policies.margin_blocks(
+            config.num_kv_blocks, config.kv_admission_margin
+        )
         self.running: list[Request] = []
         self.waiting_for_remote: dict[str, Request] = {}
         self.held_for_send: dict[str, Request] = {}  # finished; blocks kept for a peer
@@ -149,12 +153,24 @@ class Scheduler:
         cached = CachedRequestData()
         preempted: list[str] = []
         threshold = cfg.long_prefill_token_threshold
+        limits = policies.PrefillLimits(
+            cfg.max_num_partial_prefills, cfg.max_long_partial_prefills, threshold
+        )
+        if cfg.policy == "priority" and self.waiting and self.running:
+            self._preempt_for_arrival(preempted)
+        num_arrival_preempted = len(preempted)
+        policies.order_running(cfg.policy, self.running)
 
-        # 1. running requests, oldest first
+        # 1. running requests, oldest first (prefill-first: prefills first)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = len(req.all_token_ids) - req.num_computed_tokens
+            if limits.active:
+                if not limits.allows(num_new):
+                    i += 1  # over this step's partial-prefill limits
+                    continue
+                limits.take(num_new)
             if threshold and num_new > threshold:
                 num_new = threshold
             num_new = min(num_new, budget)
@@ -162,11 +178,14 @@ class Scheduler:
                 new_block_ids = self.kv.allocate_slots(req, num_new)
                 if new_block_ids is not None:
                     break
-                victim = self._pick_victim()
+                victim = policies.pick_victim(cfg.policy, self.running)
                 if self.running.index(victim) < i:
-                    # Priority policy: the victim was already scheduled this step.
                     i -= 1
+                if victim is not req and victim.request_id in num_scheduled:
+                    # The victim was already scheduled this step: take it back.
                     budget += num_scheduled.pop(victim.request_id)
+                    if limits.active:
+                        limits.release(victim.num_tokens - victim.num_computed_tokens)
                     if victim.request_id in cached.req_ids:
                         j = cached.req_ids.index(victim.request_id)
                         del cached.req_ids[j], cached.new_block_ids[j]
@@ -190,9 +209,9 @@ class Scheduler:
             cached.new_block_ids.append(new_block_ids)
             cached.num_computed_tokens.append(req.num_computed_tokens)
 
-        # 2. waiting requests, unless this step already had to preempt
-        if not preempted:
-            budget = self._schedule_waiting(budget, num_scheduled, new_reqs)
+        # 2. waiting requests, unless the running ones had to preempt
+        if len(preempted) == num_arrival_preempted:
+            budget = self._schedule_waiting(budget, num_scheduled, new_reqs, limits)
 
         out = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
@@ -213,7 +232,11 @@ class Scheduler:
         return out
 
     def _schedule_waiting(
-        self, budget: int, num_scheduled: dict[str, int], new_reqs: list[NewRequestData]
+        self,
+        budget: int,
+        num_scheduled: dict[str, int],
+        new_reqs: list[NewRequestData],
+        limits: policies.PrefillLimits,
     ) -> int:
         cfg = self.config
         connector = self.connector
@@ -242,11 +265,21 @@ class Scheduler:
                 num_new = 0  # blocks only; the tokens arrive by the read
             else:
                 num_new = req.num_tokens - num_computed
+                if limits.active and not limits.allows(num_new):
+                    if limits.max_num_partial and limits.num >= limits.max_num_partial:
+                        break  # no prefill slot left this step
+                    self.waiting.pop()  # a long prompt at its limit: shorter ones overtake
+                    skipped.append(req)
+                    continue
                 if threshold and num_new > threshold:
                     num_new = threshold
                 if num_new > budget and not cfg.enable_chunked_prefill:
                     break
                 num_new = min(num_new, budget)
+            if self.margin_blocks and not self._room_after_margin(
+                num_computed + num_new, computed_blocks
+            ):
+                break  # admitting it would eat into the blocks kept for growth
             new_block_ids = self.kv.allocate_slots(
                 req,
                 num_new + num_external,
@@ -273,6 +306,8 @@ class Scheduler:
             if num_new == 0:
                 skipped.append(req)  # nothing fits this step
                 continue
+            if limits.active:
+                limits.take(req.num_tokens - num_computed)
             req.status = RequestStatus.RUNNING
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.time()
@@ -295,10 +330,34 @@ class Scheduler:
             num_computed_tokens=req.num_computed_tokens,
         )
 
-    def _pick_victim(self) -> Request:
-        if self.config.policy == "priority":
-            return max(self.running, key=lambda r: (r.priority, r.arrival_time, r.request_id))
-        return self.running[-1]
+    def _room_after_margin(self, num_tokens: int, computed_blocks) -> bool:
+        """Would a waiting request holding ``num_tokens`` tokens leave the
+        admission margin free? Always yes for a lone request."""
+        if not self.running and not self.waiting_for_remote:
+            return True
+        hits = computed_blocks or ()
+        num_taken = cdiv(num_tokens, self.config.block_size) - len(hits)
+        num_taken += sum(1 for b in hits if b.ref_cnt == 0)  # revived from the free queue
+        return self.kv.num_free_blocks - num_taken >= self.margin_blocks
+
+    def _preempt_for_arrival(self, preempted: list[str]) -> None:
+        """Priority policy: preempt running requests with a larger priority
+        value until the best waiting request could be admitted."""
+        cfg = self.config
+        head = self.waiting.peek()
+        num_first = min(head.num_tokens - head.num_computed_tokens, cfg.max_num_batched_tokens)
+        if cfg.long_prefill_token_threshold:
+            num_first = min(num_first, cfg.long_prefill_token_threshold)
+        num_blocks = cdiv(head.num_computed_tokens + num_first, cfg.block_size) + self.margin_blocks
+        while (
+            len(self.running) + len(self.waiting_for_remote) >= cfg.max_num_seqs
+            or self.kv.num_free_blocks < num_blocks
+        ):
+            victim = policies.arrival_victim(self.running, head)
+            if victim is None:
+                return
+            self._preempt(victim)
+            preempted.append(victim.request_id)
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from scheduler.block_hash import HASH_ALGOS, get_block_hasher
+from scheduler.policies import POLICIES, check_policy
 
 
 @dataclass
@@ -33,7 +34,10 @@ class EngineConfig:
     prefix_caching_hash_algo: str = "sha256"  # sha256 | xxhash128 | builtin
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
-    policy: str = "fcfs"
+    policy: str = "fcfs"  # fcfs | priority | prefill-first (scheduler/policies.py)
+    kv_admission_margin: float = 0.0  # fraction of KV blocks kept free at admission
+    max_num_partial_prefills: int = 0  # per step, 0 = no limit
+    max_long_partial_prefills: int = 0  # per step, 0 = no limit
     seed: int = 0
     # CPU: torch intra-op threads (0 = torch's default). Pin it on shared
     # machines: torch's default OpenMP threads stall badly when another
@@ -87,6 +91,14 @@ class EngineConfig:
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
         get_block_hasher(self.prefix_caching_hash_algo)  # ValueError naming the field
+        check_policy(self.policy)
+        if not 0.0 <= self.kv_admission_margin < 1.0:
+            raise ValueError(
+                f"kv_admission_margin must be in [0, 1), got {self.kv_admission_margin}"
+            )
+        for name in ("max_num_partial_prefills", "max_long_partial_prefills"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0 = no limit), got {getattr(self, name)}")
         if self.role not in ("prefill", "decode", "colocated"):
             raise ValueError(f"role must be prefill, decode or colocated, got {self.role!r}")
         if self.load_failure_policy not in ("recompute", "fail"):
@@ -113,8 +125,31 @@ _FLAGS: list[tuple[str, str, Any, str]] = [
     ("--num-kv-blocks", "num_kv_blocks", int, "KV blocks (overrides memory sizing)"),
     ("--kv-cache-memory", "kv_cache_memory", int, "bytes of KV cache (CPU)"),
     ("--gpu-memory-utilization", "gpu_memory_utilization", float, "fraction of GPU memory"),
-    ("--long-prefill-token-threshold", "long_prefill_token_threshold", int, "prefill chunk cap"),
-    ("--policy", "policy", str, "fcfs or priority"),
+    (
+        "--long-prefill-token-threshold",
+        "long_prefill_token_threshold",
+        int,
+        "prefill chunk cap; prompts with more tokens left are long",
+    ),
+    ("--scheduling-policy", "policy", str, " | ".join(POLICIES) + " (default fcfs)"),
+    (
+        "--kv-admission-margin",
+        "kv_admission_margin",
+        float,
+        "fraction of KV blocks kept free when admitting requests (default 0)",
+    ),
+    (
+        "--max-num-partial-prefills",
+        "max_num_partial_prefills",
+        int,
+        "requests in prefill per step (0 = no limit)",
+    ),
+    (
+        "--max-long-partial-prefills",
+        "max_long_partial_prefills",
+        int,
+        "long prefills per step (0 = no limit); shorter prompts overtake",
+    ),
     (
         "--prefix-caching-hash-algo",
         "prefix_caching_hash_algo",

@@ -117,6 +117,9 @@ class EngineCore:
             enable_prefix_caching=config.enable_prefix_caching,
             prefix_caching_hash_algo=config.prefix_caching_hash_algo,
             policy=config.policy,
+            kv_admission_margin=config.kv_admission_margin,
+            max_num_partial_prefills=config.max_num_partial_prefills,
+            max_long_partial_prefills=config.max_long_partial_prefills,
             load_failure_policy=config.load_failure_policy,
         )
         self.connector_scheduler, self.connector_worker = self._make_connector()

@@ -355,6 +355,8 @@ BAD_REQUESTS = [
     (C, b"\xff\xfe", None),
     (C, {"prompt": "x", "stop_token_ids": [100000]}, "stop_token_ids"),
     (C, {"prompt": "x", "cache_salt": ""}, "cache_salt"),
+    (C, {"prompt": "x", "priority": 2**63}, "priority"),
+    (C, {"prompt": "x", "priority": 1.5}, "priority"),
     (C, {"prompt": "x", "cache_salt": 7}, "cache_salt"),
     (CHAT, {"messages": MESSAGES, "cache_salt": ["a"]}, "cache_salt"),
     (CHAT, {"max_tokens": 5}, "messages"),

@@ -73,3 +73,34 @@ def test_prefix_caching_hash_algo_per_pool_and_named_when_bad():
     with pytest.raises(ValueError, match="prefix_caching_hash_algo"):
         settings, per_role = resolve_settings(parse(["--prefix-caching-hash-algo", "md5"]))
         pool_specs(settings, per_role)
+
+
+def test_scheduling_flags_per_pool_and_named_when_bad():
+    args = parse(
+        [
+            "--scheduling-policy",
+            "priority",
+            "--prefill-scheduling-policy",
+            "prefill-first",
+            "--kv-admission-margin",
+            "0.1",
+            "--long-prefill-token-threshold",
+            "256",
+            "--prefill-max-num-partial-prefills",
+            "4",
+            "--prefill-max-long-partial-prefills",
+            "1",
+        ]
+    )
+    specs = {s.role: s for s in pool_specs(*resolve_settings(args))}
+    p, d = specs["prefill"].config, specs["decode"].config
+    assert (p.policy, d.policy) == ("prefill-first", "priority")
+    assert p.kv_admission_margin == d.kv_admission_margin == 0.1
+    assert (p.max_num_partial_prefills, p.max_long_partial_prefills) == (4, 1)
+    assert (d.max_num_partial_prefills, d.max_long_partial_prefills) == (0, 0)
+    for argv, field in (
+        (["--scheduling-policy", "lifo"], "policy"),
+        (["--decode-kv-admission-margin", "1.5"], "kv_admission_margin"),
+    ):
+        with pytest.raises(ValueError, match=field):
+            pool_specs(*resolve_settings(parse(argv)))
