@@ -1,7 +1,8 @@
 """The HTTP front door: OpenAI-compatible completions over a ``Backend``.
 
     POST /v1/completions, /v1/chat/completions   (stream and not)
-    GET  /v1/models, /health, /metrics
+    GET  /v1/models, /health, /metrics, /openapi.json
+    POST /tokenize, /detokenize                   (cluster/api/tokenize.py)
 
 Per request:
 
@@ -39,6 +40,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from cluster import protocol
+from cluster.api.config import ApiConfig, ServedModels
+from cluster.api.openapi import openapi_schema
+from cluster.api.tokenize import add_tokenize_routes
 from cluster.backend import Backend, BackendUnavailable
 from cluster.edge import sampling as edge_sampling
 from cluster.edge.limits import GatewayLimits, RequestSlots, read_body
@@ -83,15 +87,24 @@ class _GatewayApp(FastAPI):
 
 
 def create_app(
-    backend: Backend, *, api_key: str | None = None, limits: GatewayLimits | None = None
+    backend: Backend,
+    *,
+    api_key: str | None = None,
+    limits: GatewayLimits | None = None,
+    api: ApiConfig | None = None,
 ) -> FastAPI:
-    """The gateway app. ``api_key`` (if set) is required on ``/v1/*`` as
-    ``Authorization: Bearer <key>``; ``/health`` and ``/metrics`` stay open.
+    """The gateway app. ``api_key`` (if set) is required on ``/v1/*``,
+    ``/tokenize`` and ``/detokenize`` as ``Authorization: Bearer <key>``;
+    ``/health``, ``/metrics`` and ``/openapi.json`` stay open.
     ``limits``: body size, concurrency, deadline, tokenizer threads
-    (``cluster.edge.limits``; defaults when None)."""
+    (``cluster.edge.limits``; defaults when None). ``api``: served model
+    names, chat template, generation defaults (``cluster.api.config``)."""
     limits = limits or GatewayLimits()
+    api = api or ApiConfig()
+    if api.chat_template is not None:
+        backend.tokenizer.chat_template = api.chat_template  # the gateway renders chats
     registry = CollectorRegistry()
-    gateway = Gateway(backend, GatewayMetrics(), limits)
+    gateway = Gateway(backend, GatewayMetrics(), limits, api)
     registry.register(gateway.metrics)
     registry.register(EngineMetricsCollector(backend))
     app = _GatewayApp(title="tandem", docs_url=None, redoc_url=None, openapi_url=None, **_NO_OTEL)
@@ -156,19 +169,30 @@ def create_app(
     app.add_route("/v1/completions", completions, methods=["POST"])
     app.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
 
+    add_tokenize_routes(app, gateway, check_api_key)
+
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         check_api_key(request)
-        card = {
-            "id": backend.model_name,
-            "object": "model",
-            "created": gateway.started_at,
-            "owned_by": "tandem",
-            "root": backend.model_name,
-            "max_model_len": backend.max_model_len,
-            "vocab_size": gateway.vocab_size,
-        }
-        return JSONResponse({"object": "list", "data": [card]})
+        cards = [
+            {
+                "id": name,
+                "object": "model",
+                "created": gateway.started_at,
+                "owned_by": "tandem",
+                "root": backend.model_name,
+                "max_model_len": backend.max_model_len,
+                "vocab_size": gateway.vocab_size,
+            }
+            for name in gateway.models.names
+        ]
+        return JSONResponse({"object": "list", "data": cards})
+
+    @app.get("/openapi.json")
+    async def openapi() -> Response:
+        # built per call: max_model_len is known only once the engines are ready
+        schema = openapi_schema(gateway.models.names, gateway.vocab_size, api_key is not None)
+        return JSONResponse(schema)
 
     @app.get("/health")
     async def health() -> Response:
@@ -223,9 +247,15 @@ class Gateway:
     """Request preparation and the generation loop, independent of routes."""
 
     def __init__(
-        self, backend: Backend, metrics: GatewayMetrics, limits: GatewayLimits | None = None
+        self,
+        backend: Backend,
+        metrics: GatewayMetrics,
+        limits: GatewayLimits | None = None,
+        api: ApiConfig | None = None,
     ) -> None:
         self.backend = backend
+        self.api = api = api or ApiConfig()
+        self.models = ServedModels(api.served_model_names, backend.model_name)
         self.metrics = metrics
         self.limits = limits = limits or GatewayLimits()
         self.slots = RequestSlots(limits.max_num_requests, limits.retry_after_s)
@@ -241,7 +271,8 @@ class Gateway:
     # ---- preparation (raises ProtocolError) ----
 
     async def prepare_completion(self, req: CompletionRequest, arrival_s: float) -> Response:
-        protocol.validate_common(req, self.backend.model_name)
+        model = self.models.resolve(req.model)
+        protocol.validate_common(req, model)
         prompt = protocol.completion_prompt(req)
         edge_sampling.check_num_logprobs(req.logprobs, "logprobs", self.limits.max_logprobs)
         if isinstance(prompt, str):
@@ -250,17 +281,19 @@ class Gateway:
         else:
             prompt_ids = self._check_token_ids(prompt)
         self._check_prompt_len(prompt_ids)
+        self.api.generation_defaults.apply(req, self.backend.max_model_len - len(prompt_ids))
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
         self._check_total_len(prompt_ids, max_tokens, "max_tokens")
         request_id = f"cmpl-{uuid.uuid4().hex}"
         formatter = protocol.CompletionFormatter(
-            request_id, self.backend.model_name, int(time.time()), req.logprobs, self.token_text
+            request_id, model, int(time.time()), req.logprobs, self.token_text
         )
         params = protocol.sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs)
         return self._response(req, prompt_ids, params, formatter, arrival_s)
 
     async def prepare_chat(self, req: ChatCompletionRequest, arrival_s: float) -> Response:
-        protocol.validate_common(req, self.backend.model_name)
+        model = self.models.resolve(req.model)
+        protocol.validate_common(req, model)
         protocol.check_chat_fields(req)
         num_logprobs = protocol.chat_logprobs(req)
         edge_sampling.check_num_logprobs(req.top_logprobs, "top_logprobs", self.limits.max_logprobs)
@@ -271,6 +304,7 @@ class Gateway:
         except ValueError as exc:
             raise ProtocolError(str(exc), param="messages") from None
         self._check_prompt_len(prompt_ids, param="messages")
+        self.api.generation_defaults.apply(req, self.backend.max_model_len - len(prompt_ids))
         max_tokens = req.max_completion_tokens or req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
         if max_tokens is None:
@@ -279,7 +313,7 @@ class Gateway:
             self._check_total_len(prompt_ids, max_tokens, param)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         formatter = protocol.ChatFormatter(
-            request_id, self.backend.model_name, int(time.time()), num_logprobs, self.token_text
+            request_id, model, int(time.time()), num_logprobs, self.token_text
         )
         params = protocol.sampling_params(req, max_tokens=max_tokens, logprobs=num_logprobs)
         return self._response(req, prompt_ids, params, formatter, arrival_s)

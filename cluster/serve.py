@@ -56,6 +56,10 @@ SERVE_DEFAULTS: dict[str, Any] = {
     "engine_dead_after_s": 30.0,
     "engine_call_timeout_s": 5.0,  # a slower Ray control call is no verdict
     "max_queued_outputs": 512,
+    # API surface (cluster/api/config.py)
+    "served_model_name": None,
+    "chat_template": None,
+    "generation_config": "auto",
 }
 
 
@@ -132,6 +136,17 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="development only: engine sockets and the KV side channel accept "
         "anyone who can reach them (no CURVE)",
+    )
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        help="model names clients may send (the first is reported; default: --model)",
+    )
+    p.add_argument("--chat-template", help="Jinja chat template file (replaces the tokenizer's)")
+    p.add_argument(
+        "--generation-config",
+        help="sampling defaults: 'auto' (the checkpoint's generation_config.json, default), "
+        "'vllm' (ignore it) or a directory holding one",
     )
     add_placement_arguments(p)
     add_engine_arguments(p)
@@ -240,6 +255,13 @@ def pool_specs(
     return specs
 
 
+def api_config(settings: dict[str, Any], model_path: str | None):
+    """The gateway's ``ApiConfig`` (ValueError names the flag)."""
+    from cluster.api.config import ApiConfig
+
+    return ApiConfig.from_settings(settings, model_path)
+
+
 def gateway_limits(settings: dict[str, Any]):
     """The gateway's ``GatewayLimits`` from serve settings (ValueError names the field)."""
     from cluster.edge.limits import GatewayLimits
@@ -265,6 +287,7 @@ class Service:
         self.started_ray = False
         self.dashboard_url = None
         self.cluster_secret: bytes | None = None  # set by start(); tests act as members
+        self.model_path: str | None = None  # set by start()
 
     async def start(self) -> None:
         import ray
@@ -288,7 +311,7 @@ class Service:
             self.dashboard_url = getattr(ctx, "dashboard_url", None)
         host = node_ip() if self.settings["address"] else "127.0.0.1"
         output_addr = f"tcp://{host}:{free_port(host)}"
-        model_path = resolve_model_path(self.settings["model"])
+        self.model_path = model_path = resolve_model_path(self.settings["model"])
         tokenizer = load_tokenizer(model_path)
         self.cluster_secret = secret = cluster_secret(self.settings)
         self.handles = start_pools(pool_specs(self.settings, self.per_role, secret), output_addr)
@@ -326,7 +349,12 @@ async def _serve(settings: dict[str, Any], per_role: dict[str, dict[str, Any]]) 
     svc = Service(settings, per_role)
     try:
         await svc.start()
-        app = create_app(svc.backend, api_key=settings["api_key"], limits=gateway_limits(settings))
+        app = create_app(
+            svc.backend,
+            api_key=settings["api_key"],
+            limits=gateway_limits(settings),
+            api=api_config(settings, svc.model_path),
+        )
         server = uvicorn.Server(
             uvicorn.Config(
                 app,
@@ -365,7 +393,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         gateway_limits(settings)
         from workers.loader import resolve_model_path
 
-        resolve_model_path(settings["model"])  # bad model: one line, exit 2 (GGUF: convert once)
+        # bad model: one line, exit 2 (GGUF: convert once)
+        api_config(settings, resolve_model_path(settings["model"]))
         if settings["internal_auth"] and settings["cluster_secret_file"]:
             from wire.auth import read_secret_file
 
@@ -427,6 +456,7 @@ class ServiceThread:
             self.service.backend,
             api_key=settings.get("api_key"),
             limits=gateway_limits(settings),
+            api=api_config(settings, self.service.model_path),
         )
         self._server = uvicorn.Server(
             uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False)

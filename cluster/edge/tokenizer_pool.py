@@ -17,8 +17,9 @@ normalizer may shorten it).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 from cluster.protocol import ProtocolError
 from workers.tokenizer import apply_chat_template, encode_prompt
@@ -26,6 +27,8 @@ from workers.tokenizer import apply_chat_template, encode_prompt
 # A normalizer (NFC, accent stripping) can shorten text; Unicode composition
 # shortens it by at most ~3x (Hangul jamo), so 4 keeps the bound safe.
 _NORMALIZER_SLACK = 4
+
+T = TypeVar("T")
 
 
 class TokenizerPool:
@@ -64,6 +67,10 @@ class TokenizerPool:
         return await loop.run_in_executor(
             self._executor, apply_chat_template, self.tokenizer, messages, add_generation_prompt
         )
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on a worker (other tokenizer work: /tokenize, /detokenize)."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
