@@ -191,7 +191,9 @@ def create_app(
     @app.get("/openapi.json")
     async def openapi() -> Response:
         # built per call: max_model_len is known only once the engines are ready
-        schema = openapi_schema(gateway.models.names, gateway.vocab_size, api_key is not None)
+        schema = openapi_schema(
+            gateway.models.names, gateway.vocab_size, limits.max_logprobs, api_key is not None
+        )
         return JSONResponse(schema)
 
     @app.get("/health")

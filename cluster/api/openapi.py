@@ -31,7 +31,7 @@ from cluster.api.tokenize import (
     TokenizeCompletionRequest,
     TokenizeResponse,
 )
-from cluster.protocol import MAX_LOGPROBS, ChatCompletionRequest, CompletionRequest
+from cluster.protocol import ChatCompletionRequest, CompletionRequest
 
 _NULL = {"type": "null"}
 
@@ -65,7 +65,8 @@ _MESSAGES = {
 }
 
 # field -> its schema, for every request struct that has the field ("{TOKEN}":
-# a token id of this vocabulary). Keep in step with cluster/protocol.py.
+# a token id of this vocabulary). Keep in step with cluster/protocol.py and
+# cluster/edge/sampling.py.
 _RULES: dict[str, Any] = {
     "max_tokens": _nullable({"type": "integer", "minimum": 1}),
     "max_completion_tokens": _nullable({"type": "integer", "minimum": 1}),
@@ -77,10 +78,19 @@ _RULES: dict[str, Any] = {
     "n": _only(1),
     "best_of": _only(1),
     "echo": _only(False),
-    "presence_penalty": _nullable({"type": "number", "minimum": 0, "maximum": 0}),
-    "frequency_penalty": _nullable({"type": "number", "minimum": 0, "maximum": 0}),
-    "repetition_penalty": _nullable({"type": "number", "minimum": 1, "maximum": 1}),
-    "logit_bias": _nullable({"type": "object", "maxProperties": 0}),
+    "presence_penalty": _nullable({"type": "number", "minimum": -2, "maximum": 2}),
+    "frequency_penalty": _nullable({"type": "number", "minimum": -2, "maximum": 2}),
+    "repetition_penalty": _nullable({"type": "number", "exclusiveMinimum": 0}),
+    "min_p": _nullable({"type": "number", "minimum": 0, "maximum": 1}),
+    # keys: token ids of the vocabulary, as decimal strings (400 otherwise)
+    "logit_bias": _nullable(
+        {
+            "type": "object",
+            "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+        }
+    ),
+    # each word must have a non-space character (400 otherwise)
+    "bad_words": _nullable({"type": "array", "items": _NONEMPTY}),
     "suffix": _nullable({"type": "string", "maxLength": 0}),
     "tools": _nullable({"type": "array", "maxItems": 0}),
     "response_format": _nullable(
@@ -96,7 +106,7 @@ _RULES: dict[str, Any] = {
 # per struct, where one field name means different things
 _STRUCT_RULES: dict[str, dict[str, Any]] = {
     "CompletionRequest": {
-        "logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS}),
+        "logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": "{MAX_LOGPROBS}"}),
         # one prompt: text, token ids, or a list holding one of those
         "prompt": {
             "anyOf": [
@@ -113,7 +123,7 @@ _STRUCT_RULES: dict[str, dict[str, Any]] = {
         },
     },
     "ChatCompletionRequest": {
-        "top_logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS}),
+        "top_logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": "{MAX_LOGPROBS}"}),
     },
     "TokenizeChatRequest": {"add_special_tokens": {"const": False}},
 }
@@ -255,10 +265,10 @@ def _post(summary: str, body: dict[str, Any], ok: dict[str, Any], *errors: str) 
 
 
 def openapi_schema(
-    model_names: tuple[str, ...], vocab_size: int, api_key_required: bool
+    model_names: tuple[str, ...], vocab_size: int, max_logprobs: int, api_key_required: bool
 ) -> dict[str, Any]:
     """The whole document for a gateway serving ``model_names`` with a
-    vocabulary of ``vocab_size`` tokens."""
+    vocabulary of ``vocab_size`` tokens and ``--max-logprobs``."""
     token_id = {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}
     schemas = copy.deepcopy(_struct_components())
     for name, schema in schemas.items():
@@ -277,7 +287,7 @@ def openapi_schema(
         ModelList=_MODELS,
         Health=_HEALTH,
     )
-    _fill_token_ids(schemas, token_id)
+    _fill(schemas, {"{TOKEN}": token_id, "{MAX_LOGPROBS}": max_logprobs})
     stream = {"text/event-stream": {"schema": {"type": "string"}}}
 
     def generation(summary: str, request: str, response: str) -> dict[str, Any]:
@@ -350,14 +360,14 @@ def openapi_schema(
     return document
 
 
-def _fill_token_ids(node: Any, token_id: dict[str, Any]) -> None:
-    """Replace the ``"{TOKEN}"`` placeholders of ``_RULES`` in place."""
+def _fill(node: Any, values: dict[str, Any]) -> None:
+    """Replace the ``"{...}"`` placeholders of the rule tables in place."""
     if isinstance(node, dict):
         for key, value in node.items():
-            if value == "{TOKEN}":
-                node[key] = token_id
+            if isinstance(value, str) and value in values:
+                node[key] = values[value]
             else:
-                _fill_token_ids(value, token_id)
+                _fill(value, values)
     elif isinstance(node, list):
         for item in node:
-            _fill_token_ids(item, token_id)
+            _fill(item, values)
