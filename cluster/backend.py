@@ -65,6 +65,10 @@ class BackendMetrics(msgspec.Struct):
     engines: list[EngineMetrics] = []
     # Router decisions, cumulative: {"remote": n, "local": m}.
     num_disagg_decisions: dict[str, int] = {}
+    # Router choices, cumulative: {"decode/prefix_hit": n, ...} (cluster/kv_routing)
+    router_decisions: dict[str, int] = {}
+    # predicted - reported prefix-hit tokens per request (kv-aware routing)
+    prefix_hit_error: HistogramSnapshot | None = None
     # The gateway's own internal-plane sockets (gateway_output), same meaning.
     malformed_frames: dict[str, int] = {}
     auth_failures: dict[str, int] = {}

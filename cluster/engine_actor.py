@@ -2,7 +2,8 @@
 
 The actor owns an EngineCore whose loop runs on a background thread, fed by
 ZMQ (the data plane). Ray method calls are control only: ``ready`` (address,
-epoch), ``stats``, ``check_integrity``, ``set_prefill_endpoints``, ``shutdown``. Each start (including a
+epoch), ``stats``, ``check_integrity``, ``set_prefill_endpoints``,
+``kv_events_snapshot``, ``shutdown``. Each start (including a
 restart by Ray after a crash) gets a new epoch, so peers and the router never
 reuse state of a previous incarnation.
 """
@@ -71,6 +72,9 @@ class EngineActor:
             "max_num_seqs": self.config.max_num_seqs,
             "num_kv_blocks": self.engine.sched_config.num_kv_blocks,
             "kv_address": list(kv) if kv else None,
+            "block_size": self.config.block_size,
+            "prefix_caching_hash_algo": self.config.prefix_caching_hash_algo,
+            "kv_events_addr": self.engine.kv_publisher.addr if self.engine.kv_publisher else None,
             "pid": os.getpid(),
             "node_id": ray.get_runtime_context().get_node_id(),
         }
@@ -85,6 +89,10 @@ class EngineActor:
         """Control call from the cluster: the registered prefill engines'
         ``[engine_id, epoch, host, port]``; D reads KV only from these."""
         return self.engine.call_in_loop(lambda: self.engine.set_prefill_endpoints(endpoints))
+
+    def kv_events_snapshot(self) -> Any:
+        """The engine's cached hashes as of its last KV event batch (resync)."""
+        return self.engine.call_in_loop(self.engine.kv_events_snapshot)
 
     def reset_prefix_cache(self) -> bool:
         return self.engine.call_in_loop(self.engine.scheduler.reset_prefix_cache)

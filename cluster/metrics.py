@@ -28,6 +28,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from cluster.backend import Backend, BackendMetrics, EngineMetrics
+from cluster.kv_routing.metrics import router_families
 
 PREFIX = "tandem:"
 
@@ -240,6 +241,7 @@ class EngineMetricsCollector(Collector):
         for path, count in sorted(snapshot.num_disagg_decisions.items()):
             decisions.add_metric([path], count)
         yield decisions
+        yield from router_families(snapshot, PREFIX)
         yield from _socket_families(snapshot)
 
 

@@ -56,6 +56,8 @@ from cluster.backend import (
     HistogramSnapshot,
 )
 from cluster.engines.health import EngineHealth, Liveness
+from cluster.kv_routing.cluster_routing import ClusterRouting, PromptHashes
+from cluster.kv_routing.policy import Choice, RoutingConfig
 from cluster.pools import EngineHandle
 from cluster.prefill_endpoints import push_prefill_endpoints
 from cluster.router import EngineState, Router
@@ -117,13 +119,16 @@ class RayBackend(Backend):
         engine_dead_after_s: float = 30.0,
         reader_restart_delay_s: float = 0.5,
         max_queued_outputs: int = 512,
+        routing: RoutingConfig | None = None,
     ) -> None:
         """``call_timeout_s``: a Ray control call slower than this gives no
         verdict (the engine may be slow); ``engine_dead_after_s``: no heartbeat
         for this long means dead. ``reader_restart_delay_s``: first backoff
         before restarting a failed output reader (doubles, up to 5 s).
         ``max_queued_outputs``: undelivered outputs of one request before its
-        stream is cut (a client that does not read)."""
+        stream is cut (a client that does not read). ``routing``: router
+        policy and weights (``cluster/kv_routing``; default: kv-aware when a
+        pool has more than one engine)."""
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.eos_token_id = getattr(tokenizer, "eos_token_id", None)
@@ -140,6 +145,10 @@ class RayBackend(Backend):
             for h in handles
         }
         self.disaggregated = "prefill" in self.router.pools() or "decode" in self.router.pools()
+        pool_sizes: dict[str, int] = {}
+        for h in handles:
+            pool_sizes[h.role] = pool_sizes.get(h.role, 0) + 1
+        self.routing = ClusterRouting(routing or RoutingConfig(), self.router, pool_sizes)
         self.health_interval_s = health_interval_s
         self.call_timeout_s = call_timeout_s
         self._ctx = zmq.asyncio.Context()
@@ -169,6 +178,9 @@ class RayBackend(Backend):
         self._auth.server(self._pull, GATEWAY_OUTPUT.socket)
         self._pull.bind(self.output_addr)
         self._tasks.append(asyncio.create_task(self._supervise_reader()))
+        events = self.routing.start(self._ctx, self._auth, self._kv_snapshot, self.malformed_frames)
+        if events is not None:
+            self._tasks.append(events)
         deadline = asyncio.get_running_loop().time() + ready_timeout_s
         while not all(e.state.ready for e in self.engines.values()):
             await self._check_engines()
@@ -187,6 +199,7 @@ class RayBackend(Backend):
                 e.socket.close(linger=0)
         if self._pull is not None:
             self._pull.close(linger=0)
+        self.routing.close()
         self._auth.close()
         self._ctx.term()
 
@@ -341,6 +354,9 @@ class RayBackend(Backend):
                 logger.debug("engine %s stats: %r", eid, exc)
         e.state.ready = not e.unregistered  # see _register_prefill_engines
 
+    async def _kv_snapshot(self, engine_id: str) -> Any:
+        return await self._call(self.engines[engine_id], "kv_events_snapshot")
+
     async def _call(self, e: _Engine, method: str) -> Any:
         ref = getattr(e.handle.actor, method).remote()
         try:
@@ -365,6 +381,7 @@ class RayBackend(Backend):
         e.state.max_num_seqs = info["max_num_seqs"]
         e.state.info = info
         e.health.reset(info["epoch"])
+        self.routing.on_connected(e.state.engine_id, e.state.role, info)
         lens = [x.state.info.get("max_model_len", 0) for x in self.engines.values()]
         self.max_model_len = min(v for v in lens if v) if any(lens) else 0
 
@@ -426,19 +443,21 @@ class RayBackend(Backend):
         if consumer is not None:
             self._consumers[rid] = consumer
         finished = False
+        hashes = self.routing.hashes(request)
         try:
             if not self.disaggregated:
-                eng = self._pick("colocated")
-                async for out in self._stream(eng, request, q):
+                choice = self._pick("colocated", hashes)
+                async for out in self._stream(choice, request, q, observe=True):
                     finished = out.finished
                     yield out
                 return
             decode_req = request
             first = None
-            if request.sampling_params.max_tokens > 1 and self.router.use_remote_prefill(
-                len(request.prompt_token_ids)
-            ):
-                first = await self._remote_prefill(request, q)
+            plan = self.routing.plan(hashes, request.sampling_params.max_tokens > 1)
+            if plan is None:
+                raise BackendUnavailable("no ready decode engine")
+            if plan.remote_prefill:
+                first = await self._remote_prefill(request, q, hashes)
             if first is not None:
                 if first.finished:  # EOS as the first token: nothing to hand off
                     finished = True
@@ -446,12 +465,14 @@ class RayBackend(Backend):
                     return
                 yield first
                 decode_req = decode_request(request, first)
-            eng = self._pick("decode", streaming=first is not None)
-            if eng is None:
+            choice = plan.decode
+            if not choice.engine.ready:  # it went away while P ran
+                choice = self._pick("decode", hashes, streaming=first is not None)
+            if choice is None:
                 finished = True
                 yield _error(rid, "no ready decode engine")
                 return
-            async for out in self._stream(eng, decode_req, q):
+            async for out in self._stream(choice, decode_req, q, observe=first is None):
                 finished = out.finished
                 yield out
         finally:
@@ -462,16 +483,16 @@ class RayBackend(Backend):
             for e in self.engines.values():
                 e.requests.discard(rid)
 
-    def _pick(self, role: str, streaming: bool = False) -> _Engine | None:
-        st = self.router.pick_generator(role)
-        if st is None:
+    def _pick(self, role: str, hashes: PromptHashes, streaming: bool = False) -> Choice | None:
+        choice = self.routing.choose(role, hashes)
+        if choice is None:
             if streaming:
                 return None
             raise BackendUnavailable(f"no ready {role} engine")
-        return self.engines[st.engine_id]
+        return choice
 
     async def _remote_prefill(
-        self, request: EngineRequest, q: asyncio.Queue
+        self, request: EngineRequest, q: asyncio.Queue, hashes: PromptHashes
     ) -> EngineOutput | None:
         """Run the prompt on a prefill engine; retry once on another. Returns
         P's output (first token + kv_transfer_params), or None to prefill on
@@ -479,16 +500,16 @@ class RayBackend(Backend):
         p_req = prefill_request(request)
         tried: set[str] = set()
         for _ in range(2):
-            st = self.router.pick_prefill(exclude=tried)
-            if st is None:
+            choice = self.routing.choose("prefill", hashes, exclude=tried)
+            if choice is None:
                 return None
+            st = choice.engine
             tried.add(st.engine_id)
-            e = self.engines[st.engine_id]
             n = len(request.prompt_token_ids)
             st.queued_prefill_tokens += n
             try:
                 out = None
-                async for o in self._stream(e, p_req, q):
+                async for o in self._stream(choice, p_req, q, observe=True):
                     out = o
             finally:
                 st.queued_prefill_tokens -= n
@@ -507,8 +528,11 @@ class RayBackend(Backend):
         return None
 
     async def _stream(
-        self, e: _Engine, request: EngineRequest, q: asyncio.Queue
+        self, choice: Choice, request: EngineRequest, q: asyncio.Queue, observe: bool = False
     ) -> AsyncIterator[EngineOutput]:
+        """``observe``: this engine computes the prompt; its reported prefix
+        hit is compared with the router's prediction."""
+        e = self.engines[choice.engine.engine_id]
         eid = e.state.engine_id
         e.requests.add(request.request_id)
         e.state.num_inflight += 1
@@ -526,6 +550,9 @@ class RayBackend(Backend):
                     yield _error(request.request_id, item[2])
                     return
                 out: EngineOutput = item[1]
+                if observe and out.finish_reason != FinishReason.ERROR:
+                    observe = False
+                    self.routing.observe_hit(request.request_id, choice, out.num_cached_tokens)
                 yield out
                 if out.finished:
                     return
@@ -558,6 +585,8 @@ class RayBackend(Backend):
         return BackendMetrics(
             engines=engines,
             num_disagg_decisions=dict(self.router.num_decisions),
+            router_decisions=self.routing.decisions(),
+            prefix_hit_error=self.routing.hit_error.snapshot(),
             malformed_frames=self.malformed_frames.snapshot(),
             auth_failures=self._auth.failures(),
         )

@@ -66,8 +66,10 @@ class Router:
         if not cands:
             return None
 
-        def load(e: EngineState) -> tuple[float, str]:
-            share = max(e.num_inflight, e.num_running + e.num_waiting) / max(e.max_num_seqs, 1)
-            return (e.kv_cache_usage + share, e.engine_id)
+        return min(cands, key=lambda e: (load(e), e.engine_id))
 
-        return min(cands, key=load)
+
+def load(e: EngineState) -> float:
+    """KV usage + running share: 0 idle, about 2 when full on both."""
+    share = max(e.num_inflight, e.num_running + e.num_waiting) / max(e.max_num_seqs, 1)
+    return e.kv_cache_usage + share

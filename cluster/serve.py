@@ -18,6 +18,7 @@ import os
 import sys
 from typing import Any
 
+from cluster.kv_routing.settings import add_routing_arguments, routing_config
 from cluster.placement import add_placement_arguments, pool_placement, resolve_placement
 from workers.config import EngineConfig, add_engine_arguments, engine_overrides
 
@@ -60,6 +61,11 @@ SERVE_DEFAULTS: dict[str, Any] = {
     "served_model_name": None,
     "chat_template": None,
     "generation_config": "auto",
+    # router (cluster/kv_routing/policy.py): None = kv-aware when a pool has > 1 engine
+    "router": None,
+    "router_hit_weight": 1.0,
+    "router_load_weight": 1.0,
+    "router_prefill_queue_weight": 1.0,
 }
 
 
@@ -148,6 +154,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="sampling defaults: 'auto' (the checkpoint's generation_config.json, default), "
         "'vllm' (ignore it) or a directory holding one",
     )
+    add_routing_arguments(p)
     add_placement_arguments(p)
     add_engine_arguments(p)
     for role in ("prefill", "decode", "colocated"):
@@ -209,6 +216,7 @@ def resolve_settings(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str
     elif settings["prefill"] < 0 or settings["decode"] < 1:
         raise ValueError("--decode must be >= 1 and --prefill >= 0 (or use --colocated K)")
     resolve_placement(settings)
+    routing_config(settings)  # ValueError naming a bad router setting
     return settings, per_role
 
 
@@ -233,6 +241,12 @@ def pool_specs(
     # Callers that build settings themselves (ServiceThread, tests) skip
     # resolve_settings: per-pool placement defaults are filled here too.
     resolve_placement(settings)
+    kv_events = (
+        routing_config(settings).resolve(
+            {r: settings[r] for r in ("prefill", "decode", "colocated")}
+        )
+        == "kv-aware"
+    )
     specs = []
     for role in ("prefill", "decode", "colocated"):
         n = settings[role]
@@ -246,7 +260,7 @@ def pool_specs(
             load_failure_policy=settings["load_failure_policy"],
             kv_host="auto" if settings["address"] else "127.0.0.1",
             cluster_secret=secret,
-            **per_role[role],
+            **{"kv_events": kv_events, **per_role[role]},
         )
         num_gpus, resources = pool_placement(settings, role)
         specs.append(
@@ -325,6 +339,7 @@ class Service:
             engine_dead_after_s=self.settings.get("engine_dead_after_s", 30.0),
             call_timeout_s=self.settings.get("engine_call_timeout_s", 5.0),
             max_queued_outputs=self.settings.get("max_queued_outputs", 512),
+            routing=routing_config(self.settings),
         )
         await self.backend.start()
 

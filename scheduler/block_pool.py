@@ -82,6 +82,8 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[BlockHash, KVBlock] = {}
+        # scheduler.kv_events.KVEventRecorder when KV events are on (routing)
+        self.events = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -101,6 +103,8 @@ class BlockPool:
             b = self.free_queue.popleft()
             if b.block_hash is not None:  # evict from the prefix cache
                 del self.cached[b.block_hash]
+                if self.events is not None:
+                    self.events.removed(b.block_hash)
                 b.block_hash = None
             b.ref_cnt = 1
             out.append(b)
@@ -113,16 +117,18 @@ class BlockPool:
                 self.free_queue.remove(b)
             b.ref_cnt += 1
 
-    def cache_block(self, block: KVBlock, block_hash: BlockHash) -> None:
-        """Publish a full, computed block under ``block_hash``. If another block
-        already holds that hash (two requests computed the same prefix), the
-        first one stays the canonical copy."""
+    def cache_block(self, block: KVBlock, block_hash: BlockHash) -> bool:
+        """Publish a full, computed block under ``block_hash``; True if the
+        hash is new in the cache. If another block already holds that hash
+        (two requests computed the same prefix), the first one stays the
+        canonical copy."""
         if block.block_hash is not None or not self.enable_caching:
-            return
+            return False
         if block_hash in self.cached:
-            return
+            return False
         block.block_hash = block_hash
         self.cached[block_hash] = block
+        return True
 
     def free_blocks(self, blocks: Iterable[KVBlock]) -> None:
         """Drop one reference each. Pass blocks in eviction order (the tail of a
@@ -142,6 +148,8 @@ class BlockPool:
         for b in self.blocks:
             b.block_hash = None
         self.cached.clear()
+        if self.events is not None:
+            self.events.cleared()
         return True
 
     def check_integrity(self, expected_refs: dict[int, int]) -> None:

@@ -151,8 +151,16 @@ class KVCacheManager:
             return
         self._extend_hashes(request, num_full)
         hashes = request.block_hashes
+        events = self.pool.events
+        run_start, run = start, []  # contiguous newly stored hashes, for events
         for i in range(start, num_full):
-            self.pool.cache_block(blocks[i], hashes[i])
+            if self.pool.cache_block(blocks[i], hashes[i]):
+                run.append(hashes[i])
+            elif events is not None:
+                events.stored(run, hashes[run_start - 1] if run_start else None)
+                run_start, run = i + 1, []
+        if events is not None:
+            events.stored(run, hashes[run_start - 1] if run_start else None)
         self.num_cached_blocks[rid] = num_full
 
     def free(self, request: Request) -> None:

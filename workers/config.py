@@ -67,13 +67,19 @@ class EngineConfig:
     output_hwm_messages: int = 1000
     output_backlog_messages: int = 64
     output_stall_timeout_s: float = 60.0
+    # KV events for KV-aware routing (scheduler/kv_events.py): off unless the
+    # router needs them; ZMQ PUB on kv_host:kv_events_port (0 = a free port),
+    # at most kv_events_queue_batches batches waiting to be sent
+    kv_events: bool = False
+    kv_events_port: int = 0
+    kv_events_queue_batches: int = 1024
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("output_hwm_messages", "output_backlog_messages"):
+        for name in ("output_hwm_messages", "output_backlog_messages", "kv_events_queue_batches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.output_stall_timeout_s > 0:

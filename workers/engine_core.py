@@ -22,6 +22,7 @@ import msgspec
 import torch
 
 from scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
+from scheduler.kv_events import KVEventPublisher, KVEventRecorder, KVSnapshot
 from scheduler.messages import (
     HEARTBEAT_INTERVAL_S,
     EngineAbort,
@@ -124,6 +125,17 @@ class EngineCore:
         )
         self.connector_scheduler, self.connector_worker = self._make_connector()
         self.scheduler = Scheduler(self.sched_config, self.connector_scheduler, config.engine_id)
+        self.kv_events: KVEventRecorder | None = None
+        self.kv_publisher: KVEventPublisher | None = None
+        if config.kv_events:  # scheduler/kv_events.py: only when routing needs them
+            self.kv_events = KVEventRecorder(config.engine_id, config.epoch, config.block_size)
+            self.scheduler.kv.pool.events = self.kv_events
+            self.kv_publisher = KVEventPublisher(
+                config.kv_host,
+                config.kv_events_port,
+                config.cluster_secret,
+                config.kv_events_queue_batches,
+            )
         self.runner = ModelRunner(
             self.model,
             self.kv_cache,
@@ -217,7 +229,24 @@ class EngineCore:
         so = self.scheduler.schedule()
         out = self.runner.execute(so)
         self.last_step_num_tokens = so.total_num_scheduled_tokens
-        return self.scheduler.update_from_output(so, out)
+        outputs = self.scheduler.update_from_output(so, out)
+        self.publish_kv_events()
+        return outputs
+
+    def publish_kv_events(self) -> None:
+        """Send the cache changes since the last call as one batch (loop thread)."""
+        if self.kv_events is not None and self.kv_publisher is not None:
+            batch = self.kv_events.drain(time.time())
+            if batch is not None:
+                self.kv_publisher.publish(batch)
+
+    def kv_events_snapshot(self) -> KVSnapshot:
+        """Every cached hash as of the last batch published (loop thread):
+        a subscriber that saw a seq gap resyncs from this."""
+        if self.kv_events is None:
+            raise ValueError(f"engine {self.config.engine_id} runs without kv_events")
+        self.publish_kv_events()
+        return self.kv_events.snapshot(list(self.scheduler.kv.pool.cached))
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -319,9 +348,12 @@ class EngineCore:
                 fut.set_result(fn())
             except Exception as exc:  # noqa: BLE001 - handed to the caller
                 fut.set_exception(exc)
+            self.publish_kv_events()  # e.g. a prefix-cache reset
 
     def shutdown(self) -> None:
         self._shutdown.set()
+        if self.kv_publisher is not None:
+            self.kv_publisher.close()
         if self.connector_worker is not None:
             self.connector_worker.shutdown()
 
@@ -477,7 +509,9 @@ class EngineCore:
             return UtilityResult(call.call_id, error=f"unknown utility {call.method!r}")
         try:
             if call.method == "reset_prefix_cache":
-                return UtilityResult(call.call_id, self.scheduler.reset_prefix_cache())
+                done = self.scheduler.reset_prefix_cache()
+                self.publish_kv_events()
+                return UtilityResult(call.call_id, done)
             return UtilityResult(call.call_id, getattr(self, call.method)(*call.args))
         except Exception as exc:  # noqa: BLE001 - reported to the caller, loop goes on
             return UtilityResult(call.call_id, error=f"{type(exc).__name__}: {exc}")

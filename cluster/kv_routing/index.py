@@ -1,0 +1,184 @@
+"""Cluster prefix index: block hash -> engines that hold the block.
+
+    engine A (prefill, epoch 7, seq 41)   hashes {h0, h1, h2}    LRU order
+    engine B (decode,  epoch 3, seq 12)   hashes {h0, h5}
+    where: h0 -> {A, B}, h1 -> {A}, h2 -> {A}, h5 -> {B}
+
+Fed by ``KVEventBatch`` es (``apply``) and ``KVSnapshot`` s (``load_snapshot``).
+Per engine it keeps the epoch and the seq of the last batch applied:
+
+* a batch of a newer epoch means the engine restarted: its old entries are
+  dropped before the batch applies (and if the batch is not seq 1 of that
+  epoch, the engine needs a resync);
+* a batch of an older epoch, or a seq already applied, is ignored;
+* a seq jump is a gap: the engine is marked ``needs_resync`` and its batches
+  are ignored until ``load_snapshot`` replaces its entries.
+
+Memory is bounded: an engine never holds more than ``capacity_blocks``
+hashes here (its KV block count, from ``ready``). Events keep the set exact;
+if removals were lost the least recently stored hashes go first.
+
+The index is touched only from the gateway's event loop thread.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from scheduler.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    KVSnapshot,
+)
+
+
+@dataclass
+class IndexedEngine:
+    engine_id: str
+    role: str
+    capacity_blocks: int
+    epoch: int = 0
+    seq: int = 0
+    needs_resync: bool = True  # nothing known until seq 1 or a snapshot
+    hashes: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
+
+
+class PrefixIndex:
+    def __init__(self) -> None:
+        self.engines: dict[str, IndexedEngine] = {}
+        self._where: dict[bytes, set[str]] = {}
+        self.num_gaps = 0
+        self.num_resyncs = 0
+        self.num_lru_evictions = 0
+
+    def add_engine(self, engine_id: str, role: str, capacity_blocks: int) -> None:
+        """Register (or re-size) an engine; its entries are kept."""
+        if capacity_blocks < 1:
+            raise ValueError(f"capacity_blocks must be >= 1, got {capacity_blocks}")
+        e = self.engines.get(engine_id)
+        if e is None:
+            self.engines[engine_id] = IndexedEngine(engine_id, role, capacity_blocks)
+        else:
+            e.capacity_blocks = capacity_blocks
+            self._trim(e)
+
+    # ---- updates ---------------------------------------------------------------
+
+    def apply(self, batch: KVEventBatch) -> bool:
+        """Apply one batch. Returns False when the engine needs a snapshot
+        (first contact mid-stream, a gap, or a restart seen mid-stream)."""
+        e = self.engines.get(batch.engine_id)
+        if e is None:
+            return True  # not an engine of this cluster: ignore
+        if batch.epoch < e.epoch:
+            return True  # a previous incarnation's late batch
+        if batch.epoch > e.epoch:
+            self._clear(e)
+            e.epoch, e.seq = batch.epoch, 0
+            e.needs_resync = batch.seq != 1
+        if e.needs_resync and batch.seq != 1:
+            return False
+        if batch.seq <= e.seq:
+            return True  # already applied (replayed after a snapshot)
+        if batch.seq != e.seq + 1:
+            self.num_gaps += 1
+            e.needs_resync = True
+            return False
+        e.needs_resync = False
+        e.seq = batch.seq
+        for ev in batch.events:
+            if isinstance(ev, BlockStored):
+                for h in ev.block_hashes:
+                    self._add(e, h)
+            elif isinstance(ev, BlockRemoved):
+                for h in ev.block_hashes:
+                    self._discard(e, h)
+            elif isinstance(ev, AllBlocksCleared):
+                self._clear(e)
+        self._trim(e)
+        return True
+
+    def load_snapshot(self, snap: KVSnapshot) -> None:
+        """Replace an engine's entries with its snapshot (after a gap or restart)."""
+        e = self.engines.get(snap.engine_id)
+        if e is None or snap.epoch < e.epoch:
+            return
+        self._clear(e)
+        e.epoch, e.seq, e.needs_resync = snap.epoch, snap.seq, False
+        for h in snap.block_hashes:
+            self._add(e, h)
+        self._trim(e)
+        self.num_resyncs += 1
+
+    def drop_engine_state(self, engine_id: str, epoch: int) -> None:
+        """The engine restarted (new ``epoch`` seen by the health check):
+        forget what the old incarnation held."""
+        e = self.engines.get(engine_id)
+        if e is not None and epoch > e.epoch:
+            self._clear(e)
+            e.epoch, e.seq, e.needs_resync = epoch, 0, True
+
+    # ---- queries ---------------------------------------------------------------
+
+    def match(self, block_hashes: Sequence[bytes], engine_ids: Sequence[str]) -> dict[str, int]:
+        """For each engine in ``engine_ids``: how many leading blocks of
+        ``block_hashes`` it holds (0 for an engine mid-resync)."""
+        live = {eid for eid in engine_ids if eid in self.engines}
+        live -= {eid for eid in live if self.engines[eid].needs_resync}
+        out = dict.fromkeys(engine_ids, 0)
+        for i, h in enumerate(block_hashes):
+            holders = self._where.get(h)
+            if not holders:
+                break
+            live &= holders
+            if not live:
+                break
+            for eid in live:
+                out[eid] = i + 1
+        return out
+
+    def hashes_of(self, engine_id: str) -> set[bytes]:
+        e = self.engines.get(engine_id)
+        return set(e.hashes) if e is not None else set()
+
+    def num_entries(self) -> int:
+        return sum(len(e.hashes) for e in self.engines.values())
+
+    def check_integrity(self) -> None:
+        for h, eids in self._where.items():
+            assert eids, f"empty holder set for {h.hex()}"
+            for eid in eids:
+                assert h in self.engines[eid].hashes, f"{eid} missing {h.hex()}"
+        for e in self.engines.values():
+            assert len(e.hashes) <= e.capacity_blocks, f"{e.engine_id} over capacity"
+            for h in e.hashes:
+                assert e.engine_id in self._where.get(h, ()), f"{h.hex()} not mapped"
+
+    # ---- internals ---------------------------------------------------------------
+
+    def _add(self, e: IndexedEngine, h: bytes) -> None:
+        if h in e.hashes:
+            e.hashes.move_to_end(h)
+            return
+        e.hashes[h] = None
+        self._where.setdefault(h, set()).add(e.engine_id)
+
+    def _discard(self, e: IndexedEngine, h: bytes) -> None:
+        if e.hashes.pop(h, 0) is None:
+            holders = self._where[h]
+            holders.discard(e.engine_id)
+            if not holders:
+                del self._where[h]
+
+    def _clear(self, e: IndexedEngine) -> None:
+        for h in list(e.hashes):
+            self._discard(e, h)
+
+    def _trim(self, e: IndexedEngine) -> None:
+        while len(e.hashes) > e.capacity_blocks:
+            self.num_lru_evictions += 1
+            self._discard(e, next(iter(e.hashes)))
