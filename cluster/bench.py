@@ -50,6 +50,10 @@ class BenchConfig:
     slo_tpot_ms: float | None = None
     request_timeout_s: float = 120.0
     vocab_size: int | None = None
+    # replay a trace instead (cluster/trace_replay.py): every row, at its time
+    trace: str | None = None
+    time_scale: float = 1.0
+    trace_block_tokens: int = 512
 
     def validate(self) -> None:
         if self.num_requests < 1:
@@ -64,6 +68,10 @@ class BenchConfig:
             raise ValueError("--range-ratio must be in [0, 1)")
         if self.request_timeout_s <= 0:
             raise ValueError("--request-timeout-s must be > 0")
+        if not self.time_scale > 0:
+            raise ValueError("--time-scale must be > 0")
+        if self.trace_block_tokens < 1:
+            raise ValueError("--trace-block-tokens must be >= 1")
 
 
 @dataclass
@@ -71,6 +79,7 @@ class RequestResult:
     prompt_len: int
     ok: bool = False
     num_output_tokens: int = 0
+    num_cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens
     ttft_s: float = 0.0
     latency_s: float = 0.0
     itls_s: list[float] = field(default_factory=list)
@@ -172,7 +181,10 @@ async def _stream(
                     result.error = f"stream error: {chunk['error'].get('message')}"
                     return
                 if chunk.get("usage"):
-                    result.num_output_tokens = chunk["usage"]["completion_tokens"]
+                    usage = chunk["usage"]
+                    result.num_output_tokens = usage["completion_tokens"]
+                    details = usage.get("prompt_tokens_details") or {}
+                    result.num_cached_tokens = details.get("cached_tokens") or 0
                 if chunk["choices"] and chunk["choices"][0]["text"]:
                     if result.ttft_s == 0.0:
                         result.ttft_s = now_s - start_s
@@ -186,7 +198,7 @@ async def run_benchmark(config: BenchConfig) -> dict[str, Any]:
     """Run the workload against ``config.url``; return the summary dict."""
     config.validate()
     concurrency = config.concurrency
-    if concurrency is None and config.request_rate is None:
+    if concurrency is None and config.request_rate is None and config.trace is None:
         concurrency = 8
     limit = asyncio.Semaphore(concurrency or config.num_requests)
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
@@ -195,7 +207,14 @@ async def run_benchmark(config: BenchConfig) -> dict[str, Any]:
         headers=headers, connector=connector, timeout=aiohttp.ClientTimeout(total=None)
     ) as session:
         model, vocab_size = await _server_info(session, config)
-        prompts, output_lens, offsets_s = build_workload(config, vocab_size)
+        if config.trace is not None:
+            from cluster.trace_replay import trace_workload
+
+            prompts, output_lens, offsets_s = trace_workload(
+                config.trace, vocab_size, config.seed, config.time_scale, config.trace_block_tokens
+            )
+        else:
+            prompts, output_lens, offsets_s = build_workload(config, vocab_size)
 
         async def limited(i: int) -> RequestResult:
             async with limit:
@@ -203,7 +222,7 @@ async def run_benchmark(config: BenchConfig) -> dict[str, Any]:
 
         start_s = time.perf_counter()
         tasks = []
-        for i in range(config.num_requests):
+        for i in range(len(prompts)):
             delay_s = start_s + offsets_s[i] - time.perf_counter()
             if delay_s > 0:
                 await asyncio.sleep(delay_s)
@@ -250,6 +269,7 @@ def summarize(
     ]
     num_output_tokens = sum(r.num_output_tokens for r in done)
     num_input_tokens = sum(r.prompt_len for r in done)
+    num_cached_tokens = sum(r.num_cached_tokens for r in done)
     goodput = None
     if config.slo_ttft_ms is not None or config.slo_tpot_ms is not None:
         num_good = sum(1 for r in done if _meets_slo(r, config))
@@ -271,6 +291,9 @@ def summarize(
         "range_ratio": config.range_ratio,
         "total_input_tokens": num_input_tokens,
         "total_output_tokens": num_output_tokens,
+        "total_cached_tokens": num_cached_tokens,
+        "prefix_hit_rate": num_cached_tokens / num_input_tokens if num_input_tokens else 0.0,
+        "trace": config.trace,
         "request_throughput": len(done) / duration_s,
         "output_token_throughput": num_output_tokens / duration_s,
         "total_token_throughput": (num_input_tokens + num_output_tokens) / duration_s,
@@ -305,16 +328,22 @@ def format_table(summary: dict[str, Any]) -> str:
         if summary["request_rate"] is not None
         else f"concurrency {summary['concurrency']}"
     )
+    workload = (
+        f"workload: {summary['num_requests']} requests, input {summary['input_len']} / output "
+        f"{summary['output_len']} tokens (range ratio {summary['range_ratio']}), {mode}"
+    )
+    if summary.get("trace"):
+        workload = f"workload: trace {summary['trace']}, {summary['num_requests']} requests"
     lines = [
         f"tandem bench: {summary['url']} model={summary['model']} on {summary['machine']}",
-        f"workload: {summary['num_requests']} requests, input {summary['input_len']} / output "
-        f"{summary['output_len']} tokens (range ratio {summary['range_ratio']}), {mode}",
+        workload,
         "",
         f"{'completed / failed':<28}{summary['num_completed']} / {summary['num_failed']}",
         f"{'duration (s)':<28}{summary['duration_s']:.2f}",
         f"{'request throughput (req/s)':<28}{summary['request_throughput']:.2f}",
         f"{'output throughput (tok/s)':<28}{summary['output_token_throughput']:.1f}",
         f"{'total throughput (tok/s)':<28}{summary['total_token_throughput']:.1f}",
+        f"{'prefix hit rate':<28}{summary['prefix_hit_rate']:.3f}",
     ]
     if summary["goodput"] is not None:
         slo = ", ".join(
@@ -355,6 +384,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slo-tpot-ms", type=float, help="TPOT objective for goodput")
     parser.add_argument("--request-timeout-s", type=float, default=d.request_timeout_s)
     parser.add_argument("--vocab-size", type=int, help="token ids are drawn below this")
+    parser.add_argument(
+        "--trace",
+        help="replay a Mooncake JSONL or Azure CSV trace (its lengths and times; "
+        "--num-requests, --input-len, --output-len and --request-rate do not apply)",
+    )
+    parser.add_argument(
+        "--time-scale",
+        type=float,
+        default=d.time_scale,
+        help="trace clock x this (0.1: 10x faster)",
+    )
+    parser.add_argument(
+        "--trace-block-tokens",
+        type=int,
+        default=d.trace_block_tokens,
+        help="prompt tokens per trace hash id (Mooncake: 512)",
+    )
     parser.add_argument("--json", action="store_true", help="print the summary as JSON only")
 
 

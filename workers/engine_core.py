@@ -22,7 +22,7 @@ import msgspec
 import torch
 
 from scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
-from scheduler.kv_events import KVEventPublisher, KVEventRecorder, KVSnapshot
+from scheduler.kv_events import KVEventRecorder, KVSnapshot
 from scheduler.messages import (
     HEARTBEAT_INTERVAL_S,
     EngineAbort,
@@ -35,6 +35,7 @@ from scheduler.messages import (
 from wire.frames import FrameCounters, FrameSpec, MalformedFrame, MiB, peer_address
 from workers.config import EngineConfig
 from workers.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for
+from workers.kv_events_publisher import KVEventPublisher
 from workers.loader import load_model, resolve_model_path
 from workers.loop_wait import LoopWait
 from workers.model_runner import ModelRunner

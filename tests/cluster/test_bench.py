@@ -152,3 +152,20 @@ def test_stats_tail_columns():
     assert stats["p99.9"] == pytest.approx(999.0)
     assert stats["max"] == pytest.approx(1000.0)
     assert stats["mean"] == pytest.approx(500.0)
+
+
+def test_trace_replay_sends_every_row_at_its_time(server, tmp_path):
+    _, url = server
+    rows = [
+        {"timestamp": 0, "input_length": 12, "output_length": 3, "hash_ids": [1, 2]},
+        {"timestamp": 400, "input_length": 9, "output_length": 2, "hash_ids": [1]},
+        {"timestamp": 800, "input_length": 5, "output_length": 4},
+    ]
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    summary = run(BenchConfig(url=url, trace=str(path), time_scale=0.5, trace_block_tokens=4))
+    assert summary["num_requests"] == 3 and summary["num_completed"] == 3
+    assert summary["total_input_tokens"] == 12 + 9 + 5
+    assert summary["duration_s"] >= 0.4  # the last row is sent at 0.8 s x 0.5
+    assert summary["trace"] == str(path)
+    assert "prefix hit rate" in bench.format_table(summary)

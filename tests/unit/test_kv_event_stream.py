@@ -9,10 +9,10 @@ import zmq.asyncio
 
 from cluster.kv_routing.index import PrefixIndex
 from cluster.kv_routing.subscriber import KVEventSubscriber
-from scheduler.kv_events import KVEventPublisher
 from tests.unit.kv_sim import SimEngine
 from wire.auth import PlaneAuth, generate_secret
 from wire.frames import FrameCounters
+from workers.kv_events_publisher import KVEventPublisher
 
 
 async def _until(cond, timeout_s=20.0):
