@@ -110,6 +110,8 @@ class EngineRequest(_Wire):
     # prefill engine's returned params plus {"do_remote_prefill": True} to a
     # decode engine. Decoded by kvtransfer.KVTransferParams.
     kv_transfer_params: dict[str, Any] | None = None
+    # Parallel sampling: n choices from one prefill (scheduler/fork.py).
+    n: int = 1
 
 
 class EngineAbort(_Wire):
@@ -154,6 +156,9 @@ class SchedulerOutput(_Wire):
     finished_req_ids: list[str] = []
     preempted_req_ids: list[str] = []
     kv_connector_metadata: Any = None
+    # (src, dst) KV blocks to copy before this step's forward pass (a fork's
+    # partial last block, scheduler/fork.py)
+    copy_block_ids: list[tuple[int, int]] = []
 
 
 class KVConnectorOutput(_Wire):
@@ -196,6 +201,8 @@ class EngineOutput(_Wire):
     # its final output.
     num_cached_tokens: int = 0
     kv_transfer_params: dict[str, Any] | None = None
+    # which choice of an n > 1 request these tokens belong to
+    index: int = 0
 
     @property
     def finished(self) -> bool:

@@ -66,6 +66,9 @@ class Request:
         "block_hashes",
         "pending_logprobs",
         "first_scheduled_time",
+        "n",
+        "parent_id",
+        "sample_index",
     )
 
     def __init__(
@@ -79,6 +82,7 @@ class Request:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
         kv_transfer_params: dict[str, Any] | None = None,
+        n: int = 1,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -102,6 +106,11 @@ class Request:
         self.block_hashes: list[bytes] = []  # hashes of full blocks, filled lazily
         self.pending_logprobs: list[Logprobs] | None = None
         self.first_scheduled_time: float | None = None
+        # parallel sampling (scheduler/fork.py): n > 1 on the parent and its
+        # children; a child knows its parent's id and its choice index
+        self.n = n
+        self.parent_id: str | None = None
+        self.sample_index = 0
 
     @classmethod
     def from_engine_request(cls, req: EngineRequest, eos_token_id: int | None) -> Request:
@@ -114,6 +123,7 @@ class Request:
             arrival_time=req.arrival_time or None,
             cache_salt=req.cache_salt,
             kv_transfer_params=req.kv_transfer_params,
+            n=req.n,
         )
 
     @property

@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-from scheduler import policies
+from scheduler import fork, policies
 from scheduler.config import SchedulerConfig
 from scheduler.kv_cache_manager import KVCacheManager, cdiv
 from scheduler.messages import (
@@ -62,6 +62,11 @@ class Scheduler:
         self.unseen_by_runner: set[str] = set()
         self.finished_req_ids: list[str] = []  # runner must forget these next step
         self.pending_outputs: list[EngineOutput] = []  # outputs produced outside a step
+        # parallel sampling (scheduler/fork.py): parents still prefilling,
+        # live children per parent id, block copies for the next step
+        self.fork_parents: dict[str, Request] = {}
+        self.forks = fork.ForkTable()
+        self.pending_copies: list[tuple[int, int]] = []
         # cumulative stats
         self.num_preemptions = 0
         self.prefix_cache_queries = 0
@@ -73,8 +78,10 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         """Validate and queue. Raises ``ValueError`` naming the bad field."""
-        if request.request_id in self.requests:
+        if request.request_id in self.requests or request.request_id in self.forks.children:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
+        if not isinstance(request.n, int) or not 1 <= request.n <= fork.MAX_N:
+            raise ValueError(f"n must be an integer in [1, {fork.MAX_N}], got {request.n!r}")
         if request.num_prompt_tokens == 0:
             raise ValueError("prompt_token_ids must not be empty")
         if request.num_prompt_tokens >= self.config.max_model_len:
@@ -86,9 +93,16 @@ class Scheduler:
         if salt is not None and (not isinstance(salt, str) or not salt):
             raise ValueError(f"cache_salt must be a non-empty string when given, got {salt!r}")
         request.sampling_params.validate()
+        if fork.is_fork_parent(request) and request.num_prompt_tokens == 1:
+            if fork.is_remote_decode(request):
+                raise ValueError("n > 1 needs a prompt of at least 2 tokens to prefill apart")
+            self._add_children(request, fork.make_children(request), 0)  # nothing to share
+            return
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.add(request)
+        if request.n > 1:
+            self.fork_parents[request.request_id] = request
 
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
         """Finish requests from any state (abort, error). Unknown ids and
@@ -96,6 +110,7 @@ class Scheduler:
         if isinstance(request_ids, str):
             request_ids = (request_ids,)
         assert status.is_finished
+        request_ids = self.forks.expand(request_ids)  # a parent id: every child too
         for rid in request_ids:
             req = self.requests.get(rid)
             if req is None:
@@ -142,6 +157,9 @@ class Scheduler:
     def _release(self, req: Request) -> None:
         self.kv.free(req)
         self.requests.pop(req.request_id, None)
+        if req.n > 1:
+            self.fork_parents.pop(req.request_id, None)
+            self.forks.discard(req)
 
     # ---- scheduling ------------------------------------------------------------
 
@@ -166,6 +184,11 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = len(req.all_token_ids) - req.num_computed_tokens
+            if req.n > 1 and req.parent_id is None:
+                num_new -= 1  # a fork parent stops before the last prompt token
+                if num_new <= 0:
+                    i += 1
+                    continue
             if limits.active:
                 if not limits.allows(num_new):
                     i += 1  # over this step's partial-prefill limits
@@ -222,6 +245,8 @@ class Scheduler:
             preempted_req_ids=preempted,
         )
         self.finished_req_ids = []
+        if self.pending_copies:
+            out.copy_block_ids, self.pending_copies = self.pending_copies, []
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
         # The runner computes what was scheduled: advance now, so the counts
@@ -265,6 +290,8 @@ class Scheduler:
                 num_new = 0  # blocks only; the tokens arrive by the read
             else:
                 num_new = req.num_tokens - num_computed
+                if req.n > 1 and req.parent_id is None:
+                    num_new -= 1  # a fork parent stops before the last prompt token
                 if limits.active and not limits.allows(num_new):
                     if limits.max_num_partial and limits.num >= limits.max_num_partial:
                         break  # no prefill slot left this step
@@ -304,6 +331,12 @@ class Scheduler:
                 self.waiting_for_remote[req.request_id] = req
                 continue
             if num_new == 0:
+                if req.n > 1 and req.parent_id is None:
+                    # a fork parent whose whole prefill was a prefix hit:
+                    # update_from_output forks it
+                    req.status = RequestStatus.RUNNING
+                    self.running.append(req)
+                    continue
                 skipped.append(req)  # nothing fits this step
                 continue
             if limits.active:
@@ -378,6 +411,8 @@ class Scheduler:
         self.pending_outputs = []
         if runner_output.kv_connector_output is not None:
             self._update_kv_transfers(runner_output.kv_connector_output, outputs)
+        if self.fork_parents:
+            self._fork_ready_parents(outputs)
         logprobs = runner_output.logprobs
         requests = self.requests
         cfg_max_len = self.config.max_model_len
@@ -404,6 +439,8 @@ class Scheduler:
                         break
             self.num_generation_tokens += len(new_tokens)
             out = EngineOutput(request_id=rid, new_token_ids=new_tokens)
+            if req.parent_id is not None:  # a fork child: the client's id and its choice
+                out.request_id, out.index = req.parent_id, req.sample_index
             if len(req.all_token_ids) - req.num_prompt_tokens == len(new_tokens):
                 # the request's first output: the gateway learns its prefix hit now
                 out.num_cached_tokens = max(req.num_cached_tokens, 0)
@@ -419,6 +456,57 @@ class Scheduler:
                 out.kv_transfer_params = self._free_finished(req)
             outputs.append(out)
         return EngineOutputs(engine_id=self.engine_id, outputs=outputs, timestamp=time.time())
+
+    def _fork_ready_parents(self, outputs: list[EngineOutput]) -> None:
+        """Fork every running parent whose prompt but its last token is computed."""
+        for parent in list(self.fork_parents.values()):
+            if (
+                parent.status == RequestStatus.RUNNING
+                and parent.num_computed_tokens == parent.num_tokens - 1
+            ):
+                self._fork(parent, outputs)
+
+    def _fork(self, parent: Request, outputs: list[EngineOutput]) -> None:
+        pid = parent.request_id
+        del self.fork_parents[pid]
+        self.running.remove(parent)
+        self.unseen_by_runner.discard(pid)
+        self.finished_req_ids.append(pid)
+        if fork.is_remote_decode(parent):
+            # P: hand the shared KV off; the decode engine forks
+            parent.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            out = EngineOutput(
+                request_id=pid,
+                finish_reason=parent.status.finish_reason,
+                num_cached_tokens=max(parent.num_cached_tokens, 0),
+            )
+            out.kv_transfer_params = self._free_finished(parent)
+            outputs.append(out)
+            return
+        if self.connector is not None:  # D: forget the parent's remote-load state
+            self.connector.request_finished(parent, self.kv.get_block_ids(pid))
+        self.requests.pop(pid)
+        children = fork.make_children(parent)
+        num_slots = self.config.max_num_seqs - len(self.running) - len(self.waiting_for_remote)
+        num_forked, copies = fork.fork_blocks(self.kv, parent, children, max(1, num_slots))
+        self.pending_copies.extend(copies)
+        self._add_children(parent, children, num_forked)
+
+    def _add_children(self, parent: Request, children: list[Request], num_forked: int) -> None:
+        """Track the children: the first ``num_forked`` hold the parent's KV and
+        run; the rest start as new requests ahead of other waiting ones."""
+        self.forks.add(parent.request_id, children)
+        for child in children:
+            child.n = parent.n
+            self.requests[child.request_id] = child
+        for child in children[:num_forked]:
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.status = RequestStatus.RUNNING
+            self.running.append(child)
+            self.unseen_by_runner.add(child.request_id)
+        for child in children[num_forked:]:
+            fork.start_waiting(child)
+        self.waiting.prepend_all(children[num_forked:])
 
     @staticmethod
     def _check_stop(req: Request, token: int, max_model_len: int) -> RequestStatus | None:
@@ -543,6 +631,9 @@ class Scheduler:
             assert r.status == RequestStatus.RUNNING, r
         for rid in self.kv.req_blocks:
             assert rid in self.requests, f"blocks held by unknown request {rid}"
+        self.forks.check_integrity(self.requests)
+        for rid, parent in self.fork_parents.items():
+            assert self.requests.get(rid) is parent, f"fork parent {rid} is not tracked"
         if idle:
             assert not self.requests, f"requests still tracked: {sorted(self.requests)}"
             assert self.kv.num_free_blocks == self.config.num_kv_blocks, (

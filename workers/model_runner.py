@@ -120,6 +120,12 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(so)
+        if so.copy_block_ids:  # a fork's partial last block, before anything writes
+            src, dst = zip(*so.copy_block_ids)
+            dev = self.device
+            self.kv_cache[torch.tensor(dst, device=dev)] = self.kv_cache[
+                torch.tensor(src, device=dev)
+            ]
         if self.connector is not None and so.kv_connector_metadata is not None:
             self.connector.start_load_kv(so.kv_connector_metadata)
         out = ModelRunnerOutput()

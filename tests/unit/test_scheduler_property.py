@@ -18,6 +18,7 @@ request_st = st.fixed_dictionaries(
         "priority": st.integers(0, 3),
         "remote": st.sampled_from([None, "ok", "fail", "hold"]),
         "salt": st.sampled_from([None, "a", "b"]),
+        "n": st.sampled_from([1, 1, 3]),
     }
 )
 
@@ -98,6 +99,7 @@ def test_random_workload_invariants(
                     arrival_time=float(t) + i * 1e-3,
                     kv_transfer_params=params,
                     cache_salt=spec["salt"],
+                    n=spec["n"],
                 )
             )
             added[rid] = spec
@@ -129,12 +131,17 @@ def test_random_workload_invariants(
         # no block has two owners unless it is a shared cached block
         owners: dict[int, int] = {}
         salts: dict[int, set] = {}
+        families: dict[int, set] = {}
         for rid, blocks in s.kv.req_blocks.items():
+            family = s.requests[rid].parent_id or rid  # a fork child: its parent's
             for b in blocks:
                 owners[b.block_id] = owners.get(b.block_id, 0) + 1
-                salts.setdefault(b.block_id, set()).add(added[rid]["salt"])
-        for bid, n in owners.items():
-            if n > 1:
+                salts.setdefault(b.block_id, set()).add(added[family]["salt"])
+                families.setdefault(b.block_id, set()).add(family)
+        for bid, num_owners in owners.items():
+            # shared across requests: a cached block; within one fork: its full blocks
+            assert num_owners == s.kv.pool.blocks[bid].ref_cnt
+            if len(families[bid]) > 1:
                 assert s.kv.pool.blocks[bid].block_hash is not None
                 assert len(salts[bid]) == 1, f"block {bid} shared by salts {salts[bid]}"
         # a hashed block sits in a request's table only under the request's
