@@ -464,8 +464,10 @@ class EngineCore:
         unfinished request with an error (freeing its KV) and queue one
         error output for them, so a gateway that comes back learns why."""
         stall_s = sender.stalled_s
-        ids = [rid for rid, r in self.scheduler.requests.items() if not r.is_finished]
-        self.num_streams_cut += len(ids)
+        unfinished = [r for r in self.scheduler.requests.values() if not r.is_finished]
+        ids = [r.request_id for r in unfinished]
+        client_ids = list(dict.fromkeys(r.parent_id or r.request_id for r in unfinished))
+        self.num_streams_cut += len(client_ids)
         sender.reset_stall()
         if not ids:
             return
@@ -479,7 +481,7 @@ class EngineCore:
         message = f"engine {self.config.engine_id}: outputs not read for {stall_s:.0f} s"
         errors = [
             EngineOutput(request_id=rid, finish_reason=FinishReason.ERROR, error=message)
-            for rid in ids
+            for rid in client_ids  # a fork's children: one error for the client's request
         ]
         sender.send(
             [
