@@ -223,8 +223,10 @@ class _Job:
     include_stop_str_in_output: bool
     arrival_s: float  # time.perf_counter() when the HTTP request arrived
     deadline_s: float | None  # event-loop time after which the request is cut (504)
-    num_output_tokens: int = 0
+    num_output_tokens: int = 0  # every choice's
     num_cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens
+    # one per choice (n > 1: the same response, each its own "index")
+    formatters: list[Any] = dataclasses.field(default_factory=list)
 
     @property
     def request_id(self) -> str:
@@ -243,6 +245,8 @@ class _Step:
     logprobs: list[Logprobs] | None = None
     finish_reason: str | None = None
     error: str | None = None
+    index: int = 0  # the choice
+    last: bool = False  # every choice has finished: the response's last step
 
 
 class Gateway:
@@ -344,6 +348,7 @@ class Gateway:
                 arrival_time=time.time(),
                 cache_salt=req.cache_salt,
                 priority=req.priority,
+                n=req.n,
             ),
             formatter=formatter,
             stream=req.stream,
@@ -353,6 +358,7 @@ class Gateway:
             include_stop_str_in_output=req.include_stop_str_in_output,
             arrival_s=arrival_s,
             deadline_s=deadline_s,
+            formatters=[formatter, *(formatter.for_choice(i) for i in range(1, req.n))],
         )
         return GenerationResponse(self, job)
 
@@ -395,13 +401,18 @@ class Gateway:
         """
         metrics = self.metrics
         request = job.engine_request
-        detokenizer = IncrementalDetokenizer(
-            self.tokenizer,
-            request.prompt_token_ids,
-            skip_special_tokens=job.skip_special_tokens,
-            stop=job.stop,
-            include_stop_str_in_output=job.include_stop_str_in_output,
-        )
+        detokenizers = [  # one per choice
+            IncrementalDetokenizer(
+                self.tokenizer,
+                request.prompt_token_ids,
+                skip_special_tokens=job.skip_special_tokens,
+                stop=job.stop,
+                include_stop_str_in_output=job.include_stop_str_in_output,
+            )
+            for _ in range(request.n)
+        ]
+        open_choices = set(range(request.n))
+        stop_string_matched = False
         outputs = self.backend.generate(request)
         metrics.request_queue_time.observe(time.perf_counter() - job.arrival_s)
         metrics.num_requests_in_flight += 1
@@ -427,12 +438,19 @@ class Gateway:
                     outcome = "error"
                     yield _Step(error=output.error or "The engine failed the request.")
                     return
-                step = self._step(job, detokenizer, output)
+                if output.index not in open_choices:
+                    continue  # a choice that a stop string ended
+                step = self._step(job, detokenizers[output.index], output)
+                step.index = output.index
                 if step.finish_reason is not None:
-                    # A stop-string match still needs an abort; else the backend is done.
-                    outcome = "stop-string" if output.finish_reason is None else step.finish_reason
+                    open_choices.discard(output.index)
+                    stop_string_matched |= output.finish_reason is None
+                    step.last = not open_choices
+                    if step.last:
+                        # A stop-string match still needs an abort; else the backend is done.
+                        outcome = "stop-string" if stop_string_matched else step.finish_reason
                 yield step
-                if step.finish_reason is not None:
+                if step.last:
                     return
             outcome = "error"
             yield _Step(error="The backend ended the request without a final output.")
@@ -564,7 +582,7 @@ class GenerationResponse(Response):
         through ``body_send`` (the server's; see ``_SERVER_SEND``)."""
         job, formatter = self.job, self.job.formatter
         await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
-        for chunk in formatter.stream_start():
+        for chunk in (c for f in job.formatters for c in f.stream_start()):
             await _send_body(body_send, chunk)
         while True:
             if step.error is not None:
@@ -572,9 +590,11 @@ class GenerationResponse(Response):
                 await _send_body(body_send, protocol.sse(body) + protocol.SSE_DONE, more_body=False)
                 return
             if step.text or step.logprobs or step.finish_reason is not None:
-                chunk = formatter.stream_delta(step.text, step.logprobs, step.finish_reason)
+                chunk = job.formatters[step.index].stream_delta(
+                    step.text, step.logprobs, step.finish_reason
+                )
                 await body_send({"type": "http.response.body", "body": chunk, "more_body": True})
-            if step.finish_reason is not None:
+            if step.last:
                 break
             step = await anext(steps)
         tail = protocol.SSE_DONE
@@ -587,20 +607,26 @@ class GenerationResponse(Response):
 
     async def _collect(self, send: Send, step: _Step, steps: AsyncIterator[_Step]) -> None:
         job = self.job
-        texts: list[str] = []
-        logprobs: list[Logprobs] = []
+        texts: list[list[str]] = [[] for _ in job.formatters]  # per choice
+        logprobs: list[list[Logprobs]] = [[] for _ in job.formatters]
+        finish_reasons: list[str | None] = [None for _ in job.formatters]
         while True:
             if step.error is not None:
                 body = protocol.error_body(step.error, "server_error", code="engine_error")
                 await _send_json(send, 500, body)
                 return
-            texts.append(step.text)
-            logprobs.extend(step.logprobs or ())
-            if step.finish_reason is not None:
+            texts[step.index].append(step.text)
+            logprobs[step.index].extend(step.logprobs or ())
+            finish_reasons[step.index] = step.finish_reason
+            if step.last:
                 break
             step = await anext(steps)
         usage = protocol.usage(job.num_prompt_tokens, job.num_output_tokens, job.num_cached_tokens)
-        body = job.formatter.response("".join(texts), logprobs, step.finish_reason, usage)
+        choices = [
+            f.choice("".join(t), lp, fin)
+            for f, t, lp, fin in zip(job.formatters, texts, logprobs, finish_reasons, strict=True)
+        ]
+        body = job.formatter.response_choices(choices, usage)
         await _send_bytes(send, 200, body)
 
 

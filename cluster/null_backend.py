@@ -5,7 +5,8 @@ every request is ``output_token_ids[i % len(output_token_ids)]`` (by default
 the tokens of "The quick brown fox jumps over the lazy dog. "), sent
 ``num_tokens_per_output`` per ``EngineOutput``. Honours ``max_tokens``,
 ``max_model_len``, ``min_tokens``, stop token ids, EOS (unless
-``ignore_eos``), logprobs and aborts, like an engine would.
+``ignore_eos``), logprobs and aborts, like an engine would. With ``n > 1``
+every output is sent once per choice (same tokens, ``index`` 0..n-1).
 """
 
 from __future__ import annotations
@@ -112,7 +113,10 @@ class NullBackend(Backend):
         try:
             while True:
                 if request_id in self._aborting:
-                    yield EngineOutput(request_id, finish_reason=FinishReason.ABORT)
+                    for index in range(request.n):
+                        yield EngineOutput(
+                            request_id, finish_reason=FinishReason.ABORT, index=index
+                        )
                     return
                 if (
                     self.fail_after_num_tokens is not None
@@ -132,14 +136,16 @@ class NullBackend(Backend):
                         stop_reason = token_id if token_id != self.eos_token_id else None
                     elif num_done >= budget:
                         finish = FinishReason.LENGTH
-                self._num_generation_tokens += len(token_ids)
-                yield EngineOutput(
-                    request_id,
-                    new_token_ids=token_ids,
-                    new_logprobs=self._logprobs(token_ids, params.logprobs),
-                    finish_reason=finish,
-                    stop_reason=stop_reason,
-                )
+                self._num_generation_tokens += len(token_ids) * request.n
+                for index in range(request.n):
+                    yield EngineOutput(
+                        request_id,
+                        new_token_ids=token_ids,
+                        new_logprobs=self._logprobs(token_ids, params.logprobs),
+                        finish_reason=finish,
+                        stop_reason=stop_reason,
+                        index=index,
+                    )
                 if finish is not None:
                     return
                 # Pace like an engine step; at 0, still one event-loop turn per output.

@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 
 import msgspec
 
+from scheduler.fork import MAX_N
 from scheduler.messages import Logprobs, SamplingParams
 
 _LOGPROB_FLOOR = -9999.0  # JSON has no -inf; clients expect a number
@@ -160,8 +161,8 @@ def validate_common(req: _CommonRequest, served_model: str) -> None:
             param="model",
             code="model_not_found",
         )
-    if req.n != 1:
-        raise ProtocolError("Only n=1 is supported.", param="n")
+    if not 1 <= req.n <= MAX_N:
+        raise ProtocolError(f"n must be in [1, {MAX_N}], got {req.n}.", param="n")
     if req.stream_options is not None and not req.stream:
         raise ProtocolError(
             "stream_options is only allowed with stream=true.", param="stream_options"
@@ -218,7 +219,10 @@ def completion_prompt(req: CompletionRequest) -> str | list[int]:
     if req.suffix:
         raise ProtocolError("suffix is not supported.", param="suffix")
     if req.best_of not in (None, 1):
-        raise ProtocolError("Only best_of=1 is supported.", param="best_of")
+        raise ProtocolError(
+            "best_of is not supported (vLLM v1 removed it); use n for several choices.",
+            param="best_of",
+        )
     check_max_tokens(req.max_tokens, "max_tokens")
     prompt = req.prompt
     if isinstance(prompt, str):
@@ -320,16 +324,21 @@ class CompletionFormatter:
         created: int,
         num_logprobs: int | None,
         token_text: Callable[[int], str],
+        index: int = 0,
     ) -> None:
+        self._args = (request_id, model, created, num_logprobs, token_text)
         self.request_id = request_id
         self.model = model
         self.created = created
         self.num_logprobs = num_logprobs
+        self.index = index  # the choice (n > 1)
         self._token_text = token_text
         self._num_chars = 0  # text_offset of the next token
         head = {"id": request_id, "object": self.object_name, "created": created, "model": model}
         # Fast path for the common chunk (text only, not last): a fixed frame.
-        self._delta_prefix = b"data: " + encode_json(head)[:-1] + b',"choices":[{"index":0,"text":'
+        self._delta_prefix = (
+            b"data: " + encode_json(head)[:-1] + b',"choices":[{"index":%d,"text":' % index
+        )
         self._delta_suffix = b',"logprobs":null,"finish_reason":null}]}\n\n'
         self._head = head
 
@@ -341,7 +350,7 @@ class CompletionFormatter:
     ) -> bytes:
         if logprobs is None and finish_reason is None:
             return self._delta_prefix + encode_json(text) + self._delta_suffix
-        return sse({**self._head, "choices": [self._choice(text, logprobs, finish_reason)]})
+        return sse({**self._head, "choices": [self.choice(text, logprobs, finish_reason)]})
 
     def stream_usage(self, usage_body: dict[str, Any]) -> bytes:
         return sse({**self._head, "choices": [], "usage": usage_body})
@@ -353,14 +362,21 @@ class CompletionFormatter:
         finish_reason: str,
         usage_body: dict[str, Any],
     ) -> bytes:
-        choice = self._choice(text, logprobs, finish_reason)
-        return encode_json({**self._head, "choices": [choice], "usage": usage_body})
+        return self.response_choices([self.choice(text, logprobs, finish_reason)], usage_body)
 
-    def _choice(
+    def response_choices(self, choices: list[dict[str, Any]], usage_body: dict[str, Any]) -> bytes:
+        """The body of a response with several choices (``choice`` of each formatter)."""
+        return encode_json({**self._head, "choices": choices, "usage": usage_body})
+
+    def for_choice(self, index: int) -> CompletionFormatter:
+        """A formatter of the same response for choice ``index`` (n > 1)."""
+        return type(self)(*self._args, index=index)
+
+    def choice(
         self, text: str, logprobs: list[Logprobs] | None, finish_reason: str | None
     ) -> dict[str, Any]:
         return {
-            "index": 0,
+            "index": self.index,
             "text": text,
             "logprobs": self._logprobs(logprobs) if self.num_logprobs is not None else None,
             "finish_reason": finish_reason,
@@ -396,8 +412,11 @@ class ChatFormatter:
         created: int,
         num_logprobs: int | None,
         token_text: Callable[[int], str],
+        index: int = 0,
     ) -> None:
+        self._args = (request_id, model, created, num_logprobs, token_text)
         self.request_id = request_id
+        self.index = index  # the choice (n > 1)
         self.num_logprobs = num_logprobs
         self._token_text = token_text
         self._chunk_head = {
@@ -410,13 +429,13 @@ class ChatFormatter:
         self._delta_prefix = (
             b"data: "
             + encode_json(self._chunk_head)[:-1]
-            + b',"choices":[{"index":0,"delta":{"content":'
+            + b',"choices":[{"index":%d,"delta":{"content":' % index
         )
         self._delta_suffix = b'},"logprobs":null,"finish_reason":null}]}\n\n'
 
     def stream_start(self) -> list[bytes]:
         choice = {
-            "index": 0,
+            "index": self.index,
             "delta": {"role": "assistant", "content": ""},
             "logprobs": None,
             "finish_reason": None,
@@ -429,7 +448,7 @@ class ChatFormatter:
         if logprobs is None and finish_reason is None:
             return self._delta_prefix + encode_json(text) + self._delta_suffix
         choice = {
-            "index": 0,
+            "index": self.index,
             "delta": {"content": text} if text else {},
             "logprobs": self._logprobs(logprobs),
             "finish_reason": finish_reason,
@@ -446,13 +465,25 @@ class ChatFormatter:
         finish_reason: str,
         usage_body: dict[str, Any],
     ) -> bytes:
-        choice = {
-            "index": 0,
+        return self.response_choices([self.choice(text, logprobs, finish_reason)], usage_body)
+
+    def response_choices(self, choices: list[dict[str, Any]], usage_body: dict[str, Any]) -> bytes:
+        """The body of a response with several choices (``choice`` of each formatter)."""
+        return encode_json({**self._head, "choices": choices, "usage": usage_body})
+
+    def for_choice(self, index: int) -> ChatFormatter:
+        """A formatter of the same response for choice ``index`` (n > 1)."""
+        return type(self)(*self._args, index=index)
+
+    def choice(
+        self, text: str, logprobs: list[Logprobs] | None, finish_reason: str | None
+    ) -> dict[str, Any]:
+        return {
+            "index": self.index,
             "message": {"role": "assistant", "content": text},
             "logprobs": self._logprobs(logprobs),
             "finish_reason": finish_reason,
         }
-        return encode_json({**self._head, "choices": [choice], "usage": usage_body})
 
     def _logprobs(self, entries: list[Logprobs] | None) -> dict[str, Any] | None:
         if self.num_logprobs is None:

@@ -447,13 +447,19 @@ class RayBackend(Backend):
         try:
             if not self.disaggregated:
                 choice = self._pick("colocated", hashes)
-                async for out in self._stream(choice, request, q, observe=True):
-                    finished = out.finished
+                async for out in self._stream(choice, request, q, True, request.n):
                     yield out
+                finished = True  # the stream ended by itself: every choice finished
                 return
             decode_req = request
             first = None
-            plan = self.routing.plan(hashes, request.sampling_params.max_tokens > 1)
+            # n > 1: P prefills all but the last prompt token and samples nothing;
+            # D forks the children and each samples its own first token
+            # (scheduler/fork.py), so a one-token prompt has nothing for P
+            n = request.n
+            num_prompt = len(request.prompt_token_ids)
+            split = request.sampling_params.max_tokens > 1 if n == 1 else num_prompt > 1
+            plan = self.routing.plan(hashes, split)
             if plan is None:
                 raise BackendUnavailable("no ready decode engine")
             if plan.remote_prefill:
@@ -463,7 +469,8 @@ class RayBackend(Backend):
                     finished = True
                     yield first
                     return
-                yield first
+                if first.new_token_ids:
+                    yield first
                 decode_req = decode_request(request, first)
             choice = plan.decode
             if not choice.engine.ready:  # it went away while P ran
@@ -472,9 +479,9 @@ class RayBackend(Backend):
                 finished = True
                 yield _error(rid, "no ready decode engine")
                 return
-            async for out in self._stream(choice, decode_req, q, observe=first is None):
-                finished = out.finished
+            async for out in self._stream(choice, decode_req, q, first is None, n):
                 yield out
+            finished = True
         finally:
             if not finished:
                 await self.abort(rid)
@@ -516,6 +523,8 @@ class RayBackend(Backend):
             if out is None or out.finish_reason == FinishReason.ERROR:
                 logger.warning("prefill on %s failed: %s", st.engine_id, out and out.error)
                 continue
+            if request.n > 1 and not out.kv_transfer_params:
+                return None  # nothing handed off: D prefills and forks by itself
             if out.finish_reason == FinishReason.LENGTH and out.kv_transfer_params:
                 return EngineOutput(
                     request_id=out.request_id,
@@ -528,10 +537,17 @@ class RayBackend(Backend):
         return None
 
     async def _stream(
-        self, choice: Choice, request: EngineRequest, q: asyncio.Queue, observe: bool = False
+        self,
+        choice: Choice,
+        request: EngineRequest,
+        q: asyncio.Queue,
+        observe: bool = False,
+        num_choices: int = 1,
     ) -> AsyncIterator[EngineOutput]:
-        """``observe``: this engine computes the prompt; its reported prefix
-        hit is compared with the router's prediction."""
+        """``request`` on one engine until ``num_choices`` choices finished
+        (each finishes once) or an error ended it. ``observe``: this engine
+        computes the prompt; its reported prefix hit is compared with the
+        router's prediction."""
         e = self.engines[choice.engine.engine_id]
         eid = e.state.engine_id
         e.requests.add(request.request_id)
@@ -555,7 +571,9 @@ class RayBackend(Backend):
                     self.routing.observe_hit(request.request_id, choice, out.num_cached_tokens)
                 yield out
                 if out.finished:
-                    return
+                    num_choices -= 1
+                    if num_choices <= 0 or out.finish_reason is FinishReason.ERROR:
+                        return
         finally:
             e.state.num_inflight -= 1
 

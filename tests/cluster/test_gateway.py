@@ -327,7 +327,9 @@ BAD_REQUESTS = [
     (C, {"prompt": "x", "top_p": 0}, "top_p"),
     (C, {"prompt": "x", "top_p": 1.5}, "top_p"),
     (C, {"prompt": "x", "top_k": -2}, "top_k"),
-    (C, {"prompt": "x", "n": 2}, "n"),
+    (C, {"prompt": "x", "n": 0}, "n"),
+    (C, {"prompt": "x", "n": 129}, "n"),
+    (C, {"prompt": "x", "best_of": 2}, "best_of"),
     (C, {"prompt": "x", "echo": True}, "echo"),
     (C, {"prompt": "x", "logprobs": 21}, "logprobs"),
     (C, {"prompt": "x", "stop": [""]}, "stop"),
@@ -368,7 +370,7 @@ BAD_REQUESTS = [
     (CHAT, {"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"),
     (CHAT, {"messages": MESSAGES, "logprobs": 2}, "logprobs"),
     (CHAT, {"messages": MESSAGES, "logprobs": True, "top_logprobs": 50}, "top_logprobs"),
-    (CHAT, {"messages": MESSAGES, "n": 3}, "n"),
+    (CHAT, {"messages": MESSAGES, "n": -1}, "n"),
     (CHAT, {"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools"),
     (CHAT, {"messages": [{"role": "user", "content": "x" * MAX_MODEL_LEN}]}, "messages"),
 ]
@@ -627,3 +629,62 @@ def test_disconnect_before_response_aborts(slow_server):
     wait_until(lambda: len(backend.aborted_request_ids) == 1)
     wait_until(lambda: backend.num_running == 0)
     assert backend.aborted_request_ids[0].startswith("cmpl-")
+
+
+# ---- n > 1 (the backend sends each choice with its index) -----------------------------
+
+
+def test_completion_n3_one_choice_each_and_usage_counts_all(client, backend):
+    response = client.completions.create(model="tiny", prompt="hello", max_tokens=6, n=3)
+    assert [c.index for c in response.choices] == [0, 1, 2]
+    assert all(c.text == expected_text(backend, 6) for c in response.choices)
+    assert all(c.finish_reason == "length" for c in response.choices)
+    assert response.usage.completion_tokens == 18
+
+
+def test_completion_n3_stream_chunks_carry_their_index(client, backend):
+    chunks = list(
+        client.completions.create(
+            model="tiny",
+            prompt="hello",
+            max_tokens=5,
+            n=3,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    *token_chunks, usage_chunk = chunks
+    for index in range(3):
+        mine = [c.choices[0] for c in token_chunks if c.choices[0].index == index]
+        assert "".join(c.text for c in mine) == expected_text(backend, 5)
+        assert [c.finish_reason for c in mine] == [None] * 4 + ["length"]
+    assert usage_chunk.usage.completion_tokens == 15
+
+
+def test_chat_n2_stream_role_chunk_per_choice(client, backend):
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny", messages=MESSAGES, max_tokens=4, n=2, stream=True
+        )
+    )
+    roles = [c.choices[0].index for c in chunks if c.choices[0].delta.role == "assistant"]
+    assert roles == [0, 1]
+    for index in range(2):
+        text = "".join(
+            c.choices[0].delta.content or "" for c in chunks if c.choices[0].index == index
+        )
+        assert text == expected_text(backend, 4)
+
+
+def test_chat_n2_message_per_choice(client, backend):
+    response = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4, n=2)
+    assert [c.index for c in response.choices] == [0, 1]
+    assert all(c.message.content == expected_text(backend, 4) for c in response.choices)
+    assert response.usage.completion_tokens == 8
+
+
+def test_stop_string_ends_every_choice_then_aborts(client, backend):
+    response = client.completions.create(model="tiny", prompt="x", max_tokens=40, n=2, stop="fox")
+    assert [c.text for c in response.choices] == ["The quick brown "] * 2
+    assert [c.finish_reason for c in response.choices] == ["stop"] * 2
+    wait_until(lambda: response.id in backend.aborted_request_ids)
