@@ -490,6 +490,7 @@ class Scheduler:
         num_slots = self.config.max_num_seqs - len(self.running) - len(self.waiting_for_remote)
         num_forked, copies = fork.fork_blocks(self.kv, parent, children, max(1, num_slots))
         self.pending_copies.extend(copies)
+        self.num_prompt_tokens += num_forked  # each computes the last prompt token
         self._add_children(parent, children, num_forked)
 
     def _add_children(self, parent: Request, children: list[Request], num_forked: int) -> None:
