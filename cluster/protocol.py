@@ -312,7 +312,39 @@ def _lp(value: float) -> float:
     return value if value > _LOGPROB_FLOOR else _LOGPROB_FLOOR
 
 
-class CompletionFormatter:
+class _ChoiceBodies:
+    """What both formatters share: whole-response bodies and per-choice copies.
+
+    A formatter renders one choice (``index``); ``for_choice`` makes the
+    formatter of another choice of the same response (n > 1)."""
+
+    _args: tuple[Any, ...]  # the constructor's arguments, index aside
+    _head: dict[str, Any]  # id, object, created, model of the whole response
+
+    def choice(
+        self, text: str, logprobs: list[Logprobs] | None, finish_reason: str | None
+    ) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def response(
+        self,
+        text: str,
+        logprobs: list[Logprobs] | None,
+        finish_reason: str,
+        usage_body: dict[str, Any],
+    ) -> bytes:
+        return self.response_choices([self.choice(text, logprobs, finish_reason)], usage_body)
+
+    def response_choices(self, choices: list[dict[str, Any]], usage_body: dict[str, Any]) -> bytes:
+        """The body of a response with several choices (``choice`` of each formatter)."""
+        return encode_json({**self._head, "choices": choices, "usage": usage_body})
+
+    def for_choice(self, index: int) -> Any:
+        """A formatter of the same response for choice ``index``."""
+        return type(self)(*self._args, index=index)
+
+
+class CompletionFormatter(_ChoiceBodies):
     """Bodies and SSE chunks of one ``/v1/completions`` response."""
 
     object_name = "text_completion"
@@ -355,23 +387,6 @@ class CompletionFormatter:
     def stream_usage(self, usage_body: dict[str, Any]) -> bytes:
         return sse({**self._head, "choices": [], "usage": usage_body})
 
-    def response(
-        self,
-        text: str,
-        logprobs: list[Logprobs] | None,
-        finish_reason: str,
-        usage_body: dict[str, Any],
-    ) -> bytes:
-        return self.response_choices([self.choice(text, logprobs, finish_reason)], usage_body)
-
-    def response_choices(self, choices: list[dict[str, Any]], usage_body: dict[str, Any]) -> bytes:
-        """The body of a response with several choices (``choice`` of each formatter)."""
-        return encode_json({**self._head, "choices": choices, "usage": usage_body})
-
-    def for_choice(self, index: int) -> CompletionFormatter:
-        """A formatter of the same response for choice ``index`` (n > 1)."""
-        return type(self)(*self._args, index=index)
-
     def choice(
         self, text: str, logprobs: list[Logprobs] | None, finish_reason: str | None
     ) -> dict[str, Any]:
@@ -402,7 +417,7 @@ class CompletionFormatter:
         }
 
 
-class ChatFormatter:
+class ChatFormatter(_ChoiceBodies):
     """Bodies and SSE chunks of one ``/v1/chat/completions`` response."""
 
     def __init__(
@@ -457,23 +472,6 @@ class ChatFormatter:
 
     def stream_usage(self, usage_body: dict[str, Any]) -> bytes:
         return sse({**self._chunk_head, "choices": [], "usage": usage_body})
-
-    def response(
-        self,
-        text: str,
-        logprobs: list[Logprobs] | None,
-        finish_reason: str,
-        usage_body: dict[str, Any],
-    ) -> bytes:
-        return self.response_choices([self.choice(text, logprobs, finish_reason)], usage_body)
-
-    def response_choices(self, choices: list[dict[str, Any]], usage_body: dict[str, Any]) -> bytes:
-        """The body of a response with several choices (``choice`` of each formatter)."""
-        return encode_json({**self._head, "choices": choices, "usage": usage_body})
-
-    def for_choice(self, index: int) -> ChatFormatter:
-        """A formatter of the same response for choice ``index`` (n > 1)."""
-        return type(self)(*self._args, index=index)
 
     def choice(
         self, text: str, logprobs: list[Logprobs] | None, finish_reason: str | None

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from scheduler.block_hash import get_block_hasher
-from scheduler.policies import check_policy
+from scheduler.policies import check_fields
 
 
 @dataclass
@@ -45,19 +45,7 @@ class SchedulerConfig:
                 f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}"
             )
         get_block_hasher(self.prefix_caching_hash_algo)  # ValueError naming the field
-        check_policy(self.policy)
-        if not 0.0 <= self.kv_admission_margin < 1.0:
-            raise ValueError(
-                f"kv_admission_margin must be in [0, 1), got {self.kv_admission_margin}"
-            )
-        for name in ("max_num_partial_prefills", "max_long_partial_prefills"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0 (0 = no limit), got {getattr(self, name)}")
-        if self.max_long_partial_prefills and not self.long_prefill_token_threshold:
-            raise ValueError(
-                "max_long_partial_prefills needs long_prefill_token_threshold > 0 "
-                "(what counts as long)"
-            )
+        check_fields(self)  # policy, admission margin, partial prefill limits
         if self.load_failure_policy not in ("recompute", "fail"):
             raise ValueError(
                 f"load_failure_policy must be 'recompute' or 'fail', got {self.load_failure_policy!r}"

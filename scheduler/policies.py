@@ -29,6 +29,8 @@ Admission control (every policy):
 
 from __future__ import annotations
 
+from typing import Any
+
 from scheduler.request import Request
 
 POLICIES = ("fcfs", "priority", "prefill-first")
@@ -38,6 +40,21 @@ def check_policy(name: str, field: str = "policy") -> str:
     if name not in POLICIES:
         raise ValueError(f"{field} must be one of {list(POLICIES)}, got {name!r}")
     return name
+
+
+def check_fields(config: Any) -> None:
+    """Validate the scheduling fields shared by ``SchedulerConfig`` and
+    ``workers.config.EngineConfig``; ``ValueError`` naming the field."""
+    check_policy(config.policy)
+    if not 0.0 <= config.kv_admission_margin < 1.0:
+        raise ValueError(f"kv_admission_margin must be in [0, 1), got {config.kv_admission_margin}")
+    for name in ("max_num_partial_prefills", "max_long_partial_prefills"):
+        if getattr(config, name) < 0:
+            raise ValueError(f"{name} must be >= 0 (0 = no limit), got {getattr(config, name)}")
+    if config.max_long_partial_prefills and not config.long_prefill_token_threshold:
+        raise ValueError(
+            "max_long_partial_prefills needs long_prefill_token_threshold > 0 (what counts as long)"
+        )
 
 
 def queue_kind(policy: str) -> str:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from scheduler.block_hash import HASH_ALGOS, get_block_hasher
-from scheduler.policies import POLICIES, check_policy
+from scheduler.policies import POLICIES, check_fields
 
 
 @dataclass
@@ -97,14 +97,7 @@ class EngineConfig:
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
         get_block_hasher(self.prefix_caching_hash_algo)  # ValueError naming the field
-        check_policy(self.policy)
-        if not 0.0 <= self.kv_admission_margin < 1.0:
-            raise ValueError(
-                f"kv_admission_margin must be in [0, 1), got {self.kv_admission_margin}"
-            )
-        for name in ("max_num_partial_prefills", "max_long_partial_prefills"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0 (0 = no limit), got {getattr(self, name)}")
+        check_fields(self)  # policy, admission margin, partial prefill limits
         if self.role not in ("prefill", "decode", "colocated"):
             raise ValueError(f"role must be prefill, decode or colocated, got {self.role!r}")
         if self.load_failure_policy not in ("recompute", "fail"):

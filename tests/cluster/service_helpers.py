@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import httpx
 import openai
 
 BUSY_KEYS = (
@@ -18,6 +19,19 @@ def client(svc, timeout_s: float = 60.0) -> openai.OpenAI:
     return openai.OpenAI(
         base_url=svc.base_url + "/v1", api_key="x", max_retries=0, timeout=timeout_s
     )
+
+
+def disconnect_mid_stream(svc, body: dict, num_events: int, timeout_s: float = 30.0) -> None:
+    """Stream ``body`` from /v1/completions and close the connection after
+    ``num_events`` data events (a client that goes away mid-stream)."""
+    with httpx.Client(timeout=timeout_s) as h:
+        with h.stream("POST", svc.base_url + "/v1/completions", json=body) as r:
+            got = 0
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    got += 1
+                if got >= num_events:
+                    break
 
 
 def wait_idle(svc, deadline_s: float = 30.0) -> dict:

@@ -101,6 +101,7 @@ def test_scheduling_flags_per_pool_and_named_when_bad():
     for argv, field in (
         (["--scheduling-policy", "lifo"], "policy"),
         (["--decode-kv-admission-margin", "1.5"], "kv_admission_margin"),
+        (["--max-long-partial-prefills", "1"], "long_prefill_token_threshold"),
     ):
         with pytest.raises(ValueError, match=field):
             pool_specs(*resolve_settings(parse(argv)))

@@ -14,7 +14,7 @@ import pytest
 
 from cluster.serve import SERVE_DEFAULTS, ServiceThread
 from scheduler.messages import SamplingParams
-from tests.cluster.service_helpers import client, wait_idle
+from tests.cluster.service_helpers import client, disconnect_mid_stream, wait_idle
 from workers.config import EngineConfig
 from workers.llm import LLM
 
@@ -244,24 +244,14 @@ def test_32_concurrent_streams(disagg):
 
 
 def test_client_disconnect_mid_stream_frees_everything(disagg):
-    with httpx.Client(timeout=30) as h:
-        with h.stream(
-            "POST",
-            disagg.base_url + "/v1/completions",
-            json={
-                "model": "tiny",
-                "prompt": PROMPT * 4,
-                "max_tokens": 500,
-                "stream": True,
-                "ignore_eos": True,
-            },
-        ) as r:
-            got = 0
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    got += 1
-                if got >= 3:
-                    break  # closes the connection mid-stream
+    body = {
+        "model": "tiny",
+        "prompt": PROMPT * 4,
+        "max_tokens": 500,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    disconnect_mid_stream(disagg, body, num_events=3)
     wait_idle(disagg)
 
 

@@ -8,11 +8,10 @@ from __future__ import annotations
 import threading
 import time
 
-import httpx
 import pytest
 
 from cluster.serve import SERVE_DEFAULTS, ServiceThread
-from tests.cluster.service_helpers import client, wait_idle
+from tests.cluster.service_helpers import client, disconnect_mid_stream, wait_idle
 
 pytestmark = pytest.mark.slow
 
@@ -99,22 +98,15 @@ def test_n3_stream_and_chat(services, which):
 @pytest.mark.parametrize("which", [0, 1])
 def test_disconnect_mid_stream_frees_every_child(services, which):
     svc = services[which]
-    with httpx.Client(timeout=30) as h:
-        body = {
-            "model": "tiny",
-            "prompt": PROMPT * 3,
-            "max_tokens": 400,
-            "n": 4,
-            "stream": True,
-            "ignore_eos": True,
-        }
-        with h.stream("POST", svc.base_url + "/v1/completions", json=body) as r:
-            got = 0
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    got += 1
-                if got >= 6:
-                    break  # closes the connection mid-stream
+    body = {
+        "model": "tiny",
+        "prompt": PROMPT * 3,
+        "max_tokens": 400,
+        "n": 4,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    disconnect_mid_stream(svc, body, num_events=6)
     wait_idle(svc)
 
 
