@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import time
 
 import torch
@@ -70,9 +71,14 @@ def main() -> None:
     p.add_argument("--num-kv-blocks", type=int, default=256)
     p.add_argument("--margins", type=float, nargs="+", default=[0.0, 0.05, 0.1, 0.2, 0.3])
     p.add_argument("--torch-threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3, help="runs per margin; tok/s is the median")
     args = p.parse_args()
     load_before = os.getloadavg()[0]
-    results = [(m, run(args, m)) for m in args.margins]
+    results = []
+    for m in args.margins:
+        runs = [run(args, m) for _ in range(args.repeats)]
+        rates = sorted(r["tok_s"] for r in runs)
+        results.append((m, dict(runs[0], tok_s=statistics.median(rates), spread=rates)))
     print(f"machine: {machine()}; torch threads {args.torch_threads}")
     print(
         f"model {args.model}; {args.num_requests} requests at once, prompt {args.prompt_tokens} "
@@ -82,13 +88,14 @@ def main() -> None:
         f"load average {load_before:.1f} -> {os.getloadavg()[0]:.1f}\n"
     )
     print(
-        "| kv_admission_margin | preemptions | engine steps | prompt tokens computed | output tok/s |"
+        "| kv_admission_margin | preemptions | engine steps | prompt tokens computed "
+        "| output tok/s (median) | spread |"
     )
-    print("|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---|")
     for m, r in results:
         print(
             f"| {m:g} | {r['preemptions']} | {r['steps']} | {r['computed_prompt_tokens']} | "
-            f"{r['tok_s']:.0f} |"
+            f"{r['tok_s']:.0f} | {r['spread'][0]:.0f}-{r['spread'][-1]:.0f} |"
         )
 
 

@@ -4,8 +4,11 @@ Same prompt (random token ids), same seeds (the fork's choice i uses seed + i,
 so each independent request i is given seed + i and both runs sample the
 same tokens), one in-process engine each run. Reported per mode: the peak
 number of KV blocks referenced by requests (cached free blocks not counted),
-output tokens per second from submission to the last token, and the run's
-token ids are checked equal across modes.
+output tokens per second from submission to the last token, and how many
+of the n token streams equal the fork's (they are the same draws; a stream
+can still part from the fork's on a near-tie, since the fork computes the
+prompt as one chunk of num_tokens - 1 and each request as num_tokens, and
+floating point sums depend on the shape).
 
     python -m benchmarks.parallel_sampling                 # tiny model
     python -m benchmarks.parallel_sampling --model smollm2 --repeats 3
@@ -98,9 +101,9 @@ def main() -> None:
             ]
             if ref is None:
                 ref = streams
-            assert streams == ref, f"{mode}: tokens differ from the fork's"
+            same = sum(a == b for a, b in zip(streams, ref, strict=True))
             if rep >= 0:
-                rows.setdefault(mode, []).append((peak, elapsed_s))
+                rows.setdefault(mode, []).append((peak, elapsed_s, same))
     load_after = os.getloadavg()[0]
 
     num_out = args.n * args.max_tokens
@@ -111,14 +114,19 @@ def main() -> None:
         f"load average {load_before:.1f} -> {load_after:.1f}\n"
     )
     fork_blocks = statistics.median(r[0] for r in next(iter(rows.values())))
-    print("| mode | peak KV blocks | vs fork | output tok/s | spread (min-max tok/s) |")
-    print("|---|---:|---:|---:|---|")
+    print(
+        "| mode | peak KV blocks | vs fork | output tok/s | spread (min-max tok/s) "
+        "| streams equal to the fork's |"
+    )
+    print("|---|---:|---:|---:|---|---:|")
     for mode, runs in rows.items():
         blocks = statistics.median(r[0] for r in runs)
-        rates = [num_out / s for _, s in runs]
+        rates = [num_out / r[1] for r in runs]
+        same = sum(r[2] for r in runs)
         print(
             f"| {mode} | {blocks:.0f} | {blocks / fork_blocks:.2f}x | "
-            f"{statistics.median(rates):.0f} | {min(rates):.0f}-{max(rates):.0f} |"
+            f"{statistics.median(rates):.0f} | {min(rates):.0f}-{max(rates):.0f} "
+            f"| {same}/{args.n * len(runs)} |"
         )
 
 
