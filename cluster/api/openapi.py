@@ -288,7 +288,9 @@ def openapi_schema(
         Health=_HEALTH,
     )
     _fill(schemas, {"{TOKEN}": token_id, "{MAX_LOGPROBS}": max_logprobs})
-    stream = {"text/event-stream": {"schema": {"type": "string"}}}
+    # stream=true: server-sent events, each `data: <chunk JSON>`, the last `data: [DONE]`
+    event = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string"}}}
+    stream = {"text/event-stream": {"schema": event}}
 
     def generation(summary: str, request: str, response: str) -> dict[str, Any]:
         body = {"content": {**_json(_ref(response))["content"], **stream}}

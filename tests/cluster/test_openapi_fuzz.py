@@ -107,3 +107,26 @@ def test_fuzz(api_schema, gateway_url, method, path, mode):
     run()
     print(method, path, mode.value, collections.Counter(statuses))
     assert statuses
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status"),
+    [
+        # SSE events were once declared as strings (the fuzzer found it by chance)
+        ("/v1/completions", {"prompt": "hi", "stream": True, "max_tokens": 4}, 200),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 4},
+            200,
+        ),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 4}, 200),
+        ("/v1/completions", {"prompt": "hi", "model": "other"}, 404),
+        ("/tokenize", {"prompt": "hi", "model": "other"}, 404),
+        ("/detokenize", {"tokens": [-1]}, 400),
+    ],
+)
+def test_known_cases_conform(api_schema, gateway_url, path, body, status):
+    case = api_schema[path]["POST"].Case(body=body, media_type="application/json")
+    response = case.call(base_url=gateway_url, timeout=30)
+    assert response.status_code == status, response.text
+    case.validate_response(response, checks=CHECKS)
