@@ -102,7 +102,10 @@ class Backend(abc.ABC):
         - Raises ``BackendUnavailable`` before yielding anything when no engine
           can take the request (the gateway answers 503).
         - Yields ``EngineOutput`` for ``request.request_id`` in order; the last
-          one has ``finish_reason`` set, and nothing follows it.
+          one has ``finish_reason`` set, and nothing follows it. With
+          ``request.n > 1`` each output names its choice (``index``); every
+          choice finishes once and the generator ends after the last one (an
+          ERROR output ends it at once).
         - An output with ``finish_reason`` STOP (EOS or a stop token id) carries
           that stop token as the last of its ``new_token_ids``; the gateway
           counts it but does not detokenize it.
@@ -123,6 +126,11 @@ class Backend(abc.ABC):
     async def abort(self, request_id: str) -> None:
         """Cancel a request on every engine holding it (prefill, decode, the
         handoff in between). Idempotent; unknown ids are ignored."""
+
+    async def abort_choice(self, request_id: str, index: int) -> None:
+        """Cancel one choice of an ``n > 1`` request (its stop string matched);
+        the others go on. The default does nothing: the choice then runs to
+        its own end and its outputs are ignored."""
 
     @abc.abstractmethod
     def metrics_snapshot(self) -> BackendMetrics:

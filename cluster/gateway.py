@@ -444,8 +444,11 @@ class Gateway:
                 step.index = output.index
                 if step.finish_reason is not None:
                     open_choices.discard(output.index)
-                    stop_string_matched |= output.finish_reason is None
                     step.last = not open_choices
+                    if output.finish_reason is None:  # a stop string: the engine goes on
+                        stop_string_matched = True
+                        if not step.last:
+                            await self.backend.abort_choice(request.request_id, output.index)
                     if step.last:
                         # A stop-string match still needs an abort; else the backend is done.
                         outcome = "stop-string" if stop_string_matched else step.finish_reason

@@ -62,6 +62,7 @@ from cluster.pools import EngineHandle
 from cluster.prefill_endpoints import push_prefill_endpoints
 from cluster.router import EngineState, Router
 from kvtransfer.handoff import decode_request, prefill_request
+from scheduler.fork import child_request_id
 from scheduler.messages import (
     EngineAbort,
     EngineHeartbeat,
@@ -415,6 +416,12 @@ class RayBackend(Backend):
             if request_id in e.requests:
                 self._send_abort(e, [request_id])
                 e.requests.discard(request_id)
+
+    async def abort_choice(self, request_id: str, index: int) -> None:
+        child_id = child_request_id(request_id, index)  # only the engine that forked knows it
+        for e in self.engines.values():
+            if request_id in e.requests:
+                self._send_abort(e, [child_id])
 
     def _send_abort(self, e: _Engine, request_ids: list[str]) -> None:
         """Never raises: an abort that cannot be queued now (engine not

@@ -187,3 +187,30 @@ def test_pd_prefills_once_reads_once_and_decode_forks(services):
 
     assert read_bytes(after["decode"]) > read_bytes(before["decode"])
     wait_idle(disagg)
+
+
+def test_stop_string_aborts_only_its_choice(services):
+    _, colocated = services
+    c = client(colocated)
+    kw = dict(model="tiny", prompt=PROMPT, n=2, seed=9, extra_body={"ignore_eos": True})
+    full = c.completions.create(max_tokens=200, **kw)
+    first, second = (ch.text for ch in full.choices)
+    # a stop string early in choice 0 and nowhere in choice 1
+    stop = next(
+        first[i : i + 4]
+        for i in range(4, 20)
+        if first[i : i + 4] not in second and first[i : i + 4] not in first[:i]
+    )
+
+    def generated():
+        stats = colocated.run(colocated.service.backend.call_all("stats"))
+        return sum(s["num_generation_tokens"] for s in stats.values())
+
+    before = generated()
+    r = c.completions.create(max_tokens=200, stop=[stop], **kw)
+    assert r.choices[0].finish_reason == "stop" and stop not in r.choices[0].text
+    assert first.startswith(r.choices[0].text)
+    assert (r.choices[1].text, r.choices[1].finish_reason) == (second, "length")
+    wait_idle(colocated)
+    # choice 0's child was aborted on the engine, not run to 200 tokens
+    assert generated() - before < 200 + 60
