@@ -32,6 +32,7 @@ from cluster.api.tokenize import (
     TokenizeResponse,
 )
 from cluster.protocol import ChatCompletionRequest, CompletionRequest
+from scheduler.fork import MAX_N
 
 _NULL = {"type": "null"}
 
@@ -75,7 +76,8 @@ _RULES: dict[str, Any] = {
     "top_k": _nullable({"type": "integer", "minimum": -1}),
     "min_tokens": _nullable({"type": "integer", "minimum": 0}),
     "seed": _nullable({"type": "integer", "minimum": -(2**63), "maximum": 2**64 - 1}),
-    "n": _only(1),
+    "n": _nullable({"type": "integer", "minimum": 1, "maximum": MAX_N}),
+    "priority": _nullable({"type": "integer", "minimum": -(2**63), "maximum": 2**63 - 1}),
     "best_of": _only(1),
     "echo": _only(False),
     "presence_penalty": _nullable({"type": "number", "minimum": -2, "maximum": 2}),
