@@ -1,6 +1,8 @@
 """Scheduling policies and admission limits (scheduler/policies.py), exact outcomes."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from scheduler import SchedulerConfig
 from tests.unit.fakes import FakeRunner, step
@@ -114,28 +116,41 @@ def test_max_num_partial_prefills_caps_prefills_per_step():
     run_to_end(s, r)
 
 
-def test_long_prefill_is_not_starved_by_a_stream_of_short_prompts():
-    threshold, long_len = 4, 40
+@settings(max_examples=30, deadline=None)
+@given(
+    threshold=st.integers(2, 8),
+    extra_len=st.integers(1, 60),
+    extra_budget=st.integers(8, 24),
+    short_len=st.integers(1, 8),
+    policy=st.sampled_from(["fcfs", "prefill-first"]),
+)
+def test_long_prefill_is_not_starved_by_a_stream_of_short_prompts(
+    threshold, extra_len, extra_budget, short_len, policy
+):
+    """A long prompt behind another long one, one short prompt arriving every
+    step forever: the second long prompt starts as soon as the first is no
+    longer long (at most ceil(long_len / threshold) steps)."""
+    long_len = threshold + extra_len
     s = make(
-        num_kv_blocks=256,
+        num_kv_blocks=1024,
         max_model_len=128,
-        max_num_batched_tokens=16,
+        max_num_batched_tokens=threshold + extra_budget,
         long_prefill_token_threshold=threshold,
         max_long_partial_prefills=1,
+        policy=policy,
     )
     r = FakeRunner()
     add(s, "long1", long_len, max_tokens=2, arrival=0.0)
     add(s, "long2", long_len, max_tokens=2, arrival=0.5)
-    started = None
-    for t in range(200):
-        add(s, f"s{t}", 3, max_tokens=2, arrival=1.0 + t)  # one short prompt every step
+    bound = -(-long_len // threshold)
+    for t in range(bound + 1):
+        add(s, f"s{t}", short_len, max_tokens=2, arrival=1.0 + t)
         so, _ = step(s, r)
         s.check_integrity(idle=False)
         if "long2" in so.num_scheduled_tokens:
-            started = t
             break
-    # long1 needs long_len / threshold steps; long2 starts right after it
-    assert started is not None and started <= long_len // threshold + 2, started
+    else:
+        raise AssertionError(f"long2 not started within {bound + 1} steps")
     run_to_end(s, r, max_steps=500)
 
 
