@@ -171,3 +171,28 @@ def test_config_validation_names_the_field():
     assert RoutingConfig().resolve({"decode": 2}) == "kv-aware"
     assert RoutingConfig().resolve({"prefill": 1, "decode": 1}) == "least-load"
     assert RoutingConfig("round-robin").resolve({"decode": 4}) == "round-robin"
+
+
+def test_serve_flags_turn_events_on_only_for_kv_aware(tmp_path):
+    from cluster.cli import build_parser
+    from cluster.serve import pool_specs, resolve_settings
+
+    def specs(argv):
+        args = build_parser().parse_args(["serve", *argv])
+        return {s.role: s.config for s in pool_specs(*resolve_settings(args))}
+
+    assert not any(c.kv_events for c in specs([]).values())  # 1P + 1D: least-load
+    assert all(c.kv_events for c in specs(["--decode", "2"]).values())  # auto: kv-aware
+    assert all(c.kv_events for c in specs(["--router", "kv-aware"]).values())
+    assert not any(
+        c.kv_events for c in specs(["--colocated", "4", "--router", "round-robin"]).values()
+    )
+    args = build_parser().parse_args(["serve", "--router-load-weight", "0.5"])
+    settings, _ = resolve_settings(args)
+    assert settings["router_load_weight"] == 0.5
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("router: fastest\n")
+    with pytest.raises(ValueError, match="router must be one of"):
+        resolve_settings(build_parser().parse_args(["serve", "--config", str(bad)]))
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--router", "fastest"])
