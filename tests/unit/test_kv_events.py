@@ -67,41 +67,31 @@ def test_stored_event_names_parent_and_token_count():
     assert stored[0].parent_block_hash in eng.cached()
 
 
-def test_restarted_engine_entries_vanish_on_new_epoch():
+def _incarnation(epoch: int, first_token: int) -> SimEngine:
+    eng = SimEngine("d0", epoch=epoch)
+    eng.add(f"e{epoch}", list(range(first_token, first_token + 20)))
+    eng.run_until_idle()
+    return eng
+
+
+@pytest.mark.parametrize("health_check_first", [True, False])
+def test_restarted_engine_entries_vanish_on_new_epoch(health_check_first):
     index = PrefixIndex()
     index.add_engine("d0", "decode", 64)
-    old = SimEngine("d0", epoch=1)
-    old.add("a", list(range(20)))
-    old.run_until_idle()
+    old = _incarnation(1, 0)
     _feed(index, old)
     assert index.hashes_of("d0") == old.cached() and old.cached()
-    # the health check sees the new incarnation before any of its events
-    index.drop_engine_state("d0", epoch=2)
-    assert index.hashes_of("d0") == set()
-    new = SimEngine("d0", epoch=2)
-    new.add("b", list(range(100, 120)))
-    new.run_until_idle()
-    _feed(index, new)
+    if health_check_first:  # the health check sees the new epoch before its events
+        index.drop_engine_state("d0", epoch=2)
+        assert index.hashes_of("d0") == set()
+    new = _incarnation(2, 100)
+    _feed(index, new)  # else: its first batch (seq 1, epoch 2) drops the old entries
     assert index.hashes_of("d0") == new.cached()
     assert not index.hashes_of("d0") & old.cached()
     # a late batch of the old incarnation changes nothing
     assert index.apply(KVEventBatch("d0", 1, 99, 0.0, [BlockStored([b"x" * 32], None, 4)]))
     assert index.hashes_of("d0") == new.cached()
     index.check_integrity()
-
-
-def test_new_epoch_batch_clears_without_health_check():
-    index = PrefixIndex()
-    index.add_engine("d0", "decode", 64)
-    old = SimEngine("d0", epoch=1)
-    old.add("a", list(range(20)))
-    old.run_until_idle()
-    _feed(index, old)
-    new = SimEngine("d0", epoch=2)
-    new.add("b", list(range(100, 120)))
-    new.run_until_idle()
-    _feed(index, new)
-    assert index.hashes_of("d0") == new.cached()
 
 
 def test_seq_gap_marks_resync_and_snapshot_restores():

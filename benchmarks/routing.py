@@ -1,0 +1,196 @@
+"""KV-aware routing vs round-robin and least-load on a multi-turn,
+shared-prefix trace (cluster/trace_replay.py), same seed for every run.
+
+Setups: 2 prefill + 2 decode engines, and 4 colocated engines. For each
+router policy a fresh service (cold caches) replays the same synthetic
+trace through `tandem bench --trace` in its own process. Then the 2P+2D
+setup replays a trace with no sharing at all (the control: routing must
+cost no throughput there).
+
+Reported per run:
+  hit rate        1 - prompt tokens computed on any engine / prompt tokens
+                  (scheduler stats; a KV read from P is not a hit: P computed it)
+  oracle          every block that exists anywhere, nothing evicted
+                  (trace_replay.oracle_hit_tokens): the best any router can do
+  prefill tok     prompt tokens computed, summed over engines (scheduler stats)
+  KV read         bytes decode engines read over NIXL
+  TTFT p50 / p99, output tok/s (client side)
+
+Targets (issue 16): kv-aware hit rate >= 90% of the oracle; kv-aware TTFT
+p50 at most half of least-load's; no throughput loss without sharing.
+
+Model: the random 4-layer Llama of serve_interference.py (byte tokenizer),
+fp32, one torch thread per engine.
+
+Run: python benchmarks/routing.py [--num-sessions 24] [--time-scale 1.0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks._machine import machine  # noqa: E402
+from benchmarks.serve_interference import MODEL, make_checkpoint  # noqa: E402
+from cluster.serve import SERVE_DEFAULTS, ServiceThread  # noqa: E402
+from cluster.trace_replay import SynthConfig, oracle_hit_tokens, synthesize  # noqa: E402
+
+ENGINE = {
+    "num_kv_blocks": 1024,
+    "max_num_seqs": 32,
+    "max_model_len": 4096,
+    "max_num_batched_tokens": 1024,
+    "block_size": 16,
+    "torch_threads": 1,
+}
+SETUPS = {
+    "2P+2D": dict(prefill=2, decode=2, colocated=0),
+    "4 colocated": dict(prefill=0, decode=0, colocated=4),
+}
+POLICIES = ("round-robin", "least-load", "kv-aware")
+VOCAB = 256  # the byte tokenizer's plain bytes
+
+
+def _bench(url: str, trace: str, time_scale: float, block_tokens: int) -> dict:
+    args = [
+        sys.executable, "-m", "cluster", "bench", "--url", url, "--json", "--seed", "0",
+        "--trace", trace, "--time-scale", str(time_scale),
+        "--trace-block-tokens", str(block_tokens), "--vocab-size", str(VOCAB),
+        "--request-timeout-s", "600",
+    ]  # fmt: skip
+    out = subprocess.run(args, capture_output=True, text=True, timeout=1800)
+    if out.returncode not in (0, 1):
+        raise RuntimeError(out.stderr[-2000:])
+    return json.loads(out.stdout)
+
+
+def _warmup(url: str) -> None:
+    """Handshakes and first allocations; random prompts share no block with the trace."""
+    args = [
+        sys.executable, "-m", "cluster", "bench", "--url", url, "--json", "--seed", "99",
+        "--num-requests", "8", "--concurrency", "4", "--input-len", "40",
+        "--output-len", "4", "--vocab-size", str(VOCAB),
+    ]  # fmt: skip
+    subprocess.run(args, capture_output=True, text=True, timeout=600, check=True)
+
+
+def run_one(model: str, pools: dict, policy: str, trace: str, a: argparse.Namespace) -> dict:
+    settings = dict(
+        SERVE_DEFAULTS,
+        ray_dashboard=False,
+        model=model,
+        router=policy,
+        disagg_min_tokens=a.disagg_min_tokens,
+        **pools,
+    )
+    per_role = {r: dict(ENGINE) for r in ("prefill", "decode", "colocated")}
+    with ServiceThread(settings, per_role) as svc:
+        backend = svc.service.backend
+        _warmup(svc.base_url)
+        before = svc.run(backend.call_all("stats"))
+        decisions_before = backend.routing.decisions()
+        summary = _bench(svc.base_url, trace, a.time_scale, a.block_tokens)
+        after = svc.run(backend.call_all("stats"))
+        decisions = {
+            k: n - decisions_before.get(k, 0) for k, n in backend.routing.decisions().items()
+        }
+
+    def total(key: str, roles=("prefill", "decode", "colocated")) -> float:
+        return sum(
+            after[e].get(key, 0) - before[e].get(key, 0) for e in after if after[e]["role"] in roles
+        )
+
+    def kv_read() -> float:
+        def b(s):
+            return s.get("kv_transfer", {}).get("counters", {}).get("kv_transfer_bytes_total", 0)
+
+        return sum(b(after[e]) - b(before[e]) for e in after if after[e]["role"] == "decode")
+
+    summary["prefill_tokens"] = total("num_prompt_tokens")
+    summary["kv_read_bytes"] = kv_read()
+    summary["decisions"] = decisions
+    summary["hit_rate"] = 1.0 - summary["prefill_tokens"] / max(summary["total_input_tokens"], 1)
+    return summary
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--num-sessions", type=int, default=16)
+    p.add_argument("--session-rate-per-s", type=float, default=2.0)
+    p.add_argument("--block-tokens", type=int, default=64)
+    p.add_argument(
+        "--disagg-min-tokens",
+        type=int,
+        default=256,
+        help="serve's flag, same for every policy (kv-aware: uncached tokens on D)",
+    )
+    p.add_argument("--time-scale", type=float, default=1.0)
+    p.add_argument("--setups", default=",".join(SETUPS))
+    p.add_argument("--no-control", action="store_true", help="skip the no-sharing trace")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args()
+
+    import ray
+
+    tmp = tempfile.mkdtemp(prefix="tandem-routing-")
+    traces = {}
+    for name, share in (("shared", True), ("no sharing", False)):
+        cfg = SynthConfig(
+            num_sessions=a.num_sessions,
+            block_tokens=a.block_tokens,
+            session_rate_per_s=a.session_rate_per_s,
+            share_prefixes=share,
+            seed=a.seed,
+        )
+        rows = synthesize(cfg)
+        path = os.path.join(tmp, f"{name.replace(' ', '_')}.jsonl")
+        with open(path, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+        total_in = sum(r["input_length"] for r in rows)
+        traces[name] = (path, oracle_hit_tokens(rows, a.block_tokens) / total_in, rows)
+    runs = [(s, "shared") for s in a.setups.split(",")]
+    if not a.no_control:
+        runs.append(("2P+2D", "no sharing"))
+    ray.init(include_dashboard=False, log_to_driver=False)
+    model = make_checkpoint(os.path.join(tmp, "model"))
+    results = []
+    try:
+        for setup, trace_name in runs:
+            path, oracle, _ = traces[trace_name]
+            for policy in POLICIES:
+                r = run_one(model, SETUPS[setup], policy, path, a)
+                print(f"# {setup} {trace_name} {policy}: {json.dumps(r['decisions'])}", flush=True)
+                results.append((setup, trace_name, policy, oracle, r))
+    finally:
+        ray.shutdown()
+    rows = traces["shared"][2]
+    print(f"machine: {machine()}; load average before: {os.getloadavg()[0]:.1f}")
+    print(
+        f"workload: synthetic trace seed {a.seed}, {a.num_sessions} sessions "
+        f"({len(rows)} requests, {a.block_tokens}-token blocks, sessions {a.session_rate_per_s}/s, "
+        f"time x{a.time_scale}, --disagg-min-tokens {a.disagg_min_tokens}); random Llama {MODEL} fp32; engines {ENGINE}"
+    )
+    hdr = (
+        "| setup | trace | router | hit rate | oracle | prefill tok | KV read "
+        "| TTFT p50 | TTFT p99 | output tok/s | failed |"
+    )
+    print(hdr)
+    print("|---|---|---|" + "---:|" * 8)
+    for setup, trace_name, policy, oracle, r in results:
+        print(
+            f"| {setup} | {trace_name} | {policy} | {r['hit_rate']:.3f} | {oracle:.3f} "
+            f"| {r['prefill_tokens']:.0f} | {r['kv_read_bytes'] / 2**20:.1f} MiB "
+            f"| {r['ttft_ms']['p50']:.0f} ms | {r['ttft_ms']['p99']:.0f} ms "
+            f"| {r['output_token_throughput']:.1f} | {r['num_failed']} |"
+        )
+    print(f"load average after: {os.getloadavg()[0]:.1f}")
+
+
+if __name__ == "__main__":
+    main()
