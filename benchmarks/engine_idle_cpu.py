@@ -75,7 +75,7 @@ def main() -> None:
         try:
             h.send("D", decode_request(req, first))
             deadline = time.monotonic() + 30
-            while not h.call("D", "stats")["num_waiting_for_remote_kvs"]:
+            while not h.stats("D").scheduler.num_waiting_for_remote_kvs:
                 assert time.monotonic() < deadline, "D never waited for the read"
                 time.sleep(0.05)
             rows.append(("D waiting for a remote read", measure(pid["D"], args.window_s)))

@@ -19,7 +19,8 @@ from typing import Any
 
 import msgspec
 
-from scheduler.messages import EngineOutput, EngineRequest, SchedulerStats
+from scheduler.engine_stats import EngineStats, HistogramSnapshot
+from scheduler.messages import EngineOutput, EngineRequest
 
 
 class BackendUnavailable(Exception):
@@ -27,38 +28,40 @@ class BackendUnavailable(Exception):
     503 with this exception's message."""
 
 
-class HistogramSnapshot(msgspec.Struct):
-    """A cumulative histogram as an engine exports it.
-
-    ``bucket_counts[i]`` counts observations ``<= bucket_upper_bounds[i]``
-    (cumulative, like Prometheus); the ``+Inf`` bucket is ``count``.
-    """
-
-    bucket_upper_bounds: list[float]
-    bucket_counts: list[int]
-    count: int = 0
-    sum: float = 0.0
-
-
 class EngineMetrics(msgspec.Struct):
-    """One engine's metrics at scrape time.
+    """One engine as the gateway sees it at scrape time: the latest
+    ``EngineStats`` it reported (all zeros until the first arrives) and the
+    gateway's own view of it.
 
-    ``counters`` / ``gauges`` / ``histograms`` carry extra metrics (mostly the
-    KV connector's) by name without the ``tandem:`` prefix, e.g.
-    ``"kv_transfer_bytes_total"``, ``"kv_blocks_held_for_transfer"``,
-    ``"kv_transfer_seconds"``. Counters are cumulative since engine start.
+    ``state``: ``"alive"``, ``"slow"`` or ``"dead"`` (``cluster/engines/health.py``),
+    ``"starting"`` before its first ``ready()``; ``epoch`` is the incarnation
+    the gateway is connected to; ``num_restarts`` counts new epochs after
+    the first; ``last_error`` is the latest failure the gateway saw there.
     """
 
-    engine_id: str
-    role: str  # "prefill", "decode" or "colocated"
-    scheduler_stats: SchedulerStats = msgspec.field(default_factory=SchedulerStats)
-    counters: dict[str, float] = {}
-    gauges: dict[str, float] = {}
-    histograms: dict[str, HistogramSnapshot] = {}
-    # Internal-plane sockets of this engine (engine_input, kv_side_channel,
-    # kv_handshake_reply): dropped malformed messages and refused handshakes.
-    malformed_frames: dict[str, int] = {}
-    auth_failures: dict[str, int] = {}
+    stats: EngineStats
+    epoch: int = 0
+    state: str = "alive"
+    ready: bool = True
+    num_restarts: int = 0
+    last_error: str = ""
+
+    @property
+    def engine_id(self) -> str:
+        return self.stats.engine_id
+
+    @property
+    def role(self) -> str:
+        return self.stats.role
+
+
+class ErrorEvent(msgspec.Struct):
+    """One failure worth an operator's eye: ``time_s`` is wall-clock
+    (``time.time()``), ``source`` an engine id, ``"gateway"`` or ``"request"``."""
+
+    time_s: float
+    source: str
+    message: str
 
 
 class BackendMetrics(msgspec.Struct):
@@ -72,6 +75,12 @@ class BackendMetrics(msgspec.Struct):
     # The gateway's own internal-plane sockets (gateway_output), same meaning.
     malformed_frames: dict[str, int] = {}
     auth_failures: dict[str, int] = {}
+    # Cumulative counts of the backend's own recoveries.
+    num_streams_cut: int = 0  # streams cut: the client read too slowly
+    num_orphans_aborted: int = 0  # aborts sent to an engine that came back
+    num_reader_restarts: int = 0  # output reader restarted after it ended
+    num_engine_restarts: int = 0  # engines that came back with a new epoch
+    recent_errors: list[ErrorEvent] = []  # oldest first, bounded
 
 
 class Backend(abc.ABC):

@@ -16,6 +16,8 @@ import threading
 import time
 from typing import Any
 
+import msgspec
+
 from workers.config import EngineConfig
 
 
@@ -79,8 +81,10 @@ class EngineActor:
             "node_id": ray.get_runtime_context().get_node_id(),
         }
 
-    def stats(self) -> dict[str, Any]:
-        return self.engine.call_in_loop(self.engine.stats)
+    def stats(self) -> bytes:
+        """The engine's ``EngineStats``, msgpack-encoded: the gateway decodes
+        and validates it like a frame of its sockets."""
+        return msgspec.msgpack.encode(self.engine.call_in_loop(self.engine.stats))
 
     def check_integrity(self) -> bool:
         return self.engine.call_in_loop(self.engine.check_integrity)

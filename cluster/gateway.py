@@ -39,7 +39,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
-from cluster import protocol
+from cluster import dashboard, protocol
 from cluster.api.config import ApiConfig, ServedModels
 from cluster.api.openapi import openapi_schema
 from cluster.api.tokenize import add_tokenize_routes
@@ -94,8 +94,9 @@ def create_app(
     api: ApiConfig | None = None,
 ) -> FastAPI:
     """The gateway app. ``api_key`` (if set) is required on ``/v1/*``,
-    ``/tokenize`` and ``/detokenize`` as ``Authorization: Bearer <key>``;
-    ``/health``, ``/metrics`` and ``/openapi.json`` stay open.
+    ``/tokenize``, ``/detokenize`` and ``/cluster/state`` (``cluster/dashboard/``)
+    as ``Authorization: Bearer <key>``; ``/health``, ``/metrics``,
+    ``/openapi.json`` and the ``/dashboard`` page stay open.
     ``limits``: body size, concurrency, deadline, tokenizer threads
     (``cluster.edge.limits``; defaults when None). ``api``: served model
     names, chat template, generation defaults (``cluster.api.config``)."""
@@ -205,7 +206,10 @@ def create_app(
 
     @app.get("/metrics")
     async def metrics() -> Response:
+        rolling.ensure_started()
         return Response(render(registry), media_type=CONTENT_TYPE_LATEST)
+
+    rolling = dashboard.install(app, backend, gateway.metrics, check_api_key)
 
     return app
 
@@ -436,6 +440,7 @@ class Gateway:
                     last_token_s = now_s
                 if output.finish_reason is FinishReason.ERROR:
                     outcome = "error"
+                    metrics.request_failed(request.request_id, output.error or "")
                     yield _Step(error=output.error or "The engine failed the request.")
                     return
                 if output.index not in open_choices:

@@ -14,9 +14,9 @@ without clashing in the global registry.
 
 from __future__ import annotations
 
-import bisect
-import math
-from collections.abc import Iterator
+import collections
+import time
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import (
@@ -29,6 +29,7 @@ from prometheus_client.registry import Collector
 
 from cluster.backend import Backend, BackendMetrics, EngineMetrics
 from cluster.kv_routing.metrics import router_families
+from scheduler.engine_stats import Histogram, prometheus_buckets
 
 PREFIX = "tandem:"
 
@@ -46,19 +47,13 @@ _REQUEST_BUCKETS_S = (
 )  # fmt: skip
 
 
-class LoopHistogram:
-    """A histogram updated from the event loop thread only: no lock, a bisect
-    and two additions per observation (prometheus_client's costs ~5x more,
-    which shows at one observation per streamed token)."""
+class LoopHistogram(Histogram):
+    """A named ``scheduler.engine_stats.Histogram`` (the one histogram
+    implementation): observed and read on the gateway's event loop only."""
 
     def __init__(self, name: str, help_text: str, bounds_s: tuple[float, ...]) -> None:
-        self.name, self.help_text, self.bounds = name, help_text, bounds_s
-        self.counts = [0] * (len(bounds_s) + 1)  # last: above every bound
-        self.sum = 0.0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.sum += value
+        super().__init__(bounds_s)
+        self.name, self.help_text = name, help_text
 
     def family(self) -> HistogramMetricFamily:
         return HistogramMetricFamily(
@@ -66,11 +61,7 @@ class LoopHistogram:
         )
 
     def buckets(self) -> list[tuple[str, int]]:
-        cumulative, buckets = 0, []
-        for bound, count in zip((*self.bounds, math.inf), self.counts, strict=True):
-            cumulative += count
-            buckets.append(("+Inf" if bound == math.inf else _le(bound), cumulative))
-        return buckets
+        return prometheus_buckets(self.snapshot())
 
 
 class PathHistogram:
@@ -126,9 +117,17 @@ class GatewayMetrics(Collector):
         self.num_requests_in_flight = 0
         self.num_finished: dict[str, int] = {}  # finish reason -> requests
         self.num_rejected: dict[str, int] = {}  # HTTP status code -> requests
+        # (time.time(), request id, message) of the latest failed requests
+        self.recent_failures: collections.deque[tuple[float, str, str]] = collections.deque(
+            maxlen=50
+        )
 
     def finished(self, reason: str) -> None:
         self.num_finished[reason] = self.num_finished.get(reason, 0) + 1
+
+    def request_failed(self, request_id: str, message: str) -> None:
+        """A request ended with an engine/backend error (``/cluster/state``)."""
+        self.recent_failures.append((time.time(), request_id, message))
 
     def rejected(self, status_code: int) -> None:
         key = str(status_code)
@@ -178,46 +177,58 @@ class GatewayMetrics(Collector):
         )
 
 
-# Per-engine metrics taken from SchedulerStats: (name, help, kind, attribute).
-_SCHEDULER_STATS = (
-    ("num_requests_running", "Requests in the engine's running batch.", "gauge", "num_running_reqs"),
-    ("num_requests_waiting", "Requests waiting to be scheduled.", "gauge", "num_waiting_reqs"),
-    (
-        "num_requests_waiting_for_remote_kvs",
-        "Requests waiting for KV from a prefill engine.",
-        "gauge",
-        "num_waiting_for_remote_kvs",
-    ),
-    ("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).", "gauge", "kv_cache_usage"),
-    (
-        "kv_blocks_held_for_transfer",
-        "Blocks kept alive until a decode engine has read them.",
-        "gauge",
-        "num_blocks_held_for_transfer",
-    ),
-    ("num_preemptions", "Preemptions.", "counter", "num_preemptions"),
-    ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "counter", "prefix_cache_queries"),
-    ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", "counter", "prefix_cache_hits"),
-    (
-        "prompt_tokens_computed",
-        "Prompt tokens the engine computed (not cached, not received).",
-        "counter",
-        "num_prompt_tokens",
-    ),
+# Per-engine families: (name, help, kind, value of an EngineMetrics).
+_ENGINE_FAMILIES: tuple[tuple[str, str, str, Callable[[EngineMetrics], float]], ...] = (
+    ("num_requests_running", "Requests in the engine's running batch.", "gauge",
+     lambda e: e.stats.scheduler.num_running_reqs),
+    ("num_requests_waiting", "Requests waiting to be scheduled.", "gauge",
+     lambda e: e.stats.scheduler.num_waiting_reqs),
+    ("num_requests_waiting_for_remote_kvs", "Requests waiting for KV from a prefill engine.",
+     "gauge", lambda e: e.stats.scheduler.num_waiting_for_remote_kvs),
+    ("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).", "gauge",
+     lambda e: e.stats.scheduler.kv_cache_usage),
+    ("kv_blocks_held_for_transfer", "Blocks kept alive until a decode engine has read them.",
+     "gauge", lambda e: e.stats.scheduler.num_blocks_held_for_transfer),
+    ("num_preemptions", "Preemptions.", "counter", lambda e: e.stats.scheduler.num_preemptions),
+    ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "counter",
+     lambda e: e.stats.scheduler.prefix_cache_queries),
+    ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", "counter",
+     lambda e: e.stats.scheduler.prefix_cache_hits),
+    ("prompt_tokens_computed", "Prompt tokens the engine computed (not cached, not received).",
+     "counter", lambda e: e.stats.scheduler.num_prompt_tokens),
+    ("engine_steps", "Engine loop steps.", "counter", lambda e: e.stats.num_steps),
+    ("engine_last_step_seconds", "Duration of the engine's latest step.", "gauge",
+     lambda e: e.stats.last_step_s),
+    ("engine_epoch", "Incarnation the gateway is connected to (time_ns at actor start).",
+     "gauge", lambda e: e.epoch),
+    ("engine_ready", "1 when the router may send the engine requests.", "gauge",
+     lambda e: float(e.ready)),
+    ("engine_restarts", "Times the engine came back with a new epoch.", "counter",
+     lambda e: e.num_restarts),
+    ("engine_output_backlog_messages", "Outputs the engine holds because the gateway is behind.",
+     "gauge", lambda e: e.stats.output_backlog_messages),
+    ("engine_streams_cut", "Streams the engine ended because its outputs were not read.",
+     "counter", lambda e: e.stats.num_streams_cut),
 )  # fmt: skip
 
-# Help text for the connector metrics engines report by name.
-_KNOWN_HELP = {
-    "kv_transfer_bytes": "Bytes of KV read from peers.",
-    "kv_transfer_descriptors": "NIXL descriptors transferred.",
-    "kv_transfer_failures": "KV transfers that failed.",
-    "kv_notify_failures": "Transfer notifications that failed.",
-    "kv_transfer_seconds": "Duration of one request's KV transfer.",
-}
+# Families of engines with a KV connector: (name, help, kind, field of KVTransferStats).
+_KV_FAMILIES = (
+    ("kv_transfer_bytes", "Bytes of KV read from peers.", "counter", "transfer_bytes_total"),
+    ("kv_transfer_descriptors", "NIXL descriptors transferred.", "counter",
+     "transfer_descriptors_total"),
+    ("kv_transfer_failures", "KV transfers that failed.", "counter", "transfer_failures_total"),
+    ("kv_transfer_notification_failures", "Transfer notifications that failed.", "counter",
+     "notification_failures_total"),
+    ("kv_lease_expiries", "Held blocks freed because their lease expired.", "counter",
+     "lease_expiries_total"),
+    ("kv_quarantined_loads", "Loads whose READ NIXL could not cancel.", "counter",
+     "quarantined_loads_total"),
+    ("kv_loads_in_flight", "KV reads in flight.", "gauge", "loads_in_flight"),
+    ("kv_loads_in_quarantine", "Loads now waiting for an uncancellable READ.", "gauge",
+     "loads_in_quarantine"),
+)  # fmt: skip
 
 _LABELS = ("engine", "role")
-# Names already exported from SchedulerStats; ignored in the by-name dicts.
-_RESERVED = frozenset(name for name, *_ in _SCHEDULER_STATS)
 
 
 class EngineMetricsCollector(Collector):
@@ -227,12 +238,12 @@ class EngineMetricsCollector(Collector):
         self._backend = backend
 
     def describe(self) -> list[Metric]:
-        return []  # names depend on the snapshot; nothing to check at registration
+        return []  # read at scrape time; nothing to check at registration
 
     def collect(self) -> Iterator[Metric]:
         snapshot = self._backend.metrics_snapshot()
-        yield from _scheduler_families(snapshot.engines)
-        yield from _named_families(snapshot.engines)
+        yield from _engine_families(snapshot.engines)
+        yield from _kv_families(snapshot.engines)
         decisions = CounterMetricFamily(
             f"{PREFIX}disagg_decisions",
             "Router decisions: prefill on a remote engine or locally on decode.",
@@ -241,77 +252,60 @@ class EngineMetricsCollector(Collector):
         for path, count in sorted(snapshot.num_disagg_decisions.items()):
             decisions.add_metric([path], count)
         yield decisions
+        for name, help_text, value in (
+            ("streams_cut", "Streams cut because the client did not read its outputs.",
+             snapshot.num_streams_cut),
+            ("orphans_aborted", "Requests aborted on an engine that came back after being "
+             "declared dead.", snapshot.num_orphans_aborted),
+            ("output_reader_restarts", "Restarts of the gateway's output reader.",
+             snapshot.num_reader_restarts),
+        ):  # fmt: skip
+            yield CounterMetricFamily(f"{PREFIX}{name}", help_text, value=value)
         yield from router_families(snapshot, PREFIX)
         yield from _socket_families(snapshot)
 
 
-def _scheduler_families(engines: list[EngineMetrics]) -> Iterator[Metric]:
-    for name, help_text, kind, attribute in _SCHEDULER_STATS:
+def _engine_families(engines: list[EngineMetrics]) -> Iterator[Metric]:
+    for name, help_text, kind, value in _ENGINE_FAMILIES:
         family_type = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
         family = family_type(f"{PREFIX}{name}", help_text, labels=_LABELS)
         for engine in engines:
-            value = getattr(engine.scheduler_stats, attribute)
-            family.add_metric([engine.engine_id, engine.role], value)
+            family.add_metric([engine.engine_id, engine.role], value(engine))
         yield family
 
 
-def _named_families(engines: list[EngineMetrics]) -> Iterator[Metric]:
-    counters: dict[str, CounterMetricFamily] = {}
-    gauges: dict[str, GaugeMetricFamily] = {}
-    histograms: dict[str, HistogramMetricFamily] = {}
-    for engine in engines:
-        labels = [engine.engine_id, engine.role]
-        for name, value in engine.counters.items():
-            base = name.removesuffix("_total")
-            if base in _RESERVED:
-                continue
-            if base not in counters:
-                counters[base] = CounterMetricFamily(
-                    f"{PREFIX}{base}", _KNOWN_HELP.get(base, base), labels=_LABELS
-                )
-            counters[base].add_metric(labels, value)
-        for name, value in engine.gauges.items():
-            if name in _RESERVED:
-                continue
-            if name not in gauges:
-                gauges[name] = GaugeMetricFamily(
-                    f"{PREFIX}{name}", _KNOWN_HELP.get(name, name), labels=_LABELS
-                )
-            gauges[name].add_metric(labels, value)
-        for name, hist in engine.histograms.items():
-            if name not in histograms:
-                histograms[name] = HistogramMetricFamily(
-                    f"{PREFIX}{name}", _KNOWN_HELP.get(name, name), labels=_LABELS
-                )
-            buckets = [
-                (_le(bound), count)
-                for bound, count in zip(hist.bucket_upper_bounds, hist.bucket_counts, strict=True)
-            ]
-            buckets.append(("+Inf", hist.count))
-            histograms[name].add_metric(labels, buckets, hist.sum)
-    yield from counters.values()
-    yield from gauges.values()
-    yield from histograms.values()
+def _kv_families(engines: list[EngineMetrics]) -> Iterator[Metric]:
+    with_kv = [(e, e.stats.kv_transfer) for e in engines if e.stats.kv_transfer is not None]
+    for name, help_text, kind, field in _KV_FAMILIES:
+        family_type = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
+        family = family_type(f"{PREFIX}{name}", help_text, labels=_LABELS)
+        for engine, kv in with_kv:
+            family.add_metric([engine.engine_id, engine.role], getattr(kv, field))
+        yield family
+    transfer = HistogramMetricFamily(
+        f"{PREFIX}kv_transfer_seconds", "Duration of one request's KV read.", labels=_LABELS
+    )
+    for engine, kv in with_kv:
+        if kv.transfer_seconds is not None:
+            snap = kv.transfer_seconds
+            transfer.add_metric([engine.engine_id, engine.role], prometheus_buckets(snap), snap.sum)
+    yield transfer
 
 
 def _socket_families(snapshot: BackendMetrics) -> Iterator[Metric]:
     """Per internal-plane socket: ``engine`` is the engine id, or "gateway"
-    for the gateway's own output socket."""
-    for name, help_text, attribute in (
-        ("malformed_frames", "Malformed ZMQ messages dropped, by socket.", "malformed_frames"),
-        ("auth_failures", "Peers refused at the CURVE handshake, by socket.", "auth_failures"),
+    for the gateway's own sockets (and the stats it decodes, ``engine_stats``)."""
+    for name, help_text in (
+        ("malformed_frames", "Malformed ZMQ messages dropped, by socket."),
+        ("auth_failures", "Peers refused at the CURVE handshake, by socket."),
     ):
         family = CounterMetricFamily(f"{PREFIX}{name}", help_text, labels=["socket", "engine"])
-        for socket, count in sorted(getattr(snapshot, attribute).items()):
+        for socket, count in sorted(getattr(snapshot, name).items()):
             family.add_metric([socket, "gateway"], count)
         for engine in snapshot.engines:
-            for socket, count in sorted(getattr(engine, attribute).items()):
+            for socket, count in sorted(getattr(engine.stats.wire, name).items()):
                 family.add_metric([socket, engine.engine_id], count)
         yield family
-
-
-def _le(bound: float) -> str:
-    return repr(float(bound))
 
 
 def render(registry: CollectorRegistry) -> bytes:

@@ -16,13 +16,8 @@ import collections
 from collections.abc import AsyncIterator
 from typing import Any
 
-from cluster.backend import (
-    Backend,
-    BackendMetrics,
-    BackendUnavailable,
-    EngineMetrics,
-    HistogramSnapshot,
-)
+from cluster.backend import Backend, BackendMetrics, BackendUnavailable, EngineMetrics
+from scheduler.engine_stats import EngineStats, HistogramSnapshot, KVTransferStats
 from scheduler.messages import (
     EngineOutput,
     EngineRequest,
@@ -176,11 +171,8 @@ class NullBackend(Backend):
             num_prompt_tokens=self._num_prompt_tokens,
             num_generation_tokens=self._num_generation_tokens,
         )
+        kv = KVTransferStats(transfer_seconds=HistogramSnapshot([0.01, 0.1], [0, 0]))
         engine = EngineMetrics(
-            "null-0",
-            "colocated",
-            stats,
-            counters={"kv_transfer_bytes_total": 0.0},
-            histograms={"kv_transfer_seconds": HistogramSnapshot([0.01, 0.1], [0, 0])},
+            EngineStats("null-0", "colocated", 1, scheduler=stats, kv_transfer=kv), epoch=1
         )
         return BackendMetrics([engine], {"local": self._num_requests})

@@ -40,7 +40,9 @@ says no, and the reader is restarted after a backoff.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -53,7 +55,7 @@ from cluster.backend import (
     BackendMetrics,
     BackendUnavailable,
     EngineMetrics,
-    HistogramSnapshot,
+    ErrorEvent,
 )
 from cluster.engines.health import EngineHealth, Liveness
 from cluster.kv_routing.cluster_routing import ClusterRouting, PromptHashes
@@ -62,6 +64,7 @@ from cluster.pools import EngineHandle
 from cluster.prefill_endpoints import push_prefill_endpoints
 from cluster.router import EngineState, Router
 from kvtransfer.handoff import decode_request, prefill_request
+from scheduler.engine_stats import STATS_DECODER, EngineStats
 from scheduler.fork import child_request_id
 from scheduler.messages import (
     EngineAbort,
@@ -70,10 +73,9 @@ from scheduler.messages import (
     EngineOutputs,
     EngineRequest,
     FinishReason,
-    SchedulerStats,
 )
 from wire.auth import PlaneAuth
-from wire.frames import FrameCounters, FrameSpec, MalformedFrame, MiB, peer_address
+from wire.frames import FrameCounters, FrameSpec, MalformedFrame, MiB, decode, peer_address
 from workers.engine_core import UtilityResult
 
 logger = logging.getLogger(__name__)
@@ -96,7 +98,9 @@ class _Engine:
         self.health = health
         self.socket: zmq.asyncio.Socket | None = None
         self.requests: set[str] = set()  # request ids in flight here
-        self.stats: dict[str, Any] = {}
+        self.stats: EngineStats | None = None  # the latest it reported
+        self.num_restarts = 0
+        self.last_error = ""
         # decode: (own epoch, prefill endpoints) it last acknowledged
         self.pushed_endpoints: tuple[int, list] | None = None
         # new incarnation not yet in the registry exchange: a prefill engine
@@ -168,6 +172,7 @@ class RayBackend(Backend):
         self.num_streams_cut = 0
         self.num_reader_restarts = 0
         self._reader_up = False
+        self.recent_errors: collections.deque[ErrorEvent] = collections.deque(maxlen=50)
 
     # ---- lifecycle -----------------------------------------------------------
 
@@ -224,6 +229,7 @@ class RayBackend(Backend):
                 num_quick_failures += 1
                 logger.error("output reader ended (%s); restarting in %.1f s", cause, delay_s)
                 self.num_reader_restarts += 1
+                self._error("gateway", f"output reader ended ({cause}); restarted")
                 self._fail_all_streams(f"the gateway's output reader failed ({cause})")
                 await asyncio.sleep(delay_s)
         finally:
@@ -338,6 +344,7 @@ class RayBackend(Backend):
         if liveness is Liveness.DEAD:
             if e.state.ready:
                 logger.warning("engine %s is dead (%s)", eid, cause)
+                self._error(eid, f"dead ({cause})", e)
                 e.state.ready = False
                 e.health.orphans.update(e.requests)
                 self._fail_inflight(e, f"engine {eid} failed: {cause}")
@@ -369,6 +376,8 @@ class RayBackend(Backend):
         """A (new) incarnation answered ready(): connect its input socket."""
         if e.state.epoch:
             self.num_engine_restarts += 1
+            e.num_restarts += 1
+            self._error(e.state.engine_id, f"restarted (epoch {info['epoch']})", e)
             logger.warning("engine %s restarted (epoch %s)", e.state.engine_id, info["epoch"])
             self._fail_inflight(e, f"engine {e.state.engine_id} restarted")
         if e.socket is not None:
@@ -386,13 +395,27 @@ class RayBackend(Backend):
         lens = [x.state.info.get("max_model_len", 0) for x in self.engines.values()]
         self.max_model_len = min(v for v in lens if v) if any(lens) else 0
 
-    def _update_stats(self, e: _Engine, stats: dict[str, Any]) -> None:
+    def _update_stats(self, e: _Engine, payload: bytes) -> None:
+        """``payload``: the actor's msgpack ``EngineStats``, validated like a
+        frame (a bad one is counted under socket ``engine_stats`` and dropped)."""
+        try:
+            if not isinstance(payload, bytes):
+                raise MalformedFrame(f"stats of type {type(payload).__name__}, not bytes")
+            stats: EngineStats = decode(STATS_DECODER, payload)
+        except MalformedFrame as exc:
+            self.malformed_frames.record("engine_stats", e.state.engine_id, exc)
+            return
         e.stats = stats
-        e.state.kv_cache_usage = stats.get("kv_cache_usage", 0.0)
-        e.state.num_running = stats.get("num_running_reqs", 0)
-        e.state.num_waiting = stats.get("num_waiting_reqs", 0) + stats.get(
-            "num_waiting_for_remote_kvs", 0
-        )
+        q = stats.scheduler
+        e.state.kv_cache_usage = q.kv_cache_usage
+        e.state.num_running = q.num_running_reqs
+        e.state.num_waiting = q.num_waiting_reqs + q.num_waiting_for_remote_kvs
+
+    def _error(self, source: str, message: str, e: _Engine | None = None) -> None:
+        """Remember a failure for operators (``/cluster/state``)."""
+        self.recent_errors.append(ErrorEvent(time.time(), source, message))
+        if e is not None:
+            e.last_error = message
 
     def _fail_inflight(self, e: _Engine, reason: str) -> None:
         for rid in list(e.requests):
@@ -586,25 +609,17 @@ class RayBackend(Backend):
 
     def metrics_snapshot(self) -> BackendMetrics:
         engines = []
-        for e in self.engines.values():
-            s = dict(e.stats)
-            kv = s.pop("kv_transfer", {}) or {}
-            sched = SchedulerStats(
-                **{k: v for k, v in s.items() if k in SchedulerStats.__struct_fields__}
-            )
-            wire = s.pop("wire", {}) or {}
+        for eid, e in self.engines.items():
+            stats = e.stats or EngineStats(eid, e.state.role, e.state.epoch)
+            state = e.health.liveness().value if e.state.epoch else "starting"
             engines.append(
                 EngineMetrics(
-                    engine_id=e.state.engine_id,
-                    role=e.state.role,
-                    malformed_frames=wire.get("malformed_frames", {}),
-                    auth_failures=wire.get("auth_failures", {}),
-                    scheduler_stats=sched,
-                    counters=kv.get("counters", {}),
-                    gauges=kv.get("gauges", {}),
-                    histograms={
-                        k: HistogramSnapshot(**v) for k, v in kv.get("histograms", {}).items()
-                    },
+                    stats,
+                    epoch=e.state.epoch,
+                    state=state,
+                    ready=e.state.ready,
+                    num_restarts=e.num_restarts,
+                    last_error=e.last_error,
                 )
             )
         return BackendMetrics(
@@ -614,16 +629,24 @@ class RayBackend(Backend):
             prefix_hit_error=self.routing.hit_error.snapshot(),
             malformed_frames=self.malformed_frames.snapshot(),
             auth_failures=self._auth.failures(),
+            num_streams_cut=self.num_streams_cut,
+            num_orphans_aborted=self.num_orphans_aborted,
+            num_reader_restarts=self.num_reader_restarts,
+            num_engine_restarts=self.num_engine_restarts,
+            recent_errors=list(self.recent_errors),
         )
 
     # ---- test hooks -------------------------------------------------------------
 
     async def call_all(self, method: str) -> dict[str, Any]:
-        """Call a control method (``check_integrity``, ``stats``) on every engine."""
+        """Call a control method (``check_integrity``, ``stats``) on every
+        engine; ``stats`` answers are decoded into ``EngineStats``."""
         out = {}
         for eid, e in self.engines.items():
             ref = getattr(e.handle.actor, method).remote()
             out[eid] = await asyncio.wait_for(_await_ref(ref), self.call_timeout_s)
+            if method == "stats":
+                out[eid] = STATS_DECODER.decode(out[eid])
         return out
 
 

@@ -22,6 +22,7 @@ import msgspec
 import torch
 
 from scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
+from scheduler.engine_stats import EngineStats, Histogram, KVTransferStats, WireStats
 from scheduler.kv_events import KVEventRecorder, KVSnapshot
 from scheduler.messages import (
     HEARTBEAT_INTERVAL_S,
@@ -148,24 +149,10 @@ class EngineCore:
         )
         self._shutdown = threading.Event()
         self.num_steps = 0
-        self._transfer_hist: dict[str, Any] = {
-            "bucket_upper_bounds": [
-                0.001,
-                0.0025,
-                0.005,
-                0.01,
-                0.025,
-                0.05,
-                0.1,
-                0.25,
-                0.5,
-                1,
-                2.5,
-            ],
-            "bucket_counts": [0] * 11,
-            "count": 0,
-            "sum": 0.0,
-        }
+        self.last_step_s = 0.0
+        self._transfer_seconds = Histogram(
+            (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+        )
         self._loop_running = False
         self.malformed_frames = FrameCounters()
         self._auth: Any = None  # wire.auth.PlaneAuth while serve_zmq runs
@@ -227,10 +214,12 @@ class EngineCore:
 
     def step(self) -> EngineOutputs:
         self.num_steps += 1
+        start_s = time.perf_counter()
         so = self.scheduler.schedule()
         out = self.runner.execute(so)
         self.last_step_num_tokens = so.total_num_scheduled_tokens
         outputs = self.scheduler.update_from_output(so, out)
+        self.last_step_s = time.perf_counter() - start_s
         self.publish_kv_events()
         return outputs
 
@@ -256,21 +245,27 @@ class EngineCore:
         self.scheduler.check_integrity()
         return True
 
-    def stats(self) -> dict[str, Any]:
-        s = msgspec.structs.asdict(self.scheduler.make_stats())
-        if self.connector_worker is not None:
-            s["kv_transfer"] = self._kv_metrics()
-        s["wire"] = self.wire_stats()
+    def stats(self) -> EngineStats:
+        """This engine now (``scheduler/engine_stats.py``). Loop thread only
+        (``call_in_loop``)."""
         sender = self._output
-        s["output_backlog_messages"] = sender.backlog_len if sender is not None else 0
-        s["output_deferred_total"] = sender.num_deferred if sender is not None else 0
-        s["num_streams_cut"] = self.num_streams_cut
-        s["engine_id"] = self.config.engine_id
-        s["role"] = self.config.role
-        s["epoch"] = self.config.epoch
-        return s
+        kv = self._kv_stats() if self.connector_worker is not None else None
+        return EngineStats(
+            engine_id=self.config.engine_id,
+            role=self.config.role,
+            epoch=self.config.epoch,
+            num_steps=self.num_steps,
+            last_step_s=self.last_step_s,
+            scheduler=self.scheduler.make_stats(),
+            num_transfers_in_flight=kv.loads_in_flight if kv is not None else 0,
+            kv_transfer=kv,
+            wire=self.wire_stats(),
+            output_backlog_messages=sender.backlog_len if sender is not None else 0,
+            output_deferred_total=sender.num_deferred if sender is not None else 0,
+            num_streams_cut=self.num_streams_cut,
+        )
 
-    def wire_stats(self) -> dict[str, dict[str, int]]:
+    def wire_stats(self) -> WireStats:
         """Dropped malformed messages and refused handshakes per socket name,
         of this engine's sockets and its connector's side channel."""
         malformed = self.malformed_frames.snapshot()
@@ -280,39 +275,25 @@ class EngineCore:
             extra = connector()
             malformed.update(extra["malformed_frames"])
             auth.update(extra["auth_failures"])
-        return {"malformed_frames": malformed, "auth_failures": auth}
+        return WireStats(malformed_frames=malformed, auth_failures=auth)
 
-    def _kv_metrics(self) -> dict[str, Any]:
-        """Connector stats under the metric names of ARCHITECTURE §6."""
+    def _kv_stats(self) -> KVTransferStats:
         w = self.connector_worker
         raw = w.stats()
-        hist = self._transfer_hist
         for seconds in w.drain_transfer_seconds():
-            hist["count"] += 1
-            hist["sum"] += seconds
-            for i, bound in enumerate(hist["bucket_upper_bounds"]):
-                if seconds <= bound:
-                    hist["bucket_counts"][i] += 1
-        return {
-            "counters": {
-                "kv_transfer_bytes_total": raw.get("kv_transfer_bytes_total", 0.0),
-                "kv_transfer_descriptors_total": raw.get("num_descriptors", 0.0),
-                "kv_transfer_failures_total": raw.get("num_failures", 0.0),
-                "kv_transfer_notification_failures_total": raw.get("num_notif_failures", 0.0),
-                "kv_lease_expiries_total": raw.get("num_lease_expiries", 0.0),
-                "kv_quarantined_loads_total": raw.get("num_quarantined_loads_total", 0.0),
-            },
-            "gauges": {
-                "kv_blocks_held_for_transfer": raw.get("num_blocks_held_for_transfer", 0.0),
-                "kv_loads_in_flight": raw.get("num_loads_in_flight", 0.0),
-                # loads whose READ NIXL could not cancel: their blocks wait
-                "kv_loads_in_quarantine": raw.get("num_loads_quarantined", 0.0),
-            },
-            "histograms": {
-                "kv_transfer_seconds": dict(hist, bucket_counts=list(hist["bucket_counts"]))
-            },
-            "raw": raw,
-        }
+            self._transfer_seconds.observe(seconds)
+        return KVTransferStats(
+            transfer_bytes_total=raw.get("kv_transfer_bytes_total", 0.0),
+            transfer_descriptors_total=raw.get("num_descriptors", 0.0),
+            transfer_failures_total=raw.get("num_failures", 0.0),
+            notification_failures_total=raw.get("num_notif_failures", 0.0),
+            lease_expiries_total=raw.get("num_lease_expiries", 0.0),
+            quarantined_loads_total=raw.get("num_quarantined_loads_total", 0.0),
+            loads_in_flight=int(raw.get("num_loads_in_flight", 0)),
+            loads_in_quarantine=int(raw.get("num_loads_quarantined", 0)),
+            sends_blocks_held=int(raw.get("num_blocks_held_for_transfer", 0)),
+            transfer_seconds=self._transfer_seconds.snapshot(),
+        )
 
     def set_prefill_endpoints(self, endpoints: list[Any]) -> bool:
         """The prefill engines this engine may read KV from, as the cluster

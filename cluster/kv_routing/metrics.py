@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 
 from cluster.backend import BackendMetrics
+from scheduler.engine_stats import prometheus_buckets
 
 
 def router_families(snapshot: BackendMetrics, prefix: str) -> Iterator[Metric]:
@@ -32,10 +33,5 @@ def router_families(snapshot: BackendMetrics, prefix: str) -> Iterator[Metric]:
             f"{prefix}router_prefix_hit_error_tokens",
             "Predicted minus engine-reported prefix-hit tokens per routed request.",
         )
-        buckets = [
-            (repr(float(b)), c)
-            for b, c in zip(hist.bucket_upper_bounds, hist.bucket_counts, strict=True)
-        ]
-        buckets.append(("+Inf", hist.count))
-        family.add_metric([], buckets, hist.sum)
+        family.add_metric([], prometheus_buckets(hist), hist.sum)
         yield family

@@ -7,7 +7,7 @@ import time
 import httpx
 import openai
 
-BUSY_KEYS = (
+BUSY_FIELDS = (
     "num_running_reqs",
     "num_waiting_reqs",
     "num_waiting_for_remote_kvs",
@@ -36,11 +36,11 @@ def disconnect_mid_stream(svc, body: dict, num_events: int, timeout_s: float = 3
 
 def wait_idle(svc, deadline_s: float = 30.0) -> dict:
     """Every engine idle (nothing running, waiting or held for a transfer),
-    then check_integrity() on each; returns the last stats."""
+    then check_integrity() on each; returns the last ``EngineStats`` by engine."""
     end = time.monotonic() + deadline_s
     while True:
         stats = svc.run(svc.service.backend.call_all("stats"))
-        busy = {e: s for e, s in stats.items() if any(s.get(k) for k in BUSY_KEYS)}
+        busy = {e: s for e, s in stats.items() if any(getattr(s.scheduler, k) for k in BUSY_FIELDS)}
         if not busy:
             break
         assert time.monotonic() < end, f"engines not idle: {busy}"

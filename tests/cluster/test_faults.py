@@ -74,7 +74,9 @@ def health_code(svc) -> int:
 def wait_idle(svc, deadline_s: float = 60.0) -> None:
     def idle() -> bool:
         stats = svc.run(svc.service.backend.call_all("stats"))
-        return not any(s["num_running_reqs"] or s["num_waiting_reqs"] for s in stats.values())
+        return not any(
+            s.scheduler.num_running_reqs or s.scheduler.num_waiting_reqs for s in stats.values()
+        )
 
     wait_for(idle, deadline_s, "engine idle")
     assert all(svc.run(svc.service.backend.call_all("check_integrity")).values())

@@ -94,15 +94,13 @@ def test_prefix_stays_on_its_decode_engine_and_full_hit_skips_prefill(svc):
                 full = (usage.prompt_tokens - 1) // 16 * 16
                 assert usage.prompt_tokens_details.cached_tokens == full
                 assert p.decode.predicted_hit_tokens == full
-                p_queries = [st["prefill-0"]["prefix_cache_queries"] for st in (before, after)]
+                p_queries = [
+                    st["prefill-0"].scheduler.prefix_cache_queries for st in (before, after)
+                ]
                 assert p_queries[0] == p_queries[1], "the prefill engine saw the request"
-                bytes_read = {
-                    eid: s["kv_transfer"]["counters"]["kv_transfer_bytes_total"]
-                    for eid, s in after.items()
-                }
+                bytes_read = {eid: s.kv_transfer.transfer_bytes_total for eid, s in after.items()}
                 bytes_before = {
-                    eid: s["kv_transfer"]["counters"]["kv_transfer_bytes_total"]
-                    for eid, s in before.items()
+                    eid: s.kv_transfer.transfer_bytes_total for eid, s in before.items()
                 }
                 assert bytes_read == bytes_before, "a full hit on D still moved KV"
         assert len(set(home.values())) == 2, f"all prefixes on one engine: {home}"

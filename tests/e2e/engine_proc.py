@@ -17,6 +17,7 @@ import msgspec
 import zmq
 
 from cluster.engine_actor import free_port
+from scheduler.engine_stats import EngineStats
 from scheduler.messages import EngineAbort, EngineOutput, EngineOutputs, EngineRequest
 from wire.auth import PlaneAuth, generate_secret
 from workers.config import EngineConfig
@@ -148,13 +149,18 @@ class Harness:
     def tokens(self, request_id: str, engine: str) -> list[int]:
         return [t for eid, o in self.outputs[request_id] if eid == engine for t in o.new_token_ids]
 
-    def wait_idle(self, name: str, timeout_s: float = 30.0) -> dict:
+    def stats(self, name: str) -> EngineStats:
+        """The engine's ``EngineStats`` (a utility result travels untyped)."""
+        return msgspec.convert(self.call(name, "stats"), EngineStats)
+
+    def wait_idle(self, name: str, timeout_s: float = 30.0) -> EngineStats:
         end = time.monotonic() + timeout_s
         while True:
-            s = self.call(name, "stats")
-            held = s.get("kv_transfer", {}).get("gauges", {}).get("kv_blocks_held_for_transfer", 0)
-            busy = s["num_running_reqs"] + s["num_waiting_reqs"] + s["num_waiting_for_remote_kvs"]
-            if not busy and not held and not s["num_blocks_held_for_transfer"]:
+            s = self.stats(name)
+            q = s.scheduler
+            busy = q.num_running_reqs + q.num_waiting_reqs + q.num_waiting_for_remote_kvs
+            sending = s.kv_transfer.sends_blocks_held if s.kv_transfer is not None else 0
+            if not busy and not q.num_blocks_held_for_transfer and not sending:
                 assert self.call(name, "check_integrity") is True
                 return s
             assert time.monotonic() < end, f"{name} not idle: {s}"

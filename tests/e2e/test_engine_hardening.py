@@ -49,7 +49,7 @@ def expected():
 
 
 def wire(h: Harness, name: str) -> dict:
-    return h.call(name, "stats")["wire"]
+    return msgspec.structs.asdict(h.stats(name).wire)
 
 
 def wait_for(predicate, timeout_s=30.0):

@@ -55,7 +55,7 @@ def handoff(h: Harness, rid: str, prompt: list[int], sp: SamplingParams, p="P", 
 
 
 def kv_bytes(h: Harness, name: str) -> float:
-    return h.call(name, "stats")["kv_transfer"]["counters"]["kv_transfer_bytes_total"]
+    return h.stats(name).kv_transfer.transfer_bytes_total
 
 
 def block_bytes(num_layers=2, kv_heads=2, head_dim=16) -> int:
@@ -162,12 +162,11 @@ def test_decode_never_reads_prefill_frees_at_lease_expiry(pd):
         ),
     )
     pd.wait_final("orphan", "P")
-    s = pd.call("P", "stats")
-    assert s["num_blocks_held_for_transfer"] == 3
+    assert pd.stats("P").scheduler.num_blocks_held_for_transfer == 3
     t0 = time.monotonic()
     pd.wait_idle("P", timeout_s=15)  # lease is 3 s
     assert time.monotonic() - t0 < 10
-    assert pd.call("P", "stats")["kv_transfer"]["counters"]["kv_lease_expiries_total"] >= 1
+    assert pd.stats("P").kv_transfer.lease_expiries_total >= 1
 
 
 def test_abort_while_held_frees_at_once(pd):
@@ -234,7 +233,7 @@ def test_decode_refuses_unregistered_prefill_engine_and_addresses(pd, ckpt):
         "stale-epoch": {**good, "remote_epoch": good.get("remote_epoch", 0) + 1},
         "address": {**good, "remote_host": "127.0.0.1", "remote_port": 9},
     }
-    failures = pd.call("D", "stats")["kv_transfer"]["counters"]["kv_transfer_failures_total"]
+    failures = pd.stats("D").kv_transfer.transfer_failures_total
     before = kv_bytes(pd, "D")
     for rid, params in forged.items():
         d_req = decode_request(EngineRequest(rid, prompt, sp), first)
@@ -244,8 +243,8 @@ def test_decode_refuses_unregistered_prefill_engine_and_addresses(pd, ckpt):
         assert last.finish_reason == FinishReason.LENGTH
         assert first.new_token_ids + pd.tokens(rid, "D") == single.token_ids  # recomputed
     assert kv_bytes(pd, "D") == before  # not one byte read from anywhere
-    counters = pd.call("D", "stats")["kv_transfer"]["counters"]
-    assert counters["kv_transfer_failures_total"] == failures + 2  # the two refused loads
+    # the two refused loads
+    assert pd.stats("D").kv_transfer.transfer_failures_total == failures + 2
     pd.send("D", decode_request(req, first))  # the registered one still reads (frees P)
     pd.wait_final("real", "D")
     assert kv_bytes(pd, "D") > before

@@ -110,7 +110,7 @@ def in_loop(engine: EngineCore, fn):
 
 def wait_blocked(engine: EngineCore, timeout_s: float = 120.0) -> None:
     deadline = time.monotonic() + timeout_s
-    while in_loop(engine, engine.stats)["output_backlog_messages"] == 0:
+    while in_loop(engine, engine.stats).output_backlog_messages == 0:
         assert time.monotonic() < deadline, "the engine never had to hold outputs back"
         time.sleep(0.05)
 
@@ -124,7 +124,7 @@ def test_slow_gateway_slows_the_engine_and_loses_nothing(served):
     samples = []
     for _ in range(10):
         time.sleep(0.1)
-        samples.append(in_loop(engine, engine.stats)["output_backlog_messages"])
+        samples.append(in_loop(engine, engine.stats).output_backlog_messages)
     assert in_loop(engine, generated) == before  # no stepping while the gateway is behind
     assert max(samples) <= BACKLOG + 1  # bounded memory
     assert before < NUM_REQUESTS * MAX_TOKENS
@@ -140,7 +140,7 @@ def test_gateway_reading_nothing_past_the_stall_timeout_cuts_streams(served):
     send_all(gw)
     wait_blocked(engine)
     deadline = time.monotonic() + 60
-    while in_loop(engine, engine.stats)["num_streams_cut"] < NUM_REQUESTS:
+    while in_loop(engine, engine.stats).num_streams_cut < NUM_REQUESTS:
         assert time.monotonic() < deadline, "streams were not cut"
         time.sleep(0.1)
     assert in_loop(engine, engine.check_integrity)  # nothing held: KV all free
