@@ -46,7 +46,7 @@ WORDS = (
     "more may time over only most state used world between during made city later under "
     "university national known while where system government river school including"
 ).split()
-BUSY_KEYS = (
+BUSY_FIELDS = (
     "num_running_reqs",
     "num_waiting_reqs",
     "num_waiting_for_remote_kvs",
@@ -139,7 +139,10 @@ def _settle(svc: Any, engines: dict[str, Any], timeout_s: float) -> dict[str, An
     deadline_s = time.monotonic() + timeout_s
     while True:
         stats = svc.run(backend.call_all("stats"))
-        busy = {e: {k: s[k] for k in BUSY_KEYS if s.get(k)} for e, s in stats.items()}
+        busy = {
+            e: {k: getattr(s.scheduler, k) for k in BUSY_FIELDS if getattr(s.scheduler, k)}
+            for e, s in stats.items()
+        }
         busy = {e: b for e, b in busy.items() if b}
         if not busy or time.monotonic() > deadline_s:
             break
@@ -150,7 +153,9 @@ def _settle(svc: Any, engines: dict[str, Any], timeout_s: float) -> dict[str, An
             integrity[engine_id] = bool(svc.run(backend.call_all("check_integrity"))[engine_id])
         except Exception as exc:  # noqa: BLE001 - reported, not raised
             integrity[engine_id] = f"{type(exc).__name__}: {exc}"
-    held = {e: round(s["kv_cache_usage"] * engines[e]["num_kv_blocks"]) for e, s in stats.items()}
+    held = {
+        e: round(s.scheduler.kv_cache_usage * engines[e]["num_kv_blocks"]) for e, s in stats.items()
+    }
     return {"busy": busy, "blocks_held": held, "integrity": integrity}
 
 

@@ -126,7 +126,7 @@ def test_priority_overtakes_when_saturated(services):
 
     def waiting():
         stats = colocated.run(colocated.service.backend.call_all("stats"))
-        return sum(s["num_waiting_reqs"] for s in stats.values())
+        return sum(s.scheduler.num_waiting_reqs for s in stats.values())
 
     threads = [threading.Thread(target=send, args=(f"busy{i}", 5, 300)) for i in range(2)]
     for t in threads:
@@ -134,7 +134,7 @@ def test_priority_overtakes_when_saturated(services):
     deadline = time.monotonic() + 30
     while (
         sum(
-            s["num_running_reqs"]
+            s.scheduler.num_running_reqs
             for s in colocated.run(colocated.service.backend.call_all("stats")).values()
         )
         < 2
@@ -163,7 +163,7 @@ def test_pd_prefills_once_reads_once_and_decode_forks(services):
 
     def by_role():
         stats = disagg.run(disagg.service.backend.call_all("stats"))
-        return {s["role"]: s for s in stats.values()}
+        return {s.role: s for s in stats.values()}
 
     before = by_role()
     r = client(disagg).completions.create(
@@ -178,12 +178,16 @@ def test_pd_prefills_once_reads_once_and_decode_forks(services):
     num_prompt = r.usage.prompt_tokens
     assert r.usage.completion_tokens == 20
     # P computed the prompt but its last token, once; D computed that token per child
-    p_delta = after["prefill"]["num_prompt_tokens"] - before["prefill"]["num_prompt_tokens"]
-    d_delta = after["decode"]["num_prompt_tokens"] - before["decode"]["num_prompt_tokens"]
+    p_delta = (
+        after["prefill"].scheduler.num_prompt_tokens - before["prefill"].scheduler.num_prompt_tokens
+    )
+    d_delta = (
+        after["decode"].scheduler.num_prompt_tokens - before["decode"].scheduler.num_prompt_tokens
+    )
     assert (p_delta, d_delta) == (num_prompt - 1, 4)
 
     def read_bytes(s):
-        return s["kv_transfer"]["counters"]["kv_transfer_bytes_total"]
+        return s.kv_transfer.transfer_bytes_total
 
     assert read_bytes(after["decode"]) > read_bytes(before["decode"])
     wait_idle(disagg)
@@ -204,7 +208,7 @@ def test_stop_string_aborts_only_its_choice(services):
 
     def generated():
         stats = colocated.run(colocated.service.backend.call_all("stats"))
-        return sum(s["num_generation_tokens"] for s in stats.values())
+        return sum(s.scheduler.num_generation_tokens for s in stats.values())
 
     before = generated()
     r = c.completions.create(max_tokens=200, stop=[stop], **kw)
