@@ -103,14 +103,16 @@ def run_one(model: str, pools: dict, policy: str, trace: str, a: argparse.Namesp
 
     def total(key: str, roles=("prefill", "decode", "colocated")) -> float:
         return sum(
-            after[e].get(key, 0) - before[e].get(key, 0) for e in after if after[e]["role"] in roles
+            getattr(after[e].scheduler, key) - getattr(before[e].scheduler, key)
+            for e in after
+            if after[e].role in roles
         )
 
     def kv_read() -> float:
         def b(s):
-            return s.get("kv_transfer", {}).get("counters", {}).get("kv_transfer_bytes_total", 0)
+            return s.kv_transfer.transfer_bytes_total if s.kv_transfer is not None else 0.0
 
-        return sum(b(after[e]) - b(before[e]) for e in after if after[e]["role"] == "decode")
+        return sum(b(after[e]) - b(before[e]) for e in after if after[e].role == "decode")
 
     summary["prefill_tokens"] = total("num_prompt_tokens")
     summary["kv_read_bytes"] = kv_read()
