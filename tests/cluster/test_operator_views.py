@@ -5,6 +5,7 @@ with its labels on every engine; ``/cluster/state`` moves under load; and
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 import time
@@ -164,3 +165,69 @@ def test_cluster_state_moves_under_load(svc):
     assert sum(after["counters"]["finished"].values()) >= finished_before + 6
     assert any(p["tokens_out_per_s"] > 0 for p in after["series"])
     assert after["recent_errors"] == []
+
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+# Where the screenshot goes (docs/dashboard.png is one taken this way).
+SCREENSHOT_ENV = "TANDEM_DASHBOARD_SCREENSHOT"
+
+
+def test_dashboard_renders_in_headless_chromium(svc, tmp_path):
+    """The page as a browser runs it: its script polls /cluster/state and
+    fills the tables and charts; asserted on the rendered DOM."""
+    if not CHROMIUM.exists():
+        pytest.skip(f"{CHROMIUM} is missing (Debian package `chromium`; `make test` installs it)")
+    from playwright.sync_api import sync_playwright
+
+    screenshot = Path(os.environ.get(SCREENSHOT_ENV) or tmp_path / "dashboard.png")
+    with Load(svc) as load:
+        wait_for(lambda: load.num_done >= 6, 90, "six completions")
+        with sync_playwright() as pw:
+            context = pw.chromium.launch_persistent_context(
+                str(tmp_path / "profile"),  # a fresh user-data-dir
+                executable_path=str(CHROMIUM),
+                headless=True,
+                args=CHROMIUM_ARGS,
+                viewport={"width": 1280, "height": 1000},
+            )
+            try:
+                page = context.new_page()
+                page.goto(svc.base_url + "/dashboard?interval_ms=500", timeout=30_000)
+                page.wait_for_function(
+                    """() => document.querySelectorAll('#engines tr[data-engine-id]').length === 2
+                        && parseFloat(document.getElementById('tokens-out-per-s').textContent) > 0
+                        && document.querySelector('#chart-tokens path[data-series="out"]')""",
+                    timeout=30_000,
+                )
+                time.sleep(2.5)  # a few more polls: the charts get several points
+                ids = page.eval_on_selector_all(
+                    "#engines tr[data-engine-id]", "rows => rows.map(r => r.dataset.engineId)"
+                )
+                cells = page.eval_on_selector_all(
+                    "#engines td.engine-id", "cells => cells.map(c => c.textContent)"
+                )
+                tokens_out = float(page.text_content("#tokens-out-per-s"))
+                tokens_in = float(page.text_content("#tokens-in-per-s"))
+                states = page.eval_on_selector_all(
+                    "#engines tr td:nth-child(4)", "cells => cells.map(c => c.textContent)"
+                )
+                status = page.text_content("#status")
+                out_line = page.get_attribute('#chart-tokens path[data-series="out"]', "d")
+                page.screenshot(path=str(screenshot), full_page=True)
+            finally:
+                context.close()
+    assert sorted(ids) == sorted(cells) == sorted(ENGINES)
+    assert tokens_out > 0 and tokens_in > 0
+    assert states == ["alive", "alive"] and status == "ready"
+    assert out_line.count("L") >= 1, out_line  # a line through at least two points
+    assert screenshot.stat().st_size > 10_000
