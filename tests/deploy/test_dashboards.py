@@ -115,6 +115,10 @@ def test_the_issue_panels_are_there():
         "tandem:generation_tokens_total",
         "sum by (role) (tandem:num_requests_running)",
         "sum by (role) (tandem:num_requests_waiting)",
+        "tandem:streams_cut_total",
+        "tandem:orphans_aborted_total",
+        "tandem:output_reader_restarts_total",
+        "tandem:engine_restarts_total",
     ):
         assert needed in overview, needed
     pd = " ".join(exprs(load("tandem-prefill-decode.json")))
@@ -129,6 +133,7 @@ def test_the_issue_panels_are_there():
         "tandem:prefix_cache_hits_total",
         "tandem:num_preemptions_total",
         "tandem:disagg_decisions_total",
+        "tandem:engine_last_step_seconds",
     ):
         assert needed in pd, needed
 
