@@ -31,6 +31,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import aclosing
 from typing import Any
 
+import msgspec
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -231,6 +232,11 @@ class _Job:
     num_cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens
     # one per choice (n > 1: the same response, each its own "index")
     formatters: list[Any] = dataclasses.field(default_factory=list)
+    echo_text: str | None = None  # prompt text put before each choice's output (echo)
+    echoed: set[int] = dataclasses.field(default_factory=set)  # choices echoed so far
+    echo_logprobs: bool = False  # the echoed prompt carries logprobs
+    want_prompt_logprobs: bool = False  # the client asked for prompt_logprobs
+    prompt_logprobs: list[Logprobs] | None = None  # from the first output with tokens
 
     @property
     def request_id(self) -> str:
@@ -299,7 +305,13 @@ class Gateway:
             request_id, model, int(time.time()), req.logprobs, self.token_text
         )
         params = protocol.sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs)
-        return self._response(req, prompt_ids, params, formatter, arrival_s)
+        echo_text = None
+        if req.echo:
+            echo_text = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt_ids)
+            if req.logprobs is not None:  # the echoed tokens carry logprobs too
+                num_top = max(req.prompt_logprobs or 0, req.logprobs)
+                params = msgspec.structs.replace(params, prompt_logprobs=num_top)
+        return self._response(req, prompt_ids, params, formatter, arrival_s, echo_text)
 
     async def prepare_chat(self, req: ChatCompletionRequest, arrival_s: float) -> Response:
         model = self.models.resolve(req.model)
@@ -335,8 +347,11 @@ class Gateway:
         params: SamplingParams,
         formatter: protocol.CompletionFormatter | protocol.ChatFormatter,
         arrival_s: float,
+        echo_text: str | None = None,
     ) -> Response:
         self._check_token_ids(params.stop_token_ids, param="stop_token_ids")
+        max_logprobs = self.limits.max_logprobs
+        edge_sampling.check_num_logprobs(req.prompt_logprobs, "prompt_logprobs", max_logprobs)
         params = edge_sampling.with_token_fields(params, req, self.tokenizer, self.vocab_size)
         deadline_s = None
         if self.limits.request_timeout_s:
@@ -363,6 +378,9 @@ class Gateway:
             arrival_s=arrival_s,
             deadline_s=deadline_s,
             formatters=[formatter, *(formatter.for_choice(i) for i in range(1, req.n))],
+            echo_text=echo_text,
+            echo_logprobs=echo_text is not None and params.logprobs is not None,
+            want_prompt_logprobs=req.prompt_logprobs is not None,
         )
         return GenerationResponse(self, job)
 
@@ -505,6 +523,16 @@ class Gateway:
         logprobs = output.new_logprobs
         if logprobs is not None and len(logprobs) > len(token_ids):
             logprobs = logprobs[: len(token_ids)]
+        if output.prompt_logprobs is not None:
+            job.prompt_logprobs = output.prompt_logprobs
+        if job.echo_text is not None and output.index not in job.echoed:
+            # the choice's first output: the prompt goes first
+            job.echoed.add(output.index)
+            text = job.echo_text + text
+            if job.echo_logprobs:
+                prompt_ids = job.engine_request.prompt_token_ids
+                echoed = edge_sampling.echo_logprobs(prompt_ids, job.prompt_logprobs)
+                logprobs = echoed + (logprobs or [])
         return _Step(text, logprobs, finish_reason)
 
 
@@ -630,11 +658,15 @@ class GenerationResponse(Response):
                 break
             step = await anext(steps)
         usage = protocol.usage(job.num_prompt_tokens, job.num_output_tokens, job.num_cached_tokens)
+        prompt_logprobs = None
+        if job.want_prompt_logprobs:
+            token_text = self.gateway.token_text
+            prompt_logprobs = edge_sampling.prompt_logprobs_body(job.prompt_logprobs, token_text)
         choices = [
             f.choice("".join(t), lp, fin)
             for f, t, lp, fin in zip(job.formatters, texts, logprobs, finish_reasons, strict=True)
         ]
-        body = job.formatter.response_choices(choices, usage)
+        body = job.formatter.response_choices(choices, usage, prompt_logprobs)
         await _send_bytes(send, 200, body)
 
 

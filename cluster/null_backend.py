@@ -5,8 +5,9 @@ every request is ``output_token_ids[i % len(output_token_ids)]`` (by default
 the tokens of "The quick brown fox jumps over the lazy dog. "), sent
 ``num_tokens_per_output`` per ``EngineOutput``. Honours ``max_tokens``,
 ``max_model_len``, ``min_tokens``, stop token ids, EOS (unless
-``ignore_eos``), logprobs and aborts, like an engine would. With ``n > 1``
-every output is sent once per choice (same tokens, ``index`` 0..n-1).
+``ignore_eos``), logprobs, prompt logprobs (on the first output) and aborts,
+like an engine would. With ``n > 1`` every output is sent once per choice
+(same tokens, ``index`` 0..n-1).
 """
 
 from __future__ import annotations
@@ -132,11 +133,16 @@ class NullBackend(Backend):
                     elif num_done >= budget:
                         finish = FinishReason.LENGTH
                 self._num_generation_tokens += len(token_ids) * request.n
+                prompt_logprobs = None
+                if params.prompt_logprobs is not None and num_done == len(token_ids):
+                    prompt_ids = request.prompt_token_ids[1:]
+                    prompt_logprobs = self._logprobs(prompt_ids, params.prompt_logprobs)
                 for index in range(request.n):
                     yield EngineOutput(
                         request_id,
                         new_token_ids=token_ids,
                         new_logprobs=self._logprobs(token_ids, params.logprobs),
+                        prompt_logprobs=prompt_logprobs,
                         finish_reason=finish,
                         stop_reason=stop_reason,
                         index=index,
@@ -157,7 +163,7 @@ class NullBackend(Backend):
         for token_id in token_ids:
             top_ids = [token_id, *((token_id + k) % len(self.tokenizer) for k in range(1, num_top))]
             top_lps = [-0.5 - k for k in range(len(top_ids))][:num_top]
-            entries.append(Logprobs(token_id, -0.5, top_ids[:num_top], top_lps))
+            entries.append(Logprobs(token_id, -0.5, top_ids[:num_top], top_lps, rank=1))
         return entries
 
     async def abort(self, request_id: str) -> None:

@@ -79,6 +79,7 @@ class _CommonRequest(msgspec.Struct, kw_only=True):
     # vLLM extras
     min_p: float | None = None
     bad_words: list[str] | None = None
+    prompt_logprobs: int | None = None
     top_k: int | None = None
     min_tokens: int | None = 0
     ignore_eos: bool | None = False
@@ -192,6 +193,10 @@ def validate_common(req: _CommonRequest, served_model: str) -> None:
         )
     if req.min_p is not None and not (math.isfinite(req.min_p) and 0.0 <= req.min_p <= 1.0):
         raise ProtocolError(f"min_p must be in [0, 1], got {req.min_p}.", param="min_p")
+    if req.prompt_logprobs is not None and req.stream:
+        raise ProtocolError(
+            "prompt_logprobs is not available with stream=true.", param="prompt_logprobs"
+        )
     for stop in stop_strings(req):
         if not stop:
             raise ProtocolError("stop strings must be non-empty.", param="stop")
@@ -214,8 +219,6 @@ def stop_strings(req: _CommonRequest) -> list[str]:
 
 def completion_prompt(req: CompletionRequest) -> str | list[int]:
     """The single prompt: text or token ids. Refuses unsupported fields."""
-    if req.echo:
-        raise ProtocolError("echo is not supported.", param="echo")
     if req.suffix:
         raise ProtocolError("suffix is not supported.", param="suffix")
     if req.best_of not in (None, 1):
@@ -275,11 +278,15 @@ def sampling_params(
         frequency_penalty=req.frequency_penalty or 0.0,
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         min_p=req.min_p or 0.0,
+        prompt_logprobs=req.prompt_logprobs,
     )
     try:
         params.validate()
     except ValueError as exc:
-        raise ProtocolError(str(exc)) from None
+        # validate() messages start with the field's name
+        field = str(exc).split(" ", 1)[0]
+        param = field if field in SamplingParams.__struct_fields__ else None
+        raise ProtocolError(str(exc), param=param) from None
     return params
 
 
@@ -319,6 +326,7 @@ class _ChoiceBodies:
     formatter of another choice of the same response (n > 1)."""
 
     _args: tuple[Any, ...]  # the constructor's arguments, index aside
+    prompt_logprobs_in_choice = False  # vLLM: in each choice (completions) or at the top (chat)
     _head: dict[str, Any]  # id, object, created, model of the whole response
 
     def choice(
@@ -335,9 +343,21 @@ class _ChoiceBodies:
     ) -> bytes:
         return self.response_choices([self.choice(text, logprobs, finish_reason)], usage_body)
 
-    def response_choices(self, choices: list[dict[str, Any]], usage_body: dict[str, Any]) -> bytes:
-        """The body of a response with several choices (``choice`` of each formatter)."""
-        return encode_json({**self._head, "choices": choices, "usage": usage_body})
+    def response_choices(
+        self,
+        choices: list[dict[str, Any]],
+        usage_body: dict[str, Any],
+        prompt_logprobs: list[Any] | None = None,
+    ) -> bytes:
+        """The body of a response with several choices (``choice`` of each formatter).
+        ``prompt_logprobs`` (vLLM's): in each choice (completions) or at the top (chat)."""
+        extra: dict[str, Any] = {}
+        if prompt_logprobs is not None:
+            if self.prompt_logprobs_in_choice:
+                choices = [{**c, "prompt_logprobs": prompt_logprobs} for c in choices]
+            else:
+                extra["prompt_logprobs"] = prompt_logprobs
+        return encode_json({**self._head, "choices": choices, "usage": usage_body, **extra})
 
     def for_choice(self, index: int) -> Any:
         """A formatter of the same response for choice ``index``."""
@@ -348,6 +368,7 @@ class CompletionFormatter(_ChoiceBodies):
     """Bodies and SSE chunks of one ``/v1/completions`` response."""
 
     object_name = "text_completion"
+    prompt_logprobs_in_choice = True
 
     def __init__(
         self,
@@ -402,6 +423,12 @@ class CompletionFormatter(_ChoiceBodies):
         for entry in entries or ():
             token = self._token_text(entry.token_id)
             tokens.append(token)
+            if entry.logprob != entry.logprob:  # NaN: an echoed first prompt token
+                token_logprobs.append(None)
+                top_logprobs.append(None)
+                text_offset.append(self._num_chars)
+                self._num_chars += len(token)
+                continue
             token_logprobs.append(_lp(entry.logprob))
             top = {token: _lp(entry.logprob)}
             for top_id, top_lp in zip(entry.top_token_ids, entry.top_logprobs, strict=False):

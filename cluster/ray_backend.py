@@ -560,6 +560,7 @@ class RayBackend(Backend):
                     request_id=out.request_id,
                     new_token_ids=out.new_token_ids,
                     new_logprobs=out.new_logprobs,
+                    prompt_logprobs=out.prompt_logprobs,
                     num_cached_tokens=out.num_cached_tokens,
                     kv_transfer_params=out.kv_transfer_params,
                 )

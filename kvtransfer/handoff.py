@@ -46,6 +46,7 @@ def decode_request(request: EngineRequest, first: EngineOutput) -> EngineRequest
             max_tokens=sp.max_tokens - n,
             min_tokens=max(0, sp.min_tokens - n),
             num_penalty_prompt_tokens=num_penalty_prompt,
+            prompt_logprobs=None,  # P computed the prompt and returned them
         ),
         kv_transfer_params=params,
     )

@@ -67,8 +67,12 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """Longest cached prefix of full blocks. At least one token is always
         left to compute (its logits are needed), so a full hit drops the last
-        block. Does not take references; ``allocate_slots`` does."""
+        block. Does not take references; ``allocate_slots`` does. A request
+        that wants its prompt's logprobs gets no hit (every prompt token's
+        logits are needed)."""
         if not self.enable_prefix_caching:
+            return [], 0
+        if request.sampling_params.prompt_logprobs is not None and not request.num_output_tokens:
             return [], 0
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         self._extend_hashes(request, max_hit_blocks)

@@ -45,6 +45,10 @@ class SamplingParams(_Wire):
     # earlier outputs moved into the prompt (P/D handoff, migration) and stay
     # output tokens for the penalties. -1: all of prompt_token_ids.
     num_penalty_prompt_tokens: int = -1
+    # Logprobs of every prompt token after the first, with this many top
+    # alternatives (vLLM extra). The prompt is then computed, not read from
+    # the prefix cache.
+    prompt_logprobs: int | None = None
 
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -77,6 +81,8 @@ class SamplingParams(_Wire):
                     f"logit_bias needs token ids >= 0 and values in [-100, 100], "
                     f"got {token_id!r}: {bias!r}"
                 )
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise ValueError(f"prompt_logprobs must be >= 0, got {self.prompt_logprobs!r}")
         if any(not word for word in self.bad_words_token_ids):
             raise ValueError("bad_words_token_ids must not contain an empty word")
 
@@ -174,6 +180,7 @@ class Logprobs(_Wire):
     logprob: float
     top_token_ids: list[int] = []
     top_logprobs: list[float] = []
+    rank: int = 0  # 1 + tokens with a higher logprob; 0: not computed
 
 
 class ModelRunnerOutput(_Wire):
@@ -183,6 +190,9 @@ class ModelRunnerOutput(_Wire):
     req_ids: list[str] = []
     sampled_token_ids: list[list[int]] = []
     logprobs: list[list[Logprobs]] | None = None
+    # req id -> logprobs of prompt tokens 1..n-1, with the step that samples
+    # the request's first token
+    prompt_logprobs: dict[str, list[Logprobs]] | None = None
     kv_connector_output: KVConnectorOutput | None = None
 
 
@@ -193,6 +203,8 @@ class EngineOutput(_Wire):
     request_id: str
     new_token_ids: list[int] = []
     new_logprobs: list[Logprobs] | None = None
+    # on the first output with tokens, if asked: prompt tokens 1..n-1
+    prompt_logprobs: list[Logprobs] | None = None
     finish_reason: FinishReason | None = None
     stop_reason: int | None = None  # the stop token id that ended the request
     error: str | None = None

@@ -446,6 +446,8 @@ class Scheduler:
                 out.num_cached_tokens = max(req.num_cached_tokens, 0)
             if logprobs is not None:
                 out.new_logprobs = logprobs[idx][: len(new_tokens)]
+            if runner_output.prompt_logprobs is not None:
+                out.prompt_logprobs = runner_output.prompt_logprobs.get(rid)
             if status is not None:
                 req.status = status
                 out.finish_reason = status.finish_reason

@@ -25,6 +25,7 @@ import torch
 from kernels import AttentionMetadata
 from scheduler.messages import (
     KVConnectorOutput,
+    Logprobs,
     ModelRunnerOutput,
     SamplingParams,
     SchedulerOutput,
@@ -33,6 +34,7 @@ from workers.attention import SplitAttention, StepMetadata
 from workers.cpu_allocator import tune_malloc_for_inference
 from workers.dense_decode import DenseDecodeKV, DenseDecodeStep
 from workers.sampler import Sampler
+from workers.sampling.prompt_logprobs import prompt_logprobs
 from workers.sampling.state import SamplingExtras
 
 # CPU only: bytes the dense decode copy of the KV may use (see workers/dense_decode.py).
@@ -40,7 +42,7 @@ DEFAULT_DENSE_DECODE_BYTES = 1 << 30
 
 
 class _ReqState:
-    __slots__ = ("token_ids", "block_ids", "num_computed", "num_prompt", "params")
+    __slots__ = ("token_ids", "block_ids", "num_computed", "num_prompt", "params", "prompt_lps")
 
     def __init__(
         self, token_ids: list[int], block_ids: list[int], num_computed: int, num_prompt: int, params
@@ -50,6 +52,10 @@ class _ReqState:
         self.num_computed = num_computed
         self.num_prompt = num_prompt
         self.params: SamplingParams = params
+        # prompt logprobs collected chunk by chunk until the first token is sampled
+        self.prompt_lps: list[Logprobs] | None = None
+        if params.prompt_logprobs is not None and num_computed == 0:
+            self.prompt_lps = [] if len(token_ids) == num_prompt else None
 
 
 class ModelRunner:
@@ -152,6 +158,8 @@ class ModelRunner:
         sample_reqs: list[_ReqState] = []
         sample_ids: list[str] = []
         sampled_slot: dict[str, int] = {}  # req id -> index into sample_reqs
+        # requests collecting prompt logprobs: (id, state, flat row of start, start, stop)
+        prompt_chunks: list[tuple[str, _ReqState, int, int, int]] = []
         for rid in order:
             n = so.num_scheduled_tokens[rid]
             st = self.requests[rid]
@@ -163,6 +171,9 @@ class ModelRunner:
             else:
                 input_ids.extend(st.token_ids[start:end])
                 positions.extend(range(start, end))
+            if st.prompt_lps is not None:
+                stop = max(start, min(end, st.num_prompt - 1))
+                prompt_chunks.append((rid, st, len(input_ids) - n, start, stop))
             block_tables.append(st.block_ids)
             seq_lens.append(end)
             query_lens.append(n)
@@ -177,6 +188,13 @@ class ModelRunner:
         ids_t = torch.tensor(input_ids, dtype=torch.long, device=dev)
         pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
         hidden = self.model(ids_t, pos_t, self.kv_cache, meta)
+        for _, st, flat, start, stop in prompt_chunks:
+            if stop > start:
+                rows = hidden[flat : flat + stop - start]
+                targets = st.token_ids[start + 1 : stop + 1]
+                num_top = st.params.prompt_logprobs or 0
+                lps = prompt_logprobs(rows, self.model.compute_logits, targets, num_top)
+                st.prompt_lps.extend(lps)
         tokens: list[int] = []
         logprobs = None
         if sample_reqs:
@@ -201,6 +219,12 @@ class ModelRunner:
             for st, tok in zip(sample_reqs, tokens):
                 st.token_ids.append(tok)
             self.extras.record(sample_ids, tokens)
+        for rid, st, _, _, _ in prompt_chunks:
+            if rid in sampled_slot:  # the prompt is done: its logprobs go out now
+                if out.prompt_logprobs is None:
+                    out.prompt_logprobs = {}
+                out.prompt_logprobs[rid] = st.prompt_lps
+                st.prompt_lps = None
         slots = [sampled_slot.get(rid, -1) for rid in req_ids]
         out.req_ids = req_ids
         out.sampled_token_ids = [[tokens[k]] if k >= 0 else [] for k in slots]

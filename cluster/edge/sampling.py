@@ -5,18 +5,21 @@ neither, like the penalties', are checked in ``protocol.validate_common``.)
 
     logit_bias                            {"token id": value in [-100, 100]}
     bad_words                             non-empty strings
-    logprobs / top_logprobs               [0, max_logprobs]
+    logprobs / top_logprobs / prompt_logprobs   [0, max_logprobs]
+
+and the response pieces of ``prompt_logprobs`` (vLLM's shape) and ``echo``.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
 
 from cluster.protocol import ProtocolError
-from scheduler.messages import SamplingParams
+from scheduler.messages import Logprobs, SamplingParams
 
 
 def check_num_logprobs(value: int | None, param: str, max_logprobs: int) -> None:
@@ -73,3 +76,34 @@ def with_token_fields(
     if bias is None and not bad_words:
         return params
     return msgspec.structs.replace(params, logit_bias=bias, bad_words_token_ids=bad_words)
+
+
+def prompt_logprobs_body(
+    entries: list[Logprobs] | None, token_text: Callable[[int], str]
+) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's ``prompt_logprobs``: ``None`` for the first prompt token, then per
+    token ``{"id": {"logprob", "rank", "decoded_token"}}`` for the token itself
+    and its top alternatives (ranked 1, 2, ...)."""
+    body: list[dict[str, dict[str, Any]] | None] = [None]
+    for entry in entries or ():
+        tops = zip(entry.top_token_ids, entry.top_logprobs, strict=False)
+        position = {
+            str(token_id): _logprob_entry(logprob, rank, token_text(token_id))
+            for rank, (token_id, logprob) in enumerate(tops, 1)
+        }
+        position[str(entry.token_id)] = _logprob_entry(
+            entry.logprob, entry.rank, token_text(entry.token_id)
+        )
+        body.append(position)
+    return body
+
+
+def _logprob_entry(logprob: float, rank: int, text: str) -> dict[str, Any]:
+    return {"logprob": max(logprob, -9999.0), "rank": rank, "decoded_token": text}
+
+
+def echo_logprobs(prompt_ids: list[int], entries: list[Logprobs] | None) -> list[Logprobs]:
+    """The echoed prompt's entries for a completion's ``logprobs``: the first
+    token has none (NaN, formatted as null), the others are the prompt logprobs."""
+    first = Logprobs(token_id=prompt_ids[0], logprob=math.nan)
+    return [first, *(entries or ())]

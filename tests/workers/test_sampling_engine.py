@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import msgspec
 import pytest
+import torch
 
 from kvtransfer.handoff import decode_request, prefill_request
 from scheduler.messages import EngineOutput, EngineRequest, SamplingParams
@@ -21,7 +22,7 @@ FEATURES = [
 
 
 def _params(**kw) -> SamplingParams:
-    return SamplingParams(max_tokens=24, ignore_eos=True, **kw)
+    return SamplingParams(**{"max_tokens": 24, "ignore_eos": True, **kw})
 
 
 def _run(llm: LLM, prompts, params) -> list[list[int]]:
@@ -81,3 +82,48 @@ def _one(llm: LLM, request: EngineRequest) -> EngineOutput:
                 final = out
     llm.engine.check_integrity()
     return msgspec.structs.replace(final, new_token_ids=tokens)
+
+
+def _outputs(llm: LLM, request: EngineRequest) -> list[EngineOutput]:
+    assert llm.engine.add_request(request) is None
+    outputs = []
+    while llm.engine.has_work():
+        outputs += [o for o in llm.engine.step().outputs if o.request_id == request.request_id]
+    llm.engine.check_integrity()
+    return outputs
+
+
+@pytest.mark.parametrize("budget", [2048, 16, 7])
+def test_prompt_logprobs_match_transformers_chunked_or_not_and_skip_the_cache(
+    make_checkpoint, budget
+):
+    from tests.workers.hf_checkpoints import load_hf_model
+
+    path = make_checkpoint("llama")
+    prompt = [3, *range(40, 75), 9, 9, 9]
+    llm = LLM(EngineConfig(model=path, num_kv_blocks=64, block_size=8,
+                           max_num_batched_tokens=budget))  # fmt: skip
+    # the same prompt first without: its blocks are cached, yet not used below
+    _outputs(llm, EngineRequest("warm", prompt, _params(temperature=0.0, max_tokens=2)))
+    sp = _params(temperature=0.0, max_tokens=3, prompt_logprobs=5)
+    outputs = _outputs(llm, EngineRequest("p", prompt, sp))
+    first = next(o for o in outputs if o.new_token_ids)
+    assert all(o.prompt_logprobs is None for o in outputs if o is not first)
+    got = first.prompt_logprobs
+    assert first.num_cached_tokens == 0
+    assert [lp.token_id for lp in got] == prompt[1:]
+    hf = load_hf_model(path)
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), -1)
+    for i, lp in enumerate(got):
+        row = ref[i]
+        assert abs(lp.logprob - float(row[prompt[i + 1]])) < 1e-4
+        # rank: 1 + tokens above it (rounding may move near-equal ones)
+        target = row[prompt[i + 1]]
+        assert (
+            1 + int((row > target + 1e-4).sum()) <= lp.rank <= 1 + int((row > target - 1e-4).sum())
+        )
+        assert lp.top_token_ids == torch.topk(row, 5).indices.tolist()
+    # a one-token prompt has no prompt logprobs (an empty list)
+    (only,) = [o for o in _outputs(llm, EngineRequest("one", [5], sp)) if o.new_token_ids][:1]
+    assert only.prompt_logprobs == []
