@@ -86,3 +86,30 @@ def test_reader_drops_malformed_and_refuses_outsiders():
             await backend.close()
 
     asyncio.run(asyncio.wait_for(scenario(), 60))
+
+
+def test_engine_stats_are_validated_like_frames():
+    """An engine's stats payload that is not msgpack ``EngineStats`` is
+    dropped (the last good stats stay) and counted as socket engine_stats."""
+    from types import SimpleNamespace
+
+    from cluster.engines.health import EngineHealth
+    from cluster.ray_backend import _Engine
+    from cluster.router import EngineState
+    from scheduler.engine_stats import EngineStats
+    from scheduler.messages import SchedulerStats
+
+    backend = RayBackend([], tokenizer=None, model_name="m", output_addr="tcp://127.0.0.1:1")
+    try:
+        state = EngineState(engine_id="decode-0", role="decode")
+        e = _Engine(SimpleNamespace(), state, EngineHealth(dead_after_s=30))
+        good = EngineStats("decode-0", "decode", 5, scheduler=SchedulerStats(num_running_reqs=3))
+        backend._update_stats(e, enc(good))
+        assert e.stats == good and state.num_running == 3
+        for bad in (b"\xc1", enc({"engine_id": "decode-0"}), {"num_running_reqs": 9}):
+            backend._update_stats(e, bad)
+        assert e.stats == good and state.num_running == 3
+        assert backend.malformed_frames.snapshot() == {"engine_stats": 3}
+    finally:
+        backend._auth.close()
+        backend._ctx.term()
