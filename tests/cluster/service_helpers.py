@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 
 import httpx
 import openai
@@ -47,3 +49,30 @@ def wait_idle(svc, deadline_s: float = 30.0) -> dict:
         time.sleep(0.1)
     assert all(svc.run(svc.service.backend.call_all("check_integrity")).values())
     return stats
+
+
+@contextlib.contextmanager
+def tiny_pd_service(disagg_min_tokens: int = 32) -> Iterator:
+    """A 1 prefill + 1 decode ``ServiceThread`` of the tiny model on its own
+    local Ray (2 CPUs); prompts of ``disagg_min_tokens`` or more take the
+    remote path. Ray is shut down on exit."""
+    import ray
+
+    from cluster.serve import SERVE_DEFAULTS, ServiceThread
+
+    engine = {"num_kv_blocks": 256, "max_num_seqs": 16, "max_model_len": 512}
+    settings = dict(
+        SERVE_DEFAULTS,
+        model="tiny",
+        ray_dashboard=False,
+        prefill=1,
+        decode=1,
+        disagg_min_tokens=disagg_min_tokens,
+    )
+    per_role = {r: dict(engine) for r in ("prefill", "decode", "colocated")}
+    ray.init(include_dashboard=False, num_cpus=2, log_to_driver=False)
+    try:
+        with ServiceThread(settings, per_role) as svc:
+            yield svc
+    finally:
+        ray.shutdown()

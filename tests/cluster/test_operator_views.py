@@ -15,7 +15,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.cluster.service_helpers import client, wait_idle
+from tests.cluster.service_helpers import client, tiny_pd_service, wait_idle
 
 pytestmark = pytest.mark.slow
 
@@ -36,22 +36,9 @@ def documented_families() -> list[tuple[str, str, list[str]]]:
 
 @pytest.fixture(scope="module")
 def svc():
-    import ray
-
-    from cluster.serve import SERVE_DEFAULTS, ServiceThread
-
-    engine = {"num_kv_blocks": 256, "max_num_seqs": 16, "max_model_len": 512}
-    settings = dict(
-        SERVE_DEFAULTS, model="tiny", ray_dashboard=False, prefill=1, decode=1, disagg_min_tokens=32
-    )
-    per_role = {r: dict(engine) for r in ("prefill", "decode", "colocated")}
-    ray.init(include_dashboard=False, num_cpus=2, log_to_driver=False)
-    try:
-        with ServiceThread(settings, per_role) as service:
-            yield service
-            wait_idle(service)
-    finally:
-        ray.shutdown()
+    with tiny_pd_service(disagg_min_tokens=32) as service:
+        yield service
+        wait_idle(service)
 
 
 class Load(threading.Thread):

@@ -13,7 +13,7 @@ import promql_parser
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.cluster.service_helpers import wait_idle
+from tests.cluster.service_helpers import tiny_pd_service, wait_idle
 
 DASHBOARDS = Path(__file__).resolve().parents[2] / "helm" / "tandem" / "dashboards"
 TITLES = {
@@ -143,31 +143,18 @@ def test_every_queried_metric_is_exposed_by_a_running_service():
     """A real 1 prefill + 1 decode service on a local Ray, fed one remote and
     one local request and one rejected one; then every name the dashboards
     query is a sample of /metrics, and latencies carry both paths."""
-    import ray
-
-    from cluster.serve import SERVE_DEFAULTS, ServiceThread
-
-    engine = {"num_kv_blocks": 128, "max_num_seqs": 16, "max_model_len": 512}
-    settings = dict(
-        SERVE_DEFAULTS, model="tiny", ray_dashboard=False, prefill=1, decode=1, disagg_min_tokens=32
-    )
-    per_role = {r: dict(engine) for r in ("prefill", "decode", "colocated")}
-    ray.init(include_dashboard=False, num_cpus=2, log_to_driver=False)
-    try:
-        with ServiceThread(settings, per_role) as svc:
-            client = openai.OpenAI(
-                base_url=svc.base_url + "/v1", api_key="x", max_retries=0, timeout=60
-            )
-            long_prompt = "the quick brown fox " * 16  # >= 32 tokens: remote prefill
-            client.completions.create(model="tiny", prompt=long_prompt, max_tokens=4)
-            client.completions.create(model="tiny", prompt="hi", max_tokens=4)  # local
-            bad = httpx.post(svc.base_url + "/v1/completions", json={"model": "tiny"}, timeout=30)
-            assert bad.status_code == 400
-            text = httpx.get(svc.base_url + "/metrics", timeout=30).text
-            samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
-            wait_idle(svc)
-    finally:
-        ray.shutdown()
+    with tiny_pd_service(disagg_min_tokens=32) as svc:
+        client = openai.OpenAI(
+            base_url=svc.base_url + "/v1", api_key="x", max_retries=0, timeout=60
+        )
+        long_prompt = "the quick brown fox " * 16  # >= 32 tokens: remote prefill
+        client.completions.create(model="tiny", prompt=long_prompt, max_tokens=4)
+        client.completions.create(model="tiny", prompt="hi", max_tokens=4)  # local
+        bad = httpx.post(svc.base_url + "/v1/completions", json={"model": "tiny"}, timeout=30)
+        assert bad.status_code == 400
+        text = httpx.get(svc.base_url + "/metrics", timeout=30).text
+        samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
+        wait_idle(svc)
     exposed = {s.name for s in samples}
     queried = {n for name in TITLES for e in exprs(load(name)) for n in metric_names(e)}
     assert queried - exposed == set()
