@@ -42,8 +42,10 @@ class EngineActor:
     """Plain class; ``cluster.pools`` wraps it with ``ray.remote``."""
 
     def __init__(self, config: EngineConfig, output_addr: str) -> None:
+        from cluster.logging_setup import configure_logging
         from workers.engine_core import EngineCore
 
+        configure_logging(config.log_format)  # Ray forwards these lines to the driver
         self.epoch = time.time_ns()
         # "auto": this node's address (multi-node clusters); else as given.
         host = node_ip() if config.kv_host in ("", "auto", "0.0.0.0") else config.kv_host

@@ -48,8 +48,12 @@ from cluster.backend import Backend, BackendUnavailable
 from cluster.edge import sampling as edge_sampling
 from cluster.edge.limits import GatewayLimits, RequestSlots, read_body
 from cluster.edge.tokenizer_pool import TokenizerPool, chat_text_len
+from cluster.logging_setup import REQUEST_ID
 from cluster.metrics import EngineMetricsCollector, GatewayMetrics, render
 from cluster.protocol import ChatCompletionRequest, CompletionRequest, ProtocolError
+from cluster.tracing.observer import RequestObserver, Tracer
+from cluster.tracing.phase_metrics import RequestPhaseMetrics
+from cluster.tracing.record import TRACEPARENT, RequestRecord
 from scheduler.messages import EngineOutput, EngineRequest, FinishReason, Logprobs, SamplingParams
 from workers.detokenizer import IncrementalDetokenizer
 
@@ -93,6 +97,7 @@ def create_app(
     api_key: str | None = None,
     limits: GatewayLimits | None = None,
     api: ApiConfig | None = None,
+    tracer: Tracer | None = None,
 ) -> FastAPI:
     """The gateway app. ``api_key`` (if set) is required on ``/v1/*``,
     ``/tokenize``, ``/detokenize`` and ``/cluster/state`` (``cluster/dashboard/``)
@@ -100,14 +105,16 @@ def create_app(
     ``/openapi.json`` and the ``/dashboard`` page stay open.
     ``limits``: body size, concurrency, deadline, tokenizer threads
     (``cluster.edge.limits``; defaults when None). ``api``: served model
-    names, chat template, generation defaults (``cluster.api.config``)."""
+    names, chat template, generation defaults (``cluster.api.config``). ``tracer``: exports each
+    finished request's spans (``cluster.tracing.otel.OtelTracer``); None = off."""
     limits = limits or GatewayLimits()
     api = api or ApiConfig()
     if api.chat_template is not None:
         backend.tokenizer.chat_template = api.chat_template  # the gateway renders chats
     registry = CollectorRegistry()
-    gateway = Gateway(backend, GatewayMetrics(), limits, api)
+    gateway = Gateway(backend, GatewayMetrics(), limits, api, tracer=tracer)
     registry.register(gateway.metrics)
+    registry.register(gateway.observer.metrics)
     registry.register(EngineMetricsCollector(backend))
     app = _GatewayApp(title="tandem", docs_url=None, redoc_url=None, openapi_url=None, **_NO_OTEL)
     app.state.gateway = gateway
@@ -154,6 +161,8 @@ def create_app(
         async def route(request: Request) -> Response:
             arrival_s = time.perf_counter()
             check_api_key(request)
+            if tracer is not None:
+                TRACEPARENT.set(request.headers.get("traceparent"))
             gateway.slots.acquire()
             try:
                 body = await read_body(request, limits.max_request_body_bytes)
@@ -228,6 +237,7 @@ class _Job:
     include_stop_str_in_output: bool
     arrival_s: float  # time.perf_counter() when the HTTP request arrived
     deadline_s: float | None  # event-loop time after which the request is cut (504)
+    record: RequestRecord  # where its time went (cluster/tracing)
     num_output_tokens: int = 0  # every choice's
     num_cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens
     # one per choice (n > 1: the same response, each its own "index")
@@ -268,11 +278,13 @@ class Gateway:
         metrics: GatewayMetrics,
         limits: GatewayLimits | None = None,
         api: ApiConfig | None = None,
+        tracer: Tracer | None = None,
     ) -> None:
         self.backend = backend
         self.api = api = api or ApiConfig()
         self.models = ServedModels(api.served_model_names, backend.model_name)
         self.metrics = metrics
+        self.observer = RequestObserver(RequestPhaseMetrics(), tracer)
         self.limits = limits = limits or GatewayLimits()
         self.slots = RequestSlots(limits.max_num_requests, limits.retry_after_s)
         self.tokenizer = backend.tokenizer
@@ -359,6 +371,16 @@ class Gateway:
             deadline_s = (
                 asyncio.get_running_loop().time() + self.limits.request_timeout_s - elapsed_s
             )
+        REQUEST_ID.set(formatter.request_id)  # every later log line of this request
+        chat = isinstance(formatter, protocol.ChatFormatter)
+        record = RequestRecord(
+            formatter.request_id,
+            "chat.completions" if chat else "completions",
+            arrival_s,
+            time.time_ns() - int((time.perf_counter() - arrival_s) * 1e9),
+            len(prompt_ids),
+            traceparent=TRACEPARENT.get(),
+        )
         job = _Job(
             engine_request=EngineRequest(
                 formatter.request_id,
@@ -381,6 +403,7 @@ class Gateway:
             echo_text=echo_text,
             echo_logprobs=echo_text is not None and params.logprobs is not None,
             want_prompt_logprobs=req.prompt_logprobs is not None,
+            record=record,
         )
         return GenerationResponse(self, job)
 
@@ -436,7 +459,9 @@ class Gateway:
         open_choices = set(range(request.n))
         stop_string_matched = False
         outputs = self.backend.generate(request)
-        metrics.request_queue_time.observe(time.perf_counter() - job.arrival_s)
+        record = job.record
+        record.dispatch_s = time.perf_counter()
+        self.observer.metrics.gateway.observe(record.dispatch_s - job.arrival_s)
         metrics.num_requests_in_flight += 1
         outcome = "abort"  # until a final output says otherwise
         last_token_s = 0.0
@@ -444,6 +469,8 @@ class Gateway:
         try:
             async for output in outputs:
                 now_s = time.perf_counter()
+                if output.timings is not None:
+                    record.add_timings(output.timings, now_s)
                 if output.new_token_ids:
                     if last_token_s:
                         metrics.inter_token_latency.observe(now_s - last_token_s, path)
@@ -451,6 +478,7 @@ class Gateway:
                         # P's first token carries the KV handoff (Backend.generate)
                         path = "remote" if output.kv_transfer_params else "local"
                         metrics.time_to_first_token.observe(now_s - job.arrival_s, path)
+                        record.first_token_s = now_s
                         # The first output's prefix hit is the request's: under P/D
                         # it is P's (tokens not computed); D's local hits only save
                         # reading blocks from P, not computing them.
@@ -496,6 +524,10 @@ class Gateway:
                 reason = "stop" if outcome == "stop-string" else outcome
                 metrics.finished(reason)
                 metrics.e2e_request_latency.observe(time.perf_counter() - job.arrival_s, path)
+            record.end_s = time.perf_counter()
+            record.path, record.outcome = path, outcome
+            record.num_output_tokens = job.num_output_tokens
+            self.observer.finished(record)
 
     def _step(self, job: _Job, detokenizer: IncrementalDetokenizer, output: EngineOutput) -> _Step:
         token_ids = output.new_token_ids

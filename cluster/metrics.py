@@ -3,7 +3,8 @@
 Names follow vLLM's under the ``tandem:`` prefix (ARCHITECTURE §6). Two kinds:
 
 * request-level, measured in the gateway (``GatewayMetrics``): TTFT, ITL,
-  end-to-end and queue time histograms, token and request counters;
+  end-to-end histograms, token and request counters (the per-phase ones,
+  from the engines' timings, are in ``cluster/tracing/phase_metrics.py``);
 * engine-level, labelled ``engine`` and ``role``, copied from
   ``Backend.metrics_snapshot()`` by ``EngineMetricsCollector`` at each scrape.
 
@@ -107,11 +108,6 @@ class GatewayMetrics(Collector):
             "Arrival at the gateway to the request's last output.",
             _REQUEST_BUCKETS_S,
         )
-        self.request_queue_time = LoopHistogram(
-            f"{PREFIX}request_queue_time_seconds",
-            "Arrival at the gateway to dispatch to the backend (parse, tokenize, admit).",
-            _REQUEST_BUCKETS_S,
-        )
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.num_requests_in_flight = 0
@@ -141,7 +137,6 @@ class GatewayMetrics(Collector):
             self.time_to_first_token,
             self.inter_token_latency,
             self.e2e_request_latency,
-            self.request_queue_time,
         ):
             yield histogram.family()
         yield CounterMetricFamily(

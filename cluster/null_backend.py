@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -26,6 +27,7 @@ from scheduler.messages import (
     Logprobs,
     SchedulerStats,
 )
+from scheduler.request_timings import RequestTimings
 
 DEFAULT_TEXT = "The quick brown fox jumps over the lazy dog. "
 
@@ -106,6 +108,8 @@ class NullBackend(Backend):
         self._num_requests += 1
         self._num_prompt_tokens += len(request.prompt_token_ids)
         num_done = 0
+        received_s = time.perf_counter()
+        first_token_s = -1.0
         try:
             while True:
                 if request_id in self._aborting:
@@ -137,6 +141,19 @@ class NullBackend(Backend):
                 if params.prompt_logprobs is not None and num_done == len(token_ids):
                     prompt_ids = request.prompt_token_ids[1:]
                     prompt_logprobs = self._logprobs(prompt_ids, params.prompt_logprobs)
+                now_s = time.perf_counter()
+                if first_token_s < 0:
+                    first_token_s = now_s - received_s
+                timings = None
+                if finish is not None:  # as an engine reports them (scheduler.request_timings)
+                    timings = RequestTimings(
+                        "null-0",
+                        0,
+                        "colocated",
+                        finished_s=now_s - received_s,
+                        scheduled_s=0.0,
+                        first_token_s=first_token_s,
+                    )
                 for index in range(request.n):
                     yield EngineOutput(
                         request_id,
@@ -146,6 +163,7 @@ class NullBackend(Backend):
                         finish_reason=finish,
                         stop_reason=stop_reason,
                         index=index,
+                        timings=timings if index == 0 else None,
                     )
                 if finish is not None:
                     return

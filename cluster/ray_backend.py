@@ -563,6 +563,7 @@ class RayBackend(Backend):
                     prompt_logprobs=out.prompt_logprobs,
                     num_cached_tokens=out.num_cached_tokens,
                     kv_transfer_params=out.kv_transfer_params,
+                    timings=out.timings,
                 )
             return out  # finished on P (EOS / stop token): final as is
         return None

@@ -66,6 +66,9 @@ SERVE_DEFAULTS: dict[str, Any] = {
     "router_hit_weight": 1.0,
     "router_load_weight": 1.0,
     "router_prefill_queue_weight": 1.0,
+    # operators (cluster/logging_setup.py, cluster/tracing/)
+    "log_format": "text",
+    "otlp_traces_endpoint": None,
 }
 
 
@@ -155,6 +158,16 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "'vllm' (ignore it) or a directory holding one",
     )
     add_routing_arguments(p)
+    p.add_argument(
+        "--log-format",
+        choices=["text", "json"],
+        help="gateway and engine logs: text (default) or one JSON object a line",
+    )
+    p.add_argument(
+        "--otlp-traces-endpoint",
+        help="export one OpenTelemetry trace per request over OTLP/HTTP to this URL "
+        "(http://collector:4318 gets /v1/traces; default: off)",
+    )
     add_placement_arguments(p)
     add_engine_arguments(p)
     for role in ("prefill", "decode", "colocated"):
@@ -217,6 +230,9 @@ def resolve_settings(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str
         raise ValueError("--decode must be >= 1 and --prefill >= 0 (or use --colocated K)")
     resolve_placement(settings)
     routing_config(settings)  # ValueError naming a bad router setting
+    from cluster.tracing.settings import check_settings
+
+    check_settings(settings)
     return settings, per_role
 
 
@@ -260,6 +276,7 @@ def pool_specs(
             load_failure_policy=settings["load_failure_policy"],
             kv_host="auto" if settings["address"] else "127.0.0.1",
             cluster_secret=secret,
+            log_format=settings.get("log_format", "text"),
             **{"kv_events": kv_events, **per_role[role]},
         )
         num_gpus, resources = pool_placement(settings, role)
@@ -360,8 +377,10 @@ async def _serve(settings: dict[str, Any], per_role: dict[str, dict[str, Any]]) 
     import uvicorn
 
     from cluster.gateway import create_app
+    from cluster.tracing.settings import make_tracer
 
     svc = Service(settings, per_role)
+    tracer = make_tracer(settings)
     try:
         await svc.start()
         app = create_app(
@@ -369,6 +388,7 @@ async def _serve(settings: dict[str, Any], per_role: dict[str, dict[str, Any]]) 
             api_key=settings["api_key"],
             limits=gateway_limits(settings),
             api=api_config(settings, svc.model_path),
+            tracer=tracer,
         )
         server = uvicorn.Server(
             uvicorn.Config(
@@ -393,6 +413,8 @@ async def _serve(settings: dict[str, Any], per_role: dict[str, dict[str, Any]]) 
         await server.serve()
     finally:
         await svc.stop()
+        if tracer is not None:
+            tracer.shutdown()  # flush the last spans
         print("tandem: stopped", flush=True)
 
 
@@ -401,9 +423,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from cluster.check_config import check_config
 
         return check_config(args)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from cluster.logging_setup import configure_logging
+
+    configure_logging(getattr(args, "log_format", None) or "text")
     try:
         settings, per_role = resolve_settings(args)
+        configure_logging(settings["log_format"])  # the YAML may name it
         pool_specs(settings, per_role)  # validates engine configs before starting anything
         gateway_limits(settings)
         from workers.loader import resolve_model_path
@@ -438,11 +463,17 @@ class ServiceThread:
         settings: dict[str, Any],
         per_role: dict[str, dict[str, Any]],
         start_timeout_s: float = 300.0,
+        tracer: Any = None,
     ) -> None:
+        """``tracer``: a ``cluster.tracing`` tracer (tests pass one with an
+        in-memory exporter); None = built from ``otlp_traces_endpoint``."""
         import socket
         import threading
 
+        from cluster.tracing.settings import make_tracer
+
         self.service = Service(settings, per_role)
+        self.tracer = tracer if tracer is not None else make_tracer(settings)
         self.start_timeout_s = start_timeout_s
         self.loop = asyncio.new_event_loop()
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
@@ -472,6 +503,7 @@ class ServiceThread:
             api_key=settings.get("api_key"),
             limits=gateway_limits(settings),
             api=api_config(settings, self.service.model_path),
+            tracer=self.tracer,
         )
         self._server = uvicorn.Server(
             uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False)
@@ -499,6 +531,8 @@ class ServiceThread:
         try:
             self.run(self.service.stop(), 60)
         finally:
+            if self.tracer is not None:
+                self.tracer.shutdown()
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(10)
             self._sock.close()

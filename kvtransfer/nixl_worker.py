@@ -136,6 +136,11 @@ class NixlWorkerSide(KVConnectorWorkerSide):
         self._done_recving: set[str] = set()
         self._error_block_ids: set[int] = set()
         self._counters: dict[str, float] = collections.defaultdict(float)
+        # (request id, blocks, bytes, descriptors) of completed READs, for the
+        # engine's per-request timings (drain_load_records)
+        self._load_records: collections.deque[tuple[str, int, int, int]] = collections.deque(
+            maxlen=_MAX_RECENT_TRANSFERS
+        )
         self._recent_transfer_s: collections.deque[float] = collections.deque(
             maxlen=_MAX_RECENT_TRANSFERS
         )
@@ -350,6 +355,9 @@ class NixlWorkerSide(KVConnectorWorkerSide):
         self._counters["num_descriptors"] += load.num_descriptors
         self._counters["last_transfer_s"] = seconds
         self._recent_transfer_s.append(seconds)
+        self._load_records.append(
+            (spec.request_id, len(spec.local_block_ids), load.num_bytes, load.num_descriptors)
+        )
         self._done_recving.add(spec.request_id)
         self._notify(spec.peer, NOTIF_DONE, spec.remote_request_id, peer)
 
@@ -504,6 +512,13 @@ class NixlWorkerSide(KVConnectorWorkerSide):
         out["num_quarantined_loads_total"] = self._counters.get("num_quarantined_loads", 0.0)
         out["num_handshakes"] = float(self._peers.num_handshakes)
         out["num_handshake_failures"] = float(self._peers.num_handshake_failures)
+        return out
+
+    def drain_load_records(self) -> list[tuple[str, int, int, int]]:
+        """``(request_id, num_blocks, num_bytes, num_descriptors)`` of every READ
+        completed since the last call (engine loop thread, after each step)."""
+        out = list(self._load_records)
+        self._load_records.clear()
         return out
 
     def drain_transfer_seconds(self) -> list[float]:

@@ -16,6 +16,8 @@ from typing import Any
 
 import msgspec
 
+from scheduler.request_timings import RequestTimings
+
 
 class _Wire(msgspec.Struct, array_like=True, omit_defaults=True):
     pass
@@ -215,6 +217,8 @@ class EngineOutput(_Wire):
     kv_transfer_params: dict[str, Any] | None = None
     # which choice of an n > 1 request these tokens belong to
     index: int = 0
+    # Where the request's time went on this engine; on its final output only.
+    timings: RequestTimings | None = None
 
     @property
     def finished(self) -> bool:

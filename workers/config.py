@@ -73,6 +73,9 @@ class EngineConfig:
     kv_events: bool = False
     kv_events_port: int = 0
     kv_events_queue_batches: int = 1024
+    # log lines of the engine's process: "text" or "json" (cluster/logging_setup.py,
+    # applied by the Ray actor); `tandem serve --log-format` sets it for every pool
+    log_format: str = "text"
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -100,6 +103,8 @@ class EngineConfig:
         check_fields(self)  # policy, admission margin, partial prefill limits
         if self.role not in ("prefill", "decode", "colocated"):
             raise ValueError(f"role must be prefill, decode or colocated, got {self.role!r}")
+        if self.log_format not in ("text", "json"):
+            raise ValueError(f"log_format must be text or json, got {self.log_format!r}")
         if self.load_failure_policy not in ("recompute", "fail"):
             raise ValueError(
                 f"load_failure_policy must be recompute or fail, got {self.load_failure_policy!r}"

@@ -40,6 +40,7 @@ from workers.kv_events_publisher import KVEventPublisher
 from workers.loader import load_model, resolve_model_path
 from workers.loop_wait import LoopWait
 from workers.model_runner import ModelRunner
+from workers.request_clock import RequestClock
 
 logger = logging.getLogger(__name__)
 
@@ -153,6 +154,7 @@ class EngineCore:
         self._transfer_seconds = Histogram(
             (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
         )
+        self.request_clock = RequestClock(config.engine_id, config.epoch, config.role)
         self._loop_running = False
         self.malformed_frames = FrameCounters()
         self._auth: Any = None  # wire.auth.PlaneAuth while serve_zmq runs
@@ -203,6 +205,7 @@ class EngineCore:
                     f"prompt_token_ids contains {bad}, outside the vocabulary [0, {vocab})"
                 )
             self.scheduler.add_request(request)
+            self.request_clock.received(req.request_id)
         except ValueError as exc:
             return EngineOutput(
                 request_id=req.request_id, finish_reason=FinishReason.ERROR, error=str(exc)
@@ -211,15 +214,24 @@ class EngineCore:
 
     def abort(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        self.request_clock.forget(request_ids)
 
     def step(self) -> EngineOutputs:
         self.num_steps += 1
-        start_s = time.perf_counter()
+        start_s = step_start = self.request_clock.clock()
         so = self.scheduler.schedule()
         out = self.runner.execute(so)
         self.last_step_num_tokens = so.total_num_scheduled_tokens
         outputs = self.scheduler.update_from_output(so, out)
         self.last_step_s = time.perf_counter() - start_s
+        drain = getattr(self.connector_worker, "drain_load_records", None)
+        self.request_clock.after_step(
+            step_start,
+            so,
+            outputs.outputs,
+            self.scheduler.waiting_for_remote,
+            drain() if drain is not None else (),
+        )
         self.publish_kv_events()
         return outputs
 
@@ -243,6 +255,7 @@ class EngineCore:
 
     def check_integrity(self) -> bool:
         self.scheduler.check_integrity()
+        self.request_clock.check_integrity(self.scheduler.requests)
         return True
 
     def stats(self) -> EngineStats:

@@ -11,6 +11,7 @@ import torch
 
 from kvtransfer.handoff import decode_request, prefill_request
 from scheduler.messages import EngineRequest, FinishReason, SamplingParams
+from scheduler.request_timings import NOT_REACHED
 from tests.e2e.engine_proc import Harness
 from tests.workers.hf_checkpoints import load_hf_model
 from workers.config import EngineConfig
@@ -248,5 +249,29 @@ def test_decode_refuses_unregistered_prefill_engine_and_addresses(pd, ckpt):
     pd.send("D", decode_request(req, first))  # the registered one still reads (frees P)
     pd.wait_final("real", "D")
     assert kv_bytes(pd, "D") > before
+    pd.wait_idle("P")
+    pd.wait_idle("D")
+
+
+def test_timings_of_both_legs(pd):
+    """P reports queue and compute; D reports its KV READ (blocks, bytes,
+    descriptors) before its compute; each on its final output only."""
+    prompt = list(range(3, 3 + 3 * BLOCK + 2))  # 4 blocks
+    sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    req = EngineRequest("timed", prompt, sp)
+    pd.send("P", prefill_request(req))
+    first = pd.wait_final("timed", "P")
+    p = first.timings
+    assert (p.engine_id, p.role, p.epoch) == ("P", "prefill", pd.call("P", "stats")["epoch"])
+    assert 0 <= p.scheduled_s <= p.first_token_s <= p.finished_s
+    assert p.kv_load_start_s == NOT_REACHED and p.num_kv_blocks == 0
+    pd.send("D", decode_request(req, first))
+    last = pd.wait_final("timed", "D")
+    d = last.timings
+    assert (d.engine_id, d.role, d.epoch) == ("D", "decode", pd.call("D", "stats")["epoch"])
+    assert 0 <= d.kv_load_start_s <= d.kv_load_end_s <= d.scheduled_s
+    assert d.scheduled_s <= d.first_token_s <= d.finished_s and d.queue_s == d.kv_load_start_s
+    assert d.num_kv_blocks == 4 and d.num_kv_bytes == 4 * block_bytes()
+    assert 1 <= d.num_kv_descriptors <= 4
     pd.wait_idle("P")
     pd.wait_idle("D")
