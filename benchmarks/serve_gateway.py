@@ -4,12 +4,16 @@ Both servers run in their own process under the same uvicorn (h11, asyncio
 loop) and stream the same events: one SSE event per token, the same chunk
 shape, a usage chunk and ``[DONE]``. "gateway" is ``create_app(NullBackend)``
 (parse, tokenize-free token-id prompts, detokenize, metrics, disconnect
-watcher); "bare" is a raw ASGI app writing pre-encoded chunks. The client is
+watcher); "gateway-traced" is the same with ``--otlp-traces-endpoint``'s
+tracer (every request sampled, spans exported over OTLP/HTTP to a sink in a
+third process that decodes nothing); "bare" is a raw ASGI app writing
+pre-encoded chunks. Both gateways log as ``tandem serve`` does (one INFO line
+per finished request, written to /dev/null). The client is
 ``cluster.bench`` (aiohttp) in this process, so the two sides never share a
 GIL. Also reported: the server's CPU time per output token (from
 /proc/<pid>/stat), which does not depend on the client keeping up.
 
-Run: python benchmarks/serve_gateway.py [--output-len 128] [--concurrency 64 256]
+Run: python benchmarks/serve_gateway.py [--output-len 128] [--concurrency 64 256] [--tracing]
 """
 
 from __future__ import annotations
@@ -88,16 +92,41 @@ def bare_app(model: str = "tiny"):
     return app
 
 
-def serve(kind: str, port: int) -> None:
+def sink_app():
+    """An OTLP/HTTP receiver that accepts every export and keeps nothing."""
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        while (await receive()).get("more_body"):
+            pass
+        headers = [(b"content-type", b"application/x-protobuf"), (b"content-length", b"0")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": b""})
+
+    return app
+
+
+def serve(kind: str, port: int, otlp_endpoint: str | None = None) -> None:
+    import logging
+
     import uvicorn
 
     if kind == "bare":
         app = bare_app()
+    elif kind == "sink":
+        app = sink_app()
     else:
         from cluster.gateway import create_app
+        from cluster.logging_setup import make_handler
         from cluster.null_backend import NullBackend
+        from cluster.tracing.settings import make_tracer
 
-        app = create_app(NullBackend.tiny())
+        root = logging.getLogger()  # as `tandem serve`: INFO, one line per request
+        root.addHandler(make_handler("text", open(os.devnull, "w")))  # noqa: SIM115
+        root.setLevel(logging.INFO)
+        tracer = make_tracer({"otlp_traces_endpoint": otlp_endpoint})
+        app = create_app(NullBackend.tiny(), tracer=tracer)
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
 
 
@@ -110,11 +139,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(kind: str) -> tuple[subprocess.Popen, str]:
+def start_server(kind: str, otlp_endpoint: str | None = None) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, os.path.abspath(__file__), "--serve", kind, "--port", str(port)]
-    )
+    argv = [sys.executable, os.path.abspath(__file__), "--serve", kind, "--port", str(port)]
+    if otlp_endpoint:
+        argv += ["--otlp-endpoint", otlp_endpoint]
+    proc = subprocess.Popen(argv)
     url = f"http://127.0.0.1:{port}"
     deadline_s = time.monotonic() + START_TIMEOUT_S
     while True:
@@ -183,23 +213,35 @@ def median_run(runs: list[dict]) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--serve", choices=["bare", "gateway"], help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--serve", choices=["bare", "gateway", "gateway-traced", "sink"], help=argparse.SUPPRESS
+    )
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--otlp-endpoint", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--tracing",
+        action="store_true",
+        help="also run the gateway with tracing on (100%% sampled, OTLP/HTTP to a local sink)",
+    )
     parser.add_argument("--concurrency", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--num-rounds", type=int, default=4, help="requests = rounds x concurrency")
     parser.add_argument("--repeats", type=int, default=3, help="runs per server; median kept")
     args = parser.parse_args()
     if args.serve:
-        serve(args.serve, args.port)
+        serve(args.serve, args.port, args.otlp_endpoint)
         return 0
 
     # Both servers up at once; runs alternate bare/gateway so that load from
     # other processes on the machine hits both alike; the median run is kept.
     servers = {}
+    sink = None
     try:
         for kind in ("bare", "gateway"):
             servers[kind] = start_server(kind)
+        if args.tracing:
+            sink = start_sink()
+            servers["gateway-traced"] = start_server("gateway-traced", sink[1] + "/v1/traces")
         runs: dict[tuple[str, int], list[dict]] = {}
         for concurrency in args.concurrency:
             for _ in range(args.repeats):
@@ -207,11 +249,13 @@ def main() -> int:
                     run = measure(url, proc.pid, concurrency, args.output_len, args.num_rounds)
                     runs.setdefault((kind, concurrency), []).append(run)
     finally:
-        for proc, _ in servers.values():
+        for proc, _ in [*servers.values(), *([sink] if sink else [])]:
             stop_server(proc)
     results = {key: median_run(key_runs) for key, key_runs in runs.items()}
 
     print("serve_gateway: gateway (NullBackend) vs bare uvicorn SSE, output tokens/s")
+    if args.tracing:
+        print("gateway-traced: --otlp-traces-endpoint on, every request sampled (6 spans each)")
     print(f"machine: {machine()}")
     print(
         f"workload: input {INPUT_LEN} / output {args.output_len} tokens, 1 token per SSE event, "
@@ -225,13 +269,36 @@ def main() -> int:
     print(header)
     print("|" + "|".join("-" * len(c) for c in header.split("|")[1:-1]) + "|")
     for concurrency in args.concurrency:
-        bare, gateway = results["bare", concurrency], results["gateway", concurrency]
-        print(
-            f"| {concurrency:>7} | {bare['tok_s']:>10.0f} | {gateway['tok_s']:>13.0f} "
-            f"| {gateway['tok_s'] / bare['tok_s']:>5.2f} | {bare['cpu_us_per_tok']:>15.1f} "
-            f"| {gateway['cpu_us_per_tok']:>18.1f} | {gateway['ttft_p50_ms']:>19.1f} |"
-        )
+        bare = results["bare", concurrency]
+        for kind in servers:
+            if kind == "bare":
+                continue
+            gateway = results[kind, concurrency]
+            print(
+                f"| {concurrency:>7} | {bare['tok_s']:>10.0f} | {gateway['tok_s']:>13.0f} "
+                f"| {gateway['tok_s'] / bare['tok_s']:>5.2f} | {bare['cpu_us_per_tok']:>15.1f} "
+                f"| {gateway['cpu_us_per_tok']:>18.1f} | {gateway['ttft_p50_ms']:>19.1f} |"
+                + (f" {kind}" if args.tracing else "")
+            )
     return 0
+
+
+def start_sink() -> tuple[subprocess.Popen, str]:
+    """The OTLP receiver: up when it answers a POST."""
+    port = free_port()
+    argv = [sys.executable, os.path.abspath(__file__), "--serve", "sink", "--port", str(port)]
+    proc = subprocess.Popen(argv)
+    url = f"http://127.0.0.1:{port}"
+    deadline_s = time.monotonic() + START_TIMEOUT_S
+    while True:
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url, b"", method="POST"), timeout=1):
+                return proc, url
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline_s:
+                stop_server(proc)
+                raise RuntimeError("OTLP sink did not start") from None
+            time.sleep(0.1)
 
 
 if __name__ == "__main__":

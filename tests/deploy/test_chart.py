@@ -65,8 +65,9 @@ COLOCATED_ONLY = {
     },
     "serve": {"engine": {"block_size": 32}},
 }
-EXPOSED = {  # API key from a chart-made Secret, Ingress, ServiceMonitor, hub model
+EXPOSED = {  # API key from a chart-made Secret, Ingress, ServiceMonitor, hub model, JSON logs, OTLP
     "apiKey": {"value": "k8s-test-key"},
+    "serve": {"logFormat": "json", "otlpTracesEndpoint": "http://otel-collector.monitoring:4318"},
     "ingress": {"enabled": True, "className": "nginx", "host": "llm.example.com"},
     "serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
     "model": {"source": "hub", "name": "org/some-model", "hubTokenSecret": {"name": "hf"}},
@@ -266,6 +267,12 @@ def test_serve_command_passes_check_config_and_gpus_match(scenario, tmp_path):
     if scenario == "apikey-ingress-servicemonitor":
         assert resolved["serve"]["api_key"] == "<set>"
         assert resolved["serve"]["model"] == "org/some-model"
+        assert resolved["serve"]["log_format"] == "json"
+        assert resolved["serve"]["otlp_traces_endpoint"] == "http://otel-collector.monitoring:4318"
+        assert {p["engine"]["log_format"] for p in pools.values()} == {"json"}
+    else:
+        assert resolved["serve"]["log_format"] == "text"
+        assert resolved["serve"]["otlp_traces_endpoint"] is None
 
 
 def test_head_runs_the_gateway_with_probes_shm_and_non_root():
