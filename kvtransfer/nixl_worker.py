@@ -136,10 +136,11 @@ class NixlWorkerSide(KVConnectorWorkerSide):
         self._done_recving: set[str] = set()
         self._error_block_ids: set[int] = set()
         self._counters: dict[str, float] = collections.defaultdict(float)
-        # (request id, blocks, bytes, descriptors) of completed READs, for the
+        # (request id, blocks, bytes, descriptors, READ posted, READ done; perf_counter)
+        # of completed READs, for the
         # engine's per-request timings (drain_load_records)
-        self._load_records: collections.deque[tuple[str, int, int, int]] = collections.deque(
-            maxlen=_MAX_RECENT_TRANSFERS
+        self._load_records: collections.deque[tuple[str, int, int, int, float, float]] = (
+            collections.deque(maxlen=_MAX_RECENT_TRANSFERS)
         )
         self._recent_transfer_s: collections.deque[float] = collections.deque(
             maxlen=_MAX_RECENT_TRANSFERS
@@ -356,7 +357,14 @@ class NixlWorkerSide(KVConnectorWorkerSide):
         self._counters["last_transfer_s"] = seconds
         self._recent_transfer_s.append(seconds)
         self._load_records.append(
-            (spec.request_id, len(spec.local_block_ids), load.num_bytes, load.num_descriptors)
+            (
+                spec.request_id,
+                len(spec.local_block_ids),
+                load.num_bytes,
+                load.num_descriptors,
+                load.start_s,
+                load.start_s + seconds,
+            )
         )
         self._done_recving.add(spec.request_id)
         self._notify(spec.peer, NOTIF_DONE, spec.remote_request_id, peer)
@@ -514,8 +522,9 @@ class NixlWorkerSide(KVConnectorWorkerSide):
         out["num_handshake_failures"] = float(self._peers.num_handshake_failures)
         return out
 
-    def drain_load_records(self) -> list[tuple[str, int, int, int]]:
-        """``(request_id, num_blocks, num_bytes, num_descriptors)`` of every READ
+    def drain_load_records(self) -> list[tuple[str, int, int, int, float, float]]:
+        """``(request_id, num_blocks, num_bytes, num_descriptors, start_s, end_s)``
+        (``time.perf_counter``) of every READ
         completed since the last call (engine loop thread, after each step)."""
         out = list(self._load_records)
         self._load_records.clear()

@@ -71,11 +71,13 @@ class RequestClock:
         so: SchedulerOutput,
         outputs: list[EngineOutput],
         waiting_for_remote: Mapping[str, Any],
-        load_records: Iterable[tuple[str, int, int, int]] = (),
+        load_records: Iterable[tuple[str, int, int, int, float, float]] = (),
     ) -> None:
         """``step_start``: ``clock()`` before ``schedule()``. ``load_records``:
-        ``(request_id, num_blocks, num_bytes, num_descriptors)`` of READs that
-        completed in this step (``NixlWorkerSide.drain_load_records``)."""
+        ``(request_id, num_blocks, num_bytes, num_descriptors, start, end)`` of
+        READs that completed in this step (``NixlWorkerSide.drain_load_records``;
+        start/end on ``clock``): they also bound the load when a READ posted and
+        landed inside one step, so the request never showed as waiting."""
         open_ = self._open
         now = self.clock()
         for new in so.scheduled_new_reqs:
@@ -97,12 +99,17 @@ class RequestClock:
                 marks = open_.get(rid)
                 if marks is not None:
                     marks.kv_end = now
-        for rid, num_blocks, num_bytes, num_descriptors in load_records:
+        for rid, num_blocks, num_bytes, num_descriptors, start, end in load_records:
             marks = open_.get(rid)
             if marks is not None:
                 marks.num_kv_blocks += num_blocks
                 marks.num_kv_bytes += num_bytes
                 marks.num_kv_descriptors += num_descriptors
+                if marks.kv_start < 0 or start < marks.kv_start:
+                    marks.kv_start = min(start, step_start)
+                if marks.kv_end < 0:
+                    marks.kv_end = max(end, marks.kv_start)
+                self._loading.discard(rid)
         for out in outputs:
             marks = open_.get(out.request_id)
             if marks is None:
