@@ -154,6 +154,25 @@ def test_seeded_sampling_same_split_or_not(pd, ckpt):
     pd.wait_idle("D")
 
 
+def test_penalties_and_prompt_logprobs_same_split_or_not(pd, ckpt):
+    """P applies the penalties to the first token (it has the prompt), D counts
+    P's token as output: the same tokens as one engine, greedy and seeded."""
+    prompt = [5, 6, 7, 5, 6, 7, *range(100, 140)]
+    cases = [
+        dict(temperature=0.0, presence_penalty=1.5, frequency_penalty=0.5, logit_bias={9: 2.0}),
+        dict(temperature=1.0, seed=99, repetition_penalty=1.8, min_p=0.02),
+        dict(temperature=0.0, repetition_penalty=2.0, bad_words_token_ids=[[7], [100, 101]]),
+    ]
+    single = LLM(EngineConfig(model=ckpt, **BASE))
+    for i, kw in enumerate(cases):
+        sp = SamplingParams(max_tokens=12, ignore_eos=True, prompt_logprobs=2, **kw)
+        (want,) = single.generate(prompt_token_ids=[prompt], sampling_params=sp)
+        toks, _, _ = handoff(pd, f"pen{i}", prompt, sp)
+        assert toks == want.token_ids, kw
+    pd.wait_idle("P")
+    pd.wait_idle("D")
+
+
 def test_decode_never_reads_prefill_frees_at_lease_expiry(pd):
     sp = SamplingParams(max_tokens=1, temperature=0.0)
     pd.send(
