@@ -408,6 +408,7 @@ async def _serve(settings: dict[str, Any], per_role: dict[str, dict[str, Any]]) 
         print(f"  OpenAI API : {base}/v1", flush=True)
         print(f"  health     : {base}/health", flush=True)
         print(f"  metrics    : {base}/metrics", flush=True)
+        print(f"  dashboard  : {base}/dashboard  (JSON: {base}/cluster/state)", flush=True)
         if svc.dashboard_url:
             print(f"  Ray dashboard: http://{svc.dashboard_url}", flush=True)
         await server.serve()
