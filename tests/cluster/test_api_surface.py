@@ -13,24 +13,12 @@ import pytest
 from cluster.api.config import ApiConfig
 from cluster.api.generation_defaults import load_generation_defaults
 from cluster.gateway import create_app, serve_in_thread
-from cluster.null_backend import NullBackend
+from tests.cluster.recording_backend import RecordingBackend
 from workers.tiny import build_tokenizer
 from workers.tokenizer import apply_chat_template, encode_prompt
 
 MESSAGES = [{"role": "user", "content": "Hello there, tandem!"}]
 TEMPLATE = "{% for m in messages %}[[{{ m['role'] }}]] {{ m['content'] }}\n{% endfor %}"
-
-
-class RecordingBackend(NullBackend):
-    """NullBackend that keeps every EngineRequest it was given."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.requests = []
-
-    def generate(self, request):
-        self.requests.append(request)
-        return super().generate(request)
 
 
 @pytest.fixture(scope="module")

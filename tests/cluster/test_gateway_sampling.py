@@ -14,23 +14,10 @@ import pytest
 
 from cluster.edge.limits import GatewayLimits
 from cluster.gateway import create_app, serve_in_thread
-from cluster.null_backend import NullBackend
-from scheduler.messages import EngineRequest
+from tests.cluster.recording_backend import RecordingBackend
 from workers.tiny import build_tokenizer
 
 MESSAGES = [{"role": "user", "content": "hi"}]
-
-
-class RecordingBackend(NullBackend):
-    """A NullBackend that keeps every EngineRequest it was given."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.requests: list[EngineRequest] = []
-
-    def generate(self, request: EngineRequest):
-        self.requests.append(request)
-        return super().generate(request)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,19 @@
+"""A NullBackend that keeps every EngineRequest it was given, for gateway
+tests that check what reaches the engines."""
+
+from __future__ import annotations
+
+from cluster.null_backend import NullBackend
+from scheduler.messages import EngineRequest
+
+
+class RecordingBackend(NullBackend):
+    """NullBackend that keeps every EngineRequest it was given (``requests``)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.requests: list[EngineRequest] = []
+
+    def generate(self, request: EngineRequest):
+        self.requests.append(request)
+        return super().generate(request)
