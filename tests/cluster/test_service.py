@@ -284,7 +284,7 @@ def test_disconnect_during_handoff_frees_both_sides(disagg):
 def test_bad_inputs_get_envelopes_and_service_keeps_serving(disagg):
     cases = [
         ({"model": "tiny", "prompt": "x", "max_tokens": 0}, 400),
-        ({"model": "nope", "prompt": "x"}, 400),
+        ({"model": "nope", "prompt": "x"}, 404),
         ({"model": "tiny", "prompt": "x", "max_tokens": 5000}, 400),
         ({"model": "tiny", "prompt": "x", "temperature": "hot"}, 400),
         ({"model": "tiny"}, 400),
