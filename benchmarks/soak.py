@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
 import dataclasses
+import gc
 import json
 import multiprocessing
 import os
@@ -72,6 +74,9 @@ class SoakConfig:
     max_model_len: int = 512
     request_timeout_s: float = 120.0  # client side: longer is an error
     idle_timeout_s: float = 60.0
+    # also report the gateway's RSS after glibc's malloc_trim(0): heap the
+    # allocator keeps for reuse vs memory really held (a leak survives a trim)
+    malloc_trim: bool = False
 
     def __post_init__(self) -> None:
         if self.num_requests < 10 or self.concurrency < 1:
@@ -125,7 +130,16 @@ def _service_main(conn: Any, config: SoakConfig) -> None:
                     break
                 if command == "sample":
                     rss = {e: _rss_bytes(info["pid"]) for e, info in engines.items()}
-                    conn.send({"gateway": _rss_bytes(os.getpid()), "engines": rss})
+                    sample = {
+                        "gateway": _rss_bytes(os.getpid()),
+                        "engines": rss,
+                        # Python objects the collector tracks: a leak of them shows here
+                        "gateway_objects": len(gc.get_objects()),
+                    }
+                    if config.malloc_trim:
+                        ctypes.CDLL("libc.so.6").malloc_trim(0)
+                        sample["gateway_trimmed"] = _rss_bytes(os.getpid())
+                    conn.send(sample)
                 elif command == "settle":
                     conn.send(_settle(svc, engines, config.idle_timeout_s))
     finally:
@@ -400,6 +414,8 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
     rss = report["rss"]
     base, end = rss["10%"], rss["end"]
     growth = {"gateway": end["gateway"] / base["gateway"] - 1}
+    if "gateway_trimmed" in end:
+        growth["gateway after malloc_trim"] = end["gateway_trimmed"] / base["gateway_trimmed"] - 1
     for engine_id, value in end["engines"].items():
         growth[engine_id] = value / base["engines"][engine_id] - 1
     return {
@@ -453,12 +469,17 @@ def format_report(report: dict[str, Any]) -> str:
     ]
     rss = report["rss"]
     names = ["gateway", *rss["end"]["engines"]]
+    if "gateway_trimmed" in rss["end"]:
+        names.insert(1, "gateway after malloc_trim")
     for name in names:
 
         def at(key: str, name: str = name) -> float:
             sample = rss[key]
-            value = sample["gateway"] if name == "gateway" else sample["engines"][name]
-            return value / 2**20
+            if name == "gateway":
+                return sample["gateway"] / 2**20
+            if name == "gateway after malloc_trim":
+                return sample["gateway_trimmed"] / 2**20
+            return sample["engines"][name] / 2**20
 
         growth = summary["rss_growth"][name]
         lines.append(
@@ -467,6 +488,8 @@ def format_report(report: dict[str, Any]) -> str:
         )
     lines += [
         "",
+        "gateway Python objects (gc-tracked) boot / 10% / 50% / end: "
+        + " / ".join(str(rss[k].get("gateway_objects")) for k in ("boot", "10%", "50%", "end")),
         f"errors: {summary['num_errors']} (dropped on purpose: {summary['num_dropped']})",
         f"blocks held at the end: {summary['blocks_held']}; integrity: {summary['integrity']}; "
         f"gateway requests in flight: {summary['gateway_in_flight']}; "
@@ -482,7 +505,11 @@ def main(argv: list[str] | None = None) -> int:
     defaults = SoakConfig()
     for field in dataclasses.fields(SoakConfig):
         flag = "--" + field.name.replace("_", "-")
-        parser.add_argument(flag, type=type(getattr(defaults, field.name)), default=None)
+        default = getattr(defaults, field.name)
+        if isinstance(default, bool):
+            parser.add_argument(flag, action="store_true", default=None)
+        else:
+            parser.add_argument(flag, type=type(default), default=None)
     args = parser.parse_args(argv)
     overrides = {k: v for k, v in vars(args).items() if v is not None}
     try:
