@@ -79,11 +79,11 @@ _RULES: dict[str, Any] = {
     "n": _nullable({"type": "integer", "minimum": 1, "maximum": MAX_N}),
     "priority": _nullable({"type": "integer", "minimum": -(2**63), "maximum": 2**63 - 1}),
     "best_of": _only(1),
-    "echo": _only(False),
     "presence_penalty": _nullable({"type": "number", "minimum": -2, "maximum": 2}),
     "frequency_penalty": _nullable({"type": "number", "minimum": -2, "maximum": 2}),
     "repetition_penalty": _nullable({"type": "number", "exclusiveMinimum": 0}),
     "min_p": _nullable({"type": "number", "minimum": 0, "maximum": 1}),
+    "prompt_logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": "{MAX_LOGPROBS}"}),
     # keys: token ids of the vocabulary, as decimal strings (400 otherwise)
     "logit_bias": _nullable(
         {

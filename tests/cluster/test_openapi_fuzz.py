@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import collections
 
+import httpx
+import jsonschema
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
@@ -130,3 +132,29 @@ def test_known_cases_conform(api_schema, gateway_url, path, body, status):
     response = case.call(base_url=gateway_url, timeout=30)
     assert response.status_code == status, response.text
     case.validate_response(response, checks=CHECKS)
+
+
+@pytest.mark.parametrize(
+    ("field", "accepted", "refused"),
+    [
+        ("n", 2, 0),
+        ("echo", True, "yes"),
+        ("priority", -5, 2**63),
+        ("presence_penalty", -2, 2.5),
+        ("prompt_logprobs", 1, -1),
+    ],
+)
+def test_field_rules_follow_the_protocol(api_schema, gateway_url, field, accepted, refused):
+    """The document and the server agree on both sides of each rule (the
+    random search reaches these only by chance)."""
+    document = httpx.get(f"{gateway_url}/openapi.json", timeout=30).json()
+    rule = document["components"]["schemas"]["CompletionRequest"]["properties"][field]
+    validator = jsonschema.Draft202012Validator(rule)
+    assert validator.is_valid(accepted) and not validator.is_valid(refused), rule
+    operation = api_schema["/v1/completions"]["POST"]
+    for value, status in ((accepted, 200), (refused, 400)):
+        body = {"prompt": "hi", "max_tokens": 2, field: value}
+        case = operation.Case(body=body, media_type="application/json")
+        response = case.call(base_url=gateway_url, timeout=30)
+        assert response.status_code == status, (field, value, response.text)
+        case.validate_response(response, checks=CHECKS)
