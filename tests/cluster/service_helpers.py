@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import openai
@@ -52,10 +53,10 @@ def wait_idle(svc, deadline_s: float = 30.0) -> dict:
 
 
 @contextlib.contextmanager
-def tiny_pd_service(disagg_min_tokens: int = 32) -> Iterator:
+def tiny_pd_service(disagg_min_tokens: int = 32, tracer: Any = None) -> Iterator:
     """A 1 prefill + 1 decode ``ServiceThread`` of the tiny model on its own
     local Ray (2 CPUs); prompts of ``disagg_min_tokens`` or more take the
-    remote path. Ray is shut down on exit."""
+    remote path; ``tracer`` as ``ServiceThread``'s. Ray is shut down on exit."""
     import ray
 
     from cluster.serve import SERVE_DEFAULTS, ServiceThread
@@ -72,7 +73,7 @@ def tiny_pd_service(disagg_min_tokens: int = 32) -> Iterator:
     per_role = {r: dict(engine) for r in ("prefill", "decode", "colocated")}
     ray.init(include_dashboard=False, num_cpus=2, log_to_driver=False)
     try:
-        with ServiceThread(settings, per_role) as svc:
+        with ServiceThread(settings, per_role, tracer=tracer) as svc:
             yield svc
     finally:
         ray.shutdown()

@@ -15,22 +15,13 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from cluster.logging_setup import make_handler
 from cluster.tracing.otel import OtelTracer
-from tests.cluster.service_helpers import client, wait_idle
+from tests.cluster.service_helpers import client, tiny_pd_service, wait_idle
 
 pytestmark = pytest.mark.slow
 DEADLINE_S = 60.0
 
 
 def test_trace_of_a_remote_request_spans_both_engines():
-    import ray
-
-    from cluster.serve import SERVE_DEFAULTS, ServiceThread
-
-    engine = {"num_kv_blocks": 128, "max_num_seqs": 16, "max_model_len": 512, "block_size": 16}
-    settings = dict(
-        SERVE_DEFAULTS, model="tiny", ray_dashboard=False, prefill=1, decode=1, disagg_min_tokens=32
-    )
-    per_role = {r: dict(engine) for r in ("prefill", "decode", "colocated")}
     exporter = InMemorySpanExporter()
     stream = io.StringIO()
     request_log = logging.getLogger("tandem.request")
@@ -38,9 +29,8 @@ def test_trace_of_a_remote_request_spans_both_engines():
     request_log.addHandler(handler)
     old_level = request_log.level
     request_log.setLevel(logging.INFO)
-    ray.init(include_dashboard=False, num_cpus=2, log_to_driver=False)
     try:
-        with ServiceThread(settings, per_role, tracer=OtelTracer(exporter=exporter)) as svc:
+        with tiny_pd_service(tracer=OtelTracer(exporter=exporter)) as svc:
             prompt = "the quick brown fox " * 16  # >= 32 tokens: remote prefill
             response = client(svc).completions.create(model="tiny", prompt=prompt, max_tokens=6)
             num_prompt_tokens = response.usage.prompt_tokens
@@ -51,7 +41,6 @@ def test_trace_of_a_remote_request_spans_both_engines():
             metrics = httpx.get(svc.base_url + "/metrics", timeout=30).text
             wait_idle(svc)
     finally:
-        ray.shutdown()
         request_log.removeHandler(handler)
         request_log.setLevel(old_level)
     spans = {s.name: s for s in exporter.get_finished_spans()}
