@@ -72,6 +72,8 @@ class BackendMetrics(msgspec.Struct):
     router_decisions: dict[str, int] = {}
     # predicted - reported prefix-hit tokens per request (kv-aware routing)
     prefix_hit_error: HistogramSnapshot | None = None
+    # Streams migrated off a lost/drained engine, by reason (cluster/migration.py).
+    num_migrations: dict[str, int] = {}
     # The gateway's own internal-plane sockets (gateway_output), same meaning.
     malformed_frames: dict[str, int] = {}
     auth_failures: dict[str, int] = {}
@@ -140,6 +142,20 @@ class Backend(abc.ABC):
         """Cancel one choice of an ``n > 1`` request (its stop string matched);
         the others go on. The default does nothing: the choice then runs to
         its own end and its outputs are ignored."""
+
+    def degraded(self) -> str:
+        """Non-empty while serving with less than configured (an engine
+        dead or drained): ``/health`` stays 200 and reports it."""
+        return ""
+
+    async def drain(self, engine_id: str) -> dict[str, Any]:
+        """Stop new work on an engine and move its streams away (admin API).
+        ValueError naming ``engine_id`` if unknown."""
+        raise ValueError("engine_id: this backend has no engines to drain")
+
+    def undrain(self, engine_id: str) -> dict[str, Any]:
+        """Let a drained engine take new work again."""
+        raise ValueError("engine_id: this backend has no engines to drain")
 
     @abc.abstractmethod
     def metrics_snapshot(self) -> BackendMetrics:

@@ -21,8 +21,9 @@ def resolved_config(settings: dict[str, Any], per_role: dict[str, dict[str, Any]
     from cluster.serve import pool_specs
 
     serve = dict(settings)
-    if serve.get("api_key"):
-        serve["api_key"] = "<set>"
+    for key in ("api_key", "admin_api_key"):
+        if serve.get(key):
+            serve[key] = "<set>"
     pools = []
     for spec in pool_specs(settings, per_role):
         engine = dataclasses.asdict(spec.config)

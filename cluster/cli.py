@@ -98,6 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
     except ImportError:
         pass
     try:
+        from cluster.drain_cli import add_drain_parser
+
+        add_drain_parser(sub)
+    except ImportError:
+        pass
+    try:
         from cluster import bench
 
         b = sub.add_parser("bench", help="load generator against a running gateway")

@@ -41,6 +41,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from cluster import dashboard, protocol
+from cluster.admin import add_admin_routes
 from cluster.api.config import ApiConfig, ServedModels
 from cluster.api.openapi import openapi_schema
 from cluster.api.tokenize import add_tokenize_routes
@@ -98,6 +99,7 @@ def create_app(
     limits: GatewayLimits | None = None,
     api: ApiConfig | None = None,
     tracer: Tracer | None = None,
+    admin_api_key: str | None = None,
 ) -> FastAPI:
     """The gateway app. ``api_key`` (if set) is required on ``/v1/*``,
     ``/tokenize``, ``/detokenize`` and ``/cluster/state`` (``cluster/dashboard/``)
@@ -106,7 +108,8 @@ def create_app(
     ``limits``: body size, concurrency, deadline, tokenizer threads
     (``cluster.edge.limits``; defaults when None). ``api``: served model
     names, chat template, generation defaults (``cluster.api.config``). ``tracer``: exports each
-    finished request's spans (``cluster.tracing.otel.OtelTracer``); None = off."""
+    finished request's spans (``cluster.tracing.otel.OtelTracer``); None = off.
+    ``admin_api_key`` opens ``/admin/*`` (``cluster.admin``: drain an engine)."""
     limits = limits or GatewayLimits()
     api = api or ApiConfig()
     if api.chat_template is not None:
@@ -211,6 +214,9 @@ def create_app(
     async def health() -> Response:
         ready, reason = backend.is_ready()
         if ready:
+            degraded = backend.degraded()  # serving, with an engine down or drained
+            if degraded:
+                return JSONResponse({"status": "degraded", "reason": degraded})
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
 
@@ -221,6 +227,7 @@ def create_app(
 
     rolling = dashboard.install(app, backend, gateway.metrics, check_api_key)
 
+    add_admin_routes(app, backend, admin_api_key)
     return app
 
 

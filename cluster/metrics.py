@@ -257,6 +257,14 @@ class EngineMetricsCollector(Collector):
         ):  # fmt: skip
             yield CounterMetricFamily(f"{PREFIX}{name}", help_text, value=value)
         yield from router_families(snapshot, PREFIX)
+        migrations = CounterMetricFamily(
+            f"{PREFIX}migrations",
+            "Streams moved to another engine (cluster/migration.py), by reason.",
+            labels=["reason"],
+        )
+        for reason, count in sorted(snapshot.num_migrations.items()):
+            migrations.add_metric([reason], count)
+        yield migrations
         yield from _socket_families(snapshot)
 
 

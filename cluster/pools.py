@@ -3,6 +3,12 @@
     --prefill N --decode M    ->  prefill-0..N-1, decode-0..M-1   (NIXL connector on)
     --colocated K             ->  colocated-0..K-1                (no connector)
 
+Each engine is a *named* Ray actor in the namespace ``--ray-namespace``
+(default ``tandem``), so operators find it with
+``ray.get_actor("decode-0", namespace="tandem")``. Two services on one Ray
+cluster need different namespaces: a taken name fails ``start_pools`` before
+any actor starts, with an error naming the flag.
+
 On GPU clusters each engine gets ``num_gpus`` GPUs in its own STRICT_PACK
 placement group; on CPU the actors ask for no CPU or GPU (they share the
 node's cores; ``torch_threads`` splits them). ``resources`` (custom Ray
@@ -12,6 +18,7 @@ resources, ``cluster.placement``) pins a pool to the nodes that advertise them.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 
 from workers.config import EngineConfig
@@ -35,19 +42,45 @@ class EngineHandle:
     role: str
     actor: object  # ray.actor.ActorHandle
     placement_group: object | None = None
+    namespace: str | None = None  # the Ray namespace of the actor's name
 
 
 def default_torch_threads(num_engines: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(num_engines, 1))
 
 
-def start_pools(specs: list[PoolSpec], output_addr: str) -> list[EngineHandle]:
+DEFAULT_NAMESPACE = "tandem"
+
+
+def check_names_free(specs: list[PoolSpec], namespace: str) -> None:
+    """ValueError if any engine name of ``specs`` is a live actor in ``namespace``."""
+    import ray
+
+    for spec in specs:
+        for i in range(spec.num_engines):
+            name = f"{spec.role}-{i}"
+            try:
+                ray.get_actor(name, namespace=namespace)
+            except ValueError:
+                continue  # free
+            raise ValueError(
+                f"a Ray actor named {name!r} already exists in namespace {namespace!r} "
+                "(another tandem serve on this Ray cluster?); pass --ray-namespace NAME "
+                "to run beside it"
+            )
+
+
+def start_pools(
+    specs: list[PoolSpec], output_addr: str, namespace: str = DEFAULT_NAMESPACE
+) -> list[EngineHandle]:
+    """Start every engine actor, named ``<role>-<i>`` in ``namespace``."""
     import ray
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from cluster.engine_actor import EngineActor
 
+    check_names_free(specs, namespace)
     remote_cls = ray.remote(EngineActor)
     total = sum(s.num_engines for s in specs)
     threads = default_torch_threads(total)
@@ -59,6 +92,8 @@ def start_pools(specs: list[PoolSpec], output_addr: str) -> list[EngineHandle]:
             if not spec.num_gpus and not cfg.torch_threads:
                 cfg = cfg.replace(torch_threads=threads)
             options: dict = {
+                "name": engine_id,
+                "namespace": namespace,
                 "max_restarts": spec.max_restarts,
                 "max_task_retries": 0,
                 "num_cpus": 0,
@@ -74,7 +109,7 @@ def start_pools(specs: list[PoolSpec], output_addr: str) -> list[EngineHandle]:
                 options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg)
                 cfg = cfg.replace(device="cuda")
             actor = remote_cls.options(**options).remote(cfg, output_addr)
-            handles.append(EngineHandle(engine_id, spec.role, actor, pg))
+            handles.append(EngineHandle(engine_id, spec.role, actor, pg, namespace))
     return handles
 
 
@@ -100,3 +135,22 @@ def stop_pools(handles: list[EngineHandle], timeout_s: float = 10.0) -> None:
             pass
         if h.placement_group is not None:
             remove_placement_group(h.placement_group)
+    _wait_names_released(handles, timeout_s)
+
+
+def _wait_names_released(handles: list[EngineHandle], timeout_s: float) -> None:
+    """Ray frees a killed actor's name asynchronously: wait (bounded) so that
+    a service started next in the same namespace finds its names free."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    for h in handles:
+        namespace = getattr(h, "namespace", None)
+        if namespace is None:
+            continue
+        while time.monotonic() < deadline:
+            try:
+                ray.get_actor(h.engine_id, namespace=namespace)
+            except ValueError:
+                break
+            time.sleep(0.05)

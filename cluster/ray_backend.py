@@ -32,6 +32,15 @@ outputs the stream is cut (aborted on its engines, its queue dropped, the
 task that consumes it cancelled, as a disconnect would), so gateway memory
 per stream stays bounded and the engines stop computing for it.
 
+Migration (``cluster/migration.py``): a decode or colocated engine declared
+DEAD, restarted or drained does not end its streams with an error; each one
+is resubmitted (prompt + every token already sent) to another ready engine
+of the pool, and the client's stream continues token-identical. A prefill
+engine's failure is handled as before (retry, else prefill on D).
+
+Drain (``drain``): the engine gets no new work, its streams migrate away,
+and it stays connected and idle until ``undrain``.
+
 The output reader is one task, supervised: if it ends, every stream in
 flight gets an error output (and is aborted on its engines), ``is_ready``
 says no, and the reader is restarted after a backoff.
@@ -60,6 +69,15 @@ from cluster.backend import (
 from cluster.engines.health import EngineHealth, Liveness
 from cluster.kv_routing.cluster_routing import ClusterRouting, PromptHashes
 from cluster.kv_routing.policy import Choice, RoutingConfig
+from cluster.migration import (
+    REASON_DEAD,
+    REASON_DRAIN,
+    REASON_RESTARTED,
+    EngineLost,
+    MigrationPolicy,
+    StreamLedger,
+    use_prefill_handoff,
+)
 from cluster.pools import EngineHandle
 from cluster.prefill_endpoints import push_prefill_endpoints
 from cluster.router import EngineState, Router
@@ -81,6 +99,13 @@ from workers.engine_core import UtilityResult
 logger = logging.getLogger(__name__)
 
 _ENGINE_FAILED = "__engine_failed__"
+# an engine whose stats show none of these holds no request (drain: idle)
+_BUSY_STATS = (
+    "num_running_reqs",
+    "num_waiting_reqs",
+    "num_waiting_for_remote_kvs",
+    "num_blocks_held_for_transfer",
+)
 
 # What the gateway's output socket accepts: a batch of outputs, or a utility
 # reply (engines answer ZMQ utility calls there; the gateway makes none).
@@ -107,6 +132,7 @@ class _Engine:
         # not yet known to the decode engines, a decode engine without the list
         self.unregistered = False
         self.answered = False  # the last health check got an answer
+        self.draining = False  # an operator drained it: no new work (migration)
 
 
 class RayBackend(Backend):
@@ -125,6 +151,7 @@ class RayBackend(Backend):
         reader_restart_delay_s: float = 0.5,
         max_queued_outputs: int = 512,
         routing: RoutingConfig | None = None,
+        migration: MigrationPolicy | None = None,
     ) -> None:
         """``call_timeout_s``: a Ray control call slower than this gives no
         verdict (the engine may be slow); ``engine_dead_after_s``: no heartbeat
@@ -173,6 +200,8 @@ class RayBackend(Backend):
         self.num_reader_restarts = 0
         self._reader_up = False
         self.recent_errors: collections.deque[ErrorEvent] = collections.deque(maxlen=50)
+        self.migration = migration or MigrationPolicy()
+        self.num_migrations: dict[str, int] = {}  # reason -> count (tandem:migrations_total)
 
     # ---- lifecycle -----------------------------------------------------------
 
@@ -317,7 +346,7 @@ class RayBackend(Backend):
                 and e.pushed_endpoints[0] == e.state.epoch
             ) or (e.state.role == "prefill" and all_ok):
                 e.unregistered = False
-                e.state.ready = True
+                e.state.ready = not e.draining
 
     async def _check_engine(self, e: _Engine) -> None:
         """One health probe. A Ray timeout is no verdict (slow is not dead);
@@ -347,7 +376,7 @@ class RayBackend(Backend):
                 self._error(eid, f"dead ({cause})", e)
                 e.state.ready = False
                 e.health.orphans.update(e.requests)
-                self._fail_inflight(e, f"engine {eid} failed: {cause}")
+                self._fail_inflight(e, f"engine {eid} failed: {cause}", REASON_DEAD)
             return
         if e.health.orphans:  # the same incarnation is back: nothing may run for nobody
             self.num_orphans_aborted += len(e.health.orphans)
@@ -360,7 +389,7 @@ class RayBackend(Backend):
                 self._update_stats(e, await self._call(e, "stats"))
             except Exception as exc:  # noqa: BLE001 - stale stats are not a verdict
                 logger.debug("engine %s stats: %r", eid, exc)
-        e.state.ready = not e.unregistered  # see _register_prefill_engines
+        e.state.ready = not e.unregistered and not e.draining  # see _register_prefill_engines
 
     async def _kv_snapshot(self, engine_id: str) -> Any:
         return await self._call(self.engines[engine_id], "kv_events_snapshot")
@@ -379,7 +408,7 @@ class RayBackend(Backend):
             e.num_restarts += 1
             self._error(e.state.engine_id, f"restarted (epoch {info['epoch']})", e)
             logger.warning("engine %s restarted (epoch %s)", e.state.engine_id, info["epoch"])
-            self._fail_inflight(e, f"engine {e.state.engine_id} restarted")
+            self._fail_inflight(e, f"engine {e.state.engine_id} restarted", REASON_RESTARTED)
         if e.socket is not None:
             e.socket.close(linger=0)
         e.socket = self._ctx.socket(zmq.PUSH)
@@ -417,11 +446,14 @@ class RayBackend(Backend):
         if e is not None:
             e.last_error = message
 
-    def _fail_inflight(self, e: _Engine, reason: str) -> None:
+    def _fail_inflight(self, e: _Engine, reason: str, lost: str | None = None) -> None:
+        """End every request in flight on ``e``. ``lost`` (a migration reason):
+        the engine's work is gone, so a decode stream may migrate; None: a
+        plain error (e.g. the gateway's own reader failed)."""
         for rid in list(e.requests):
             q = self._streams.get(rid)
             if q is not None:
-                q.put_nowait((e.state.engine_id, _ENGINE_FAILED, reason))
+                q.put_nowait((e.state.engine_id, _ENGINE_FAILED, reason, lost, e.state.epoch))
         e.requests.clear()
 
     # ---- Backend API ------------------------------------------------------------
@@ -433,6 +465,10 @@ class RayBackend(Backend):
             if not self.router.ready_engines(role):
                 return False, f"no ready {role} engine"
         return True, ""
+
+    def degraded(self) -> str:
+        down = sorted(eid for eid, e in self.engines.items() if not e.state.ready)
+        return f"not serving: {', '.join(down)}" if down else ""
 
     async def abort(self, request_id: str) -> None:
         for e in self.engines.values():
@@ -472,46 +508,26 @@ class RayBackend(Backend):
         consumer = asyncio.current_task()
         if consumer is not None:
             self._consumers[rid] = consumer
+        ledger = StreamLedger(request)
         finished = False
         hashes = self.routing.hashes(request)
         try:
-            if not self.disaggregated:
-                choice = self._pick("colocated", hashes)
-                async for out in self._stream(choice, request, q, True, request.n):
-                    yield out
-                finished = True  # the stream ended by itself: every choice finished
-                return
-            decode_req = request
-            first = None
-            # n > 1: P prefills all but the last prompt token and samples nothing;
-            # D forks the children and each samples its own first token
-            # (scheduler/fork.py), so a one-token prompt has nothing for P
-            n = request.n
-            num_prompt = len(request.prompt_token_ids)
-            split = request.sampling_params.max_tokens > 1 if n == 1 else num_prompt > 1
-            plan = self.routing.plan(hashes, split)
-            if plan is None:
-                raise BackendUnavailable("no ready decode engine")
-            if plan.remote_prefill:
-                first = await self._remote_prefill(request, q, hashes)
-            if first is not None:
-                if first.finished:  # EOS as the first token: nothing to hand off
-                    finished = True
-                    yield first
+            attempt = request
+            while True:
+                try:
+                    async for out in self._attempt(attempt, q, ledger, hashes):
+                        ledger.record(out)
+                        yield out
+                    finished = True  # the stream ended by itself: every choice finished
                     return
-                if first.new_token_ids:
-                    yield first
-                decode_req = decode_request(request, first)
-            choice = plan.decode
-            if not choice.engine.ready:  # it went away while P ran
-                choice = self._pick("decode", hashes, streaming=first is not None)
-            if choice is None:
-                finished = True
-                yield _error(rid, "no ready decode engine")
-                return
-            async for out in self._stream(choice, decode_req, q, first is None, n):
-                yield out
-            finished = True
+                except EngineLost as lost:
+                    error = await self._prepare_migration(lost, q, ledger)
+                    if error is not None:
+                        finished = True
+                        yield _error(rid, error)
+                        return
+                    attempt = ledger.resubmission()
+                    hashes = self.routing.hashes(attempt)
         finally:
             if not finished:
                 await self.abort(rid)
@@ -520,13 +536,151 @@ class RayBackend(Backend):
             for e in self.engines.values():
                 e.requests.discard(rid)
 
-    def _pick(self, role: str, hashes: PromptHashes, streaming: bool = False) -> Choice | None:
-        choice = self.routing.choose(role, hashes)
+    async def _attempt(
+        self, request: EngineRequest, q: asyncio.Queue, ledger: StreamLedger, hashes: PromptHashes
+    ) -> AsyncIterator[EngineOutput]:
+        """One try at ``request``: (P then) D, or a colocated engine. Raises
+        ``EngineLost`` out of the generating engine's stream (migration)."""
+        migrated = ledger.num_migrations > 0
+        exclude = self._lost_engines(ledger)
+        if not self.disaggregated:
+            choice = self._pick("colocated", hashes, streaming=migrated, exclude=exclude)
+            if choice is None:
+                yield _error(request.request_id, "no ready colocated engine")
+                return
+            async for out in self._stream(choice, request, q, True, request.n):
+                yield out
+            return
+        first = None
+        # n > 1: P prefills all but the last prompt token and samples nothing;
+        # D forks the children and each samples its own first token
+        # (scheduler/fork.py), so a one-token prompt has nothing for P
+        n = request.n
+        num_prompt = len(request.prompt_token_ids)
+        split = request.sampling_params.max_tokens > 1 if n == 1 else num_prompt > 1
+        decode_choice = None
+        if migrated:  # KV for the new engine by context length (cluster/migration.py)
+            prefill_ready = bool(self.router.ready_engines("prefill"))
+            remote = split and use_prefill_handoff(self.migration, num_prompt, prefill_ready)
+        else:
+            plan = self.routing.plan(hashes, split)
+            if plan is None:
+                raise BackendUnavailable("no ready decode engine")
+            remote, decode_choice = plan.remote_prefill, plan.decode
+        if remote:
+            first = await self._remote_prefill(request, q, hashes)
+        if first is not None:
+            if first.finished:  # EOS as the first token: nothing to hand off
+                yield first
+                return
+            if first.new_token_ids:
+                yield first
+            request = decode_request(request, first)
+        choice = decode_choice
+        if choice is None or not choice.engine.ready:  # it went away while P ran
+            choice = self._pick(
+                "decode", hashes, streaming=first is not None or migrated, exclude=exclude
+            )
+        if choice is None:
+            yield _error(request.request_id, "no ready decode engine")
+            return
+        async for out in self._stream(choice, request, q, first is None, n):
+            yield out
+
+    def _lost_engines(self, ledger: StreamLedger) -> set[str]:
+        """Engines whose current incarnation this request lost: never again
+        (a late output of the old run could not be told from the new one's)."""
+        return {eid for eid, epoch in ledger.lost if self.engines[eid].state.epoch == epoch}
+
+    async def _prepare_migration(
+        self, lost: EngineLost, q: asyncio.Queue, ledger: StreamLedger
+    ) -> str | None:
+        """Decide whether the stream moves on; wait (bounded) for an engine to
+        take it. Returns None to resubmit, else the error text to end with."""
+        ledger.lost.add((lost.engine_id, lost.epoch))
+        if not self.migration.enabled:
+            return lost.message
+        if ledger.request.n > 1:  # the ledger follows one choice's tokens, not n
+            return f"{lost.message} (requests with n > 1 do not migrate)"
+        if not ledger.can_migrate(self.migration):
+            return f"{lost.message} (migrated {ledger.num_migrations} times already)"
+        while not q.empty():  # anything still queued came from the lost engine
+            q.get_nowait()
+        role = "decode" if self.disaggregated else "colocated"
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.migration.wait_for_engine_s
+        while True:
+            exclude = self._lost_engines(ledger)
+            if any(st.engine_id not in exclude for st in self.router.ready_engines(role)):
+                break
+            if loop.time() >= deadline:
+                return (
+                    f"{lost.message}; no {role} engine to continue on within "
+                    f"{self.migration.wait_for_engine_s:g} s"
+                )
+            await asyncio.sleep(0.05)
+        ledger.num_migrations += 1
+        self.num_migrations[lost.reason] = self.num_migrations.get(lost.reason, 0) + 1
+        logger.info(
+            "request %s: %s on %s; migrating after %d tokens",
+            ledger.request.request_id,
+            lost.reason,
+            lost.engine_id,
+            len(ledger.sent_token_ids),
+        )
+        return None
+
+    def _pick(
+        self,
+        role: str,
+        hashes: PromptHashes,
+        streaming: bool = False,
+        exclude: set[str] = frozenset(),
+    ) -> Choice | None:
+        choice = self.routing.choose(role, hashes, exclude=exclude)
         if choice is None:
             if streaming:
                 return None
             raise BackendUnavailable(f"no ready {role} engine")
         return choice
+
+    # ---- drain --------------------------------------------------------------------
+
+    async def drain(self, engine_id: str, timeout_s: float = 60.0) -> dict[str, Any]:
+        """Stop new work on ``engine_id``, migrate its streams away (decode /
+        colocated; a prefill engine's short requests finish), wait until it
+        holds none. ValueError for an unknown id."""
+        e = self.engines.get(engine_id)
+        if e is None:
+            raise ValueError(f"engine_id: no engine {engine_id!r} (have {sorted(self.engines)})")
+        e.draining = True
+        e.state.ready = False
+        moved = 0
+        if e.state.role != "prefill" and e.requests:
+            moved = len(e.requests)
+            self._send_abort(e, sorted(e.requests))
+            self._fail_inflight(e, f"engine {engine_id} drained", REASON_DRAIN)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        idle = False
+        while loop.time() < deadline:
+            try:
+                stats = await self._call(e, "stats")
+            except Exception:  # noqa: BLE001 - slow or dead: holds nothing of ours soon
+                stats = None
+            if not e.requests and stats is not None and not any(stats.get(k) for k in _BUSY_STATS):
+                idle = True
+                break
+            await asyncio.sleep(0.1)
+        return {"engine_id": engine_id, "draining": True, "migrated": moved, "idle": idle}
+
+    def undrain(self, engine_id: str) -> dict[str, Any]:
+        """Let a drained engine take new work again (once healthy)."""
+        e = self.engines.get(engine_id)
+        if e is None:
+            raise ValueError(f"engine_id: no engine {engine_id!r} (have {sorted(self.engines)})")
+        e.draining = False
+        return {"engine_id": engine_id, "draining": False}
 
     async def _remote_prefill(
         self, request: EngineRequest, q: asyncio.Queue, hashes: PromptHashes
@@ -595,7 +749,10 @@ class RayBackend(Backend):
                 if item[0] != eid:
                     continue  # late output of an engine this request left
                 if item[1] is _ENGINE_FAILED:
-                    yield _error(request.request_id, item[2])
+                    _, _, message, lost, epoch = item
+                    if lost is not None and e.state.role != "prefill":
+                        raise EngineLost(lost, eid, epoch, message)
+                    yield _error(request.request_id, message)
                     return
                 out: EngineOutput = item[1]
                 if observe and out.finish_reason != FinishReason.ERROR:
@@ -629,6 +786,7 @@ class RayBackend(Backend):
             num_disagg_decisions=dict(self.router.num_decisions),
             router_decisions=self.routing.decisions(),
             prefix_hit_error=self.routing.hit_error.snapshot(),
+            num_migrations=dict(self.num_migrations),
             malformed_frames=self.malformed_frames.snapshot(),
             auth_failures=self._auth.failures(),
             num_streams_cut=self.num_streams_cut,

@@ -69,6 +69,13 @@ SERVE_DEFAULTS: dict[str, Any] = {
     # operators (cluster/logging_setup.py, cluster/tracing/)
     "log_format": "text",
     "otlp_traces_endpoint": None,
+    # fault tolerance (cluster/migration.py, cluster/admin.py, cluster/pools.py)
+    "ray_namespace": "tandem",
+    "migration": True,
+    "max_migrations": 3,
+    "migration_handoff_min_tokens": 256,
+    "migration_wait_s": 30.0,
+    "admin_api_key": None,
 }
 
 
@@ -168,6 +175,35 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="export one OpenTelemetry trace per request over OTLP/HTTP to this URL "
         "(http://collector:4318 gets /v1/traces; default: off)",
     )
+    p.add_argument(
+        "--ray-namespace",
+        help="Ray namespace of the named engine actors prefill-<i>/decode-<i>/colocated-<i> "
+        "(default tandem; give each service on one Ray cluster its own)",
+    )
+    p.add_argument(
+        "--no-migration",
+        dest="migration",
+        action="store_false",
+        default=None,
+        help="a stream whose decode engine dies ends with an error instead of moving on",
+    )
+    p.add_argument("--max-migrations", type=int, help="migrations per request (default 3)")
+    p.add_argument(
+        "--migration-handoff-min-tokens",
+        type=int,
+        help="migrated contexts this long get KV from a prefill engine, shorter are "
+        "recomputed on decode (default 256)",
+    )
+    p.add_argument(
+        "--migration-wait-s",
+        type=float,
+        help="how long a migrating stream waits for a ready engine (default 30)",
+    )
+    p.add_argument(
+        "--admin-api-key",
+        help="opens POST /admin/drain and /admin/undrain with 'Authorization: Bearer KEY' "
+        "(default: admin API off)",
+    )
     add_placement_arguments(p)
     add_engine_arguments(p)
     for role in ("prefill", "decode", "colocated"):
@@ -233,7 +269,21 @@ def resolve_settings(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str
     from cluster.tracing.settings import check_settings
 
     check_settings(settings)
+    migration_policy(settings)  # ValueError naming the field
     return settings, per_role
+
+
+def migration_policy(settings: dict[str, Any]):
+    """The backend's ``MigrationPolicy`` from serve settings."""
+    from cluster.migration import MigrationPolicy
+
+    s = {k: settings.get(k, SERVE_DEFAULTS[k]) for k in SERVE_DEFAULTS}
+    return MigrationPolicy(
+        enabled=bool(s["migration"]),
+        max_migrations=s["max_migrations"],
+        handoff_min_tokens=s["migration_handoff_min_tokens"],
+        wait_for_engine_s=s["migration_wait_s"],
+    )
 
 
 def cluster_secret(settings: dict[str, Any]) -> bytes | None:
@@ -345,7 +395,11 @@ class Service:
         self.model_path = model_path = resolve_model_path(self.settings["model"])
         tokenizer = load_tokenizer(model_path)
         self.cluster_secret = secret = cluster_secret(self.settings)
-        self.handles = start_pools(pool_specs(self.settings, self.per_role, secret), output_addr)
+        self.handles = start_pools(
+            pool_specs(self.settings, self.per_role, secret),
+            output_addr,
+            namespace=self.settings.get("ray_namespace") or SERVE_DEFAULTS["ray_namespace"],
+        )
         self.backend = RayBackend(
             self.handles,
             tokenizer=tokenizer,
@@ -357,6 +411,7 @@ class Service:
             call_timeout_s=self.settings.get("engine_call_timeout_s", 5.0),
             max_queued_outputs=self.settings.get("max_queued_outputs", 512),
             routing=routing_config(self.settings),
+            migration=migration_policy(self.settings),
         )
         await self.backend.start()
 
@@ -389,6 +444,7 @@ async def _serve(settings: dict[str, Any], per_role: dict[str, dict[str, Any]]) 
             limits=gateway_limits(settings),
             api=api_config(settings, svc.model_path),
             tracer=tracer,
+            admin_api_key=settings["admin_api_key"],
         )
         server = uvicorn.Server(
             uvicorn.Config(
@@ -505,6 +561,7 @@ class ServiceThread:
             limits=gateway_limits(settings),
             api=api_config(settings, self.service.model_path),
             tracer=self.tracer,
+            admin_api_key=settings.get("admin_api_key"),
         )
         self._server = uvicorn.Server(
             uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False)

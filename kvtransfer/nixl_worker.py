@@ -46,6 +46,7 @@ import zmq
 from kvtransfer.base import KVConnectorWorkerSide
 from kvtransfer.compat import KVLayout, compat_hash
 from kvtransfer.config import KVTransferConfig
+from kvtransfer.fault_injection import ReadFaults
 from kvtransfer.nixl_agent import NixlAgent, make_agent_name, split_block_runs
 from kvtransfer.nixl_meta import (
     NOTIF_DONE,
@@ -146,6 +147,7 @@ class NixlWorkerSide(KVConnectorWorkerSide):
             maxlen=_MAX_RECENT_TRANSFERS
         )
         self._closed = False
+        self._read_faults = ReadFaults()  # test hook (kvtransfer/fault_injection.py)
 
     def wire_stats(self) -> dict[str, dict[str, int]]:
         """Malformed messages and refused handshakes per socket name
@@ -329,6 +331,9 @@ class NixlWorkerSide(KVConnectorWorkerSide):
                 now_mono > load.deadline_mono or now_mono > load.spec.lease_deadline_mono
             ):
                 state = "TIMEOUT"
+            if state == "DONE" and self._read_faults.fail_this_read():
+                self._counters["num_injected_read_failures"] += 1
+                state = "ERR"
             if state != "PROC":
                 self._finish_load(load, state)
         for peer in self._peers.peers_with_waiting():
@@ -520,6 +525,7 @@ class NixlWorkerSide(KVConnectorWorkerSide):
         out["num_quarantined_loads_total"] = self._counters.get("num_quarantined_loads", 0.0)
         out["num_handshakes"] = float(self._peers.num_handshakes)
         out["num_handshake_failures"] = float(self._peers.num_handshake_failures)
+        out["num_injected_read_failures"] = self._counters.get("num_injected_read_failures", 0.0)
         return out
 
     def drain_load_records(self) -> list[tuple[str, int, int, int, float, float]]:

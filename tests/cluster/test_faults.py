@@ -46,6 +46,9 @@ def svc():
         decode=0,
         engine_dead_after_s=DEAD_AFTER_S,
         engine_call_timeout_s=1.0,
+        # one engine: a dead one's streams end with an error here (the
+        # --no-migration path); migration is tests/chaos/'s subject
+        migration=False,
     )
     per_role = {r: dict(ENGINE) for r in ("prefill", "decode", "colocated")}
     resolve_placement(settings)

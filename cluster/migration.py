@@ -1,0 +1,125 @@
+"""Decode migration: a stream whose decode engine dies or is drained goes on
+elsewhere, token-identical.
+
+Why identical: a seeded row samples with ``u = f(seed, position)``
+(``workers.sampler``) and greedy needs no randomness, so the next token depends
+only on the token sequence so far and the sampling parameters. The gateway
+resubmits the *same* request with every token already sent to the client
+appended to the prompt and ``max_tokens`` / ``min_tokens`` reduced by their
+count; the new engine samples position ``len(prompt) + n`` next, exactly the
+position the dead one would have sampled. Nothing is repeated (the sent tokens
+are prompt now) and nothing is missed (the first new output is the next one).
+
+    client <-- t0 t1 t2 | engine decode-0 dies (DEAD in cluster/engines/health.py,
+                        | or drained by an operator)
+    gateway: ledger = [t0 t1 t2]; request' = prompt+[t0 t1 t2], max_tokens-3
+             KV for the new engine, by length of prompt':
+               < handoff_min_tokens : the decode engine prefills it itself
+                                      (its prefix cache hits what it holds)
+               >= and a prefill engine ready : P recomputes prompt' and samples
+                                      t3, D reads the KV (the normal handoff)
+    client <-- t3 t4 ...            (same SSE stream, same request id)
+
+A SLOW engine is never migrated (its requests complete when it catches up);
+only the backend's DEAD / restarted / drained verdicts are. A request
+migrates at most ``max_migrations`` times; past that, or with no engine to go
+to within ``wait_for_engine_s``, it ends with an explicit error output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgspec
+
+from scheduler.messages import EngineOutput, EngineRequest
+
+# tandem:migrations_total{reason}
+REASON_DEAD = "engine_dead"  # health says DEAD (Ray says so, or no heartbeat)
+REASON_RESTARTED = "engine_restarted"  # a new epoch answered: the old one's work is gone
+REASON_DRAIN = "drain"  # an operator drained the engine
+
+
+@dataclass(frozen=True)
+class MigrationPolicy:
+    """``enabled``: migrate at all (``--no-migration`` turns it off).
+    ``max_migrations``: per request (``--max-migrations``, default 3).
+    ``handoff_min_tokens``: contexts at least this long get their KV by a fresh
+    prefill handoff when a prefill engine is ready; shorter ones are recomputed
+    by the decode engine (measured by ``benchmarks/migration.py``).
+    ``wait_for_engine_s``: how long a stream waits for a ready engine to move to
+    (e.g. the restarted one when it was the only decode engine)."""
+
+    enabled: bool = True
+    max_migrations: int = 3
+    handoff_min_tokens: int = 256
+    wait_for_engine_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.max_migrations < 0:
+            raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
+        if self.handoff_min_tokens < 0:
+            raise ValueError(
+                f"migration_handoff_min_tokens must be >= 0, got {self.handoff_min_tokens}"
+            )
+        if self.wait_for_engine_s < 0:
+            raise ValueError(f"migration_wait_s must be >= 0, got {self.wait_for_engine_s}")
+
+
+class EngineLost(Exception):
+    """Raised out of a decode stream when its engine was declared dead,
+    restarted or drained, so the stream may migrate. ``reason`` is one of the
+    ``REASON_*`` labels, ``engine_id``/``epoch`` the incarnation lost."""
+
+    def __init__(self, reason: str, engine_id: str, epoch: int, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.engine_id = engine_id
+        self.epoch = epoch
+        self.message = message
+
+
+class StreamLedger:
+    """What one request has already delivered: the tokens the client got.
+
+    ``record`` every output the backend yields; ``resubmission`` builds the
+    request that continues the stream on another engine."""
+
+    def __init__(self, request: EngineRequest) -> None:
+        self.request = request
+        self.sent_token_ids: list[int] = []
+        self.num_migrations = 0
+        self.lost: set[tuple[str, int]] = set()  # (engine_id, epoch) this request lost
+
+    def record(self, output: EngineOutput) -> None:
+        self.sent_token_ids.extend(output.new_token_ids)
+
+    def can_migrate(self, policy: MigrationPolicy) -> bool:
+        return policy.enabled and self.num_migrations < policy.max_migrations
+
+    def resubmission(self) -> EngineRequest:
+        """The original request, continued after the tokens already sent: they
+        join the prompt and count against ``max_tokens`` / ``min_tokens``; no KV
+        transfer parameters (the caller picks how the new engine gets the KV)."""
+        req = self.request
+        sp = req.sampling_params
+        n = len(self.sent_token_ids)
+        if n >= sp.max_tokens:
+            raise ValueError(f"request {req.request_id}: {n} tokens sent, nothing left to generate")
+        return msgspec.structs.replace(
+            req,
+            prompt_token_ids=list(req.prompt_token_ids) + self.sent_token_ids,
+            sampling_params=msgspec.structs.replace(
+                sp, max_tokens=sp.max_tokens - n, min_tokens=max(0, sp.min_tokens - n)
+            ),
+            kv_transfer_params=None,
+        )
+
+
+def use_prefill_handoff(
+    policy: MigrationPolicy, num_context_tokens: int, prefill_ready: bool
+) -> bool:
+    """KV for the new engine: a fresh P handoff for long contexts (P's prefill
+    is faster than D's chunked recompute beside its running batch), local
+    recompute (with D's prefix-cache hits) for short ones."""
+    return prefill_ready and num_context_tokens >= policy.handoff_min_tokens
