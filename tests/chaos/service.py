@@ -1,0 +1,122 @@
+"""The chaos suite's service: a local Ray with the NIXL read-fault switch
+wired in, one prefill and two decode engines, helpers to fault and inspect
+them. Each test module starts its own (``chaos_service``)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+import time
+
+from cluster.serve import ServiceThread
+from kvtransfer.fault_injection import ENV_READ_FAIL_FILE
+from tests.chaos.harness import WORKLOADS, Workload, per_role, settings
+
+
+@contextlib.contextmanager
+def chaos_service(policy: str, **kw):
+    """Yields ``(svc, switch_path, references)``: the running service, the
+    file that arms the injected READ failure, and the undisturbed run's
+    results per workload (taken before any fault)."""
+    import ray
+
+    switch_dir = tempfile.mkdtemp(prefix="tandem-chaos-")
+    switch = os.path.join(switch_dir, "fail-reads")
+    ray.init(
+        include_dashboard=False,
+        num_cpus=2,
+        log_to_driver=False,
+        runtime_env={"env_vars": {ENV_READ_FAIL_FILE: switch}},
+    )
+    namespace = f"chaos-{os.getpid()}-{policy}"
+    try:
+        with ServiceThread(
+            settings(namespace, load_failure_policy=policy, **kw), per_role()
+        ) as svc:
+            references = {}
+            for workload in WORKLOADS:
+                w = Workload(svc.base_url, workload)
+                assert not any(w.finish())
+                references[workload] = w.results
+                for r in w.results:
+                    assert r.done and r.error is None and r.finish_reason == "length", r
+            yield svc, switch, references
+    finally:
+        ray.shutdown()
+        with contextlib.suppress(OSError):
+            os.remove(switch)
+        os.rmdir(switch_dir)
+
+
+def engine(svc, engine_id: str):
+    return svc.service.backend.engines[engine_id]
+
+
+def requests_on(svc, engine_id: str) -> set[str]:
+    async def snapshot() -> set[str]:
+        return set(engine(svc, engine_id).requests)
+
+    return svc.run(snapshot())
+
+
+def actor(svc, engine_id: str):
+    import ray
+
+    return ray.get_actor(engine_id, namespace=svc.service.settings["ray_namespace"])
+
+
+def wait_ready(svc, engine_id: str, deadline_s: float = 120.0, new_epoch_after: int = 0) -> None:
+    end = time.monotonic() + deadline_s
+    e = engine(svc, engine_id)
+    while not (e.state.ready and e.state.epoch != new_epoch_after):
+        assert time.monotonic() < end, f"{engine_id} not ready within {deadline_s} s"
+        time.sleep(0.1)
+
+
+BUSY_KEYS = (
+    "num_running_reqs",
+    "num_waiting_reqs",
+    "num_waiting_for_remote_kvs",
+    "num_blocks_held_for_transfer",
+)
+
+
+def settle(svc, skip: tuple[str, ...] = (), deadline_s: float = 60.0) -> int:
+    """Every engine but ``skip`` (dead for good) idle, then check_integrity();
+    returns the KV blocks still held (in use or held for a transfer)."""
+    import ray
+
+    handles = {h.engine_id: h for h in svc.service.handles if h.engine_id not in skip}
+    end = time.monotonic() + deadline_s
+    while True:
+        stats = {eid: ray.get(h.actor.stats.remote(), timeout=30) for eid, h in handles.items()}
+        busy = {e: s for e, s in stats.items() if any(s.get(k) for k in BUSY_KEYS)}
+        if not busy:
+            break
+        assert time.monotonic() < end, f"engines not idle: {busy}"
+        time.sleep(0.1)
+    for eid, h in handles.items():
+        assert ray.get(h.actor.check_integrity.remote(), timeout=30), eid
+    num_blocks = {eid: s["num_kv_blocks"] for eid, s in _blocks(handles).items()}
+    return sum(
+        round(s["kv_cache_usage"] * num_blocks[eid]) + s["num_blocks_held_for_transfer"]
+        for eid, s in stats.items()
+    )
+
+
+def _blocks(handles) -> dict:
+    import ray
+
+    return {eid: ray.get(h.actor.ready.remote(), timeout=30) for eid, h in handles.items()}
+
+
+def injected_read_failures(svc) -> float:
+    import ray
+
+    total = 0.0
+    for h in svc.service.handles:
+        if h.role == "decode":
+            s = ray.get(h.actor.stats.remote(), timeout=30)
+            total += s["kv_transfer"]["raw"].get("num_injected_read_failures", 0.0)
+    return total

@@ -1,0 +1,124 @@
+"""Chaos against a real service (1 prefill + 2 decode engines, local Ray, tiny
+model, load-failure policy ``recompute``). Every scenario runs a greedy and a
+seeded workload of 16 concurrent streams each, at once, and checks every
+request against the undisturbed run (tests/chaos/harness.py); afterwards
+every engine is idle, passes check_integrity() and holds no block."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from tests.chaos.harness import WORKLOADS, Tally, Workload, print_row
+from tests.chaos.service import (
+    actor,
+    chaos_service,
+    engine,
+    injected_read_failures,
+    requests_on,
+    settle,
+    wait_ready,
+)
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def chaos():
+    with chaos_service("recompute") as svc_switch_refs:
+        yield svc_switch_refs
+
+
+def run(svc, refs, name: str, fault, fault_engine: str | None = None, min_tokens: int = 4):
+    """Both workloads at once; ``fault()`` once every stream has
+    ``min_tokens`` tokens. Returns the tally (hung and wrong already asserted 0)."""
+    tally = Tally(name)
+    loads = [Workload(svc.base_url, w) for w in WORKLOADS]
+    for w in loads:
+        w.wait_tokens(min_tokens)
+    moved = requests_on(svc, fault_engine) if fault_engine else set()
+    fault_s = time.monotonic()
+    fault()
+    for w in loads:
+        tally.add(w.workload, w.results, refs[w.workload], w.finish(), fault_s, moved)
+    print_row(tally)
+    assert tally.hung == 0 and tally.wrong == 0, tally.details
+    return tally, moved
+
+
+def test_kill_decode_actor_mid_stream_every_stream_identical(chaos):
+    import ray
+
+    svc, _, refs = chaos
+    backend = svc.service.backend
+    before = sum(backend.num_migrations.values())
+    epoch = engine(svc, "decode-0").state.epoch
+    tally, moved = run(
+        svc,
+        refs,
+        "kill decode actor mid-stream",
+        lambda: ray.kill(actor(svc, "decode-0"), no_restart=False),
+        fault_engine="decode-0",
+    )
+    assert moved, "no stream was on decode-0 when it was killed"
+    assert tally.identical == tally.requests, tally.details
+    assert sum(backend.num_migrations.values()) - before == len(moved)
+    assert len(tally.migration_s) == len(moved)
+    wait_ready(svc, "decode-0", new_epoch_after=epoch)
+    assert settle(svc) == 0
+
+
+def test_kill_prefill_actor_during_kv_read(chaos):
+    """P is killed as the first first-token comes back: the other requests are
+    being prefilled or read by D. Reads from the dead P fail (D recomputes:
+    policy recompute), prefills in flight go to D; nothing hangs or is wrong."""
+    import ray
+
+    svc, _, refs = chaos
+    epoch = engine(svc, "prefill-0").state.epoch
+    tally, _ = run(
+        svc,
+        refs,
+        "kill prefill actor during KV read",
+        lambda: ray.kill(actor(svc, "prefill-0"), no_restart=False),
+        min_tokens=0,
+    )
+    assert tally.identical + tally.errored == tally.requests
+    wait_ready(svc, "prefill-0", new_epoch_after=epoch)
+    assert settle(svc) == 0
+
+
+def test_injected_nixl_read_failure_recompute_policy(chaos):
+    svc, switch, refs = chaos
+    before = injected_read_failures(svc)
+    open(switch, "w").close()
+    try:
+        tally, _ = run(svc, refs, "NIXL READ fails (policy recompute)", lambda: None)
+    finally:
+        os.remove(switch)
+    assert injected_read_failures(svc) > before
+    assert tally.identical == tally.requests, tally.details
+    assert settle(svc) == 0
+
+
+def test_sigstop_decode_engine_2s_is_slow_not_dead(chaos):
+    svc, _, refs = chaos
+    backend = svc.service.backend
+    before = dict(backend.num_migrations)
+    pid = engine(svc, "decode-1").state.info["pid"]
+
+    def pause() -> None:
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            time.sleep(2.0)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+
+    tally, _ = run(svc, refs, "SIGSTOP decode engine 2 s", pause)
+    assert tally.identical == tally.requests, tally.details
+    assert backend.num_migrations == before  # slow is not dead: nothing moved
+    assert engine(svc, "decode-1").state.ready
+    assert settle(svc) == 0
