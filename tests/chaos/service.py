@@ -12,6 +12,7 @@ import time
 from cluster.serve import ServiceThread
 from kvtransfer.fault_injection import ENV_READ_FAIL_FILE
 from tests.chaos.harness import WORKLOADS, Workload, per_role, settings
+from tests.cluster.service_helpers import BUSY_KEYS
 
 
 @contextlib.contextmanager
@@ -74,14 +75,6 @@ def wait_ready(svc, engine_id: str, deadline_s: float = 120.0, new_epoch_after: 
         time.sleep(0.1)
 
 
-BUSY_KEYS = (
-    "num_running_reqs",
-    "num_waiting_reqs",
-    "num_waiting_for_remote_kvs",
-    "num_blocks_held_for_transfer",
-)
-
-
 def settle(svc, skip: tuple[str, ...] = (), deadline_s: float = 60.0) -> int:
     """Every engine but ``skip`` (dead for good) idle, then check_integrity();
     returns the KV blocks still held (in use or held for a transfer)."""
@@ -120,3 +113,13 @@ def injected_read_failures(svc) -> float:
             s = ray.get(h.actor.stats.remote(), timeout=30)
             total += s["kv_transfer"]["raw"].get("num_injected_read_failures", 0.0)
     return total
+
+
+def reset_prefix_caches(svc) -> None:
+    """Forget cached prompts everywhere, so each scenario's requests go the
+    whole way (P prefill + NIXL read) as on first sight: with prefix hits on
+    a decode engine, kv-aware routing would skip P for a repeated prompt."""
+    import ray
+
+    refs = [h.actor.reset_prefix_cache.remote() for h in svc.service.handles]
+    assert all(ray.get(refs, timeout=30))

@@ -19,6 +19,7 @@ from tests.chaos.service import (
     engine,
     injected_read_failures,
     requests_on,
+    reset_prefix_caches,
     settle,
     wait_ready,
 )
@@ -36,6 +37,7 @@ def run(svc, refs, name: str, fault, fault_engine: str | None = None, min_tokens
     """Both workloads at once; ``fault()`` once every stream has
     ``min_tokens`` tokens. Returns the tally (hung and wrong already asserted 0)."""
     tally = Tally(name)
+    reset_prefix_caches(svc)
     loads = [Workload(svc.base_url, w) for w in WORKLOADS]
     for w in loads:
         w.wait_tokens(min_tokens)
