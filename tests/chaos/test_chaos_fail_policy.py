@@ -31,7 +31,7 @@ def test_injected_nixl_read_failure_fail_policy_errors_explicitly(chaos):
     before = injected_read_failures(svc)
     open(switch, "w").close()
     try:
-        tally, _ = run(svc, refs, "NIXL READ fails (policy fail)", lambda: None, min_tokens=0)
+        tally, _, _ = run(svc, refs, "NIXL READ fails (policy fail)", lambda _: None, min_tokens=0)
     finally:
         os.remove(switch)
     assert injected_read_failures(svc) > before

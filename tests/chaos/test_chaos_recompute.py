@@ -33,22 +33,28 @@ def chaos():
         yield svc_switch_refs
 
 
-def run(svc, refs, name: str, fault, fault_engine: str | None = None, min_tokens: int = 4):
-    """Both workloads at once; ``fault()`` once every stream has
-    ``min_tokens`` tokens. Returns the tally (hung and wrong already asserted 0)."""
+def run(svc, refs, name: str, fault, on_busiest_decode: bool = False, min_tokens: int = 4):
+    """Both workloads at once; ``fault(engine_id)`` once every stream has
+    ``min_tokens`` tokens, with the decode engine holding most streams then
+    (``on_busiest_decode``; the router may put them all on one) or None.
+    Returns the tally (hung and wrong asserted 0) and the ids that were on it."""
     tally = Tally(name)
     reset_prefix_caches(svc)
     loads = [Workload(svc.base_url, w) for w in WORKLOADS]
     for w in loads:
         w.wait_tokens(min_tokens)
-    moved = requests_on(svc, fault_engine) if fault_engine else set()
+    target, moved = None, set()
+    if on_busiest_decode:
+        held = {eid: requests_on(svc, eid) for eid in ("decode-0", "decode-1")}
+        target = max(held, key=lambda eid: len(held[eid]))
+        moved = held[target]
     fault_s = time.monotonic()
-    fault()
+    fault(target)
     for w in loads:
         tally.add(w.workload, w.results, refs[w.workload], w.finish(), fault_s, moved)
     print_row(tally)
     assert tally.hung == 0 and tally.wrong == 0, tally.details
-    return tally, moved
+    return tally, moved, target
 
 
 def test_kill_decode_actor_mid_stream_every_stream_identical(chaos):
@@ -57,19 +63,19 @@ def test_kill_decode_actor_mid_stream_every_stream_identical(chaos):
     svc, _, refs = chaos
     backend = svc.service.backend
     before = sum(backend.num_migrations.values())
-    epoch = engine(svc, "decode-0").state.epoch
-    tally, moved = run(
+    epochs = {eid: engine(svc, eid).state.epoch for eid in ("decode-0", "decode-1")}
+    tally, moved, target = run(
         svc,
         refs,
         "kill decode actor mid-stream",
-        lambda: ray.kill(actor(svc, "decode-0"), no_restart=False),
-        fault_engine="decode-0",
+        lambda eid: ray.kill(actor(svc, eid), no_restart=False),
+        on_busiest_decode=True,
     )
-    assert moved, "no stream was on decode-0 when it was killed"
+    assert moved, f"no stream was on {target} when it was killed"
     assert tally.identical == tally.requests, tally.details
     assert sum(backend.num_migrations.values()) - before == len(moved)
     assert len(tally.migration_s) == len(moved)
-    wait_ready(svc, "decode-0", new_epoch_after=epoch)
+    wait_ready(svc, target, new_epoch_after=epochs[target])
     assert settle(svc) == 0
 
 
@@ -81,11 +87,11 @@ def test_kill_prefill_actor_during_kv_read(chaos):
 
     svc, _, refs = chaos
     epoch = engine(svc, "prefill-0").state.epoch
-    tally, _ = run(
+    tally, _, _ = run(
         svc,
         refs,
         "kill prefill actor during KV read",
-        lambda: ray.kill(actor(svc, "prefill-0"), no_restart=False),
+        lambda _: ray.kill(actor(svc, "prefill-0"), no_restart=False),
         min_tokens=0,
     )
     assert tally.identical + tally.errored == tally.requests
@@ -98,7 +104,7 @@ def test_injected_nixl_read_failure_recompute_policy(chaos):
     before = injected_read_failures(svc)
     open(switch, "w").close()
     try:
-        tally, _ = run(svc, refs, "NIXL READ fails (policy recompute)", lambda: None)
+        tally, _, _ = run(svc, refs, "NIXL READ fails (policy recompute)", lambda _: None)
     finally:
         os.remove(switch)
     assert injected_read_failures(svc) > before
@@ -112,14 +118,14 @@ def test_sigstop_decode_engine_2s_is_slow_not_dead(chaos):
     before = dict(backend.num_migrations)
     pid = engine(svc, "decode-1").state.info["pid"]
 
-    def pause() -> None:
+    def pause(_) -> None:
         os.kill(pid, signal.SIGSTOP)
         try:
             time.sleep(2.0)
         finally:
             os.kill(pid, signal.SIGCONT)
 
-    tally, _ = run(svc, refs, "SIGSTOP decode engine 2 s", pause)
+    tally, _, _ = run(svc, refs, "SIGSTOP decode engine 2 s", pause)
     assert tally.identical == tally.requests, tally.details
     assert backend.num_migrations == before  # slow is not dead: nothing moved
     assert engine(svc, "decode-1").state.ready
