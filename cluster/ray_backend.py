@@ -665,10 +665,14 @@ class RayBackend(Backend):
         idle = False
         while loop.time() < deadline:
             try:
-                stats = await self._call(e, "stats")
+                stats = STATS_DECODER.decode(await self._call(e, "stats")).scheduler
             except Exception:  # noqa: BLE001 - slow or dead: holds nothing of ours soon
                 stats = None
-            if not e.requests and stats is not None and not any(stats.get(k) for k in _BUSY_STATS):
+            if (
+                not e.requests
+                and stats is not None
+                and not any(getattr(stats, k) for k in _BUSY_STATS)
+            ):
                 idle = True
                 break
             await asyncio.sleep(0.1)

@@ -12,7 +12,7 @@ import time
 from cluster.serve import ServiceThread
 from kvtransfer.fault_injection import ENV_READ_FAIL_FILE
 from tests.chaos.harness import WORKLOADS, Workload, per_role, settings
-from tests.cluster.service_helpers import BUSY_KEYS
+from tests.cluster.service_helpers import BUSY_FIELDS
 
 
 @contextlib.contextmanager
@@ -75,6 +75,14 @@ def wait_ready(svc, engine_id: str, deadline_s: float = 120.0, new_epoch_after: 
         time.sleep(0.1)
 
 
+def stats(handle):
+    import ray
+
+    from scheduler.engine_stats import STATS_DECODER
+
+    return STATS_DECODER.decode(ray.get(handle.actor.stats.remote(), timeout=30))
+
+
 def settle(svc, skip: tuple[str, ...] = (), deadline_s: float = 60.0) -> int:
     """Every engine but ``skip`` (dead for good) idle, then check_integrity();
     returns the KV blocks still held (in use or held for a transfer)."""
@@ -83,36 +91,31 @@ def settle(svc, skip: tuple[str, ...] = (), deadline_s: float = 60.0) -> int:
     handles = {h.engine_id: h for h in svc.service.handles if h.engine_id not in skip}
     end = time.monotonic() + deadline_s
     while True:
-        stats = {eid: ray.get(h.actor.stats.remote(), timeout=30) for eid, h in handles.items()}
-        busy = {e: s for e, s in stats.items() if any(s.get(k) for k in BUSY_KEYS)}
+        sched = {eid: stats(h).scheduler for eid, h in handles.items()}
+        busy = {e: s for e, s in sched.items() if any(getattr(s, k) for k in BUSY_FIELDS)}
         if not busy:
             break
         assert time.monotonic() < end, f"engines not idle: {busy}"
         time.sleep(0.1)
     for eid, h in handles.items():
         assert ray.get(h.actor.check_integrity.remote(), timeout=30), eid
-    num_blocks = {eid: s["num_kv_blocks"] for eid, s in _blocks(handles).items()}
+    num_blocks = {
+        eid: ray.get(h.actor.ready.remote(), timeout=30)["num_kv_blocks"]
+        for eid, h in handles.items()
+    }
     return sum(
-        round(s["kv_cache_usage"] * num_blocks[eid]) + s["num_blocks_held_for_transfer"]
-        for eid, s in stats.items()
+        round(s.kv_cache_usage * num_blocks[eid]) + s.num_blocks_held_for_transfer
+        for eid, s in sched.items()
     )
 
 
-def _blocks(handles) -> dict:
-    import ray
-
-    return {eid: ray.get(h.actor.ready.remote(), timeout=30) for eid, h in handles.items()}
-
-
-def injected_read_failures(svc) -> float:
-    import ray
-
-    total = 0.0
-    for h in svc.service.handles:
-        if h.role == "decode":
-            s = ray.get(h.actor.stats.remote(), timeout=30)
-            total += s["kv_transfer"]["raw"].get("num_injected_read_failures", 0.0)
-    return total
+def kv_read_failures(svc) -> float:
+    """Failed KV loads counted by the decode engines (injected ones included)."""
+    return sum(
+        stats(h).kv_transfer.transfer_failures_total
+        for h in svc.service.handles
+        if h.role == "decode"
+    )
 
 
 def reset_prefix_caches(svc) -> None:

@@ -10,7 +10,7 @@ import pytest
 
 from tests.chaos.service import (
     chaos_service,
-    injected_read_failures,
+    kv_read_failures,
     settle,
 )
 from tests.chaos.test_chaos_recompute import run
@@ -28,13 +28,13 @@ def chaos():
 
 def test_injected_nixl_read_failure_fail_policy_errors_explicitly(chaos):
     svc, switch, refs = chaos
-    before = injected_read_failures(svc)
+    before = kv_read_failures(svc)
     open(switch, "w").close()
     try:
         tally, _, _ = run(svc, refs, "NIXL READ fails (policy fail)", lambda _: None, min_tokens=0)
     finally:
         os.remove(switch)
-    assert injected_read_failures(svc) > before
+    assert kv_read_failures(svc) > before
     # every read failed: each request got P's token, then an explicit error
     assert tally.errored > 0 and tally.identical + tally.errored == tally.requests
     assert settle(svc) == 0

@@ -17,7 +17,7 @@ from tests.chaos.service import (
     actor,
     chaos_service,
     engine,
-    injected_read_failures,
+    kv_read_failures,
     requests_on,
     reset_prefix_caches,
     settle,
@@ -101,13 +101,13 @@ def test_kill_prefill_actor_during_kv_read(chaos):
 
 def test_injected_nixl_read_failure_recompute_policy(chaos):
     svc, switch, refs = chaos
-    before = injected_read_failures(svc)
+    before = kv_read_failures(svc)
     open(switch, "w").close()
     try:
         tally, _, _ = run(svc, refs, "NIXL READ fails (policy recompute)", lambda _: None)
     finally:
         os.remove(switch)
-    assert injected_read_failures(svc) > before
+    assert kv_read_failures(svc) > before
     assert tally.identical == tally.requests, tally.details
     assert settle(svc) == 0
 
