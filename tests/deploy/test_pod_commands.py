@@ -76,6 +76,7 @@ def test_head_starts_ray_then_becomes_the_gateway(tmp_path):
     assert serve_call == [
         "tandem", "serve", "--config", "/etc/tandem/serve.yaml", "--address", "auto",
         "--host", "0.0.0.0", "--port", "8000", "--api-key", "s3cr3t",
+        "--log-format", "json", "--otlp-traces-endpoint", "http://otel-collector.monitoring:4318",
     ]  # fmt: skip
 
 

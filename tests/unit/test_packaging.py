@@ -86,6 +86,9 @@ VERIFIED_FLOORS = {
     "prometheus-client": ("0.20", "overlay: tests/cluster/test_gateway.py (metrics)"),
     "aiohttp": ("3.14.5", "pin"),
     "pyyaml": ("6.0", "overlay: tests/cluster/test_serve_config.py"),
+    "opentelemetry-sdk": ("1.45", "pin"),
+    "opentelemetry-exporter-otlp-proto-http": ("1.45", "pin"),
+    "httpx": ("0.28.1", "pin"),
 }
 
 # API the code uses that older releases lack: (distribution, module, name,
