@@ -22,15 +22,21 @@ BIN = os.path.dirname(sys.executable)
 
 
 def run(*args, env, timeout=120, check=True):
-    return subprocess.run(
+    """Run the `ray` CLI; a failure names the command and shows what it printed."""
+    proc = subprocess.run(
         [os.path.join(BIN, "ray"), *args],
         env=env,
         cwd=ROOT,
         timeout=timeout,
-        check=check,
         capture_output=True,
         text=True,
     )
+    if check and proc.returncode != 0:
+        raise AssertionError(
+            f"ray {' '.join(args)} exited {proc.returncode}\n"
+            f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+        )
+    return proc
 
 
 def test_ray_job_submit_serves_completions():
