@@ -149,22 +149,18 @@ class GatewayMetrics(Collector):
             "Generated tokens received.",
             value=self.num_generation_tokens,
         )
-        finished = CounterMetricFamily(
-            f"{PREFIX}request_success",
+        yield counter_by(
+            "request_success",
             "Finished requests by finish reason (stop, length, abort, error).",
-            labels=["finished_reason"],
+            "finished_reason",
+            self.num_finished,
         )
-        for reason, count in sorted(self.num_finished.items()):
-            finished.add_metric([reason], count)
-        yield finished
-        rejected = CounterMetricFamily(
-            f"{PREFIX}request_rejected",
+        yield counter_by(
+            "request_rejected",
             "Generation requests answered with an HTTP error before dispatch.",
-            labels=["status_code"],
+            "status_code",
+            self.num_rejected,
         )
-        for code, count in sorted(self.num_rejected.items()):
-            rejected.add_metric([code], count)
-        yield rejected
         yield GaugeMetricFamily(
             f"{PREFIX}num_requests_in_flight",
             "Requests dispatched to the backend and not finished.",
@@ -239,14 +235,12 @@ class EngineMetricsCollector(Collector):
         snapshot = self._backend.metrics_snapshot()
         yield from _engine_families(snapshot.engines)
         yield from _kv_families(snapshot.engines)
-        decisions = CounterMetricFamily(
-            f"{PREFIX}disagg_decisions",
+        yield counter_by(
+            "disagg_decisions",
             "Router decisions: prefill on a remote engine or locally on decode.",
-            labels=["path"],
+            "path",
+            snapshot.num_disagg_decisions,
         )
-        for path, count in sorted(snapshot.num_disagg_decisions.items()):
-            decisions.add_metric([path], count)
-        yield decisions
         for name, help_text, value in (
             ("streams_cut", "Streams cut because the client did not read its outputs.",
              snapshot.num_streams_cut),
@@ -257,15 +251,21 @@ class EngineMetricsCollector(Collector):
         ):  # fmt: skip
             yield CounterMetricFamily(f"{PREFIX}{name}", help_text, value=value)
         yield from router_families(snapshot, PREFIX)
-        migrations = CounterMetricFamily(
-            f"{PREFIX}migrations",
+        yield counter_by(
+            "migrations",
             "Streams moved to another engine (cluster/migration.py), by reason.",
-            labels=["reason"],
+            "reason",
+            snapshot.num_migrations,
         )
-        for reason, count in sorted(snapshot.num_migrations.items()):
-            migrations.add_metric([reason], count)
-        yield migrations
         yield from _socket_families(snapshot)
+
+
+def counter_by(name: str, help_text: str, label: str, counts: dict) -> CounterMetricFamily:
+    """A `tandem:<name>_total` counter with one label, a sample per key of `counts`."""
+    family = CounterMetricFamily(f"{PREFIX}{name}", help_text, labels=[label])
+    for key, count in sorted(counts.items()):
+        family.add_metric([str(key)], count)
+    return family
 
 
 def _engine_families(engines: list[EngineMetrics]) -> Iterator[Metric]:
