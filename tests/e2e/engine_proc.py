@@ -26,6 +26,10 @@ from workers.engine_core import UtilityCall, UtilityResult
 _NEW = object()
 
 
+class EngineDied(RuntimeError):
+    """An engine process exited while the harness waited on it."""
+
+
 def _engine_main(config: EngineConfig, input_addr: str, output_addr: str) -> None:
     import torch
 
@@ -71,17 +75,28 @@ class Harness:
         self._dec_out = msgspec.msgpack.Decoder(EngineOutputs)
         self._dec_util = msgspec.msgpack.Decoder(UtilityResult)
 
-    def start(self, name: str, config: EngineConfig) -> None:
-        ep = EngineProcess(
-            config.replace(engine_id=name, cluster_secret=self.secret), self.output_addr
-        )
-        self.engines[name] = ep
-        sock = self.ctx.socket(zmq.PUSH)
-        sock.setsockopt(zmq.LINGER, 0)
-        self.auth.client(sock)
-        sock.connect(ep.input_addr)
-        self.push[name] = sock
-        self.call(name, "check_integrity", timeout_s=180)  # ready once it answers
+    def start(self, name: str, config: EngineConfig, attempts: int = 3) -> None:
+        """Start an engine and wait until it answers. The input port is picked
+        free before the engine process binds it, seconds later; if another
+        socket took it meanwhile the engine exits at bind, and a fresh port is
+        tried (an engine that dies `attempts` times still fails the test)."""
+        for attempt in range(attempts):
+            ep = EngineProcess(
+                config.replace(engine_id=name, cluster_secret=self.secret), self.output_addr
+            )
+            self.engines[name] = ep
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            self.auth.client(sock)
+            sock.connect(ep.input_addr)
+            self.push[name] = sock
+            try:
+                self.call(name, "check_integrity", timeout_s=180)  # ready once it answers
+                break
+            except EngineDied:
+                sock.close()
+                if attempt == attempts - 1:
+                    raise
         if config.kv_connector:
             self._register_prefill_engines()
 
@@ -129,7 +144,7 @@ class Harness:
         end = time.monotonic() + timeout_s
         while cid not in self.utility:
             if not self.engines[name].proc.is_alive():
-                raise RuntimeError(f"engine {name} died (exit {self.engines[name].proc.exitcode})")
+                raise EngineDied(f"engine {name} died (exit {self.engines[name].proc.exitcode})")
             assert time.monotonic() < end, f"{name}.{method} timed out"
             self._pump(50)
         r = self.utility.pop(cid)
