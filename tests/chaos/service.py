@@ -126,3 +126,42 @@ def reset_prefix_caches(svc) -> None:
 
     refs = [h.actor.reset_prefix_cache.remote() for h in svc.service.handles]
     assert all(ray.get(refs, timeout=30))
+
+
+def wait_restarted(handle, old_pid: int, deadline_s: float = 90.0) -> int:
+    """Until Ray has the actor ``handle`` up again in a process other than
+    ``old_pid`` (its ``ready()`` answers); returns the new pid. Fails if Ray
+    reports it dead for good (restarts exhausted) or at the deadline."""
+    import ray
+
+    end = time.monotonic() + deadline_s
+    while True:
+        try:
+            info = ray.get(handle.ready.remote(), timeout=10)
+        except ray.exceptions.ActorUnavailableError:
+            info = None  # restarting: Ray answers "temporarily unavailable"
+        except ray.exceptions.GetTimeoutError:
+            info = None  # its constructor is still running
+        if info is not None and info["pid"] != old_pid:
+            return info["pid"]
+        assert time.monotonic() < end, f"actor not back within {deadline_s} s"
+        time.sleep(0.1)
+
+
+def wait_dead_for_good(handle, deadline_s: float = 60.0) -> None:
+    """Until a call on ``handle`` fails with ``ActorDiedError`` (Ray gave up
+    restarting it). Its name stays registered while the actor is DEAD (Ray
+    2.60; seen still there 40 s later), so ``ray.get_actor`` still answers
+    and only a call tells."""
+    import ray
+
+    end = time.monotonic() + deadline_s
+    while True:
+        try:
+            ray.get(handle.ready.remote(), timeout=10)
+        except ray.exceptions.ActorDiedError:
+            return
+        except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+            pass  # still restarting (a kill that did not exhaust the budget)
+        assert time.monotonic() < end, f"actor not dead for good within {deadline_s} s"
+        time.sleep(0.1)
