@@ -250,10 +250,16 @@ class Scheduler:
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
         # The runner computes what was scheduled: advance now, so the counts
-        # always describe the KV that exists once this step ran.
+        # always describe the KV that exists once this step ran. Prompt tokens
+        # are counted here, so every chunk of a chunked prefill counts (not
+        # only the first) and a preempted request's taken-back chunk does not.
         requests = self.requests
         for rid, n in num_scheduled.items():
-            requests[rid].num_computed_tokens += n
+            req = requests[rid]
+            self.num_prompt_tokens += max(
+                0, min(n, req.num_prompt_tokens - req.num_computed_tokens)
+            )
+            req.num_computed_tokens += n
         return out
 
     def _schedule_waiting(
@@ -347,7 +353,6 @@ class Scheduler:
             self.running.append(req)
             num_scheduled[req.request_id] = num_new
             budget -= num_new
-            self.num_prompt_tokens += max(0, min(num_new, req.num_prompt_tokens - num_computed))
             new_reqs.append(self._new_request_data(req))
         if skipped:
             self.waiting.prepend_all(skipped)
@@ -492,7 +497,6 @@ class Scheduler:
         num_slots = self.config.max_num_seqs - len(self.running) - len(self.waiting_for_remote)
         num_forked, copies = fork.fork_blocks(self.kv, parent, children, max(1, num_slots))
         self.pending_copies.extend(copies)
-        self.num_prompt_tokens += num_forked  # each computes the last prompt token
         self._add_children(parent, children, num_forked)
 
     def _add_children(self, parent: Request, children: list[Request], num_forked: int) -> None:

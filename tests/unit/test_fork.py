@@ -48,6 +48,7 @@ def test_children_share_full_blocks_and_copy_the_partial_one():
     outs = run_to_end(s, r)
     finals = [o for o in outs["p"] if o.finished]
     assert sorted(o.index for o in finals) == [0, 1, 2]
+    assert s.make_stats().num_prompt_tokens == 9 + 3  # the last prompt token once per child
     assert not s.forks.children
 
 

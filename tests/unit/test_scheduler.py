@@ -48,6 +48,24 @@ def test_token_counts_per_step_chunked_prefill():
     s.check_integrity()
 
 
+def test_prompt_tokens_count_every_chunk_and_no_hit():
+    # "b" is chunked over two steps: both chunks are computed prompt tokens
+    # (the counter once kept only the first chunk); a prefix hit is not.
+    s = make()
+    r = FakeRunner()
+    add(s, "a", 10, max_tokens=3)
+    add(s, "b", 20, max_tokens=2)
+    run_to_end(s, r)
+    assert s.make_stats().num_prompt_tokens == 30
+    c = Request("c", list(range(12)), SamplingParams(max_tokens=1))
+    d = Request("d", list(range(12)) + [5, 6], SamplingParams(max_tokens=1))
+    s.add_request(c)
+    run_to_end(s, r)
+    s.add_request(d)
+    run_to_end(s, r)
+    assert s.make_stats().num_prompt_tokens == 30 + 12 + 2
+
+
 def test_long_prefill_threshold_and_max_num_seqs():
     s = make(long_prefill_token_threshold=5, max_num_seqs=2)
     r = FakeRunner()
