@@ -143,6 +143,12 @@ class Backend(abc.ABC):
         the others go on. The default does nothing: the choice then runs to
         its own end and its outputs are ignored."""
 
+    def route_log_fields(self, request_id: str) -> dict[str, Any]:
+        """The router's decision for an ended request, as fields of its
+        finished log line (``cluster/kv_routing/route_log.py``); asked once,
+        after the request's generator closed. The default has none."""
+        return {}
+
     def degraded(self) -> str:
         """Non-empty while serving with less than configured (an engine
         dead or drained): ``/health`` stays 200 and reports it."""

@@ -534,6 +534,7 @@ class Gateway:
             record.end_s = time.perf_counter()
             record.path, record.outcome = path, outcome
             record.num_output_tokens = job.num_output_tokens
+            record.router_fields = self.backend.route_log_fields(request.request_id)
             self.observer.finished(record)
 
     def _step(self, job: _Job, detokenizer: IncrementalDetokenizer, output: EngineOutput) -> _Step:

@@ -476,6 +476,9 @@ class RayBackend(Backend):
                 self._send_abort(e, [request_id])
                 e.requests.discard(request_id)
 
+    def route_log_fields(self, request_id: str) -> dict[str, Any]:
+        return self.routing.log_fields(request_id)
+
     async def abort_choice(self, request_id: str, index: int) -> None:
         child_id = child_request_id(request_id, index)  # only the engine that forked knows it
         for e in self.engines.values():

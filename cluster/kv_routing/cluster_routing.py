@@ -2,6 +2,8 @@
 
     request --hashes (once per pool hashing)--> policy.choose / plan_disaggregated
             --engine's first output--> observe_hit(predicted, reported)
+    every decision and hit is noted per request (route_log.py); the gateway
+    takes the note into the request's finished line (``log_fields``).
 
 The prompt's block hashes are computed here, once per request and per
 distinct (block size, hash algorithm) of the pools, with
@@ -13,21 +15,19 @@ kv-aware. Engines tell their block size and algorithm in ``ready``.
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from cluster.kv_routing.hit_error import HitErrorHistogram
 from cluster.kv_routing.index import PrefixIndex
 from cluster.kv_routing.policy import Choice, Plan, RoutingConfig, RoutingPolicy
+from cluster.kv_routing.route_log import RouteNotes
 from cluster.kv_routing.subscriber import KVEventSubscriber
 from cluster.router import Router
 from scheduler.block_hash import hash_request_blocks
 from scheduler.kv_events import KVSnapshot
 from scheduler.messages import EngineRequest
 from wire.frames import FrameCounters
-
-logger = logging.getLogger("tandem.router")
 
 
 class PromptHashes:
@@ -62,6 +62,7 @@ class ClusterRouting:
         self.index = PrefixIndex() if self.name == "kv-aware" else None
         self.policy = RoutingPolicy(config, router, self.index, self.name)
         self.hit_error = HitErrorHistogram()
+        self.notes = RouteNotes(self.name)
         self.subscriber: KVEventSubscriber | None = None
         self._hashing: dict[str, tuple[int, str]] = {}  # role -> (block size, algo)
 
@@ -102,37 +103,43 @@ class ClusterRouting:
     def choose(
         self, role: str, hashes: PromptHashes, exclude: set[str] = frozenset()
     ) -> Choice | None:
-        return self.policy.choose(
+        choice = self.policy.choose(
             role,
             len(hashes.request.prompt_token_ids),
             hashes.of(role),
             exclude,
             block_size=hashes.block_size(role),
         )
+        if choice is not None:
+            self.notes.chosen(
+                hashes.request.request_id, role, choice.engine.engine_id, choice.reason
+            )
+        return choice
 
     def plan(self, hashes: PromptHashes, wants_remote: bool) -> Plan | None:
-        return self.policy.plan_disaggregated(
+        plan = self.policy.plan_disaggregated(
             len(hashes.request.prompt_token_ids),
             hashes.of("decode"),
             hashes.block_size("decode"),
             wants_remote,
         )
+        if plan is not None:
+            rid = hashes.request.request_id
+            d = plan.decode
+            self.notes.chosen(rid, "decode", d.engine.engine_id, d.reason)
+            self.notes.planned(rid, plan.reason)
+        return plan
 
     def observe_hit(self, request_id: str, choice: Choice, reported_tokens: int) -> None:
         """The engine that computed the prompt reported its prefix hit."""
         if self.index is not None:
             self.hit_error.observe(choice.predicted_hit_tokens, reported_tokens)
-        logger.info(
-            "route request=%s policy=%s engine=%s role=%s reason=%s "
-            "predicted_hit_tokens=%d reported_hit_tokens=%d",
-            request_id,
-            self.name,
-            choice.engine.engine_id,
-            choice.engine.role,
-            choice.reason,
-            choice.predicted_hit_tokens,
-            reported_tokens,
-        )
+        self.notes.hit(request_id, choice.predicted_hit_tokens, reported_tokens)
+
+    def log_fields(self, request_id: str) -> dict[str, Any]:
+        """The request's routing fields for its finished line (route_log.py);
+        called once, when the request ended."""
+        return self.notes.take(request_id)
 
     def decisions(self) -> dict[str, int]:
         """``"role/reason" -> count`` (``role`` "route" for the P-or-not plan)."""

@@ -1,6 +1,6 @@
 """What happens when a request ends: its phase histograms, one INFO line
-(``tandem.request``) with its timings and path, and its trace when tracing
-is on. Called once per request from the gateway's generation loop."""
+(``tandem.request``) with its timings, path and the router's decision, and
+its trace when tracing is on. Called once per request from the gateway's generation loop."""
 
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ class RequestObserver:
                 "prompt_tokens": record.num_prompt_tokens,
                 "output_tokens": record.num_output_tokens,
                 **phases.as_log_fields(),
+                **record.router_fields,
             }
             request_logger.info(
                 "request finished", extra={"request_id": record.request_id, "fields": fields}

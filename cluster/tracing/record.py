@@ -77,6 +77,8 @@ class RequestRecord:
     num_output_tokens: int = 0
     legs: list[EngineLeg] = dataclasses.field(default_factory=list)
     traceparent: str | None = None  # the caller's W3C header, kept only when tracing
+    # the router's decision (engines, reason, predicted/actual hit): Backend.route_log_fields
+    router_fields: dict[str, object] = dataclasses.field(default_factory=dict)
 
     def add_timings(self, timings: RequestTimings, now_s: float) -> None:
         self.legs.append(EngineLeg(timings, now_s))

@@ -3,11 +3,15 @@ a local Ray, KV events over CURVE-authenticated ZMQ, NIXL handoff."""
 
 from __future__ import annotations
 
+import io
+import json
+import logging
 import time
 
 import httpx
 import pytest
 
+from cluster.logging_setup import make_handler
 from cluster.serve import SERVE_DEFAULTS, ServiceThread
 from tests.cluster.service_helpers import client, wait_idle
 
@@ -40,6 +44,33 @@ def _complete(svc, prompt):
         model="tiny", prompt=prompt, max_tokens=2, temperature=0, extra_body={"ignore_eos": True}
     )
     return r.usage
+
+
+class RequestLog:
+    """The ``tandem.request`` finished lines (JSON), while in its ``with``."""
+
+    def __enter__(self):
+        self.stream = io.StringIO()
+        self.handler = make_handler("json", self.stream)
+        self.logger = logging.getLogger("tandem.request")
+        self.old_level = self.logger.level
+        self.logger.addHandler(self.handler)
+        self.logger.setLevel(logging.INFO)
+        return self
+
+    def __exit__(self, *exc):
+        self.logger.removeHandler(self.handler)
+        self.logger.setLevel(self.old_level)
+
+    def wait_lines(self, num, deadline_s=30.0) -> list[dict]:
+        end = time.monotonic() + deadline_s
+        while True:
+            lines = [json.loads(x) for x in self.stream.getvalue().splitlines() if x]
+            lines = [x for x in lines if x["message"] == "request finished"]
+            if len(lines) >= num:
+                return lines
+            assert time.monotonic() < end, f"{len(lines)} finished lines, want {num}"
+            time.sleep(0.05)
 
 
 def _engine_hashes(svc) -> dict[str, set[bytes]]:
@@ -81,14 +112,24 @@ def test_prefix_stays_on_its_decode_engine_and_full_hit_skips_prefill(svc):
         for rep in range(3):
             for k, prefix in enumerate(PREFIXES):
                 before = _stats(svc)
-                usage = _complete(svc, prefix)
+                with RequestLog() as log:
+                    usage = _complete(svc, prefix)
+                    (line,) = log.wait_lines(1)
                 p = plans[-1]
                 d = p.decode.engine.engine_id
                 assert home.setdefault(k, d) == d, f"prefix {k} moved from {home[k]} to {d}"
+                # the finished line carries the router's decision and both hits
+                assert (line["router"], line["decode_engine"]) == ("kv-aware", d)
+                assert line["route_reason"] == p.reason
+                assert line["actual_hit_tokens"] == usage.prompt_tokens_details.cached_tokens
+                assert line["predicted_hit_tokens"] == line["actual_hit_tokens"]
                 after = _stats(svc)
                 if rep == 0:
                     assert p.remote_prefill and usage.prompt_tokens_details.cached_tokens == 0
+                    assert line["prefill_engine"] == "prefill-0"
+                    assert line["path"] == "remote"
                     continue
+                assert "prefill_engine" not in line and line["path"] == "local"
                 # D holds the whole prompt: P is skipped, nothing is read over NIXL
                 assert not p.remote_prefill and p.reason == "decode_holds_prompt"
                 full = (usage.prompt_tokens - 1) // 16 * 16
