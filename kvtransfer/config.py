@@ -50,12 +50,16 @@ class KVTransferConfig:
     head_dim: int | None = None
     # NIXL backends for the agent
     backends: tuple[str, ...] = ("UCX",)
-    # NIXL's progress thread spins a whole core per engine. Off, transfers and
-    # notifications progress when the loop polls (get_finished), which is every
-    # step while anything is held or loading. Turn it on when the prefill side
-    # must serve two-sided transports (UCX over TCP between hosts) during long
-    # forward passes. Measured on a 2-core VM: off is ~3x faster (benchmarks/kv_transfer.py).
+    # Who serves peers' READs while the engine loop is busy (a long forward):
+    # UCX over TCP and on GPUs needs the prefill process to progress (see
+    # progress_poller.py). By default a Python thread calls into NIXL every
+    # nixl_progress_poll_interval_s while blocks are held for a decode engine
+    # (0 = no poller: only the loop's polls, every step). NIXL's own progress
+    # thread also covers C calls that hold the GIL for long, but its Python API
+    # makes it poll UCX with a zero timeout: a busy core per engine; on a
+    # 2-core VM off is ~3x faster (benchmarks/kv_transfer.py). It replaces the poller.
     nixl_progress_thread: bool = False
+    nixl_progress_poll_interval_s: float = 0.001
     # How D tells P "done" / "renew". "side_channel" (ZMQ, default) keeps READs
     # one-sided; "nixl" (NIXL notifications) makes a READ after a notification
     # wait for P's loop unless P runs a progress thread (see side_channel.py).
@@ -104,6 +108,14 @@ class KVTransferConfig:
             raise ValueError(
                 f"KVTransferConfig.notification_transport must be one of "
                 f"{NOTIFICATION_TRANSPORTS}, got {self.notification_transport!r}"
+            )
+        if not (
+            isinstance(self.nixl_progress_poll_interval_s, (int, float))
+            and 0 <= self.nixl_progress_poll_interval_s <= 1
+        ):
+            raise ValueError(
+                "KVTransferConfig.nixl_progress_poll_interval_s must be in [0, 1] "
+                f"(0 = no poller), got {self.nixl_progress_poll_interval_s!r}"
             )
         if not self.backends:
             raise ValueError("KVTransferConfig.backends must name at least one NIXL backend")

@@ -75,6 +75,8 @@ class NixlAgent:
         config = nixl_agent_config(enable_prog_thread=progress_thread, backends=list(backends))
         self._agent = nixl_agent(name, config)
         self._registered: Any = None
+        # notifications taken by ``progress`` (another thread), kept for ``get_notifs``
+        self._notif_backlog: dict[str, list[bytes]] = {}
         self.region: RegionInfo | None = None
         self.metadata = b""
         # Test hooks, None in production. NIXL refuses to release a handle it
@@ -173,8 +175,23 @@ class NixlAgent:
             self._agent.send_notif(peer_name, message)
 
     def get_notifs(self) -> dict[str, list[bytes]]:
+        """New notifications per peer agent, including any a ``progress``
+        call took since the last call, in arrival order."""
         with self._lock:
-            return self._agent.get_new_notifs()
+            self._take_notifs_locked()
+            out, self._notif_backlog = self._notif_backlog, {}
+            return out
+
+    def progress(self) -> None:
+        """Let UCX progress (serve peers' READs on two-sided transports) from
+        any thread; notifications it receives wait for ``get_notifs``."""
+        with self._lock:
+            if self._agent is not None:
+                self._take_notifs_locked()
+
+    def _take_notifs_locked(self) -> None:
+        for peer, messages in self._agent.get_new_notifs().items():
+            self._notif_backlog.setdefault(peer, []).extend(messages)
 
     def close(self) -> None:
         """Deregister the KV cache and drop the agent. Idempotent."""

@@ -59,6 +59,7 @@ from kvtransfer.nixl_meta import (
     encode_notif,
 )
 from kvtransfer.nixl_peers import Peer, PeerTable
+from kvtransfer.progress_poller import ProgressPoller
 from kvtransfer.side_channel import (
     HandshakeInfo,
     Notification,
@@ -148,6 +149,18 @@ class NixlWorkerSide(KVConnectorWorkerSide):
         )
         self._closed = False
         self._read_faults = ReadFaults()  # test hook (kvtransfer/fault_injection.py)
+        # serves peers' READs while the loop is busy (progress_poller.py)
+        self._poller: ProgressPoller | None = None
+        if (
+            config.serves_kv
+            and not config.nixl_progress_thread
+            and config.nixl_progress_poll_interval_s > 0
+        ):
+            self._poller = ProgressPoller(
+                self.agent.progress,
+                lambda: bool(self._sends),
+                config.nixl_progress_poll_interval_s,
+            )
 
     def wire_stats(self) -> dict[str, dict[str, int]]:
         """Malformed messages and refused handshakes per socket name
@@ -220,6 +233,8 @@ class NixlWorkerSide(KVConnectorWorkerSide):
                 self._done_sending.add(send.request_id)
             else:
                 self._sends[send.request_id] = _Send(send.num_blocks, send.lease_deadline_mono)
+                if self._poller is not None:
+                    self._poller.wake()
         for request_id in metadata.cancelled_sends:
             self._sends.pop(request_id, None)
         for spec in metadata.loads:
@@ -526,6 +541,7 @@ class NixlWorkerSide(KVConnectorWorkerSide):
         out["num_handshakes"] = float(self._peers.num_handshakes)
         out["num_handshake_failures"] = float(self._peers.num_handshake_failures)
         out["num_injected_read_failures"] = self._counters.get("num_injected_read_failures", 0.0)
+        out["num_progress_polls"] = float(self._poller.num_progress_calls if self._poller else 0)
         return out
 
     def drain_load_records(self) -> list[tuple[str, int, int, int, float, float]]:
@@ -564,6 +580,8 @@ class NixlWorkerSide(KVConnectorWorkerSide):
         if self._closed:
             return
         self._closed = True
+        if self._poller is not None:
+            self._poller.close()
         for load in [*self._loads.values(), *self._quarantine.values()]:
             if load.handle is not None:
                 self.agent.release(load.handle)

@@ -9,6 +9,8 @@ hands out kv_transfer_params for "finished prefills" and reports
     child -> parent  ("params", request_id, params_dict)
     child -> parent  ("done_sending", request_id, seconds_since_finish)
     parent -> child  ("stats",) -> ("stats", dict + "wire": wire_stats()) ; ("ping",) -> ("pong",)
+    parent -> child  ("block", seconds, how) -> ("blocking",), then the loop
+                     stays away from NIXL that long (``block_loop``)
     parent -> child  ("stop",) -> exits
 """
 
@@ -34,6 +36,26 @@ def _context() -> mp.context.BaseContext:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "kvtransfer.nixl_worker", "scheduler.request"])
     return ctx
+
+
+def block_loop(seconds: float, how: str) -> None:
+    """Keep the calling thread busy like a long forward pass: ``python`` (a
+    pure-Python loop: holds the GIL, hands it over every 5 ms), ``sleep``
+    (a C call that releases the GIL) or ``c_gil`` (a C call that holds the
+    GIL throughout, e.g. an extension without a GIL release)."""
+    if how == "python":
+        end = time.monotonic() + seconds
+        n = 0
+        while time.monotonic() < end:
+            n += 1
+    elif how == "sleep":
+        time.sleep(seconds)
+    elif how == "c_gil":
+        import ctypes
+
+        ctypes.PyDLL(None).usleep(int(seconds * 1e6))  # PyDLL: the GIL stays held
+    else:
+        raise ValueError(f"unknown block mode {how!r}")
 
 
 def run_prefill(
@@ -67,6 +89,10 @@ def run_prefill(
                     continue
                 if msg[0] == "ping":
                     conn.send(("pong",))
+                    continue
+                if msg[0] == "block":
+                    conn.send(("blocking",))
+                    block_loop(msg[1], msg[2])
                     continue
                 _, request_id, num_prompt, block_ids = msg
                 req = Request(
@@ -157,6 +183,12 @@ class PrefillProcess:
         self._conn.send(("ping",))
         self._wait(lambda m: m[0] == "pong", 10.0)
         return time.perf_counter() - start
+
+    def block(self, seconds: float, how: str) -> None:
+        """Make the child's loop stay away from NIXL for ``seconds``
+        (``block_loop``); returns once the child has started blocking."""
+        self._conn.send(("block", seconds, how))
+        self._wait(lambda m: m[0] == "blocking", 10.0)
 
     def stats(self) -> dict:
         self._conn.send(("stats",))
