@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import socket
 
+from kvtransfer.compat import KV_LAYOUTS
+
 ROLES = ("prefill", "decode", "both")
 LOAD_FAILURE_POLICIES = ("recompute", "fail")
 NOTIFICATION_TRANSPORTS = ("side_channel", "nixl")
@@ -48,6 +50,14 @@ class KVTransferConfig:
     num_layers: int | None = None
     num_kv_heads: int | None = None
     head_dim: int | None = None
+    # byte layout of the registered cache (compat.py): "blocks_first" | "head_major"
+    kv_layout: str = "blocks_first"
+    # Tensor parallelism: this worker is rank ``tp_rank`` of ``tp_size``; each
+    # rank registers its own KV shard and serves its own side channel. With
+    # tp_size > 1, ``num_kv_heads`` must be the MODEL's KV head count. Rank 0
+    # is the lead: it holds P's sends and receives D's notifications.
+    tp_size: int = 1
+    tp_rank: int = 0
     # NIXL backends for the agent
     backends: tuple[str, ...] = ("UCX",)
     # Who serves peers' READs while the engine loop is busy (a long forward):
@@ -104,6 +114,20 @@ class KVTransferConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"KVTransferConfig.{name} must be an int >= 1, got {value!r}")
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ValueError(
+                f"KVTransferConfig.kv_layout must be one of {KV_LAYOUTS}, got {self.kv_layout!r}"
+            )
+        if not isinstance(self.tp_size, int) or self.tp_size < 1:
+            raise ValueError(f"KVTransferConfig.tp_size must be an int >= 1, got {self.tp_size!r}")
+        if not isinstance(self.tp_rank, int) or not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(
+                f"KVTransferConfig.tp_rank must be in 0..{self.tp_size - 1}, got {self.tp_rank!r}"
+            )
+        if self.tp_size > 1 and self.num_kv_heads is None:
+            raise ValueError(
+                "KVTransferConfig.num_kv_heads (the model's) is required with tp_size > 1"
+            )
         if self.notification_transport not in NOTIFICATION_TRANSPORTS:
             raise ValueError(
                 f"KVTransferConfig.notification_transport must be one of "
@@ -134,6 +158,11 @@ class KVTransferConfig:
     @property
     def pulls_kv(self) -> bool:
         return self.role in ("decode", "both")
+
+    @property
+    def is_lead_rank(self) -> bool:
+        """Rank 0 holds the sends and speaks for the engine (notifications)."""
+        return self.tp_rank == 0
 
     def resolved_advertise_host(self) -> str:
         """The host decode engines should connect to for handshakes."""

@@ -1,9 +1,9 @@
-"""One NIXL agent per worker, and the descriptor math of blocks-first KV.
+"""One NIXL agent per worker rank, and the descriptor math of whole blocks.
 
-The KV cache is one tensor ``[num_blocks, num_layers, 2, block_size,
-num_kv_heads, head_dim]``, so block ``b`` of every layer is the single
-region ``base + b * block_len``. A transfer is one descriptor per RUN of
-blocks that are consecutive on both sides::
+The KV cache (one rank's shard) is one tensor in which block ``b`` of every
+layer is the single region ``base + b * block_len`` (both layouts of
+``compat.py``). A whole-block transfer is one descriptor per RUN of blocks
+that are consecutive on both sides (head slices: ``tp_plan.py``)::
 
     local  [7, 8, 9, 3, 4]      runs: (7 <- 20, 2 blocks)
     remote [20, 21, 5, 6, 7]          (9 <- 5, 1 block)   21->5 breaks remote
@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from kvtransfer.side_channel import RegionInfo
+from kvtransfer.tp_plan import Descriptors
 
 XferHandle = Any
 
@@ -48,13 +49,13 @@ def split_block_runs(
     return runs
 
 
-def run_descriptors(region: RegionInfo, starts: list[int], lengths: list[int]) -> np.ndarray:
-    """Nx3 ``(address, num_bytes, device_id)`` rows for block runs of ``region``."""
-    descs = np.empty((len(starts), 3), dtype=np.uint64)
-    descs[:, 0] = region.base_addr + np.asarray(starts, dtype=np.uint64) * region.block_len
-    descs[:, 1] = np.asarray(lengths, dtype=np.uint64) * region.block_len
-    descs[:, 2] = region.device_id
-    return descs
+def _rows(addrs: np.ndarray, lengths: np.ndarray, device_id: int) -> np.ndarray:
+    """Nx3 ``(address, num_bytes, device_id)`` rows, as NIXL takes them."""
+    rows = np.empty((len(addrs), 3), dtype=np.uint64)
+    rows[:, 0] = addrs
+    rows[:, 1] = lengths
+    rows[:, 2] = device_id
+    return rows
 
 
 def make_agent_name(engine_id: str, epoch: int) -> str:
@@ -87,8 +88,8 @@ class NixlAgent:
         self.test_refuse_remove_peer: Callable[[str], bool] | None = None
 
     def register(self, kv_cache: Any) -> RegionInfo:
-        """Register a contiguous blocks-first tensor (DRAM on CPU, VRAM on
-        CUDA) once; returns where its blocks live."""
+        """Register a contiguous KV tensor whose first dim is the block (DRAM
+        on CPU, VRAM on CUDA) once; returns where its blocks live."""
         if self._registered is not None:
             raise RuntimeError("the KV cache is already registered")
         if not kv_cache.is_contiguous():
@@ -121,21 +122,18 @@ class NixlAgent:
             self._agent.remove_remote_agent(peer_name)
 
     def start_read(
-        self, peer_name: str, peer_region: RegionInfo, runs: list[tuple[int, int, int]]
+        self, peer_name: str, peer_region: RegionInfo, descs: Descriptors
     ) -> tuple[XferHandle, str]:
-        """Post one READ of ``runs`` (see ``split_block_runs``) from the peer
-        into the local region. Returns ``(handle, "DONE"|"PROC"|"ERR")``;
+        """Post one READ of ``descs`` (absolute addresses, ``tp_plan``) from the
+        peer into the local region. Returns ``(handle, "DONE"|"PROC"|"ERR")``;
         NIXL errors raise.
 
         Between processes of one host UCX picks its ``cma`` transport
         (process_vm_readv): the kernel copies inside this call, which then
         returns "DONE". Over RDMA or TCP the READ proceeds in the background."""
         assert self.region is not None, "register the KV cache first"
-        local_starts = [r[0] for r in runs]
-        remote_starts = [r[1] for r in runs]
-        lengths = [r[2] for r in runs]
-        local = run_descriptors(self.region, local_starts, lengths)
-        remote = run_descriptors(peer_region, remote_starts, lengths)
+        local = _rows(descs.local_addrs, descs.lengths, self.region.device_id)
+        remote = _rows(descs.remote_addrs, descs.lengths, peer_region.device_id)
         with self._lock:
             local_descs = self._agent.get_xfer_descs(local, self.region.mem_type)
             remote_descs = self._agent.get_xfer_descs(remote, peer_region.mem_type)

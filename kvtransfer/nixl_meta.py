@@ -14,12 +14,22 @@ class _Meta(msgspec.Struct, array_like=True, omit_defaults=True):
 
 
 class PeerAddr(_Meta, frozen=True):
-    """A prefill engine incarnation and where its side channel listens."""
+    """A prefill engine incarnation and where its side channels listen:
+    ``port`` is its lead rank's (handshakes of rank 0, every notification),
+    ``rank_ports[r]`` rank r's when it runs tensor-parallel (empty: one rank)."""
 
     engine_id: str
     epoch: int
     host: str
     port: int
+    rank_ports: tuple[int, ...] = ()
+
+    @property
+    def tp_size(self) -> int:
+        return max(1, len(self.rank_ports))
+
+    def rank_port(self, rank: int) -> int:
+        return self.rank_ports[rank] if self.rank_ports else self.port
 
 
 class LoadSpec(_Meta):
@@ -62,22 +72,54 @@ class NixlConnectorMetadata(_Meta):
     notifies: list[NotifySpec] = []
     new_sends: list[SendSpec] = []
     cancelled_sends: list[str] = []
+    # sends the engine freed since the last step (its lead rank reported them):
+    # the other tensor-parallel ranks stop tracking them
+    finished_sends: list[str] = []
 
     def is_empty(self) -> bool:
-        return not (self.loads or self.notifies or self.new_sends or self.cancelled_sends)
+        return not (
+            self.loads
+            or self.notifies
+            or self.new_sends
+            or self.cancelled_sends
+            or self.finished_sends
+        )
 
 
 NOTIF_DONE = "done"
 NOTIF_RENEW = "renew"
 
 
-def encode_notif(kind: str, remote_request_id: str) -> bytes:
-    return f"{kind}:{remote_request_id}".encode()
+class NotifKey(msgspec.Struct, array_like=True, frozen=True):
+    """One notification as P's lead rank handles it: ``kind`` about its
+    ``request_id``, sent by D's rank ``rank`` of ``num_ranks``. P frees a
+    request once ``num_ranks`` distinct ranks said "done" (a D rank says it
+    when ITS reads are over; one engine-wide "done" has num_ranks 1)."""
+
+    kind: str
+    request_id: str
+    rank: int = 0
+    num_ranks: int = 1
 
 
-def decode_notif(message: bytes) -> tuple[str, str] | None:
-    """``(kind, request_id)``, or None for a message that is not ours."""
-    kind, sep, request_id = message.decode(errors="replace").partition(":")
-    if not sep or kind not in (NOTIF_DONE, NOTIF_RENEW):
+def encode_notif(kind: str, remote_request_id: str, rank: int = 0, num_ranks: int = 1) -> bytes:
+    """``kind:id`` (one D rank) or ``kind@rank/num_ranks:id``."""
+    if num_ranks == 1:
+        return f"{kind}:{remote_request_id}".encode()
+    return f"{kind}@{rank}/{num_ranks}:{remote_request_id}".encode()
+
+
+def decode_notif(message: bytes) -> NotifKey | None:
+    """The notification, or None for a message that is not ours."""
+    head, sep, request_id = message.decode(errors="replace").partition(":")
+    if not sep:
         return None
-    return kind, request_id
+    kind, _, ranks = head.partition("@")
+    if kind not in (NOTIF_DONE, NOTIF_RENEW):
+        return None
+    if not ranks:
+        return NotifKey(kind, request_id)
+    rank, _, num = ranks.partition("/")
+    if not (rank.isdigit() and num.isdigit() and int(rank) < int(num)):
+        return None
+    return NotifKey(kind, request_id, int(rank), int(num))

@@ -1,6 +1,9 @@
-"""Peers of a decode worker: prefill engines it has handshaked with.
+"""Peers of a decode worker: prefill engine ranks it has handshaked with.
 
-Cached per ``(engine_id, epoch)``. A newer epoch for an engine id means it
+Cached per ``(engine_id, epoch, rank)``: with tensor parallelism each rank
+of a prefill engine is its own NIXL agent with its own side channel, and a
+decode rank handshakes only with the ranks its read plan names
+(``tp_plan.py``). A newer epoch for an engine id means it
 restarted: the old entries are dropped (``remove_remote_agent``) so a
 restarted peer is never served from stale NIXL state; params that still
 name an older epoch are refused. Handshakes (ZMQ request + compat check +
@@ -17,16 +20,17 @@ from typing import Any
 
 import zmq
 
-from kvtransfer.compat import KVLayout, compat_hash, describe_mismatch
+from kvtransfer.compat import KVLayout, RankLayout, compat_hash, describe_mismatch
 from kvtransfer.nixl_agent import NixlAgent
 from kvtransfer.nixl_meta import PeerAddr
 from kvtransfer.side_channel import HandshakeError, RegionInfo, fetch_handshake
+from kvtransfer.tp_plan import shard_for
 from wire.auth import PlaneAuth
 from wire.frames import FrameCounters
 
 logger = logging.getLogger(__name__)
 
-PeerKey = tuple[str, int]
+PeerKey = tuple[str, int, int]  # engine id, epoch, rank
 
 
 class IncompatiblePeerError(HandshakeError):
@@ -36,9 +40,11 @@ class IncompatiblePeerError(HandshakeError):
 @dataclasses.dataclass
 class Peer:
     addr: PeerAddr
+    rank: int = 0
     future: concurrent.futures.Future | None = None
     agent_name: str = ""
     region: RegionInfo | None = None
+    shard: RankLayout | None = None  # the heads this rank holds (from its handshake)
     # NIXL forgot the peer's agent (or never knew it): none of its READs can land any more
     agent_removed: bool = False
     # loads / notifies queued until the handshake finishes (owned by the worker)
@@ -46,7 +52,7 @@ class Peer:
 
     @property
     def key(self) -> PeerKey:
-        return (self.addr.engine_id, self.addr.epoch)
+        return (self.addr.engine_id, self.addr.epoch, self.rank)
 
     @property
     def ready(self) -> bool:
@@ -80,15 +86,19 @@ class PeerTable:
         self._orphans: list[concurrent.futures.Future] = []
         self._layout: KVLayout | None = None
         self._hash = ""
-        self._block_len = 0
+        self._head_block_bytes = 0
         self.num_handshakes = 0
         self.num_handshake_failures = 0
 
-    def set_local_layout(self, layout: KVLayout, block_len: int) -> None:
-        self._layout, self._hash, self._block_len = layout, compat_hash(layout), block_len
+    def set_local_layout(self, layout: KVLayout, head_block_bytes: int) -> None:
+        """``head_block_bytes``: one KV head of one block (what every rank of a
+        compatible peer holds a whole multiple of)."""
+        self._layout, self._hash = layout, compat_hash(layout)
+        self._head_block_bytes = head_block_bytes
 
-    def lookup(self, addr: PeerAddr) -> tuple[Peer | None, list[Peer], str]:
-        """``(peer, dropped, error)``. Starts a handshake for an unknown peer.
+    def lookup(self, addr: PeerAddr, rank: int = 0) -> tuple[Peer | None, list[Peer], str]:
+        """``(peer, dropped, error)`` for rank ``rank`` of the engine at ``addr``.
+        Starts a handshake for an unknown peer.
         ``dropped`` are older incarnations removed now (the caller fails their
         work); ``error`` (with peer None) means ``addr`` names a stale epoch."""
         latest = self._latest_epoch.get(addr.engine_id)
@@ -105,11 +115,16 @@ class PeerTable:
         if latest is None or addr.epoch > latest:
             dropped = self.drop_engine(addr.engine_id)
             self._latest_epoch[addr.engine_id] = addr.epoch
-        peer = self._peers.get((addr.engine_id, addr.epoch))
+        peer = self._peers.get((addr.engine_id, addr.epoch, rank))
         if peer is None:
-            peer = Peer(addr, future=self._executor.submit(self._handshake, addr))
+            peer = Peer(addr, rank, future=self._executor.submit(self._handshake, addr, rank))
             self._peers[peer.key] = peer
         return peer, dropped, ""
+
+    def find(self, addr: PeerAddr, rank: int) -> Peer | None:
+        """The known peer for rank ``rank`` of ``addr``'s incarnation; never
+        starts a handshake."""
+        return self._peers.get((addr.engine_id, addr.epoch, rank))
 
     def drop_engine(self, engine_id: str) -> list[Peer]:
         """Forget every incarnation of ``engine_id``; returns them."""
@@ -144,14 +159,18 @@ class PeerTable:
                 continue
             future, peer.future = peer.future, None
             try:
-                peer.agent_name, peer.region = future.result()
+                peer.agent_name, peer.region, peer.shard = future.result()
                 self.num_handshakes += 1
                 ready.append(peer)
             except Exception as e:
                 self.num_handshake_failures += 1
                 del self._peers[peer.key]
                 addr = peer.addr
-                reason = f"handshake with {addr.engine_id}@{addr.host}:{addr.port} failed: {e}"
+                port = addr.rank_port(peer.rank)
+                reason = (
+                    f"handshake with {addr.engine_id} rank {peer.rank}@{addr.host}:{port} "
+                    f"failed: {e}"
+                )
                 logger.warning(reason)
                 failed.append((peer, reason))
         for future in [f for f in self._orphans if f.done()]:
@@ -160,12 +179,13 @@ class PeerTable:
                 self._remove_agent(future.result()[0])
         return ready, failed
 
-    def _handshake(self, addr: PeerAddr) -> tuple[str, RegionInfo]:
+    def _handshake(self, addr: PeerAddr, rank: int) -> tuple[str, RegionInfo, RankLayout]:
         """Runs on a pool thread: the only NIXL call is add_remote_agent (locked)."""
+        port = addr.rank_port(rank)
         info = fetch_handshake(
             self._context,
             addr.host,
-            addr.port,
+            port,
             self._local_engine_id,
             self._timeout_s,
             auth=self._auth,
@@ -173,7 +193,7 @@ class PeerTable:
         )
         if info.engine_id != addr.engine_id:
             raise HandshakeError(
-                f"{addr.host}:{addr.port} is engine {info.engine_id!r}, expected {addr.engine_id!r}"
+                f"{addr.host}:{port} is engine {info.engine_id!r}, expected {addr.engine_id!r}"
             )
         if info.epoch != addr.epoch:
             raise HandshakeError(
@@ -187,12 +207,23 @@ class PeerTable:
                 f"engine {addr.engine_id} has incompatible KV blocks: "
                 f"{describe_mismatch(self._layout, info.layout)}"
             )
-        if info.region.block_len != self._block_len:
-            raise IncompatiblePeerError(
-                f"engine {addr.engine_id} blocks are {info.region.block_len} bytes, "
-                f"ours {self._block_len}"
+        shard = info.rank
+        if (shard.rank, shard.tp_size) != (rank, addr.tp_size):
+            raise HandshakeError(
+                f"{addr.host}:{port} is rank {shard.rank} of {shard.tp_size}, expected rank "
+                f"{rank} of {addr.tp_size} (engine {addr.engine_id})"
             )
-        return self._agent.add_peer(info.agent_metadata), info.region
+        expected = shard_for(self._layout.num_kv_heads, shard.tp_size, shard.rank)
+        if shard != expected:
+            raise IncompatiblePeerError(
+                f"engine {addr.engine_id} rank {rank} holds {shard}, expected {expected}"
+            )
+        if info.region.block_len != self._head_block_bytes * shard.num_heads:
+            raise IncompatiblePeerError(
+                f"engine {addr.engine_id} rank {rank} blocks are {info.region.block_len} bytes, "
+                f"expected {self._head_block_bytes * shard.num_heads} for {shard.num_heads} heads"
+            )
+        return self._agent.add_peer(info.agent_metadata), info.region, shard
 
     def _remove_agent(self, agent_name: str) -> bool:
         """True once NIXL no longer knows the agent (removed now or before)."""

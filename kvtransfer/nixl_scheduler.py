@@ -99,6 +99,7 @@ class NixlSchedulerSide(KVConnectorSchedulerSide):
         self._notifies: list[NotifySpec] = []
         self._new_sends: list[SendSpec] = []
         self._cancelled_sends: list[str] = []
+        self._finished_sends: list[str] = []
 
     # ---- decode side ------------------------------------------------------------
 
@@ -275,13 +276,16 @@ class NixlSchedulerSide(KVConnectorSchedulerSide):
             notifies=self._notifies,
             new_sends=self._new_sends,
             cancelled_sends=self._cancelled_sends,
+            finished_sends=self._finished_sends,
         )
         self._loads, self._notifies, self._new_sends, self._cancelled_sends = [], [], [], []
+        self._finished_sends = []
         return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         for request_id in connector_output.finished_sending:
-            self._held_sends.pop(request_id, None)
+            if self._held_sends.pop(request_id, None) is not None and self.config.tp_size > 1:
+                self._finished_sends.append(request_id)  # tells the other ranks
         for request_id in connector_output.finished_recving:
             self._loads_in_flight.discard(request_id)
 
@@ -293,6 +297,7 @@ class NixlSchedulerSide(KVConnectorSchedulerSide):
             or self._notifies
             or self._new_sends
             or self._cancelled_sends
+            or self._finished_sends
         )
 
     @property

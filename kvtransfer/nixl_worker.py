@@ -1,16 +1,21 @@
 """Worker side of the NIXL connector: the KV bytes move here.
 
-Decode role, per LoadSpec::
+Decode role, per LoadSpec (this worker is rank d of a decode engine with
+tensor-parallel size D; P has size len(peer.rank_ports) or 1)::
 
-    start_load_kv: peer ready? -> post READ (one descriptor per block run)
-                   handshake pending? -> queue on the peer (never blocks)
+    start_load_kv: read plan (tp_plan.plan_rank_reads): one PART per prefill
+                   rank whose heads rank d needs (homogeneous TP: rank d only)
+                   each part: peer rank ready? -> post its READ (descriptors:
+                   tp_plan.read_descriptors); handshake pending? -> queue (never blocks)
     get_finished:  handshakes done -> post queued READs
-                   READ DONE -> notify P "done" (its request id) -> done_recving
-                   ERR / peer gone / deadline / lease -> done_recving + load-error blocks,
-                   best-effort "done" to P, peer forgotten (re-handshake next time)
+                   a part DONE / ERR / peer gone / deadline / lease -> part over
+                   every part over -> done_recving (+ load-error blocks if any part
+                   failed), "done" (rank d of D) to P's lead rank, best effort
 
-Prefill role, per SendSpec: hold until "done" from D -> done_sending, or
-until the lease deadline (extended by "renew") -> done_sending.
+Prefill role, per SendSpec, on the lead rank (0) only: hold until "done"
+from every decode rank (a notification names its rank of how many) ->
+done_sending, or until the lease deadline (extended by "renew") ->
+done_sending. Other prefill ranks only serve their shard (handshake + NIXL).
 
 Quarantine: a load that ends (deadline, peer gone, error) while NIXL
 refuses to release its handle could still be written by a late READ. Its
@@ -44,15 +49,16 @@ from typing import Any
 import zmq
 
 from kvtransfer.base import KVConnectorWorkerSide
-from kvtransfer.compat import KVLayout, compat_hash
+from kvtransfer.compat import STORAGE_ORDER, KVLayout, RankLayout, compat_hash
 from kvtransfer.config import KVTransferConfig
 from kvtransfer.fault_injection import ReadFaults
-from kvtransfer.nixl_agent import NixlAgent, make_agent_name, split_block_runs
+from kvtransfer.nixl_agent import NixlAgent, make_agent_name
 from kvtransfer.nixl_meta import (
     NOTIF_DONE,
     NOTIF_RENEW,
     LoadSpec,
     NixlConnectorMetadata,
+    NotifKey,
     NotifySpec,
     PeerAddr,
     decode_notif,
@@ -66,6 +72,7 @@ from kvtransfer.side_channel import (
     NotificationSender,
     SideChannelServer,
 )
+from kvtransfer.tp_plan import BlockGeometry, HeadRead, plan_rank_reads, read_descriptors, shard_for
 from wire.auth import PlaneAuth
 from wire.frames import FrameCounters
 
@@ -76,14 +83,33 @@ _MAX_RECENT_TRANSFERS = 4096
 
 @dataclasses.dataclass
 class _Load:
+    """One part of a request's load: the heads ``read`` names, from one prefill rank."""
+
     spec: LoadSpec
     deadline_mono: float
+    read: HeadRead | None = None  # None: failed before any plan
     peer: Peer | None = None
     handle: Any = None
     start_s: float = 0.0
     num_bytes: int = 0
     num_descriptors: int = 0
     failure: str = ""  # why it failed ("" = the READ completed)
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.spec.request_id, self.read.src_rank if self.read is not None else -1)
+
+
+@dataclasses.dataclass
+class _Pending:
+    """A request's load on this rank until its last part is over."""
+
+    num_parts_left: int
+    failed: bool = False
+    num_bytes: int = 0
+    num_descriptors: int = 0
+    start_s: float = float("inf")
+    end_s: float = 0.0
 
 
 @dataclasses.dataclass
@@ -93,6 +119,10 @@ class _Send:
 
 
 class NixlWorkerSide(KVConnectorWorkerSide):
+    # the msgspec type of this connector's per-step metadata (crosses to TP
+    # worker processes as plain data)
+    metadata_type = NixlConnectorMetadata
+
     def __init__(
         self, config: KVTransferConfig, clock: Callable[[], float] = time.monotonic
     ) -> None:
@@ -126,14 +156,19 @@ class NixlWorkerSide(KVConnectorWorkerSide):
             malformed=self.malformed_frames,
         )
         self._layout: KVLayout | None = None
-        self._loads: dict[str, _Load] = {}  # in flight
-        # ended loads whose READ may still land: blocks held, request not reported
-        self._quarantine: dict[str, _Load] = {}
+        self._shard: RankLayout | None = None  # the heads this rank holds
+        self._geometry: BlockGeometry | None = None
+        self._pending: dict[str, _Pending] = {}  # request id -> its parts not over yet
+        self._loads: dict[tuple[str, int], _Load] = {}  # parts in flight, by (request, P rank)
+        # ended parts whose READ may still land: blocks held, request not reported
+        self._quarantine: dict[tuple[str, int], _Load] = {}
         # handles NIXL refused to free after their peer's agent was removed
         # (nothing can land any more); release retried, no blocks tied to them
         self._zombies: list[Any] = []
         self._sends: dict[str, _Send] = {}
         self._early_done: dict[str, float] = {}  # "done" before the SendSpec arrived
+        # decode ranks that said "done" so far, per request (and when the first did)
+        self._done_ranks: dict[str, tuple[set[int], float]] = {}
         self._done_sending: set[str] = set()
         self._done_recving: set[str] = set()
         self._error_block_ids: set[int] = set()
@@ -180,12 +215,25 @@ class NixlWorkerSide(KVConnectorWorkerSide):
     def layout(self) -> KVLayout | None:
         return self._layout
 
+    @property
+    def shard(self) -> RankLayout | None:
+        return self._shard
+
     # ---- registration -----------------------------------------------------------
 
     def register_kv_caches(self, kv_cache: Any) -> None:
-        self._layout = self._check_layout(kv_cache)
-        region = self.agent.register(kv_cache)
-        self._peers.set_local_layout(self._layout, region.block_len)
+        """Register this rank's shard: the logical ``[blk, L, 2, bs, heads held,
+        d]`` tensor in ``config.kv_layout`` (``workers/kv_cache.py``)."""
+        self._layout, self._shard = self._check_layout(kv_cache)
+        storage = kv_cache.permute(*STORAGE_ORDER[self._layout.layout])
+        if not storage.is_contiguous() or kv_cache.storage_offset() != 0:
+            raise ValueError(f"the KV cache tensor is not a whole {self._layout.layout} cache")
+        lay = self._layout
+        self._geometry = BlockGeometry(
+            lay.layout, lay.num_layers, lay.block_size, lay.head_dim, kv_cache.element_size()
+        )
+        region = self.agent.register(storage)
+        self._peers.set_local_layout(self._layout, self._geometry.head_block_bytes)
         if self._server is not None:
             self._server.set_info(
                 HandshakeInfo(
@@ -196,22 +244,22 @@ class NixlWorkerSide(KVConnectorWorkerSide):
                     compat_hash=compat_hash(self._layout),
                     layout=self._layout,
                     region=region,
+                    rank=self._shard,
                 )
             )
 
-    def _check_layout(self, kv_cache: Any) -> KVLayout:
+    def _check_layout(self, kv_cache: Any) -> tuple[KVLayout, RankLayout]:
         cfg = self.config
         if kv_cache.dim() != 6 or kv_cache.shape[2] != 2:
             raise ValueError(
                 "KV cache must be [num_blocks, num_layers, 2, block_size, num_kv_heads, "
                 f"head_dim], got shape {tuple(kv_cache.shape)}"
             )
-        _, num_layers, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+        _, num_layers, _, block_size, num_local_heads, head_dim = kv_cache.shape
         dtype = str(kv_cache.dtype).removeprefix("torch.")
         actual = {
             "block_size": block_size,
             "num_layers": num_layers,
-            "num_kv_heads": num_kv_heads,
             "head_dim": head_dim,
             "kv_dtype": dtype,
         }
@@ -221,25 +269,46 @@ class NixlWorkerSide(KVConnectorWorkerSide):
                 raise ValueError(
                     f"KV cache {name}={value!r} but KVTransferConfig says {expected!r}"
                 )
-        return KVLayout(cfg.model_name, dtype, num_layers, num_kv_heads, head_dim, block_size)
+        num_kv_heads = cfg.num_kv_heads if cfg.num_kv_heads is not None else num_local_heads
+        shard = shard_for(num_kv_heads, cfg.tp_size, cfg.tp_rank)
+        if shard.num_heads != num_local_heads:
+            raise ValueError(
+                f"KV cache holds {num_local_heads} KV heads but rank {cfg.tp_rank} of "
+                f"{cfg.tp_size} holds {shard.num_heads} of the model's {num_kv_heads} "
+                "(KVTransferConfig.num_kv_heads)"
+            )
+        layout = KVLayout(
+            cfg.model_name, dtype, num_layers, num_kv_heads, head_dim, block_size, cfg.kv_layout
+        )
+        return layout, shard
 
     # ---- per step ---------------------------------------------------------------
 
     def start_load_kv(self, metadata: NixlConnectorMetadata | None) -> None:
         if metadata is None or self._closed:
             return
+        # Every prefill rank tracks the sends (the progress poller runs while any
+        # is held: a decode rank's connection needs this rank's UCX progress);
+        # only the lead answers for them (done_sending) and hears D's "done".
+        # Other ranks drop a send when the engine freed it (finished_sends),
+        # it was cancelled, or its lease ended.
+        lead = self.config.is_lead_rank
         for send in metadata.new_sends:
-            if self._early_done.pop(send.request_id, None) is not None:
+            if lead and self._early_done.pop(send.request_id, None) is not None:
                 self._done_sending.add(send.request_id)
             else:
                 self._sends[send.request_id] = _Send(send.num_blocks, send.lease_deadline_mono)
                 if self._poller is not None:
                     self._poller.wake()
-        for request_id in metadata.cancelled_sends:
+        dropped = (
+            metadata.cancelled_sends if lead else metadata.cancelled_sends + metadata.finished_sends
+        )
+        for request_id in dropped:
             self._sends.pop(request_id, None)
+            self._done_ranks.pop(request_id, None)
         for spec in metadata.loads:
             self._start_load(spec)
-        for notify in metadata.notifies:
+        for notify in metadata.notifies if lead else ():
             self._start_notify(notify)
 
     def get_finished(self) -> tuple[set[str], set[str]]:
@@ -248,7 +317,10 @@ class NixlWorkerSide(KVConnectorWorkerSide):
             self._poll_loads()
             self._poll_quarantine()
             if self.config.serves_kv:
-                self._poll_notifs()
+                if self.config.is_lead_rank:
+                    self._poll_notifs()
+                else:  # receives nothing, but a decode rank's connection needs UCX progress
+                    self.agent.get_notifs()
                 self._expire_leases()
             elif self.config.notification_transport == "nixl":
                 self.agent.get_notifs()  # progress UCX so queued notifications go out
@@ -263,46 +335,64 @@ class NixlWorkerSide(KVConnectorWorkerSide):
     # ---- decode side ------------------------------------------------------------
 
     def _start_load(self, spec: LoadSpec) -> None:
-        load = _Load(spec, self._clock() + self.config.load_timeout_s)
+        deadline_mono = self._clock() + self.config.load_timeout_s
         if spec.error or self._layout is None:
-            self._fail(load, spec.error or "the local KV cache is not registered")
+            self._fail(
+                _Load(spec, deadline_mono), spec.error or "the local KV cache is not registered"
+            )
             return
         if not spec.local_block_ids:  # nothing to read; P is told "done" at once
             self._done_recving.add(spec.request_id)
-            self._notify(spec.peer, NOTIF_DONE, spec.remote_request_id)
+            self._notify(spec.peer, NOTIF_DONE, spec.remote_request_id, rank_done=True)
             return
-        peer = self._lookup(spec)
-        if peer is None:
+        try:
+            reads = plan_rank_reads(
+                self._layout.num_kv_heads,
+                spec.peer.tp_size,
+                self.config.tp_size,
+                self.config.tp_rank,
+            )
+        except ValueError as e:
+            self._fail(_Load(spec, deadline_mono), f"no read plan for the prefill engine: {e}")
             return
-        load.peer = peer
-        if peer.ready:
-            self._issue(load)
-        else:
-            peer.waiting.append(load)
+        self._pending[spec.request_id] = _Pending(len(reads))
+        for read in reads:
+            load = _Load(spec, deadline_mono, read)
+            peer, error = self._lookup(spec.peer, read.src_rank)
+            if peer is None:
+                self._fail(load, error)
+                continue
+            load.peer = peer
+            if peer.ready:
+                self._issue(load)
+            else:
+                peer.waiting.append(load)
 
     def _start_notify(self, notify: NotifySpec) -> None:
         if self.config.notification_transport == "side_channel":
             self._notify(notify.peer, notify.kind, notify.remote_request_id)
             return
-        peer = self._lookup(notify)  # NIXL notifications need the peer's agent
+        peer, _ = self._lookup(notify.peer, 0)  # NIXL notifications need the lead's agent
         if peer is None:
             return
         if peer.ready:
-            self._notify(peer.addr, notify.kind, notify.remote_request_id, peer)
+            self._notify(peer.addr, notify.kind, notify.remote_request_id)
         else:
             peer.waiting.append(notify)
 
-    def _lookup(self, spec: LoadSpec | NotifySpec) -> Peer | None:
-        peer, dropped, error = self._peers.lookup(spec.peer)
+    def _lookup(self, addr: PeerAddr, rank: int) -> tuple[Peer | None, str]:
+        """Rank ``rank`` of the prefill engine at ``addr``, or ``(None, why)``
+        (a stale epoch). Older incarnations' work fails here."""
+        peer, dropped, error = self._peers.lookup(addr, rank)
         for old in dropped:
             self._fail_peer_work(old, f"prefill engine {old.addr.engine_id} restarted")
-        if peer is None and isinstance(spec, LoadSpec):
-            self._fail(_Load(spec, 0.0), error)
-        return peer
+        return peer, error
 
     def _issue(self, load: _Load) -> None:
         spec, peer = load.spec, load.peer
-        assert peer is not None and peer.region is not None and self.agent.region is not None
+        assert peer is not None and peer.region is not None and peer.shard is not None
+        assert self.agent.region is not None and self._geometry is not None
+        assert self._shard is not None and load.read is not None
         if self._clock() >= spec.lease_deadline_mono:
             self._fail(load, "the prefill engine's lease expired before the read started")
             return
@@ -314,15 +404,24 @@ class NixlWorkerSide(KVConnectorWorkerSide):
             return
         load.start_s = time.perf_counter()  # cma copies inside the post: time it too
         try:
-            runs = split_block_runs(spec.local_block_ids, spec.remote_block_ids)
-            load.handle, state = self.agent.start_read(peer.agent_name, peer.region, runs)
+            descs = read_descriptors(
+                self._geometry,
+                self._shard,
+                peer.shard,
+                load.read,
+                spec.local_block_ids,
+                spec.remote_block_ids,
+                self.agent.region.base_addr,
+                peer.region.base_addr,
+            )
+            load.handle, state = self.agent.start_read(peer.agent_name, peer.region, descs)
         except Exception as e:
             self._fail(load, f"posting the READ failed: {e!r}")
             self._peers.invalidate(peer)
             return
-        load.num_descriptors = len(runs)
-        load.num_bytes = len(spec.local_block_ids) * self.agent.region.block_len
-        self._loads[spec.request_id] = load
+        load.num_descriptors = len(descs)
+        load.num_bytes = descs.num_bytes
+        self._loads[load.key] = load
         if state == "ERR":
             self._finish_load(load, "ERR")
 
@@ -334,7 +433,7 @@ class NixlWorkerSide(KVConnectorWorkerSide):
                 if isinstance(item, _Load):
                     self._issue(item)
                 else:
-                    self._notify(peer.addr, item.kind, item.remote_request_id, peer)
+                    self._notify(peer.addr, item.kind, item.remote_request_id)
         for peer, reason in failed:
             self._fail_peer_work(peer, reason)
 
@@ -359,8 +458,8 @@ class NixlWorkerSide(KVConnectorWorkerSide):
         self._zombies = [h for h in self._zombies if not self.agent.release(h)]
 
     def _finish_load(self, load: _Load, state: str) -> None:
-        spec, peer = load.spec, load.peer
-        del self._loads[spec.request_id]
+        peer = load.peer
+        del self._loads[load.key]
         if state != "DONE":
             reason = {"ERR": "the READ failed", "TIMEOUT": "the READ missed its deadline"}[state]
             if state == "ERR" and peer is not None:
@@ -369,31 +468,56 @@ class NixlWorkerSide(KVConnectorWorkerSide):
             return
         if not self.agent.release(load.handle):  # DONE: nothing more can land
             self._zombies.append(load.handle)
-        seconds = time.perf_counter() - load.start_s
-        self._counters["kv_transfer_bytes_total"] += load.num_bytes
-        self._counters["kv_transfer_seconds_total"] += seconds
-        self._counters["num_transfers"] += 1
-        self._counters["num_descriptors"] += load.num_descriptors
-        self._counters["last_transfer_s"] = seconds
-        self._recent_transfer_s.append(seconds)
-        self._load_records.append(
-            (
-                spec.request_id,
-                len(spec.local_block_ids),
-                load.num_bytes,
-                load.num_descriptors,
-                load.start_s,
-                load.start_s + seconds,
-            )
-        )
+        self._part_over(load, failed=False)
+
+    def _part_over(self, load: _Load, failed: bool) -> None:
+        """One part of a request's load is over (done or failed, nothing can
+        land any more). When it was the last: the request is received, its
+        blocks in error if any part failed, and P's lead hears "done" from
+        this rank."""
+        spec = load.spec
+        pending = self._pending.get(spec.request_id)
+        if pending is None:  # failed before it was planned: one part
+            pending = _Pending(1)
+        pending.num_parts_left -= 1
+        pending.failed |= failed
+        if not failed:
+            pending.num_bytes += load.num_bytes
+            pending.num_descriptors += load.num_descriptors
+            pending.start_s = min(pending.start_s, load.start_s)
+            pending.end_s = max(pending.end_s, time.perf_counter())
+        if pending.num_parts_left > 0:
+            return
+        self._pending.pop(spec.request_id, None)
         self._done_recving.add(spec.request_id)
-        self._notify(spec.peer, NOTIF_DONE, spec.remote_request_id, peer)
+        if pending.failed:
+            self._counters["num_failures"] += 1
+            self._error_block_ids.update(spec.local_block_ids)
+        else:
+            seconds = pending.end_s - pending.start_s
+            self._counters["kv_transfer_bytes_total"] += pending.num_bytes
+            self._counters["kv_transfer_seconds_total"] += seconds
+            self._counters["num_transfers"] += 1
+            self._counters["num_descriptors"] += pending.num_descriptors
+            self._counters["last_transfer_s"] = seconds
+            self._recent_transfer_s.append(seconds)
+            self._load_records.append(
+                (
+                    spec.request_id,
+                    len(spec.local_block_ids),
+                    pending.num_bytes,
+                    pending.num_descriptors,
+                    pending.start_s,
+                    pending.end_s,
+                )
+            )
+        self._notify(spec.peer, NOTIF_DONE, spec.remote_request_id, rank_done=True)
 
     def _end_failed(self, load: _Load, reason: str) -> None:
         """A posted READ failed or was given up: report it once it cannot land."""
         if self._can_still_land(load):
             load.failure = reason
-            self._quarantine[load.spec.request_id] = load
+            self._quarantine[load.key] = load
             self._counters["num_quarantined_loads"] += 1
             logger.warning(
                 "KV load of request %s failed (%s) but NIXL cannot cancel its READ yet: "
@@ -422,23 +546,22 @@ class NixlWorkerSide(KVConnectorWorkerSide):
         return True
 
     def _poll_quarantine(self) -> None:
-        for request_id, load in list(self._quarantine.items()):
+        for key, load in list(self._quarantine.items()):
             if load.handle is not None and self.agent.check(load.handle) != "PROC":
                 if self.agent.release(load.handle):
                     load.handle = None
             if load.handle is None or not self._can_still_land(load):
-                del self._quarantine[request_id]
+                del self._quarantine[key]
                 self._fail(load, load.failure)
 
     def _fail(self, load: _Load, reason: str) -> None:
-        """Report the load finished with its local blocks in error, and tell P
-        to free (best effort: otherwise its lease frees them)."""
+        """The part failed: once the request's last part is over it is reported
+        with its local blocks in error and P is told to free (best effort:
+        otherwise its lease frees them)."""
         spec = load.spec
-        logger.warning("KV load of request %s failed: %s", spec.request_id, reason)
-        self._counters["num_failures"] += 1
-        self._done_recving.add(spec.request_id)
-        self._error_block_ids.update(spec.local_block_ids)
-        self._notify(spec.peer, NOTIF_DONE, spec.remote_request_id, load.peer)
+        where = f" (prefill rank {load.read.src_rank})" if load.read is not None else ""
+        logger.warning("KV load of request %s failed%s: %s", spec.request_id, where, reason)
+        self._part_over(load, failed=True)
 
     def _fail_peer_work(self, peer: Peer, reason: str) -> None:
         """The peer is gone or never came: fail its queued and in-flight loads."""
@@ -448,23 +571,30 @@ class NixlWorkerSide(KVConnectorWorkerSide):
                 item.peer = None
                 self._fail(item, reason)
         for load in [ld for ld in self._loads.values() if ld.peer is peer]:
-            del self._loads[load.spec.request_id]
+            del self._loads[load.key]
             self._end_failed(load, reason)
 
     def _notify(
-        self, addr: PeerAddr, kind: str, remote_request_id: str, peer: Peer | None = None
+        self, addr: PeerAddr, kind: str, remote_request_id: str, rank_done: bool = False
     ) -> None:
-        """Tell P ``kind`` about its request; never blocks, failures are counted
-        (P's lease still frees the blocks)."""
+        """Tell P's lead rank ``kind`` about its request; never blocks, failures
+        are counted (P's lease still frees the blocks). ``rank_done``: this
+        rank's reads are over, P waits for every decode rank's; else the
+        message speaks for the whole engine."""
         ok = False
         if not addr.host:  # P was never registered: there is nobody to tell
             return
-        if self.config.notification_transport == "side_channel":
-            message = Notification(addr.engine_id, addr.epoch, kind, remote_request_id)
+        rank, num_ranks = (self.config.tp_rank, self.config.tp_size) if rank_done else (0, 1)
+        lead = self._peers.find(addr, 0) if self.config.notification_transport == "nixl" else None
+        if lead is None or not lead.ready:  # the side channel, or no NIXL peer to use
+            message = Notification(
+                addr.engine_id, addr.epoch, kind, remote_request_id, rank, num_ranks
+            )
             ok = self._notifier.send(addr.host, addr.port, message)
-        elif peer is not None and peer.ready:
+        else:
             try:
-                self.agent.send_notif(peer.agent_name, encode_notif(kind, remote_request_id))
+                message = encode_notif(kind, remote_request_id, rank, num_ranks)
+                self.agent.send_notif(lead.agent_name, message)
                 ok = True
             except Exception as e:
                 logger.warning("NIXL notification to %s failed: %r", addr.engine_id, e)
@@ -475,8 +605,8 @@ class NixlWorkerSide(KVConnectorWorkerSide):
 
     # ---- prefill side -----------------------------------------------------------
 
-    def _received_notifs(self) -> list[tuple[str, str]]:
-        """``(kind, request_id)`` from the side channel and from NIXL. Calling
+    def _received_notifs(self) -> list[NotifKey]:
+        """Notifications from the side channel and from NIXL. Calling
         get_new_notifs also progresses UCX, which two-sided transports need."""
         received = self._server.drain_notifications() if self._server is not None else []
         for messages in self.agent.get_notifs().values():
@@ -490,15 +620,23 @@ class NixlWorkerSide(KVConnectorWorkerSide):
 
     def _poll_notifs(self) -> None:
         now = self._clock()
-        for kind, request_id in self._received_notifs():
+        for note in self._received_notifs():
+            request_id = note.request_id
             send = self._sends.get(request_id)
-            if kind == NOTIF_RENEW:
+            if note.kind == NOTIF_RENEW:
                 if send is not None:
                     send.lease_deadline_mono = max(
                         send.lease_deadline_mono, now + self.config.lease_s
                     )
                     self._counters["num_lease_renewals"] += 1
-            elif send is not None:
+                continue
+            if note.num_ranks > 1:  # one decode rank of several: wait for all of them
+                ranks, first_s = self._done_ranks.setdefault(request_id, (set(), now))
+                ranks.add(note.rank)
+                if len(ranks) < note.num_ranks:
+                    continue
+                del self._done_ranks[request_id]
+            if send is not None:
                 del self._sends[request_id]
                 self._done_sending.add(request_id)
             else:
@@ -509,12 +647,18 @@ class NixlWorkerSide(KVConnectorWorkerSide):
         for request_id, send in list(self._sends.items()):
             if now >= send.lease_deadline_mono:
                 del self._sends[request_id]
+                self._done_ranks.pop(request_id, None)
+                if not self.config.is_lead_rank:
+                    continue  # the lead frees the engine's blocks
                 self._done_sending.add(request_id)
                 self._counters["num_lease_expiries"] += 1
                 logger.info("lease of request %s expired: freeing its blocks", request_id)
         stale = [r for r, t in self._early_done.items() if now - t > self.config.lease_s]
         for request_id in stale:
             del self._early_done[request_id]
+        stale = [r for r, (_, t) in self._done_ranks.items() if now - t > self.config.lease_s]
+        for request_id in stale:
+            del self._done_ranks[request_id]
 
     # ---- observability / lifecycle ----------------------------------------------
 
@@ -570,6 +714,7 @@ class NixlWorkerSide(KVConnectorWorkerSide):
             "loads in flight": sorted(self._loads),
             "loads waiting for a handshake": sorted(queued),
             "loads quarantined (a READ may still land)": sorted(self._quarantine),
+            "loads with parts not over": sorted(self._pending),
             "sends held": sorted(self._sends),
         }
         leftovers = {k: v for k, v in leftovers.items() if v}

@@ -25,17 +25,20 @@ from kvtransfer.nixl_meta import PeerAddr
 
 
 class PrefillEndpoint(msgspec.Struct, array_like=True, frozen=True):
-    """One registered prefill engine incarnation and its side channel."""
+    """One registered prefill engine incarnation and its side channel(s):
+    ``port`` is rank 0's; a tensor-parallel engine also lists every rank's
+    (``rank_ports[0] == port``), one side channel per worker rank."""
 
     engine_id: str
     epoch: int
     host: str
     port: int
+    rank_ports: tuple[int, ...] = ()
 
     @classmethod
     def parse(cls, raw: Any) -> PrefillEndpoint:
-        """From a struct, a dict or a ``[engine_id, epoch, host, port]`` list.
-        Raises ``ValueError`` naming the bad field."""
+        """From a struct, a dict or a ``[engine_id, epoch, host, port(,
+        rank_ports)]`` list. Raises ``ValueError`` naming the bad field."""
         if isinstance(raw, PrefillEndpoint):
             return raw
         try:
@@ -50,6 +53,12 @@ class PrefillEndpoint(msgspec.Struct, array_like=True, frozen=True):
             raise ValueError("prefill endpoint host must not be empty")
         if not 0 < ep.port < 65536:
             raise ValueError(f"prefill endpoint port must be in 1..65535, got {ep.port}")
+        if ep.rank_ports:
+            if ep.rank_ports[0] != ep.port or not all(0 < p < 65536 for p in ep.rank_ports):
+                raise ValueError(
+                    f"prefill endpoint rank_ports must be ports starting with port {ep.port}, "
+                    f"got {list(ep.rank_ports)}"
+                )
         return ep
 
 
@@ -82,7 +91,7 @@ class PrefillRegistry:
                 f"prefill engine {engine_id!r} epoch {epoch} is not its registered epoch "
                 f"{ep.epoch} (restarted or never seen)"
             )
-        return PeerAddr(ep.engine_id, ep.epoch, ep.host, ep.port), ""
+        return PeerAddr(ep.engine_id, ep.epoch, ep.host, ep.port, ep.rank_ports), ""
 
     def endpoints(self) -> list[PrefillEndpoint]:
         return sorted(self._endpoints.values(), key=lambda ep: ep.engine_id)

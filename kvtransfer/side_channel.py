@@ -36,7 +36,8 @@ import threading
 import msgspec
 import zmq
 
-from kvtransfer.compat import CONNECTOR_VERSION, KVLayout
+from kvtransfer.compat import CONNECTOR_VERSION, KVLayout, RankLayout
+from kvtransfer.nixl_meta import NotifKey
 from wire.auth import PlaneAuth
 from wire.frames import (
     HARD_LIMIT_FACTOR,
@@ -73,6 +74,9 @@ class RegionInfo(msgspec.Struct, array_like=True, frozen=True):
 
 
 class HandshakeInfo(msgspec.Struct, array_like=True):
+    """What one worker rank publishes: its agent, the engine's hashed layout,
+    and its own shard (``rank``: TP size, rank, heads held) and region."""
+
     engine_id: str
     epoch: int
     agent_name: str
@@ -80,6 +84,7 @@ class HandshakeInfo(msgspec.Struct, array_like=True):
     compat_hash: str
     layout: KVLayout
     region: RegionInfo
+    rank: RankLayout = RankLayout()
 
 
 class HandshakeRequest(msgspec.Struct, array_like=True, tag="handshake"):
@@ -89,12 +94,15 @@ class HandshakeRequest(msgspec.Struct, array_like=True, tag="handshake"):
 
 class Notification(msgspec.Struct, array_like=True, tag="notify"):
     """``kind`` ("done" / "renew") about P's ``request_id``; addressed to one
-    incarnation (engine id + epoch) so a restarted P ignores stale ones."""
+    incarnation (engine id + epoch) so a restarted P ignores stale ones.
+    ``rank`` / ``num_ranks``: which decode rank says it (``nixl_meta.NotifKey``)."""
 
     engine_id: str
     epoch: int
     kind: str
     request_id: str
+    rank: int = 0
+    num_ranks: int = 1
 
 
 class HandshakeResponse(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -138,8 +146,8 @@ class SideChannelServer:
                 CONNECTOR_VERSION, error=f"engine {engine_id}: KV cache not registered"
             )
         )
-        # (kind, request_id), appended by the server thread, drained by the worker
-        self._notifications: collections.deque[tuple[str, str]] = collections.deque()
+        # appended by the server thread, drained by the worker
+        self._notifications: collections.deque[NotifKey] = collections.deque()
         self._stop = threading.Event()
         self._bound = threading.Event()
         self._bind_error: BaseException | None = None
@@ -160,8 +168,8 @@ class SideChannelServer:
         """Serve ``info`` from now on (called once the KV cache is registered)."""
         self._reply = msgspec.msgpack.encode(HandshakeResponse(CONNECTOR_VERSION, info=info))
 
-    def drain_notifications(self) -> list[tuple[str, str]]:
-        """``(kind, request_id)`` received since the last call, in order."""
+    def drain_notifications(self) -> list[NotifKey]:
+        """Notifications received since the last call, in order."""
         out = []
         while self._notifications:
             out.append(self._notifications.popleft())
@@ -226,8 +234,16 @@ class SideChannelServer:
                 HandshakeResponse(CONNECTOR_VERSION, error=f"malformed side-channel message: {e}")
             )
         if isinstance(message, Notification):
-            if message.engine_id == self.engine_id and message.epoch == self.epoch:
-                self._notifications.append((message.kind, message.request_id))
+            if not 0 <= message.rank < message.num_ranks:
+                self.malformed_frames.record(
+                    SERVER_SOCKET,
+                    peer_address(frames),
+                    f"notification rank {message.rank} of {message.num_ranks}",
+                )
+            elif message.engine_id == self.engine_id and message.epoch == self.epoch:
+                self._notifications.append(
+                    NotifKey(message.kind, message.request_id, message.rank, message.num_ranks)
+                )
             return None
         if message.connector_version != CONNECTOR_VERSION:
             error = f"connector version {message.connector_version} != {CONNECTOR_VERSION}"

@@ -46,6 +46,10 @@ class EngineConfig:
     # CPU fp32: bytes for the dense copy of decoding requests' KV (None =
     # workers.model_runner default, 0 = off); see workers/dense_decode.py.
     dense_decode_bytes: int | None = None
+    # byte layout of the KV cache (workers/kv_cache.py): "blocks_first" or
+    # "head_major" (a head slice of a block is one piece: cheaper KV reads
+    # between engines of different tensor-parallel sizes). P and D must agree.
+    kv_layout: str = "blocks_first"
     # identity and disaggregation
     engine_id: str = "engine-0"
     epoch: int = 0
@@ -101,6 +105,10 @@ class EngineConfig:
             )
         get_block_hasher(self.prefix_caching_hash_algo)  # ValueError naming the field
         check_fields(self)  # policy, admission margin, partial prefill limits
+        if self.kv_layout not in ("blocks_first", "head_major"):
+            raise ValueError(
+                f"kv_layout must be blocks_first or head_major, got {self.kv_layout!r}"
+            )
         if self.role not in ("prefill", "decode", "colocated"):
             raise ValueError(f"role must be prefill, decode or colocated, got {self.role!r}")
         if self.log_format not in ("text", "json"):
@@ -162,6 +170,7 @@ _FLAGS: list[tuple[str, str, Any, str]] = [
     ),
     ("--torch-threads", "torch_threads", int, "CPU threads per engine (0 = torch default)"),
     ("--dense-decode-bytes", "dense_decode_bytes", int, "CPU dense decode KV copy (0 = off)"),
+    ("--kv-layout", "kv_layout", str, "blocks_first | head_major (KV byte layout)"),
     ("--output-hwm-messages", "output_hwm_messages", int, "ZMQ send queue to the gateway"),
     ("--output-backlog-messages", "output_backlog_messages", int, "outputs held before pausing"),
     (

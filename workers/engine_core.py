@@ -109,6 +109,7 @@ class EngineCore:
             m.head_dim,
             self.dtype,
             device,
+            layout=config.kv_layout,
         )
         self.sched_config = SchedulerConfig(
             num_kv_blocks=num_blocks,
@@ -182,6 +183,7 @@ class EngineCore:
             load_failure_policy=c.load_failure_policy,
             block_size=c.block_size,
             model_name=c.model,
+            kv_layout=c.kv_layout,
             cluster_secret=c.cluster_secret,
         )
         return create_connector(kv_config)

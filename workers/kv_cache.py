@@ -1,15 +1,25 @@
-"""KV cache allocation: one tensor, blocks first.
+"""KV cache allocation: one tensor per worker, in one of two byte layouts.
 
-    kv_cache[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
-             ^ one block of every layer (K and V) is one contiguous region,
-               so a request's transfer is one descriptor per run of blocks.
+Every user of the cache (attention, dense decode, block copies) sees the same
+logical tensor ``kv_cache[num_blocks, num_layers, 2, block_size, num_kv_heads,
+head_dim]``; layer ``l`` is the strided view ``kv_cache[:, l]`` and the kernels
+take any strides. What differs is where the bytes lie (``kvtransfer/compat.py``)::
 
-Layer ``l`` sees the strided view ``kv_cache[:, l]``.
+    blocks_first  storage [blk, L, 2, bs, H, d]  (the logical order: contiguous)
+    head_major    storage [blk, H, L, 2, bs, d]  (a permuted view of it)
+
+In both, one block of every layer is one contiguous region, so a whole-block
+transfer is one descriptor per run of blocks. Head-major also makes one KV
+head (or a range of heads) of a block one contiguous piece: a decode engine
+with another tensor-parallel size reads its heads' slice of a block as one
+descriptor instead of ``L*2*bs`` (``kvtransfer/tp_plan.py``).
 """
 
 from __future__ import annotations
 
 import torch
+
+from kvtransfer.compat import BLOCKS_FIRST, KV_LAYOUTS, STORAGE_ORDER
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
 
@@ -59,7 +69,13 @@ def allocate_kv_cache(
     head_dim: int,
     dtype: torch.dtype,
     device: torch.device,
+    layout: str = BLOCKS_FIRST,
 ) -> torch.Tensor:
-    return torch.zeros(
-        (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim), dtype=dtype, device=device
-    )
+    """Zeroed cache (the reference kernels need finite values everywhere),
+    returned as the logical ``[blk, L, 2, bs, H, d]`` tensor of ``layout``."""
+    if layout not in KV_LAYOUTS:
+        raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {layout!r}")
+    logical = (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)
+    order = STORAGE_ORDER[layout]
+    storage = torch.zeros([logical[i] for i in order], dtype=dtype, device=device)
+    return storage.permute(*[order.index(i) for i in range(6)])

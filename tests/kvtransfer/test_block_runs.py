@@ -1,8 +1,9 @@
 import numpy as np
 import pytest
 
-from kvtransfer.nixl_agent import run_descriptors, split_block_runs
-from kvtransfer.side_channel import RegionInfo
+from kvtransfer.compat import BLOCKS_FIRST
+from kvtransfer.nixl_agent import split_block_runs
+from kvtransfer.tp_plan import BlockGeometry, HeadRead, read_descriptors, shard_for
 
 
 def test_runs_split_where_either_side_breaks():
@@ -40,8 +41,19 @@ def test_runs_cover_exactly_the_pairs():
         assert pairs == list(zip(local, remote))
 
 
-def test_descriptors_address_whole_blocks():
-    region = RegionInfo(base_addr=4096, block_len=1000, num_blocks=50, device_id=0, mem_type="DRAM")
-    descs = run_descriptors(region, [7, 9], [2, 1])
-    assert descs.dtype == np.uint64
-    assert descs.tolist() == [[4096 + 7000, 2000, 0], [4096 + 9000, 1000, 0]]
+def test_whole_block_descriptors_are_the_runs():
+    """Same TP on both sides: one descriptor per run, at base + start * block_len."""
+    geometry = BlockGeometry(BLOCKS_FIRST, num_layers=2, block_size=4, head_dim=8, elem_size=4)
+    shard = shard_for(4, 2, 1)
+    block_len = geometry.block_len(shard.num_heads)
+    rng = np.random.default_rng(1)
+    for _ in range(50):
+        n = int(rng.integers(1, 30))
+        local = rng.permutation(40)[:n].tolist()
+        remote = sorted(rng.permutation(40)[:n].tolist())
+        read = HeadRead(1, shard.head_start, shard.num_heads)
+        descs = read_descriptors(geometry, shard, shard, read, local, remote, 4096, 8192)
+        runs = split_block_runs(local, remote)
+        assert descs.local_addrs.tolist() == [4096 + ls * block_len for ls, _, _ in runs]
+        assert descs.remote_addrs.tolist() == [8192 + rs * block_len for _, rs, _ in runs]
+        assert descs.lengths.tolist() == [length * block_len for _, _, length in runs]

@@ -6,6 +6,7 @@ import pytest
 import zmq
 
 from kvtransfer.compat import KVLayout
+from kvtransfer.nixl_meta import NotifKey
 from kvtransfer.side_channel import (
     HandshakeError,
     HandshakeInfo,
@@ -69,14 +70,22 @@ def test_notifications_arrive_in_order_for_this_incarnation_only(server):
         assert sender.send("127.0.0.1", srv.port, Notification("p0", 3, "done", "stale-epoch"))
         assert sender.send("127.0.0.1", srv.port, Notification("p9", 4, "done", "other-engine"))
         assert sender.send("127.0.0.1", srv.port, Notification("p0", 4, "done", "a"))
+        # a decode rank's own "done" (rank 1 of 2); a rank outside its count is malformed
+        assert sender.send("127.0.0.1", srv.port, Notification("p0", 4, "done", "a", 1, 2))
+        assert sender.send("127.0.0.1", srv.port, Notification("p0", 4, "done", "x", 2, 2))
         received = []
         deadline = time.monotonic() + 5
-        while len(received) < 2:
+        while len(received) < 3:
             assert time.monotonic() < deadline
             received += srv.drain_notifications()
             time.sleep(0.001)
         time.sleep(0.05)  # anything else would have arrived by now
-        assert received + srv.drain_notifications() == [("renew", "a"), ("done", "a")]
+        assert received + srv.drain_notifications() == [
+            NotifKey("renew", "a"),
+            NotifKey("done", "a"),
+            NotifKey("done", "a", 1, 2),
+        ]
+        assert srv.malformed_frames.snapshot() == {"kv_side_channel": 1}
     finally:
         sender.close()
 

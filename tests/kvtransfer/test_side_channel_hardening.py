@@ -9,6 +9,7 @@ import msgspec
 import pytest
 import zmq
 
+from kvtransfer.nixl_meta import NotifKey
 from kvtransfer.side_channel import (
     MAX_REQUEST_BYTES,
     HandshakeError,
@@ -67,7 +68,7 @@ def test_malformed_messages_are_counted_and_the_server_keeps_serving(served):
             assert sender.send("127.0.0.1", srv.port, Notification("p0", 4, "done", "r1"))
             got: list = []
             wait_for(lambda: got.extend(srv.drain_notifications()) or got)
-            assert got == [("done", "r1")]
+            assert got == [NotifKey("done", "r1")]
         finally:
             sender.close()
         assert srv.malformed_frames.snapshot() == {"kv_side_channel": 5}

@@ -1,0 +1,213 @@
+"""One worker rank of tensor-parallel engines in its own OS process, driven over a pipe.
+
+A rank process hosts the rank-``r`` connector worker side of one or more
+engines (``RankSpec``): each is its own NIXL agent that registers its own KV
+shard and serves its own side channel, exactly like a TP worker process of
+an engine. A prefill engine's lead rank also runs the engine's scheduler side
+(it hands out kv_transfer_params and frees on "done"). Prefill shards hold
+the heads of a seeded "model KV" (``model_kv``); decode shards start zeroed.
+
+    parent -> child  ("finish", engine, request_id, num_prompt, block_ids) -> ("params", ...)
+    parent -> child  ("meta", engine, NixlConnectorMetadata)   a decode step's loads
+    child -> parent  ("recving", engine, KVConnectorOutput)    this rank's finished loads
+    child -> parent  ("done_sending", engine, request_id)      (prefill lead)
+    parent -> child  ("blocks", engine, block_ids) -> ("blocks", bytes of those blocks)
+    parent -> child  ("fill", engine, block_ids, value) -> ("filled",)
+    parent -> child  ("stats", engine) -> ("stats", worker stats + handshakes served)
+    parent -> child  ("stop",)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import numpy as np
+
+from tests.kvtransfer.prefill_process import _context
+
+# the "model": [blocks, layers, K/V, block_size, kv heads, head dim] float32
+NUM_BLOCKS, NUM_LAYERS, BLOCK_SIZE, HEAD_DIM = 24, 2, 4, 8
+
+
+@dataclasses.dataclass(frozen=True)
+class RankSpec:
+    engine_id: str
+    role: str  # "prefill" | "decode"
+    tp_size: int
+    num_kv_heads: int
+    layout: str
+    seed: int = 0
+
+
+def model_kv(num_kv_heads: int, seed: int) -> np.ndarray:
+    """The full (all heads) KV a prefill engine's ranks split between them."""
+    rng = np.random.default_rng(seed)
+    shape = (NUM_BLOCKS, NUM_LAYERS, 2, BLOCK_SIZE, num_kv_heads, HEAD_DIM)
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def shard_block_bytes(full: np.ndarray, head_start: int, num_heads: int, layout: str) -> np.ndarray:
+    """Per block, the bytes a rank holding those heads stores (storage order)."""
+    from kvtransfer.compat import STORAGE_ORDER
+
+    part = full[:, :, :, :, head_start : head_start + num_heads, :]
+    part = np.ascontiguousarray(part.transpose(STORAGE_ORDER[layout]))
+    return part.view(np.uint8).reshape(full.shape[0], -1)
+
+
+def _build(spec: RankSpec, rank: int):
+    import torch
+
+    from kvtransfer import KVTransferConfig, create_connector
+    from kvtransfer.nixl_worker import NixlWorkerSide
+    from workers.kv_cache import allocate_kv_cache
+
+    config = KVTransferConfig(
+        role=spec.role,
+        engine_id=spec.engine_id,
+        epoch=1,
+        block_size=BLOCK_SIZE,
+        model_name="tp-test",
+        num_kv_heads=spec.num_kv_heads,
+        kv_layout=spec.layout,
+        tp_size=spec.tp_size,
+        tp_rank=rank,
+        lease_s=30.0,
+    )
+    scheduler = None
+    if spec.role == "prefill" and rank == 0:
+        scheduler, worker = create_connector(config)
+    else:
+        worker = NixlWorkerSide(config)
+    from kvtransfer.tp_plan import shard_for
+
+    shard = shard_for(spec.num_kv_heads, spec.tp_size, rank)
+    kv = allocate_kv_cache(
+        NUM_BLOCKS,
+        NUM_LAYERS,
+        BLOCK_SIZE,
+        shard.num_heads,
+        HEAD_DIM,
+        torch.float32,
+        torch.device("cpu"),
+        layout=spec.layout,
+    )
+    if spec.role == "prefill":
+        full = model_kv(spec.num_kv_heads, spec.seed)
+        heads = full[:, :, :, :, shard.head_start : shard.head_start + shard.num_heads, :]
+        kv.copy_(torch.from_numpy(np.ascontiguousarray(heads)))
+    worker.register_kv_caches(kv)
+    return scheduler, worker, kv
+
+
+def run_rank(conn, specs: list[RankSpec], rank: int) -> None:
+    from kvtransfer.compat import STORAGE_ORDER
+    from scheduler.messages import KVConnectorOutput, SamplingParams
+    from scheduler.request import Request, RequestStatus
+
+    engines: dict[str, Any] = {s.engine_id: (s, *_build(s, rank)) for s in specs}
+    conn.send(("ready", {e: w.side_channel_port for e, (_, _, w, _) in engines.items()}))
+    try:
+        while True:
+            if conn.poll(0.002):
+                msg = conn.recv()
+                kind = msg[0]
+                if kind == "stop":
+                    return
+                spec, scheduler, worker, kv = engines[msg[1]]
+                if kind == "finish":
+                    _, _, request_id, num_prompt, block_ids = msg
+                    req = Request(
+                        request_id,
+                        list(range(num_prompt)),
+                        SamplingParams(max_tokens=1),
+                        kv_transfer_params={"do_remote_decode": True},
+                    )
+                    req.num_computed_tokens = num_prompt
+                    req.append_output_token(1)
+                    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+                    _, params = scheduler.request_finished(req, block_ids)
+                    worker.start_load_kv(scheduler.build_connector_meta(None))
+                    conn.send(("params", request_id, params))
+                elif kind == "meta":
+                    worker.start_load_kv(msg[2])
+                elif kind == "blocks":
+                    storage = kv.permute(*STORAGE_ORDER[spec.layout])
+                    rows = storage[list(msg[2])].contiguous().view(-1).numpy().view(np.uint8)
+                    conn.send(("blocks", rows.reshape(len(msg[2]), -1).copy()))
+                elif kind == "fill":
+                    kv[list(msg[2])] = msg[3]
+                    conn.send(("filled",))
+                elif kind == "stats":
+                    served = worker._server.num_handshakes_served if worker._server else 0
+                    conn.send(("stats", {**worker.stats(), "handshakes_served": served}))
+            for engine_id, (_, scheduler, worker, _) in engines.items():
+                sending, recving = worker.get_finished()
+                errors = worker.get_block_ids_with_load_errors()
+                if scheduler is not None and sending:
+                    scheduler.update_connector_output(
+                        KVConnectorOutput(finished_sending=sorted(sending))
+                    )
+                    for request_id in sorted(sending):
+                        conn.send(("done_sending", engine_id, request_id))
+                if recving or errors:
+                    out = KVConnectorOutput(
+                        finished_recving=sorted(recving), invalid_block_ids=sorted(errors)
+                    )
+                    conn.send(("recving", engine_id, out))
+    finally:
+        for _, _, worker, _ in engines.values():
+            worker.shutdown()
+
+
+class RankProcess:
+    """Parent-side handle of one rank process; every wait has a deadline."""
+
+    def __init__(self, specs: list[RankSpec], rank: int) -> None:
+        ctx = _context()
+        self._conn, child = ctx.Pipe()
+        self.rank = rank
+        self.process = ctx.Process(target=run_rank, args=(child, specs, rank), daemon=True)
+        self.process.start()
+        self.events: list[tuple] = []
+        self.ports: dict[str, int] = {}
+
+    def wait_ready(self, timeout_s: float = 90.0) -> None:
+        self.ports = self.wait(lambda m: m[0] == "ready", timeout_s)[1]
+
+    def wait(self, match, timeout_s: float = 20.0) -> tuple:
+        for i, msg in enumerate(self.events):
+            if match(msg):
+                return self.events.pop(i)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.process.is_alive() and not self._conn.poll():
+                raise RuntimeError(f"rank process died (exit code {self.process.exitcode})")
+            if self._conn.poll(0.02):
+                msg = self._conn.recv()
+                if match(msg):
+                    return msg
+                self.events.append(msg)
+        raise TimeoutError(f"no matching message from rank {self.rank} in {timeout_s} s")
+
+    def send(self, *msg: Any) -> None:
+        self._conn.send(msg)
+
+    def ask(self, *msg: Any) -> tuple:
+        reply = {"finish": "params", "blocks": "blocks", "fill": "filled", "stats": "stats"}
+        self._conn.send(msg)
+        return self.wait(lambda m: m[0] == reply[msg[0]])
+
+    def close(self) -> None:
+        try:
+            if self.process.is_alive():
+                self._conn.send(("stop",))
+        except (BrokenPipeError, OSError):
+            pass
+        self.process.join(10)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
+        self._conn.close()
