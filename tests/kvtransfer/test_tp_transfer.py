@@ -61,6 +61,21 @@ class Engine:
         ]
         self.ranks = [RankProcess(specs, r) for r in range(tp)]
 
+    def finish(self, variant: str, request_id: str, num_prompt: int, block_ids: list[int]) -> dict:
+        """P's lead finishes a prefill; its step metadata reaches every rank."""
+        eid = engine_id(self.role, self.tp, variant)
+        _, _, params, meta = self.ranks[0].ask("finish", eid, request_id, num_prompt, block_ids)
+        for rank in self.ranks[1:]:
+            rank.send("meta", eid, meta)
+        return params
+
+    def wait_freed(self, variant: str, request_id: str) -> None:
+        """The lead reports the send done; the engine's next step reaches every rank."""
+        eid = engine_id(self.role, self.tp, variant)
+        done = self.ranks[0].wait(lambda m: m[:3] == ("done_sending", eid, request_id))
+        for rank in self.ranks[1:]:
+            rank.send("meta", eid, done[3])
+
     def endpoint(self, variant: str) -> list:
         eid = engine_id(self.role, self.tp, variant)
         ports = [r.ports[eid] for r in self.ranks]
@@ -162,21 +177,19 @@ def test_reads_across_tp_sizes_are_byte_exact(cluster, p_tp, d_tp):
         # 4 blocks (the last partial): P [9, 10, 3, 4] -> D [2, 3, 4, 11]
         p_blocks, d_blocks = [9, 10, 3, 4], [2, 3, 4, 11]
         rid = f"{variant}-{p_tp}-{d_tp}"
-        params = lead.ask("finish", p_eid, rid, 15, p_blocks)[2]
+        params = p.finish(variant, rid, 15, p_blocks)
         got = pull(d, scheduler, variant, rid, params, 15, d_blocks, lead=lead)
         assert got == (15, set()), where
-        done = ("done_sending", p_eid, rid)
-        lead.wait(lambda m, done=done: m[:3] == done)  # after EVERY D rank's "done"
+        p.wait_freed(variant, rid)  # after EVERY D rank's "done"
 
         # partial prefix hit on D: the first 2 blocks are local, only 2 travel per rank
         for d_rank in d.ranks:
             d_rank.ask("fill", d_eid, [14, 15], 7.0)
         hit_p, hit_d = [5, 6, 7, 8], [14, 15, 16, 17]
-        params = lead.ask("finish", p_eid, rid + "-hit", 16, hit_p)[2]
+        params = p.finish(variant, rid + "-hit", 16, hit_p)
         got = pull(d, scheduler, variant, rid + "-hit", params, 16, hit_d, num_local=8)
         assert got == (8, set()), where
-        done = ("done_sending", p_eid, rid + "-hit")
-        lead.wait(lambda m, done=done: m[:3] == done)
+        p.wait_freed(variant, rid + "-hit")
 
         for d_rank, old in zip(d.ranks, before):
             shard = shard_for(heads, d_tp, d_rank.rank)
@@ -194,9 +207,10 @@ def test_reads_across_tp_sizes_are_byte_exact(cluster, p_tp, d_tp):
                 variant, p_tp, d_tp, 4, 3
             ) + expected_descriptors(variant, p_tp, d_tp, 2, 1), at
             assert stats["num_failures"] == 0, at
-        lead_stats = lead.ask("stats", p_eid)[1]
-        assert lead_stats["num_blocks_held_for_transfer"] == 0, where
-        assert lead_stats["num_lease_expiries"] == 0, where
+        for rank in p.ranks:  # the lead freed on D's "done"s; the others were told
+            p_stats = rank.ask("stats", p_eid)[1]
+            assert p_stats["num_blocks_held_for_transfer"] == 0, where
+            assert p_stats["num_lease_expiries"] == 0, where
         served = [
             r.ask("stats", p_eid)[1]["handshakes_served"] - n
             for r, n in zip(p.ranks, served_before)

@@ -7,10 +7,12 @@ an engine. A prefill engine's lead rank also runs the engine's scheduler side
 (it hands out kv_transfer_params and frees on "done"). Prefill shards hold
 the heads of a seeded "model KV" (``model_kv``); decode shards start zeroed.
 
-    parent -> child  ("finish", engine, request_id, num_prompt, block_ids) -> ("params", ...)
-    parent -> child  ("meta", engine, NixlConnectorMetadata)   a decode step's loads
+    parent -> child  ("finish", engine, request_id, num_prompt, block_ids)
+                     -> ("params", request_id, params, P's step metadata)   (prefill lead)
+    parent -> child  ("meta", engine, NixlConnectorMetadata)   one step's metadata (every
+                     rank of an engine gets the same, as a TP engine broadcasts it)
     child -> parent  ("recving", engine, KVConnectorOutput)    this rank's finished loads
-    child -> parent  ("done_sending", engine, request_id)      (prefill lead)
+    child -> parent  ("done_sending", engine, request_id, P's next step metadata) (lead)
     parent -> child  ("blocks", engine, block_ids) -> ("blocks", bytes of those blocks)
     parent -> child  ("fill", engine, block_ids, value) -> ("filled",)
     parent -> child  ("stats", engine) -> ("stats", worker stats + handshakes served)
@@ -129,8 +131,9 @@ def run_rank(conn, specs: list[RankSpec], rank: int) -> None:
                     req.append_output_token(1)
                     req.status = RequestStatus.FINISHED_LENGTH_CAPPED
                     _, params = scheduler.request_finished(req, block_ids)
-                    worker.start_load_kv(scheduler.build_connector_meta(None))
-                    conn.send(("params", request_id, params))
+                    meta = scheduler.build_connector_meta(None)
+                    worker.start_load_kv(meta)
+                    conn.send(("params", request_id, params, meta))
                 elif kind == "meta":
                     worker.start_load_kv(msg[2])
                 elif kind == "blocks":
@@ -150,8 +153,10 @@ def run_rank(conn, specs: list[RankSpec], rank: int) -> None:
                     scheduler.update_connector_output(
                         KVConnectorOutput(finished_sending=sorted(sending))
                     )
+                    meta = scheduler.build_connector_meta(None)  # the engine's next step
+                    worker.start_load_kv(meta)
                     for request_id in sorted(sending):
-                        conn.send(("done_sending", engine_id, request_id))
+                        conn.send(("done_sending", engine_id, request_id, meta))
                 if recving or errors:
                     out = KVConnectorOutput(
                         finished_recving=sorted(recving), invalid_block_ids=sorted(errors)
