@@ -33,7 +33,7 @@ from scheduler.request import Request, RequestStatus
 from tests.kvtransfer.tp_rank_process import (
     BLOCK_SIZE,
     NUM_LAYERS,
-    RankProcess,
+    EngineGroup,
     RankSpec,
     model_kv,
     shard_block_bytes,
@@ -50,58 +50,35 @@ def engine_id(role: str, tp: int, variant: str) -> str:
     return f"{role[0]}{tp}-{variant}"
 
 
-class Engine:
-    """The ranks of one TP group (hosting every variant) as processes."""
-
-    def __init__(self, role: str, tp: int) -> None:
-        self.role, self.tp = role, tp
-        specs = [
-            RankSpec(engine_id(role, tp, v), role, tp, heads, layout, seed=tp)
-            for v, (heads, layout) in VARIANTS.items()
-        ]
-        self.ranks = [RankProcess(specs, r) for r in range(tp)]
-
-    def finish(self, variant: str, request_id: str, num_prompt: int, block_ids: list[int]) -> dict:
-        """P's lead finishes a prefill; its step metadata reaches every rank."""
-        eid = engine_id(self.role, self.tp, variant)
-        _, _, params, meta = self.ranks[0].ask("finish", eid, request_id, num_prompt, block_ids)
-        for rank in self.ranks[1:]:
-            rank.send("meta", eid, meta)
-        return params
-
-    def wait_freed(self, variant: str, request_id: str) -> None:
-        """The lead reports the send done; the engine's next step reaches every rank."""
-        eid = engine_id(self.role, self.tp, variant)
-        done = self.ranks[0].wait(lambda m: m[:3] == ("done_sending", eid, request_id))
-        for rank in self.ranks[1:]:
-            rank.send("meta", eid, done[3])
-
-    def endpoint(self, variant: str) -> list:
-        eid = engine_id(self.role, self.tp, variant)
-        ports = [r.ports[eid] for r in self.ranks]
-        return [eid, 1, "127.0.0.1", ports[0], ports]
+def engine(role: str, tp: int) -> EngineGroup:
+    """The ranks of one TP group, each process hosting that rank of every variant."""
+    specs = [
+        RankSpec(engine_id(role, tp, v), role, tp, heads, layout, seed=tp)
+        for v, (heads, layout) in VARIANTS.items()
+    ]
+    return EngineGroup(specs)
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    groups: dict[tuple[str, int], Engine] = {}
+    groups: dict[tuple[str, int], EngineGroup] = {}
     with contextlib.ExitStack() as stack:
         for role, tp in itertools.product(("prefill", "decode"), (1, 2)):
-            groups[role, tp] = Engine(role, tp)
-            for rank in groups[role, tp].ranks:
-                stack.callback(rank.close)
+            groups[role, tp] = engine(role, tp)
+            stack.callback(groups[role, tp].close)
         for group in groups.values():  # all processes start at once; then wait
-            for rank in group.ranks:
-                rank.wait_ready()
+            group.wait_ready()
         yield groups
 
 
-def decode_scheduler(variant: str, d_tp: int, prefills: list[Engine]) -> NixlSchedulerSide:
+def decode_scheduler(variant: str, d_tp: int, prefills: list[EngineGroup]) -> NixlSchedulerSide:
     config = KVTransferConfig(
         role="decode", engine_id=engine_id("decode", d_tp, variant), block_size=BLOCK_SIZE
     )
     scheduler = NixlSchedulerSide(config)
-    scheduler.set_prefill_endpoints([p.endpoint(variant) for p in prefills])
+    scheduler.set_prefill_endpoints(
+        [p.endpoint(engine_id("prefill", p.tp, variant)) for p in prefills]
+    )
     return scheduler
 
 
@@ -131,7 +108,7 @@ def pull(d, scheduler, variant, request_id, params, num_prompt, d_blocks, num_lo
         if lead is None and rank is not d.ranks[-1]:
             continue
         for waited in d.ranks if lead is None else [rank]:
-            _, _, out = waited.wait(lambda m: m[0] == "recving" and m[1] == eid, 30.0)
+            out = waited.wait(lambda m: m[0] == "recving" and m[1] == eid, 30.0)[2]
             outputs = [None] * d.tp
             outputs[waited.rank] = out
             merged = merger.merge(outputs) or merged
@@ -177,19 +154,19 @@ def test_reads_across_tp_sizes_are_byte_exact(cluster, p_tp, d_tp):
         # 4 blocks (the last partial): P [9, 10, 3, 4] -> D [2, 3, 4, 11]
         p_blocks, d_blocks = [9, 10, 3, 4], [2, 3, 4, 11]
         rid = f"{variant}-{p_tp}-{d_tp}"
-        params = p.finish(variant, rid, 15, p_blocks)
+        params = p.finish(p_eid, rid, 15, p_blocks)
         got = pull(d, scheduler, variant, rid, params, 15, d_blocks, lead=lead)
         assert got == (15, set()), where
-        p.wait_freed(variant, rid)  # after EVERY D rank's "done"
+        p.wait_freed(p_eid, rid)  # after EVERY D rank's "done"
 
         # partial prefix hit on D: the first 2 blocks are local, only 2 travel per rank
         for d_rank in d.ranks:
             d_rank.ask("fill", d_eid, [14, 15], 7.0)
         hit_p, hit_d = [5, 6, 7, 8], [14, 15, 16, 17]
-        params = p.finish(variant, rid + "-hit", 16, hit_p)
+        params = p.finish(p_eid, rid + "-hit", 16, hit_p)
         got = pull(d, scheduler, variant, rid + "-hit", params, 16, hit_d, num_local=8)
         assert got == (8, set()), where
-        p.wait_freed(variant, rid + "-hit")
+        p.wait_freed(p_eid, rid + "-hit")
 
         for d_rank, old in zip(d.ranks, before):
             shard = shard_for(heads, d_tp, d_rank.rank)

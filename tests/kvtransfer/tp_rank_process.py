@@ -11,7 +11,8 @@ the heads of a seeded "model KV" (``model_kv``); decode shards start zeroed.
                      -> ("params", request_id, params, P's step metadata)   (prefill lead)
     parent -> child  ("meta", engine, NixlConnectorMetadata)   one step's metadata (every
                      rank of an engine gets the same, as a TP engine broadcasts it)
-    child -> parent  ("recving", engine, KVConnectorOutput)    this rank's finished loads
+    child -> parent  ("recving", engine, KVConnectorOutput, load records)  this rank's
+                     finished loads (records: NixlWorkerSide.drain_load_records)
     child -> parent  ("done_sending", engine, request_id, P's next step metadata) (lead)
     parent -> child  ("blocks", engine, block_ids) -> ("blocks", bytes of those blocks)
     parent -> child  ("fill", engine, block_ids, value) -> ("filled",)
@@ -29,7 +30,7 @@ import numpy as np
 
 from tests.kvtransfer.prefill_process import _context
 
-# the "model": [blocks, layers, K/V, block_size, kv heads, head dim] float32
+# the tests' "model": [blocks, layers, K/V, block_size, kv heads, head dim] float32
 NUM_BLOCKS, NUM_LAYERS, BLOCK_SIZE, HEAD_DIM = 24, 2, 4, 8
 
 
@@ -41,12 +42,20 @@ class RankSpec:
     num_kv_heads: int
     layout: str
     seed: int = 0
+    # geometry (the benchmark's is larger); dtype a torch dtype name
+    num_blocks: int = NUM_BLOCKS
+    num_layers: int = NUM_LAYERS
+    block_size: int = BLOCK_SIZE
+    head_dim: int = HEAD_DIM
+    dtype: str = "float32"
+    random_kv: bool = True  # prefill shards hold model_kv (else a cheap fill)
 
 
-def model_kv(num_kv_heads: int, seed: int) -> np.ndarray:
+def model_kv(num_kv_heads: int, seed: int, spec: RankSpec | None = None) -> np.ndarray:
     """The full (all heads) KV a prefill engine's ranks split between them."""
+    g = spec or RankSpec("", "prefill", 1, num_kv_heads, "", seed)
     rng = np.random.default_rng(seed)
-    shape = (NUM_BLOCKS, NUM_LAYERS, 2, BLOCK_SIZE, num_kv_heads, HEAD_DIM)
+    shape = (g.num_blocks, g.num_layers, 2, g.block_size, num_kv_heads, g.head_dim)
     return rng.standard_normal(shape).astype(np.float32)
 
 
@@ -70,7 +79,7 @@ def _build(spec: RankSpec, rank: int):
         role=spec.role,
         engine_id=spec.engine_id,
         epoch=1,
-        block_size=BLOCK_SIZE,
+        block_size=spec.block_size,
         model_name="tp-test",
         num_kv_heads=spec.num_kv_heads,
         kv_layout=spec.layout,
@@ -87,19 +96,21 @@ def _build(spec: RankSpec, rank: int):
 
     shard = shard_for(spec.num_kv_heads, spec.tp_size, rank)
     kv = allocate_kv_cache(
-        NUM_BLOCKS,
-        NUM_LAYERS,
-        BLOCK_SIZE,
+        spec.num_blocks,
+        spec.num_layers,
+        spec.block_size,
         shard.num_heads,
-        HEAD_DIM,
-        torch.float32,
+        spec.head_dim,
+        getattr(torch, spec.dtype),
         torch.device("cpu"),
         layout=spec.layout,
     )
-    if spec.role == "prefill":
-        full = model_kv(spec.num_kv_heads, spec.seed)
+    if spec.role == "prefill" and spec.random_kv:
+        full = model_kv(spec.num_kv_heads, spec.seed, spec)
         heads = full[:, :, :, :, shard.head_start : shard.head_start + shard.num_heads, :]
         kv.copy_(torch.from_numpy(np.ascontiguousarray(heads)))
+    elif spec.role == "prefill":
+        kv.fill_(1.0 + rank)
     worker.register_kv_caches(kv)
     return scheduler, worker, kv
 
@@ -161,7 +172,7 @@ def run_rank(conn, specs: list[RankSpec], rank: int) -> None:
                     out = KVConnectorOutput(
                         finished_recving=sorted(recving), invalid_block_ids=sorted(errors)
                     )
-                    conn.send(("recving", engine_id, out))
+                    conn.send(("recving", engine_id, out, worker.drain_load_records()))
     finally:
         for _, _, worker, _ in engines.values():
             worker.shutdown()
@@ -216,3 +227,46 @@ class RankProcess:
             self.process.kill()
             self.process.join(5)
         self._conn.close()
+
+
+class EngineGroup:
+    """Every rank of TP engines as ``tp`` processes; rank r hosts rank r of each
+    spec (all specs share one TP size). P's step metadata reaches every rank,
+    as a TP engine broadcasts it."""
+
+    def __init__(self, specs: list[RankSpec]) -> None:
+        self.tp = specs[0].tp_size
+        assert all(s.tp_size == self.tp for s in specs)
+        self.ranks = [RankProcess(specs, r) for r in range(self.tp)]
+
+    def wait_ready(self, timeout_s: float = 90.0) -> None:
+        for rank in self.ranks:
+            rank.wait_ready(timeout_s)
+
+    def finish(
+        self, engine_id: str, request_id: str, num_prompt: int, block_ids: list[int]
+    ) -> dict:
+        """The prefill lead finishes a request; returns its kv_transfer_params."""
+        _, _, params, meta = self.ranks[0].ask(
+            "finish", engine_id, request_id, num_prompt, block_ids
+        )
+        for rank in self.ranks[1:]:
+            rank.send("meta", engine_id, meta)
+        return params
+
+    def wait_freed(self, engine_id: str, request_id: str, timeout_s: float = 20.0) -> None:
+        """The lead reports the send done (every decode rank said "done")."""
+        done = self.ranks[0].wait(
+            lambda m: m[:3] == ("done_sending", engine_id, request_id), timeout_s
+        )
+        for rank in self.ranks[1:]:
+            rank.send("meta", engine_id, done[3])
+
+    def endpoint(self, engine_id: str) -> list:
+        """What the cluster registers with decode engines for this prefill engine."""
+        ports = [r.ports[engine_id] for r in self.ranks]
+        return [engine_id, 1, "127.0.0.1", ports[0], ports]
+
+    def close(self) -> None:
+        for rank in self.ranks:
+            rank.close()
