@@ -9,7 +9,16 @@ asks for one unit of it, so Ray places prefill engines only on prefill nodes::
                  --decode 4  --decode-ray-resources  '{"tandem_decode": 1}'
 
 ``--<pool>-num-gpus-per-engine`` overrides ``--num-gpus-per-engine`` for one
-pool (prefill engines with 2 GPUs, decode engines with 1).
+pool (prefill engines with 2 GPUs, decode engines with 1). A fraction packs
+engines onto one GPU (``--num-gpus-per-engine 0.5``: a prefill and a decode
+engine share a GPU); Ray then gives both the same device, and each engine
+sizes its KV cache from its own ``--<pool>-gpu-memory-utilization``, which
+defaults to 0.9 x its fraction and may not exceed it (``gpu_share``)::
+
+    one GPU, --num-gpus-per-engine 0.5
+    +---------------------------------------------+------+
+    | prefill-0: 0.45 of memory | decode-0: 0.45  | 0.10 |  CUDA contexts,
+    +---------------------------------------------+------+  activations
 """
 
 from __future__ import annotations
@@ -54,6 +63,21 @@ def parse_ray_resources(value: Any, field: str) -> dict[str, float]:
     return out
 
 
+def check_num_gpus(value: Any, key: str) -> int | float:
+    """GPUs per engine: 0 (CPU), a fraction in (0, 1] (engines share a GPU)
+    or a whole number >= 1. Whole numbers come back as ``int``. Raises
+    ValueError naming ``key`` and its flag."""
+    flag = "--" + key.replace("_", "-")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{key} ({flag}) must be a number, got {value!r}")
+    if value < 0 or (value > 1 and not float(value).is_integer()):
+        raise ValueError(
+            f"{key} ({flag}) must be 0 (CPU), a fraction in (0, 1] (engines share a GPU) "
+            f"or a whole number >= 1, got {value!r}"
+        )
+    return int(value) if float(value).is_integer() else float(value)
+
+
 def resolve_placement(settings: dict[str, Any]) -> None:
     """Normalise the per-pool placement settings in place (see module doc)."""
     for role in ROLES:
@@ -63,12 +87,33 @@ def resolve_placement(settings: dict[str, Any]) -> None:
         if settings.get(gpus_key) is None:
             settings[gpus_key] = settings["num_gpus_per_engine"]
     for key in ("num_gpus_per_engine", *(f"{r}_num_gpus_per_engine" for r in ROLES)):
-        value = settings[key]
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{key} must be an integer >= 0, got {value!r}")
+        settings[key] = check_num_gpus(settings[key], key)
 
 
-def pool_placement(settings: dict[str, Any], role: str) -> tuple[int, dict[str, float]]:
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+
+
+def gpu_share(num_gpus: float, overrides: dict[str, Any], role: str) -> dict[str, Any]:
+    """Engine overrides of a pool with ``num_gpus`` per engine, completed for
+    GPU sharing: with a fraction, ``gpu_memory_utilization`` defaults to
+    0.9 x the fraction, and an explicit one above the fraction is refused
+    (engines packed on one GPU would ask for more memory than it has)."""
+    if not 0 < num_gpus < 1:
+        return overrides
+    util = overrides.get("gpu_memory_utilization")
+    if util is None:
+        return {**overrides, "gpu_memory_utilization": DEFAULT_GPU_MEMORY_UTILIZATION * num_gpus}
+    if isinstance(util, (int, float)) and util > num_gpus:
+        raise ValueError(
+            f"{role}_gpu_memory_utilization (--{role}-gpu-memory-utilization or "
+            f"--gpu-memory-utilization) is {util} but a {role} engine holds only {num_gpus} "
+            f"of a GPU ({role}_num_gpus_per_engine): engines sharing the GPU would ask for "
+            "more memory than it has"
+        )
+    return overrides
+
+
+def pool_placement(settings: dict[str, Any], role: str) -> tuple[int | float, dict[str, float]]:
     """``(GPUs per engine, Ray resources per engine)`` of one pool, from
     resolved settings or from a plain settings dict (tests, benchmarks)
     that leaves the per-pool keys unset."""
@@ -89,6 +134,24 @@ def add_placement_arguments(parser: Any) -> None:
         )
         parser.add_argument(
             f"--{role}-num-gpus-per-engine",
-            type=int,
-            help=f"GPUs per {role} engine (default: --num-gpus-per-engine)",
+            type=float,
+            help=f"GPUs per {role} engine, a fraction shares a GPU (default: --num-gpus-per-engine)",
         )
+
+
+def engine_actor_placement(
+    num_gpus: int | float, resources: dict[str, float]
+) -> tuple[dict[str, Any], dict[str, float] | None]:
+    """``(Ray actor options, placement group bundle or None)`` of one engine.
+
+    CPU engines ask Ray for nothing but their custom resources (they share
+    the node's cores). GPU engines get a one-bundle STRICT_PACK group of
+    ``num_gpus`` GPUs (fractions allowed: two 0.5 bundles fit one GPU and
+    Ray hands both actors the same device), one CPU and the resources.
+    """
+    options: dict[str, Any] = {"num_cpus": 0, "num_gpus": num_gpus}
+    if resources:
+        options["resources"] = dict(resources)
+    if not num_gpus:
+        return options, None
+    return options, {"GPU": num_gpus, "CPU": 1, **resources}

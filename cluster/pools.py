@@ -9,9 +9,9 @@ Each engine is a *named* Ray actor in the namespace ``--ray-namespace``
 cluster need different namespaces: a taken name fails ``start_pools`` before
 any actor starts, with an error naming the flag.
 
-On GPU clusters each engine gets ``num_gpus`` GPUs in its own STRICT_PACK
-placement group; on CPU the actors ask for no CPU or GPU (they share the
-node's cores; ``torch_threads`` splits them). ``resources`` (custom Ray
+On GPU clusters each engine gets ``num_gpus`` GPUs (a fraction shares one)
+in its own STRICT_PACK placement group; on CPU the actors ask for no CPU or
+GPU (they share the node's cores; ``torch_threads`` splits them). ``resources`` (custom Ray
 resources, ``cluster.placement``) pins a pool to the nodes that advertise them.
 """
 
@@ -21,6 +21,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
+from cluster.placement import engine_actor_placement
 from workers.config import EngineConfig
 
 
@@ -29,7 +30,7 @@ class PoolSpec:
     role: str  # prefill | decode | colocated
     num_engines: int
     config: EngineConfig
-    num_gpus: int = 0
+    num_gpus: int | float = 0  # a fraction in (0, 1) shares a GPU (cluster.placement)
     max_restarts: int = 3
     # Ray custom resources per engine (cluster.placement): pins a pool to
     # the nodes that advertise them.
@@ -91,20 +92,16 @@ def start_pools(
             cfg = spec.config.replace(engine_id=engine_id, role=spec.role)
             if not spec.num_gpus and not cfg.torch_threads:
                 cfg = cfg.replace(torch_threads=threads)
-            options: dict = {
-                "name": engine_id,
-                "namespace": namespace,
-                "max_restarts": spec.max_restarts,
-                "max_task_retries": 0,
-                "num_cpus": 0,
-                "num_gpus": spec.num_gpus,
-                "max_concurrency": 4,  # control calls run beside a slow one
-            }
-            if spec.resources:
-                options["resources"] = dict(spec.resources)
+            options, bundle = engine_actor_placement(spec.num_gpus, spec.resources)
+            options.update(
+                name=engine_id,
+                namespace=namespace,
+                max_restarts=spec.max_restarts,
+                max_task_retries=0,
+                max_concurrency=4,  # control calls run beside a slow one
+            )
             pg = None
-            if spec.num_gpus > 0:
-                bundle = {"GPU": spec.num_gpus, "CPU": 1, **spec.resources}
+            if bundle is not None:
                 pg = placement_group([bundle], strategy="STRICT_PACK")
                 options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg)
                 cfg = cfg.replace(device="cuda")

@@ -19,7 +19,12 @@ import sys
 from typing import Any
 
 from cluster.kv_routing.settings import add_routing_arguments, routing_config
-from cluster.placement import add_placement_arguments, pool_placement, resolve_placement
+from cluster.placement import (
+    add_placement_arguments,
+    gpu_share,
+    pool_placement,
+    resolve_placement,
+)
 from workers.config import EngineConfig, add_engine_arguments, engine_overrides
 
 logger = logging.getLogger("tandem.serve")
@@ -103,7 +108,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="prompts with fewer tokens prefill on the decode engine (default 0)",
     )
     p.add_argument("--max-restarts", type=int, help="Ray restarts per engine actor (default 3)")
-    p.add_argument("--num-gpus-per-engine", type=int, help="GPUs per engine (0 = CPU)")
+    p.add_argument(
+        "--num-gpus-per-engine",
+        type=float,
+        help="GPUs per engine (0 = CPU; 0.5 = two engines share a GPU)",
+    )
     p.add_argument("--kv-lease-s", type=float, help="prefill-side KV lease (default 60)")
     p.add_argument("--load-failure-policy", choices=["recompute", "fail"])
     p.add_argument(
@@ -318,6 +327,7 @@ def pool_specs(
         n = settings[role]
         if not n:
             continue
+        num_gpus, resources = pool_placement(settings, role)
         cfg = EngineConfig(
             model=settings["model"],
             role=role,
@@ -327,9 +337,8 @@ def pool_specs(
             kv_host="auto" if settings["address"] else "127.0.0.1",
             cluster_secret=secret,
             log_format=settings.get("log_format", "text"),
-            **{"kv_events": kv_events, **per_role[role]},
+            **{"kv_events": kv_events, **gpu_share(num_gpus, per_role[role], role)},
         )
-        num_gpus, resources = pool_placement(settings, role)
         specs.append(
             PoolSpec(role, n, cfg, num_gpus, settings["max_restarts"], resources=resources)
         )

@@ -17,6 +17,8 @@ descriptor instead of ``L*2*bs`` (``kvtransfer/tp_plan.py``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kvtransfer.compat import BLOCKS_FIRST, KV_LAYOUTS, STORAGE_ORDER
@@ -31,6 +33,38 @@ def bytes_per_block(
     return num_layers * 2 * block_size * num_kv_heads * head_dim * elem
 
 
+def gpu_kv_budget_bytes(
+    *, total_bytes: int, free_bytes: int, own_bytes: int, gpu_memory_utilization: float
+) -> int:
+    """Bytes this engine may give its KV cache on a GPU it may share.
+
+    The engine owns ``gpu_memory_utilization`` of the device's memory, and
+    what it already holds there (``own_bytes``: its torch allocator's
+    reservation, i.e. weights) comes out of that share, not what other
+    processes hold: two engines of 0.45 on one GPU each get 0.45 of it,
+    whichever starts second::
+
+        |<------------------------- total ------------------------->|
+        | A: weights + KV = 0.45 | B: weights + KV = 0.45 | 0.10 free |
+
+    (Subtracting the device-wide used memory instead, the second engine
+    would count the first one's share against its own.) The budget must
+    also fit in what is free now; if it does not, other processes hold more
+    than the rest of the GPU: ValueError naming the flag.
+    """
+    budget = int(total_bytes * gpu_memory_utilization) - own_bytes
+    if budget > free_bytes:
+        gib = 2**30
+        raise ValueError(
+            f"--gpu-memory-utilization {gpu_memory_utilization} leaves this engine "
+            f"{budget / gib:.2f} GiB for its KV cache but only {free_bytes / gib:.2f} GiB of "
+            f"{total_bytes / gib:.2f} GiB are free: other processes on this GPU hold more than "
+            "the rest of it; lower the utilization of the engines sharing it "
+            "(--prefill-gpu-memory-utilization, --decode-gpu-memory-utilization)"
+        )
+    return budget
+
+
 def num_blocks_for(
     *,
     block_bytes: int,
@@ -38,18 +72,26 @@ def num_blocks_for(
     kv_cache_memory: int | None,
     gpu_memory_utilization: float,
     device: torch.device,
+    mem_get_info: Callable[[torch.device], tuple[int, int]] | None = None,
+    memory_reserved: Callable[[torch.device], int] | None = None,
 ) -> int:
     """Explicit count wins; otherwise memory bytes (CPU: ``kv_cache_memory``,
-    default 1 GiB; CUDA: what ``gpu_memory_utilization`` leaves after the
-    weights already on the device)."""
+    default 1 GiB; CUDA: ``gpu_kv_budget_bytes``, after the weights are
+    loaded). ``mem_get_info`` / ``memory_reserved`` default to torch.cuda's
+    (tests pass fakes)."""
     if num_kv_blocks is not None:
         return num_kv_blocks
     if kv_cache_memory is not None:
         budget = kv_cache_memory
     elif device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        used = total - free
-        budget = int(total * gpu_memory_utilization) - used
+        free, total = (mem_get_info or torch.cuda.mem_get_info)(device)
+        own = (memory_reserved or torch.cuda.memory_reserved)(device)
+        budget = gpu_kv_budget_bytes(
+            total_bytes=total,
+            free_bytes=free,
+            own_bytes=own,
+            gpu_memory_utilization=gpu_memory_utilization,
+        )
     else:
         budget = DEFAULT_CPU_KV_BYTES
     n = budget // block_bytes

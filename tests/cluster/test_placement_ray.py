@@ -36,8 +36,9 @@ def two_groups():
         "prefill": cluster.add_node(
             num_cpus=1, num_gpus=2, resources={"tandem_prefill": 2}, node_ip_address="127.0.0.1"
         ),
+        # 4 logical CPUs: every GPU engine's bundle takes one (fractional GPUs)
         "decode": cluster.add_node(
-            num_cpus=1, num_gpus=2, resources={"tandem_decode": 2}, node_ip_address="127.0.0.1"
+            num_cpus=4, num_gpus=2, resources={"tandem_decode": 4}, node_ip_address="127.0.0.1"
         ),
     }
     ray.init(address=cluster.address, log_to_driver=False)
@@ -126,3 +127,64 @@ def test_gpu_engines_placement_groups_land_on_their_pools_nodes(two_groups):
             assert table["bundles_to_node_id"] == {0: node_of_pool[role]}
     finally:
         stop_pools(handles, timeout_s=2)
+
+
+def test_half_gpu_engines_are_packed_two_per_gpu(two_groups):
+    """``--num-gpus-per-engine 0.5``: each engine's bundle reserves half a
+    GPU, and Ray hands two such engines the same device. The engines cannot
+    start CUDA here, so their bundles are checked, then probe actors placed
+    exactly as ``start_pools`` places engines (``engine_actor_placement``)
+    report the GPU ids Ray gives them."""
+    import ray
+    from ray.util.placement_group import (
+        placement_group,
+        placement_group_table,
+        remove_placement_group,
+    )
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from cluster.placement import engine_actor_placement
+
+    node_of_pool, _ = two_groups
+    pinned = '{"tandem_decode": 1}'
+    args = build_parser().parse_args(
+        [
+            "serve", "--model", "tiny", "--prefill", "1", "--decode", "1", "--max-restarts", "0",
+            "--num-gpus-per-engine", "0.5",
+            "--prefill-ray-resources", pinned, "--decode-ray-resources", pinned,
+        ]
+    )  # fmt: skip
+    specs = pool_specs(*resolve_settings(args))
+    assert [s.config.gpu_memory_utilization for s in specs] == [0.45, 0.45]
+    handles = start_pools(specs, "tcp://127.0.0.1:1")
+    try:
+        for handle in handles:
+            assert handle.placement_group.wait(timeout_seconds=60)
+            table = placement_group_table(handle.placement_group)
+            assert table["bundles"] == {0: {"GPU": 0.5, "CPU": 1.0, "tandem_decode": 1.0}}
+            assert table["bundles_to_node_id"] == {0: node_of_pool["decode"]}
+    finally:
+        stop_pools(handles, timeout_s=2)
+
+    @ray.remote
+    class Probe:
+        def gpu_ids(self) -> list:
+            return [str(i) for i in ray.get_gpu_ids()]
+
+    groups, probes = [], []
+    try:
+        for _ in range(3):  # the decode node has 2 GPUs: 0.5 + 0.5 on one, the third on the other
+            options, bundle = engine_actor_placement(0.5, {"tandem_decode": 1.0})
+            pg = placement_group([bundle], strategy="STRICT_PACK")
+            groups.append(pg)
+            assert pg.wait(timeout_seconds=60)
+            strategy = PlacementGroupSchedulingStrategy(pg)
+            probes.append(Probe.options(**options, scheduling_strategy=strategy).remote())
+        ids = ray.get([p.gpu_ids.remote() for p in probes], timeout=120)
+        assert len(ids[0]) == 1 and ids[0] == ids[1], ids  # two engines, one GPU
+        assert len(ids[2]) == 1 and ids[2] != ids[0], ids
+    finally:
+        for probe in probes:
+            ray.kill(probe)
+        for pg in groups:
+            remove_placement_group(pg)
