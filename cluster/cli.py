@@ -1,4 +1,5 @@
-"""The ``tandem`` command: ``generate`` (offline), ``serve``, ``bench``."""
+"""The ``tandem`` command: ``generate`` (offline), ``serve``, ``drain``,
+``stop-engines``, ``bench``."""
 
 from __future__ import annotations
 
@@ -101,6 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
         from cluster.drain_cli import add_drain_parser
 
         add_drain_parser(sub)
+    except ImportError:
+        pass
+    try:
+        from cluster.attach import add_stop_engines_parser
+
+        add_stop_engines_parser(sub)
     except ImportError:
         pass
     try:

@@ -3,9 +3,15 @@
 The actor owns an EngineCore whose loop runs on a background thread, fed by
 ZMQ (the data plane). Ray method calls are control only: ``ready`` (address,
 epoch), ``stats``, ``check_integrity``, ``set_prefill_endpoints``,
-``kv_events_snapshot``, ``shutdown``. Each start (including a
+``kv_events_snapshot``, ``attach``, ``shutdown``. Each start (including a
 restart by Ray after a crash) gets a new epoch, so peers and the router never
 reuse state of a previous incarnation.
+
+Gateway sessions (``cluster/attach.py``): the gateway that serves this
+engine is named by its session (a ``time_ns`` taken at its start). An
+engine that outlives its gateway (a detached actor) is adopted by the next
+one with ``attach``: the newer session wins, the old session's requests are
+aborted and outputs go to the new gateway.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from typing import Any
 
 import msgspec
 
+from wire.auth import secret_fingerprint
 from workers.config import EngineConfig
 
 
@@ -41,12 +48,16 @@ def node_ip() -> str:
 class EngineActor:
     """Plain class; ``cluster.pools`` wraps it with ``ray.remote``."""
 
-    def __init__(self, config: EngineConfig, output_addr: str) -> None:
+    def __init__(self, config: EngineConfig, output_addr: str, gateway_session: int = 0) -> None:
         from cluster.logging_setup import configure_logging
         from workers.engine_core import EngineCore
 
         configure_logging(config.log_format)  # Ray forwards these lines to the driver
         self.epoch = time.time_ns()
+        # A restart by Ray re-runs this with the arguments of the first start:
+        # the gateway serving now re-attaches it (its session is newer).
+        self.gateway_session = gateway_session
+        self._attach_lock = threading.Lock()
         # "auto": this node's address (multi-node clusters); else as given.
         host = node_ip() if config.kv_host in ("", "auto", "0.0.0.0") else config.kv_host
         self.config = config.replace(epoch=self.epoch, kv_host=host)
@@ -81,7 +92,25 @@ class EngineActor:
             "kv_events_addr": self.engine.kv_publisher.addr if self.engine.kv_publisher else None,
             "pid": os.getpid(),
             "node_id": ray.get_runtime_context().get_node_id(),
+            "model": self.config.model,
+            "gateway_session": self.gateway_session,
+            "secret_fingerprint": secret_fingerprint(self.config.cluster_secret),
         }
+
+    def attach(self, output_addr: str, gateway_session: int) -> dict[str, Any]:
+        """A gateway with session ``gateway_session`` adopts this engine. An
+        older session than the one serving now is refused (the answer names
+        the newer one). A newer one takes over: every request in flight (the
+        previous gateway's) is aborted and outputs go to ``output_addr``.
+        Returns ``ready()``'s answer plus ``num_aborted``."""
+        with self._attach_lock:
+            num_aborted = 0
+            if gateway_session > self.gateway_session:
+                num_aborted = self.engine.call_in_loop(
+                    lambda: self.engine.switch_gateway(output_addr)
+                )
+                self.gateway_session = gateway_session
+            return {**self.ready(), "num_aborted": num_aborted}
 
     def stats(self) -> bytes:
         """The engine's ``EngineStats``, msgpack-encoded: the gateway decodes

@@ -13,6 +13,12 @@ On GPU clusters each engine gets ``num_gpus`` GPUs (a fraction shares one)
 in its own STRICT_PACK placement group; on CPU the actors ask for no CPU or
 GPU (they share the node's cores; ``torch_threads`` splits them). ``resources`` (custom Ray
 resources, ``cluster.placement``) pins a pool to the nodes that advertise them.
+
+``detached``: the actors get Ray's ``lifetime="detached"`` and outlive the
+gateway that started them (``--detach-engines``; a later gateway adopts them
+with ``--attach``, ``cluster/attach.py``). They ask for their GPUs on the
+actor itself, without a placement group (one would be owned by, and die
+with, the gateway).
 """
 
 from __future__ import annotations
@@ -67,14 +73,20 @@ def check_names_free(specs: list[PoolSpec], namespace: str) -> None:
             raise ValueError(
                 f"a Ray actor named {name!r} already exists in namespace {namespace!r} "
                 "(another tandem serve on this Ray cluster?); pass --ray-namespace NAME "
-                "to run beside it"
+                "to run beside it, or --attach to adopt engines left running by "
+                "--detach-engines"
             )
 
 
 def start_pools(
-    specs: list[PoolSpec], output_addr: str, namespace: str = DEFAULT_NAMESPACE
+    specs: list[PoolSpec],
+    output_addr: str,
+    namespace: str = DEFAULT_NAMESPACE,
+    gateway_session: int = 0,
+    detached: bool = False,
 ) -> list[EngineHandle]:
-    """Start every engine actor, named ``<role>-<i>`` in ``namespace``."""
+    """Start every engine actor, named ``<role>-<i>`` in ``namespace``, served
+    by the gateway whose session is ``gateway_session``."""
     import ray
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -100,12 +112,16 @@ def start_pools(
                 max_task_retries=0,
                 max_concurrency=4,  # control calls run beside a slow one
             )
+            if detached:
+                options["lifetime"] = "detached"
             pg = None
-            if bundle is not None:
+            if bundle is not None and detached:  # GPUs on the actor itself
+                cfg = cfg.replace(device="cuda")
+            elif bundle is not None:
                 pg = placement_group([bundle], strategy="STRICT_PACK")
                 options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg)
                 cfg = cfg.replace(device="cuda")
-            actor = remote_cls.options(**options).remote(cfg, output_addr)
+            actor = remote_cls.options(**options).remote(cfg, output_addr, gateway_session)
             handles.append(EngineHandle(engine_id, spec.role, actor, pg, namespace))
     return handles
 

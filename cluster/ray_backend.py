@@ -152,6 +152,7 @@ class RayBackend(Backend):
         max_queued_outputs: int = 512,
         routing: RoutingConfig | None = None,
         migration: MigrationPolicy | None = None,
+        gateway_session: int = 0,
     ) -> None:
         """``call_timeout_s``: a Ray control call slower than this gives no
         verdict (the engine may be slow); ``engine_dead_after_s``: no heartbeat
@@ -160,7 +161,9 @@ class RayBackend(Backend):
         ``max_queued_outputs``: undelivered outputs of one request before its
         stream is cut (a client that does not read). ``routing``: router
         policy and weights (``cluster/kv_routing``; default: kv-aware when a
-        pool has more than one engine)."""
+        pool has more than one engine). ``gateway_session``: this gateway's
+        session (``cluster/attach.py``); an engine serving an older one is
+        adopted at its first probe."""
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.eos_token_id = getattr(tokenizer, "eos_token_id", None)
@@ -202,6 +205,8 @@ class RayBackend(Backend):
         self.recent_errors: collections.deque[ErrorEvent] = collections.deque(maxlen=50)
         self.migration = migration or MigrationPolicy()
         self.num_migrations: dict[str, int] = {}  # reason -> count (tandem:migrations_total)
+        self.gateway_session = gateway_session
+        self.num_adopted_aborts = 0  # requests of earlier gateways aborted on adoption
 
     # ---- lifecycle -----------------------------------------------------------
 
@@ -356,6 +361,10 @@ class RayBackend(Backend):
         cause = "no heartbeat"
         try:
             info = await self._call(e, "ready")
+            if info.get("gateway_session", self.gateway_session) != self.gateway_session:
+                info = await self._adopt(e, info)
+                if info is None:
+                    return  # a newer gateway serves it
         except TimeoutError:
             pass  # paused, starved or busy: the heartbeat decides
         except Exception as exc:  # noqa: BLE001 - the actor died or is restarting
@@ -390,6 +399,37 @@ class RayBackend(Backend):
             except Exception as exc:  # noqa: BLE001 - stale stats are not a verdict
                 logger.debug("engine %s stats: %r", eid, exc)
         e.state.ready = not e.unregistered and not e.draining  # see _register_prefill_engines
+
+    async def _adopt(self, e: _Engine, info: dict[str, Any]) -> dict[str, Any] | None:
+        """``e`` answers to another gateway session (``cluster/attach.py``).
+        An older one (this gateway adopts engines left running, or Ray
+        restarted a detached engine with its first gateway's arguments):
+        attach it here; it aborts the old session's requests. A newer one:
+        another gateway took it over; this one stops using it (its streams
+        end with an error) and returns None."""
+        eid = e.state.engine_id
+        if info["gateway_session"] < self.gateway_session:
+            ref = e.handle.actor.attach.remote(self.output_addr, self.gateway_session)
+            try:
+                info = await asyncio.wait_for(_await_ref(ref), self.call_timeout_s)
+            except asyncio.TimeoutError:
+                raise TimeoutError(f"attach took over {self.call_timeout_s} s") from None
+            if info["num_aborted"]:
+                self.num_adopted_aborts += info["num_aborted"]
+                logger.warning(
+                    "adopted %s: aborted %d requests of an earlier gateway",
+                    eid,
+                    info["num_aborted"],
+                )
+            if info["gateway_session"] == self.gateway_session:
+                return info
+        if e.state.ready or e.requests:
+            logger.error("engine %s is served by a newer gateway; not using it", eid)
+            self._error(eid, "taken over by a newer gateway", e)
+            e.state.ready = False
+            self._fail_inflight(e, f"engine {eid} was taken over by another gateway")
+        e.answered = False
+        return None
 
     async def _kv_snapshot(self, engine_id: str) -> Any:
         return await self._call(self.engines[engine_id], "kv_events_snapshot")

@@ -16,6 +16,7 @@ import asyncio
 import logging
 import os
 import sys
+import time
 from typing import Any
 
 from cluster.kv_routing.settings import add_routing_arguments, routing_config
@@ -81,6 +82,9 @@ SERVE_DEFAULTS: dict[str, Any] = {
     "migration_handoff_min_tokens": 256,
     "migration_wait_s": 30.0,
     "admin_api_key": None,
+    # engines that outlive the gateway (cluster/attach.py)
+    "detach_engines": False,
+    "attach": False,
 }
 
 
@@ -213,6 +217,20 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="opens POST /admin/drain and /admin/undrain with 'Authorization: Bearer KEY' "
         "(default: admin API off)",
     )
+    p.add_argument(
+        "--detach-engines",
+        action="store_true",
+        default=None,
+        help="start the engines as detached Ray actors that outlive this gateway "
+        "(needs --address and --cluster-secret-file; stop them with tandem stop-engines)",
+    )
+    p.add_argument(
+        "--attach",
+        action="store_true",
+        default=None,
+        help="adopt the engines running in --ray-namespace (left by --detach-engines) "
+        "instead of starting new ones; same --model and --cluster-secret-file",
+    )
     add_placement_arguments(p)
     add_engine_arguments(p)
     for role in ("prefill", "decode", "colocated"):
@@ -279,7 +297,36 @@ def resolve_settings(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str
 
     check_settings(settings)
     migration_policy(settings)  # ValueError naming the field
+    check_engine_lifetime(settings)
     return settings, per_role
+
+
+def check_engine_lifetime(settings: dict[str, Any]) -> None:
+    """ValueError naming the flag when engines meant to outlive the gateway
+    (``--detach-engines``, ``--attach``) could not: they need a Ray cluster the
+    gateway only joins (a local Ray started by the gateway dies with it) and
+    a cluster secret the next gateway can hold too."""
+    flags = [
+        f
+        for f, k in (("--detach-engines", "detach_engines"), ("--attach", "attach"))
+        if settings.get(k)
+    ]
+    if not flags:
+        return
+    if len(flags) == 2:
+        raise ValueError(
+            "--attach adopts running engines, --detach-engines starts new ones: pass one"
+        )
+    if not (settings["address"] or os.environ.get("RAY_ADDRESS")):
+        raise ValueError(
+            f"{flags[0]}: engines outlive the gateway only on a Ray cluster it joins "
+            "(ray start --head, then pass --address)"
+        )
+    if settings["internal_auth"] and not settings["cluster_secret_file"]:
+        raise ValueError(
+            f"{flags[0]}: pass --cluster-secret-file (the next gateway must hold the "
+            "engines' secret)"
+        )
 
 
 def migration_policy(settings: dict[str, Any]):
@@ -378,6 +425,8 @@ class Service:
         self.dashboard_url = None
         self.cluster_secret: bytes | None = None  # set by start(); tests act as members
         self.model_path: str | None = None  # set by start()
+        # stop the engines at exit: not when they are meant to outlive this gateway
+        self.owns_engines = not (settings.get("detach_engines") or settings.get("attach"))
 
     async def start(self) -> None:
         import ray
@@ -404,11 +453,24 @@ class Service:
         self.model_path = model_path = resolve_model_path(self.settings["model"])
         tokenizer = load_tokenizer(model_path)
         self.cluster_secret = secret = cluster_secret(self.settings)
-        self.handles = start_pools(
-            pool_specs(self.settings, self.per_role, secret),
-            output_addr,
-            namespace=self.settings.get("ray_namespace") or SERVE_DEFAULTS["ray_namespace"],
-        )
+        namespace = self.settings.get("ray_namespace") or SERVE_DEFAULTS["ray_namespace"]
+        session = time.time_ns()  # newer than any gateway before (cluster/attach.py)
+        if self.settings.get("attach"):
+            from cluster.attach import adopt_engines, pool_counts
+            from wire.auth import secret_fingerprint
+
+            self.handles = adopt_engines(
+                namespace, self.settings["model"], secret_fingerprint(secret)
+            )
+            self.settings.update(pool_counts(self.handles))
+        else:
+            self.handles = start_pools(
+                pool_specs(self.settings, self.per_role, secret),
+                output_addr,
+                namespace=namespace,
+                gateway_session=session,
+                detached=bool(self.settings.get("detach_engines")),
+            )
         self.backend = RayBackend(
             self.handles,
             tokenizer=tokenizer,
@@ -421,6 +483,7 @@ class Service:
             max_queued_outputs=self.settings.get("max_queued_outputs", 512),
             routing=routing_config(self.settings),
             migration=migration_policy(self.settings),
+            gateway_session=session,
         )
         await self.backend.start()
 
@@ -431,8 +494,14 @@ class Service:
 
         if self.backend is not None:
             await self.backend.close()
-        if self.handles:
+        if self.handles and self.owns_engines:
             stop_pools(self.handles)
+        elif self.handles:
+            logger.warning(
+                "leaving %d engines running in Ray namespace %r (tandem stop-engines stops them)",
+                len(self.handles),
+                self.settings.get("ray_namespace"),
+            )
         if self.started_ray:
             ray.shutdown()
 

@@ -80,6 +80,15 @@ def check_secret(secret: bytes | None, field: str = "cluster_secret") -> None:
         raise ValueError(f"{field} must be None or at least {MIN_SECRET_BYTES} bytes")
 
 
+def secret_fingerprint(secret: bytes | None) -> str | None:
+    """A short public tag of ``secret`` (HMAC-derived like the keys, so it
+    reveals nothing about it): a gateway adopting running engines checks that
+    it holds their secret before connecting. None without a secret."""
+    if secret is None:
+        return None
+    return hmac.new(secret, b"tandem/fingerprint/v1", hashlib.sha256).hexdigest()[:16]
+
+
 @dataclass(frozen=True, repr=False)
 class CurveKeys:
     """Z85-encoded CURVE keys derived from a cluster secret."""

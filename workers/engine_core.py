@@ -387,6 +387,7 @@ class EngineCore:
             inp.connect(input_addr)
         auth.client(out)
         out.connect(output_addr)
+        self._output_addr = output_addr
         sender = self._output = OutputSender(out, self.config.output_backlog_messages)
         poller = zmq.Poller()
         poller.register(inp, zmq.POLLIN)
@@ -454,6 +455,23 @@ class EngineCore:
             out.close()
             auth.close()
             ctx.term()
+
+    def switch_gateway(self, output_addr: str) -> int:
+        """Loop thread only (``call_in_loop``): a new gateway adopted this
+        engine (``cluster/attach.py``). Every unfinished request belonged to
+        the previous gateway, which can no longer receive its outputs: abort
+        them all (their KV is freed), drop the outputs not yet sent, and send
+        outputs to ``output_addr`` from now on (same socket, new peer).
+        Returns the number of requests aborted."""
+        ids = [r.request_id for r in self.scheduler.requests.values() if not r.is_finished]
+        if ids:
+            self.abort(ids)
+        self._output.discard()
+        sock = self._output.socket
+        sock.disconnect(self._output_addr)
+        sock.connect(output_addr)
+        self._output_addr = output_addr
+        return len(ids)
 
     def _cut_streams(self, sender: Any) -> None:
         """The gateway read nothing for ``output_stall_timeout_s``: end every

@@ -47,6 +47,10 @@ class OutputSender:
         self.num_deferred = 0  # messages that had to wait in the backlog (cumulative)
 
     @property
+    def socket(self) -> zmq.Socket:
+        return self._sock
+
+    @property
     def blocked(self) -> bool:
         return bool(self._backlog)
 
@@ -67,6 +71,14 @@ class OutputSender:
         """Start counting the stall again (after the loop acted on it)."""
         if self._backlog:
             self._blocked_since = self._clock()
+
+    def discard(self) -> int:
+        """Drop what the backlog holds (outputs for a gateway that is gone);
+        returns how many messages were dropped."""
+        dropped = len(self._backlog)
+        self._backlog.clear()
+        self._blocked_since = None
+        return dropped
 
     def send(self, frames: list[bytes]) -> None:
         """Queue ``frames`` for the gateway; never blocks. May exceed the

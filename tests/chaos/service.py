@@ -86,9 +86,15 @@ def stats(handle):
 def settle(svc, skip: tuple[str, ...] = (), deadline_s: float = 60.0) -> int:
     """Every engine but ``skip`` (dead for good) idle, then check_integrity();
     returns the KV blocks still held (in use or held for a transfer)."""
+    return settle_engines([h for h in svc.service.handles if h.engine_id not in skip], deadline_s)
+
+
+def settle_engines(handles, deadline_s: float = 60.0) -> int:
+    """``settle`` for engine handles (``cluster.pools.EngineHandle``) of any
+    gateway, called over Ray from the test process."""
     import ray
 
-    handles = {h.engine_id: h for h in svc.service.handles if h.engine_id not in skip}
+    handles = {h.engine_id: h for h in handles}
     end = time.monotonic() + deadline_s
     while True:
         sched = {eid: stats(h).scheduler for eid, h in handles.items()}

@@ -1,0 +1,166 @@
+"""Chaos: the gateway process crashes and a new one takes over while the
+engines keep running (``--detach-engines``, then ``--attach``;
+``cluster/attach.py``).
+
+The test process holds the Ray cluster; each gateway is a ``tandem serve``
+process joining it with ``--address``. Gateway 1 starts 1 prefill + 2 decode
+engines as detached actors and is SIGKILLed with 2 x 16 long streams in
+flight; the clients see their connections break. The engines survive (same
+epochs) still holding that work. Gateway 2 adopts them: the old requests are
+aborted, every engine idles with 0 blocks held and passes check_integrity();
+the clients reconnect and resend, and every stream is token-identical to the
+undisturbed run. Gateway 2's normal shutdown leaves the engines running
+(they were started to outlive a gateway); ``stop_engines`` ends them, so no
+actor outlives the test."""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+
+import httpx
+import pytest
+
+from cluster.attach import find_engines, stop_engines
+from tests.chaos.gateway_proc import GatewayProcess, gateway_env
+from tests.chaos.harness import ENGINE, WORKLOADS, Tally, Workload, print_row, verdict
+from tests.chaos.service import settle_engines, stats
+from tests.cluster.service_helpers import BUSY_FIELDS
+
+pytestmark = pytest.mark.slow
+
+# the crashed gateway's streams: too long to finish before it is killed
+LONG_TOKENS = 900
+NOWHERE = "tcp://127.0.0.1:9"  # an output address no gateway listens on
+
+
+def engine_flags() -> list[str]:
+    return [
+        "--num-kv-blocks", str(ENGINE["num_kv_blocks"]),
+        "--max-num-seqs", str(ENGINE["max_num_seqs"]),
+        "--max-model-len", str(ENGINE["max_model_len"]),
+        # only the adoption may drop the old gateway's requests, not the
+        # engines' own stall timeout (a gateway reading nothing is gone)
+        "--output-stall-timeout-s", "600",
+    ]  # fmt: skip
+
+
+def wait_health(gateway: GatewayProcess, status: str, reason: str, deadline_s: float = 30.0):
+    end = time.monotonic() + deadline_s
+    while True:
+        body = httpx.get(gateway.url + "/health", timeout=10).json()
+        if body["status"] == status and reason in body.get("reason", ""):
+            return
+        assert time.monotonic() < end, f"/health still {body} after {deadline_s} s"
+        time.sleep(0.2)
+
+
+def epochs(handles) -> dict[str, int]:
+    import ray
+
+    return {h.engine_id: ray.get(h.actor.ready.remote(), timeout=60)["epoch"] for h in handles}
+
+
+def num_busy(handles) -> int:
+    return sum(getattr(stats(h).scheduler, k) for h in handles for k in BUSY_FIELDS)
+
+
+def test_gateway_restart_engines_keep_running_new_gateway_adopts_them(tmp_path, monkeypatch):
+    import ray
+
+    # the gateways join this Ray; everything on loopback
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    monkeypatch.setenv("TANDEM_HOST", "127.0.0.1")
+    ray.init(include_dashboard=False, num_cpus=2, log_to_driver=False)
+    namespace = f"chaos-gw-{os.getpid()}"
+    secret = tmp_path / "secret"
+    secret.write_bytes(os.urandom(32).hex().encode())
+    common = [
+        "--model", "tiny",
+        "--address", ray.get_runtime_context().gcs_address,
+        "--ray-namespace", namespace,
+        "--cluster-secret-file", str(secret),
+        "--kv-lease-s", "10",
+    ]  # fmt: skip
+    env = gateway_env()
+    gateways: list[GatewayProcess] = []
+    try:
+        first = GatewayProcess(
+            [*common, "--prefill", "1", "--decode", "2", "--detach-engines", *engine_flags()],
+            str(tmp_path / "gateway-1.log"),
+            env,
+        )
+        gateways.append(first)
+        first.wait_healthy(300)
+        refs = {}
+        for workload in WORKLOADS:  # the undisturbed run
+            w = Workload(first.url, workload)
+            assert not any(w.finish())
+            refs[workload] = w.results
+        handles = find_engines(namespace)
+        assert sorted(h.engine_id for h in handles) == ["decode-0", "decode-1", "prefill-0"]
+        before = epochs(handles)
+
+        old = [Workload(first.url, w, max_tokens=LONG_TOKENS) for w in WORKLOADS]
+        for w in old:
+            w.wait_tokens(4)
+        crash_s = time.monotonic()
+        first.crash()
+        for w in old:  # every old stream ends with a broken connection, none hangs
+            assert not any(w.finish(60))
+            for r in w.results:
+                assert not r.done and (r.exception or r.error), r
+        # the engines live on, the same incarnations, still holding that work
+        assert epochs(handles) == before
+        assert num_busy(handles) > 0
+
+        second = GatewayProcess([*common, "--attach"], str(tmp_path / "gateway-2.log"), env)
+        gateways.append(second)
+        assert second.wait_healthy(180)["status"] == "ok"
+        restart_s = time.monotonic() - crash_s
+        assert epochs(handles) == before  # adopted, not restarted
+        aborted = sum(int(n) for n in re.findall(r"aborted (\d+) requests", second.log()))
+        assert aborted > 0, second.log()
+        assert settle_engines(handles) == 0  # no orphan of the old gateway
+
+        tally = Tally("gateway process killed, a new one adopts the engines (--attach)")
+        again = [Workload(second.url, w) for w in WORKLOADS]  # the clients reconnect
+        for w in again:
+            tally.add(w.workload, w.results, refs[w.workload], w.finish())
+        tally.leaked_blocks = settle_engines(handles)
+        print_row(tally)
+        print(
+            f"   gateway restart: new gateway healthy {restart_s:.1f} s after the kill; "
+            f"{aborted} requests of the old one aborted on adoption",
+            flush=True,
+        )
+        assert tally.identical == tally.requests, tally.details
+        assert tally.leaked_blocks == 0
+
+        # sessions: an older gateway's attach is refused (nothing changes) ...
+        by_id = {h.engine_id: h for h in handles}
+        session = ray.get(by_id["decode-0"].actor.ready.remote(), timeout=60)["gateway_session"]
+        stale = ray.get(by_id["decode-0"].actor.attach.remote(NOWHERE, 1), timeout=60)
+        assert stale["gateway_session"] == session and stale["num_aborted"] == 0
+        # ... a newer one takes the engine: gateway 2 stops using it, serves on
+        newer = ray.get(by_id["decode-1"].actor.attach.remote(NOWHERE, time.time_ns()), timeout=60)
+        assert newer["gateway_session"] > session
+        wait_health(second, "degraded", "decode-1")
+        w = Workload(second.url, "greedy", num_streams=4)
+        assert not any(w.finish())
+        assert all(
+            verdict(r, ref, False) == "identical" for r, ref in zip(w.results, refs["greedy"])
+        )
+
+        # a normal shutdown of the adopting gateway leaves the engines running
+        assert second.stop() == 0, second.log()
+        assert epochs(handles) == before
+    finally:
+        for g in gateways:
+            g.crash()
+        stopped = stop_engines(namespace)
+        left = find_engines(namespace)
+        ray.shutdown()
+    assert sorted(stopped) == ["decode-0", "decode-1", "prefill-0"]
+    assert left == []  # no detached actor outlives the test

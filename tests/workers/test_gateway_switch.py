@@ -1,0 +1,59 @@
+"""An engine adopted by a new gateway (``EngineCore.switch_gateway``,
+``cluster/attach.py``): the old gateway reads nothing any more (it crashed);
+the switch aborts every request it had sent, frees their KV, drops the
+outputs held back for it, and from then on the new gateway gets the
+heartbeats and the outputs of the requests it sends."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import msgspec
+import pytest
+import zmq
+
+from scheduler.messages import EngineOutputs, EngineRequest, FinishReason, SamplingParams
+from tests.workers.test_output_backpressure import NUM_REQUESTS, in_loop, send_all, wait_blocked
+from tests.workers.test_output_backpressure import served as served  # noqa: PLC0414 - fixture
+
+pytestmark = pytest.mark.slow  # an engine loop on real sockets
+
+
+def test_switch_gateway_aborts_the_old_requests_and_serves_the_new_gateway(served):
+    engine, old = served
+    send_all(old)
+    wait_blocked(engine)  # the old gateway reads nothing: outputs are held back
+    assert in_loop(engine, engine.stats).output_backlog_messages > 0
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    addr = f"ipc:///tmp/tandem-switch-{os.getpid()}"
+    pull.bind(addr)
+    try:
+        assert in_loop(engine, lambda: engine.switch_gateway(addr)) == NUM_REQUESTS
+        stats = in_loop(engine, engine.stats)
+        assert stats.output_backlog_messages == 0
+        assert stats.scheduler.num_running_reqs == stats.scheduler.num_waiting_reqs == 0
+        assert stats.scheduler.kv_cache_usage == 0.0
+        assert in_loop(engine, engine.check_integrity)
+        # the new gateway's request (sent on the same input socket) streams to it
+        sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        old.send(EngineRequest("new-0", [5, 6, 7, 8], sp))
+        dec = msgspec.msgpack.Decoder(EngineOutputs)
+        tokens, final = 0, None
+        deadline = time.monotonic() + 60
+        while final is None:
+            assert time.monotonic() < deadline, "no output reached the new gateway"
+            if not pull.poll(100):
+                continue
+            kind, payload = pull.recv_multipart()
+            if kind != b"O":
+                continue
+            for out in dec.decode(payload).outputs:
+                assert out.request_id == "new-0", out  # nothing of the old gateway's
+                tokens += len(out.new_token_ids)
+                final = out.finish_reason or final
+        assert tokens == 8 and final == FinishReason.LENGTH
+    finally:
+        pull.close(0)
+        ctx.term()
