@@ -39,6 +39,9 @@ class EngineConfig:
     max_num_partial_prefills: int = 0  # per step, 0 = no limit
     max_long_partial_prefills: int = 0  # per step, 0 = no limit
     seed: int = 0
+    # workers per engine, each holding 1/N of the weights and KV heads
+    # (workers/parallel/); the model's head counts must split N ways
+    tensor_parallel_size: int = 1
     # CPU: torch intra-op threads (0 = torch's default). Pin it on shared
     # machines: torch's default OpenMP threads stall badly when another
     # process uses the same cores.
@@ -92,6 +95,12 @@ class EngineConfig:
         if not self.output_stall_timeout_s > 0:
             raise ValueError(
                 f"output_stall_timeout_s must be > 0, got {self.output_stall_timeout_s}"
+            )
+        if isinstance(self.tensor_parallel_size, bool) or not (
+            isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1
+        ):
+            raise ValueError(
+                f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}"
             )
         if self.torch_threads < 0:
             raise ValueError(f"torch_threads must be >= 0, got {self.torch_threads}")
@@ -168,6 +177,12 @@ _FLAGS: list[tuple[str, str, Any, str]] = [
         str,
         f"prefix-cache block hash: {' | '.join(HASH_ALGOS)} (default sha256)",
     ),
+    (
+        "--tensor-parallel-size",
+        "tensor_parallel_size",
+        int,
+        "workers per engine sharing its weights and KV heads (-tp; default 1)",
+    ),
     ("--torch-threads", "torch_threads", int, "CPU threads per engine (0 = torch default)"),
     ("--dense-decode-bytes", "dense_decode_bytes", int, "CPU dense decode KV copy (0 = off)"),
     ("--kv-layout", "kv_layout", str, "blocks_first | head_major (KV byte layout)"),
@@ -180,6 +195,8 @@ _FLAGS: list[tuple[str, str, Any, str]] = [
         "cut streams when the gateway reads nothing this long",
     ),
 ]
+# short aliases of the unprefixed flags
+_SHORT_FLAGS = {"--tensor-parallel-size": "-tp"}
 _BOOL_OFF_FLAGS = [
     ("--no-prefix-caching", "enable_prefix_caching"),
     ("--no-chunked-prefill", "enable_chunked_prefill"),
@@ -189,8 +206,10 @@ _BOOL_OFF_FLAGS = [
 def add_engine_arguments(parser: argparse.ArgumentParser, prefix: str = "") -> None:
     """Engine flags; ``prefix`` ("prefill-") makes per-pool variants that default to None."""
     for flag, dest, typ, help_ in _FLAGS:
-        name = "--" + prefix + flag[2:]
-        parser.add_argument(name, dest=prefix.replace("-", "_") + dest, type=typ, help=help_)
+        names = ["--" + prefix + flag[2:]]
+        if not prefix and flag in _SHORT_FLAGS:
+            names.append(_SHORT_FLAGS[flag])
+        parser.add_argument(*names, dest=prefix.replace("-", "_") + dest, type=typ, help=help_)
     for flag, dest in _BOOL_OFF_FLAGS:
         name = "--" + prefix + flag[2:]
         parser.add_argument(

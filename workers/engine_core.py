@@ -37,7 +37,7 @@ from wire.frames import FrameCounters, FrameSpec, MalformedFrame, MiB, peer_addr
 from workers.config import EngineConfig
 from workers.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for
 from workers.kv_events_publisher import KVEventPublisher
-from workers.loader import load_model, resolve_model_path
+from workers.loader import end_token_ids, load_model, resolve_model_path
 from workers.loop_wait import LoopWait
 from workers.model_runner import ModelRunner
 from workers.request_clock import RequestClock
@@ -75,11 +75,17 @@ class EngineCore:
             torch.set_num_threads(config.torch_threads)
         device = torch.device(config.device)
         self.model_path = resolve_model_path(config.model)
-        self.model, self.hf_config = load_model(self.model_path, config.dtype, device)
+        self.tp: Any = None  # workers.parallel.executor.TPExecutor with TP > 1
+        if config.tensor_parallel_size > 1:  # this process is rank 0 (workers/parallel/)
+            from workers.parallel.executor import TPExecutor
+
+            self.tp = TPExecutor(config, self.model_path)
+            self.model, self.hf_config = self.tp.model, self.tp.hf_config
+        else:
+            self.model, self.hf_config = load_model(self.model_path, config.dtype, device)
         m = self.model
         self.dtype = next(m.parameters()).dtype
-        eos = getattr(self.hf_config, "eos_token_id", None)
-        eos_ids = eos if isinstance(eos, list) else ([] if eos is None else [eos])
+        eos_ids = end_token_ids(self.hf_config)
         self.eos_token_id: int | None = eos_ids[0] if eos_ids else None
         self.extra_eos_ids = eos_ids[1:]
         max_len = config.max_model_len or min(m.max_context_len, MAX_DEFAULT_MODEL_LEN)
@@ -98,6 +104,8 @@ class EngineCore:
             gpu_memory_utilization=config.gpu_memory_utilization,
             device=device,
         )
+        if self.tp is not None:
+            num_blocks = self.tp.agree_num_blocks(num_blocks)
         if config.max_model_len is None:
             # Default: the model's length, but never more than the cache holds.
             self.max_model_len = max_len = min(max_len, num_blocks * config.block_size)
@@ -149,6 +157,8 @@ class EngineCore:
             seed=config.seed,
             dense_decode_bytes=config.dense_decode_bytes,
         )
+        if self.tp is not None:
+            self.runner = self.tp.start(self.runner)
         self._shutdown = threading.Event()
         self.num_steps = 0
         self.last_step_s = 0.0
@@ -257,6 +267,8 @@ class EngineCore:
 
     def check_integrity(self) -> bool:
         self.scheduler.check_integrity()
+        if self.tp is not None:
+            self.tp.check_integrity()
         self.request_clock.check_integrity(self.scheduler.requests)
         return True
 
@@ -353,6 +365,8 @@ class EngineCore:
             self.kv_publisher.close()
         if self.connector_worker is not None:
             self.connector_worker.shutdown()
+        if self.tp is not None and not self._loop_running:
+            self.tp.shutdown()  # else the loop thread does, as it ends (it owns the sockets)
 
     # ---- ZMQ service loop ------------------------------------------------------
 
@@ -455,6 +469,8 @@ class EngineCore:
             out.close()
             auth.close()
             ctx.term()
+            if self.tp is not None:
+                self.tp.shutdown()
 
     def switch_gateway(self, output_addr: str) -> int:
         """Loop thread only (``call_in_loop``): a new gateway adopted this

@@ -11,6 +11,7 @@ from scheduler.messages import EngineRequest, SamplingParams
 from workers.config import EngineConfig
 from workers.detokenizer import IncrementalDetokenizer
 from workers.engine_core import EngineCore
+from workers.parallel.messages import WorkerFailed
 from workers.tokenizer import encode_prompt, load_tokenizer
 
 
@@ -37,6 +38,16 @@ class LLM:
         except (OSError, ValueError):
             self.tokenizer = None  # a bare checkpoint: token ids in and out, no text
         self._next_id = 0
+
+    def close(self) -> None:
+        """Stop the engine (and its tensor-parallel workers); idempotent."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def generate(
         self,
@@ -68,7 +79,15 @@ class LLM:
             if err is not None:
                 finish[rid], errors[rid] = "error", err.error
         while self.engine.has_work():
-            for o in self.engine.step().outputs:
+            try:
+                step_outputs = self.engine.step().outputs
+            except WorkerFailed as exc:  # a TP worker died: every open request ends in error
+                self.engine.abort(list(self.engine.scheduler.requests))
+                for rid in ids:
+                    if rid not in finish:
+                        finish[rid], errors[rid] = "error", str(exc)
+                break
+            for o in step_outputs:
                 tokens[o.request_id].extend(o.new_token_ids)
                 cached[o.request_id] = max(cached.get(o.request_id, 0), o.num_cached_tokens)
                 if detoks[o.request_id]:

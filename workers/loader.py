@@ -137,6 +137,11 @@ def load_config(path: str) -> Any:
     return config
 
 
+def end_token_ids(config: Any) -> list[int]:
+    """The config's end ids as a list (``load_config`` merged generation_config's)."""
+    return _as_list(getattr(config, "eos_token_id", None))
+
+
 def _as_list(ids: Any) -> list[int]:
     if ids is None:
         return []

@@ -172,6 +172,8 @@ class LlamaForCausalLM(nn.Module):
         self.max_context_len = self._max_context_len(config)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.model = LlamaModel(config, dtype, type(self))
+        # tensor parallel (workers/parallel/layers.py): this rank's vocab rows -> all
+        self.logits_gather: Any = None
         if self.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -203,7 +205,10 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden] -> [N, vocab]`` float32 logits (matmul in the model dtype)."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        logits = F.linear(hidden, weight)
+        if self.logits_gather is not None:
+            logits = self.logits_gather(logits)
+        return logits.float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the parameters (casting dtype/device).

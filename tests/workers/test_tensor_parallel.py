@@ -1,0 +1,198 @@
+"""Tensor parallelism (workers/parallel/): the split, the sharded loading, and
+whole engines of N gloo ranks whose greedy fp32 output equals TP=1 and
+transformers, token for token; a worker dying fails the engine cleanly."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+from scheduler.messages import EngineRequest, KVConnectorOutput, SamplingParams
+from tests.workers.hf_checkpoints import load_hf_model, make_config
+from tests.workers.test_engine import hf_greedy
+from workers.config import EngineConfig
+from workers.llm import LLM
+from workers.loader import iter_safetensors, safetensors_files
+from workers.parallel.kv_outputs import KVOutputAggregator
+from workers.parallel.loading import ZEROS_OFF_RANK0, iter_rank_weights, shard_for
+from workers.parallel.messages import WorkerFailed
+from workers.parallel.plan import make_plan
+from workers.parallel.worker import FAULT_EXIT_AT_STEP
+
+NUM_NEW = 6
+GREEDY = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(5)
+    # one token, one block, several blocks, and more than the step's token budget
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (1, 8, 27, 70)]
+
+
+def _config(path: str, tp: int, **kw) -> EngineConfig:
+    return EngineConfig(
+        model=path,
+        block_size=8,
+        num_kv_blocks=48,
+        max_num_batched_tokens=48,
+        tensor_parallel_size=tp,
+        torch_threads=1,
+        **kw,
+    )
+
+
+# ---- the split (no processes) ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("overrides", "tp", "field"),
+    [
+        ({"num_attention_heads": 4, "num_key_value_heads": 2}, 3, "num_attention_heads"),
+        (
+            {"num_attention_heads": 12, "num_key_value_heads": 4, "hidden_size": 96},
+            6,
+            "num_key_value_heads",
+        ),
+        ({"intermediate_size": 130}, 4, "intermediate_size"),
+    ],
+)
+def test_split_that_does_not_divide_names_the_field(overrides, tp, field):
+    with pytest.raises(ValueError, match=field):
+        make_plan(make_config("llama", **overrides), tp, 0)
+
+
+def test_tensor_parallel_size_must_be_positive():
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        EngineConfig(tensor_parallel_size=0)
+
+
+def test_kv_heads_split_or_replicated():
+    split = [make_plan(make_config("llama", num_key_value_heads=4), 2, r) for r in range(2)]
+    assert [(p.kv_head_start, p.num_kv_heads_per_rank) for p in split] == [(0, 2), (2, 2)]
+    # 2 KV heads on 4 ranks: each rank holds one whole head, two ranks per head
+    rep = [make_plan(make_config("llama"), 4, r) for r in range(4)]
+    assert [(p.kv_head_start, p.num_kv_heads_per_rank) for p in rep] == [(0, 1)] * 2 + [(1, 1)] * 2
+    assert rep[0].kv_replication == 2
+    # a rank's query heads all use its KV head (GQA group of q head h: h // (H / Hkv))
+    for p in rep:
+        group = p.num_heads // p.num_kv_heads
+        q_heads = range(p.rank * p.num_heads_per_rank, (p.rank + 1) * p.num_heads_per_rank)
+        assert {h // group for h in q_heads} == {p.kv_head_start}
+
+
+def test_rank_slices_rebuild_every_weight(make_checkpoint):
+    """The ranks' slices, joined along their split dim, are the checkpoint
+    (vocab padding dropped; a row-parallel bias only on rank 0)."""
+    path = make_checkpoint("qwen3_bias", vocab_size=301)
+    files = safetensors_files(path)
+    config = make_config("qwen3_bias", vocab_size=301)
+    plans = [make_plan(config, 2, r) for r in range(2)]
+    per_rank = [dict(iter_rank_weights(files, p)) for p in plans]
+    full = dict(iter_safetensors(files))
+    assert set(per_rank[0]) == set(full)
+    for name, tensor in full.items():
+        rule = shard_for(name, plans[0])
+        parts = [w[name] for w in per_rank]
+        if rule is None:
+            assert all(torch.equal(p, tensor) for p in parts), name
+        elif rule == ZEROS_OFF_RANK0:
+            assert torch.equal(parts[0], tensor) and not parts[1].any(), name
+        else:
+            joined = torch.cat(parts, dim=rule.dim).narrow(rule.dim, 0, tensor.shape[rule.dim])
+            assert torch.equal(joined, tensor), name
+    assert per_rank[1]["model.embed_tokens.weight"].shape[0] == 151  # 150 rows + 1 pad
+
+
+def test_kv_outputs_wait_for_every_rank():
+    agg = KVOutputAggregator(2)
+    assert agg.aggregate([KVConnectorOutput(finished_recving=["a"]), None]) is None
+    with pytest.raises(AssertionError, match="only some TP ranks"):
+        agg.check_integrity()
+    out = agg.aggregate([KVConnectorOutput(invalid_block_ids=[3]), KVConnectorOutput(["b"], ["a"])])
+    assert out.finished_recving == ["a"] and out.finished_sending == []
+    assert out.invalid_block_ids == [3]
+    out = agg.aggregate([KVConnectorOutput(finished_sending=["b"]), None])
+    assert out.finished_sending == ["b"]
+    agg.check_integrity()
+
+
+def test_flags():
+    from cluster.cli import build_parser
+
+    args = build_parser().parse_args(["generate", "--model", "tiny", "-tp", "2", "--prompt", "x"])
+    assert args.tensor_parallel_size == 2
+    serve = build_parser().parse_args(
+        ["serve", "--prefill-tensor-parallel-size", "2", "--decode-tensor-parallel-size", "1"]
+    )
+    assert (serve.prefill_tensor_parallel_size, serve.decode_tensor_parallel_size) == (2, 1)
+
+
+# ---- whole engines (N processes, gloo) -------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("arch", "tp", "overrides"),
+    [
+        # tied embeddings (vocab-parallel lm_head = embedding rows), q/k/v biases, padded vocab
+        ("qwen2_tied", 2, {"vocab_size": 301}),
+        # 4 KV heads on 4 ranks: one each
+        ("llama", 4, {"num_attention_heads": 4, "num_key_value_heads": 4}),
+        # 1 KV head on 2 ranks: replicated; q/k norms and an o_proj bias (row-parallel, once)
+        ("qwen3_bias", 2, {"num_key_value_heads": 1}),
+    ],
+)
+def test_greedy_equals_tp1_and_transformers(make_checkpoint, arch, tp, overrides):
+    path = make_checkpoint(arch, **overrides)
+    prompts = _prompts(overrides.get("vocab_size", 300))
+    ref = LLM(_config(path, 1)).generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+    kv_heads = overrides.get("num_key_value_heads", 2)
+    with LLM(_config(path, tp)) as llm:
+        # rank 0's KV shard: [blocks, layers, 2, block_size, its KV heads, head_dim]
+        assert llm.engine.kv_cache.shape[4] == max(1, kv_heads // tp)
+        got = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+        llm.engine.check_integrity()
+    hf = load_hf_model(path)
+    for prompt, a, b in zip(prompts, ref, got):
+        assert b.error is None and b.finish_reason == "length"
+        assert b.token_ids == a.token_ids == hf_greedy(hf, prompt, NUM_NEW), len(prompt)
+
+
+@pytest.mark.slow
+def test_worker_exit_mid_step_fails_every_request(make_checkpoint):
+    """Rank 1 exits as step 3's command arrives: rank 0 is then inside its
+    forward, in a collective rank 1 never joins."""
+    path = make_checkpoint("llama")
+    cfg = _config(path, 2, extra={FAULT_EXIT_AT_STEP: 3})
+    with LLM(cfg) as llm:
+        results = llm.generate(prompt_token_ids=_prompts(300), sampling_params=GREEDY)
+        for r in results:
+            assert r.finish_reason == "error"
+            assert "rank 1" in r.error and "exited with code 17" in r.error, r.error
+        llm.engine.check_integrity()
+        # the engine stays failed: a later request ends in the same error, at once
+        (again,) = llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=GREEDY)
+        assert again.finish_reason == "error" and "rank 1" in again.error
+        assert all(p.exitcode is not None for p in llm.engine.tp.procs)
+
+
+@pytest.mark.slow
+def test_killed_worker_between_steps_fails_the_step(make_checkpoint):
+    path = make_checkpoint("llama")
+    with LLM(_config(path, 2)) as llm:
+        engine = llm.engine
+        engine.add_request(EngineRequest("a", list(range(3, 40)), GREEDY))
+        engine.step()
+        (worker,) = engine.tp.procs
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(30)
+        with pytest.raises(
+            WorkerFailed, match=f"rank 1 \\(pid {worker.pid}\\) exited with code -9"
+        ):
+            while engine.has_work():
+                engine.step()
+        engine.abort(["a"])
+        engine.check_integrity()

@@ -1,0 +1,297 @@
+"""Rank 0 of a tensor-parallel engine: starts the workers, drives every step.
+
+Rank 0 lives in the engine core process (the scheduler runs once, there)::
+
+    EngineCore.step
+      so = scheduler.schedule()
+      TPRunner.execute(so):  encode so once --PUSH--> rank 1..N-1   (ZMQ, msgpack)
+                             rank 0's ModelRunner.execute(so)       (collectives join
+                                                                     all ranks' forwards)
+                             <--PULL-- one reply per worker          (KV connector output)
+      scheduler.update_from_output(so, rank 0's output)
+
+Workers are local processes (``torch.multiprocessing`` spawn), on one node:
+under Ray the engine actor is their parent and holds the engine's GPUs.
+
+Failure makes the engine fail as one unit, never hang: a worker that exits
+or raises makes the step (or the start) raise ``WorkerFailed`` naming the
+rank and its exit code or error (gloo collectives raise when a peer's
+connection closes; replies are awaited by polling the worker's liveness);
+the remaining workers are stopped and every later step raises the same.
+The engine core's caller decides what the requests see (``LLM``: an error
+finish; the Ray actor: the process exits, Ray restarts it with a new epoch).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+from types import SimpleNamespace
+from typing import Any
+
+import msgspec
+import torch
+
+from scheduler.messages import ModelRunnerOutput, SchedulerOutput
+from workers.config import EngineConfig
+from workers.parallel.group import TPGroup, make_store
+from workers.parallel.kv_outputs import KVOutputAggregator
+from workers.parallel.messages import (
+    CMD_STEP,
+    CMD_STOP,
+    REPLY_ERROR,
+    REPLY_HELLO,
+    REPLY_READY,
+    REPLY_STEP,
+    WorkerCommand,
+    WorkerFailed,
+    WorkerReply,
+    WorkerSpec,
+)
+
+logger = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT_S = 600.0  # spawn + import + load of every worker
+COLLECTIVE_TIMEOUT_S = 600.0  # a collective waiting on a live but stuck peer
+STEP_REPLY_TIMEOUT_S = 600.0
+_POLL_MS = 20
+HOST = "127.0.0.1"
+
+
+class TPExecutor:
+    """Start ``config.tensor_parallel_size - 1`` workers and load rank 0's shard.
+
+    Then the engine core calls ``agree_num_blocks`` (a collective every rank
+    makes) and ``start(runner)`` (waits until every worker is ready) and steps
+    through the returned ``TPRunner``. ``ValueError`` before anything starts
+    when the model cannot be split ``tensor_parallel_size`` ways.
+    """
+
+    def __init__(self, config: EngineConfig, model_path: str) -> None:
+        import zmq
+
+        from workers.loader import load_config
+        from workers.parallel.connector_hook import check_rank_connector
+        from workers.parallel.loading import load_rank_model
+        from workers.parallel.plan import make_plan
+
+        self.size = config.tensor_parallel_size
+        self.hf_config = load_config(model_path)
+        self.plan = make_plan(self.hf_config, self.size, 0)  # ValueError: nothing started yet
+        check_rank_connector(config)
+        self.failed: str | None = None
+        self.procs: list[Any] = []
+        self._shutdown_lock = threading.Lock()
+        self._ctx = zmq.Context()
+        self._replies = self._ctx.socket(zmq.PULL)
+        self._replies.setsockopt(zmq.LINGER, 0)
+        reply_port = self._replies.bind_to_random_port(f"tcp://{HOST}")
+        self._commands = []
+        self._enc = msgspec.msgpack.Encoder()
+        self._dec = msgspec.msgpack.Decoder(WorkerReply)
+        self._kv = KVOutputAggregator(self.size)
+        self.num_steps = 0
+        try:
+            store = make_store(0, self.size, HOST, 0, STARTUP_TIMEOUT_S)
+            ctx = worker_context()
+            from workers.parallel.worker import run_worker
+
+            for rank in range(1, self.size):
+                sock = self._ctx.socket(zmq.PUSH)
+                sock.setsockopt(zmq.LINGER, 0)
+                port = sock.bind_to_random_port(f"tcp://{HOST}")
+                self._commands.append(sock)
+                spec = WorkerSpec(
+                    config=config,
+                    model_path=model_path,
+                    hf_config=SimpleNamespace(**self.hf_config.to_dict()),
+                    rank=rank,
+                    tp_size=self.size,
+                    store_host=HOST,
+                    store_port=store.port,
+                    command_addr=f"tcp://{HOST}:{port}",
+                    reply_addr=f"tcp://{HOST}:{reply_port}",
+                    timeout_s=COLLECTIVE_TIMEOUT_S,
+                )
+                proc = ctx.Process(target=run_worker, args=(spec,), name=f"tp-rank-{rank}")
+                proc.daemon = True
+                proc.start()
+                self.procs.append(proc)
+            weakref.finalize(self, _kill, self.procs)  # an engine dropped without shutdown()
+            self._await(REPLY_HELLO, STARTUP_TIMEOUT_S)
+            device = torch.device(config.device)
+            self.group = TPGroup.connect(store, 0, self.size, device, COLLECTIVE_TIMEOUT_S)
+            self.model = self._guard(
+                load_rank_model,
+                model_path,
+                self.hf_config,
+                config.dtype,
+                device,
+                self.plan,
+                self.group,
+            )
+        except BaseException:
+            self.shutdown()
+            raise
+        self._store = store  # rank 0 serves the rendezvous for the group's life
+
+    # ---- start -------------------------------------------------------------
+
+    def agree_num_blocks(self, num_blocks: int) -> int:
+        """The smallest KV block count any rank's budget holds (all ranks call it)."""
+        return self._guard(self.group.min_int, num_blocks)
+
+    def start(self, runner: Any) -> TPRunner:
+        """Wait until every worker is ready; steps go through the returned runner."""
+        try:
+            self._await(REPLY_READY, STARTUP_TIMEOUT_S)
+        except BaseException:
+            self.shutdown()
+            raise
+        return TPRunner(self, runner)
+
+    # ---- steps -------------------------------------------------------------
+
+    def execute(self, runner: Any, so: SchedulerOutput) -> ModelRunnerOutput:
+        """One step on every rank; rank 0's output with every rank's KV output."""
+        if self.failed is not None:
+            raise WorkerFailed(self.failed)
+        self._check_alive()
+        self.num_steps += 1
+        frame = self._enc.encode(WorkerCommand(CMD_STEP, self.num_steps, so))
+        for sock in self._commands:
+            sock.send(frame, copy=False)
+        out = self._guard(runner.execute, so)
+        replies = self._await(REPLY_STEP, STEP_REPLY_TIMEOUT_S, step=self.num_steps)
+        if runner.connector is not None:
+            outputs = [out.kv_connector_output, *(r.kv_connector_output for r in replies)]
+            out.kv_connector_output = self._kv.aggregate(outputs)
+        return out
+
+    def check_integrity(self) -> None:
+        if self.failed is None:
+            self._kv.check_integrity()
+
+    # ---- failure -----------------------------------------------------------
+
+    def _guard(self, fn: Any, *args: Any) -> Any:
+        """Run a rank-0 call that joins collectives; a peer's death becomes ``WorkerFailed``."""
+        try:
+            return fn(*args)
+        except WorkerFailed:
+            raise
+        except RuntimeError as exc:
+            reason = self._worker_trouble(wait_s=2.0) or f"rank 0: {type(exc).__name__}: {exc}"
+            raise self._fail(reason) from exc
+
+    def _await(self, kind: int, timeout_s: float, step: int = 0) -> list[WorkerReply]:
+        """One ``kind`` reply from every worker, polling their liveness meanwhile."""
+        import zmq
+
+        got: dict[int, WorkerReply] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(got) < self.size - 1:
+            if self._replies.poll(_POLL_MS, zmq.POLLIN):
+                reply = self._dec.decode(self._replies.recv())
+                if reply.kind == REPLY_ERROR:
+                    raise self._fail(reply.error or f"rank {reply.rank} failed")
+                if reply.kind == kind and reply.step == step:
+                    got[reply.rank] = reply
+                continue
+            self._check_alive()
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(1, self.size)) - set(got))
+                raise self._fail(f"no reply from ranks {missing} within {timeout_s:.0f} s")
+        return [got[r] for r in sorted(got)]
+
+    def _check_alive(self) -> None:
+        for rank, proc in enumerate(self.procs, start=1):
+            if proc.exitcode is not None:
+                reason = self._worker_trouble(wait_s=0.0) or (
+                    f"rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
+                )
+                raise self._fail(reason)
+
+    def _worker_trouble(self, wait_s: float) -> str | None:
+        """A worker's error reply or exit, waiting up to ``wait_s`` for one to show."""
+        import zmq
+
+        deadline = time.monotonic() + wait_s
+        while True:
+            while self._replies.poll(0, zmq.POLLIN):
+                reply = self._dec.decode(self._replies.recv())
+                if reply.kind == REPLY_ERROR:
+                    return reply.error
+            for rank, proc in enumerate(self.procs, start=1):
+                if proc.exitcode is not None:
+                    return f"rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(_POLL_MS / 1000)
+
+    def _fail(self, reason: str) -> WorkerFailed:
+        self.failed = f"tensor-parallel engine failed: {reason}"
+        logger.error("%s", self.failed)
+        self.shutdown()
+        return WorkerFailed(self.failed)
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Stop every worker (a stop command, then terminate, then kill); idempotent."""
+        with self._shutdown_lock:
+            self._shutdown(timeout_s)
+
+    def _shutdown(self, timeout_s: float) -> None:
+        import zmq
+
+        stop = msgspec.msgpack.encode(WorkerCommand(CMD_STOP))
+        for sock in self._commands:
+            try:
+                sock.send(stop, flags=zmq.NOBLOCK)
+            except zmq.ZMQError:  # the worker is gone or not connected
+                pass
+        deadline = time.monotonic() + timeout_s
+        for proc in self.procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.exitcode is None:
+                proc.terminate()
+                proc.join(2.0)
+            if proc.exitcode is None:
+                proc.kill()
+                proc.join(2.0)
+        for sock in [*self._commands, self._replies]:
+            sock.close()
+        self._commands = []
+        if not self._ctx.closed:
+            self._ctx.term()
+
+
+class TPRunner:
+    """What the engine core steps instead of its ModelRunner when TP > 1."""
+
+    def __init__(self, executor: TPExecutor, runner: Any) -> None:
+        self.executor = executor
+        self.runner = runner
+        self.connector = runner.connector
+
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        return self.executor.execute(self.runner, so)
+
+    def release_idle_memory(self) -> None:
+        self.runner.release_idle_memory()
+
+
+def _kill(procs: list[Any]) -> None:
+    for proc in procs:
+        if proc.exitcode is None:
+            proc.kill()
+
+
+def worker_context() -> Any:
+    """Workers start from a forkserver that imported torch and the worker code
+    once per engine-core process: each start skips those seconds of imports
+    (a fork of the server, which runs no threads, unlike this process)."""
+    ctx = torch.multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "workers.parallel.worker", "workers.model_runner"])
+    return ctx

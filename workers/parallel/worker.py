@@ -1,0 +1,171 @@
+"""A tensor-parallel worker process: ranks 1..N-1 of an engine.
+
+    hello -> join the process group -> load this rank's weight slices
+          -> agree on the KV block count (min over ranks) -> allocate the KV shard
+          -> ready -> loop: command -> ModelRunner.execute -> reply
+
+The worker runs the same ``ModelRunner`` as rank 0 on the same
+``SchedulerOutput``: same inputs, same collectives (the sharded layers
+all-reduce; logits are all-gathered), same sampling (same seed, same calls),
+so it keeps the same token history without being told; only rank 0's
+sampled tokens leave the engine. A reply per step carries this rank's KV
+connector output (``workers/parallel/kv_outputs.py``).
+
+Any exception: an error reply, then exit(1). A worker whose engine core is
+gone (parent dead) exits on its next idle poll.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import traceback
+from typing import Any
+
+import msgspec
+import torch
+
+from workers.parallel.messages import (
+    CMD_STOP,
+    REPLY_ERROR,
+    REPLY_HELLO,
+    REPLY_READY,
+    REPLY_STEP,
+    WorkerCommand,
+    WorkerReply,
+    WorkerSpec,
+)
+
+logger = logging.getLogger(__name__)
+
+IDLE_POLL_MS = 100
+# test hook (EngineConfig.extra): exit without a word when this step's command arrives
+FAULT_EXIT_AT_STEP = "tp_fault_exit_at_step"
+
+
+def rank_device(device: str, rank: int) -> torch.device:
+    """CUDA: rank ``r`` uses the ``r``-th visible GPU; CPU: the CPU."""
+    dev = torch.device(device)
+    return torch.device("cuda", rank) if dev.type == "cuda" else dev
+
+
+def kv_blocks_for_model(config: Any, model: Any, device: torch.device) -> int:
+    """KV blocks this rank's budget holds for its model shard (``num_blocks_for``)."""
+    from workers.kv_cache import bytes_per_block, num_blocks_for
+
+    dtype = next(model.parameters()).dtype
+    block_bytes = bytes_per_block(
+        model.num_layers, config.block_size, model.num_kv_heads, model.head_dim, dtype
+    )
+    return num_blocks_for(
+        block_bytes=block_bytes,
+        num_kv_blocks=config.num_kv_blocks,
+        kv_cache_memory=config.kv_cache_memory,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+        device=device,
+    )
+
+
+def run_worker(spec: WorkerSpec) -> None:
+    """Process entry point (``torch.multiprocessing`` spawn target)."""
+    import zmq
+
+    ctx = zmq.Context()
+    commands = ctx.socket(zmq.PULL)
+    commands.setsockopt(zmq.LINGER, 0)
+    commands.connect(spec.command_addr)
+    replies = ctx.socket(zmq.PUSH)
+    replies.setsockopt(zmq.LINGER, 2000)
+    replies.connect(spec.reply_addr)
+    enc = msgspec.msgpack.Encoder()
+
+    def reply(kind: int, **fields: Any) -> None:
+        replies.send(enc.encode(WorkerReply(kind, spec.rank, **fields)))
+
+    connector = None
+    code = 0
+    try:
+        reply(REPLY_HELLO)
+        runner, connector = _build_rank(spec)
+        reply(REPLY_READY)
+        _serve(spec, commands, runner, reply)
+    except BaseException as exc:  # noqa: BLE001 - reported to rank 0, then exit
+        code = 1
+        logger.error("TP worker rank %d failed:\n%s", spec.rank, traceback.format_exc())
+        reply(REPLY_ERROR, error=f"rank {spec.rank}: {type(exc).__name__}: {exc}")
+    finally:
+        if connector is not None:
+            connector.shutdown()
+        commands.close()
+        replies.close()
+        ctx.term()
+    os._exit(code)  # no atexit: the process group's sockets die with the process
+
+
+def _build_rank(spec: WorkerSpec) -> tuple[Any, Any]:
+    from workers.kv_cache import allocate_kv_cache
+    from workers.loader import end_token_ids
+    from workers.model_runner import ModelRunner
+    from workers.parallel.connector_hook import make_rank_connector
+    from workers.parallel.group import TPGroup, make_store
+    from workers.parallel.loading import load_rank_model
+    from workers.parallel.plan import make_plan
+
+    config = spec.config
+    if config.torch_threads > 0:
+        torch.set_num_threads(config.torch_threads)
+    device = rank_device(config.device, spec.rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    store = make_store(spec.rank, spec.tp_size, spec.store_host, spec.store_port, spec.timeout_s)
+    group = TPGroup.connect(store, spec.rank, spec.tp_size, device, spec.timeout_s)
+    plan = make_plan(spec.hf_config, spec.tp_size, spec.rank)
+    model = load_rank_model(spec.model_path, spec.hf_config, config.dtype, device, plan, group)
+    num_blocks = group.min_int(kv_blocks_for_model(config, model, device))
+    kv_cache = allocate_kv_cache(
+        num_blocks,
+        model.num_layers,
+        config.block_size,
+        model.num_kv_heads,
+        model.head_dim,
+        next(model.parameters()).dtype,
+        device,
+    )
+    connector = make_rank_connector(config, spec.rank)
+    end_ids = end_token_ids(spec.hf_config)
+    runner = ModelRunner(
+        model,
+        kv_cache,
+        config.block_size,
+        end_ids[0] if end_ids else None,
+        connector=connector,
+        seed=config.seed,
+        dense_decode_bytes=config.dense_decode_bytes,
+    )
+    return runner, connector
+
+
+def _serve(spec: WorkerSpec, commands: Any, runner: Any, reply: Any) -> None:
+    import zmq
+
+    dec = msgspec.msgpack.Decoder(WorkerCommand)
+    meta_type = getattr(runner.connector, "metadata_type", None)
+    fault_step = spec.config.extra.get(FAULT_EXIT_AT_STEP)
+    parent = multiprocessing.parent_process()
+    while True:
+        if not commands.poll(IDLE_POLL_MS, zmq.POLLIN):
+            if parent is not None and not parent.is_alive():
+                raise RuntimeError("the engine core (rank 0) is gone")
+            runner.release_idle_memory()
+            continue
+        cmd = dec.decode(commands.recv())
+        if cmd.kind == CMD_STOP:
+            return
+        if fault_step is not None and cmd.step == fault_step:
+            os._exit(17)
+        so = cmd.scheduler_output
+        if meta_type is not None and so.kv_connector_metadata is not None:
+            so.kv_connector_metadata = msgspec.convert(so.kv_connector_metadata, meta_type)
+        out = runner.execute(so)
+        reply(REPLY_STEP, step=cmd.step, kv_connector_output=out.kv_connector_output)
