@@ -45,7 +45,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    results = llm.generate(args.prompt or [], sp, prompt_token_ids=args.prompt_token_ids or [])
+    try:
+        results = llm.generate(args.prompt or [], sp, prompt_token_ids=args.prompt_token_ids or [])
+    finally:
+        llm.close()  # stops tensor-parallel workers
     for r in results:
         if args.json:
             d = {

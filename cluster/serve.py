@@ -22,6 +22,7 @@ from typing import Any
 from cluster.kv_routing.settings import add_routing_arguments, routing_config
 from cluster.placement import (
     add_placement_arguments,
+    check_pool_parallel,
     gpu_share,
     pool_placement,
     resolve_placement,
@@ -386,6 +387,7 @@ def pool_specs(
             log_format=settings.get("log_format", "text"),
             **{"kv_events": kv_events, **gpu_share(num_gpus, per_role[role], role)},
         )
+        check_pool_parallel(role, cfg, num_gpus)
         specs.append(
             PoolSpec(role, n, cfg, num_gpus, settings["max_restarts"], resources=resources)
         )

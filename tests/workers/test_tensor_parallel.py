@@ -196,3 +196,12 @@ def test_killed_worker_between_steps_fails_the_step(make_checkpoint):
                 engine.step()
         engine.abort(["a"])
         engine.check_integrity()
+
+
+def test_pool_gpus_must_cover_the_tensor_parallel_size():
+    from cluster.placement import check_pool_parallel
+
+    with pytest.raises(ValueError, match="decode_num_gpus_per_engine"):
+        check_pool_parallel("decode", EngineConfig(tensor_parallel_size=2), num_gpus=1)
+    check_pool_parallel("colocated", EngineConfig(tensor_parallel_size=2), num_gpus=0)  # CPU
+    check_pool_parallel("prefill", EngineConfig(tensor_parallel_size=2), num_gpus=2)

@@ -93,6 +93,11 @@ class TPExecutor:
         self._dec = msgspec.msgpack.Decoder(WorkerReply)
         self._kv = KVOutputAggregator(self.size)
         self.num_steps = 0
+        # seconds rank 0 spent encoding + sending steps, and waiting for the
+        # workers' replies after its own forward (benchmarks/tensor_parallel.py)
+        self.broadcast_s = 0.0
+        self.reply_wait_s = 0.0
+        self.broadcast_bytes = 0
         try:
             store = make_store(0, self.size, HOST, 0, STARTUP_TIMEOUT_S)
             ctx = worker_context()
@@ -160,11 +165,16 @@ class TPExecutor:
             raise WorkerFailed(self.failed)
         self._check_alive()
         self.num_steps += 1
+        start_s = time.perf_counter()
         frame = self._enc.encode(WorkerCommand(CMD_STEP, self.num_steps, so))
         for sock in self._commands:
             sock.send(frame, copy=False)
+        self.broadcast_s += time.perf_counter() - start_s
+        self.broadcast_bytes += len(frame)
         out = self._guard(runner.execute, so)
+        start_s = time.perf_counter()
         replies = self._await(REPLY_STEP, STEP_REPLY_TIMEOUT_S, step=self.num_steps)
+        self.reply_wait_s += time.perf_counter() - start_s
         if runner.connector is not None:
             outputs = [out.kv_connector_output, *(r.kv_connector_output for r in replies)]
             out.kv_connector_output = self._kv.aggregate(outputs)

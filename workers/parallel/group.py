@@ -16,6 +16,7 @@ up after ``timeout_s`` (and the engine core's liveness poll sees the exit first)
 from __future__ import annotations
 
 import datetime
+import time
 
 import torch
 import torch.distributed as dist
@@ -51,6 +52,12 @@ class TPGroup:
         self.size = size
         self.pg = pg
         self.backend = backend
+        # collectives this rank joined and the seconds it spent in them
+        # (waiting for the slowest rank included): benchmarks/tensor_parallel.py
+        self.num_all_reduce = 0
+        self.num_all_gather = 0
+        self.all_reduce_s = 0.0
+        self.all_gather_s = 0.0
 
     @classmethod
     def connect(
@@ -75,17 +82,24 @@ class TPGroup:
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum over ranks, in place; returns ``tensor``."""
         if self.pg is not None and self.size > 1:
+            start_s = time.perf_counter()
             self.pg.allreduce([tensor]).wait()
+            self.all_reduce_s += time.perf_counter() - start_s
+            self.num_all_reduce += 1
         return tensor
 
     def all_gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor:
         """``[..., n]`` on each rank -> ``[..., size * n]``, rank order."""
         if self.pg is None or self.size == 1:
             return tensor
+        start_s = time.perf_counter()
         tensor = tensor.contiguous()
         parts = [torch.empty_like(tensor) for _ in range(self.size)]
         self.pg.allgather([parts], [tensor]).wait()
-        return torch.cat(parts, dim=-1)
+        out = torch.cat(parts, dim=-1)
+        self.all_gather_s += time.perf_counter() - start_s
+        self.num_all_gather += 1
+        return out
 
     def min_int(self, value: int) -> int:
         """The smallest ``value`` any rank passed (every rank must call it)."""
