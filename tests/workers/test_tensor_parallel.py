@@ -10,13 +10,12 @@ import signal
 import pytest
 import torch
 
-from scheduler.messages import EngineRequest, KVConnectorOutput, SamplingParams
+from scheduler.messages import EngineRequest, SamplingParams
 from tests.workers.hf_checkpoints import load_hf_model, make_config
 from tests.workers.test_engine import hf_greedy
 from workers.config import EngineConfig
 from workers.llm import LLM
 from workers.loader import iter_safetensors, safetensors_files
-from workers.parallel.kv_outputs import KVOutputAggregator
 from workers.parallel.loading import ZEROS_OFF_RANK0, iter_rank_weights, shard_for
 from workers.parallel.messages import WorkerFailed
 from workers.parallel.plan import make_plan
@@ -104,19 +103,6 @@ def test_rank_slices_rebuild_every_weight(make_checkpoint):
             joined = torch.cat(parts, dim=rule.dim).narrow(rule.dim, 0, tensor.shape[rule.dim])
             assert torch.equal(joined, tensor), name
     assert per_rank[1]["model.embed_tokens.weight"].shape[0] == 151  # 150 rows + 1 pad
-
-
-def test_kv_outputs_wait_for_every_rank():
-    agg = KVOutputAggregator(2)
-    assert agg.aggregate([KVConnectorOutput(finished_recving=["a"]), None]) is None
-    with pytest.raises(AssertionError, match="only some TP ranks"):
-        agg.check_integrity()
-    out = agg.aggregate([KVConnectorOutput(invalid_block_ids=[3]), KVConnectorOutput(["b"], ["a"])])
-    assert out.finished_recving == ["a"] and out.finished_sending == []
-    assert out.invalid_block_ids == [3]
-    out = agg.aggregate([KVConnectorOutput(finished_sending=["b"]), None])
-    assert out.finished_sending == ["b"]
-    agg.check_integrity()
 
 
 def test_flags():

@@ -9,6 +9,5 @@ NCCL on CUDA).
     messages.py       engine core <-> worker messages, WorkerSpec, WorkerFailed
     executor.py       rank 0 in the engine core: start workers, drive steps
     worker.py         ranks 1..N-1: a process running ModelRunner on its shard
-    kv_outputs.py     every rank's KV connector output -> the engine's
     connector_hook.py where a rank > 0 gets its own KV connector worker side
 """

@@ -9,7 +9,7 @@ the whole engine, its worker side moves rank 0's KV shard. Every other rank
     connector scheduler side -> metadata       make_rank_connector(config, r)
     connector worker side (rank 0's shard)     .register_kv_caches(kv shard r)
         start_load_kv(meta) / get_finished()   .start_load_kv(same meta) / get_finished()
-                 \\___ KVOutputAggregator (workers/parallel/kv_outputs.py) ___/
+                 \\___ ConnectorOutputMerger (kvtransfer/tp_outputs.py) ___/
                       a request is done when every rank reported it
 
 The per-rank factory belongs to ``kvtransfer``: ``kvtransfer.registry``

@@ -34,10 +34,10 @@ from typing import Any
 import msgspec
 import torch
 
+from kvtransfer.tp_outputs import ConnectorOutputMerger
 from scheduler.messages import ModelRunnerOutput, SchedulerOutput
 from workers.config import EngineConfig
 from workers.parallel.group import TPGroup, make_store
-from workers.parallel.kv_outputs import KVOutputAggregator
 from workers.parallel.messages import (
     CMD_STEP,
     CMD_STOP,
@@ -91,7 +91,7 @@ class TPExecutor:
         self._commands = []
         self._enc = msgspec.msgpack.Encoder()
         self._dec = msgspec.msgpack.Decoder(WorkerReply)
-        self._kv = KVOutputAggregator(self.size)
+        self._kv = ConnectorOutputMerger(self.size)
         self.num_steps = 0
         # seconds rank 0 spent encoding + sending steps, and waiting for the
         # workers' replies after its own forward (benchmarks/tensor_parallel.py)
@@ -177,7 +177,7 @@ class TPExecutor:
         self.reply_wait_s += time.perf_counter() - start_s
         if runner.connector is not None:
             outputs = [out.kv_connector_output, *(r.kv_connector_output for r in replies)]
-            out.kv_connector_output = self._kv.aggregate(outputs)
+            out.kv_connector_output = self._kv.merge(outputs)
         return out
 
     def check_integrity(self) -> None:

@@ -9,7 +9,7 @@ The worker runs the same ``ModelRunner`` as rank 0 on the same
 all-reduce; logits are all-gathered), same sampling (same seed, same calls),
 so it keeps the same token history without being told; only rank 0's
 sampled tokens leave the engine. A reply per step carries this rank's KV
-connector output (``workers/parallel/kv_outputs.py``).
+connector output (merged on rank 0 by ``kvtransfer/tp_outputs.py``).
 
 Any exception: an error reply, then exit(1). A worker whose engine core is
 gone (parent dead) exits on its next idle poll.
@@ -131,6 +131,7 @@ def _build_rank(spec: WorkerSpec) -> tuple[Any, Any]:
         model.head_dim,
         next(model.parameters()).dtype,
         device,
+        layout=config.kv_layout,
     )
     connector = make_rank_connector(config, spec.rank)
     end_ids = end_token_ids(spec.hf_config)
