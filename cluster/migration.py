@@ -99,18 +99,29 @@ class StreamLedger:
 
     def resubmission(self) -> EngineRequest:
         """The original request, continued after the tokens already sent: they
-        join the prompt and count against ``max_tokens`` / ``min_tokens``; no KV
-        transfer parameters (the caller picks how the new engine gets the KV)."""
+        join the prompt and count against ``max_tokens`` / ``min_tokens``, yet
+        stay output tokens for the penalties (``num_penalty_prompt_tokens`` =
+        the client's prompt length); prompt logprobs, delivered with the first
+        tokens, are not asked again; no
+        KV transfer parameters (the caller picks how the new engine gets the KV)."""
         req = self.request
         sp = req.sampling_params
         n = len(self.sent_token_ids)
         if n >= sp.max_tokens:
             raise ValueError(f"request {req.request_id}: {n} tokens sent, nothing left to generate")
+        num_penalty_prompt = sp.num_penalty_prompt_tokens
+        if num_penalty_prompt < 0:
+            num_penalty_prompt = len(req.prompt_token_ids)
         return msgspec.structs.replace(
             req,
             prompt_token_ids=list(req.prompt_token_ids) + self.sent_token_ids,
             sampling_params=msgspec.structs.replace(
-                sp, max_tokens=sp.max_tokens - n, min_tokens=max(0, sp.min_tokens - n)
+                sp,
+                max_tokens=sp.max_tokens - n,
+                min_tokens=max(0, sp.min_tokens - n),
+                num_penalty_prompt_tokens=num_penalty_prompt,
+                # they came with the first tokens: already delivered once n > 0
+                prompt_logprobs=sp.prompt_logprobs if n == 0 else None,
             ),
             kv_transfer_params=None,
         )

@@ -19,11 +19,12 @@ dropped and counted (``gateway_output``), never raised into the reader.
 Health (``cluster/engines/health.py``): engines send heartbeats from their
 loop threads on the output socket; a health task also calls ``ready`` over
 Ray. A slow engine (no recent heartbeat, Ray calls timing out) keeps its
-requests. A dead one (Ray says the actor died, or no heartbeat for
-``engine_dead_after_s``) fails its in-flight requests (prefill: retried
-once on another prefill engine, else prefilled on the decode engine;
-decode: an error output); they stay its orphans, aborted on it if the same
-incarnation comes back. A restarted one (new epoch) is reconnected and
+requests. A dead one (its process exited: ``cluster/engines/death_watch.py``
+confirms a dropped input connection within milliseconds; Ray says the
+actor died; or no heartbeat for ``engine_dead_after_s``) fails its in-flight
+requests (prefill: retried once on another prefill engine, else prefilled on
+the decode engine; decode: migrated, or an error output); they stay its
+orphans, aborted on it if the same incarnation comes back. A restarted one (new epoch) is reconnected and
 marked ready.
 
 A client that stops reading stalls its response task in the HTTP send while
@@ -66,6 +67,7 @@ from cluster.backend import (
     EngineMetrics,
     ErrorEvent,
 )
+from cluster.engines.death_watch import DisconnectWatch, confirm_exit, process_gone
 from cluster.engines.health import EngineHealth, Liveness
 from cluster.kv_routing.cluster_routing import ClusterRouting, PromptHashes
 from cluster.kv_routing.policy import Choice, RoutingConfig
@@ -133,6 +135,7 @@ class _Engine:
         self.unregistered = False
         self.answered = False  # the last health check got an answer
         self.draining = False  # an operator drained it: no new work (migration)
+        self.local_pid: int | None = None  # its pid, when visible from this process
 
 
 class RayBackend(Backend):
@@ -207,6 +210,11 @@ class RayBackend(Backend):
         self.num_migrations: dict[str, int] = {}  # reason -> count (tandem:migrations_total)
         self.gateway_session = gateway_session
         self.num_adopted_aborts = 0  # requests of earlier gateways aborted on adoption
+        # fast death verdicts (cluster/engines/death_watch.py)
+        self._disconnects = DisconnectWatch(self._on_disconnect)
+        self._confirming: set[asyncio.Task] = set()
+        self.death_confirm_window_s = 1.0
+        self._node_id: str | None = None  # this process's Ray node
 
     # ---- lifecycle -----------------------------------------------------------
 
@@ -217,6 +225,7 @@ class RayBackend(Backend):
         self._pull.setsockopt(zmq.MAXMSGSIZE, GATEWAY_OUTPUT.hard_limit)
         self._auth.server(self._pull, GATEWAY_OUTPUT.socket)
         self._pull.bind(self.output_addr)
+        self._node_id = _ray_node_id()
         self._tasks.append(asyncio.create_task(self._supervise_reader()))
         events = self.routing.start(self._ctx, self._auth, self._kv_snapshot, self.malformed_frames)
         if events is not None:
@@ -231,9 +240,10 @@ class RayBackend(Backend):
         self._tasks.append(asyncio.create_task(self._health_loop()))
 
     async def close(self) -> None:
-        for t in self._tasks:
+        self._disconnects.close()
+        for t in [*self._tasks, *self._confirming]:
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks, *self._confirming, return_exceptions=True)
         for e in self.engines.values():
             if e.socket is not None:
                 e.socket.close(linger=0)
@@ -380,12 +390,7 @@ class RayBackend(Backend):
             return  # not up yet
         liveness = e.health.liveness()
         if liveness is Liveness.DEAD:
-            if e.state.ready:
-                logger.warning("engine %s is dead (%s)", eid, cause)
-                self._error(eid, f"dead ({cause})", e)
-                e.state.ready = False
-                e.health.orphans.update(e.requests)
-                self._fail_inflight(e, f"engine {eid} failed: {cause}", REASON_DEAD)
+            self._declare_dead(e, cause)
             return
         if e.health.orphans:  # the same incarnation is back: nothing may run for nobody
             self.num_orphans_aborted += len(e.health.orphans)
@@ -431,6 +436,41 @@ class RayBackend(Backend):
         e.answered = False
         return None
 
+    def _declare_dead(self, e: _Engine, cause: str) -> None:
+        """The verdict: ``e``'s requests fail (decode streams migrate) and stay
+        its orphans. Once per incarnation (``ready`` is False after it)."""
+        if not e.state.ready:
+            return
+        eid = e.state.engine_id
+        logger.warning("engine %s is dead (%s)", eid, cause)
+        self._error(eid, f"dead ({cause})", e)
+        e.state.ready = False
+        e.health.orphans.update(e.requests)
+        self._fail_inflight(e, f"engine {eid} failed: {cause}", REASON_DEAD)
+
+    def _on_disconnect(self, engine_id: str, epoch: int) -> None:
+        """The input connection to this incarnation dropped: confirm (task)."""
+        e = self.engines[engine_id]
+        if e.state.epoch != epoch or e.health.actor_dead:
+            return
+        task = asyncio.create_task(self._confirm_death(e, epoch))
+        self._confirming.add(task)
+        task.add_done_callback(self._confirming.discard)
+
+    async def _confirm_death(self, e: _Engine, epoch: int) -> None:
+        """Dead on positive evidence only: its process gone (same node), else
+        Ray's answer to a probe now rather than at the next health check."""
+        pid = e.local_pid
+        if pid is not None and await confirm_exit(pid, self.death_confirm_window_s):
+            if e.state.epoch == epoch:
+                e.health.mark_actor_dead()
+                self._declare_dead(e, f"process {pid} exited")
+            return
+        try:
+            await self._check_engine(e)
+        except Exception:  # noqa: BLE001 - the health loop probes again
+            logger.exception("engine %s: probe after disconnect failed", e.state.engine_id)
+
     async def _kv_snapshot(self, engine_id: str) -> Any:
         return await self._call(self.engines[engine_id], "kv_events_snapshot")
 
@@ -454,7 +494,12 @@ class RayBackend(Backend):
         e.socket = self._ctx.socket(zmq.PUSH)
         e.socket.setsockopt(zmq.LINGER, 0)
         self._auth.client(e.socket)
+        self._disconnects.watch(e.state.engine_id, info["epoch"], e.socket)
         e.socket.connect(info["input_addr"])
+        # its pid says "exited" only if this process can see it while it answers
+        pid = info.get("pid")
+        same_node = self._node_id is not None and info.get("node_id") == self._node_id
+        e.local_pid = pid if same_node and pid and not process_gone(pid) else None
         e.state.epoch = info["epoch"]
         e.unregistered = e.state.role in ("prefill", "decode")
         e.state.max_num_seqs = info["max_num_seqs"]
@@ -863,3 +908,14 @@ def _error(request_id: str, message: str) -> EngineOutput:
 
 async def _await_ref(ref):
     return await ref
+
+
+def _ray_node_id() -> str | None:
+    """This process's Ray node id (None outside Ray): engines that share it
+    share this process's /proc."""
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+    except Exception:  # noqa: BLE001 - no Ray context: no pid evidence
+        return None
