@@ -40,6 +40,11 @@ logger = logging.getLogger("tandem.attach")
 ROLES = ("prefill", "decode", "colocated")
 
 
+class AttachError(ValueError):
+    """The engines of the namespace cannot be adopted (the message names the
+    flag to fix); ``tandem serve`` prints it and exits 2."""
+
+
 def find_engines(namespace: str) -> list[EngineHandle]:
     """The named engine actors of ``namespace``: ``<role>-0``, ``<role>-1`` ...
     for each role, up to the first index with no actor. A name may belong
@@ -66,13 +71,13 @@ def adopt_engines(
     """The engines of ``namespace`` a gateway for ``model`` holding the
     secret with ``fingerprint`` may adopt: those answering ``ready()``
     (restarting ones are waited for up to ``timeout_s``); actors dead for
-    good are left out. ValueError naming the flag when none is found or one
-    serves another model or holds another secret."""
+    good are left out. ``AttachError`` naming the flag when none is found,
+    one does not answer, serves another model or holds another secret."""
     import ray
 
     found = find_engines(namespace)
     if not found:
-        raise ValueError(
+        raise AttachError(
             f"--attach: no engine actors in Ray namespace {namespace!r} "
             "(start them with --detach-engines, or pass --ray-namespace)"
         )
@@ -87,18 +92,18 @@ def adopt_engines(
             )
             continue
         if info["model"] != model:
-            raise ValueError(
+            raise AttachError(
                 f"--attach: {h.engine_id} in namespace {namespace!r} serves model "
                 f"{info['model']!r}; this gateway was given --model {model!r}"
             )
         if info["secret_fingerprint"] != fingerprint:
-            raise ValueError(
+            raise AttachError(
                 f"--attach: {h.engine_id} in namespace {namespace!r} holds another cluster "
                 "secret; pass the --cluster-secret-file its gateway was started with"
             )
         adopted.append(h)
     if not adopted:
-        raise ValueError(f"--attach: every engine actor in namespace {namespace!r} is dead")
+        raise AttachError(f"--attach: every engine actor in namespace {namespace!r} is dead")
     return adopted
 
 

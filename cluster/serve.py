@@ -579,10 +579,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    from cluster.attach import AttachError
+
     try:
         asyncio.run(_serve(settings, per_role))
     except KeyboardInterrupt:
         pass
+    except AttachError as exc:  # --attach found nothing it may adopt
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -9,24 +9,31 @@ flight; the clients see their connections break. The engines survive (same
 epochs) still holding that work. Gateway 2 adopts them: the old requests are
 aborted, every engine idles with 0 blocks held and passes check_integrity();
 the clients reconnect and resend, and every stream is token-identical to the
-undisturbed run. Gateway 2's normal shutdown leaves the engines running
-(they were started to outlive a gateway); ``stop_engines`` ends them, so no
-actor outlives the test."""
+undisturbed run. A detached engine that crashes then is restarted by Ray
+with gateway 1's arguments, and gateway 2 adopts it again. An older
+session's attach is refused; a newer one takes an engine away from gateway
+2, which serves on without it. Gateway 2's normal shutdown leaves the
+engines running (they were started to outlive a gateway); ``tandem
+stop-engines`` ends them, so no actor outlives the test."""
 
 from __future__ import annotations
 
 import os
 import re
+import signal
+import subprocess
+import sys
 import time
 
 import httpx
 import pytest
 
-from cluster.attach import find_engines, stop_engines
+from cluster.attach import AttachError, adopt_engines, find_engines, stop_engines
 from tests.chaos.gateway_proc import GatewayProcess, gateway_env
 from tests.chaos.harness import ENGINE, WORKLOADS, Tally, Workload, print_row, verdict
 from tests.chaos.service import settle_engines, stats
 from tests.cluster.service_helpers import BUSY_FIELDS
+from wire.auth import secret_fingerprint
 
 pytestmark = pytest.mark.slow
 
@@ -56,6 +63,23 @@ def wait_health(gateway: GatewayProcess, status: str, reason: str, deadline_s: f
         time.sleep(0.2)
 
 
+def wait_adopted(actor, old_epoch: int, session: int, deadline_s: float = 120.0) -> int:
+    """Until ``actor`` runs a new incarnation that serves gateway ``session``;
+    returns its epoch."""
+    import ray
+
+    end = time.monotonic() + deadline_s
+    while True:
+        try:
+            info = ray.get(actor.ready.remote(), timeout=10)
+            if info["epoch"] != old_epoch and info["gateway_session"] == session:
+                return info["epoch"]
+        except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+            pass  # restarting
+        assert time.monotonic() < end, f"not restarted and adopted within {deadline_s} s"
+        time.sleep(0.2)
+
+
 def epochs(handles) -> dict[str, int]:
     import ray
 
@@ -69,16 +93,18 @@ def num_busy(handles) -> int:
 def test_gateway_restart_engines_keep_running_new_gateway_adopts_them(tmp_path, monkeypatch):
     import ray
 
-    # the gateways join this Ray; everything on loopback
+    # the gateways join this Ray (no token to hand them); engine and gateway
+    # sockets on loopback
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     monkeypatch.setenv("TANDEM_HOST", "127.0.0.1")
     ray.init(include_dashboard=False, num_cpus=2, log_to_driver=False)
+    address = ray.get_runtime_context().gcs_address
     namespace = f"chaos-gw-{os.getpid()}"
     secret = tmp_path / "secret"
     secret.write_bytes(os.urandom(32).hex().encode())
     common = [
         "--model", "tiny",
-        "--address", ray.get_runtime_context().gcs_address,
+        "--address", address,
         "--ray-namespace", namespace,
         "--cluster-secret-file", str(secret),
         "--kv-lease-s", "10",
@@ -101,6 +127,14 @@ def test_gateway_restart_engines_keep_running_new_gateway_adopts_them(tmp_path, 
         handles = find_engines(namespace)
         assert sorted(h.engine_id for h in handles) == ["decode-0", "decode-1", "prefill-0"]
         before = epochs(handles)
+        # a gateway that may not adopt them is refused, naming the flag
+        fingerprint = secret_fingerprint(secret.read_bytes())
+        with pytest.raises(AttachError, match="--model"):
+            adopt_engines(namespace, "smollm2", fingerprint)
+        with pytest.raises(AttachError, match="--cluster-secret-file"):
+            adopt_engines(namespace, "tiny", secret_fingerprint(b"another secret, 16+ bytes"))
+        with pytest.raises(AttachError, match="no engine actors"):
+            adopt_engines(namespace + "-empty", "tiny", fingerprint)
 
         old = [Workload(first.url, w, max_tokens=LONG_TOKENS) for w in WORKLOADS]
         for w in old:
@@ -124,6 +158,15 @@ def test_gateway_restart_engines_keep_running_new_gateway_adopts_them(tmp_path, 
         assert aborted > 0, second.log()
         assert settle_engines(handles) == 0  # no orphan of the old gateway
 
+        # a detached engine that crashes under gateway 2 is restarted by Ray
+        # with gateway 1's constructor arguments: gateway 2 adopts it again
+        by_id = {h.engine_id: h for h in handles}
+        session = ray.get(by_id["decode-1"].actor.ready.remote(), timeout=60)["gateway_session"]
+        decode0 = by_id["decode-0"].actor
+        os.kill(ray.get(decode0.ready.remote(), timeout=60)["pid"], signal.SIGKILL)
+        before["decode-0"] = wait_adopted(decode0, before["decode-0"], session)
+        wait_health(second, "ok", "")
+
         tally = Tally("gateway process killed, a new one adopts the engines (--attach)")
         again = [Workload(second.url, w) for w in WORKLOADS]  # the clients reconnect
         for w in again:
@@ -139,8 +182,6 @@ def test_gateway_restart_engines_keep_running_new_gateway_adopts_them(tmp_path, 
         assert tally.leaked_blocks == 0
 
         # sessions: an older gateway's attach is refused (nothing changes) ...
-        by_id = {h.engine_id: h for h in handles}
-        session = ray.get(by_id["decode-0"].actor.ready.remote(), timeout=60)["gateway_session"]
         stale = ray.get(by_id["decode-0"].actor.attach.remote(NOWHERE, 1), timeout=60)
         assert stale["gateway_session"] == session and stale["num_aborted"] == 0
         # ... a newer one takes the engine: gateway 2 stops using it, serves on
@@ -159,8 +200,20 @@ def test_gateway_restart_engines_keep_running_new_gateway_adopts_them(tmp_path, 
     finally:
         for g in gateways:
             g.crash()
-        stopped = stop_engines(namespace)
-        left = find_engines(namespace)
-        ray.shutdown()
+        try:
+            stop = subprocess.run(
+                [sys.executable, "-m", "cluster", "stop-engines"]
+                + ["--address", address, "--ray-namespace", namespace],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=180,
+            )
+        finally:
+            stop_engines(namespace)  # whatever the command left (nothing when it worked)
+            left = find_engines(namespace)
+            ray.shutdown()
+    assert stop.returncode == 0, stop.stdout + stop.stderr
+    stopped = re.search(r"stopped (.*) in namespace", stop.stdout).group(1).split(", ")
     assert sorted(stopped) == ["decode-0", "decode-1", "prefill-0"]
     assert left == []  # no detached actor outlives the test
