@@ -1,5 +1,10 @@
 """Kernel dispatch: Triton for CUDA tensors, the torch reference on CPU.
 
+Attention (``paged_attention``, ``write_kv_cache``) and the fused layer ops (``rms_norm``,
+``add_rms_norm``, ``rope_write_kv``, ``silu_and_mul``) each take one path per call: the
+references are the CPU fast paths (``kernels.reference``, ``kernels.fused_reference``), the
+Triton kernels replace several small launches with one on CUDA.
+
 ``TANDEM_FORCE_TRITON=1`` routes CPU tensors to the Triton kernels too, so tests can run them
 under ``TRITON_INTERPRET=1``. Triton is imported lazily: the CPU path never loads it.
 """
@@ -10,7 +15,7 @@ import os
 
 import torch
 
-from kernels import reference
+from kernels import fused_reference, reference
 from kernels.metadata import AttentionMetadata
 
 
@@ -50,3 +55,51 @@ def paged_attention(
 
         return triton_attention.paged_attention(query, layer_cache, meta, scale)
     return reference.paged_attention(query, layer_cache, meta, scale)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of ``x`` ``[..., N]`` over its last dim (see ``kernels.fused_reference``)."""
+    if _use_triton(x):
+        from kernels import triton_norm
+
+        return triton_norm.rms_norm(x, weight, eps)
+    return fused_reference.rms_norm(x, weight, eps)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(x + residual), x + residual)`` for ``[T, N]`` tensors; new tensors."""
+    if _use_triton(x):
+        from kernels import triton_norm
+
+        return triton_norm.add_rms_norm(x, residual, weight, eps)
+    return fused_reference.add_rms_norm(x, residual, weight, eps)
+
+
+def rope_write_kv(
+    qk: torch.Tensor,
+    value: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    layer_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """Rotate ``qk`` ``[T, Hq + Hkv, D]`` (query then key heads), write the rotated keys and
+    ``value`` ``[T, Hkv, D]`` to ``layer_cache`` at ``slot_mapping`` (-1 skips), return the
+    rotated ``qk`` as a new tensor. ``cos``/``sin``: ``[T, 1, D / 2]`` in ``qk``'s dtype."""
+    if _use_triton(qk):
+        from kernels import triton_rope_cache
+
+        return triton_rope_cache.rope_write_kv(qk, value, cos, sin, layer_cache, slot_mapping)
+    return fused_reference.rope_write_kv(qk, value, cos, sin, layer_cache, slot_mapping)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of ``gate_up`` ``[T, 2 I]``; the CPU path reuses ``gate_up``'s
+    memory, so the caller must not read ``gate_up`` afterwards."""
+    if _use_triton(gate_up):
+        from kernels import triton_activation
+
+        return triton_activation.silu_and_mul(gate_up)
+    return fused_reference.silu_and_mul(gate_up)

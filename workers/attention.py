@@ -42,8 +42,22 @@ def attention(
 ) -> torch.Tensor:
     """Write this step's ``k``/``v`` ``[T, Hkv, D]`` to layer ``layer_idx`` of ``kv_cache``
     and return causal attention of ``q`` ``[T, Hq, D]`` as ``[T, Hq, D]``."""
+    write_kv_cache(k, v, kv_cache[:, layer_idx], meta.slot_mapping)
+    return attend(layer_idx, q, k, v, kv_cache, meta, scale)
+
+
+def attend(
+    layer_idx: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: StepMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Like ``attention`` for a cache that already holds this step's ``k``/``v`` (the models
+    write them with ``kernels.dispatch.rope_write_kv``); ``k``/``v`` feed the dense rows."""
     layer_cache = kv_cache[:, layer_idx]
-    write_kv_cache(k, v, layer_cache, meta.slot_mapping)
     if isinstance(meta, AttentionMetadata):
         return paged_attention(q, layer_cache, meta, scale)
     n = meta.dense.num_tokens

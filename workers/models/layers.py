@@ -1,5 +1,8 @@
 """Building blocks shared by the Llama-family models: Linear, RMSNorm, SiLU MLP.
 
+Norms and the MLP activation go through ``kernels.dispatch``: one Triton launch each on CUDA,
+the torch reference (``kernels.fused_reference``, the exact HF numerics) on CPU.
+
 Parameters are created with ``torch.empty`` (no init: the loader overwrites
 every one of them) and never require grad.
 """
@@ -9,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from kernels import dispatch
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -79,12 +84,11 @@ class RMSNorm(nn.Module):
         self.weight = _param(size, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # one fused op, bit-identical in fp32
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        input_dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(input_dtype)
+        return dispatch.rms_norm(x, self.weight, self.eps)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(x + residual), x + residual)``: the residual add fused with the norm."""
+        return dispatch.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class SiluMLP(nn.Module):
@@ -105,6 +109,5 @@ class SiluMLP(nn.Module):
         self.down_proj = Linear(intermediate_size, [hidden_size], bias, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        # In place on the fresh matmul output: same values, two fewer [T, I] temporaries.
-        return self.down_proj(F.silu(gate, inplace=True).mul_(up))
+        # The fresh matmul output is ours: the CPU path computes in place in it.
+        return self.down_proj(dispatch.silu_and_mul(self.gate_up_proj(x)))

@@ -34,7 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.attention import StepMetadata, attention
+from kernels.dispatch import rope_write_kv
+from workers.attention import StepMetadata, attend
 from workers.models.layers import Embedding, Linear, RMSNorm, SiluMLP
 from workers.models.rope import RotaryEmbedding
 
@@ -83,11 +84,13 @@ class LlamaAttention(nn.Module):
             q = self.q_norm(qkv[:, :num_heads])
             k = self.k_norm(qkv[:, num_heads : num_heads + num_kv_heads])
             qk = torch.cat((q, k), dim=1)
-        # q and k rotate together: one set of rope ops per layer, not two.
-        qk = RotaryEmbedding.apply(qk, *rope)
-        q, k = qk[:, :num_heads], qk[:, num_heads:]
         v = qkv[:, num_heads + num_kv_heads :]
-        out = attention(self.layer_idx, q, k, v, kv_cache, meta, self.scale)
+        # q and k rotate together, and the rotated k and v go straight to the cache: one
+        # Triton launch on CUDA, the rope ops plus the cache write on CPU.
+        layer_cache = kv_cache[:, self.layer_idx]
+        qk = rope_write_kv(qk, v, *rope, layer_cache, meta.slot_mapping)
+        q, k = qk[:, :num_heads], qk[:, num_heads:]
+        out = attend(self.layer_idx, q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, -1))
 
 
@@ -105,12 +108,20 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self,
         h: torch.Tensor,
+        residual: torch.Tensor | None,
         rope: tuple[torch.Tensor, torch.Tensor],
         kv_cache: torch.Tensor,
         meta: StepMetadata,
-    ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), rope, kv_cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(mlp output, residual stream before it)``; the next layer (or the final norm)
+        adds the two in its fused add+norm. ``residual`` None: ``h`` is the embedding."""
+        if residual is None:
+            x, residual = self.input_layernorm(h), h
+        else:
+            x, residual = self.input_layernorm.add(h, residual)
+        h = self.self_attn(x, rope, kv_cache, meta)
+        x, residual = self.post_attention_layernorm.add(h, residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -134,9 +145,10 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
         rope = self.rotary_emb.lookup(positions, h.dtype)
+        residual = None
         for layer in self.layers:
-            h = layer(h, rope, kv_cache, meta)
-        return self.norm(h)
+            h, residual = layer(h, residual, rope, kv_cache, meta)
+        return self.norm(h) if residual is None else self.norm.add(h, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from kernels import fused_reference
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -98,7 +100,7 @@ class RotaryEmbedding(nn.Module):
         """Rotate ``x [T, heads, head_dim]`` (any strides); returns a new tensor.
 
         Same roundings as HF's ``x * cos + rotate_half(x) * sin`` with cos/sin
-        duplicated over both halves, at half the table size.
+        duplicated over both halves, at half the table size. The model itself rotates
+        through ``kernels.dispatch.rope_write_kv`` (fused with the KV write on CUDA).
         """
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return fused_reference.rope(x, cos, sin)
