@@ -23,6 +23,18 @@ import numpy as np
 import torch
 
 
+def host_to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor on ``device``, without stalling the host on CUDA.
+
+    A copy from pageable memory makes the host wait for every kernel already queued (a hidden
+    device->host sync); staged through pinned memory it is queued like a kernel (torch's
+    pinned allocator keeps the staging block alive until the copy ran). CPU: ``.to(device)``.
+    """
+    if torch.device(device).type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass
 class AttentionMetadata:
     """Everything attention needs to read and write the paged KV cache for one step.
@@ -91,7 +103,7 @@ class AttentionMetadata:
         slot_mapping = blocks * block_size + positions % block_size
 
         def to_device(array: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(array).to(device)
+            return host_to_device(torch.from_numpy(array), device)
 
         return cls(
             slot_mapping=to_device(slot_mapping),

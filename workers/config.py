@@ -16,6 +16,7 @@ from typing import Any
 
 from scheduler.block_hash import HASH_ALGOS, get_block_hasher
 from scheduler.policies import POLICIES, check_fields
+from workers.graphs.sizes import capture_sizes, parse_cuda_graph_sizes
 
 
 @dataclass
@@ -53,6 +54,10 @@ class EngineConfig:
     # "head_major" (a head slice of a block is one piece: cheaper KV reads
     # between engines of different tensor-parallel sizes). P and D must agree.
     kv_layout: str = "blocks_first"
+    # CUDA: decode batch sizes captured as CUDA graphs (None = 1, 2, 4, 8, 16, then every
+    # 16 up to max_num_seqs; workers/graphs/); enforce_eager captures none. CPU ignores both.
+    cuda_graph_sizes: list[int] | None = None
+    enforce_eager: bool = False
     # identity and disaggregation
     engine_id: str = "engine-0"
     epoch: int = 0
@@ -113,6 +118,7 @@ class EngineConfig:
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
         get_block_hasher(self.prefix_caching_hash_algo)  # ValueError naming the field
+        capture_sizes(self.max_num_seqs, self.cuda_graph_sizes)  # names cuda_graph_sizes
         check_fields(self)  # policy, admission margin, partial prefill limits
         if self.kv_layout not in ("blocks_first", "head_major"):
             raise ValueError(
@@ -133,6 +139,13 @@ class EngineConfig:
 
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)
+
+
+def _sizes_arg(text: str) -> list[int]:
+    try:
+        return parse_cuda_graph_sizes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 # flag name -> (field, type, help). Booleans that default to on get --no-X.
@@ -186,6 +199,13 @@ _FLAGS: list[tuple[str, str, Any, str]] = [
     ("--torch-threads", "torch_threads", int, "CPU threads per engine (0 = torch default)"),
     ("--dense-decode-bytes", "dense_decode_bytes", int, "CPU dense decode KV copy (0 = off)"),
     ("--kv-layout", "kv_layout", str, "blocks_first | head_major (KV byte layout)"),
+    (
+        "--cuda-graph-sizes",
+        "cuda_graph_sizes",
+        _sizes_arg,
+        "CUDA: decode batch sizes to capture as graphs, e.g. 1,2,4,8 "
+        "(default 1,2,4,8,16,32,... up to --max-num-seqs)",
+    ),
     ("--output-hwm-messages", "output_hwm_messages", int, "ZMQ send queue to the gateway"),
     ("--output-backlog-messages", "output_backlog_messages", int, "outputs held before pausing"),
     (
@@ -201,6 +221,10 @@ _BOOL_OFF_FLAGS = [
     ("--no-prefix-caching", "enable_prefix_caching"),
     ("--no-chunked-prefill", "enable_chunked_prefill"),
 ]
+# Booleans that default to off get --X (store_true).
+_BOOL_ON_FLAGS = [
+    ("--enforce-eager", "enforce_eager", "CUDA: no decode CUDA graphs (every step eager)"),
+]
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser, prefix: str = "") -> None:
@@ -215,6 +239,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser, prefix: str = "") -> N
         parser.add_argument(
             name, dest=prefix.replace("-", "_") + dest, action="store_false", default=None
         )
+    for flag, dest, help_ in _BOOL_ON_FLAGS:
+        name = "--" + prefix + flag[2:]
+        parser.add_argument(
+            name, dest=prefix.replace("-", "_") + dest, action="store_true", default=None,
+            help=help_,
+        )  # fmt: skip
 
 
 def engine_overrides(args: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
@@ -226,6 +256,10 @@ def engine_overrides(args: argparse.Namespace, prefix: str = "") -> dict[str, An
         if v is not None:
             out[dest] = v
     for _, dest in _BOOL_OFF_FLAGS:
+        v = getattr(args, p + dest, None)
+        if v is not None:
+            out[dest] = v
+    for _, dest, _ in _BOOL_ON_FLAGS:
         v = getattr(args, p + dest, None)
         if v is not None:
             out[dest] = v

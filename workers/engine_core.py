@@ -35,6 +35,7 @@ from scheduler.messages import (
 )
 from wire.frames import FrameCounters, FrameSpec, MalformedFrame, MiB, peer_address
 from workers.config import EngineConfig
+from workers.graphs.runner import build_decode_graphs
 from workers.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for
 from workers.kv_events_publisher import KVEventPublisher
 from workers.loader import end_token_ids, load_model, resolve_model_path
@@ -156,6 +157,7 @@ class EngineCore:
             connector=self.connector_worker,
             seed=config.seed,
             dense_decode_bytes=config.dense_decode_bytes,
+            decode_graphs=build_decode_graphs(config, self.model, self.kv_cache, max_len),
         )
         if self.tp is not None:
             self.runner = self.tp.start(self.runner)

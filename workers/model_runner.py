@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from kernels import AttentionMetadata
+from kernels.metadata import host_to_device
 from scheduler.messages import (
     KVConnectorOutput,
     Logprobs,
@@ -33,6 +34,7 @@ from scheduler.messages import (
 from workers.attention import SplitAttention, StepMetadata
 from workers.cpu_allocator import tune_malloc_for_inference
 from workers.dense_decode import DenseDecodeKV, DenseDecodeStep
+from workers.graphs.runner import DecodeGraphRunner
 from workers.sampler import Sampler
 from workers.sampling.prompt_logprobs import prompt_logprobs
 from workers.sampling.state import SamplingExtras
@@ -69,8 +71,10 @@ class ModelRunner:
         connector: Any = None,  # kvtransfer.base.KVConnectorWorkerSide
         seed: int | None = 0,
         dense_decode_bytes: int | None = None,
+        decode_graphs: DecodeGraphRunner | None = None,
     ) -> None:
         self.model = model
+        self.graphs = decode_graphs  # CUDA: decode-only steps replay a captured graph
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = kv_cache.device
@@ -184,10 +188,14 @@ class ModelRunner:
                 sample_reqs.append(st)
                 sample_ids.append(rid)
         dev = self.device
-        meta = self._metadata(block_tables, seq_lens, query_lens, positions, dense_step)
-        ids_t = torch.tensor(input_ids, dtype=torch.long, device=dev)
-        pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
-        hidden = self.model(ids_t, pos_t, self.kv_cache, meta)
+        hidden = None
+        if self.graphs is not None and dense_step is None:
+            hidden = self.graphs.run(input_ids, positions, block_tables, seq_lens)
+        if hidden is None:  # eager: prefills, mixed steps, no graph for this batch, CPU
+            meta = self._metadata(block_tables, seq_lens, query_lens, positions, dense_step)
+            ids_t = host_to_device(torch.tensor(input_ids, dtype=torch.long), dev)
+            pos_t = host_to_device(torch.tensor(positions, dtype=torch.long), dev)
+            hidden = self.model(ids_t, pos_t, self.kv_cache, meta)
         for _, st, flat, start, stop in prompt_chunks:
             if stop > start:
                 rows = hidden[flat : flat + stop - start]
@@ -201,7 +209,7 @@ class ModelRunner:
             if sample_rows == list(range(len(hidden))):
                 last = hidden  # decode-only step: every row is sampled, in order
             else:
-                rows = torch.tensor(sample_rows, dtype=torch.long, device=dev)
+                rows = host_to_device(torch.tensor(sample_rows, dtype=torch.long), dev)
                 last = hidden.index_select(0, rows)
             logits = self.model.compute_logits(last)
             extras = None

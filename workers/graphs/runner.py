@@ -1,0 +1,201 @@
+"""Decode CUDA graphs: capture the model's forward once per batch-size bucket, replay per step.
+
+A decode step launches a few hundred small kernels whose host-side enqueue time exceeds their
+GPU time; a replayed graph enqueues them all at once. Flow of a step (model runner)::
+
+    decode-only batch of n, bucket b = smallest captured size >= n ?
+      yes: StaticDecodeInputs.fill (host, pinned) -> one non_blocking H2D copy
+           -> replay graph[b] -> hidden[:n] (a view of the graph's static output)
+      no (a prefill or chunk in the step, n > largest bucket, --enforce-eager):
+           the eager path, unchanged
+    then logits + sampling outside the graph; the sampled tokens' .tolist() is the step's one
+    device->host sync
+
+Capture happens at engine start-up, largest bucket first, every graph in one memory pool (they
+never run concurrently; each one's output tensor stays referenced so no later capture reuses
+it), with one log line giving the time and memory it took. ``GraphBackend`` is the seam: CUDA
+captures a ``torch.cuda.CUDAGraph``; ``EagerBackend`` re-runs the same function over the same
+static buffers, which is how the CPU tests check everything except the capture itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from workers.graphs.sizes import bucket_for, capture_sizes
+from workers.graphs.static_inputs import StaticDecodeInputs
+
+logger = logging.getLogger(__name__)
+
+# Runs before each capture: Triton compiles, cuBLAS picks its kernels, lazy buffers get made.
+NUM_WARMUP_RUNS = 2
+
+
+class GraphBackend(Protocol):
+    def capture(self, forward: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        """Record ``forward`` (reads only static buffers); return a replay that re-runs it
+        and returns its output tensor (the same tensor every time for a real graph)."""
+        ...
+
+
+class EagerBackend:
+    """Replay = call ``forward`` again: the graph runner without CUDA (CPU tests)."""
+
+    def capture(self, forward: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        return forward
+
+
+class CudaGraphBackend:
+    """``torch.cuda.CUDAGraph`` per bucket, all in one memory pool."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.pool: Any = None
+        self.graphs: list[torch.cuda.CUDAGraph] = []
+
+    def capture(self, forward: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(NUM_WARMUP_RUNS):
+                forward()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            output = forward()
+        if self.pool is None:
+            self.pool = graph.pool()
+        self.graphs.append(graph)
+
+        def replay() -> torch.Tensor:
+            graph.replay()
+            return output
+
+        return replay
+
+
+@dataclass
+class CaptureReport:
+    sizes: list[int]
+    seconds: float
+    num_bytes: int  # device memory the graphs took (0 off CUDA)
+
+
+@dataclass
+class DecodeGraphRunner:
+    """Captured decode forwards per bucket; ``run`` replays one or returns None (go eager)."""
+
+    model: torch.nn.Module
+    kv_cache: torch.Tensor
+    block_size: int
+    max_model_len: int
+    sizes: list[int]
+    backend: GraphBackend
+    inputs: StaticDecodeInputs = field(init=False)
+    replays: dict[int, Callable[[], torch.Tensor]] = field(init=False, default_factory=dict)
+    num_replays: dict[int, int] = field(init=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.sizes = sorted(self.sizes)
+        num_slots = self.kv_cache.shape[0] * self.block_size
+        if num_slots >= 2**31:
+            raise ValueError(f"{num_slots} KV slots do not fit the graphs' int32 slot buffer")
+        max_blocks = math.ceil(self.max_model_len / self.block_size)
+        self.inputs = StaticDecodeInputs(
+            self.sizes[-1], max_blocks, self.block_size, self.kv_cache.device
+        )
+
+    def bucket_for(self, num_seqs: int) -> int | None:
+        return bucket_for(num_seqs, self.sizes)
+
+    @torch.inference_mode()
+    def capture(self) -> CaptureReport:
+        """Capture every bucket, largest first, over all-padding inputs (nothing is written
+        to the KV cache: every slot is -1)."""
+        on_cuda = self.kv_cache.device.type == "cuda"
+        if on_cuda:
+            torch.cuda.synchronize(self.kv_cache.device)
+            free_before = torch.cuda.mem_get_info(self.kv_cache.device)[0]
+        start = time.perf_counter()
+        for size in reversed(self.sizes):
+            self.inputs.fill([], [], [], [], size)
+            self.replays[size] = self.backend.capture(self._forward_fn(size))
+            self.num_replays[size] = 0
+        num_bytes = 0
+        if on_cuda:
+            torch.cuda.synchronize(self.kv_cache.device)
+            num_bytes = max(0, free_before - torch.cuda.mem_get_info(self.kv_cache.device)[0])
+        report = CaptureReport(list(self.sizes), time.perf_counter() - start, num_bytes)
+        logger.info(
+            "captured %d decode graphs (batch sizes %s) in %.2f s, %.1f MiB of device memory",
+            len(report.sizes),
+            _compact(report.sizes),
+            report.seconds,
+            report.num_bytes / 2**20,
+        )
+        return report
+
+    def _forward_fn(self, size: int) -> Callable[[], torch.Tensor]:
+        meta = self.inputs.metadata(size)
+        ids = self.inputs.device_view("input_ids", size)
+        positions = self.inputs.device_view("positions", size)
+        model, kv_cache = self.model, self.kv_cache
+
+        def forward() -> torch.Tensor:
+            return model(ids, positions, kv_cache, meta)
+
+        return forward
+
+    def run(
+        self,
+        input_ids: list[int],
+        positions: list[int],
+        block_tables: list[list[int]],
+        seq_lens: list[int],
+    ) -> torch.Tensor | None:
+        """Hidden states ``[n, hidden]`` of a decode-only batch by replay, or None when the
+        step must run eager (some sequence has more than one query token, or no bucket is
+        big enough). The result is a view of the graph's output: read it before the next
+        ``run``."""
+        n = len(seq_lens)
+        if n == 0 or len(input_ids) != n:
+            return None
+        size = self.bucket_for(n)
+        if size is None or size not in self.replays:
+            return None
+        self.inputs.fill(input_ids, positions, block_tables, seq_lens, size)
+        self.num_replays[size] += 1
+        return self.replays[size]()[:n]
+
+
+def build_decode_graphs(
+    config: Any, model: torch.nn.Module, kv_cache: torch.Tensor, max_model_len: int
+) -> DecodeGraphRunner | None:
+    """The engine's graph runner, captured; None on CPU or with ``enforce_eager``.
+
+    ``config``: an ``EngineConfig`` (``max_num_seqs``, ``cuda_graph_sizes``,
+    ``enforce_eager``, ``block_size``).
+    """
+    if kv_cache.device.type != "cuda" or config.enforce_eager:
+        return None
+    runner = DecodeGraphRunner(
+        model,
+        kv_cache,
+        config.block_size,
+        max_model_len,
+        capture_sizes(config.max_num_seqs, config.cuda_graph_sizes),
+        CudaGraphBackend(kv_cache.device),
+    )
+    runner.capture()
+    return runner
+
+
+def _compact(sizes: list[int]) -> str:
+    return ",".join(map(str, sizes)) if len(sizes) <= 8 else f"{sizes[0]}..{sizes[-1]}"

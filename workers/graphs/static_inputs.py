@@ -1,0 +1,138 @@
+"""The input buffers a captured decode graph reads, refilled in place every step.
+
+A graph replays fixed device addresses, so a step's token ids, positions, slots, sequence
+lengths and block tables are written into the same device tensors each time. They live in one
+int32 buffer, built on the host (pinned memory on CUDA) and sent with ONE ``non_blocking``
+copy of the prefix the batch uses::
+
+    | input_ids B | positions B | slot_mapping B | seq_lens B | query_start_loc B+1 | block_tables B x W |
+      B = largest captured batch, W = blocks of the longest sequence (max_model_len / block_size)
+
+Rows past the real batch, up to the bucket, are padding: token 0 at position 0, slot -1 (the
+KV write skips it), sequence length 1 over block 0 (attention reads one finite cache row; the
+output row is dropped). ``query_start_loc`` is ``0..B``, set once: decodes have one query token.
+
+The host buffer is overwritten by the next ``fill``: the copy must have completed by then. The
+step's one device->host sync (the sampled tokens) comes after the copy in stream order, so it
+has; an overlapped (async) loop would need two host buffers.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kernels import AttentionMetadata
+
+
+class StaticDecodeInputs:
+    """Pinned host + device int32 buffers for decode batches of up to ``max_batch`` rows."""
+
+    def __init__(
+        self, max_batch: int, max_blocks_per_seq: int, block_size: int, device: torch.device
+    ) -> None:
+        if max_batch < 1 or max_blocks_per_seq < 1:
+            raise ValueError("max_batch and max_blocks_per_seq must be >= 1")
+        self.max_batch = max_batch
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.block_size = block_size
+        self.device = torch.device(device)
+        b, w = max_batch, max_blocks_per_seq
+        self._sections = {
+            "input_ids": (0, b),
+            "positions": (b, 2 * b),
+            "slot_mapping": (2 * b, 3 * b),
+            "seq_lens": (3 * b, 4 * b),
+            "query_start_loc": (4 * b, 5 * b + 1),
+        }
+        self._table_start = 5 * b + 1
+        total = self._table_start + b * w
+        pin = self.device.type == "cuda"
+        self.host = torch.zeros(total, dtype=torch.int32, pin_memory=pin)
+        self.device_buffer = torch.zeros(total, dtype=torch.int32, device=self.device)
+        self._np = self.host.numpy()
+        self._host_view("query_start_loc")[:] = np.arange(b + 1, dtype=np.int32)
+        self.device_buffer.copy_(self.host)
+        self.num_copied_bytes = 0  # of the last fill (tests, benchmarks)
+
+    # ---- views -----------------------------------------------------------------------
+
+    def _host_view(self, name: str) -> np.ndarray:
+        start, end = self._sections[name]
+        return self._np[start:end]
+
+    def _host_table(self) -> np.ndarray:
+        return self._np[self._table_start :].reshape(self.max_batch, self.max_blocks_per_seq)
+
+    def device_view(self, name: str, batch: int) -> torch.Tensor:
+        """First ``batch`` rows of a device section (``query_start_loc``: ``batch + 1``)."""
+        start, _ = self._sections[name]
+        extra = 1 if name == "query_start_loc" else 0
+        return self.device_buffer[start : start + batch + extra]
+
+    def block_tables(self, batch: int) -> torch.Tensor:
+        w = self.max_blocks_per_seq
+        table = self.device_buffer[self._table_start :].view(self.max_batch, w)
+        return table[:batch]
+
+    def metadata(self, batch: int) -> AttentionMetadata:
+        """Attention metadata over the device views of a ``batch``-row bucket.
+
+        Built once per bucket and captured with its graph: its tensors are the static views;
+        its host lists describe an all-padding batch (the Triton kernels read only the tensors
+        and ``max_query_len``, which is 1 for every decode batch).
+        """
+        return AttentionMetadata(
+            slot_mapping=self.device_view("slot_mapping", batch),
+            block_tables=self.block_tables(batch),
+            seq_lens=self.device_view("seq_lens", batch),
+            query_start_loc=self.device_view("query_start_loc", batch),
+            max_query_len=1,
+            max_seq_len=1,
+            seq_lens_list=[1] * batch,
+            query_lens_list=[1] * batch,
+        )
+
+    # ---- per step --------------------------------------------------------------------
+
+    def fill(
+        self,
+        input_ids: list[int],
+        positions: list[int],
+        block_tables: list[list[int]],
+        seq_lens: list[int],
+        batch: int,
+    ) -> None:
+        """Write a decode batch (one token per sequence) padded to ``batch`` rows, then copy
+        the used prefix to the device (``non_blocking``; pinned host memory on CUDA)."""
+        n = len(input_ids)
+        if not (len(positions) == len(block_tables) == len(seq_lens) == n):
+            raise ValueError("input_ids, positions, block_tables and seq_lens need n entries each")
+        if not n <= batch <= self.max_batch:
+            raise ValueError(f"batch {batch} must be in [{n}, {self.max_batch}]")
+        row_lens = np.fromiter(map(len, block_tables), dtype=np.int64, count=n)
+        width = self.max_blocks_per_seq
+        if n and int(row_lens.max()) > width:
+            raise ValueError(
+                f"a block table has {int(row_lens.max())} blocks, more than the {width} "
+                "the graph buffers hold (max_model_len / block_size)"
+            )
+        ids, pos = self._host_view("input_ids"), self._host_view("positions")
+        slots, lens = self._host_view("slot_mapping"), self._host_view("seq_lens")
+        table = self._host_table()
+        ids[:n], ids[n:batch] = input_ids, 0
+        pos[:n], pos[n:batch] = positions, 0
+        lens[:n], lens[n:batch] = seq_lens, 1
+        table[:batch] = 0
+        if n:
+            flat = np.fromiter(
+                (b for row in block_tables for b in row), dtype=np.int32, count=int(row_lens.sum())
+            )
+            table[:n][np.arange(width)[None, :] < row_lens[:, None]] = flat
+            positions_np = pos[:n].astype(np.int64)
+            blocks = table[np.arange(n), positions_np // self.block_size].astype(np.int64)
+            slots[:n] = blocks * self.block_size + positions_np % self.block_size
+        slots[n:batch] = -1
+        end = self._table_start + batch * width
+        self.device_buffer[:end].copy_(self.host[:end], non_blocking=True)
+        self.num_copied_bytes = end * 4
