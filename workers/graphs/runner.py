@@ -178,12 +178,17 @@ class DecodeGraphRunner:
 def build_decode_graphs(
     config: Any, model: torch.nn.Module, kv_cache: torch.Tensor, max_model_len: int
 ) -> DecodeGraphRunner | None:
-    """The engine's graph runner, captured; None on CPU or with ``enforce_eager``.
+    """The engine's graph runner, captured; None on CPU, with ``enforce_eager``, or with
+    tensor parallelism (a rank-0 capture would issue collectives the other ranks never join;
+    TP engines run eager).
 
     ``config``: an ``EngineConfig`` (``max_num_seqs``, ``cuda_graph_sizes``,
-    ``enforce_eager``, ``block_size``).
+    ``enforce_eager``, ``block_size``, ``tensor_parallel_size``).
     """
     if kv_cache.device.type != "cuda" or config.enforce_eager:
+        return None
+    if getattr(config, "tensor_parallel_size", 1) > 1:
+        logger.info("tensor-parallel engine: decode CUDA graphs off (eager steps)")
         return None
     runner = DecodeGraphRunner(
         model,
