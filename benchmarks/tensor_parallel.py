@@ -10,13 +10,17 @@ Sections (one table each; ``--section`` picks, default all):
            logits all-gather), waits for the slowest rank included. Also the
            vocab-parallel lm_head's trade: its all-gather against computing
            the full-vocab matmul on one rank (replicated lm_head).
-  kv-read  (``tp-kv``) KV READ GB/s and descriptors per (P TP, D TP) pairing.
+  kv-read  KV READ GB/s and descriptors per (P TP, D TP) pairing and KV layout,
+           next to the homogeneous pairing with as many reading ranks
+           (``benchmarks/tp_kv_read.py``: one process per rank, real NIXL).
 
 On CPU (gloo, one torch thread per rank) the compute does not speed up with
 N on a shared 2-core machine; the overheads are the point. Run:
 
     python benchmarks/tensor_parallel.py [--section step] [--tp 2] [--model tiny]
         [--batch 8] [--prompt-len 64] [--output-len 64] [--repeat 3]
+    python benchmarks/tensor_parallel.py --section kv-read [--sizes-mib 16 64 256]
+        [--iters 5] [--pairings 1x2 2x1] [--layouts blocks_first head_major]
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._machine import machine  # noqa: E402
+from benchmarks.tp_kv_read import add_arguments as add_kv_read_arguments  # noqa: E402
+from benchmarks.tp_kv_read import section_kv_read  # noqa: E402
 
 # ---- section "step": per-step overhead (tp-model) ----------------------------
 
@@ -155,7 +161,7 @@ def section_step(args: argparse.Namespace) -> None:
 
 # ---- section registry -----------------------------------------------------------
 
-SECTIONS = {"step": section_step}  # tp-kv: "kv-read" joins here
+SECTIONS = {"step": section_step, "kv-read": section_kv_read}
 
 
 def main() -> None:
@@ -167,6 +173,7 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--repeat", type=int, default=3)
+    add_kv_read_arguments(p)
     args = p.parse_args()
     for name, fn in SECTIONS.items():
         if args.section in (name, "all"):
