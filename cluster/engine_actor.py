@@ -87,6 +87,7 @@ class EngineActor:
             "max_num_seqs": self.config.max_num_seqs,
             "num_kv_blocks": self.engine.sched_config.num_kv_blocks,
             "kv_address": list(kv) if kv else None,
+            "kv_rank_ports": self.engine.kv_rank_ports(),
             "block_size": self.config.block_size,
             "prefix_caching_hash_algo": self.config.prefix_caching_hash_algo,
             "kv_events_addr": self.engine.kv_publisher.addr if self.engine.kv_publisher else None,

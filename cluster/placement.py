@@ -158,19 +158,16 @@ def engine_actor_placement(
 
 
 def check_pool_parallel(role: str, config: Any, num_gpus: float) -> None:
-    """A pool's tensor-parallel size against its GPUs and KV connector.
+    """A pool's tensor-parallel size against its GPUs.
 
     An engine's workers are processes of its actor, so on GPU the actor's one
     STRICT_PACK bundle holds every GPU of the engine: ``num_gpus`` (when not
     0, i.e. CPU) must be at least ``tensor_parallel_size``. ValueError names
     the fields.
     """
-    from workers.parallel.connector_hook import check_rank_connector
-
     tp = config.tensor_parallel_size
     if tp > 1 and num_gpus and num_gpus < tp:
         raise ValueError(
             f"{role}_num_gpus_per_engine ({num_gpus}) is less than the {role} engines' "
             f"tensor_parallel_size ({tp}): each worker needs its own GPU"
         )
-    check_rank_connector(config)

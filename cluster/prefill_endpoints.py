@@ -22,7 +22,7 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-Endpoint = list[Any]  # [engine_id, epoch, host, port]
+Endpoint = list[Any]  # [engine_id, epoch, host, port(, rank_ports)]
 
 
 def prefill_endpoints(engines: list[Any]) -> list[Endpoint]:
@@ -33,7 +33,11 @@ def prefill_endpoints(engines: list[Any]) -> list[Endpoint]:
         st = e.state
         address = st.info.get("kv_address") if st.info else None
         if st.role == "prefill" and st.epoch and address:
-            out.append([st.engine_id, st.epoch, address[0], int(address[1])])
+            endpoint = [st.engine_id, st.epoch, address[0], int(address[1])]
+            rank_ports = st.info.get("kv_rank_ports")
+            if rank_ports:  # a tensor-parallel engine: every rank's side channel
+                endpoint.append(list(rank_ports))
+            out.append(endpoint)
     return sorted(out)
 
 

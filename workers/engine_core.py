@@ -179,26 +179,10 @@ class EngineCore:
     def _make_connector(self):
         if not self.config.kv_connector:
             return None, None
-        from kvtransfer.config import KVTransferConfig
         from kvtransfer.registry import create_connector
+        from workers.parallel.connector_hook import kv_transfer_config
 
-        c = self.config
-        kv_config = KVTransferConfig(
-            connector=c.kv_connector,
-            role={"prefill": "prefill", "decode": "decode"}.get(c.role, "both"),
-            engine_id=c.engine_id,
-            epoch=c.epoch,
-            side_channel_host=c.kv_host,
-            side_channel_port=c.kv_port,
-            lease_s=c.kv_lease_s,
-            load_timeout_s=c.kv_load_timeout_s,
-            load_failure_policy=c.load_failure_policy,
-            block_size=c.block_size,
-            model_name=c.model,
-            kv_layout=c.kv_layout,
-            cluster_secret=c.cluster_secret,
-        )
-        return create_connector(kv_config)
+        return create_connector(kv_transfer_config(self.config, self.hf_config))
 
     # ---- in-process API ------------------------------------------------------
 
@@ -339,6 +323,14 @@ class EngineCore:
         if self.connector_worker is None or not self.connector_worker.side_channel_port:
             return None
         return (self.config.kv_host, self.connector_worker.side_channel_port)
+
+    def kv_rank_ports(self) -> list[int]:
+        """Every tensor-parallel rank's side-channel port, rank 0's first
+        (``[]`` with one rank or no side channel): a prefill endpoint's ``rank_ports``."""
+        address = self.kv_transfer_address()
+        if self.tp is None or address is None:
+            return []
+        return [address[1], *self.tp.worker_kv_ports]
 
     def call_in_loop(self, fn: Callable[[], Any], timeout_s: float = 30.0) -> Any:
         """Run ``fn`` on the engine loop thread between steps (scheduler state
@@ -538,6 +530,7 @@ class EngineCore:
             "stats",
             "reset_prefix_cache",
             "kv_transfer_address",
+            "kv_rank_ports",
             "set_prefill_endpoints",
         }
         if call.method not in allowed:

@@ -44,8 +44,12 @@ class EngineProcess:
         self.config = config
         self.input_addr = f"tcp://127.0.0.1:{free_port()}"
         ctx = mp.get_context("spawn")
+        # a daemonic process may not start children: a tensor-parallel engine's
+        # workers are its children (kill() stops it; its workers follow)
         self.proc = ctx.Process(
-            target=_engine_main, args=(config, self.input_addr, output_addr), daemon=True
+            target=_engine_main,
+            args=(config, self.input_addr, output_addr),
+            daemon=config.tensor_parallel_size == 1,
         )
         self.proc.start()
 
@@ -100,6 +104,28 @@ class Harness:
         if config.kv_connector:
             self._register_prefill_engines()
 
+    def start_all(self, configs: dict[str, EngineConfig]) -> None:
+        """Start several engines at once (their loads overlap), then wait for
+        each; one that died at bind (a taken port) is started again by ``start``."""
+        for name, config in configs.items():
+            ep = EngineProcess(
+                config.replace(engine_id=name, cluster_secret=self.secret), self.output_addr
+            )
+            self.engines[name] = ep
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            self.auth.client(sock)
+            sock.connect(ep.input_addr)
+            self.push[name] = sock
+        for name, config in configs.items():
+            try:
+                self.call(name, "check_integrity", timeout_s=180)
+            except EngineDied:
+                self.push[name].close()
+                self.start(name, config)
+        if any(c.kv_connector for c in configs.values()):
+            self._register_prefill_engines()
+
     def _register_prefill_engines(self) -> None:
         """What the cluster does: tell every decode engine the prefill
         engines' side channels (D reads from nowhere else)."""
@@ -107,7 +133,10 @@ class Harness:
         for name, ep in self.engines.items():
             if ep.config.role == "prefill" and ep.proc.is_alive():
                 host, port = self.call(name, "kv_transfer_address")
-                endpoints.append([name, ep.config.epoch, host, port])
+                rank_ports = self.call(name, "kv_rank_ports")
+                endpoints.append(
+                    [name, ep.config.epoch, host, port, *([rank_ports] * bool(rank_ports))]
+                )
         for name, ep in self.engines.items():
             if ep.config.role == "decode" and ep.proc.is_alive():
                 self.call(name, "set_prefill_endpoints", args=[endpoints])

@@ -1,4 +1,4 @@
-"""The seam where a tensor-parallel rank gets its own KV connector worker side.
+"""Where each tensor-parallel rank gets its own KV connector worker side.
 
 Rank 0 lives in the engine core process and keeps the engine's connector
 pair (``EngineCore._make_connector``): its scheduler side plans transfers for
@@ -6,18 +6,17 @@ the whole engine, its worker side moves rank 0's KV shard. Every other rank
 ``r`` builds its own worker side in its process, next to its KV shard::
 
     engine core (rank 0)                       worker process (rank r > 0)
-    connector scheduler side -> metadata       make_rank_connector(config, r)
-    connector worker side (rank 0's shard)     .register_kv_caches(kv shard r)
+    connector scheduler side -> metadata       make_rank_connector(config, hf_config, r)
+    connector worker side (rank 0's shard)     .register_kv_caches(KV shard r)
         start_load_kv(meta) / get_finished()   .start_load_kv(same meta) / get_finished()
                  \\___ ConnectorOutputMerger (kvtransfer/tp_outputs.py) ___/
-                      a request is done when every rank reported it
 
-The per-rank factory belongs to ``kvtransfer``: ``kvtransfer.registry``
-provides ``create_rank_worker_side(config: EngineConfig, rank: int)``
-returning a ``KVConnectorWorkerSide`` with a ``metadata_type`` attribute
-(the msgspec type of its connector metadata, which crosses to the worker as
-plain data). Until it exists, an engine with a KV connector and
-``tensor_parallel_size > 1`` is refused at start (``check_rank_connector``).
+Every rank's ``KVTransferConfig`` (``kv_transfer_config``) names its rank,
+the engine's TP size and the model's KV head count; a prefill rank serves
+its own side channel, whose port the worker reports when ready
+(``EngineCore.kv_rank_ports``), so decode engines reach every rank.
+The metadata crosses to a worker as plain data and is converted back to the
+worker side's ``metadata_type``.
 """
 
 from __future__ import annotations
@@ -27,29 +26,40 @@ from typing import Any
 from workers.config import EngineConfig
 
 
-def _factory() -> Any:
-    try:
-        from kvtransfer import registry
-    except ImportError:  # pragma: no cover - kvtransfer ships with workers
-        return None
-    return getattr(registry, "create_rank_worker_side", None)
+def kv_transfer_config(config: EngineConfig, hf_config: Any, rank: int = 0) -> Any:
+    """The ``KVTransferConfig`` of rank ``rank`` of an engine (0: the engine core's)."""
+    from kvtransfer.config import KVTransferConfig
+
+    c = config
+    tp = c.tensor_parallel_size
+    heads = hf_config.num_attention_heads
+    model_kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    return KVTransferConfig(
+        connector=c.kv_connector,
+        role={"prefill": "prefill", "decode": "decode"}.get(c.role, "both"),
+        engine_id=c.engine_id,
+        epoch=c.epoch,
+        side_channel_host=c.kv_host,
+        side_channel_port=c.kv_port if rank == 0 else 0,  # other ranks: a free port
+        lease_s=c.kv_lease_s,
+        load_timeout_s=c.kv_load_timeout_s,
+        load_failure_policy=c.load_failure_policy,
+        block_size=c.block_size,
+        model_name=c.model,
+        kv_layout=c.kv_layout,
+        cluster_secret=c.cluster_secret,
+        tp_size=tp,
+        tp_rank=rank,
+        num_kv_heads=model_kv_heads if tp > 1 else None,
+    )
 
 
-def check_rank_connector(config: EngineConfig) -> None:
-    """``ValueError`` when ranks > 0 would need a connector nobody can build."""
-    if config.kv_connector and config.tensor_parallel_size > 1 and _factory() is None:
-        raise ValueError(
-            f"kv_connector {config.kv_connector!r} with tensor_parallel_size "
-            f"{config.tensor_parallel_size}: this build has no per-rank KV connector "
-            "(kvtransfer.registry.create_rank_worker_side)"
-        )
-
-
-def make_rank_connector(config: EngineConfig, rank: int) -> Any:
-    """Rank ``rank``'s connector worker side, or None without a connector."""
+def make_rank_connector(config: EngineConfig, hf_config: Any, rank: int) -> Any:
+    """Rank ``rank``'s connector worker side, or None without a connector.
+    (The pair's scheduler side is plain state, unused here: the engine core's plans.)"""
     if not config.kv_connector:
         return None
-    factory = _factory()
-    if factory is None:
-        check_rank_connector(config)
-    return factory(config, rank)
+    from kvtransfer.registry import create_connector
+
+    _, worker = create_connector(kv_transfer_config(config, hf_config, rank))
+    return worker

@@ -73,14 +73,12 @@ class TPExecutor:
         import zmq
 
         from workers.loader import load_config
-        from workers.parallel.connector_hook import check_rank_connector
         from workers.parallel.loading import load_rank_model
         from workers.parallel.plan import make_plan
 
         self.size = config.tensor_parallel_size
         self.hf_config = load_config(model_path)
         self.plan = make_plan(self.hf_config, self.size, 0)  # ValueError: nothing started yet
-        check_rank_connector(config)
         self.failed: str | None = None
         self.procs: list[Any] = []
         self._shutdown_lock = threading.Lock()
@@ -93,6 +91,7 @@ class TPExecutor:
         self._dec = msgspec.msgpack.Decoder(WorkerReply)
         self._kv = ConnectorOutputMerger(self.size)
         self.num_steps = 0
+        self.worker_kv_ports: list[int] = []  # ranks 1.. side channels (prefill engines)
         # seconds rank 0 spent encoding + sending steps, and waiting for the
         # workers' replies after its own forward (benchmarks/tensor_parallel.py)
         self.broadcast_s = 0.0
@@ -151,7 +150,8 @@ class TPExecutor:
     def start(self, runner: Any) -> TPRunner:
         """Wait until every worker is ready; steps go through the returned runner."""
         try:
-            self._await(REPLY_READY, STARTUP_TIMEOUT_S)
+            ready = self._await(REPLY_READY, STARTUP_TIMEOUT_S)
+            self.worker_kv_ports = [r.side_channel_port for r in ready if r.side_channel_port]
         except BaseException:
             self.shutdown()
             raise

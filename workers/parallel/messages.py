@@ -44,6 +44,7 @@ class WorkerReply(msgspec.Struct, array_like=True, omit_defaults=True):
     step: int = 0
     kv_connector_output: KVConnectorOutput | None = None
     error: str | None = None
+    side_channel_port: int = 0  # REPLY_READY: the rank's KV side channel (0: none)
 
 
 @dataclass

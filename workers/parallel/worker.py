@@ -88,7 +88,8 @@ def run_worker(spec: WorkerSpec) -> None:
     try:
         reply(REPLY_HELLO)
         runner, connector = _build_rank(spec)
-        reply(REPLY_READY)
+        port = getattr(connector, "side_channel_port", None) or 0
+        reply(REPLY_READY, side_channel_port=port)
         _serve(spec, commands, runner, reply)
     except BaseException as exc:  # noqa: BLE001 - reported to rank 0, then exit
         code = 1
@@ -133,7 +134,7 @@ def _build_rank(spec: WorkerSpec) -> tuple[Any, Any]:
         device,
         layout=config.kv_layout,
     )
-    connector = make_rank_connector(config, spec.rank)
+    connector = make_rank_connector(config, spec.hf_config, spec.rank)
     end_ids = end_token_ids(spec.hf_config)
     runner = ModelRunner(
         model,
@@ -157,7 +158,8 @@ def _serve(spec: WorkerSpec, commands: Any, runner: Any, reply: Any) -> None:
     while True:
         if not commands.poll(IDLE_POLL_MS, zmq.POLLIN):
             if parent is not None and not parent.is_alive():
-                raise RuntimeError("the engine core (rank 0) is gone")
+                logger.info("TP worker rank %d: the engine core is gone; exiting", spec.rank)
+                return
             runner.release_idle_memory()
             continue
         cmd = dec.decode(commands.recv())

@@ -1,0 +1,83 @@
+"""Prefill and decode engines of different tensor-parallel sizes, each rank
+its own NIXL agent (kvtransfer/tp_plan.py), in separate processes: tokens
+equal one TP=1 engine's, and a decode engine's rank 0 reads exactly its
+heads' bytes of every block the handoff names."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from scheduler.messages import EngineRequest, FinishReason, SamplingParams
+from tests.e2e.engine_proc import Harness
+from tests.e2e.test_pd_engines import handoff, kv_bytes
+from workers.config import EngineConfig
+from workers.llm import LLM
+
+pytestmark = pytest.mark.slow
+
+BLOCK = 16
+BASE = dict(block_size=BLOCK, max_num_batched_tokens=64, num_kv_blocks=64, max_model_len=256)
+BLOCK_BYTES = 2 * 2 * BLOCK * 2 * 16 * 4  # layers x K/V x slots x 2 KV heads x head_dim x fp32
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    from tests.workers.hf_checkpoints import make_checkpoint
+
+    return make_checkpoint("llama", tmp_path_factory.mktemp("pd-tp-llama"))
+
+
+@pytest.fixture(scope="module")
+def engines(ckpt):
+    """P1, P2 (prefill at TP 1 and 2) and D1, D2 (decode at TP 1 and 2)."""
+    h = Harness()
+    try:
+        common = dict(BASE, model=ckpt, kv_connector="nixl", kv_lease_s=10.0, torch_threads=1)
+        h.start_all(
+            {
+                f"{role[0].upper()}{tp}": EngineConfig(role=role, tensor_parallel_size=tp, **common)
+                for role in ("prefill", "decode")
+                for tp in (1, 2)
+            }
+        )
+        yield h
+    finally:
+        h.close()
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 2), (2, 1), (2, 2)])
+def test_tokens_and_bytes_across_tp_sizes(engines, ckpt, p_tp, d_tp):
+    g = torch.Generator().manual_seed(10 * p_tp + d_tp)
+    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (5, 3 * BLOCK + 7)]
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    single = LLM(EngineConfig(model=ckpt, **BASE)).generate(
+        prompt_token_ids=prompts, sampling_params=sp
+    )
+    p, d = f"P{p_tp}", f"D{d_tp}"
+    for i, prompt in enumerate(prompts):
+        before = kv_bytes(engines, d)
+        toks, last, params = handoff(engines, f"tp{p_tp}{d_tp}-{i}", prompt, sp, p=p, d=d)
+        assert toks == single[i].token_ids
+        assert last.finish_reason == FinishReason.LENGTH
+        num_blocks = -(-len(prompt) // BLOCK)
+        assert len(params["remote_block_ids"]) == num_blocks
+        # the decode engine's stats are its rank 0's: 1/d_tp of each block
+        assert kv_bytes(engines, d) - before == num_blocks * BLOCK_BYTES // d_tp
+    engines.wait_idle(p)
+    engines.wait_idle(d)
+
+
+def test_partial_prefix_hit_reads_only_missing_blocks(engines):
+    g = torch.Generator().manual_seed(3)
+    shared = torch.randint(3, 300, (2 * BLOCK,), generator=g).tolist()
+    sp = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    engines.send("D2", EngineRequest("warm-tp", shared + [7], sp))
+    engines.wait_final("warm-tp", "D2")
+    prompt = shared + torch.randint(3, 300, (BLOCK + 4,), generator=g).tolist()
+    before = kv_bytes(engines, "D2")
+    toks, _, params = handoff(engines, "hit-tp", prompt, sp, p="P2", d="D2")
+    assert len(params["remote_block_ids"]) == 4 and len(toks) == 3
+    assert kv_bytes(engines, "D2") - before == 2 * BLOCK_BYTES // 2  # blocks 2, 3; rank 0's half
+    engines.wait_idle("P2")
+    engines.wait_idle("D2")
