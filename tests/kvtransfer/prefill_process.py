@@ -119,80 +119,37 @@ def run_prefill(
         worker.shutdown()
 
 
-class PrefillProcess:
-    """Parent-side handle; every wait has a deadline, ``close`` always reaps."""
+class ChildProcess:
+    """A child process driven over a pipe (``target(conn, *args)``): every wait
+    has a deadline, ``close`` always reaps. Messages are tuples; the ones a
+    wait skips are kept for later waits."""
 
-    def __init__(
-        self,
-        config_kwargs: dict[str, Any],
-        shape: tuple[int, ...],
-        seed: int,
-        poll_interval_s: float = 0.002,
-        env: dict[str, str] | None = None,
-    ):
+    what = "child process"
+
+    def __init__(self, target, args: tuple) -> None:
         ctx = _context()
         self._conn, child = ctx.Pipe()
-        self.engine_id = config_kwargs.get("engine_id", "engine-0")
-        self.epoch = config_kwargs.get("epoch", 0)
-        self.process = ctx.Process(
-            target=run_prefill,
-            args=(child, config_kwargs, shape, seed, poll_interval_s, env),
-            daemon=True,
-        )
+        self.process = ctx.Process(target=target, args=(child, *args), daemon=True)
         self.process.start()
         self.events: list[tuple] = []
-        self.port = self._wait(lambda m: m[0] == "ready", 60.0)[1]
 
-    def _wait(self, match, timeout_s: float) -> tuple:
+    def send(self, *msg: Any) -> None:
+        self._conn.send(msg)
+
+    def wait(self, match, timeout_s: float = 20.0) -> tuple:
         for i, msg in enumerate(self.events):
             if match(msg):
                 return self.events.pop(i)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if not self.process.is_alive() and not self._conn.poll():
-                raise RuntimeError(f"prefill process died (exit code {self.process.exitcode})")
+                raise RuntimeError(f"{self.what} died (exit code {self.process.exitcode})")
             if self._conn.poll(0.05):
                 msg = self._conn.recv()
                 if match(msg):
                     return msg
                 self.events.append(msg)
-        raise TimeoutError(f"no matching message from the prefill process in {timeout_s} s")
-
-    @property
-    def endpoint(self) -> list:
-        """What the cluster registers with decode engines for this process."""
-        return [self.engine_id, self.epoch, "127.0.0.1", self.port]
-
-    def finish(self, request_id: str, num_prompt: int, block_ids: list[int]) -> dict:
-        self._conn.send(("finish", request_id, num_prompt, block_ids))
-        return self._wait(lambda m: m[0] == "params" and m[1] == request_id, 10.0)[2]
-
-    def wait_done_sending(self, request_id: str, timeout_s: float = 10.0) -> float:
-        return self._wait(lambda m: m[0] == "done_sending" and m[1] == request_id, timeout_s)[2]
-
-    def poll_done_sending(self, request_id: str, timeout_s: float) -> bool:
-        try:
-            self.wait_done_sending(request_id, timeout_s)
-            return True
-        except TimeoutError:
-            return False
-
-    def ping(self) -> float:
-        """Seconds of one pipe round trip (the machine's wake-up latency)."""
-        start = time.perf_counter()
-        self._conn.send(("ping",))
-        self._wait(lambda m: m[0] == "pong", 10.0)
-        return time.perf_counter() - start
-
-    def block(self, seconds: float, how: str) -> None:
-        """Make the child's loop stay away from NIXL for ``seconds``
-        (``block_loop``); returns once the child has started blocking."""
-        self._conn.send(("block", seconds, how))
-        self._wait(lambda m: m[0] == "blocking", 10.0)
-
-    def stats(self) -> dict:
-        self._conn.send(("stats",))
-        return self._wait(lambda m: m[0] == "stats", 10.0)[1]
+        raise TimeoutError(f"no matching message from the {self.what} in {timeout_s} s")
 
     def close(self) -> None:
         try:
@@ -205,3 +162,58 @@ class PrefillProcess:
             self.process.kill()
             self.process.join(5)
         self._conn.close()
+
+
+class PrefillProcess(ChildProcess):
+    """Parent-side handle of one prefill connector process."""
+
+    what = "prefill process"
+
+    def __init__(
+        self,
+        config_kwargs: dict[str, Any],
+        shape: tuple[int, ...],
+        seed: int,
+        poll_interval_s: float = 0.002,
+        env: dict[str, str] | None = None,
+    ):
+        self.engine_id = config_kwargs.get("engine_id", "engine-0")
+        self.epoch = config_kwargs.get("epoch", 0)
+        super().__init__(run_prefill, (config_kwargs, shape, seed, poll_interval_s, env))
+        self.port = self.wait(lambda m: m[0] == "ready", 60.0)[1]
+
+    @property
+    def endpoint(self) -> list:
+        """What the cluster registers with decode engines for this process."""
+        return [self.engine_id, self.epoch, "127.0.0.1", self.port]
+
+    def finish(self, request_id: str, num_prompt: int, block_ids: list[int]) -> dict:
+        self._conn.send(("finish", request_id, num_prompt, block_ids))
+        return self.wait(lambda m: m[0] == "params" and m[1] == request_id, 10.0)[2]
+
+    def wait_done_sending(self, request_id: str, timeout_s: float = 10.0) -> float:
+        return self.wait(lambda m: m[0] == "done_sending" and m[1] == request_id, timeout_s)[2]
+
+    def poll_done_sending(self, request_id: str, timeout_s: float) -> bool:
+        try:
+            self.wait_done_sending(request_id, timeout_s)
+            return True
+        except TimeoutError:
+            return False
+
+    def ping(self) -> float:
+        """Seconds of one pipe round trip (the machine's wake-up latency)."""
+        start = time.perf_counter()
+        self._conn.send(("ping",))
+        self.wait(lambda m: m[0] == "pong", 10.0)
+        return time.perf_counter() - start
+
+    def block(self, seconds: float, how: str) -> None:
+        """Make the child's loop stay away from NIXL for ``seconds``
+        (``block_loop``); returns once the child has started blocking."""
+        self._conn.send(("block", seconds, how))
+        self.wait(lambda m: m[0] == "blocking", 10.0)
+
+    def stats(self) -> dict:
+        self._conn.send(("stats",))
+        return self.wait(lambda m: m[0] == "stats", 10.0)[1]

@@ -23,12 +23,11 @@ the heads of a seeded "model KV" (``model_kv``); decode shards start zeroed.
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import Any
 
 import numpy as np
 
-from tests.kvtransfer.prefill_process import _context
+from tests.kvtransfer.prefill_process import ChildProcess
 
 # the tests' "model": [blocks, layers, K/V, block_size, kv heads, head dim] float32
 NUM_BLOCKS, NUM_LAYERS, BLOCK_SIZE, HEAD_DIM = 24, 2, 4, 8
@@ -178,55 +177,22 @@ def run_rank(conn, specs: list[RankSpec], rank: int) -> None:
             worker.shutdown()
 
 
-class RankProcess:
-    """Parent-side handle of one rank process; every wait has a deadline."""
+class RankProcess(ChildProcess):
+    """Parent-side handle of one rank process."""
 
     def __init__(self, specs: list[RankSpec], rank: int) -> None:
-        ctx = _context()
-        self._conn, child = ctx.Pipe()
         self.rank = rank
-        self.process = ctx.Process(target=run_rank, args=(child, specs, rank), daemon=True)
-        self.process.start()
-        self.events: list[tuple] = []
+        self.what = f"rank {rank} process"
+        super().__init__(run_rank, (specs, rank))
         self.ports: dict[str, int] = {}
 
     def wait_ready(self, timeout_s: float = 90.0) -> None:
         self.ports = self.wait(lambda m: m[0] == "ready", timeout_s)[1]
 
-    def wait(self, match, timeout_s: float = 20.0) -> tuple:
-        for i, msg in enumerate(self.events):
-            if match(msg):
-                return self.events.pop(i)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if not self.process.is_alive() and not self._conn.poll():
-                raise RuntimeError(f"rank process died (exit code {self.process.exitcode})")
-            if self._conn.poll(0.02):
-                msg = self._conn.recv()
-                if match(msg):
-                    return msg
-                self.events.append(msg)
-        raise TimeoutError(f"no matching message from rank {self.rank} in {timeout_s} s")
-
-    def send(self, *msg: Any) -> None:
-        self._conn.send(msg)
-
     def ask(self, *msg: Any) -> tuple:
         reply = {"finish": "params", "blocks": "blocks", "fill": "filled", "stats": "stats"}
-        self._conn.send(msg)
+        self.send(*msg)
         return self.wait(lambda m: m[0] == reply[msg[0]])
-
-    def close(self) -> None:
-        try:
-            if self.process.is_alive():
-                self._conn.send(("stop",))
-        except (BrokenPipeError, OSError):
-            pass
-        self.process.join(10)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join(5)
-        self._conn.close()
 
 
 class EngineGroup:

@@ -57,7 +57,8 @@ def test_greedy_equals_transformers(make_checkpoint, arch):
     llm.engine.check_integrity()
 
 
-def test_shared_prefix_hits_and_tiny_cache_preemption(make_checkpoint):
+@pytest.mark.parametrize("kv_layout", ["blocks_first", "head_major"])
+def test_shared_prefix_hits_and_tiny_cache_preemption(make_checkpoint, kv_layout):
     path = make_checkpoint("llama")
     hf = load_hf_model(path)
     g = torch.Generator().manual_seed(2)
@@ -67,7 +68,7 @@ def test_shared_prefix_hits_and_tiny_cache_preemption(make_checkpoint):
     sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
     # shared prefix: the first request warms the cache, the rest hit it
-    llm = LLM(EngineConfig(model=path, block_size=8, num_kv_blocks=64))
+    llm = LLM(EngineConfig(model=path, block_size=8, num_kv_blocks=64, kv_layout=kv_layout))
     first = llm.generate(prompt_token_ids=prompts[:1], sampling_params=sp)
     rest = llm.generate(prompt_token_ids=prompts[1:], sampling_params=sp)
     assert [r.token_ids for r in first + rest] == expected
@@ -76,7 +77,11 @@ def test_shared_prefix_hits_and_tiny_cache_preemption(make_checkpoint):
     llm.engine.check_integrity()
 
     # 14 blocks of 8 for 4 requests needing up to 8 blocks each: preemption
-    small = LLM(EngineConfig(model=path, block_size=8, num_kv_blocks=14, max_model_len=112))
+    small = LLM(
+        EngineConfig(
+            model=path, block_size=8, num_kv_blocks=14, max_model_len=112, kv_layout=kv_layout
+        )
+    )
     out = small.generate(prompt_token_ids=prompts, sampling_params=sp)
     assert [r.token_ids for r in out] == expected
     assert small.engine.scheduler.num_preemptions > 0
