@@ -58,6 +58,26 @@ def block_loop(seconds: float, how: str) -> None:
         raise ValueError(f"unknown block mode {how!r}")
 
 
+def finish_prefill(scheduler, request_id: str, num_prompt: int, block_ids: list[int]):
+    """A prefill engine's scheduler side sees ``request_id`` finish its prefill
+    (the prompt computed, one token sampled): ``(kv_transfer_params, the step's
+    connector metadata)``."""
+    from scheduler.messages import SamplingParams
+    from scheduler.request import Request, RequestStatus
+
+    req = Request(
+        request_id,
+        list(range(num_prompt)),
+        SamplingParams(max_tokens=1),
+        kv_transfer_params={"do_remote_decode": True},
+    )
+    req.num_computed_tokens = num_prompt
+    req.append_output_token(1)
+    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    _, params = scheduler.request_finished(req, block_ids)
+    return params, scheduler.build_connector_meta(None)
+
+
 def run_prefill(
     conn,
     config_kwargs: dict[str, Any],
@@ -70,8 +90,7 @@ def run_prefill(
 
     os.environ.update(env or {})  # before NIXL reads UCX's settings
     from kvtransfer import KVTransferConfig, create_connector
-    from scheduler.messages import KVConnectorOutput, SamplingParams
-    from scheduler.request import Request, RequestStatus
+    from scheduler.messages import KVConnectorOutput
 
     scheduler, worker = create_connector(KVTransferConfig(role="prefill", **config_kwargs))
     kv = kv_content(shape, seed)
@@ -95,18 +114,9 @@ def run_prefill(
                     block_loop(msg[1], msg[2])
                     continue
                 _, request_id, num_prompt, block_ids = msg
-                req = Request(
-                    request_id,
-                    list(range(num_prompt)),
-                    SamplingParams(max_tokens=1),
-                    kv_transfer_params={"do_remote_decode": True},
-                )
-                req.num_computed_tokens = num_prompt
-                req.append_output_token(1)
-                req.status = RequestStatus.FINISHED_LENGTH_CAPPED
-                _, params = scheduler.request_finished(req, block_ids)
+                params, meta = finish_prefill(scheduler, request_id, num_prompt, block_ids)
                 finished_at[request_id] = time.perf_counter()
-                worker.start_load_kv(scheduler.build_connector_meta(None))
+                worker.start_load_kv(meta)
                 conn.send(("params", request_id, params))
             done_sending, _ = worker.get_finished()
             scheduler.update_connector_output(

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from tests.kvtransfer.prefill_process import ChildProcess
+from tests.kvtransfer.prefill_process import ChildProcess, finish_prefill
 
 # the tests' "model": [blocks, layers, K/V, block_size, kv heads, head dim] float32
 NUM_BLOCKS, NUM_LAYERS, BLOCK_SIZE, HEAD_DIM = 24, 2, 4, 8
@@ -116,8 +116,7 @@ def _build(spec: RankSpec, rank: int):
 
 def run_rank(conn, specs: list[RankSpec], rank: int) -> None:
     from kvtransfer.compat import STORAGE_ORDER
-    from scheduler.messages import KVConnectorOutput, SamplingParams
-    from scheduler.request import Request, RequestStatus
+    from scheduler.messages import KVConnectorOutput
 
     engines: dict[str, Any] = {s.engine_id: (s, *_build(s, rank)) for s in specs}
     conn.send(("ready", {e: w.side_channel_port for e, (_, _, w, _) in engines.items()}))
@@ -131,17 +130,7 @@ def run_rank(conn, specs: list[RankSpec], rank: int) -> None:
                 spec, scheduler, worker, kv = engines[msg[1]]
                 if kind == "finish":
                     _, _, request_id, num_prompt, block_ids = msg
-                    req = Request(
-                        request_id,
-                        list(range(num_prompt)),
-                        SamplingParams(max_tokens=1),
-                        kv_transfer_params={"do_remote_decode": True},
-                    )
-                    req.num_computed_tokens = num_prompt
-                    req.append_output_token(1)
-                    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
-                    _, params = scheduler.request_finished(req, block_ids)
-                    meta = scheduler.build_connector_meta(None)
+                    params, meta = finish_prefill(scheduler, request_id, num_prompt, block_ids)
                     worker.start_load_kv(meta)
                     conn.send(("params", request_id, params, meta))
                 elif kind == "meta":
