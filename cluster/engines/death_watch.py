@@ -24,6 +24,7 @@ fault between nodes) is not a verdict either, only the confirmation is.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 from collections.abc import Callable
@@ -33,6 +34,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 logger = logging.getLogger(__name__)
+_monitor_ids = itertools.count()
 
 
 def process_gone(pid: int) -> bool:
@@ -71,7 +73,13 @@ class DisconnectWatch:
 
     def watch(self, engine_id: str, epoch: int, socket: zmq.asyncio.Socket) -> None:
         self.unwatch(engine_id)
-        monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_MONITOR_STOPPED)
+        # a name of our own: pyzmq's default is per file descriptor, and the
+        # closed socket of the previous incarnation (its fd now reused) may
+        # still hold it while ZMQ tears it down ("Address already in use")
+        monitor = socket.get_monitor_socket(
+            zmq.EVENT_DISCONNECTED | zmq.EVENT_MONITOR_STOPPED,
+            addr=f"inproc://tandem-disconnect-{id(self)}-{next(_monitor_ids)}",
+        )
         task = asyncio.create_task(self._run(engine_id, epoch, monitor))
         self._watches[engine_id] = (task, monitor)
 
