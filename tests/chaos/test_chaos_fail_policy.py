@@ -92,11 +92,11 @@ def test_restart_storm_exhausts_restarts_streams_migrate_pool_shrinks(chaos):
         wave2 = [Workload(svc.base_url, w) for w in WORKLOADS]
         for w in wave2:
             w.wait_tokens(4)
+        on_d0 = requests_on(svc, "decode-0")
     finally:
         backend.undrain("decode-1")  # a flag: ready again at the next health check
-    wait_ready(svc, "decode-1")
-    on_d0 = requests_on(svc, "decode-0")
-    assert len(on_d0) >= 2 * NUM_STREAMS, f"wave 2 not on decode-0: {len(on_d0)} streams"
+    assert on_d0, "wave 2 is not on decode-0"
+    migrated = sum(backend.num_migrations.values())
     final_s = time.monotonic()
     os.kill(pid, signal.SIGKILL)  # the last kill: no restart left
     storm_s = final_s - start_s
@@ -104,6 +104,9 @@ def test_restart_storm_exhausts_restarts_streams_migrate_pool_shrinks(chaos):
     for w in wave2:
         tally.add(w.workload, w.results, refs[w.workload], w.finish(), final_s, on_d0)
     assert tally.hung == 0 and tally.wrong == 0, tally.details
+    # its streams moved to decode-1 (those not finished by the kill)
+    moved_last = sum(backend.num_migrations.values()) - migrated
+    assert moved_last > 0
     # the pool shrank: decode-0 is out for good, the gateway says degraded
     assert not engine(svc, "decode-0").state.ready
     assert [st.engine_id for st in backend.router.ready_engines("decode")] == ["decode-1"]
@@ -118,12 +121,13 @@ def test_restart_storm_exhausts_restarts_streams_migrate_pool_shrinks(chaos):
     print_row(tally)
     print(
         f"   storm: {NUM_KILLS} kills in {storm_s:.1f} s (served again at {back_s} s), "
-        f"{sum(backend.num_migrations.values()) - before} migrations",
+        f"{sum(backend.num_migrations.values()) - before} migrations, {moved_last} of "
+        f"{len(on_d0)} streams on decode-0 at the last kill",
         flush=True,
     )
     assert tally.hung == 0 and tally.wrong == 0, tally.details
     assert tally.identical + tally.errored == tally.requests
-    # wave 2 could only go to decode-1 (one migration each): identical
+    # wave 2 could only go to decode-1 (one migration at most): identical
     assert all(
         verdict(r, ref, False) == "identical"
         for w in wave2
