@@ -88,6 +88,7 @@ class EngineActor:
             "num_kv_blocks": self.engine.sched_config.num_kv_blocks,
             "kv_address": list(kv) if kv else None,
             "kv_rank_ports": self.engine.kv_rank_ports(),
+            "tp_worker_pids": [p.pid for p in self.engine.tp.procs] if self.engine.tp else [],
             "block_size": self.config.block_size,
             "prefix_caching_hash_algo": self.config.prefix_caching_hash_algo,
             "kv_events_addr": self.engine.kv_publisher.addr if self.engine.kv_publisher else None,

@@ -216,6 +216,12 @@ class TPExecutor:
                 raise self._fail(f"no reply from ranks {missing} within {timeout_s:.0f} s")
         return [got[r] for r in sorted(got)]
 
+    def check_alive(self) -> None:
+        """``WorkerFailed`` if the engine failed or a worker process exited."""
+        if self.failed is not None:
+            raise WorkerFailed(self.failed)
+        self._check_alive()
+
     def _check_alive(self) -> None:
         for rank, proc in enumerate(self.procs, start=1):
             if proc.exitcode is not None:
@@ -289,6 +295,10 @@ class TPRunner:
         return self.executor.execute(self.runner, so)
 
     def release_idle_memory(self) -> None:
+        """Called by the engine loop while idle: also notices a worker that died
+        between steps (``WorkerFailed``), so a served engine fails, and is
+        restarted, without waiting for its next request."""
+        self.executor.check_alive()
         self.runner.release_idle_memory()
 
 
