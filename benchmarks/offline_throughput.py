@@ -84,16 +84,24 @@ def make_prompts(num_prompts: int, prompt_len: int, vocab_size: int) -> Tokens:
     return torch.randint(3, vocab_size, (num_prompts, prompt_len), generator=g).tolist()
 
 
+def _device_dtype(args: argparse.Namespace) -> tuple[str, str]:
+    """``args.device`` / ``args.dtype`` when a caller sets them (benchmarks/gpu_engine.py);
+    this script always runs fp32 on the CPU."""
+    return getattr(args, "device", "cpu"), getattr(args, "dtype", "float32")
+
+
 def run_tandem(path: str, args: argparse.Namespace) -> Callable[[Tokens, int], Tokens]:
     from scheduler.messages import SamplingParams
     from workers.config import EngineConfig
     from workers.llm import LLM
 
     blocks_per_seq = -(-(args.prompt_len + args.output_len) // 16)
+    device, dtype = _device_dtype(args)
     llm = LLM(
         EngineConfig(
             model=path,
-            dtype="float32",
+            device=device,
+            dtype=dtype,
             max_num_seqs=args.num_prompts,
             max_num_batched_tokens=args.max_num_batched_tokens,
             num_kv_blocks=args.num_prompts * blocks_per_seq + 16,
@@ -108,20 +116,22 @@ def run_tandem(path: str, args: argparse.Namespace) -> Callable[[Tokens, int], T
     return generate
 
 
-def _load_hf(path: str):
+def _load_hf(path: str, args: argparse.Namespace):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    device, dtype = _device_dtype(args)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    model = model.to(device).eval()
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model
 
 
 def run_hf_static(path: str, args: argparse.Namespace) -> Callable[[Tokens, int], Tokens]:
-    model = _load_hf(path)
+    model = _load_hf(path, args)
 
     def generate(prompts: Tokens, output_len: int) -> Tokens:
-        ids = torch.tensor(prompts)  # equal lengths: no padding
+        ids = torch.tensor(prompts, device=model.device)  # equal lengths: no padding
         with torch.inference_mode():
             out = model.generate(
                 ids,
@@ -140,7 +150,7 @@ def run_hf_cb(path: str, args: argparse.Namespace) -> Callable[[Tokens, int], To
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)  # psutil nags
-    model = _load_hf(path)
+    model = _load_hf(path, args)
     page_size = 256
     pages_per_seq = -(-(args.prompt_len + args.output_len) // page_size)
     cb_config = ContinuousBatchingConfig(

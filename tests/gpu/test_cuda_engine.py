@@ -1,0 +1,104 @@
+"""The engine on a CUDA device: fp32 greedy tokens equal transformers' on the same GPU
+(chunked prefill, shared prefixes), decode CUDA-graph replay gives the eager tokens in fp32
+and bf16, and a replayed decode step synchronises with the device exactly once (the sampled
+tokens). Skipped without CUDA (tests/conftest.py)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from scheduler.messages import EngineRequest, SamplingParams
+from tests.workers.hf_checkpoints import load_hf_model
+from tests.workers.test_engine import prompts_for
+from workers.config import EngineConfig
+from workers.llm import LLM
+
+pytestmark = pytest.mark.gpu
+
+NUM_NEW = 12
+GREEDY = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
+
+
+def _config(path: str, **changes) -> EngineConfig:
+    base = dict(
+        model=path,
+        device="cuda",
+        dtype="float32",
+        block_size=16,
+        max_num_batched_tokens=64,
+        max_num_seqs=16,
+        num_kv_blocks=128,
+    )
+    base.update(changes)
+    return EngineConfig(**base)
+
+
+def _hf_greedy_cuda(hf, prompt: list[int]) -> list[int]:
+    with torch.inference_mode():
+        ids = torch.tensor([prompt], device="cuda")
+        out = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=NUM_NEW,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_fp32_greedy_equals_transformers_on_the_gpu(make_checkpoint, arch):
+    path = make_checkpoint(arch)
+    prompts = prompts_for(16, 64)
+    prompts.append(prompts[2][:40] + [7, 8, 9])  # shares a prefix: a prefix-cache hit
+    llm = LLM(_config(path))
+    assert llm.engine.runner.graphs is not None  # decode steps replay graphs
+    results = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+    hf = load_hf_model(path).cuda()
+    for prompt, r in zip(prompts, results):
+        assert r.token_ids == _hf_greedy_cuda(hf, prompt), f"prompt of {len(prompt)} tokens"
+    assert sum(llm.engine.runner.graphs.num_replays.values()) > 0
+    llm.engine.check_integrity()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_graph_replay_equals_eager(make_checkpoint, dtype):
+    path = make_checkpoint("llama")
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (3, 17, 30, 5, 64, 9)]
+    eager_llm = LLM(_config(path, dtype=dtype, enforce_eager=True))
+    assert eager_llm.engine.runner.graphs is None
+    eager = eager_llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+    graph_llm = LLM(_config(path, dtype=dtype, cuda_graph_sizes=[1, 2, 4, 8]))
+    graphs = graph_llm.engine.runner.graphs
+    replayed = graph_llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+    assert [r.token_ids for r in replayed] == [r.token_ids for r in eager]
+    assert graphs.num_replays[8] > 0 and graphs.num_replays[1] > 0  # padded 6 -> 8, tail of 1
+    graph_llm.engine.check_integrity()
+
+
+def test_replayed_decode_step_syncs_once(make_checkpoint):
+    llm = LLM(_config(make_checkpoint("llama"), cuda_graph_sizes=[4]))
+    engine, graphs = llm.engine, llm.engine.runner.graphs
+    for i, n in enumerate((5, 9, 3)):
+        assert engine.add_request(EngineRequest(f"r{i}", list(range(3, 3 + n)), GREEDY)) is None
+    while graphs.num_replays[4] == 0:
+        engine.step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            engine.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
+    assert graphs.num_replays[4] == 2
+    assert len(syncs) == 1, syncs
+    while engine.has_work():
+        engine.step()
+    engine.check_integrity()
