@@ -293,6 +293,29 @@ def _kv_families(engines: list[EngineMetrics]) -> Iterator[Metric]:
             snap = kv.transfer_seconds
             transfer.add_metric([engine.engine_id, engine.role], prometheus_buckets(snap), snap.sum)
     yield transfer
+    yield from _kv_transport_families(with_kv)
+
+
+def _kv_transport_families(with_kv: list) -> Iterator[Metric]:
+    """What UCX picked for READs into each engine (start-up probe,
+    kvtransfer/ucx/probe.py); engines whose probe has not run are absent."""
+    info = GaugeMetricFamily(
+        f"{PREFIX}kv_transport_info",
+        "1 per engine: the UCX transport of KV READs into it (start-up probe).",
+        labels=[*_LABELS, "transport", "path", "memory"],
+    )
+    slow = GaugeMetricFamily(
+        f"{PREFIX}kv_transport_slow",
+        "1 when the probe found VRAM KV READs going over TCP or emulated in software.",
+        labels=_LABELS,
+    )
+    for engine, kv in with_kv:
+        if kv.transport:
+            labels = [engine.engine_id, engine.role]
+            info.add_metric([*labels, kv.transport, kv.transport_path, kv.transport_memory], 1.0)
+            slow.add_metric(labels, float(kv.transport_slow))
+    yield info
+    yield slow
 
 
 def _socket_families(snapshot: BackendMetrics) -> Iterator[Metric]:

@@ -11,10 +11,12 @@ import dataclasses
 import socket
 
 from kvtransfer.compat import KV_LAYOUTS
+from kvtransfer.ucx.env import device_type
 
 ROLES = ("prefill", "decode", "both")
 LOAD_FAILURE_POLICIES = ("recompute", "fail")
 NOTIFICATION_TRANSPORTS = ("side_channel", "nixl")
+TRANSPORT_PROBES = ("auto", "on", "off")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +72,12 @@ class KVTransferConfig:
     # 2-core VM off is ~3x faster (benchmarks/kv_transfer.py). It replaces the poller.
     nixl_progress_thread: bool = False
     nixl_progress_poll_interval_s: float = 0.001
+    # where the KV cache lives ("cpu" or "cuda[:N]"): picks the UCX settings
+    # the connector fills in (kvtransfer/ucx/env.py)
+    device: str = "cpu"
+    # start-up probe READ that reports UCX's transport (kvtransfer/ucx/probe.py):
+    # "auto" = on when the KV cache is on CUDA, "on", "off"
+    transport_probe: str = "auto"
     # How D tells P "done" / "renew". "side_channel" (ZMQ, default) keeps READs
     # one-sided; "nixl" (NIXL notifications) makes a READ after a notification
     # wait for P's loop unless P runs a progress thread (see side_channel.py).
@@ -141,6 +149,12 @@ class KVTransferConfig:
                 "KVTransferConfig.nixl_progress_poll_interval_s must be in [0, 1] "
                 f"(0 = no poller), got {self.nixl_progress_poll_interval_s!r}"
             )
+        device_type(self.device)  # ValueError naming KVTransferConfig.device
+        if self.transport_probe not in TRANSPORT_PROBES:
+            raise ValueError(
+                f"KVTransferConfig.transport_probe must be one of {TRANSPORT_PROBES}, "
+                f"got {self.transport_probe!r}"
+            )
         if not self.backends:
             raise ValueError("KVTransferConfig.backends must name at least one NIXL backend")
 
@@ -149,6 +163,12 @@ class KVTransferConfig:
         if self.lease_margin_s is not None:
             return self.lease_margin_s
         return min(2.0, self.lease_s / 4)
+
+    @property
+    def runs_transport_probe(self) -> bool:
+        if self.transport_probe == "auto":
+            return device_type(self.device) == "cuda"
+        return self.transport_probe == "on"
 
     @property
     def serves_kv(self) -> bool:

@@ -73,6 +73,9 @@ from kvtransfer.side_channel import (
     SideChannelServer,
 )
 from kvtransfer.tp_plan import BlockGeometry, HeadRead, plan_rank_reads, read_descriptors, shard_for
+from kvtransfer.ucx.env import apply_ucx_env
+from kvtransfer.ucx.probe import TransportProbe
+from kvtransfer.ucx.proto_info import TransportReport
 from wire.auth import PlaneAuth
 from wire.frames import FrameCounters
 
@@ -128,6 +131,8 @@ class NixlWorkerSide(KVConnectorWorkerSide):
     ) -> None:
         self.config = config
         self._clock = clock
+        apply_ucx_env(config.device)  # before the agent makes its UCX context
+        self._transport_probe: TransportProbe | None = None
         self.agent = NixlAgent(
             make_agent_name(config.engine_id, config.epoch),
             config.backends,
@@ -197,6 +202,11 @@ class NixlWorkerSide(KVConnectorWorkerSide):
                 config.nixl_progress_poll_interval_s,
             )
 
+    def transport_report(self) -> TransportReport | None:
+        """What UCX picked for READs into this cache (``ucx/probe.py``); None
+        while the probe runs or when it is off."""
+        return self._transport_probe.report() if self._transport_probe else None
+
     def wire_stats(self) -> dict[str, dict[str, int]]:
         """Malformed messages and refused handshakes per socket name
         (``kv_side_channel`` on P, ``kv_handshake_reply`` on D)."""
@@ -233,6 +243,10 @@ class NixlWorkerSide(KVConnectorWorkerSide):
             lay.layout, lay.num_layers, lay.block_size, lay.head_dim, kv_cache.element_size()
         )
         region = self.agent.register(storage)
+        if self.config.runs_transport_probe and self._transport_probe is None:
+            self._transport_probe = TransportProbe(
+                region.mem_type, region.device_id, self.config.engine_id
+            )
         self._peers.set_local_layout(self._layout, self._geometry.head_block_bytes)
         if self._server is not None:
             self._server.set_info(

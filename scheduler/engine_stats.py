@@ -101,6 +101,12 @@ class KVTransferStats(msgspec.Struct, forbid_unknown_fields=True):
     loads_in_quarantine: int = 0  # D: reads NIXL could not cancel
     sends_blocks_held: int = 0  # P: blocks the worker tracks until D is done
     transfer_seconds: HistogramSnapshot | None = None  # D: one request's read
+    # what UCX picked for READs into this engine's KV (kvtransfer/ucx/probe.py);
+    # "" until the start-up probe has run (or with the probe off)
+    transport: str = ""  # e.g. "cuda_ipc/cuda", "cma/memory", "tcp/lo"
+    transport_path: str = ""  # "zero-copy", "software emulation", ...
+    transport_memory: str = ""  # "DRAM" | "VRAM"
+    transport_slow: bool = False  # VRAM READs over TCP or emulated: the slow fallback
 
 
 class WireStats(msgspec.Struct, forbid_unknown_fields=True):

@@ -58,6 +58,9 @@ class EngineConfig:
     # 16 up to max_num_seqs; workers/graphs/); enforce_eager captures none. CPU ignores both.
     cuda_graph_sizes: list[int] | None = None
     enforce_eager: bool = False
+    # start-up probe READ reporting UCX's transport (kvtransfer/ucx/probe.py):
+    # auto (on with CUDA) | on | off
+    kv_transport_probe: str = "auto"
     # identity and disaggregation
     engine_id: str = "engine-0"
     epoch: int = 0
@@ -120,6 +123,10 @@ class EngineConfig:
         get_block_hasher(self.prefix_caching_hash_algo)  # ValueError naming the field
         capture_sizes(self.max_num_seqs, self.cuda_graph_sizes)  # names cuda_graph_sizes
         check_fields(self)  # policy, admission margin, partial prefill limits
+        if self.kv_transport_probe not in ("auto", "on", "off"):
+            raise ValueError(
+                f"kv_transport_probe must be auto, on or off, got {self.kv_transport_probe!r}"
+            )
         if self.kv_layout not in ("blocks_first", "head_major"):
             raise ValueError(
                 f"kv_layout must be blocks_first or head_major, got {self.kv_layout!r}"
@@ -205,6 +212,12 @@ _FLAGS: list[tuple[str, str, Any, str]] = [
         _sizes_arg,
         "CUDA: decode batch sizes to capture as graphs, e.g. 1,2,4,8 "
         "(default 1,2,4,8,16,32,... up to --max-num-seqs)",
+    ),
+    (
+        "--kv-transport-probe",
+        "kv_transport_probe",
+        str,
+        "auto | on | off: a start-up READ reports UCX's transport (auto: on with CUDA)",
     ),
     ("--output-hwm-messages", "output_hwm_messages", int, "ZMQ send queue to the gateway"),
     ("--output-backlog-messages", "output_backlog_messages", int, "outputs held before pausing"),

@@ -21,6 +21,7 @@ from typing import Any
 import msgspec
 import torch
 
+from kvtransfer.ucx.proto_info import stats_fields as transport_fields
 from scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
 from scheduler.engine_stats import EngineStats, Histogram, KVTransferStats, WireStats
 from scheduler.kv_events import KVEventRecorder, KVSnapshot
@@ -306,6 +307,7 @@ class EngineCore:
             loads_in_quarantine=int(raw.get("num_loads_quarantined", 0)),
             sends_blocks_held=int(raw.get("num_blocks_held_for_transfer", 0)),
             transfer_seconds=self._transfer_seconds.snapshot(),
+            **transport_fields(getattr(w, "transport_report", lambda: None)()),
         )
 
     def set_prefill_endpoints(self, endpoints: list[Any]) -> bool:

@@ -132,3 +132,16 @@ def transport_report(tables: list[ProtoTable], memory: str, worker: str = "") ->
             "includes cuda_ipc (and rc/dc for other nodes)"
         )
     return TransportReport(memory, table.scope, transport, large[1], over_tcp, emulated, warning)
+
+
+def stats_fields(report: TransportReport | None) -> dict[str, object]:
+    """The ``KVTransferStats`` fields (scheduler/engine_stats.py) of a report;
+    none before the probe has run."""
+    if report is None:
+        return {}
+    return {
+        "transport": report.transport,
+        "transport_path": report.path,
+        "transport_memory": report.memory,
+        "transport_slow": report.memory == "VRAM" and (report.over_tcp or report.emulated),
+    }

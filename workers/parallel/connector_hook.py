@@ -51,6 +51,9 @@ def kv_transfer_config(config: EngineConfig, hf_config: Any, rank: int = 0) -> A
         tp_size=tp,
         tp_rank=rank,
         num_kv_heads=model_kv_heads if tp > 1 else None,
+        device=c.device,
+        # one transport probe per engine (rank 0), not per rank
+        transport_probe=c.kv_transport_probe if rank == 0 else "off",
     )
 
 
