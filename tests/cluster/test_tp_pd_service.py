@@ -1,0 +1,76 @@
+"""``tandem serve`` (the real service on a local Ray: engine actors, gateway,
+router, NIXL between every worker rank) with prefill and decode pools of
+different tensor-parallel sizes: the greedy text through the OpenAI API
+equals ``tandem generate`` at TP=1 (the tiny model's byte tokenizer: one
+token per character), the handoff really went P -> D (D read
+KV), and both engines end idle and intact.
+
+Each pairing is a whole service (Ray actors, TP worker processes, model
+loads): about a minute on a loaded 2-core machine. By default the suite runs
+(P TP 2, D TP 1), which takes both cluster paths TP adds: a prefill engine's
+rank side channels registered with decode engines, and TP workers under a
+Ray engine actor, with a heterogeneous read. ``TANDEM_TEST_TP_SERVE_ALL=1``
+also runs (1, 2) and (2, 2); all three pairings run through engines in
+tests/e2e/test_pd_tensor_parallel.py and byte for byte in
+tests/kvtransfer/test_tp_transfer.py.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from cluster.serve import SERVE_DEFAULTS, ServiceThread
+from scheduler.messages import SamplingParams
+from tests.cluster.service_helpers import client, wait_idle
+from workers.config import EngineConfig
+from workers.llm import LLM
+
+pytestmark = pytest.mark.slow
+
+ENGINE = {"num_kv_blocks": 128, "max_num_seqs": 8, "max_model_len": 512, "torch_threads": 1}
+PROMPTS = ["Tensor parallel prefill, then decode", "x" * 40 + " and a longer prompt of two blocks"]
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    import ray
+
+    ray.init(include_dashboard=False, num_cpus=2, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    llm = LLM(EngineConfig(model="tiny", num_kv_blocks=64))
+    sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    return [r.text for r in llm.generate(PROMPTS, sp)]
+
+
+PAIRINGS = [(2, 1), (1, 2), (2, 2)] if os.environ.get("TANDEM_TEST_TP_SERVE_ALL") else [(2, 1)]
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), PAIRINGS)
+def test_serve_across_tp_sizes_equals_generate(ray_local, reference, p_tp, d_tp):
+    settings = dict(SERVE_DEFAULTS, model="tiny", ray_dashboard=False, prefill=1, decode=1)
+    per_role = {
+        "prefill": dict(ENGINE, tensor_parallel_size=p_tp, kv_layout="head_major"),
+        "decode": dict(ENGINE, tensor_parallel_size=d_tp, kv_layout="head_major"),
+        "colocated": dict(ENGINE),
+    }
+    with ServiceThread(settings, per_role) as svc:
+        for prompt, expected in zip(PROMPTS, reference):
+            r = client(svc).completions.create(
+                model="tiny",
+                prompt=prompt,
+                max_tokens=8,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
+            assert r.usage.completion_tokens == 8
+            assert r.choices[0].text == expected, (p_tp, d_tp, prompt)
+        stats = wait_idle(svc)
+        decode = [s for s in stats.values() if s.role == "decode"]
+        assert decode and decode[0].kv_transfer.transfer_bytes_total > 0, stats
