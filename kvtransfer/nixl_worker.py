@@ -162,6 +162,7 @@ class NixlWorkerSide(KVConnectorWorkerSide):
         )
         self._layout: KVLayout | None = None
         self._shard: RankLayout | None = None  # the heads this rank holds
+        self._warned_slices = False
         self._geometry: BlockGeometry | None = None
         self._pending: dict[str, _Pending] = {}  # request id -> its parts not over yet
         self._loads: dict[tuple[str, int], _Load] = {}  # parts in flight, by (request, P rank)
@@ -435,6 +436,15 @@ class NixlWorkerSide(KVConnectorWorkerSide):
             return
         load.num_descriptors = len(descs)
         load.num_bytes = descs.num_bytes
+        if len(descs) > len(spec.local_block_ids) and not self._warned_slices:
+            self._warned_slices = True  # once: a head slice of blocks-first blocks
+            logger.warning(
+                "reading KV head slices in the %s layout: %d descriptors for %d blocks "
+                "(--kv-layout head_major makes a head slice one descriptor per block)",
+                self._layout.layout,
+                len(descs),
+                len(spec.local_block_ids),
+            )
         self._loads[load.key] = load
         if state == "ERR":
             self._finish_load(load, "ERR")
