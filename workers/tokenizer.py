@@ -32,7 +32,32 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
 
     Never touches the network: ``local_files_only=True``; no remote code.
     """
-    return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+    drop_whole_text_cache(tokenizer)
+    return tokenizer
+
+
+def drop_whole_text_cache(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Turn off the BPE word cache of a tokenizer whose pre-tokenizer does not
+    split text (e.g. ByteLevel with ``use_regex: false``, the tiny model's).
+
+    The Rust BPE model caches the merges of every pre-tokenized word, up to
+    10,000 of them. With no split, each whole prompt is one word: the cache
+    keeps up to 10,000 prompts, a long-running gateway's RSS grows with them
+    (+6.7% over a 10,000-request soak, +0.4% without the cache), and a hit
+    needs the same prompt byte for byte. Tokenizers that split into words
+    keep their cache (bounded words, frequent hits). Returns True when the
+    cache was turned off."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    model = getattr(backend, "model", None)
+    if model is None or not hasattr(model, "_resize_cache"):
+        return False  # not a BPE model of the tokenizers library
+    probe = "three words here"
+    pre = backend.pre_tokenizer
+    if pre is not None and len(pre.pre_tokenize_str(probe)) > 1:
+        return False
+    model._resize_cache(0)
+    return True
 
 
 def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
