@@ -2,21 +2,24 @@
 
 A real service (local Ray, 1 prefill + 2 decode engines, the `tiny` model)
 runs STREAMS concurrent greedy streams whose prompts are CONTEXT tokens long;
-once every stream has a few tokens, the decode-0 actor is killed
-(``ray.kill``, Ray restarts it). The streams that were on decode-0 migrate
-(cluster/migration.py). Per migrated stream: the time from the kill to its
-first token after the migration's silence (tests/chaos/harness.py
-``resume_time``), and whether its tokens equal the undisturbed run's.
+once every stream has a few tokens, the decode engine holding the most of
+them is killed (``ray.kill``, Ray restarts it). Its streams migrate to the
+other decode engine (cluster/migration.py). Per migrated stream: the time
+from the kill to its first token after the migration's silence
+(tests/chaos/harness.py ``resume_time``), and whether its tokens equal the
+undisturbed run's (asserted).
 
-The new decode engine gets the migrated context's KV three ways, one
-service per mode:
+The surviving decode engine gets the migrated context's KV three ways, one
+service per mode; every round first forgets the prompts the undisturbed run
+cached (``reset_prefix_cache`` on every engine):
 
-    recompute   decode-1 prefills prompt + sent tokens itself
+    recompute   the decode engine prefills prompt + sent tokens itself
                 (--migration-handoff-min-tokens above the context)
-    handoff     prefill-0 recomputes it and decode-1 reads the KV over NIXL
-                (--migration-handoff-min-tokens 0)
-    prefix      as recompute, but decode-1 already holds the prompts in its
-                prefix cache (warmed while decode-0 was drained)
+    handoff     the prefill engine recomputes it and the decode engine reads
+                the KV over NIXL (--migration-handoff-min-tokens 0)
+    prefix      as recompute, but both decode engines already hold the
+                prompts in their prefix cache (warmed one at a time, the
+                other drained): only the sent tokens are recomputed
 
 Run:  python benchmarks/migration.py [--context 1000] [--streams 8] [--rounds 3]
 Target: p99 < 1 s at a 1k-token context.
@@ -36,10 +39,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks._machine import machine  # noqa: E402
 from cluster.serve import SERVE_DEFAULTS, ServiceThread  # noqa: E402
 from tests.chaos.harness import Tally, Workload, verdict  # noqa: E402
+from tests.chaos.service import requests_on, reset_prefix_caches  # noqa: E402
 
 ENGINE = {"num_kv_blocks": 1024, "max_num_seqs": 32, "max_model_len": 2048}
 MODES = ("recompute", "handoff", "prefix")
-MAX_TOKENS = 64
+MAX_TOKENS = 256  # long enough that every stream still runs at the kill
 
 
 def settings(mode: str, namespace: str) -> dict:
@@ -74,22 +78,35 @@ def admin(svc, path: str, engine_id: str) -> dict:
     return r.json()
 
 
-def wait_ready(svc, engine_id: str, old_epoch: int, deadline_s: float = 180.0) -> None:
+def wait_ready(svc, engine_id: str, old_epoch: int = 0, deadline_s: float = 180.0) -> None:
     e = svc.service.backend.engines[engine_id]
     end = time.monotonic() + deadline_s
     while not (e.state.ready and e.state.epoch != old_epoch):
         if time.monotonic() > end:
-            raise TimeoutError(f"{engine_id} not back within {deadline_s} s")
-        time.sleep(0.1)
+            raise TimeoutError(f"{engine_id} not ready within {deadline_s} s")
+        time.sleep(0.05)
 
 
-def run_mode(mode: str, args) -> tuple[Tally, int]:
+def warm_both_decode_engines(svc, ps: list[list[int]]) -> None:
+    """Each decode engine caches the prompts (the other drained meanwhile), so
+    wherever a stream runs, the engine it migrates to holds its prompt."""
+    for drained in ("decode-0", "decode-1"):
+        admin(svc, "/admin/drain", drained)
+        warm = Workload(svc.base_url, "greedy", len(ps), prompts=ps, max_tokens=2)
+        assert not any(warm.finish())
+        admin(svc, "/admin/undrain", drained)
+        wait_ready(svc, drained)
+
+
+def run_mode(mode: str, args) -> tuple[Tally, int, str]:
     import ray
 
     tally = Tally(mode)
     moved_total = 0
+    loads = []
+    namespace = f"bench-migration-{mode}-{os.getpid()}"
     with ServiceThread(
-        settings(mode, f"bench-migration-{mode}"),
+        settings(mode, namespace),
         {r: dict(ENGINE) for r in ("prefill", "decode", "colocated")},
     ) as svc:
         backend = svc.service.backend
@@ -97,29 +114,33 @@ def run_mode(mode: str, args) -> tuple[Tally, int]:
             ps = prompts(args.context, args.streams, round_)
             ref = Workload(svc.base_url, "greedy", args.streams, prompts=ps, max_tokens=MAX_TOKENS)
             assert not any(ref.finish())
-            if mode == "prefix":  # decode-1 caches the prompts (decode-0 drained meanwhile)
-                admin(svc, "/admin/drain", "decode-0")
-                warm = Workload(svc.base_url, "greedy", args.streams, prompts=ps, max_tokens=2)
-                assert not any(warm.finish())
-                admin(svc, "/admin/undrain", "decode-0")
-                time.sleep(1.0)  # back in the router after a health check
+            # the undisturbed run cached the prompts: forget them, then cache them
+            # on both decode engines for "prefix" only
+            reset_prefix_caches(svc)
+            if mode == "prefix":
+                warm_both_decode_engines(svc, ps)
             w = Workload(svc.base_url, "greedy", args.streams, prompts=ps, max_tokens=MAX_TOKENS)
             w.wait_tokens(4)
-
-            async def on_decode0() -> set[str]:
-                return set(backend.engines["decode-0"].requests)
-
-            moved = svc.run(on_decode0())
-            epoch = backend.engines["decode-0"].state.epoch
+            # kill the decode engine holding the most streams (kv-aware routing
+            # may put them all on one)
+            held = {eid: requests_on(svc, eid) for eid in ("decode-0", "decode-1")}
+            target = max(held, key=lambda eid: len(held[eid]))
+            print(
+                f"{mode} round {round_}: streams per decode engine "
+                f"{ {eid: len(ids) for eid, ids in held.items()} }, killing {target}",
+                flush=True,
+            )
+            epoch = backend.engines[target].state.epoch
+            loads.append(os.getloadavg()[0])
             fault_s = time.monotonic()
-            ray.kill(ray.get_actor("decode-0", namespace=f"bench-migration-{mode}"))
+            ray.kill(ray.get_actor(target, namespace=namespace), no_restart=False)
             hung = w.finish()
-            tally.add("greedy", w.results, ref.results, hung, fault_s, moved)
-            moved_total += len(moved)
+            tally.add("greedy", w.results, ref.results, hung, fault_s, held[target])
+            moved_total += len(held[target])
             bad = [verdict(r, x, h) for r, x, h in zip(w.results, ref.results, hung, strict=True)]
             assert set(bad) == {"identical"}, tally.details
-            wait_ready(svc, "decode-0", epoch)
-    return tally, moved_total
+            wait_ready(svc, target, epoch)
+    return tally, moved_total, " ".join(f"{x:.1f}" for x in loads)
 
 
 def main() -> int:
@@ -135,13 +156,13 @@ def main() -> int:
     rows = []
     try:
         for mode in args.modes.split(","):
-            tally, moved = run_mode(mode, args)
+            tally, moved, loads = run_mode(mode, args)
             ms = sorted(tally.migration_s)
             p50 = statistics.median(ms) * 1000 if ms else float("nan")
             p99 = ms[min(len(ms) - 1, round(0.99 * (len(ms) - 1)))] * 1000 if ms else float("nan")
             rows.append(
                 f"| {mode} | {args.context} | {moved} | {tally.identical}/{tally.requests} | "
-                f"{p50:.0f} | {p99:.0f} | {ms[-1] * 1000 if ms else float('nan'):.0f} |"
+                f"{p50:.0f} | {p99:.0f} | {ms[-1] * 1000 if ms else float('nan'):.0f} | {loads} |"
             )
             print(rows[-1], flush=True)
     finally:
@@ -149,9 +170,9 @@ def main() -> int:
     print(f"\nmachine: {machine()}; {args.streams} streams x {args.rounds} kills per mode")
     print(
         "| KV for the new engine | context tokens | migrated streams | identical | "
-        "p50 ms | p99 ms | max ms |"
+        "p50 ms | p99 ms | max ms | load avg (1 min) at each kill |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for row in rows:
         print(row)
     return 0
