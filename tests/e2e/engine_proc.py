@@ -85,15 +85,7 @@ class Harness:
         socket took it meanwhile the engine exits at bind, and a fresh port is
         tried (an engine that dies `attempts` times still fails the test)."""
         for attempt in range(attempts):
-            ep = EngineProcess(
-                config.replace(engine_id=name, cluster_secret=self.secret), self.output_addr
-            )
-            self.engines[name] = ep
-            sock = self.ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 0)
-            self.auth.client(sock)
-            sock.connect(ep.input_addr)
-            self.push[name] = sock
+            sock = self._launch(name, config)
             try:
                 self.call(name, "check_integrity", timeout_s=180)  # ready once it answers
                 break
@@ -108,15 +100,7 @@ class Harness:
         """Start several engines at once (their loads overlap), then wait for
         each; one that died at bind (a taken port) is started again by ``start``."""
         for name, config in configs.items():
-            ep = EngineProcess(
-                config.replace(engine_id=name, cluster_secret=self.secret), self.output_addr
-            )
-            self.engines[name] = ep
-            sock = self.ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 0)
-            self.auth.client(sock)
-            sock.connect(ep.input_addr)
-            self.push[name] = sock
+            self._launch(name, config)
         for name, config in configs.items():
             try:
                 self.call(name, "check_integrity", timeout_s=180)
@@ -125,6 +109,19 @@ class Harness:
                 self.start(name, config)
         if any(c.kv_connector for c in configs.values()):
             self._register_prefill_engines()
+
+    def _launch(self, name: str, config: EngineConfig) -> zmq.Socket:
+        """Start engine ``name``'s process and connect the socket that feeds it."""
+        ep = EngineProcess(
+            config.replace(engine_id=name, cluster_secret=self.secret), self.output_addr
+        )
+        self.engines[name] = ep
+        sock = self.ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        self.auth.client(sock)
+        sock.connect(ep.input_addr)
+        self.push[name] = sock
+        return sock
 
     def _register_prefill_engines(self) -> None:
         """What the cluster does: tell every decode engine the prefill

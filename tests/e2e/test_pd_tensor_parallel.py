@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from scheduler.messages import EngineRequest, FinishReason, SamplingParams
+from tests.e2e import test_pd_engines
 from tests.e2e.engine_proc import Harness
 from tests.e2e.test_pd_engines import handoff, kv_bytes
 from workers.config import EngineConfig
@@ -20,12 +21,7 @@ BLOCK = 16
 BASE = dict(block_size=BLOCK, max_num_batched_tokens=64, num_kv_blocks=64, max_model_len=256)
 BLOCK_BYTES = 2 * 2 * BLOCK * 2 * 16 * 4  # layers x K/V x slots x 2 KV heads x head_dim x fp32
 
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    from tests.workers.hf_checkpoints import make_checkpoint
-
-    return make_checkpoint("llama", tmp_path_factory.mktemp("pd-tp-llama"))
+ckpt = test_pd_engines.ckpt  # the same module-scoped llama checkpoint fixture
 
 
 @pytest.fixture(scope="module")
