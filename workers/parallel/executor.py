@@ -39,6 +39,7 @@ from scheduler.messages import ModelRunnerOutput, SchedulerOutput
 from workers.config import EngineConfig
 from workers.parallel.group import TPGroup, make_store
 from workers.parallel.messages import (
+    CMD_RELEASE_IDLE,
     CMD_STEP,
     CMD_STOP,
     REPLY_ERROR,
@@ -180,6 +181,12 @@ class TPExecutor:
             out.kv_connector_output = self._kv.merge(outputs)
         return out
 
+    def broadcast(self, kind: int) -> None:
+        """A command without a step (``CMD_RELEASE_IDLE``) to every worker."""
+        frame = self._enc.encode(WorkerCommand(kind))
+        for sock in self._commands:
+            sock.send(frame, copy=False)
+
     def check_integrity(self) -> None:
         if self.failed is None:
             self._kv.check_integrity()
@@ -299,7 +306,11 @@ class TPRunner:
         between steps (``WorkerFailed``), so a served engine fails, and is
         restarted, without waiting for its next request."""
         self.executor.check_alive()
+        dense = self.runner.dense
+        held = dense is not None and dense.capacity > 0
         self.runner.release_idle_memory()
+        if held and dense.capacity == 0:
+            self.executor.broadcast(CMD_RELEASE_IDLE)
 
 
 def _kill(procs: list[Any]) -> None:

@@ -18,6 +18,7 @@ from workers.config import EngineConfig
 
 CMD_STEP = 0
 CMD_STOP = 1
+CMD_RELEASE_IDLE = 2  # rank 0 freed its idle dense-decode copy: free yours (same state)
 
 REPLY_HELLO = 0  # process up, about to join the process group
 REPLY_READY = 1  # weights loaded, KV cache allocated, runner built

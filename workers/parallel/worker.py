@@ -27,6 +27,7 @@ import msgspec
 import torch
 
 from workers.parallel.messages import (
+    CMD_RELEASE_IDLE,
     CMD_STOP,
     REPLY_ERROR,
     REPLY_HELLO,
@@ -160,11 +161,16 @@ def _serve(spec: WorkerSpec, commands: Any, runner: Any, reply: Any) -> None:
             if parent is not None and not parent.is_alive():
                 logger.info("TP worker rank %d: the engine core is gone; exiting", spec.rank)
                 return
-            runner.release_idle_memory()
             continue
         cmd = dec.decode(commands.recv())
         if cmd.kind == CMD_STOP:
             return
+        if cmd.kind == CMD_RELEASE_IDLE:
+            # never on this process's own clock: the dense rows decide the token
+            # order of a step, which must be the same on every rank
+            if runner.dense is not None:
+                runner.dense.release_if_idle(float("inf"))
+            continue
         if fault_step is not None and cmd.step == fault_step:
             os._exit(17)
         so = cmd.scheduler_output
