@@ -10,7 +10,7 @@ from kvtransfer.compat import HEAD_MAJOR, KVLayout, RankLayout, compat_hash
 from kvtransfer.nixl_meta import NotifKey, PeerAddr, decode_notif, encode_notif
 from kvtransfer.prefill_registry import PrefillRegistry
 from kvtransfer.tp_outputs import ConnectorOutputMerger
-from scheduler.messages import KVConnectorOutput
+from scheduler.messages import KVConnectorOutput, SamplingParams
 
 
 def test_hash_covers_the_model_not_the_tp_size():
@@ -96,3 +96,32 @@ def test_registered_prefill_engine_lists_its_rank_side_channels():
         registry.replace([["p0", 2, "10.0.0.1", 5000, [5001, 5000]]])
     with pytest.raises(ValueError, match="rank_ports must be ports"):
         registry.replace([["p0", 2, "10.0.0.1", 5000, [5000, 0]]])
+
+
+def test_a_tp_prefill_engine_tells_its_other_ranks_what_it_freed():
+    """Only the lead rank reports a send done; the scheduler side passes the
+    engine's frees on in the next step's metadata (finished_sends), so the
+    other ranks stop tracking the send. One rank: nobody to tell."""
+    from kvtransfer.nixl_scheduler import NixlSchedulerSide
+    from scheduler.request import Request, RequestStatus
+
+    for tp_size, expected in ((2, ["r1"]), (1, [])):
+        config = KVTransferConfig(role="prefill", block_size=4, tp_size=tp_size, num_kv_heads=2)
+        conn = NixlSchedulerSide(config)
+        req = Request(
+            "r1",
+            list(range(6)),
+            SamplingParams(max_tokens=1),
+            kv_transfer_params={"do_remote_decode": True},
+        )
+        req.num_computed_tokens = 6
+        req.append_output_token(9)
+        req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        assert conn.request_finished(req, [3, 4])[0] is True
+        assert [s.request_id for s in conn.build_connector_meta(None).new_sends] == ["r1"]
+        conn.update_connector_output(KVConnectorOutput(finished_sending=["r1"]))
+        assert conn.has_pending_work() is bool(expected)  # one more step delivers it
+        meta = conn.build_connector_meta(None)
+        assert meta.finished_sends == expected and meta.is_empty() is not bool(expected)
+        assert not conn.has_pending_work()
+        conn.check_integrity()
