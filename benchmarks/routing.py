@@ -3,16 +3,23 @@ shared-prefix trace (cluster/trace_replay.py), same seed for every run.
 
 Setups: 2 prefill + 2 decode engines, and 4 colocated engines. For each
 router policy a fresh service (cold caches) replays the same synthetic
-trace through `tandem bench --trace` in its own process. Then the 2P+2D
-setup replays a trace with no sharing at all (the control: routing must
-cost no throughput there).
+trace (cluster/trace_replay.py SynthConfig: 32 chat/RAG sessions, 184
+requests, ~2k-token prompts) through `tandem bench --trace` in its own
+process. Then the 2P+2D setup replays a trace of the same shape with no
+sharing at all (the control: routing must cost no throughput there; fewer
+sessions, since nothing is cached and every prompt is computed).
 
 Reported per run:
-  hit rate        1 - prompt tokens computed on any engine / prompt tokens
-                  (scheduler stats; a KV read from P is not a hit: P computed it)
+  hit rate        prompt tokens taken from cache / prompt tokens, from each
+                  response's usage.prompt_tokens_details.cached_tokens: the
+                  hit of the engine that computed the prompt (P, or D/colocated
+                  when it prefilled locally; a KV read from P is not a hit)
   oracle          every block that exists anywhere, nothing evicted
                   (trace_replay.oracle_hit_tokens): the best any router can do
-  prefill tok     prompt tokens computed, summed over engines (scheduler stats)
+  prefill tok     prompt tokens computed, summed over engines (scheduler
+                  stats). It is prompt tokens x (1 - hit rate) plus one token
+                  per remote request (D computes P's sampled token, which
+                  joins its prompt) plus any recompute after a preemption
   KV read         bytes decode engines read over NIXL
   TTFT p50 / p99, output tok/s (client side)
 
@@ -22,7 +29,7 @@ p50 at most half of least-load's; no throughput loss without sharing.
 Model: the random 4-layer Llama of serve_interference.py (byte tokenizer),
 fp32, one torch thread per engine.
 
-Run: python benchmarks/routing.py [--num-sessions 24] [--time-scale 1.0]
+Run: python benchmarks/routing.py [--num-sessions 32] [--time-scale 1.0]
 """
 
 from __future__ import annotations
@@ -41,8 +48,10 @@ from benchmarks.serve_interference import MODEL, make_checkpoint  # noqa: E402
 from cluster.serve import SERVE_DEFAULTS, ServiceThread  # noqa: E402
 from cluster.trace_replay import SynthConfig, oracle_hit_tokens, synthesize  # noqa: E402
 
+# 8192 blocks (128k tokens, 256 MiB) per engine: the trace's working set
+# fits a pool, so the oracle (nothing evicted) is a fair bar for routing.
 ENGINE = {
-    "num_kv_blocks": 1024,
+    "num_kv_blocks": 8192,
     "max_num_seqs": 32,
     "max_model_len": 4096,
     "max_num_batched_tokens": 1024,
@@ -117,15 +126,30 @@ def run_one(model: str, pools: dict, policy: str, trace: str, a: argparse.Namesp
     summary["prefill_tokens"] = total("num_prompt_tokens")
     summary["kv_read_bytes"] = kv_read()
     summary["decisions"] = decisions
-    summary["hit_rate"] = 1.0 - summary["prefill_tokens"] / max(summary["total_input_tokens"], 1)
+
+    def delta(e: str, key: str) -> int:
+        return getattr(after[e].scheduler, key) - getattr(before[e].scheduler, key)
+
+    summary["per_engine"] = {
+        e: {
+            "prompt_tok": delta(e, "num_prompt_tokens"),
+            "gen_tok": delta(e, "num_generation_tokens"),
+        }
+        for e in sorted(after)
+    }
+    summary["hit_rate"] = summary["prefix_hit_rate"]
     return summary
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--num-sessions", type=int, default=16)
-    p.add_argument("--session-rate-per-s", type=float, default=2.0)
-    p.add_argument("--block-tokens", type=int, default=64)
+    d = SynthConfig()
+    p.add_argument("--num-sessions", type=int, default=d.num_sessions)
+    p.add_argument(
+        "--control-sessions", type=int, default=12, help="sessions of the no-sharing trace"
+    )
+    p.add_argument("--session-rate-per-s", type=float, default=d.session_rate_per_s)
+    p.add_argument("--block-tokens", type=int, default=d.block_tokens)
     p.add_argument(
         "--disagg-min-tokens",
         type=int,
@@ -134,17 +158,19 @@ def main() -> None:
     )
     p.add_argument("--time-scale", type=float, default=1.0)
     p.add_argument("--setups", default=",".join(SETUPS))
+    p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--no-control", action="store_true", help="skip the no-sharing trace")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
 
     import ray
 
+    load_before = os.getloadavg()[0]
     tmp = tempfile.mkdtemp(prefix="tandem-routing-")
     traces = {}
     for name, share in (("shared", True), ("no sharing", False)):
         cfg = SynthConfig(
-            num_sessions=a.num_sessions,
+            num_sessions=a.num_sessions if share else a.control_sessions,
             block_tokens=a.block_tokens,
             session_rate_per_s=a.session_rate_per_s,
             share_prefixes=share,
@@ -165,18 +191,24 @@ def main() -> None:
     try:
         for setup, trace_name in runs:
             path, oracle, _ = traces[trace_name]
-            for policy in POLICIES:
+            for policy in a.policies.split(","):
                 r = run_one(model, SETUPS[setup], policy, path, a)
-                print(f"# {setup} {trace_name} {policy}: {json.dumps(r['decisions'])}", flush=True)
+                print(
+                    f"# {setup} {trace_name} {policy}: {json.dumps(r['decisions'])} "
+                    f"{json.dumps(r['per_engine'])}",
+                    flush=True,
+                )
                 results.append((setup, trace_name, policy, oracle, r))
     finally:
         ray.shutdown()
     rows = traces["shared"][2]
-    print(f"machine: {machine()}; load average before: {os.getloadavg()[0]:.1f}")
+    print(f"machine: {machine()}; load average (1 min) before: {load_before:.1f}")
     print(
         f"workload: synthetic trace seed {a.seed}, {a.num_sessions} sessions "
         f"({len(rows)} requests, {a.block_tokens}-token blocks, sessions {a.session_rate_per_s}/s, "
-        f"time x{a.time_scale}, --disagg-min-tokens {a.disagg_min_tokens}); random Llama {MODEL} fp32; engines {ENGINE}"
+        f"time x{a.time_scale}, --disagg-min-tokens {a.disagg_min_tokens}; no-sharing control: "
+        f"{a.control_sessions} sessions, {len(traces['no sharing'][2])} requests); "
+        f"random Llama {MODEL} fp32; engines {ENGINE}"
     )
     hdr = (
         "| setup | trace | router | hit rate | oracle | prefill tok | KV read "

@@ -788,14 +788,9 @@ class RayBackend(Backend):
                 return None
             st = choice.engine
             tried.add(st.engine_id)
-            n = len(request.prompt_token_ids)
-            st.queued_prefill_tokens += n
-            try:
-                out = None
-                async for o in self._stream(choice, p_req, q, observe=True):
-                    out = o
-            finally:
-                st.queued_prefill_tokens -= n
+            out = None
+            async for o in self._stream(choice, p_req, q, observe=True):
+                out = o
             if out is None or out.finish_reason == FinishReason.ERROR:
                 logger.warning("prefill on %s failed: %s", st.engine_id, out and out.error)
                 continue
@@ -825,11 +820,14 @@ class RayBackend(Backend):
         """``request`` on one engine until ``num_choices`` choices finished
         (each finishes once) or an error ended it. ``observe``: this engine
         computes the prompt; its reported prefix hit is compared with the
-        router's prediction."""
+        router's prediction, and until then the prompt's predicted uncached
+        tokens count in the engine's ``queued_prefill_tokens``."""
         e = self.engines[choice.engine.engine_id]
         eid = e.state.engine_id
         e.requests.add(request.request_id)
         e.state.num_inflight += 1
+        queued = len(request.prompt_token_ids) - choice.predicted_hit_tokens if observe else 0
+        e.state.queued_prefill_tokens += queued
         try:
             try:
                 self._send(e, b"R", request)
@@ -849,6 +847,8 @@ class RayBackend(Backend):
                 out: EngineOutput = item[1]
                 if observe and out.finish_reason != FinishReason.ERROR:
                     observe = False
+                    e.state.queued_prefill_tokens -= queued
+                    queued = 0
                     self.routing.observe_hit(request.request_id, choice, out.num_cached_tokens)
                 yield out
                 if out.finished:
@@ -857,6 +857,7 @@ class RayBackend(Backend):
                         return
         finally:
             e.state.num_inflight -= 1
+            e.state.queued_prefill_tokens -= queued
 
     def metrics_snapshot(self) -> BackendMetrics:
         engines = []

@@ -166,17 +166,25 @@ def trace_workload(
 
 @dataclass
 class SynthConfig:
-    num_sessions: int = 24
-    turns_per_session: tuple[int, int] = (2, 5)
-    num_system_prompts: int = 3
-    system_prompt_blocks: int = 2
-    num_documents: int = 12
-    document_blocks: int = 3
+    """A chat/RAG service's traffic (token counts at ``block_tokens`` 64):
+    sessions start as a Poisson process; each opens with one of a few shared
+    system prompts (512 tokens) and a document picked by a Zipf law (768
+    tokens), then runs 3-8 turns, a think time apart, each adding a question
+    (64-192 tokens) and, for the next turn, the answer (32-128 tokens): the
+    context grows from ~1.4k to ~3.5k tokens. Ranges are inclusive, drawn
+    uniformly."""
+
+    num_sessions: int = 32
+    turns_per_session: tuple[int, int] = (3, 8)
+    num_system_prompts: int = 4
+    system_prompt_blocks: int = 8
+    num_documents: int = 40
+    document_blocks: int = 12
     zipf_s: float = 1.1
-    question_blocks: tuple[int, int] = (1, 2)
-    answer_tokens: tuple[int, int] = (16, 48)
-    session_rate_per_s: float = 2.0
-    think_time_s: tuple[float, float] = (1.0, 4.0)
+    question_blocks: tuple[int, int] = (1, 3)
+    answer_tokens: tuple[int, int] = (32, 128)
+    session_rate_per_s: float = 1.0
+    think_time_s: tuple[float, float] = (2.0, 6.0)
     block_tokens: int = 64
     share_prefixes: bool = True  # False: every block of every request unique (control)
     seed: int = 0

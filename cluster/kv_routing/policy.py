@@ -7,9 +7,16 @@ disaggregated request needs the prefill pool at all.
 
       decode / colocated engine e, prompt of n tokens, hit_e tokens held:
         cost(e) = hit_weight * (n - hit_e) / n
+                + prefill_queue_weight * queued_prefill_tokens_e / n
                 + load_weight * (kv_usage_e + max(inflight_e, running_e + waiting_e) / max_num_seqs_e)
       prefill engine e (both terms in tokens):
         cost(e) = (n - hit_e) + prefill_queue_weight * queued_prefill_tokens_e
+
+    ``queued_prefill_tokens_e``: uncached prompt tokens (as predicted) of the
+    requests sent to e that have not yet had their first output there: work
+    e must do before it starts this prompt. The first two decode terms are
+    that work in units of this prompt, so a holder that already has a
+    backlog of prefills larger than the tokens it would save gives way.
 
     Ties (e.g. a prompt cached nowhere, equal loads) go by rendezvous hash of
     the prompt's first block and the engine id, so distinct prefixes spread
@@ -148,7 +155,9 @@ class RoutingPolicy:
 
             def cost(e: EngineState) -> tuple[float, int, str]:
                 miss = (n - hit[e.engine_id]) / n
-                return (c.hit_weight * miss + c.load_weight * load(e), tie(e), e.engine_id)
+                queued = e.queued_prefill_tokens / n
+                value = c.hit_weight * miss + c.prefill_queue_weight * queued
+                return (value + c.load_weight * load(e), tie(e), e.engine_id)
 
         best = min(cands, key=cost)
         reason = "prefix_hit" if hit[best.engine_id] > 0 else "load"

@@ -29,7 +29,8 @@ def add_routing_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--router-prefill-queue-weight",
         type=float,
-        help="kv-aware prefill cost: weight of queued prefill tokens vs uncached ones (default 1)",
+        help="kv-aware cost: weight of an engine's queued prefill tokens vs the "
+        "prompt's uncached ones (default 1)",
     )
 
 

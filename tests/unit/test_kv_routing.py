@@ -153,6 +153,18 @@ def test_prefill_cost_trades_uncached_tokens_against_queue():
     assert c.route("prefill", tokens).engine.engine_id == "p0"
 
 
+def test_decode_holder_with_a_prefill_backlog_gives_way():
+    rng = random.Random(7)
+    c = SimCluster({"d0": "decode", "d1": "decode"})
+    tokens = _prefixes(rng, 1, 64)[0]
+    c.run("d1", "r0", tokens)
+    # d1 would save 60 tokens of this prompt: a smaller backlog keeps it there
+    c.router.engines["d1"].queued_prefill_tokens = 58
+    assert c.route("decode", tokens).engine.engine_id == "d1"
+    c.router.engines["d1"].queued_prefill_tokens = 62
+    assert c.route("decode", tokens).engine.engine_id == "d0"
+
+
 def test_round_robin_and_least_load():
     c = SimCluster({"d0": "decode", "d1": "decode"}, policy="round-robin")
     picks = [c.route("decode", [1, 2, 3, 4, 5]).engine.engine_id for _ in range(4)]
