@@ -41,6 +41,8 @@ import subprocess
 import sys
 import tempfile
 
+import httpx
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._machine import machine  # noqa: E402
@@ -89,6 +91,20 @@ def _warmup(url: str) -> None:
     subprocess.run(args, capture_output=True, text=True, timeout=600, check=True)
 
 
+def _ttft_by_path(url: str) -> dict[str, tuple[float, int]]:
+    """Gateway TTFT histogram per path: ``{"local": (sum_s, count), "remote": ...}``."""
+    text = httpx.get(url + "/metrics", timeout=30).text
+    out: dict[str, list[float]] = {"local": [0.0, 0], "remote": [0.0, 0]}
+    for line in text.splitlines():
+        for path in out:
+            key = f'time_to_first_token_seconds_%s{{path="{path}"}} '
+            if line.startswith("tandem:" + key % "sum"):
+                out[path][0] = float(line.split()[-1])
+            elif line.startswith("tandem:" + key % "count"):
+                out[path][1] = int(float(line.split()[-1]))
+    return {k: (v[0], int(v[1])) for k, v in out.items()}
+
+
 def run_one(model: str, pools: dict, policy: str, trace: str, a: argparse.Namespace) -> dict:
     settings = dict(
         SERVE_DEFAULTS,
@@ -104,7 +120,9 @@ def run_one(model: str, pools: dict, policy: str, trace: str, a: argparse.Namesp
         _warmup(svc.base_url)
         before = svc.run(backend.call_all("stats"))
         decisions_before = backend.routing.decisions()
+        ttft_before = _ttft_by_path(svc.base_url)
         summary = _bench(svc.base_url, trace, a.time_scale, a.block_tokens)
+        ttft_after = _ttft_by_path(svc.base_url)
         after = svc.run(backend.call_all("stats"))
         decisions = {
             k: n - decisions_before.get(k, 0) for k, n in backend.routing.decisions().items()
@@ -126,6 +144,11 @@ def run_one(model: str, pools: dict, policy: str, trace: str, a: argparse.Namesp
     summary["prefill_tokens"] = total("num_prompt_tokens")
     summary["kv_read_bytes"] = kv_read()
     summary["decisions"] = decisions
+    summary["ttft_mean_ms_by_path"] = {
+        path: round(1000 * (t - ttft_before[path][0]) / (n - ttft_before[path][1]))
+        for path, (t, n) in ttft_after.items()
+        if n > ttft_before[path][1]
+    }
 
     def delta(e: str, key: str) -> int:
         return getattr(after[e].scheduler, key) - getattr(before[e].scheduler, key)
@@ -146,7 +169,7 @@ def main() -> None:
     d = SynthConfig()
     p.add_argument("--num-sessions", type=int, default=d.num_sessions)
     p.add_argument(
-        "--control-sessions", type=int, default=12, help="sessions of the no-sharing trace"
+        "--control-sessions", type=int, default=8, help="sessions of the no-sharing trace"
     )
     p.add_argument("--session-rate-per-s", type=float, default=d.session_rate_per_s)
     p.add_argument("--block-tokens", type=int, default=d.block_tokens)
@@ -195,7 +218,7 @@ def main() -> None:
                 r = run_one(model, SETUPS[setup], policy, path, a)
                 print(
                     f"# {setup} {trace_name} {policy}: {json.dumps(r['decisions'])} "
-                    f"{json.dumps(r['per_engine'])}",
+                    f"{json.dumps(r['per_engine'])} TTFT mean by path {r['ttft_mean_ms_by_path']}",
                     flush=True,
                 )
                 results.append((setup, trace_name, policy, oracle, r))
