@@ -12,7 +12,7 @@ import torch
 
 from scheduler.messages import EngineRequest, SamplingParams
 from tests.workers.hf_checkpoints import load_hf_model
-from tests.workers.test_engine import prompts_for
+from tests.workers.test_engine import hf_greedy, prompts_for
 from workers.config import EngineConfig
 from workers.llm import LLM
 
@@ -36,20 +36,6 @@ def _config(path: str, **changes) -> EngineConfig:
     return EngineConfig(**base)
 
 
-def _hf_greedy_cuda(hf, prompt: list[int]) -> list[int]:
-    with torch.inference_mode():
-        ids = torch.tensor([prompt], device="cuda")
-        out = hf.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=NUM_NEW,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt) :].tolist()
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_fp32_greedy_equals_transformers_on_the_gpu(make_checkpoint, arch):
     path = make_checkpoint(arch)
@@ -60,7 +46,7 @@ def test_fp32_greedy_equals_transformers_on_the_gpu(make_checkpoint, arch):
     results = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
     hf = load_hf_model(path).cuda()
     for prompt, r in zip(prompts, results):
-        assert r.token_ids == _hf_greedy_cuda(hf, prompt), f"prompt of {len(prompt)} tokens"
+        assert r.token_ids == hf_greedy(hf, prompt, NUM_NEW), f"prompt of {len(prompt)} tokens"
     assert sum(llm.engine.runner.graphs.num_replays.values()) > 0
     llm.engine.check_integrity()
 

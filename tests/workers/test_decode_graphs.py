@@ -19,6 +19,7 @@ from torch.overrides import TorchFunctionMode  # noqa: E402
 
 from kernels import AttentionMetadata  # noqa: E402
 from scheduler.messages import SamplingParams  # noqa: E402
+from tests.workers import hf_checkpoints  # noqa: E402
 from workers.config import EngineConfig, add_engine_arguments, engine_overrides  # noqa: E402
 from workers.graphs.runner import DecodeGraphRunner, EagerBackend, build_decode_graphs  # noqa: E402
 from workers.graphs.sizes import bucket_for, capture_sizes, parse_cuda_graph_sizes  # noqa: E402
@@ -138,10 +139,17 @@ def _with_graphs(llm: LLM, sizes: list[int]) -> DecodeGraphRunner:
     return graphs
 
 
+@pytest.fixture(scope="module")
+def one_layer_llama(tmp_path_factory) -> str:
+    return hf_checkpoints.make_checkpoint(
+        "llama", tmp_path_factory.mktemp("ckpt-llama"), num_hidden_layers=1
+    )
+
+
 @pytest.fixture
-def triton_checkpoint(make_checkpoint, monkeypatch):
+def triton_checkpoint(one_layer_llama, monkeypatch):
     monkeypatch.setenv("TANDEM_FORCE_TRITON", "1")
-    return make_checkpoint("llama", num_hidden_layers=1)
+    return one_layer_llama
 
 
 def test_replay_path_gives_the_eager_tokens_and_falls_back_for_prefills(triton_checkpoint):

@@ -20,8 +20,8 @@ def hf_greedy(hf, prompt: list[int], n: int = NUM_NEW) -> list[int]:
     hf.generation_config.pad_token_id = 0
     with torch.inference_mode():
         out = hf.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            torch.tensor([prompt], device=hf.device),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=hf.device),
             do_sample=False,
             max_new_tokens=n,
         )
