@@ -35,6 +35,13 @@ def host_to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Te
     return tensor.pin_memory().to(device, non_blocking=True)
 
 
+def list_to_device(
+    values: list, device: torch.device | str, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """``torch.tensor(values, dtype=dtype, device=device)`` without the host stall on CUDA."""
+    return host_to_device(torch.tensor(values, dtype=dtype), device)
+
+
 @dataclass
 class AttentionMetadata:
     """Everything attention needs to read and write the paged KV cache for one step.

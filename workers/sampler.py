@@ -36,6 +36,7 @@ import random
 
 import torch
 
+from kernels.metadata import list_to_device
 from scheduler.messages import Logprobs, SamplingParams
 from workers.sampling.penalties import apply_min_p
 from workers.sampling.state import BatchExtras
@@ -131,7 +132,7 @@ class Sampler:
                 uniforms.append(
                     self._rng.random() if seed is None else uniform_for(seed, positions[i])
                 )
-            rows = torch.tensor(random_rows, device=logits.device)
+            rows = list_to_device(random_rows, logits.device)
             sampled = _sample_rows(
                 masked.index_select(0, rows), [params[i] for i in random_rows], uniforms
             )
@@ -199,24 +200,24 @@ def _sample_rows(
     """Inverse-CDF draw per row of ``logits`` (already min_tokens-masked)."""
     device = logits.device
     vocab_size = logits.shape[1]
-    temps = torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
+    temps = list_to_device([p.temperature for p in params], device).unsqueeze(1)
     scaled = logits / temps
     min_ps = [p.min_p for p in params]
     if any(min_ps):
-        scaled = apply_min_p(scaled, torch.tensor(min_ps, device=device))
+        scaled = apply_min_p(scaled, list_to_device(min_ps, device))
     top_ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
     if any(k < vocab_size for k in top_ks):
         scaled = _apply_top_k(scaled, top_ks)
     p_rows = [j for j, p in enumerate(params) if p.top_p < 1.0]
     if p_rows:
-        index = torch.tensor(p_rows, device=device)
+        index = list_to_device(p_rows, device)
         kept = _apply_top_p(scaled.index_select(0, index), [params[j].top_p for j in p_rows])
         scaled = scaled.index_copy(0, index, kept)
 
     probs = scaled.softmax(dim=-1)
     cdf = probs.cumsum(dim=-1)
     total = cdf[:, -1:]
-    u = torch.tensor(uniforms, dtype=torch.float64, device=device).unsqueeze(1)
+    u = list_to_device(uniforms, device, torch.float64).unsqueeze(1)
     # Strictly below the total, so the search always lands inside the vocabulary.
     target = torch.minimum(
         (u * total.double()).float(), torch.nextafter(total, torch.zeros_like(total))
@@ -230,7 +231,7 @@ def _sample_rows(
 
 def _apply_top_k(scaled: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
     """Tokens below each row's k-th largest value set to -inf (k = V: none)."""
-    k_index = torch.tensor(top_ks, device=scaled.device).sub_(1).unsqueeze(1)
+    k_index = list_to_device(top_ks, scaled.device).sub_(1).unsqueeze(1)
     top_values = scaled.topk(max(top_ks), dim=-1).values
     kth_value = top_values.gather(1, k_index)
     return scaled.masked_fill(scaled < kth_value, float("-inf"))
@@ -240,7 +241,7 @@ def _apply_top_p(scaled: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
     """Tokens outside each row's nucleus set to -inf."""
     device = scaled.device
     vocab_size = scaled.shape[1]
-    top_p = torch.tensor(top_ps, device=device).unsqueeze(1)
+    top_p = list_to_device(top_ps, device).unsqueeze(1)
     log_total = scaled.logsumexp(dim=-1, keepdim=True)
     num_candidates = min(vocab_size, _TOP_P_CANDIDATES)
     values = scaled.topk(num_candidates, dim=-1).values
@@ -273,8 +274,8 @@ def _compute_logprobs(
     if not rows:
         return None
     device = raw_logits.device
-    logprobs = torch.log_softmax(raw_logits.index_select(0, torch.tensor(rows, device=device)), -1)
-    sampled = torch.tensor([token_ids[i] for i in rows], device=device).unsqueeze(1)
+    logprobs = torch.log_softmax(raw_logits.index_select(0, list_to_device(rows, device)), -1)
+    sampled = list_to_device([token_ids[i] for i in rows], device).unsqueeze(1)
     sampled_lp = logprobs.gather(1, sampled).squeeze(1).tolist()
     num_tops = [min(params[i].logprobs, logprobs.shape[1]) for i in rows]
     top_ids, top_lps = _top_logprobs(logprobs, num_tops)
@@ -307,7 +308,7 @@ def _top_logprobs(
     ids, values = ids.gather(1, by_value), values.gather(1, by_value)
     # A tie across the n-th place may have made topk pick a higher id than
     # an equal value outside its result: such rows are redone exactly.
-    n_index = torch.tensor([max(n - 1, 0) for n in num_tops], device=logprobs.device)
+    n_index = list_to_device([max(n - 1, 0) for n in num_tops], logprobs.device)
     nth_value = values.gather(1, n_index.unsqueeze(1))
     num_at_least = (logprobs >= nth_value).sum(dim=-1).tolist()
     id_lists, value_lists = ids.tolist(), values.tolist()

@@ -67,11 +67,17 @@ def test_graph_replay_equals_eager(make_checkpoint, dtype):
     graph_llm.engine.check_integrity()
 
 
-def test_replayed_decode_step_syncs_once(make_checkpoint):
+SEEDED = SamplingParams(
+    max_tokens=NUM_NEW, temperature=0.8, top_p=0.9, top_k=50, seed=7, ignore_eos=True
+)
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded-top-p-top-k"])
+def test_replayed_decode_step_syncs_once(make_checkpoint, params):
     llm = LLM(_config(make_checkpoint("llama"), cuda_graph_sizes=[4]))
     engine, graphs = llm.engine, llm.engine.runner.graphs
     for i, n in enumerate((5, 9, 3)):
-        assert engine.add_request(EngineRequest(f"r{i}", list(range(3, 3 + n)), GREEDY)) is None
+        assert engine.add_request(EngineRequest(f"r{i}", list(range(3, 3 + n)), params)) is None
     while graphs.num_replays[4] == 0:
         engine.step()
     torch.cuda.synchronize()

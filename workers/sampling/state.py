@@ -23,6 +23,7 @@ import dataclasses
 
 import torch
 
+from kernels.metadata import list_to_device
 from scheduler.messages import SamplingParams
 from workers.sampling.penalties import apply_penalties, banned_last_tokens
 
@@ -176,13 +177,13 @@ class SamplingExtras:
             return None
         dev = self.device
         if pen_rows:
-            buf_rows = torch.tensor(pen_buf_rows, device=dev)
-            extras.penalty_rows = torch.tensor(pen_rows, device=dev)
+            buf_rows = list_to_device(pen_buf_rows, dev)
+            extras.penalty_rows = list_to_device(pen_rows, dev)
             extras.prompt_mask = self._prompt_mask.index_select(0, buf_rows)
             extras.output_counts = self._output_counts.index_select(0, buf_rows)
-            extras.repetition = torch.tensor(rep, dtype=torch.float32, device=dev)
-            extras.frequency = torch.tensor(freq, dtype=torch.float32, device=dev)
-            extras.presence = torch.tensor(pres, dtype=torch.float32, device=dev)
+            extras.repetition = list_to_device(rep, dev, torch.float32)
+            extras.frequency = list_to_device(freq, dev, torch.float32)
+            extras.presence = list_to_device(pres, dev, torch.float32)
         if bias_rows:
             extras.bias_rows = torch.cat(bias_rows)
             extras.bias_ids = torch.cat(bias_ids)
@@ -202,7 +203,7 @@ class SamplingExtras:
         if rows:
             dev = self.device
             one = torch.ones(len(rows), dtype=torch.int32, device=dev)
-            index = (torch.tensor(rows, device=dev), torch.tensor(ids, device=dev))
+            index = (list_to_device(rows, dev), list_to_device(ids, dev))
             self._output_counts.index_put_(index, one, accumulate=True)
 
     def _take_row(self) -> int:
