@@ -171,3 +171,20 @@ def check_pool_parallel(role: str, config: Any, num_gpus: float) -> None:
             f"{role}_num_gpus_per_engine ({num_gpus}) is less than the {role} engines' "
             f"tensor_parallel_size ({tp}): each worker needs its own GPU"
         )
+
+
+def check_pools_split_model(model_path: str, specs: list[Any]) -> None:
+    """Every pool's ``tensor_parallel_size`` splits the model (heads, KV heads,
+    MLP); ValueError naming the pool and the model field, before anything starts."""
+    sizes = {s.role: s.config.tensor_parallel_size for s in specs}
+    if all(n == 1 for n in sizes.values()):
+        return
+    from workers.loader import load_config
+    from workers.parallel.plan import check_tensor_parallel
+
+    config = load_config(model_path)
+    for role, n in sizes.items():
+        try:
+            check_tensor_parallel(config, n)
+        except ValueError as exc:
+            raise ValueError(f"{role} pool: {exc}") from None

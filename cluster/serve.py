@@ -23,6 +23,7 @@ from cluster.kv_routing.settings import add_routing_arguments, routing_config
 from cluster.placement import (
     add_placement_arguments,
     check_pool_parallel,
+    check_pools_split_model,
     gpu_share,
     pool_placement,
     resolve_placement,
@@ -566,12 +567,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         settings, per_role = resolve_settings(args)
         configure_logging(settings["log_format"])  # the YAML may name it
-        pool_specs(settings, per_role)  # validates engine configs before starting anything
+        specs = pool_specs(settings, per_role)  # validates engine configs before starting
         gateway_limits(settings)
         from workers.loader import resolve_model_path
 
         # bad model: one line, exit 2 (GGUF: convert once)
-        api_config(settings, resolve_model_path(settings["model"]))
+        model_path = resolve_model_path(settings["model"])
+        api_config(settings, model_path)
+        check_pools_split_model(model_path, specs)
         if settings["internal_auth"] and settings["cluster_secret_file"]:
             from wire.auth import read_secret_file
 

@@ -191,3 +191,16 @@ def test_pool_gpus_must_cover_the_tensor_parallel_size():
         check_pool_parallel("decode", EngineConfig(tensor_parallel_size=2), num_gpus=1)
     check_pool_parallel("colocated", EngineConfig(tensor_parallel_size=2), num_gpus=0)  # CPU
     check_pool_parallel("prefill", EngineConfig(tensor_parallel_size=2), num_gpus=2)
+
+
+def test_serve_refuses_a_pool_size_that_does_not_split_the_model(tiny_model_dir):
+    from cluster.placement import check_pools_split_model
+    from cluster.pools import PoolSpec
+
+    specs = [
+        PoolSpec("prefill", 1, EngineConfig(tensor_parallel_size=2)),
+        PoolSpec("decode", 1, EngineConfig(tensor_parallel_size=3)),
+    ]
+    with pytest.raises(ValueError, match="decode pool: .*num_attention_heads"):
+        check_pools_split_model(tiny_model_dir, specs)
+    check_pools_split_model(tiny_model_dir, specs[:1])
