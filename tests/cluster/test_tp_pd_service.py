@@ -24,6 +24,7 @@ import pytest
 from cluster.serve import SERVE_DEFAULTS, ServiceThread
 from scheduler.messages import SamplingParams
 from tests.cluster.service_helpers import client, wait_idle
+from tests.cluster.test_service import ray_local  # noqa: F401 - the module's local Ray
 from workers.config import EngineConfig
 from workers.llm import LLM
 
@@ -31,15 +32,6 @@ pytestmark = pytest.mark.slow
 
 ENGINE = {"num_kv_blocks": 128, "max_num_seqs": 8, "max_model_len": 512, "torch_threads": 1}
 PROMPTS = ["Tensor parallel prefill, then decode", "x" * 40 + " and a longer prompt of two blocks"]
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    import ray
-
-    ray.init(include_dashboard=False, num_cpus=2, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +44,9 @@ def reference():
 PAIRINGS = [(2, 1), (1, 2), (2, 2)] if os.environ.get("TANDEM_TEST_TP_SERVE_ALL") else [(2, 1)]
 
 
+@pytest.mark.usefixtures("ray_local")
 @pytest.mark.parametrize(("p_tp", "d_tp"), PAIRINGS)
-def test_serve_across_tp_sizes_equals_generate(ray_local, reference, p_tp, d_tp):
+def test_serve_across_tp_sizes_equals_generate(reference, p_tp, d_tp):
     settings = dict(SERVE_DEFAULTS, model="tiny", ray_dashboard=False, prefill=1, decode=1)
     per_role = {
         "prefill": dict(ENGINE, tensor_parallel_size=p_tp, kv_layout="head_major"),
