@@ -125,6 +125,45 @@ def _lm_head_us(batch: int, hidden: int, vocab: int, tp: int, repeat: int = 200)
     return tuple(out)
 
 
+def _bare_peer(rank: int, size: int, port: int, shape: tuple, repeat: int) -> None:
+    import torch
+
+    from workers.parallel.group import TPGroup, make_store
+
+    torch.set_num_threads(1)
+    group = TPGroup.connect(make_store(rank, size, "127.0.0.1", port, 60), rank, size, "cpu", 60)
+    t = torch.ones(shape)
+    for _ in range(repeat):
+        group.all_reduce(t)
+
+
+def _bare_all_reduce_us(tp: int, shape: tuple, repeat: int = 500) -> float:
+    """Median µs of one gloo all-reduce of ``shape`` fp32 over ``tp`` processes
+    doing nothing else (the collective's own cost, without compute skew)."""
+    import torch
+
+    from workers.parallel.group import TPGroup, make_store
+
+    store = make_store(0, tp, "127.0.0.1", 0, 60)
+    ctx = torch.multiprocessing.get_context("spawn")
+    peers = [
+        ctx.Process(target=_bare_peer, args=(r, tp, store.port, shape, repeat))
+        for r in range(1, tp)
+    ]
+    for p in peers:
+        p.start()
+    group = TPGroup.connect(store, 0, tp, "cpu", 60)
+    t = torch.ones(shape)
+    times = []
+    for _ in range(repeat):
+        start_s = time.perf_counter()
+        group.all_reduce(t)
+        times.append(time.perf_counter() - start_s)
+    for p in peers:
+        p.join(60)
+    return statistics.median(times) * 1e6
+
+
 def section_step(args: argparse.Namespace) -> None:
     runs = {1: [], args.tp: []}
     for _ in range(args.repeat):
@@ -133,6 +172,7 @@ def section_step(args: argparse.Namespace) -> None:
     med = {tp: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for tp, rs in runs.items()}
     base, tpr = med[1], med[args.tp]
     full_us, shard_us = _lm_head_us(args.batch, base["hidden"], base["vocab"], args.tp)
+    bare_us = _bare_all_reduce_us(args.tp, (args.batch, int(base["hidden"])))
     load = os.getloadavg()
     print(
         f"\n## step overhead: TP={args.tp} vs TP=1 (model {args.model}, batch {args.batch} "
@@ -148,6 +188,10 @@ def section_step(args: argparse.Namespace) -> None:
     print(f"| wait for worker replies after rank 0's forward, µs | - | {tpr['reply']:.1f} |")
     print(f"| all-reduces per step | - | {tpr['n_ar']:.0f} |")
     print(f"| all-reduce total (rank 0, incl. waiting), µs | - | {tpr['ar']:.0f} |")
+    print(
+        f"| one all-reduce [{args.batch}, {base['hidden']:.0f}] fp32, ranks doing nothing "
+        f"else, µs | - | {bare_us:.1f} |"
+    )
     print(f"| logits all-gather, µs | - | {tpr['ag']:.1f} |")
     overhead = tpr["bcast"] + tpr["reply"] + tpr["ar"] + tpr["ag"]
     print(f"| TP overhead on rank 0 (sum of the four), µs | - | {overhead:.0f} |")
