@@ -78,7 +78,7 @@ def admin(svc, path: str, engine_id: str) -> dict:
     return r.json()
 
 
-def wait_ready(svc, engine_id: str, old_epoch: int = 0, deadline_s: float = 180.0) -> None:
+def wait_ready(svc, engine_id: str, old_epoch: int = 0, deadline_s: float = 600.0) -> None:
     e = svc.service.backend.engines[engine_id]
     end = time.monotonic() + deadline_s
     while not (e.state.ready and e.state.epoch != old_epoch):
