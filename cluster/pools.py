@@ -95,7 +95,8 @@ def start_pools(
 
     check_names_free(specs, namespace)
     remote_cls = ray.remote(EngineActor)
-    total = sum(s.num_engines for s in specs)
+    # one process per tensor-parallel rank shares the cores like an engine
+    total = sum(s.num_engines * s.config.tensor_parallel_size for s in specs)
     threads = default_torch_threads(total)
     handles = []
     for spec in specs:

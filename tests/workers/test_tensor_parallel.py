@@ -204,3 +204,41 @@ def test_serve_refuses_a_pool_size_that_does_not_split_the_model(tiny_model_dir)
     with pytest.raises(ValueError, match="decode pool: .*num_attention_heads"):
         check_pools_split_model(tiny_model_dir, specs)
     check_pools_split_model(tiny_model_dir, specs[:1])
+
+
+def test_sharded_weights_are_read_as_slices(make_checkpoint, monkeypatch):
+    """A rank never reads a sharded tensor whole: only replicated ones go
+    through ``get_tensor``; the rest through ``get_slice`` ranges."""
+    import safetensors
+
+    path = make_checkpoint("qwen2")
+    plan = make_plan(make_config("qwen2"), 2, 1)
+    whole: list[str] = []
+    real_open = safetensors.safe_open
+
+    class Recording:
+        def __init__(self, *args, **kwargs):
+            self.f = real_open(*args, **kwargs)
+
+        def __enter__(self):
+            self.f.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+        def keys(self):
+            return self.f.keys()
+
+        def get_tensor(self, name):
+            whole.append(name)
+            return self.f.get_tensor(name)
+
+        def get_slice(self, name):
+            return self.f.get_slice(name)
+
+    monkeypatch.setattr(safetensors, "safe_open", Recording)
+    names = [name for name, _ in iter_rank_weights(safetensors_files(path), plan)]
+    assert whole and all(shard_for(n, plan) is None for n in whole)
+    assert {n for n in names if shard_for(n, plan) is not None}.isdisjoint(whole)
+    assert any(n.endswith("q_proj.weight") for n in names)
