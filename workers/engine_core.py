@@ -294,6 +294,8 @@ class EngineCore:
     def _kv_stats(self) -> KVTransferStats:
         w = self.connector_worker
         raw = w.stats()
+        if self.tp is not None:  # bytes and descriptors of every rank's reads
+            raw = self.tp.sum_kv_stats(raw)
         for seconds in w.drain_transfer_seconds():
             self._transfer_seconds.observe(seconds)
         return KVTransferStats(

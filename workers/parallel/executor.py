@@ -39,11 +39,13 @@ from scheduler.messages import ModelRunnerOutput, SchedulerOutput
 from workers.config import EngineConfig
 from workers.parallel.group import TPGroup, make_store
 from workers.parallel.messages import (
+    CMD_KV_STATS,
     CMD_RELEASE_IDLE,
     CMD_STEP,
     CMD_STOP,
     REPLY_ERROR,
     REPLY_HELLO,
+    REPLY_KV_STATS,
     REPLY_READY,
     REPLY_STEP,
     WorkerCommand,
@@ -57,6 +59,9 @@ logger = logging.getLogger(__name__)
 STARTUP_TIMEOUT_S = 600.0  # spawn + import + load of every worker
 COLLECTIVE_TIMEOUT_S = 600.0  # a collective waiting on a live but stuck peer
 STEP_REPLY_TIMEOUT_S = 600.0
+STATS_TIMEOUT_S = 30.0
+# connector stats() keys that add up over ranks (each rank reads its own heads)
+SUMMED_KV_STATS = ("kv_transfer_bytes_total", "num_descriptors")
 _POLL_MS = 20
 HOST = "127.0.0.1"
 
@@ -92,6 +97,7 @@ class TPExecutor:
         self._dec = msgspec.msgpack.Decoder(WorkerReply)
         self._kv = ConnectorOutputMerger(self.size)
         self.num_steps = 0
+        self._num_stats = 0
         self.worker_kv_ports: list[int] = []  # ranks 1.. side channels (prefill engines)
         # seconds rank 0 spent encoding + sending steps, and waiting for the
         # workers' replies after its own forward (benchmarks/tensor_parallel.py)
@@ -181,11 +187,26 @@ class TPExecutor:
             out.kv_connector_output = self._kv.merge(outputs)
         return out
 
-    def broadcast(self, kind: int) -> None:
-        """A command without a step (``CMD_RELEASE_IDLE``) to every worker."""
-        frame = self._enc.encode(WorkerCommand(kind))
+    def broadcast(self, kind: int, seq: int = 0) -> None:
+        """A command without a scheduler output (``CMD_RELEASE_IDLE``,
+        ``CMD_KV_STATS``) to every worker; ``seq`` matches its replies."""
+        frame = self._enc.encode(WorkerCommand(kind, seq))
         for sock in self._commands:
             sock.send(frame, copy=False)
+
+    def sum_kv_stats(self, rank0: dict[str, float]) -> dict[str, float]:
+        """Rank 0's connector ``stats()`` with the bytes and descriptors of every
+        worker's reads added (the other fields count requests, which every
+        rank sees: rank 0's stand). Engine loop thread, between steps."""
+        if self.failed is not None:
+            return rank0
+        self._num_stats += 1
+        self.broadcast(CMD_KV_STATS, self._num_stats)
+        replies = self._await(REPLY_KV_STATS, STATS_TIMEOUT_S, step=self._num_stats)
+        out = dict(rank0)
+        for key in SUMMED_KV_STATS:
+            out[key] = rank0.get(key, 0.0) + sum(r.kv_stats.get(key, 0.0) for r in replies)
+        return out
 
     def check_integrity(self) -> None:
         if self.failed is None:

@@ -19,11 +19,13 @@ from workers.config import EngineConfig
 CMD_STEP = 0
 CMD_STOP = 1
 CMD_RELEASE_IDLE = 2  # rank 0 freed its idle dense-decode copy: free yours (same state)
+CMD_KV_STATS = 3  # reply with your KV connector's stats()
 
 REPLY_HELLO = 0  # process up, about to join the process group
 REPLY_READY = 1  # weights loaded, KV cache allocated, runner built
 REPLY_STEP = 2  # a step done
 REPLY_ERROR = 3  # the worker failed (it exits right after sending this)
+REPLY_KV_STATS = 4
 
 
 class WorkerFailed(RuntimeError):
@@ -46,6 +48,7 @@ class WorkerReply(msgspec.Struct, array_like=True, omit_defaults=True):
     kv_connector_output: KVConnectorOutput | None = None
     error: str | None = None
     side_channel_port: int = 0  # REPLY_READY: the rank's KV side channel (0: none)
+    kv_stats: dict[str, float] = {}  # REPLY_KV_STATS: the rank's connector stats()
 
 
 @dataclass

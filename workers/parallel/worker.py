@@ -27,10 +27,12 @@ import msgspec
 import torch
 
 from workers.parallel.messages import (
+    CMD_KV_STATS,
     CMD_RELEASE_IDLE,
     CMD_STOP,
     REPLY_ERROR,
     REPLY_HELLO,
+    REPLY_KV_STATS,
     REPLY_READY,
     REPLY_STEP,
     WorkerCommand,
@@ -165,6 +167,10 @@ def _serve(spec: WorkerSpec, commands: Any, runner: Any, reply: Any) -> None:
         cmd = dec.decode(commands.recv())
         if cmd.kind == CMD_STOP:
             return
+        if cmd.kind == CMD_KV_STATS:
+            stats = runner.connector.stats() if runner.connector is not None else {}
+            reply(REPLY_KV_STATS, step=cmd.step, kv_stats=stats)
+            continue
         if cmd.kind == CMD_RELEASE_IDLE:
             # never on this process's own clock: the dense rows decide the token
             # order of a step, which must be the same on every rank
