@@ -19,7 +19,7 @@ from workers.loader import iter_safetensors, safetensors_files
 from workers.parallel.loading import ZEROS_OFF_RANK0, iter_rank_weights, shard_for
 from workers.parallel.messages import WorkerFailed
 from workers.parallel.plan import make_plan
-from workers.parallel.worker import FAULT_EXIT_AT_STEP
+from workers.parallel.worker import FAULT_EXIT_AT_STEP, FAULT_RAISE_AT_STEP
 
 NUM_NEW = 6
 GREEDY = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
@@ -148,16 +148,23 @@ def test_greedy_equals_tp1_and_transformers(make_checkpoint, arch, tp, overrides
 
 
 @pytest.mark.slow
-def test_worker_exit_mid_step_fails_every_request(make_checkpoint):
-    """Rank 1 exits as step 3's command arrives: rank 0 is then inside its
-    forward, in a collective rank 1 never joins."""
+@pytest.mark.parametrize(
+    ("fault", "message"),
+    [
+        (FAULT_EXIT_AT_STEP, "exited with code 17"),
+        (FAULT_RAISE_AT_STEP, "RuntimeError: injected fault at step 3"),
+    ],
+)
+def test_worker_failing_mid_step_fails_every_request(make_checkpoint, fault, message):
+    """Rank 1 exits (or raises) as step 3's command arrives: rank 0 is then
+    inside its forward, in a collective rank 1 never joins."""
     path = make_checkpoint("llama")
-    cfg = _config(path, 2, extra={FAULT_EXIT_AT_STEP: 3})
+    cfg = _config(path, 2, extra={fault: 3})
     with LLM(cfg) as llm:
         results = llm.generate(prompt_token_ids=_prompts(300), sampling_params=GREEDY)
         for r in results:
             assert r.finish_reason == "error"
-            assert "rank 1" in r.error and "exited with code 17" in r.error, r.error
+            assert "rank 1" in r.error and message in r.error, r.error
         llm.engine.check_integrity()
         # the engine stays failed: a later request ends in the same error, at once
         (again,) = llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=GREEDY)

@@ -43,8 +43,10 @@ from workers.parallel.messages import (
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 100
-# test hook (EngineConfig.extra): exit without a word when this step's command arrives
+# test hooks (EngineConfig.extra): when this step's command arrives, exit
+# without a word, or raise (an error reply, then exit)
 FAULT_EXIT_AT_STEP = "tp_fault_exit_at_step"
+FAULT_RAISE_AT_STEP = "tp_fault_raise_at_step"
 
 
 def rank_device(device: str, rank: int) -> torch.device:
@@ -156,7 +158,8 @@ def _serve(spec: WorkerSpec, commands: Any, runner: Any, reply: Any) -> None:
 
     dec = msgspec.msgpack.Decoder(WorkerCommand)
     meta_type = getattr(runner.connector, "metadata_type", None)
-    fault_step = spec.config.extra.get(FAULT_EXIT_AT_STEP)
+    exit_step = spec.config.extra.get(FAULT_EXIT_AT_STEP)
+    raise_step = spec.config.extra.get(FAULT_RAISE_AT_STEP)
     parent = multiprocessing.parent_process()
     while True:
         if not commands.poll(IDLE_POLL_MS, zmq.POLLIN):
@@ -177,8 +180,10 @@ def _serve(spec: WorkerSpec, commands: Any, runner: Any, reply: Any) -> None:
             if runner.dense is not None:
                 runner.dense.release_if_idle(float("inf"))
             continue
-        if fault_step is not None and cmd.step == fault_step:
+        if cmd.step == exit_step:
             os._exit(17)
+        if cmd.step == raise_step:
+            raise RuntimeError(f"injected fault at step {cmd.step}")
         so = cmd.scheduler_output
         if meta_type is not None and so.kv_connector_metadata is not None:
             so.kv_connector_metadata = msgspec.convert(so.kv_connector_metadata, meta_type)
