@@ -117,6 +117,7 @@ def throughput_row(p, d: Decode, size_mib: int, rng, iters: int) -> dict:
     src = torch.empty_like(d.kv).fill_(1.0)
     default_threads = torch.get_num_threads()
     read_s, wall_s, copy_s = [], [], {1: [], default_threads: []}
+    num_descs: list[int] = []  # what the connector posted per READ
     for i, (local, remote) in enumerate(layouts):  # the first one warms up
         rid = f"tp-{size_mib}-{i}"
         params = p.finish(rid, num_blocks * BLOCK_SIZE, remote)
@@ -124,6 +125,8 @@ def throughput_row(p, d: Decode, size_mib: int, rng, iters: int) -> dict:
         d.pull(rid, params, num_blocks * BLOCK_SIZE, local)
         wall = time.perf_counter() - t0
         (read,) = d.worker.drain_transfer_seconds()
+        ((*_, descs, _, _),) = d.worker.drain_load_records()
+        num_descs.append(descs)
         p.wait_done_sending(rid)
         for threads in copy_s:
             torch.set_num_threads(threads)
@@ -139,7 +142,6 @@ def throughput_row(p, d: Decode, size_mib: int, rng, iters: int) -> dict:
     del src
     copy_gbs = {t: num_bytes / statistics.median(v) / 1e9 for t, v in copy_s.items()}
     read_gbs = num_bytes / statistics.median(read_s) / 1e9
-    num_descs = [len(split_block_runs(local, remote)) for local, remote in layouts]
     return {
         "size": f"{size_mib} MiB",
         "blocks": num_blocks,
@@ -168,6 +170,48 @@ def handoff(p, d: Decode, iters: int) -> tuple[list[float], list[float]]:
     return p_lat, d_lat
 
 
+def setup_cost_us(num_pieces: int, iters: int = 200) -> tuple[float, float]:
+    """Median microseconds to make (and free) a READ handle of ``num_pieces``
+    one-block pieces, without transferring: NIXL preparing both lists per
+    READ (``initialize_xfer``) vs indices into lists prepared once
+    (``kvtransfer/prepped_blocks.py``). Two agents in this process."""
+    import numpy as np
+    import torch
+
+    from kvtransfer.nixl_agent import NixlAgent, _rows, make_agent_name
+
+    target, reader = (
+        NixlAgent(make_agent_name("setup-p", 0)),
+        NixlAgent(make_agent_name("setup-d", 0)),
+    )
+    kv_p, kv_d = torch.zeros((NUM_BLOCKS, 1024)), torch.zeros((NUM_BLOCKS, 1024))
+    p_region, d_region = target.register(kv_p), reader.register(kv_d)
+    peer = reader.add_peer(target.metadata)
+    blocks = np.arange(0, 2 * num_pieces, 2, dtype=np.int64)  # every other block: no runs
+    local = d_region.base_addr + blocks * d_region.block_len
+    remote = p_region.base_addr + blocks * p_region.block_len
+    lengths = np.full(num_pieces, d_region.block_len, dtype=np.int64)
+    agent, prepped = reader._agent, reader._prepped
+    per_read, once = [], []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        handle = agent.initialize_xfer(
+            "READ",
+            agent.get_xfer_descs(_rows(local, lengths, 0), "DRAM"),
+            agent.get_xfer_descs(_rows(remote, lengths, 0), "DRAM"),
+            peer,
+        )
+        agent.release_xfer_handle(handle)
+        t1 = time.perf_counter()
+        handle = prepped.make_read(peer, p_region, local, remote, lengths)
+        agent.release_xfer_handle(handle)
+        per_read.append(t1 - t0)
+        once.append(time.perf_counter() - t1)
+    reader.close()
+    target.close()
+    return statistics.median(per_read) * 1e6, statistics.median(once) * 1e6
+
+
 def pct(values: list[float], q: float) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, int(q * len(values)))]
@@ -183,6 +227,11 @@ def main() -> None:
     parser.add_argument("--ucx-tls", default=None, help="set UCX_TLS for both processes")
     parser.add_argument("--progress-thread", action="store_true", help="NIXL progress threads on")
     parser.add_argument("--notify", default="side_channel", choices=["side_channel", "nixl"])
+    parser.add_argument(
+        "--prepped-lists",
+        action="store_true",
+        help="whole-block READs index block lists prepared once (nixl_prepped_reads)",
+    )
     args = parser.parse_args()
     if args.ucx_tls:
         os.environ["UCX_TLS"] = args.ucx_tls
@@ -199,6 +248,7 @@ def main() -> None:
         "model_name": "bench",
         "nixl_progress_thread": args.progress_thread,
         "notification_transport": args.notify,
+        "nixl_prepped_reads": args.prepped_lists,
     }
     rng = np.random.default_rng(SEED)
     p = PrefillProcess(
@@ -221,7 +271,8 @@ def main() -> None:
     print(
         f"\nKV transfer, 2 processes, NIXL {version('nixl')} UCX (UCX_TLS="
         f"{os.environ.get('UCX_TLS', 'default')}, progress thread "
-        f"{'on' if args.progress_thread else 'off'}, notifications via {args.notify})\n"
+        f"{'on' if args.progress_thread else 'off'}, notifications via {args.notify}, "
+        f"{'prepped block lists' if args.prepped_lists else 'lists prepared per READ'})\n"
         f"{cpu_name()}, {os.cpu_count()} cores, "
         f"torch {torch.__version__} ({torch.get_num_threads()} threads)"
     )
@@ -239,6 +290,11 @@ def main() -> None:
             f"{r['size']:>8} {r['blocks']:>6} {r['descs']:>5} {r['nixl']:>10.2f} "
             f"{r['wall']:>11.2f} {r['copy1']:>11.2f} {r['copyn']:>11.2f} {r['ratio']:>15.0%}"
         )
+    print("\nREAD set-up (make + free a handle, no transfer), median us:")
+    print(f"{'pieces':>8} {'prep per READ':>14} {'prepped lists':>14}")
+    for num_pieces in (1, 16, 256):
+        per_read_us, once_us = setup_cost_us(num_pieces)
+        print(f"{num_pieces:>8} {per_read_us:>14.1f} {once_us:>14.1f}")
     print(
         f"\nhandoff, 1-block request, {len(p_lat)} iterations after the first handshake:\n"
         f"  P params ready -> D read + P got 'done': p50 {pct(p_lat, 0.5) * 1e3:.2f} ms, "

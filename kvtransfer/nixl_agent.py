@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from kvtransfer.prepped_blocks import PreppedBlocks
 from kvtransfer.side_channel import RegionInfo
 from kvtransfer.tp_plan import Descriptors
 
@@ -67,7 +68,11 @@ class NixlAgent:
     """A NIXL agent with the worker's KV cache registered as one region."""
 
     def __init__(
-        self, name: str, backends: tuple[str, ...] = ("UCX",), progress_thread: bool = False
+        self,
+        name: str,
+        backends: tuple[str, ...] = ("UCX",),
+        progress_thread: bool = False,
+        prepped_reads: bool = False,
     ) -> None:
         from nixl._api import nixl_agent, nixl_agent_config
 
@@ -78,6 +83,11 @@ class NixlAgent:
         self._registered: Any = None
         # notifications taken by ``progress`` (another thread), kept for ``get_notifs``
         self._notif_backlog: dict[str, list[bytes]] = {}
+        # whole-block READs from block lists prepared once (prepped_blocks.py)
+        self._use_prepped = prepped_reads
+        self._prepped: PreppedBlocks | None = None
+        self.num_prepped_reads = 0  # READs posted from the prepared lists
+        self.num_prepared_reads = 0  # READs whose lists NIXL prepared per transfer
         self.region: RegionInfo | None = None
         self.metadata = b""
         # Test hooks, None in production. NIXL refuses to release a handle it
@@ -106,6 +116,8 @@ class NixlAgent:
         with self._lock:
             self._registered = self._agent.register_memory(kv_cache)
             self.metadata = self._agent.get_agent_metadata()
+            if self._use_prepped:
+                self._prepped = PreppedBlocks(self._agent, region)
         self.region = region
         return region
 
@@ -119,6 +131,8 @@ class NixlAgent:
         if self.test_refuse_remove_peer is not None and self.test_refuse_remove_peer(peer_name):
             raise RuntimeError(f"remove_remote_agent({peer_name}) refused (test hook)")
         with self._lock:
+            if self._prepped is not None:
+                self._prepped.drop_peer(peer_name)
             self._agent.remove_remote_agent(peer_name)
 
     def start_read(
@@ -135,9 +149,18 @@ class NixlAgent:
         local = _rows(descs.local_addrs, descs.lengths, self.region.device_id)
         remote = _rows(descs.remote_addrs, descs.lengths, peer_region.device_id)
         with self._lock:
-            local_descs = self._agent.get_xfer_descs(local, self.region.mem_type)
-            remote_descs = self._agent.get_xfer_descs(remote, peer_region.mem_type)
-            handle = self._agent.initialize_xfer("READ", local_descs, remote_descs, peer_name)
+            handle = None
+            if self._prepped is not None:
+                handle = self._prepped.make_read(
+                    peer_name, peer_region, descs.local_addrs, descs.remote_addrs, descs.lengths
+                )
+            if handle is None:
+                local_descs = self._agent.get_xfer_descs(local, self.region.mem_type)
+                remote_descs = self._agent.get_xfer_descs(remote, peer_region.mem_type)
+                handle = self._agent.initialize_xfer("READ", local_descs, remote_descs, peer_name)
+                self.num_prepared_reads += 1
+            else:
+                self.num_prepped_reads += 1
             try:
                 state = self._agent.transfer(handle)
             except Exception:
@@ -194,6 +217,9 @@ class NixlAgent:
     def close(self) -> None:
         """Deregister the KV cache and drop the agent. Idempotent."""
         with self._lock:
+            if self._prepped is not None:
+                self._prepped.close()
+                self._prepped = None
             if self._registered is not None:
                 try:
                     self._agent.deregister_memory(self._registered)

@@ -137,6 +137,7 @@ class NixlWorkerSide(KVConnectorWorkerSide):
             make_agent_name(config.engine_id, config.epoch),
             config.backends,
             progress_thread=config.nixl_progress_thread,
+            prepped_reads=config.nixl_prepped_reads,
         )
         self._server: SideChannelServer | None = None
         if config.serves_kv:

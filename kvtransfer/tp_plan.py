@@ -154,9 +154,13 @@ class Descriptors:
 
 
 def coalesce(local: np.ndarray, remote: np.ndarray, lengths: np.ndarray) -> Descriptors:
-    """Merge each piece into the previous one when it continues it on both sides."""
+    """Merge pieces that continue each other on both sides, in local address
+    order: every piece is an independent copy, so a request whose runs come
+    out of order (local [3, 4, 1, 2] <- remote [7, 8, 5, 6]) is one piece."""
     if len(lengths) <= 1:
         return Descriptors(local, remote, lengths)
+    order = np.argsort(local, kind="stable")
+    local, remote, lengths = local[order], remote[order], lengths[order]
     follows = (local[1:] == local[:-1] + lengths[:-1]) & (remote[1:] == remote[:-1] + lengths[:-1])
     starts = np.flatnonzero(np.concatenate(([True], ~follows)))
     return Descriptors(local[starts], remote[starts], np.add.reduceat(lengths, starts))

@@ -42,7 +42,8 @@ def test_runs_cover_exactly_the_pairs():
 
 
 def test_whole_block_descriptors_are_the_runs():
-    """Same TP on both sides: one descriptor per run, at base + start * block_len."""
+    """Same TP on both sides: one descriptor per run of blocks adjacent on both
+    sides (in any order in the request), at base + start * block_len."""
     geometry = BlockGeometry(BLOCKS_FIRST, num_layers=2, block_size=4, head_dim=8, elem_size=4)
     shard = shard_for(4, 2, 1)
     block_len = geometry.block_len(shard.num_heads)
@@ -53,7 +54,8 @@ def test_whole_block_descriptors_are_the_runs():
         remote = sorted(rng.permutation(40)[:n].tolist())
         read = HeadRead(1, shard.head_start, shard.num_heads)
         descs = read_descriptors(geometry, shard, shard, read, local, remote, 4096, 8192)
-        runs = split_block_runs(local, remote)
+        pairs = sorted(zip(local, remote))  # pieces merge in local address order
+        runs = split_block_runs([p[0] for p in pairs], [p[1] for p in pairs])
         assert descs.local_addrs.tolist() == [4096 + ls * block_len for ls, _, _ in runs]
         assert descs.remote_addrs.tolist() == [8192 + rs * block_len for _, rs, _ in runs]
         assert descs.lengths.tolist() == [length * block_len for _, _, length in runs]

@@ -36,9 +36,9 @@ READ_DEADLINE_S = 2.5  # well under BLOCK_S: only a progressing P can meet it
 class Decode:
     """D's connector halves driven by hand, one request at a time."""
 
-    def __init__(self) -> None:
+    def __init__(self, engine_id: str = "d-blocked", **config) -> None:
         self.scheduler, self.worker = create_connector(
-            KVTransferConfig(role="decode", engine_id="d-blocked", **COMMON)
+            KVTransferConfig(role="decode", engine_id=engine_id, **COMMON, **config)
         )
         self.kv = torch.zeros(D_SHAPE)
         self.worker.register_kv_caches(self.kv)
