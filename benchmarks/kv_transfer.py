@@ -182,7 +182,7 @@ def setup_cost_us(num_pieces: int, iters: int = 200) -> tuple[float, float]:
 
     target, reader = (
         NixlAgent(make_agent_name("setup-p", 0)),
-        NixlAgent(make_agent_name("setup-d", 0)),
+        NixlAgent(make_agent_name("setup-d", 0), prepped_reads=True),
     )
     kv_p, kv_d = torch.zeros((NUM_BLOCKS, 1024)), torch.zeros((NUM_BLOCKS, 1024))
     p_region, d_region = target.register(kv_p), reader.register(kv_d)
