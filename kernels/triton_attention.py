@@ -182,10 +182,15 @@ def paged_attention(
             f"query {tuple(query.shape)} does not fit cache {tuple(layer_cache.shape)}"
         )
     group = num_heads // num_kv_heads
-    out = torch.zeros_like(query)
     num_seqs = meta.block_tables.shape[0]
     if num_seqs == 0 or meta.max_query_len == 0:
-        return out
+        return torch.zeros_like(query)
+    # The kernel writes every row of every query token; only padding rows past them need
+    # zeroing (a memset launch per layer saved when there are none, e.g. every model step).
+    out = torch.empty_like(query)
+    num_query_tokens = meta.num_query_tokens
+    if num_query_tokens < num_tokens:
+        out[num_query_tokens:].zero_()
 
     # Decode-only steps need one token per tile; prefills use taller tiles.
     block_m = 16 if meta.max_query_len == 1 else 64
