@@ -30,7 +30,7 @@ D_SHAPE = (40, 2, 2, BS, 2, 8)
 COMMON = {"block_size": BS, "model_name": "tiny"}
 TCP_ONLY = {"UCX_TLS": "tcp"}
 BLOCK_S = 5.0
-READ_DEADLINE_S = 2.5  # well under BLOCK_S: only a progressing P can meet it
+READ_DEADLINE_S = 3.0  # well under BLOCK_S: only a progressing P can meet it
 
 
 class Decode:
