@@ -93,7 +93,7 @@ def run_prefill(
     from scheduler.messages import KVConnectorOutput
 
     scheduler, worker = create_connector(KVTransferConfig(role="prefill", **config_kwargs))
-    kv = kv_content(shape, seed)
+    kv = kv_content(shape, seed).to(config_kwargs.get("device", "cpu"))  # VRAM with "cuda"
     worker.register_kv_caches(kv)
     conn.send(("ready", worker.side_channel_port))
     finished_at: dict[str, float] = {}

@@ -40,7 +40,7 @@ class Decode:
         self.scheduler, self.worker = create_connector(
             KVTransferConfig(role="decode", engine_id=engine_id, **COMMON, **config)
         )
-        self.kv = torch.zeros(D_SHAPE)
+        self.kv = torch.zeros(D_SHAPE, device=config.get("device", "cpu"))
         self.worker.register_kv_caches(self.kv)
 
     def start(self, request_id: str, params: dict, blocks: list[int]) -> Request:
