@@ -93,11 +93,13 @@ def num_busy(handles) -> int:
 def test_gateway_restart_engines_keep_running_new_gateway_adopts_them(tmp_path, monkeypatch):
     import ray
 
-    # the gateways join this Ray (no token to hand them); engine and gateway
-    # sockets on loopback
-    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    # the gateways join this Ray with its token (ray.init enables token auth
+    # in os.environ and writes the token where child processes find it); Ray,
+    # engine and gateway sockets on loopback. Never flip RAY_AUTH_MODE here:
+    # Ray caches the mode per process, and every later ray.init in this
+    # pytest process would start a GCS its own driver cannot talk to.
     monkeypatch.setenv("TANDEM_HOST", "127.0.0.1")
-    ray.init(include_dashboard=False, num_cpus=2, log_to_driver=False)
+    ray.init(include_dashboard=False, num_cpus=2, log_to_driver=False, _node_ip_address="127.0.0.1")
     address = ray.get_runtime_context().gcs_address
     namespace = f"chaos-gw-{os.getpid()}"
     secret = tmp_path / "secret"
