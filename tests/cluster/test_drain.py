@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 
 KEY = "drain-test-admin-key"
 NUM_STREAMS = 8
-MAX_TOKENS = 32
+MAX_TOKENS = 256  # streams still run when the drain lands (the CLI starts a process)
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +40,19 @@ def svc_refs():
             yield svc, ref.results
     finally:
         ray.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def undrain_after(svc_refs):
+    """A failed test must not leave an engine drained for the next one."""
+    yield
+    svc, _ = svc_refs
+
+    async def undrain_all() -> None:
+        for eid in ("decode-0", "decode-1"):
+            svc.service.backend.undrain(eid)
+
+    svc.run(undrain_all())
 
 
 def admin(svc, path: str, body: dict, key: str | None = KEY) -> httpx.Response:
