@@ -14,17 +14,36 @@ import pytest
 import zmq
 
 from scheduler.messages import EngineOutputs, EngineRequest, FinishReason, SamplingParams
-from tests.workers.test_output_backpressure import NUM_REQUESTS, in_loop, send_all, wait_blocked
+from tests.workers.test_output_backpressure import (
+    NUM_REQUESTS,
+    in_loop,
+    send_all,
+    wait_blocked,
+)
 from tests.workers.test_output_backpressure import served as served  # noqa: PLC0414 - fixture
 
 pytestmark = pytest.mark.slow  # an engine loop on real sockets
 
 
+def wait_stuck(engine, timeout_s: float = 120.0) -> None:
+    """Until outputs are held back and the engine no longer steps: the socket
+    buffers behind the old gateway are full. (Right after the first held-back
+    output they may still drain, on a loaded machine.)"""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        wait_blocked(engine, timeout_s=max(1.0, deadline - time.monotonic()))
+        steps = in_loop(engine, engine.stats).num_steps
+        time.sleep(0.5)
+        now = in_loop(engine, engine.stats)
+        if now.output_backlog_messages > 0 and now.num_steps == steps:
+            return
+        assert time.monotonic() < deadline, "the engine kept stepping: outputs still drain"
+
+
 def test_switch_gateway_aborts_the_old_requests_and_serves_the_new_gateway(served):
     engine, old = served
     send_all(old)
-    wait_blocked(engine)  # the old gateway reads nothing: outputs are held back
-    assert in_loop(engine, engine.stats).output_backlog_messages > 0
+    wait_stuck(engine)  # the old gateway reads nothing: outputs are held back
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
     addr = f"ipc:///tmp/tandem-switch-{os.getpid()}"
