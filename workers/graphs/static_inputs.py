@@ -19,6 +19,8 @@ has; an overlapped (async) loop would need two host buffers.
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import torch
 
@@ -126,7 +128,9 @@ class StaticDecodeInputs:
         table[:batch] = 0
         if n:
             flat = np.fromiter(
-                (b for row in block_tables for b in row), dtype=np.int32, count=int(row_lens.sum())
+                itertools.chain.from_iterable(block_tables),
+                dtype=np.int32,
+                count=int(row_lens.sum()),
             )
             table[:n][np.arange(width)[None, :] < row_lens[:, None]] = flat
             positions_np = pos[:n].astype(np.int64)
