@@ -16,6 +16,7 @@ from cluster.placement import resolve_placement
 from cluster.serve import SERVE_DEFAULTS, ServiceThread
 from scheduler.messages import SamplingParams
 from tests.cluster.service_helpers import client, wait_idle
+from tests.cluster.test_service import ray_local  # noqa: F401 - the module's local Ray
 from workers.config import EngineConfig
 from workers.llm import LLM
 
@@ -26,20 +27,15 @@ PROMPT = "Tensor parallel engines split every layer over their ranks. " * 2
 
 
 @pytest.fixture(scope="module")
-def svc():
-    import ray
-
-    ray.init(include_dashboard=False, num_cpus=2, log_to_driver=False)
+def svc(request):
+    request.getfixturevalue("ray_local")
     settings = dict(
         SERVE_DEFAULTS, ray_dashboard=False, model="tiny", colocated=1, prefill=0, decode=0
     )
     per_role = {r: dict(ENGINE) for r in ("prefill", "decode", "colocated")}
     resolve_placement(settings)
-    try:
-        with ServiceThread(settings, per_role) as service:
-            yield service
-    finally:
-        ray.shutdown()
+    with ServiceThread(settings, per_role) as service:
+        yield service
 
 
 def complete(svc) -> str:
