@@ -1,3 +1,43 @@
-"""The workers tests' checkpoint fixtures, for the GPU tests."""
+"""GPU tests: compiled Triton kernels (never the interpreter), and the workers tests'
+checkpoint fixtures."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import pytest
 
 from tests.workers.conftest import make_checkpoint, tiny_model_dir  # noqa: F401
+
+KERNEL_MODULES = (
+    "kernels.triton_attention",
+    "kernels.triton_cache",
+    "kernels.triton_norm",
+    "kernels.triton_rope_cache",
+    "kernels.triton_activation",
+)
+_ENV = ("TRITON_INTERPRET", "TANDEM_FORCE_TRITON")
+
+
+def _reload_loaded_kernels() -> None:
+    # A kernel is compiled or interpreted by how TRITON_INTERPRET reads when its module runs.
+    for name in KERNEL_MODULES:
+        if name in sys.modules:
+            importlib.reload(sys.modules[name])
+
+
+@pytest.fixture(autouse=True, scope="package")
+def compiled_triton_kernels():
+    """The CPU interpreter tests set TRITON_INTERPRET=1 when pytest imports them, which in a
+    whole-suite run happens before any test runs: without this the GPU tests would exercise
+    the interpreter. Unset it (and TANDEM_FORCE_TRITON) for tests/gpu, re-import the kernel
+    modules already loaded, and restore both afterwards."""
+    saved = {key: os.environ.pop(key, None) for key in _ENV}
+    _reload_loaded_kernels()
+    yield
+    for key, value in saved.items():
+        if value is not None:
+            os.environ[key] = value
+    _reload_loaded_kernels()

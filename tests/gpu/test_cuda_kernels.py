@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import fused_reference, reference, triton_rope_cache
+from kernels import fused_reference, reference
 from tests.kernels.cases import make_case, write_oracle
 
 pytestmark = pytest.mark.gpu
@@ -17,6 +17,18 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 TOL = {torch.float32: 3e-6, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
 ATTN_TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}
 MIXED = [(9, 9), (13, 1), (20, 6), (1, 1), (21, 1), (5, 2), (300, 1), (130, 70)]
+
+
+def test_kernels_are_compiled_not_interpreted():
+    from kernels import triton_activation, triton_attention, triton_norm, triton_rope_cache
+
+    for kernel in (
+        triton_attention._paged_attention_kernel,
+        triton_norm._rms_norm_kernel,
+        triton_rope_cache._rope_write_kv_kernel,
+        triton_activation._silu_and_mul_kernel,
+    ):
+        assert type(kernel).__name__ == "JITFunction"
 
 
 def _cuda_case(dtype, heads=(8, 2), head_dim=64, block_size=16, seqs=MIXED):
@@ -102,6 +114,8 @@ def test_rope_write_kv(dtype):
     expected = fused_reference.rope_write_kv(
         qk, value, cos, sin, expected_cache[:, 1], case.meta.slot_mapping
     )
+    from kernels import triton_rope_cache
+
     out = triton_rope_cache.rope_write_kv(
         qk, value, cos, sin, case.layer_cache, case.meta.slot_mapping
     )
