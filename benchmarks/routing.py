@@ -164,6 +164,15 @@ def run_one(model: str, pools: dict, policy: str, trace: str, a: argparse.Namesp
     return summary
 
 
+def _row(setup: str, trace_name: str, policy: str, oracle: float, r: dict) -> str:
+    return (
+        f"| {setup} | {trace_name} | {policy} | {r['hit_rate']:.3f} | {oracle:.3f} "
+        f"| {r['prefill_tokens']:.0f} | {r['kv_read_bytes'] / 2**20:.1f} MiB "
+        f"| {r['ttft_ms']['p50']:.0f} ms | {r['ttft_ms']['p99']:.0f} ms "
+        f"| {r['output_token_throughput']:.1f} | {r['num_failed']} |"
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     d = SynthConfig()
@@ -222,6 +231,7 @@ def main() -> None:
                     flush=True,
                 )
                 results.append((setup, trace_name, policy, oracle, r))
+                print(f"# {_row(*results[-1])} load {os.getloadavg()[0]:.1f}", flush=True)
     finally:
         ray.shutdown()
     rows = traces["shared"][2]
@@ -239,13 +249,8 @@ def main() -> None:
     )
     print(hdr)
     print("|---|---|---|" + "---:|" * 8)
-    for setup, trace_name, policy, oracle, r in results:
-        print(
-            f"| {setup} | {trace_name} | {policy} | {r['hit_rate']:.3f} | {oracle:.3f} "
-            f"| {r['prefill_tokens']:.0f} | {r['kv_read_bytes'] / 2**20:.1f} MiB "
-            f"| {r['ttft_ms']['p50']:.0f} ms | {r['ttft_ms']['p99']:.0f} ms "
-            f"| {r['output_token_throughput']:.1f} | {r['num_failed']} |"
-        )
+    for row in results:
+        print(_row(*row))
     print(f"load average after: {os.getloadavg()[0]:.1f}")
 
 
