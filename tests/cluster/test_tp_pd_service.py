@@ -10,9 +10,15 @@ loads) on one local Ray shared by the module: tens of seconds each on a
 loaded 2-core machine. The three pairings the design promises run here;
 tests/e2e/test_pd_tensor_parallel.py runs them through engines and
 tests/kvtransfer/test_tp_transfer.py checks their bytes and descriptors.
+The (2, 2) service also loses a prefill worker (SIGKILL): Ray restarts the
+engine with a new epoch and the handoff works again.
 """
 
 from __future__ import annotations
+
+import os
+import signal
+import time
 
 import pytest
 
@@ -62,3 +68,28 @@ def test_serve_across_tp_sizes_equals_generate(reference, p_tp, d_tp):
         stats = wait_idle(svc)
         decode = [s for s in stats.values() if s.role == "decode"]
         assert decode and decode[0].kv_transfer.transfer_bytes_total > 0, stats
+        if (p_tp, d_tp) == (2, 2):
+            kill_a_worker_and_serve_again(svc, "prefill-0", PROMPTS[1], reference[1])
+
+
+def kill_a_worker_and_serve_again(svc, engine_id: str, prompt: str, expected: str) -> None:
+    """SIGKILL a TP worker of an idle engine: the engine fails as one unit (its
+    idle loop notices), Ray restarts it with a new epoch, new workers and new
+    rank side channels, the decode engines are told, and the handoff works again."""
+    e = svc.service.backend.engines[engine_id]
+    epoch, (worker_pid,) = e.state.epoch, e.state.info["tp_worker_pids"]
+    os.kill(worker_pid, signal.SIGKILL)
+    end = time.monotonic() + 120
+    while e.state.epoch == epoch or not (e.state.info or {}).get("tp_worker_pids"):
+        assert time.monotonic() < end, f"{engine_id} did not come back"
+        time.sleep(0.1)
+    assert e.state.info["tp_worker_pids"] != [worker_pid]
+    before = wait_idle(svc)
+    r = client(svc).completions.create(
+        model="tiny", prompt=prompt, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert r.choices[0].text == expected
+    after = wait_idle(svc)
+    assert after["decode-0"].kv_transfer.transfer_bytes_total > (
+        before["decode-0"].kv_transfer.transfer_bytes_total
+    )  # read from the new incarnation
