@@ -89,6 +89,12 @@ class EngineActor:
             "kv_address": list(kv) if kv else None,
             "kv_rank_ports": self.engine.kv_rank_ports(),
             "tp_worker_pids": [p.pid for p in self.engine.tp.procs] if self.engine.tp else [],
+            # rank 1.. worker actors (workers/parallel/ray_workers.py): name, placement
+            "tp_worker_actors": [
+                p.describe()
+                for p in (self.engine.tp.procs if self.engine.tp else [])
+                if hasattr(p, "describe")
+            ],
             "block_size": self.config.block_size,
             "prefix_caching_hash_algo": self.config.prefix_caching_hash_algo,
             "kv_events_addr": self.engine.kv_publisher.addr if self.engine.kv_publisher else None,

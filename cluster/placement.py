@@ -160,17 +160,21 @@ def engine_actor_placement(
 def check_pool_parallel(role: str, config: Any, num_gpus: float) -> None:
     """A pool's tensor-parallel size against its GPUs.
 
-    An engine's workers are processes of its actor, so on GPU the actor's one
-    STRICT_PACK bundle holds every GPU of the engine: ``num_gpus`` (when not
-    0, i.e. CPU) must be at least ``tensor_parallel_size``. ValueError names
-    the fields.
+    Each rank holds its own bundle of the engine's STRICT_PACK group
+    (``cluster.tp_placement``): ``num_gpus`` (when not 0, i.e. CPU) must be
+    at least ``tensor_parallel_size`` and split into equal whole GPUs.
+    ValueError names the fields.
     """
+    from cluster.tp_placement import per_rank_gpus
+
     tp = config.tensor_parallel_size
     if tp > 1 and num_gpus and num_gpus < tp:
         raise ValueError(
             f"{role}_num_gpus_per_engine ({num_gpus}) is less than the {role} engines' "
             f"tensor_parallel_size ({tp}): each worker needs its own GPU"
         )
+    if tp > 1 and num_gpus:
+        per_rank_gpus(num_gpus, tp, f"{role}_num_gpus_per_engine")
 
 
 def check_pools_split_model(model_path: str, specs: list[Any]) -> None:

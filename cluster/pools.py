@@ -10,7 +10,9 @@ cluster need different namespaces: a taken name fails ``start_pools`` before
 any actor starts, with an error naming the flag.
 
 On GPU clusters each engine gets ``num_gpus`` GPUs (a fraction shares one)
-in its own STRICT_PACK placement group; on CPU the actors ask for no CPU or
+in its own STRICT_PACK placement group, one bundle per tensor-parallel rank
+(``cluster.tp_placement``: rank r's worker actor runs in bundle r; CPU
+engines with TP > 1 get CPU bundles); on CPU the actors ask for no CPU or
 GPU (they share the node's cores; ``torch_threads`` splits them). ``resources`` (custom Ray
 resources, ``cluster.placement``) pins a pool to the nodes that advertise them.
 
@@ -27,7 +29,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from cluster.placement import engine_actor_placement
+from cluster.tp_placement import engine_group_placement
 from workers.config import EngineConfig
 
 
@@ -105,7 +107,8 @@ def start_pools(
             cfg = spec.config.replace(engine_id=engine_id, role=spec.role)
             if not spec.num_gpus and not cfg.torch_threads:
                 cfg = cfg.replace(torch_threads=threads)
-            options, bundle = engine_actor_placement(spec.num_gpus, spec.resources)
+            tp = cfg.tensor_parallel_size
+            options, bundles = engine_group_placement(spec.num_gpus, spec.resources, tp)
             options.update(
                 name=engine_id,
                 namespace=namespace,
@@ -116,12 +119,16 @@ def start_pools(
             if detached:
                 options["lifetime"] = "detached"
             pg = None
-            if bundle is not None and detached:  # GPUs on the actor itself
+            if spec.num_gpus and detached:  # every GPU on the actor itself
+                options["num_gpus"] = spec.num_gpus
                 cfg = cfg.replace(device="cuda")
-            elif bundle is not None:
-                pg = placement_group([bundle], strategy="STRICT_PACK")
-                options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg)
-                cfg = cfg.replace(device="cuda")
+            elif bundles is not None and not detached:  # one bundle per TP rank
+                pg = placement_group(bundles, strategy="STRICT_PACK")
+                options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                    pg, placement_group_bundle_index=0
+                )
+                if spec.num_gpus:
+                    cfg = cfg.replace(device="cuda")
             actor = remote_cls.options(**options).remote(cfg, output_addr, gateway_session)
             handles.append(EngineHandle(engine_id, spec.role, actor, pg, namespace))
     return handles

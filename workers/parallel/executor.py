@@ -10,8 +10,11 @@ Rank 0 lives in the engine core process (the scheduler runs once, there)::
                              <--PULL-- one reply per worker          (KV connector output)
       scheduler.update_from_output(so, rank 0's output)
 
-Workers are local processes (``torch.multiprocessing`` spawn), on one node:
-under Ray the engine actor is their parent and holds the engine's GPUs.
+Workers are local processes (``torch.multiprocessing`` forkserver) for
+``tandem generate``; when the engine core is a Ray actor they are Ray actors
+in the bundles of its placement group (``workers/parallel/ray_workers.py``).
+Either way ``pick_launcher`` hands back a ``start(spec)`` whose handles
+answer ``pid``, ``exitcode``, ``join``, ``terminate`` and ``kill``.
 
 Failure makes the engine fail as one unit, never hang: a worker that exits
 or raises makes the step (or the start) raise ``WorkerFailed`` naming the
@@ -106,9 +109,7 @@ class TPExecutor:
         self.broadcast_bytes = 0
         try:
             store = make_store(0, self.size, HOST, 0, STARTUP_TIMEOUT_S)
-            ctx = worker_context()
-            from workers.parallel.worker import run_worker
-
+            launcher = pick_launcher(config, self.size)
             for rank in range(1, self.size):
                 sock = self._ctx.socket(zmq.PUSH)
                 sock.setsockopt(zmq.LINGER, 0)
@@ -126,10 +127,7 @@ class TPExecutor:
                     reply_addr=f"tcp://{HOST}:{reply_port}",
                     timeout_s=COLLECTIVE_TIMEOUT_S,
                 )
-                proc = ctx.Process(target=run_worker, args=(spec,), name=f"tp-rank-{rank}")
-                proc.daemon = True
-                proc.start()
-                self.procs.append(proc)
+                self.procs.append(launcher.start(spec))
             weakref.finalize(self, _kill, self.procs)  # an engine dropped without shutdown()
             self._await(REPLY_HELLO, STARTUP_TIMEOUT_S)
             device = torch.device(config.device)
@@ -338,6 +336,28 @@ def _kill(procs: list[Any]) -> None:
     for proc in procs:
         if proc.exitcode is None:
             proc.kill()
+
+
+class ProcessLauncher:
+    """Ranks as local processes, children of the engine core process."""
+
+    def __init__(self) -> None:
+        self._ctx = worker_context()
+
+    def start(self, spec: WorkerSpec) -> Any:
+        from workers.parallel.worker import run_worker
+
+        proc = self._ctx.Process(target=run_worker, args=(spec,), name=f"tp-rank-{spec.rank}")
+        proc.daemon = True
+        proc.start()
+        return proc
+
+
+def pick_launcher(config: EngineConfig, tp_size: int) -> Any:
+    """Ray worker actors inside a Ray engine actor, else local processes."""
+    from workers.parallel.ray_workers import ray_launcher
+
+    return ray_launcher(config, tp_size) or ProcessLauncher()
 
 
 def worker_context() -> Any:

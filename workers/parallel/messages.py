@@ -67,3 +67,6 @@ class WorkerSpec:
     command_addr: str  # the worker connects its PULL here
     reply_addr: str  # and its PUSH here
     timeout_s: float  # process group and rendezvous timeout
+    # the CUDA device index this rank uses; -1: its rank (local processes see
+    # every GPU of the engine, a Ray worker actor only its own: 0)
+    device_index: int = -1

@@ -1,4 +1,4 @@
-"""A tensor-parallel worker process: ranks 1..N-1 of an engine.
+"""A tensor-parallel worker process (or Ray actor): ranks 1..N-1 of an engine.
 
     hello -> join the process group -> load this rank's weight slices
           -> agree on the KV block count (min over ranks) -> allocate the KV shard
@@ -121,7 +121,7 @@ def _build_rank(spec: WorkerSpec) -> tuple[Any, Any]:
     config = spec.config
     if config.torch_threads > 0:
         torch.set_num_threads(config.torch_threads)
-    device = rank_device(config.device, spec.rank)
+    device = rank_device(config.device, spec.rank if spec.device_index < 0 else spec.device_index)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     store = make_store(spec.rank, spec.tp_size, spec.store_host, spec.store_port, spec.timeout_s)
