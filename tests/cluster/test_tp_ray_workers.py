@@ -70,6 +70,7 @@ def test_tp_worker_is_a_ray_actor_in_bundle_one_and_fails_with_its_engine():
         assert parent_pid(worker["pid"]) != e.state.info["pid"]  # not its child process
         assert worker["pid"] == e.state.info["tp_worker_pids"][0]
         assert greedy(svc) == expected
+        wait_idle(svc)
 
         epoch = e.state.epoch
         ray.kill(ray.get_actor(worker["name"], namespace=worker["namespace"]))
@@ -82,7 +83,11 @@ def test_tp_worker_is_a_ray_actor_in_bundle_one_and_fails_with_its_engine():
         assert new_worker["placement_group_id"] == pg_id
         wait_idle(svc)
         assert greedy(svc) == expected
-        assert worker_actor_names() == [new_worker["name"]]
+        wait_idle(svc)  # idle and intact (check_integrity)
+        end = time.monotonic() + 30  # the GCS drops dead names asynchronously
+        while worker_actor_names() != [new_worker["name"]]:
+            assert time.monotonic() < end, worker_actor_names()
+            time.sleep(0.1)
     end = time.monotonic() + 30
     while worker_actor_names():
         assert time.monotonic() < end, f"worker actors leaked: {worker_actor_names()}"
