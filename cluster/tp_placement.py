@@ -9,8 +9,8 @@
 
 A CPU engine with N = 1 keeps no group (``engine_actor_placement``). The
 engine actor asks for bundle 0's GPUs; ``workers/parallel/ray_workers.py``
-starts rank r in bundle r. ``G/N`` is a fraction below 1 (ranks share GPUs)
-or a whole number: 3 GPUs for 2 ranks is refused.
+starts rank r in bundle r. ``G/N`` must be a whole number (NCCL wants one
+GPU per rank): 3 GPUs, or half a GPU, for 2 ranks is refused.
 """
 
 from __future__ import annotations
@@ -24,15 +24,15 @@ from cluster.placement import engine_actor_placement
 CPU_RANK_SHARE = 0.01
 
 
-def per_rank_gpus(num_gpus: float, tp_size: int, field: str = "num_gpus_per_engine") -> float:
-    """GPUs of one rank's bundle; ValueError naming ``field`` when they do not split."""
+def per_rank_gpus(num_gpus: float, tp_size: int, field: str = "num_gpus_per_engine") -> int:
+    """Whole GPUs of one rank's bundle; ValueError naming ``field`` when they do not split."""
     per = num_gpus / tp_size
-    if per > 1 and not float(per).is_integer():
+    if not float(per).is_integer() or per < 1:
         raise ValueError(
             f"{field} ({num_gpus}) does not split into {tp_size} equal whole GPUs "
             f"(tensor_parallel_size {tp_size}): use a multiple of {tp_size}"
         )
-    return int(per) if float(per).is_integer() else per
+    return int(per)
 
 
 def engine_group_placement(

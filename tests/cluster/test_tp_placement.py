@@ -19,8 +19,6 @@ def test_gpu_engine_gets_one_bundle_per_rank():
     assert options["resources"] == {"tandem_prefill": 1.0}
     _, bundles = engine_group_placement(4, {}, 2)
     assert bundles == [{"GPU": 2, "CPU": 1}, {"GPU": 2, "CPU": 1}]
-    _, bundles = engine_group_placement(1, {}, 4)  # ranks share one GPU
-    assert [b["GPU"] for b in bundles] == [0.25] * 4
 
 
 def test_tp1_keeps_one_bundle_and_cpu_tp1_none():
@@ -42,6 +40,8 @@ def test_cpu_engine_with_tp_gets_token_cpu_bundles():
 def test_gpus_that_do_not_split_are_refused():
     with pytest.raises(ValueError, match="num_gpus_per_engine"):
         engine_group_placement(3, {}, 2)
+    with pytest.raises(ValueError, match="equal whole GPUs"):
+        engine_group_placement(0.5, {}, 2)  # NCCL: one GPU per rank
     with pytest.raises(ValueError, match="prefill_num_gpus_per_engine"):
         check_pool_parallel("prefill", EngineConfig(tensor_parallel_size=2), num_gpus=3)
     check_pool_parallel("prefill", EngineConfig(tensor_parallel_size=2), num_gpus=4)
