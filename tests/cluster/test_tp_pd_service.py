@@ -5,13 +5,14 @@ equals ``tandem generate`` at TP=1 (the tiny model's byte tokenizer: one
 token per character), the handoff really went P -> D (D read
 KV), and both engines end idle and intact.
 
-Each pairing is a whole service (Ray actors, TP worker processes, model
+Each pairing is a whole service (engine and TP worker Ray actors, model
 loads) on one local Ray shared by the module: tens of seconds each on a
 loaded 2-core machine. The three pairings the design promises run here;
 tests/e2e/test_pd_tensor_parallel.py runs them through engines and
 tests/kvtransfer/test_tp_transfer.py checks their bytes and descriptors.
-The (2, 2) service also loses a prefill worker (SIGKILL): Ray restarts the
-engine with a new epoch and the handoff works again.
+The (2, 2) service also loses a prefill worker (its Ray actor's process
+SIGKILLed): Ray restarts the engine with a new epoch and the handoff works
+again.
 """
 
 from __future__ import annotations
