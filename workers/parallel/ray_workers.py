@@ -76,24 +76,21 @@ class RayWorkerHandle:
 
     def describe(self) -> dict[str, Any]:
         """Where the actor runs (pid, node, actor id, placement group id),
-        the bundle it was asked into, and its Ray name and namespace."""
+        the bundle it was asked into, and its Ray name and namespace; an
+        actor that died before answering: ``pid`` None and ``error``."""
         import ray
 
+        mine = {"bundle_index": self.bundle_index, "name": self.name, "namespace": self.namespace}
         if self._info is None:
-            self._info = ray.get(self._info_ref, timeout=DESCRIBE_TIMEOUT_S)
-        return {
-            **self._info,
-            "bundle_index": self.bundle_index,
-            "name": self.name,
-            "namespace": self.namespace,
-        }
+            try:
+                self._info = ray.get(self._info_ref, timeout=DESCRIBE_TIMEOUT_S)
+            except Exception as exc:  # noqa: BLE001 - died first: the engine fails soon
+                return {**mine, "pid": None, "error": f"{type(exc).__name__}: {exc}"}
+        return {**self._info, **mine}
 
     @property
     def pid(self) -> int | None:
-        try:
-            return self.describe()["pid"]
-        except Exception:  # noqa: BLE001 - died before it could say
-            return None
+        return self.describe()["pid"]
 
     @property
     def exitcode(self) -> int | None:
