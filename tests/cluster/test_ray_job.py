@@ -80,6 +80,13 @@ def test_ray_job_submit_serves_completions():
             "--num-cpus=2",
             f"--temp-dir={tmp}",
             "--include-dashboard=true",
+            # the agents' fixed default ports (52365, ...) may still be held
+            # by a Ray an earlier test stopped: then the job agent never
+            # registers ('No available agent to submit job')
+            f"--dashboard-agent-listen-port={free_port()}",
+            f"--dashboard-agent-grpc-port={free_port()}",
+            f"--runtime-env-agent-port={free_port()}",
+            f"--metrics-export-port={free_port()}",
             env=env,
         )
         started = True
