@@ -3,8 +3,10 @@ on loopback: the service comes up from the working dir and answers."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -58,6 +60,36 @@ def submit_when_agent_ready(*args, env, deadline_s=120.0):
         time.sleep(2)
     expect_ok(args, proc)
     return proc
+
+
+def cluster_pids(temp_dir: str) -> list[int]:
+    """Processes of the Ray cluster started with ``--temp-dir=temp_dir``: each
+    one (GCS, raylet, agents, workers) names its session under it."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if temp_dir.encode() in f.read():
+                    pids.append(int(entry))
+        except OSError:
+            continue  # exited meanwhile
+    return pids
+
+
+def stop_cluster(temp_dir: str, grace_s: float = 15.0) -> None:
+    """Stop this test's Ray cluster only (``ray stop`` would stop every Ray
+    on the machine, other people's included): SIGTERM, then SIGKILL what is
+    left after ``grace_s``."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in cluster_pids(temp_dir):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + grace_s
+        while cluster_pids(temp_dir) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    assert not cluster_pids(temp_dir), "Ray processes of the test's cluster outlived SIGKILL"
 
 
 def test_ray_job_submit_serves_completions():
@@ -139,5 +171,5 @@ def test_ray_job_submit_serves_completions():
         if job_id:
             run("job", "stop", f"--address={dash_url}", job_id, env=env, check=False)
         if started:
-            run("stop", "--force", env=env, check=False, timeout=60)
+            stop_cluster(tmp)
         shutil.rmtree(tmp, ignore_errors=True)
