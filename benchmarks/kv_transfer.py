@@ -4,6 +4,9 @@ Run from the repository root::
 
     .venv/bin/python benchmarks/kv_transfer.py
     .venv/bin/python benchmarks/kv_transfer.py --ucx-tls tcp --progress-thread --notify nixl
+    .venv/bin/python benchmarks/kv_transfer.py --device cuda   # KV in VRAM, device copies
+
+(The two processes and the device copies: ``benchmarks/kv_read_pair.py``.)
 
 A prefill process (P) registers a blocks-first KV cache; this process (D)
 pulls requests through the real connector (scheduler side -> metadata ->
@@ -21,89 +24,29 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
 
-# [blocks, layers, K/V, block_size, kv heads, head dim] fp32: 512 KiB per block
-BLOCK_SIZE = 16
-NUM_BLOCKS = 1024
-BLOCK_SHAPE = (8, 2, BLOCK_SIZE, 8, 64)
-SEED = 0
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown cpu"
+from benchmarks.kv_read_pair import (  # noqa: E402
+    NUM_BLOCKS,
+    SEED,
+    ReadPair,
+    device_name,
+    no_device_message,
+    pick_blocks,
+    timed_copy_s,
+)
 
 
-def pick_blocks(rng, num_blocks: int, num_runs: int, limit: int) -> list[int]:
-    """``num_blocks`` distinct block ids in ``num_runs`` contiguous runs."""
-    num_runs = min(num_runs, num_blocks)
-    sizes = [num_blocks // num_runs + (i < num_blocks % num_runs) for i in range(num_runs)]
-    slot = limit // num_runs  # one run per slot: runs never overlap
-    ids: list[int] = []
-    for i, size in enumerate(sizes):
-        start = i * slot + int(rng.integers(0, slot - size + 1))
-        ids.extend(range(start, start + size))
-    order = rng.permutation(num_runs)  # runs not in address order
-    runs, pos = [], 0
-    for size in sizes:
-        runs.append(ids[pos : pos + size])
-        pos += size
-    return [b for i in order for b in runs[i]]
-
-
-class Decode:
-    def __init__(self, config_kwargs: dict) -> None:
-        import torch
-
-        from kvtransfer import KVTransferConfig, create_connector
-
-        self.scheduler, self.worker = create_connector(
-            KVTransferConfig(role="decode", engine_id="bench-d", **config_kwargs)
-        )
-        self.kv = torch.zeros((NUM_BLOCKS, *BLOCK_SHAPE))
-        self.worker.register_kv_caches(self.kv)
-
-    def pull(self, request_id: str, params: dict, num_tokens: int, block_ids: list[int]) -> None:
-        from scheduler.messages import KVConnectorOutput, SamplingParams
-        from scheduler.request import Request, RequestStatus
-
-        req = Request(
-            request_id, [0] * (num_tokens + 1), SamplingParams(), kv_transfer_params=params
-        )
-        num_external, _ = self.scheduler.get_num_new_matched_tokens(req, 0)
-        self.scheduler.update_state_after_alloc(req, block_ids, num_external)
-        self.worker.start_load_kv(self.scheduler.build_connector_meta(None))
-        deadline = time.monotonic() + 60
-        while request_id not in self.worker.get_finished()[1]:
-            if time.monotonic() > deadline:
-                raise TimeoutError(request_id)
-            time.sleep(50e-6)  # poll like an engine loop; leave P a core
-        if self.worker.get_block_ids_with_load_errors():
-            raise RuntimeError(f"load of {request_id} failed")
-        self.scheduler.update_connector_output(KVConnectorOutput(finished_recving=[request_id]))
-        req.status = RequestStatus.FINISHED_STOPPED
-        self.scheduler.request_finished(req, block_ids)
-
-
-def throughput_row(p, d: Decode, size_mib: int, rng, iters: int) -> dict:
+def throughput_row(pair: ReadPair, size_mib: int, rng, iters: int) -> dict:
     import torch
 
-    from kvtransfer.nixl_agent import split_block_runs
-
-    block_bytes = d.kv[0].numel() * d.kv.element_size()
+    block_bytes = pair.block_bytes
     num_blocks = size_mib * 2**20 // block_bytes
     num_bytes = num_blocks * block_bytes
     # fresh blocks every transfer (a few runs each, not in address order)
@@ -112,29 +55,30 @@ def throughput_row(p, d: Decode, size_mib: int, rng, iters: int) -> dict:
         for _ in range(iters + 1)
     ]
     # the same layout copied inside one process right after each READ (so both
-    # see the same machine load), with 1 thread (like the kernel's single-threaded
-    # cma copy) and with torch's default threads
-    src = torch.empty_like(d.kv).fill_(1.0)
+    # see the same machine load); on CPU with 1 thread (like the kernel's
+    # single-threaded cma copy) and with torch's default threads, on a GPU once
+    src = torch.empty_like(pair.kv).fill_(1.0)
     default_threads = torch.get_num_threads()
-    read_s, wall_s, copy_s = [], [], {1: [], default_threads: []}
+    on_cpu = pair.device == "cpu"
+    copy_s: dict[int, list[float]] = {1: [], default_threads: []} if on_cpu else {0: []}
+    read_s, wall_s = [], []
     num_descs: list[int] = []  # what the connector posted per READ
     for i, (local, remote) in enumerate(layouts):  # the first one warms up
         rid = f"tp-{size_mib}-{i}"
-        params = p.finish(rid, num_blocks * BLOCK_SIZE, remote)
+        params = pair.finish(rid, remote)
         t0 = time.perf_counter()
-        d.pull(rid, params, num_blocks * BLOCK_SIZE, local)
+        pair.pull(rid, params, local)
         wall = time.perf_counter() - t0
-        (read,) = d.worker.drain_transfer_seconds()
-        ((*_, descs, _, _),) = d.worker.drain_load_records()
+        (read,) = pair.worker.drain_transfer_seconds()
+        ((*_, descs, _, _),) = pair.worker.drain_load_records()
         num_descs.append(descs)
-        p.wait_done_sending(rid)
+        pair.prefill.wait_done_sending(rid)
         for threads in copy_s:
-            torch.set_num_threads(threads)
-            t0 = time.perf_counter()
-            for local_start, remote_start, n in split_block_runs(local, remote):
-                d.kv[local_start : local_start + n].copy_(src[remote_start : remote_start + n])
+            if threads:
+                torch.set_num_threads(threads)
+            copy = timed_copy_s(pair.kv, src, local, remote, pair.device)
             if i:
-                copy_s[threads].append(time.perf_counter() - t0)
+                copy_s[threads].append(copy)
         torch.set_num_threads(default_threads)
         if i:
             read_s.append(read)
@@ -148,29 +92,29 @@ def throughput_row(p, d: Decode, size_mib: int, rng, iters: int) -> dict:
         "descs": f"{min(num_descs)}-{max(num_descs)}",
         "nixl": read_gbs,
         "wall": num_bytes / statistics.median(wall_s) / 1e9,
-        "copy1": copy_gbs[1],
-        "copyn": copy_gbs[default_threads],
+        "copy1": copy_gbs.get(1, copy_gbs.get(0)),
+        "copyn": copy_gbs.get(default_threads, copy_gbs.get(0)),
         "ratio": read_gbs / max(copy_gbs.values()),
     }
 
 
-def handoff(p, d: Decode, iters: int) -> tuple[list[float], list[float]]:
+def handoff(pair: ReadPair, iters: int) -> tuple[list[float], list[float]]:
     """(P: params ready -> D's done processed, D: params received -> blocks filled)."""
     p_lat, d_lat = [], []
     for i in range(iters + 5):
         rid = f"h-{i}"
-        params = p.finish(rid, BLOCK_SIZE, [i % NUM_BLOCKS])
+        params = pair.finish(rid, [i % NUM_BLOCKS])
         t0 = time.perf_counter()
-        d.pull(rid, params, BLOCK_SIZE, [(i * 7) % NUM_BLOCKS])
+        pair.pull(rid, params, [(i * 7) % NUM_BLOCKS])
         d_s = time.perf_counter() - t0
-        p_s = p.wait_done_sending(rid)
+        p_s = pair.prefill.wait_done_sending(rid)
         if i >= 5:
             p_lat.append(p_s)
             d_lat.append(d_s)
     return p_lat, d_lat
 
 
-def setup_cost_us(num_pieces: int, iters: int = 200) -> tuple[float, float]:
+def setup_cost_us(num_pieces: int, device: str, iters: int = 200) -> tuple[float, float]:
     """Median microseconds to make (and free) a READ handle of ``num_pieces``
     one-block pieces, without transferring: NIXL preparing both lists per
     READ (``initialize_xfer``) vs indices into lists prepared once
@@ -184,7 +128,8 @@ def setup_cost_us(num_pieces: int, iters: int = 200) -> tuple[float, float]:
         NixlAgent(make_agent_name("setup-p", 0)),
         NixlAgent(make_agent_name("setup-d", 0), prepped_reads=True),
     )
-    kv_p, kv_d = torch.zeros((NUM_BLOCKS, 1024)), torch.zeros((NUM_BLOCKS, 1024))
+    kv_p = torch.zeros((NUM_BLOCKS, 1024), device=device)
+    kv_d = torch.zeros((NUM_BLOCKS, 1024), device=device)
     p_region, d_region = target.register(kv_p), reader.register(kv_d)
     peer = reader.add_peer(target.metadata)
     blocks = np.arange(0, 2 * num_pieces, 2, dtype=np.int64)  # every other block: no runs
@@ -192,13 +137,14 @@ def setup_cost_us(num_pieces: int, iters: int = 200) -> tuple[float, float]:
     remote = p_region.base_addr + blocks * p_region.block_len
     lengths = np.full(num_pieces, d_region.block_len, dtype=np.int64)
     agent, prepped = reader._agent, reader._prepped
+    mem = d_region.mem_type
     per_read, once = [], []
     for _ in range(iters):
         t0 = time.perf_counter()
         handle = agent.initialize_xfer(
             "READ",
-            agent.get_xfer_descs(_rows(local, lengths, 0), "DRAM"),
-            agent.get_xfer_descs(_rows(remote, lengths, 0), "DRAM"),
+            agent.get_xfer_descs(_rows(local, lengths, d_region.device_id), mem),
+            agent.get_xfer_descs(_rows(remote, lengths, p_region.device_id), mem),
             peer,
         )
         agent.release_xfer_handle(handle)
@@ -217,8 +163,9 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cpu", help="cpu (DRAM) or cuda[:N] (VRAM)")
     parser.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 16, 64, 256])
     parser.add_argument(
         "--iters", type=int, default=8, help="timed transfers per size (at least 64 / MiB)"
@@ -232,58 +179,62 @@ def main() -> None:
         action="store_true",
         help="whole-block READs index block lists prepared once (nixl_prepped_reads)",
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    message = no_device_message(args.device)
+    if message is not None:
+        print(f"kv_transfer: {message}; nothing measured")
+        return 0
     if args.ucx_tls:
         os.environ["UCX_TLS"] = args.ucx_tls
 
     import numpy as np
     import torch
 
-    from tests.kvtransfer.prefill_process import PrefillProcess
     from wire.auth import generate_secret
 
     config = {
         "cluster_secret": generate_secret(),  # CURVE on the side channel, as served
-        "block_size": BLOCK_SIZE,
         "model_name": "bench",
         "nixl_progress_thread": args.progress_thread,
         "notification_transport": args.notify,
         "nixl_prepped_reads": args.prepped_lists,
     }
     rng = np.random.default_rng(SEED)
-    p = PrefillProcess(
-        {"engine_id": "bench-p", **config}, (NUM_BLOCKS, *BLOCK_SHAPE), SEED, poll_interval_s=0.0001
-    )
-    d = Decode(config)
-    d.scheduler.set_prefill_endpoints([p.endpoint])  # what the cluster registers
+    pair = ReadPair(config, args.device)
     try:
         rows = [
-            throughput_row(p, d, size, rng, max(args.iters, 64 // size)) for size in args.sizes_mib
+            throughput_row(pair, size, rng, max(args.iters, 64 // size)) for size in args.sizes_mib
         ]
-        p_lat, d_lat = handoff(p, d, args.handoff_iters)
-        ping_s = [p.ping() for _ in range(args.handoff_iters)]
+        p_lat, d_lat = handoff(pair, args.handoff_iters)
+        ping_s = [pair.prefill.ping() for _ in range(args.handoff_iters)]
+        block_kib = pair.block_bytes // 1024
     finally:
-        d.worker.shutdown()
-        p.close()
+        pair.close()
 
     from importlib.metadata import version
 
+    memory = "VRAM" if args.device.startswith("cuda") else "DRAM"
     print(
         f"\nKV transfer, 2 processes, NIXL {version('nixl')} UCX (UCX_TLS="
         f"{os.environ.get('UCX_TLS', 'default')}, progress thread "
         f"{'on' if args.progress_thread else 'off'}, notifications via {args.notify}, "
         f"{'prepped block lists' if args.prepped_lists else 'lists prepared per READ'})\n"
-        f"{cpu_name()}, {os.cpu_count()} cores, "
+        f"KV in {memory}: {device_name(args.device)}; "
         f"torch {torch.__version__} ({torch.get_num_threads()} threads)"
     )
     print(
-        f"blocks-first fp32 KV, {d.kv[0].numel() * 4 // 1024} KiB/block, fresh blocks per "
+        f"blocks-first fp32 KV, {block_kib} KiB/block, fresh blocks per "
         f"transfer; medians over >= {args.iters} transfers after a warm-up\n"
     )
     threads = torch.get_num_threads()
+    copies = (
+        f"{'copy 1 thr':>11} {f'copy {threads} thr':>11}"
+        if memory == "DRAM"
+        else f"{'dev copy':>11} {'dev copy':>11}"
+    )
     print(
         f"{'size':>8} {'blocks':>6} {'descs':>5} {'NIXL READ':>10} {'+connector':>11} "
-        f"{'copy 1 thr':>11} {f'copy {threads} thr':>11} {'READ/best copy':>15}   (GB/s)"
+        f"{copies} {'READ/best copy':>15}   (GB/s)"
     )
     for r in rows:
         print(
@@ -293,7 +244,7 @@ def main() -> None:
     print("\nREAD set-up (make + free a handle, no transfer), median us:")
     print(f"{'pieces':>8} {'prep per READ':>14} {'prepped lists':>14}")
     for num_pieces in (1, 16, 256):
-        per_read_us, once_us = setup_cost_us(num_pieces)
+        per_read_us, once_us = setup_cost_us(num_pieces, args.device)
         print(f"{num_pieces:>8} {per_read_us:>14.1f} {once_us:>14.1f}")
     print(
         f"\nhandoff, 1-block request, {len(p_lat)} iterations after the first handshake:\n"
@@ -304,7 +255,8 @@ def main() -> None:
         f"  for scale, a pipe round trip D->P->D: p50 {pct(ping_s, 0.5) * 1e3:.2f} ms, "
         f"p99 {pct(ping_s, 0.99) * 1e3:.2f} ms; load average {os.getloadavg()[0]:.1f}"
     )
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -70,6 +70,7 @@ from kvtransfer.side_channel import (
     HandshakeInfo,
     Notification,
     NotificationSender,
+    RegionInfo,
     SideChannelServer,
 )
 from kvtransfer.tp_plan import BlockGeometry, HeadRead, plan_rank_reads, read_descriptors, shard_for
@@ -218,6 +219,17 @@ class NixlWorkerSide(KVConnectorWorkerSide):
             malformed.update(self._server.malformed_frames.snapshot())
             auth.update(self._server.auth.failures())
         return {"malformed_frames": malformed, "auth_failures": auth}
+
+    def ready_peer(
+        self, engine_id: str, epoch: int, rank: int = 0
+    ) -> tuple[str, RegionInfo] | None:
+        """``(agent name, registered region)`` of rank ``rank`` of a prefill
+        engine incarnation this worker finished a handshake with, else None.
+        For benchmarks that post raw READs through ``self.agent``."""
+        peer = self._peers.find(PeerAddr(engine_id, epoch, "", 0), rank)  # keyed by id + epoch
+        if peer is None or not peer.ready or peer.region is None:
+            return None
+        return peer.agent_name, peer.region
 
     @property
     def side_channel_port(self) -> int | None:
