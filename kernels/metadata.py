@@ -50,7 +50,8 @@ class AttentionMetadata:
     ``seq_lens_list`` / ``query_lens_list`` are host copies so the CPU path never syncs.
     ``derived`` is a per-step scratch dict where kernels cache index tensors they compute from
     the fields above (shared by all layers of the step); never reuse a metadata across steps
-    after mutating its tensors.
+    after mutating its tensors. ``sdpa_prefills``: sequences whose query is their whole context
+    attend with SDPA on this step's K/V instead of the paged kernel (``kernels.prefill_attention``).
     """
 
     slot_mapping: torch.Tensor  # [num_tokens] int64
@@ -62,6 +63,7 @@ class AttentionMetadata:
     seq_lens_list: list[int]
     query_lens_list: list[int]
     derived: dict[str, Any] = field(default_factory=dict, repr=False)
+    sdpa_prefills: bool = False
 
     @property
     def num_seqs(self) -> int:

@@ -7,6 +7,9 @@ runs::
     tokens   | decodes in dense rows (num_dense) | everything else (paged)          |
     K/V      written to the paged cache for ALL tokens (it stays the source of truth)
     attend   DenseDecodeStep.attend              paged_attention(meta=paged)
+
+Paged metadata with ``sdpa_prefills`` set sends its prefix-free prefills through SDPA on the
+fresh K/V instead (``kernels.prefill_attention``); decodes, chunks and prefix hits stay paged.
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import AttentionMetadata, paged_attention, write_kv_cache
+from kernels import AttentionMetadata, write_kv_cache
+from kernels.prefill_attention import attend as paged_or_sdpa
 from workers.dense_decode import DenseDecodeStep
 
 
@@ -59,10 +63,10 @@ def attend(
     write them with ``kernels.dispatch.rope_write_kv``); ``k``/``v`` feed the dense rows."""
     layer_cache = kv_cache[:, layer_idx]
     if isinstance(meta, AttentionMetadata):
-        return paged_attention(q, layer_cache, meta, scale)
+        return paged_or_sdpa(q, k, v, layer_cache, meta, scale)
     n = meta.dense.num_tokens
     out = meta.dense.attend(layer_idx, q[:n], k[:n], v[:n], layer_cache, scale)
     if meta.paged is None:
         return out
-    rest = paged_attention(q[n:], layer_cache, meta.paged, scale)
+    rest = paged_or_sdpa(q[n:], k[n:], v[n:], layer_cache, meta.paged, scale)
     return torch.cat((out, rest))

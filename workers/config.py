@@ -18,6 +18,9 @@ from scheduler.block_hash import HASH_ALGOS, get_block_hasher
 from scheduler.policies import POLICIES, check_fields
 from workers.graphs.sizes import capture_sizes, parse_cuda_graph_sizes
 
+# EngineConfig.prefill_attention (kernels/prefill_attention.py)
+PREFILL_ATTENTION_MODES = ("auto", "triton", "sdpa")
+
 
 @dataclass
 class EngineConfig:
@@ -58,6 +61,9 @@ class EngineConfig:
     # 16 up to max_num_seqs; workers/graphs/); enforce_eager captures none. CPU ignores both.
     cuda_graph_sizes: list[int] | None = None
     enforce_eager: bool = False
+    # how prefix-free prefills (query = whole context) attend (kernels/prefill_attention.py):
+    # auto (SDPA on CUDA in fp16/bf16, else the paged kernel) | triton (always paged) | sdpa
+    prefill_attention: str = "auto"
     # start-up probe READ reporting UCX's transport (kvtransfer/ucx/probe.py):
     # auto (on with CUDA) | on | off
     kv_transport_probe: str = "auto"
@@ -123,6 +129,11 @@ class EngineConfig:
         get_block_hasher(self.prefix_caching_hash_algo)  # ValueError naming the field
         capture_sizes(self.max_num_seqs, self.cuda_graph_sizes)  # names cuda_graph_sizes
         check_fields(self)  # policy, admission margin, partial prefill limits
+        if self.prefill_attention not in PREFILL_ATTENTION_MODES:
+            raise ValueError(
+                f"prefill_attention must be one of {', '.join(PREFILL_ATTENTION_MODES)}, "
+                f"got {self.prefill_attention!r}"
+            )
         if self.kv_transport_probe not in ("auto", "on", "off"):
             raise ValueError(
                 f"kv_transport_probe must be auto, on or off, got {self.kv_transport_probe!r}"
@@ -212,6 +223,13 @@ _FLAGS: list[tuple[str, str, Any, str]] = [
         _sizes_arg,
         "CUDA: decode batch sizes to capture as graphs, e.g. 1,2,4,8 "
         "(default 1,2,4,8,16,32,... up to --max-num-seqs)",
+    ),
+    (
+        "--prefill-attention",
+        "prefill_attention",
+        str,
+        "auto | triton | sdpa: prefix-free prefills through torch SDPA (auto: CUDA fp16/bf16) "
+        "or the paged Triton kernel",
     ),
     (
         "--kv-transport-probe",

@@ -159,6 +159,7 @@ class EngineCore:
             seed=config.seed,
             dense_decode_bytes=config.dense_decode_bytes,
             decode_graphs=build_decode_graphs(config, self.model, self.kv_cache, max_len),
+            prefill_attention=config.prefill_attention,
         )
         if self.tp is not None:
             self.runner = self.tp.start(self.runner)

@@ -24,6 +24,7 @@ import torch
 
 from kernels import AttentionMetadata
 from kernels.metadata import host_to_device
+from kernels.prefill_attention import use_sdpa_prefills
 from scheduler.messages import (
     KVConnectorOutput,
     Logprobs,
@@ -72,6 +73,7 @@ class ModelRunner:
         seed: int | None = 0,
         dense_decode_bytes: int | None = None,
         decode_graphs: DecodeGraphRunner | None = None,
+        prefill_attention: str = "auto",
     ) -> None:
         self.model = model
         self.graphs = decode_graphs  # CUDA: decode-only steps replay a captured graph
@@ -81,6 +83,8 @@ class ModelRunner:
         self.eos_token_id = eos_token_id
         self.connector = connector
         self.sampler = Sampler(seed)
+        # prefix-free prefills through SDPA on their own K/V (kernels/prefill_attention.py)
+        self.sdpa_prefills = use_sdpa_prefills(prefill_attention, self.device, kv_cache.dtype)
         self.requests: dict[str, _ReqState] = {}
         # penalties / logit bias / bad words of the requests that use them
         self.extras = SamplingExtras(model.vocab_size, self.device)
@@ -271,7 +275,9 @@ class ModelRunner:
     ) -> StepMetadata:
         dev, bs = self.device, self.block_size
         if dense_step is None:
-            return AttentionMetadata.build(block_tables, seq_lens, query_lens, bs, dev)
+            meta = AttentionMetadata.build(block_tables, seq_lens, query_lens, bs, dev)
+            meta.sdpa_prefills = self.sdpa_prefills
+            return meta
         n = dense_step.num_tokens
         dense_slots = [
             table[pos // bs] * bs + pos % bs for table, pos in zip(block_tables[:n], positions)
@@ -280,5 +286,6 @@ class ModelRunner:
         slot_mapping = torch.tensor(dense_slots, dtype=torch.long, device=dev)
         if len(block_tables) > n:
             paged = AttentionMetadata.build(block_tables[n:], seq_lens[n:], query_lens[n:], bs, dev)
+            paged.sdpa_prefills = self.sdpa_prefills
             slot_mapping = torch.cat((slot_mapping, paged.slot_mapping.long()))
         return SplitAttention(slot_mapping, dense_step, paged)

@@ -149,6 +149,7 @@ def _build_rank(spec: WorkerSpec) -> tuple[Any, Any]:
         connector=connector,
         seed=config.seed,
         dense_decode_bytes=config.dense_decode_bytes,
+        prefill_attention=config.prefill_attention,
     )
     return runner, connector
 

@@ -1,0 +1,102 @@
+"""``--prefill-attention sdpa`` through the CUDA code path on CPU (Triton under the interpreter):
+prefix-free prefills attend with SDPA on their own K/V while decodes, later chunks and prefix
+hits use the paged kernel; greedy tokens equal transformers' and the plain path's, and a mixed
+step's hidden states stay close to the all-paged step's."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of the Triton kernels
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from kernels import AttentionMetadata, prefill_attention  # noqa: E402
+from scheduler.messages import SamplingParams  # noqa: E402
+from tests.workers.hf_checkpoints import load_hf_model  # noqa: E402
+from tests.workers.test_engine import hf_greedy  # noqa: E402
+from workers.config import EngineConfig, add_engine_arguments, engine_overrides  # noqa: E402
+from workers.llm import LLM  # noqa: E402
+from workers.loader import load_model  # noqa: E402
+
+NUM_NEW = 3
+
+
+@pytest.fixture(autouse=True)
+def force_triton(monkeypatch):
+    monkeypatch.setenv("TANDEM_FORCE_TRITON", "1")
+
+
+@pytest.mark.parametrize("arch,dense_decode_bytes", [("llama", 0), ("qwen3", None)])
+def test_sdpa_split_tokens_equal_transformers(make_checkpoint, arch, dense_decode_bytes):
+    """Chunked prefill (budget 8: a first chunk is fresh, the next one paged), decodes in the
+    same steps, then a prompt that hits the prefix cache (paged); with the CPU dense-decode
+    rows too (qwen3: dense_decode_bytes default)."""
+    path = make_checkpoint(arch, num_hidden_layers=1)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (5, 11, 1)]
+    later = [prompts[1][:8] + [9, 10]]  # shares two full blocks with prompts[1]
+    params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
+    config = EngineConfig(
+        model=path,
+        block_size=4,
+        max_num_batched_tokens=8,
+        num_kv_blocks=32,
+        prefill_attention="sdpa",
+        dense_decode_bytes=dense_decode_bytes,
+    )
+    llm = LLM(config)
+    assert llm.engine.runner.sdpa_prefills
+    before = prefill_attention.NUM_CALLS.copy()
+    results = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    results += llm.generate(prompt_token_ids=later, sampling_params=params)
+    assert prefill_attention.NUM_CALLS["sdpa_groups"] > before["sdpa_groups"]
+    assert results[-1].num_cached_tokens == 8  # the later prompt attended through the cache
+    llm.engine.check_integrity()
+    hf = load_hf_model(path)
+    assert [r.token_ids for r in results] == [hf_greedy(hf, p, NUM_NEW) for p in prompts + later]
+
+
+def test_mixed_step_hidden_states_close_to_all_paged(make_checkpoint):
+    path = make_checkpoint("llama", num_hidden_layers=2)
+    model, _ = load_model(path, "float32")
+    block_size = 4
+    # step 1: prompts a (6) and b (3); step 2: a decodes, b gets a chunk, c and d are new
+    steps = [
+        [("a", 6, 6), ("b", 3, 3)],
+        [("a", 7, 1), ("b", 9, 6), ("c", 5, 5), ("d", 12, 12)],
+    ]
+    hidden = {}
+    for sdpa in (False, True):
+        kv_cache = torch.zeros(
+            32, model.num_layers, 2, block_size, model.num_kv_heads, model.head_dim
+        )
+        tables = {"a": [3, 7], "b": [1, 9, 4], "c": [12, 2], "d": [5, 11, 8]}
+        g = torch.Generator().manual_seed(0)
+        for step in steps:
+            ids = torch.randint(3, 300, (sum(q for _, _, q in step),), generator=g)
+            positions = torch.cat([torch.arange(s - q, s) for _, s, q in step])
+            meta = AttentionMetadata.build(
+                [tables[name] for name, _, _ in step],
+                [s for _, s, _ in step],
+                [q for _, _, q in step],
+                block_size,
+            )
+            meta.sdpa_prefills = sdpa
+            with torch.inference_mode():
+                out = model(ids, positions, kv_cache, meta)
+        hidden[sdpa] = out
+    assert prefill_attention.get_split(meta).paged.query_lens_list == [1, 6]
+    torch.testing.assert_close(hidden[True], hidden[False], atol=1e-5, rtol=1e-5)
+
+
+def test_flag_and_field_errors():
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    args = parser.parse_args(["--prefill-attention", "sdpa"])
+    assert engine_overrides(args) == {"prefill_attention": "sdpa"}
+    assert EngineConfig(**engine_overrides(args)).prefill_attention == "sdpa"
+    with pytest.raises(ValueError, match="prefill_attention must be one of auto, triton, sdpa"):
+        EngineConfig(prefill_attention="flash")
