@@ -16,7 +16,14 @@ from typing import Any
 
 from scheduler.block_hash import HASH_ALGOS, get_block_hasher
 from scheduler.policies import POLICIES, check_fields
-from workers.graphs.sizes import capture_sizes, parse_cuda_graph_sizes
+from workers.graphs.sizes import (
+    CUDA_GRAPH_MODES,
+    DEFAULT_CUDA_GRAPH_MODE,
+    capture_sizes,
+    check_cuda_graph_mode,
+    parse_cuda_graph_sizes,
+    piecewise_sizes,
+)
 
 # EngineConfig.prefill_attention (kernels/prefill_attention.py)
 PREFILL_ATTENTION_MODES = ("auto", "triton", "sdpa")
@@ -57,9 +64,14 @@ class EngineConfig:
     # "head_major" (a head slice of a block is one piece: cheaper KV reads
     # between engines of different tensor-parallel sizes). P and D must agree.
     kv_layout: str = "blocks_first"
-    # CUDA: decode batch sizes captured as CUDA graphs (None = 1, 2, 4, 8, 16, then every
-    # 16 up to max_num_seqs; workers/graphs/); enforce_eager captures none. CPU ignores both.
+    # CUDA graphs (workers/graphs/; CPU ignores all four): which steps replay graphs
+    # (decode | piecewise | full_and_piecewise | none, workers/graphs/sizes.py), the decode
+    # batch sizes captured whole (None = 1, 2, 4, 8, 16, then every 16 up to max_num_seqs),
+    # the step token counts captured piecewise (None = 1, 2, 4, 8, then every 16 up to
+    # min(512, max_num_batched_tokens)); enforce_eager captures none, whatever the mode.
+    cuda_graph_mode: str = DEFAULT_CUDA_GRAPH_MODE
     cuda_graph_sizes: list[int] | None = None
+    piecewise_graph_sizes: list[int] | None = None
     enforce_eager: bool = False
     # how prefix-free prefills (query = whole context) attend (kernels/prefill_attention.py):
     # auto (SDPA on CUDA in fp16/bf16, else the paged kernel) | triton (always paged) | sdpa
@@ -128,6 +140,8 @@ class EngineConfig:
             )
         get_block_hasher(self.prefix_caching_hash_algo)  # ValueError naming the field
         capture_sizes(self.max_num_seqs, self.cuda_graph_sizes)  # names cuda_graph_sizes
+        check_cuda_graph_mode(self.cuda_graph_mode)
+        piecewise_sizes(self.max_num_batched_tokens, self.piecewise_graph_sizes)
         check_fields(self)  # policy, admission margin, partial prefill limits
         if self.prefill_attention not in PREFILL_ATTENTION_MODES:
             raise ValueError(
@@ -162,6 +176,20 @@ class EngineConfig:
 def _sizes_arg(text: str) -> list[int]:
     try:
         return parse_cuda_graph_sizes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _token_sizes_arg(text: str) -> list[int]:
+    try:
+        return parse_cuda_graph_sizes(text, "piecewise_graph_sizes")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _mode_arg(text: str) -> str:
+    try:
+        return check_cuda_graph_mode(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -232,6 +260,20 @@ _FLAGS: list[tuple[str, str, Any, str]] = [
         "or the paged Triton kernel",
     ),
     (
+        "--cuda-graph-mode",
+        "cuda_graph_mode",
+        _mode_arg,
+        f"CUDA: {' | '.join(CUDA_GRAPH_MODES)}: steps that replay graphs "
+        f"(default {DEFAULT_CUDA_GRAPH_MODE}: decode-only batches)",
+    ),
+    (
+        "--piecewise-graph-sizes",
+        "piecewise_graph_sizes",
+        _token_sizes_arg,
+        "CUDA: step token counts captured piecewise, e.g. 16,32,64 "
+        "(default 1,2,4,8,16,32,... up to min(512, --max-num-batched-tokens))",
+    ),
+    (
         "--kv-transport-probe",
         "kv_transport_probe",
         str,
@@ -254,7 +296,7 @@ _BOOL_OFF_FLAGS = [
 ]
 # Booleans that default to off get --X (store_true).
 _BOOL_ON_FLAGS = [
-    ("--enforce-eager", "enforce_eager", "CUDA: no decode CUDA graphs (every step eager)"),
+    ("--enforce-eager", "enforce_eager", "CUDA: no CUDA graphs (every step eager)"),
 ]
 
 

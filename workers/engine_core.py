@@ -36,7 +36,8 @@ from scheduler.messages import (
 )
 from wire.frames import FrameCounters, FrameSpec, MalformedFrame, MiB, peer_address
 from workers.config import EngineConfig
-from workers.graphs.runner import build_decode_graphs
+from workers.graphs.build import build_step_graphs
+from workers.graphs.memory import profile_step_memory
 from workers.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for
 from workers.kv_events_publisher import KVEventPublisher
 from workers.loader import end_token_ids, load_model, resolve_model_path
@@ -99,12 +100,15 @@ class EngineCore:
         block_bytes = bytes_per_block(
             m.num_layers, config.block_size, m.num_kv_heads, m.head_dim, self.dtype
         )
+        # activation peak and CUDA graphs, measured to come out of the KV budget (CUDA only)
+        self.step_memory = profile_step_memory(config, m, max_len)
         num_blocks = num_blocks_for(
             block_bytes=block_bytes,
             num_kv_blocks=config.num_kv_blocks,
             kv_cache_memory=config.kv_cache_memory,
             gpu_memory_utilization=config.gpu_memory_utilization,
             device=device,
+            step_bytes=self.step_memory.num_bytes,
         )
         if self.tp is not None:
             num_blocks = self.tp.agree_num_blocks(num_blocks)
@@ -150,6 +154,9 @@ class EngineCore:
                 config.cluster_secret,
                 config.kv_events_queue_batches,
             )
+        self.graphs = graphs = build_step_graphs(
+            config, self.model, self.kv_cache, max_len, self.step_memory.graph_bytes
+        )
         self.runner = ModelRunner(
             self.model,
             self.kv_cache,
@@ -158,7 +165,8 @@ class EngineCore:
             connector=self.connector_worker,
             seed=config.seed,
             dense_decode_bytes=config.dense_decode_bytes,
-            decode_graphs=build_decode_graphs(config, self.model, self.kv_cache, max_len),
+            decode_graphs=graphs.decode,
+            piecewise_graphs=graphs.piecewise,
             prefill_attention=config.prefill_attention,
         )
         if self.tp is not None:

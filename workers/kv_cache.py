@@ -17,11 +17,14 @@ descriptor instead of ``L*2*bs`` (``kvtransfer/tp_plan.py``).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
 
 from kvtransfer.compat import BLOCKS_FIRST, KV_LAYOUTS, STORAGE_ORDER
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
 
@@ -34,7 +37,12 @@ def bytes_per_block(
 
 
 def gpu_kv_budget_bytes(
-    *, total_bytes: int, free_bytes: int, own_bytes: int, gpu_memory_utilization: float
+    *,
+    total_bytes: int,
+    free_bytes: int,
+    own_bytes: int,
+    gpu_memory_utilization: float,
+    step_bytes: int = 0,
 ) -> int:
     """Bytes this engine may give its KV cache on a GPU it may share.
 
@@ -42,18 +50,20 @@ def gpu_kv_budget_bytes(
     what it already holds there (``own_bytes``: its torch allocator's
     reservation, i.e. weights) comes out of that share, not what other
     processes hold: two engines of 0.45 on one GPU each get 0.45 of it,
-    whichever starts second::
+    whichever starts second. So does what it will hold besides the cache
+    (``step_bytes``: the activation peak and the CUDA graphs, measured by
+    ``workers.graphs.memory.profile_step_memory``)::
 
-        |<------------------------- total ------------------------->|
-        | A: weights + KV = 0.45 | B: weights + KV = 0.45 | 0.10 free |
+        |<------------------------------- total ------------------------------->|
+        | A: weights + steps + KV = 0.45 | B: weights + steps + KV = 0.45 | free |
 
     (Subtracting the device-wide used memory instead, the second engine
-    would count the first one's share against its own.) The budget must
-    also fit in what is free now; if it does not, other processes hold more
-    than the rest of the GPU: ValueError naming the flag.
+    would count the first one's share against its own.) The cache and the
+    step bytes must also fit in what is free now; if they do not, other
+    processes hold more than the rest of the GPU: ValueError naming the flag.
     """
-    budget = int(total_bytes * gpu_memory_utilization) - own_bytes
-    if budget > free_bytes:
+    budget = int(total_bytes * gpu_memory_utilization) - own_bytes - step_bytes
+    if budget + step_bytes > free_bytes:
         gib = 2**30
         raise ValueError(
             f"--gpu-memory-utilization {gpu_memory_utilization} leaves this engine "
@@ -74,11 +84,12 @@ def num_blocks_for(
     device: torch.device,
     mem_get_info: Callable[[torch.device], tuple[int, int]] | None = None,
     memory_reserved: Callable[[torch.device], int] | None = None,
+    step_bytes: int = 0,
 ) -> int:
     """Explicit count wins; otherwise memory bytes (CPU: ``kv_cache_memory``,
     default 1 GiB; CUDA: ``gpu_kv_budget_bytes``, after the weights are
-    loaded). ``mem_get_info`` / ``memory_reserved`` default to torch.cuda's
-    (tests pass fakes)."""
+    loaded, less ``step_bytes`` for activations and graphs). ``mem_get_info``
+    / ``memory_reserved`` default to torch.cuda's (tests pass fakes)."""
     if num_kv_blocks is not None:
         return num_kv_blocks
     if kv_cache_memory is not None:
@@ -91,6 +102,17 @@ def num_blocks_for(
             free_bytes=free,
             own_bytes=own,
             gpu_memory_utilization=gpu_memory_utilization,
+            step_bytes=step_bytes,
+        )
+        gib = 2**30
+        logger.info(
+            "KV cache budget %.2f GiB = %.2f x %.2f GiB - weights %.2f GiB - "
+            "activations and CUDA graphs %.2f GiB",
+            budget / gib,
+            gpu_memory_utilization,
+            total / gib,
+            own / gib,
+            step_bytes / gib,
         )
     else:
         budget = DEFAULT_CPU_KV_BYTES

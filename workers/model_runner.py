@@ -35,6 +35,7 @@ from scheduler.messages import (
 from workers.attention import SplitAttention, StepMetadata
 from workers.cpu_allocator import tune_malloc_for_inference
 from workers.dense_decode import DenseDecodeKV, DenseDecodeStep
+from workers.graphs.piecewise import PiecewiseGraphRunner
 from workers.graphs.runner import DecodeGraphRunner
 from workers.sampler import Sampler
 from workers.sampling.prompt_logprobs import prompt_logprobs
@@ -73,10 +74,12 @@ class ModelRunner:
         seed: int | None = 0,
         dense_decode_bytes: int | None = None,
         decode_graphs: DecodeGraphRunner | None = None,
+        piecewise_graphs: PiecewiseGraphRunner | None = None,
         prefill_attention: str = "auto",
     ) -> None:
         self.model = model
         self.graphs = decode_graphs  # CUDA: decode-only steps replay a captured graph
+        self.piecewise = piecewise_graphs  # CUDA: other steps replay pieces around attention
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = kv_cache.device
@@ -195,7 +198,9 @@ class ModelRunner:
         hidden = None
         if self.graphs is not None and dense_step is None:
             hidden = self.graphs.run(input_ids, positions, block_tables, seq_lens)
-        if hidden is None:  # eager: prefills, mixed steps, no graph for this batch, CPU
+        if hidden is None and self.piecewise is not None and dense_step is None:
+            hidden = self.piecewise.run(input_ids, positions, block_tables, seq_lens, query_lens)
+        if hidden is None:  # eager: no graph for this step (mode, bucket), CPU
             meta = self._metadata(block_tables, seq_lens, query_lens, positions, dense_step)
             ids_t = host_to_device(torch.tensor(input_ids, dtype=torch.long), dev)
             pos_t = host_to_device(torch.tensor(positions, dtype=torch.long), dev)

@@ -39,16 +39,17 @@ NUM_WARMUP_RUNS = 2
 
 
 class GraphBackend(Protocol):
-    def capture(self, forward: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    def capture(self, forward: Callable[[], Any]) -> Callable[[], Any]:
         """Record ``forward`` (reads only static buffers); return a replay that re-runs it
-        and returns its output tensor (the same tensor every time for a real graph)."""
+        and returns its output (the same tensor every time for a real graph; None for a
+        piece that writes its results into static buffers)."""
         ...
 
 
 class EagerBackend:
     """Replay = call ``forward`` again: the graph runner without CUDA (CPU tests)."""
 
-    def capture(self, forward: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    def capture(self, forward: Callable[[], Any]) -> Callable[[], Any]:
         return forward
 
 
@@ -60,7 +61,7 @@ class CudaGraphBackend:
         self.pool: Any = None
         self.graphs: list[torch.cuda.CUDAGraph] = []
 
-    def capture(self, forward: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    def capture(self, forward: Callable[[], Any]) -> Callable[[], Any]:
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
@@ -74,11 +75,19 @@ class CudaGraphBackend:
             self.pool = graph.pool()
         self.graphs.append(graph)
 
-        def replay() -> torch.Tensor:
+        def replay() -> Any:
             graph.replay()
             return output
 
         return replay
+
+    def release(self) -> None:
+        """Destroy every graph and drop the pool (after a memory-profiling capture); the
+        memory returns to the device at the caller's ``torch.cuda.empty_cache()``."""
+        for graph in self.graphs:
+            graph.reset()
+        self.graphs.clear()
+        self.pool = None
 
 
 @dataclass
@@ -116,30 +125,26 @@ class DecodeGraphRunner:
         return bucket_for(num_seqs, self.sizes)
 
     @torch.inference_mode()
-    def capture(self) -> CaptureReport:
+    def capture(self, log: bool = True) -> CaptureReport:
         """Capture every bucket, largest first, over all-padding inputs (nothing is written
         to the KV cache: every slot is -1)."""
-        on_cuda = self.kv_cache.device.type == "cuda"
-        if on_cuda:
-            torch.cuda.synchronize(self.kv_cache.device)
-            free_before = torch.cuda.mem_get_info(self.kv_cache.device)[0]
-        start = time.perf_counter()
-        for size in reversed(self.sizes):
-            self.inputs.fill([], [], [], [], size)
-            self.replays[size] = self.backend.capture(self._forward_fn(size))
-            self.num_replays[size] = 0
-        num_bytes = 0
-        if on_cuda:
-            torch.cuda.synchronize(self.kv_cache.device)
-            num_bytes = max(0, free_before - torch.cuda.mem_get_info(self.kv_cache.device)[0])
-        report = CaptureReport(list(self.sizes), time.perf_counter() - start, num_bytes)
-        logger.info(
-            "captured %d decode graphs (batch sizes %s) in %.2f s, %.1f MiB of device memory",
-            len(report.sizes),
-            _compact(report.sizes),
-            report.seconds,
-            report.num_bytes / 2**20,
-        )
+
+        def capture_all() -> None:
+            for size in reversed(self.sizes):
+                self.inputs.fill([], [], [], [], size)
+                self.replays[size] = self.backend.capture(self._forward_fn(size))
+                self.num_replays[size] = 0
+
+        seconds, num_bytes = timed_capture(self.kv_cache.device, capture_all)
+        report = CaptureReport(list(self.sizes), seconds, num_bytes)
+        if log:
+            logger.info(
+                "captured %d decode graphs (batch sizes %s) in %.2f s, %.1f MiB of device memory",
+                len(report.sizes),
+                _compact(report.sizes),
+                report.seconds,
+                report.num_bytes / 2**20,
+            )
         return report
 
     def _forward_fn(self, size: int) -> Callable[[], torch.Tensor]:
@@ -185,10 +190,7 @@ def build_decode_graphs(
     ``config``: an ``EngineConfig`` (``max_num_seqs``, ``cuda_graph_sizes``,
     ``enforce_eager``, ``block_size``, ``tensor_parallel_size``).
     """
-    if kv_cache.device.type != "cuda" or config.enforce_eager:
-        return None
-    if getattr(config, "tensor_parallel_size", 1) > 1:
-        logger.info("tensor-parallel engine: decode CUDA graphs off (eager steps)")
+    if not graphs_allowed(config, kv_cache.device):
         return None
     runner = DecodeGraphRunner(
         model,
@@ -200,6 +202,33 @@ def build_decode_graphs(
     )
     runner.capture()
     return runner
+
+
+def graphs_allowed(config: Any, device: torch.device) -> bool:
+    """CUDA graphs of any kind: only on CUDA, without ``enforce_eager``, and on one GPU (a
+    rank-0 capture would issue collectives the other ranks never join; TP engines run eager)."""
+    if device.type != "cuda" or config.enforce_eager:
+        return False
+    if getattr(config, "tensor_parallel_size", 1) > 1:
+        logger.info("tensor-parallel engine: CUDA graphs off (eager steps)")
+        return False
+    return True
+
+
+def timed_capture(device: torch.device, capture: Callable[[], None]) -> tuple[float, int]:
+    """Run ``capture``; return its seconds and the device memory it took (free memory before
+    minus after, so graph pools and the driver's graph objects both count; 0 off CUDA)."""
+    on_cuda = device.type == "cuda"
+    if on_cuda:
+        torch.cuda.synchronize(device)
+        free_before = torch.cuda.mem_get_info(device)[0]
+    start = time.perf_counter()
+    capture()
+    num_bytes = 0
+    if on_cuda:
+        torch.cuda.synchronize(device)
+        num_bytes = max(0, free_before - torch.cuda.mem_get_info(device)[0])
+    return time.perf_counter() - start, num_bytes
 
 
 def _compact(sizes: list[int]) -> str:

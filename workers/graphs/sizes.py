@@ -1,4 +1,5 @@
-"""Which decode batch sizes get a CUDA graph, and the ``--cuda-graph-sizes`` flag.
+"""Which steps get a CUDA graph: the ``--cuda-graph-mode`` values, the decode batch sizes
+(``--cuda-graph-sizes``) and the piecewise token sizes (``--piecewise-graph-sizes``).
 
 Default buckets, as vLLM's: 1, 2, 4, 8, 16, then every 16 up to ``max_num_seqs``, plus
 ``max_num_seqs`` itself so every decode batch the scheduler can form has a graph::
@@ -6,12 +7,42 @@ Default buckets, as vLLM's: 1, 2, 4, 8, 16, then every 16 up to ``max_num_seqs``
     max_num_seqs 40  ->  1 2 4 8 16 32 40
     a batch of 19 decodes replays the 32 graph (13 padding rows)
 
-Pure Python (no torch): ``EngineConfig`` validates the flag with it.
+Piecewise graphs are bucketed by the step's token count (prefills and chunks included):
+1, 2, 4, 8, then every 16 up to ``min(512, max_num_batched_tokens)``, plus that cap. Larger
+steps run eager: they are compute-bound, and their launches hide behind the matmuls.
+
+Pure Python (no torch): ``EngineConfig`` validates the flags with it.
 """
 
 from __future__ import annotations
 
 import bisect
+
+# --cuda-graph-mode (vLLM's names in brackets):
+#   decode              full graphs for decode-only batches, other steps eager [FULL_DECODE_ONLY]
+#   piecewise           every step up to the largest token size: pieces between attentions
+#   full_and_piecewise  decode-only batches full, the other steps piecewise
+#   none                every step eager (as --enforce-eager)
+CUDA_GRAPH_MODES = ("decode", "piecewise", "full_and_piecewise", "none")
+DEFAULT_CUDA_GRAPH_MODE = "decode"  # until a GPU run shows piecewise is faster on mixed steps
+MAX_DEFAULT_PIECEWISE_TOKENS = 512
+
+
+def check_cuda_graph_mode(mode: str) -> str:
+    """``mode`` if it is one of ``CUDA_GRAPH_MODES``; ValueError naming ``cuda_graph_mode``."""
+    if mode not in CUDA_GRAPH_MODES:
+        raise ValueError(
+            f"cuda_graph_mode must be one of {', '.join(CUDA_GRAPH_MODES)}, got {mode!r}"
+        )
+    return mode
+
+
+def uses_full_decode(mode: str) -> bool:
+    return mode in ("decode", "full_and_piecewise")
+
+
+def uses_piecewise(mode: str) -> bool:
+    return mode in ("piecewise", "full_and_piecewise")
 
 
 def capture_sizes(max_num_seqs: int, sizes: list[int] | None = None) -> list[int]:
@@ -36,21 +67,41 @@ def capture_sizes(max_num_seqs: int, sizes: list[int] | None = None) -> list[int
     return sorted(set(sizes))
 
 
+def piecewise_sizes(max_num_batched_tokens: int, sizes: list[int] | None = None) -> list[int]:
+    """Sorted, distinct step token counts to capture piecewise; ``sizes`` None: the default
+    (module docstring). Raises ``ValueError`` naming ``piecewise_graph_sizes`` for an entry
+    outside ``[1, max_num_batched_tokens]`` or an empty list."""
+    if max_num_batched_tokens < 1:
+        raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+    if sizes is None:
+        cap = min(MAX_DEFAULT_PIECEWISE_TOKENS, max_num_batched_tokens)
+        default = [s for s in (1, 2, 4, 8) if s <= cap] + list(range(16, cap + 1, 16))
+        return sorted(set(default) | {cap})
+    if not sizes:
+        raise ValueError("piecewise_graph_sizes must name at least one token count")
+    for size in sizes:
+        if not 1 <= size <= max_num_batched_tokens:
+            raise ValueError(
+                f"piecewise_graph_sizes entry {size} must be in "
+                f"[1, max_num_batched_tokens={max_num_batched_tokens}]"
+            )
+    return sorted(set(sizes))
+
+
 def bucket_for(num_seqs: int, sizes: list[int]) -> int | None:
     """Smallest captured size >= ``num_seqs`` (sorted ``sizes``); None: run eager."""
     i = bisect.bisect_left(sizes, num_seqs)
     return sizes[i] if i < len(sizes) and num_seqs >= 1 else None
 
 
-def parse_cuda_graph_sizes(text: str) -> list[int]:
-    """``"1,2,4,8"`` (commas and/or spaces) -> ``[1, 2, 4, 8]``; the flag's argparse type."""
+def parse_cuda_graph_sizes(text: str, field: str = "cuda_graph_sizes") -> list[int]:
+    """``"1,2,4,8"`` (commas and/or spaces) -> ``[1, 2, 4, 8]``; the flags' argparse type.
+    Errors name ``field``."""
     parts = [p for p in text.replace(",", " ").split() if p]
     try:
         sizes = [int(p) for p in parts]
     except ValueError:
-        raise ValueError(
-            f"cuda_graph_sizes: {text!r} is not a list of integers (e.g. 1,2,4,8)"
-        ) from None
+        raise ValueError(f"{field}: {text!r} is not a list of integers (e.g. 1,2,4,8)") from None
     if not sizes:
-        raise ValueError("cuda_graph_sizes must name at least one batch size")
+        raise ValueError(f"{field} must name at least one size")
     return sizes

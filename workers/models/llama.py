@@ -20,6 +20,13 @@ Attributes for the runner: ``num_layers``, ``num_kv_heads``, ``head_dim``,
 ``vocab_size``, ``dtype``, ``max_context_len`` (max_position_embeddings,
 capped by a sliding window, which we attend in full).
 
+The forward is cut into pieces at attention, which piecewise CUDA graphs
+(``workers/graphs/piecewise.py``) capture separately::
+
+    embed | layer.before_attention | self_attn.attend | layer.after_attention | ... | final_norm
+            (norm, qkv, rope, KV write)   (eager: reads       (o_proj, norm, MLP)
+                                           lengths, tables)
+
 Parameter names follow HF except the fused ``qkv_proj`` (q, k, v rows) and
 ``mlp.gate_up_proj`` (gate, up rows); ``load_weights`` maps HF names onto
 them and raises on missing, unexpected or mis-shaped weights.
@@ -75,6 +82,19 @@ class LlamaAttention(nn.Module):
         kv_cache: torch.Tensor,
         meta: StepMetadata,
     ) -> torch.Tensor:
+        q, k, v = self.project(x, rope, kv_cache, meta.slot_mapping)
+        return self.o_proj(self.attend(q, k, v, kv_cache, meta))
+
+    def project(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v ``[T, heads, head_dim]`` of ``x`` (q, k rotated); writes k, v to this
+        layer's cache at ``slot_mapping`` (-1 skips). Reads no other step metadata, so a
+        piecewise CUDA graph captures it over static positions and slots."""
         num_tokens = x.shape[0]
         num_heads, num_kv_heads = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(num_tokens, num_heads + 2 * num_kv_heads, self.head_dim)
@@ -88,10 +108,21 @@ class LlamaAttention(nn.Module):
         # q and k rotate together, and the rotated k and v go straight to the cache: one
         # Triton launch on CUDA, the rope ops plus the cache write on CPU.
         layer_cache = kv_cache[:, self.layer_idx]
-        qk = rope_write_kv(qk, v, *rope, layer_cache, meta.slot_mapping)
-        q, k = qk[:, :num_heads], qk[:, num_heads:]
+        qk = rope_write_kv(qk, v, *rope, layer_cache, slot_mapping)
+        return qk[:, :num_heads], qk[:, num_heads:], v
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: StepMetadata,
+    ) -> torch.Tensor:
+        """Attention over the cache (which already holds this step's k, v): ``[T, heads *
+        head_dim]``. The one part of a layer that reads the step's lengths and block tables."""
         out = attend(self.layer_idx, q, k, v, kv_cache, meta, self.scale)
-        return self.o_proj(out.reshape(num_tokens, -1))
+        return out.reshape(q.shape[0], -1)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -115,12 +146,31 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(mlp output, residual stream before it)``; the next layer (or the final norm)
         adds the two in its fused add+norm. ``residual`` None: ``h`` is the embedding."""
+        attn = self.self_attn
+        q, k, v, residual = self.before_attention(h, residual, rope, kv_cache, meta.slot_mapping)
+        return self.after_attention(attn.attend(q, k, v, kv_cache, meta), residual)
+
+    def before_attention(
+        self,
+        h: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Input norm (adding the previous layer's output), q, k, v and the KV write:
+        ``(q, k, v, residual)``. The piece of the layer before attention."""
         if residual is None:
             x, residual = self.input_layernorm(h), h
         else:
             x, residual = self.input_layernorm.add(h, residual)
-        h = self.self_attn(x, rope, kv_cache, meta)
-        x, residual = self.post_attention_layernorm.add(h, residual)
+        return (*self.self_attn.project(x, rope, kv_cache, slot_mapping), residual)
+
+    def after_attention(
+        self, attn_out: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """o_proj, post-attention norm and MLP: ``(mlp output, residual)``."""
+        x, residual = self.post_attention_layernorm.add(self.self_attn.o_proj(attn_out), residual)
         return self.mlp(x), residual
 
 
@@ -148,6 +198,9 @@ class LlamaModel(nn.Module):
         residual = None
         for layer in self.layers:
             h, residual = layer(h, residual, rope, kv_cache, meta)
+        return self.final_norm(h, residual)
+
+    def final_norm(self, h: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         return self.norm(h) if residual is None else self.norm.add(h, residual)[0]
 
 

@@ -1,0 +1,140 @@
+"""Piecewise CUDA graphs and the graph-memory budget on a CUDA device: real captures of the
+pieces give the eager tokens (fp32, every mode, chunked prefills and mixed steps), a padded
+mixed step equals the eager forward and writes only its own KV slots, and an engine sized by
+``gpu_memory_utilization`` holds no more than its share after capture and a full-budget step,
+with the profiled graph memory matching the real capture. Skipped without CUDA
+(tests/conftest.py)."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from kernels import AttentionMetadata
+from scheduler.messages import SamplingParams
+from workers.config import EngineConfig
+from workers.llm import LLM
+
+pytestmark = pytest.mark.gpu
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+MIB = 2**20
+
+
+def _config(path: str, **changes) -> EngineConfig:
+    base = dict(
+        model=path,
+        device="cuda",
+        dtype="float32",
+        block_size=16,
+        max_num_batched_tokens=64,
+        max_num_seqs=8,
+        num_kv_blocks=128,
+        cuda_graph_sizes=[1, 2, 4, 8],
+        piecewise_graph_sizes=[8, 16, 32, 64],
+    )
+    base.update(changes)
+    return EngineConfig(**base)
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(11)
+    # 100 and 90 tokens are chunked (budget 64); the others share steps with their chunks
+    return [torch.randint(3, 300, (n,), generator=g).tolist() for n in (3, 100, 17, 5, 90, 9)]
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "full_and_piecewise"])
+def test_piecewise_replay_equals_eager(make_checkpoint, mode):
+    path = make_checkpoint("llama")
+    eager_llm = LLM(_config(path, enforce_eager=True))
+    assert eager_llm.engine.runner.graphs is None and eager_llm.engine.runner.piecewise is None
+    eager = eager_llm.generate(prompt_token_ids=_prompts(), sampling_params=GREEDY)
+    llm = LLM(_config(path, cuda_graph_mode=mode))
+    runner = llm.engine.runner
+    replayed = llm.generate(prompt_token_ids=_prompts(), sampling_params=GREEDY)
+    assert [r.token_ids for r in replayed] == [r.token_ids for r in eager]
+    assert runner.piecewise.num_replays[64] > 0  # full-budget chunk steps
+    assert sum(runner.piecewise.num_replays.values()) > runner.piecewise.num_replays[64]
+    if mode == "full_and_piecewise":
+        assert sum(runner.graphs.num_replays.values()) > 0
+    else:
+        assert runner.graphs is None
+    llm.engine.check_integrity()
+
+
+def test_padded_mixed_step_equals_the_eager_forward(make_checkpoint):
+    llm = LLM(_config(make_checkpoint("qwen3"), cuda_graph_mode="piecewise"))
+    engine = llm.engine
+    cache, model = engine.kv_cache, engine.model
+    cache.normal_(generator=torch.Generator(device="cuda").manual_seed(3))
+    tables, seq_lens, query_lens = [[3, 7], [5, 2]], [20, 23], [1, 12]  # decode + chunk
+    ids = [17, *range(40, 52)]
+    positions = [19, *range(11, 23)]
+    meta = AttentionMetadata.build(tables, seq_lens, query_lens, 16, "cuda")
+    before, eager_cache = cache.clone(), cache.clone()
+    with torch.inference_mode():
+        tensor = torch.tensor
+        expected = model(tensor(ids).cuda(), tensor(positions).cuda(), eager_cache, meta)
+        hidden = engine.runner.piecewise.run(ids, positions, tables, seq_lens, query_lens)
+    assert engine.runner.piecewise.num_replays[16] == 1  # 13 tokens padded to 16
+    torch.testing.assert_close(hidden, expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(cache, eager_cache, rtol=1e-4, atol=1e-4)
+    by_slot = cache.permute(0, 3, 1, 2, 4, 5).reshape(cache.shape[0] * 16, -1)
+    old = before.permute(0, 3, 1, 2, 4, 5).reshape(cache.shape[0] * 16, -1)
+    untouched = torch.ones(by_slot.shape[0], dtype=torch.bool, device="cuda")
+    untouched[meta.slot_mapping] = False
+    assert torch.equal(by_slot[untouched], old[untouched])  # padding rows wrote nothing
+
+
+def test_engine_memory_stays_inside_its_share(make_checkpoint):
+    # big enough for the graphs and activations to matter next to the slack below
+    path = make_checkpoint(
+        "llama",
+        vocab_size=32000,
+        hidden_size=512,
+        intermediate_size=2048,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=1024,
+    )
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    free_before, total = torch.cuda.mem_get_info()
+    reserved_before = torch.cuda.memory_reserved()  # the engine counts it as its own
+    share = 0.1
+    llm = LLM(
+        _config(
+            path,
+            num_kv_blocks=None,
+            gpu_memory_utilization=share,
+            max_num_batched_tokens=512,
+            max_num_seqs=32,
+            cuda_graph_mode="full_and_piecewise",
+            cuda_graph_sizes=None,
+            piecewise_graph_sizes=None,
+        )
+    )
+    engine = llm.engine
+    profiled = engine.step_memory
+    assert profiled.activation_bytes > 0 and profiled.graph_bytes > 0
+    # the profiling capture measured what the real one took (within allocation granularity)
+    assert (
+        abs(engine.graphs.num_bytes - profiled.graph_bytes) <= 8 * MIB + profiled.graph_bytes // 10
+    )
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 32000, (n,), generator=g).tolist() for n in (500, 7, 30, 200)]
+    prompts += [torch.randint(3, 32000, (5,), generator=g).tolist() for _ in range(28)]
+    llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)  # full-budget steps too
+    torch.cuda.synchronize()
+    grown = free_before - torch.cuda.mem_get_info()[0]
+    # weights + activations + graphs + KV within the share; 64 MiB for what torch does not
+    # allocate (kernel images, cuBLAS handles)
+    assert reserved_before + grown <= share * total + 64 * MIB, (reserved_before, grown, total)
+    kv_bytes = engine.kv_cache.numel() * engine.kv_cache.element_size()
+    weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    assert weights + profiled.num_bytes + kv_bytes <= share * total - reserved_before
+    engine.check_integrity()

@@ -1,0 +1,114 @@
+"""The engine's CUDA graphs, by ``--cuda-graph-mode``: full decode graphs, piecewise graphs,
+both, or none (``sizes.py`` lists the modes).
+
+``build_step_graphs`` is what ``EngineCore`` calls once its KV cache exists (the graphs bake in
+the cache's address). Both kinds share one memory pool: they never run at once, a decode
+graph's output is read before the next replay, and a piece keeps nothing in the pool.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kernels.prefill_attention import use_sdpa_prefills
+from workers.graphs.piecewise import PiecewiseGraphRunner
+from workers.graphs.runner import (
+    CudaGraphBackend,
+    DecodeGraphRunner,
+    GraphBackend,
+    graphs_allowed,
+)
+from workers.graphs.sizes import capture_sizes, piecewise_sizes, uses_full_decode, uses_piecewise
+
+logger = logging.getLogger(__name__)
+
+# Device memory is measured in whole pages and segments: differences below this are noise.
+GRAPH_BYTES_SLACK = 4 << 20
+
+
+@dataclass
+class StepGraphs:
+    """What the model runner replays: full decode graphs first, then piecewise, else eager."""
+
+    decode: DecodeGraphRunner | None = None
+    piecewise: PiecewiseGraphRunner | None = None
+    num_bytes: int = 0  # device memory the captures took (0 off CUDA or before capture)
+    seconds: float = 0.0
+
+    def capture(self, log: bool = True) -> StepGraphs:
+        for runner in (self.decode, self.piecewise):
+            if runner is not None:
+                report = runner.capture(log)
+                self.num_bytes += report.num_bytes
+                self.seconds += report.seconds
+        return self
+
+
+def make_step_graphs(
+    config: Any,
+    model: torch.nn.Module,
+    kv_cache: torch.Tensor,
+    max_model_len: int,
+    backend: GraphBackend,
+) -> StepGraphs:
+    """The runners ``config.cuda_graph_mode`` asks for, not yet captured, on ``backend``
+    (any device: the CPU tests pass ``EagerBackend``). ``config``: an ``EngineConfig``."""
+    mode = "none" if config.enforce_eager else config.cuda_graph_mode
+    graphs = StepGraphs()
+    if uses_full_decode(mode):
+        sizes = capture_sizes(config.max_num_seqs, config.cuda_graph_sizes)
+        graphs.decode = DecodeGraphRunner(
+            model, kv_cache, config.block_size, max_model_len, sizes, backend
+        )
+    if uses_piecewise(mode):
+        sizes = piecewise_sizes(config.max_num_batched_tokens, config.piecewise_graph_sizes)
+        graphs.piecewise = PiecewiseGraphRunner(
+            model,
+            kv_cache,
+            config.block_size,
+            sizes,
+            backend,
+            sdpa_prefills=use_sdpa_prefills(
+                config.prefill_attention, kv_cache.device, kv_cache.dtype
+            ),
+        )
+    return graphs
+
+
+def build_step_graphs(
+    config: Any,
+    model: torch.nn.Module,
+    kv_cache: torch.Tensor,
+    max_model_len: int,
+    profiled_bytes: int | None = None,
+) -> StepGraphs:
+    """The engine's graphs, captured; empty on CPU, with ``enforce_eager`` or
+    ``cuda_graph_mode`` none, or with tensor parallelism (``graphs_allowed``).
+
+    ``profiled_bytes``: what the profiling capture measured and the KV budget left for the
+    graphs (``workers/graphs/memory.py``); a warning names any excess of the real capture."""
+    if not graphs_allowed(config, kv_cache.device):
+        return StepGraphs()
+    backend = CudaGraphBackend(kv_cache.device)
+    graphs = make_step_graphs(config, model, kv_cache, max_model_len, backend).capture()
+    mib = 2**20
+    if profiled_bytes and graphs.num_bytes > profiled_bytes + GRAPH_BYTES_SLACK:
+        logger.warning(
+            "CUDA graphs took %.1f MiB, %.1f MiB more than the profiled %.1f MiB the KV "
+            "budget left for them: the engine may exceed --gpu-memory-utilization by that much",
+            graphs.num_bytes / mib,
+            (graphs.num_bytes - profiled_bytes) / mib,
+            profiled_bytes / mib,
+        )
+    elif profiled_bytes:
+        logger.info(
+            "CUDA graphs: %.1f MiB in %.2f s (profiled before sizing the KV cache: %.1f MiB)",
+            graphs.num_bytes / mib,
+            graphs.seconds,
+            profiled_bytes / mib,
+        )
+    return graphs
