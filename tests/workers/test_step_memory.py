@@ -89,14 +89,16 @@ def llama(tmp_path_factory):
     return model
 
 
-@pytest.mark.parametrize("num_tokens,max_model_len", [(48, 64), (150, 64), (7, 16)])
+@pytest.mark.parametrize(
+    "num_tokens,max_model_len,sdpa", [(48, 64, False), (150, 64, True), (7, 16, False)]
+)
 def test_profiling_step_runs_any_size_over_one_block_and_writes_nothing(
-    llama, num_tokens, max_model_len
+    llama, num_tokens, max_model_len, sdpa
 ):
     cache = allocate_kv_cache(
         1, llama.num_layers, 4, llama.num_kv_heads, llama.head_dim, torch.float32, "cpu"
     )
-    profile_forward(llama, cache, 4, num_tokens, max_model_len, num_sampled=5)
+    profile_forward(llama, cache, 4, num_tokens, max_model_len, 5, sdpa_prefills=sdpa)
     assert torch.count_nonzero(cache) == 0
 
 

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from kernels import AttentionMetadata
+from kernels.prefill_attention import use_sdpa_prefills
 from scheduler.messages import SamplingParams
 from workers.graphs.build import make_step_graphs
 from workers.graphs.runner import CudaGraphBackend, graphs_allowed, timed_capture
@@ -76,10 +77,12 @@ def profile_forward(
     num_tokens: int,
     max_model_len: int,
     num_sampled: int,
+    sdpa_prefills: bool = False,
 ) -> None:
     """One eager step of ``num_tokens`` prompt tokens (sequences of at most ``max_model_len``)
     over ``kv_cache``, whose block 0 every table points at (any cache of >= 1 block; every slot
-    is -1, so nothing is written), then logits and sampling of ``num_sampled`` rows."""
+    is -1, so nothing is written), then logits and sampling of ``num_sampled`` rows.
+    ``sdpa_prefills``: attend as the engine's prompts will (``--prefill-attention``)."""
     lengths = [max_model_len] * (num_tokens // max_model_len)
     if num_tokens % max_model_len:
         lengths.append(num_tokens % max_model_len)
@@ -87,6 +90,7 @@ def profile_forward(
     dev = kv_cache.device
     meta = AttentionMetadata.build(tables, lengths, lengths, block_size, dev)
     meta.slot_mapping = torch.full((num_tokens,), -1, dtype=torch.long, device=dev)
+    meta.sdpa_prefills = sdpa_prefills
     ids = torch.zeros(num_tokens, dtype=torch.long, device=dev)
     positions = torch.cat([torch.arange(n, device=dev) for n in lengths])
     with torch.inference_mode():
@@ -126,6 +130,7 @@ def profile_step_memory(config: Any, model: torch.nn.Module, max_model_len: int)
         config.max_num_batched_tokens,
         max_model_len,
         config.max_num_seqs,
+        use_sdpa_prefills(config.prefill_attention, device, dtype),
     )
     torch.cuda.synchronize(device)
     activation_bytes = max(0, torch.cuda.max_memory_reserved(device) - reserved_before)
