@@ -14,6 +14,7 @@ import torch
 
 from kernels import AttentionMetadata
 from scheduler.messages import SamplingParams
+from tests.gpu.test_cuda_engine import _config as engine_config
 from workers.config import EngineConfig
 from workers.llm import LLM
 
@@ -24,19 +25,10 @@ MIB = 2**20
 
 
 def _config(path: str, **changes) -> EngineConfig:
-    base = dict(
-        model=path,
-        device="cuda",
-        dtype="float32",
-        block_size=16,
-        max_num_batched_tokens=64,
-        max_num_seqs=8,
-        num_kv_blocks=128,
-        cuda_graph_sizes=[1, 2, 4, 8],
-        piecewise_graph_sizes=[8, 16, 32, 64],
+    graphs = dict(
+        max_num_seqs=8, cuda_graph_sizes=[1, 2, 4, 8], piecewise_graph_sizes=[8, 16, 32, 64]
     )
-    base.update(changes)
-    return EngineConfig(**base)
+    return engine_config(path, **{**graphs, **changes})  # fp32, block 16, budget 64
 
 
 def _prompts() -> list[list[int]]:

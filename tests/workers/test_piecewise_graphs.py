@@ -19,6 +19,7 @@ import torch  # noqa: E402
 from kernels import AttentionMetadata  # noqa: E402
 from scheduler.messages import SamplingParams  # noqa: E402
 from tests.workers import hf_checkpoints  # noqa: E402
+from tests.workers.test_decode_graphs import _llm  # noqa: E402  (block 4, budget 16, paged)
 from workers.config import EngineConfig, add_engine_arguments, engine_overrides  # noqa: E402
 from workers.graphs.build import build_step_graphs, make_step_graphs  # noqa: E402
 from workers.graphs.piecewise import PiecewiseGraphRunner  # noqa: E402
@@ -108,18 +109,6 @@ def test_fill_pads_to_the_bucket_and_overwrites_stale_rows():
 # Prompts of 5, 9, 2, 23 (chunked: the step budget is 16) and 3 tokens.
 PROMPTS = [[5, 9, 2, 7, 1], [3] * 9, [8, 4], [(7 * i) % 50 + 3 for i in range(23)], [6, 6, 1]]
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-
-
-def _llm(path: str, max_num_seqs: int = 4) -> LLM:
-    config = EngineConfig(
-        model=path,
-        block_size=4,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=16,
-        num_kv_blocks=48,
-        dense_decode_bytes=0,  # the paged kernels, as on CUDA
-    )
-    return LLM(config)
 
 
 class _StepLog:

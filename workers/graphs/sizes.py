@@ -51,40 +51,31 @@ def capture_sizes(max_num_seqs: int, sizes: list[int] | None = None) -> list[int
     Raises ``ValueError`` naming ``cuda_graph_sizes`` for an entry < 1 or > ``max_num_seqs``
     (such a graph could never be replayed) or for an empty list.
     """
-    if max_num_seqs < 1:
-        raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
-    if sizes is None:
-        default = [s for s in (1, 2, 4, 8) if s <= max_num_seqs]
-        default += list(range(16, max_num_seqs + 1, 16))
-        return sorted(set(default) | {max_num_seqs})
-    if not sizes:
-        raise ValueError("cuda_graph_sizes must name at least one batch size")
-    for size in sizes:
-        if not 1 <= size <= max_num_seqs:
-            raise ValueError(
-                f"cuda_graph_sizes entry {size} must be in [1, max_num_seqs={max_num_seqs}]"
-            )
-    return sorted(set(sizes))
+    return _sizes("cuda_graph_sizes", "max_num_seqs", max_num_seqs, max_num_seqs, sizes)
 
 
 def piecewise_sizes(max_num_batched_tokens: int, sizes: list[int] | None = None) -> list[int]:
     """Sorted, distinct step token counts to capture piecewise; ``sizes`` None: the default
     (module docstring). Raises ``ValueError`` naming ``piecewise_graph_sizes`` for an entry
     outside ``[1, max_num_batched_tokens]`` or an empty list."""
-    if max_num_batched_tokens < 1:
-        raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+    limit = max_num_batched_tokens
+    cap = min(MAX_DEFAULT_PIECEWISE_TOKENS, limit)
+    return _sizes("piecewise_graph_sizes", "max_num_batched_tokens", limit, cap, sizes)
+
+
+def _sizes(field: str, limit_name: str, limit: int, cap: int, sizes: list[int] | None) -> list[int]:
+    """``sizes`` checked against ``[1, limit]``, or the default buckets up to ``cap``: 1, 2, 4,
+    8, every 16, and ``cap`` itself."""
+    if limit < 1:
+        raise ValueError(f"{limit_name} must be >= 1, got {limit}")
     if sizes is None:
-        cap = min(MAX_DEFAULT_PIECEWISE_TOKENS, max_num_batched_tokens)
         default = [s for s in (1, 2, 4, 8) if s <= cap] + list(range(16, cap + 1, 16))
         return sorted(set(default) | {cap})
     if not sizes:
-        raise ValueError("piecewise_graph_sizes must name at least one token count")
+        raise ValueError(f"{field} must name at least one size")
     for size in sizes:
-        if not 1 <= size <= max_num_batched_tokens:
-            raise ValueError(
-                f"piecewise_graph_sizes entry {size} must be in "
-                f"[1, max_num_batched_tokens={max_num_batched_tokens}]"
-            )
+        if not 1 <= size <= limit:
+            raise ValueError(f"{field} entry {size} must be in [1, {limit_name}={limit}]")
     return sorted(set(sizes))
 
 
