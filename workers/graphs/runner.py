@@ -217,16 +217,22 @@ def graphs_allowed(config: Any, device: torch.device) -> bool:
 
 def timed_capture(device: torch.device, capture: Callable[[], None]) -> tuple[float, int]:
     """Run ``capture``; return its seconds and the device memory it took (free memory before
-    minus after, so graph pools and the driver's graph objects both count; 0 off CUDA)."""
+    minus after, so graph pools and the driver's graph objects both count; 0 off CUDA).
+
+    The warm-up runs' activations come from torch's ordinary cache, not the graphs' pool;
+    they are handed back before measuring, so they are not counted twice (the profiled
+    activation peak covers them)."""
     on_cuda = device.type == "cuda"
     if on_cuda:
         torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
         free_before = torch.cuda.mem_get_info(device)[0]
     start = time.perf_counter()
     capture()
     num_bytes = 0
     if on_cuda:
         torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
         num_bytes = max(0, free_before - torch.cuda.mem_get_info(device)[0])
     return time.perf_counter() - start, num_bytes
 
