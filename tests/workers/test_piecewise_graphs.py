@@ -278,3 +278,25 @@ def test_sdpa_prefills_attend_over_the_pieces_k_and_v(two_layer_llama):
     assert [r.token_ids for r in results] == [r.token_ids for r in eager]
     assert sum(graphs.piecewise.num_replays.values()) > 0
     llm.engine.check_integrity()
+
+
+def test_a_piecewise_mixed_step_reads_the_device_once(one_layer_llama, monkeypatch):
+    from scheduler.messages import EngineRequest
+    from tests.workers.test_decode_graphs import _CountHostReads
+
+    monkeypatch.setenv("TANDEM_FORCE_TRITON", "1")  # the kernels CUDA runs, interpreted
+    llm = _llm(one_layer_llama)
+    graphs = _with_graphs(llm, "piecewise", [16])
+    engine = llm.engine
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(PROMPTS[:2]):
+        assert engine.add_request(EngineRequest(f"r{i}", prompt, params)) is None
+    engine.step()  # both prompts (14 tokens)
+    assert engine.add_request(EngineRequest("r2", PROMPTS[3], params)) is None
+    with _CountHostReads() as counter:
+        engine.step()  # two decodes + a 14-token chunk of r2: a mixed step of 16 tokens
+    assert graphs.piecewise.num_replays[16] == 2
+    assert len(counter.reads) == 1 and "sampler.py" in counter.reads[0], counter.reads
+    while engine.has_work():
+        engine.step()
+    engine.check_integrity()
