@@ -53,6 +53,11 @@ class EngineConfig:
     # workers per engine, each holding 1/N of the weights and KV heads
     # (workers/parallel/); the model's head counts must split N ways
     tensor_parallel_size: int = 1
+    # TP > 1: the longest rank 0 waits for a worker within a step (a
+    # collective, a reply) before the engine fails naming the rank; a worker
+    # whose heartbeat stops for half of it is reported as unresponsive
+    # (workers/parallel/heartbeat.py)
+    tp_step_timeout_s: float = 60.0
     # CPU: torch intra-op threads (0 = torch's default). Pin it on shared
     # machines: torch's default OpenMP threads stall badly when another
     # process uses the same cores.
@@ -128,6 +133,8 @@ class EngineConfig:
             raise ValueError(
                 f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}"
             )
+        if not self.tp_step_timeout_s > 0:
+            raise ValueError(f"tp_step_timeout_s must be > 0, got {self.tp_step_timeout_s}")
         if self.torch_threads < 0:
             raise ValueError(f"torch_threads must be >= 0, got {self.torch_threads}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
@@ -241,6 +248,12 @@ _FLAGS: list[tuple[str, str, Any, str]] = [
         "tensor_parallel_size",
         int,
         "workers per engine sharing its weights and KV heads (-tp; default 1)",
+    ),
+    (
+        "--tp-step-timeout-s",
+        "tp_step_timeout_s",
+        float,
+        "TP: fail the engine when a worker is silent this long in a step (default 60)",
     ),
     ("--torch-threads", "torch_threads", int, "CPU threads per engine (0 = torch default)"),
     ("--dense-decode-bytes", "dense_decode_bytes", int, "CPU dense decode KV copy (0 = off)"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -189,6 +190,69 @@ def test_killed_worker_between_steps_fails_the_step(make_checkpoint):
                 engine.step()
         engine.abort(["a"])
         engine.check_integrity()
+
+
+def _resume(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGCONT)
+    except ProcessLookupError:  # already killed by the engine
+        pass
+
+
+@pytest.mark.slow
+def test_stopped_worker_fails_the_engine_within_the_step_timeout(make_checkpoint):
+    """SIGSTOP on rank 1: a stopped process neither exits nor closes its
+    sockets, so only the deadline can tell. Rank 0 must name the rank within
+    ``tp_step_timeout_s`` (and kill it), in a step and while idle."""
+    step_timeout_s = 6.0
+    path = make_checkpoint("llama")
+    cfg = _config(path, 2, tp_step_timeout_s=step_timeout_s)
+    # in a step: the stop lands between two steps of running requests
+    with LLM(cfg) as llm:
+        engine = llm.engine
+        engine.add_request(EngineRequest("a", list(range(3, 40)), GREEDY))
+        engine.step()
+        (worker,) = engine.tp.procs
+        os.kill(worker.pid, signal.SIGSTOP)
+        start_s = time.monotonic()
+        try:
+            with pytest.raises(WorkerFailed, match=f"rank 1 \\(pid {worker.pid}\\) unresponsive"):
+                while engine.has_work():
+                    engine.step()
+            elapsed_s = time.monotonic() - start_s
+        finally:
+            _resume(worker.pid)
+        # the collective gives up after the deadline; the heartbeat is then
+        # already stale, the rank killed at once (a margin for a loaded box)
+        assert step_timeout_s <= elapsed_s < step_timeout_s + 15, elapsed_s
+        assert worker.exitcode == -signal.SIGKILL
+        (again,) = llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=GREEDY)
+        assert again.finish_reason == "error" and "unresponsive" in again.error
+        engine.abort(["a"])
+        engine.check_integrity()
+    # while idle: the engine loop's idle call notices the silent heartbeat
+    with LLM(cfg) as llm:
+        (worker,) = llm.engine.tp.procs
+        os.kill(worker.pid, signal.SIGSTOP)
+        start_s = time.monotonic()
+        try:
+            with pytest.raises(WorkerFailed, match="rank 1 .* unresponsive"):
+                while time.monotonic() - start_s < 3 * step_timeout_s:
+                    llm.engine.runner.release_idle_memory()
+                    time.sleep(0.05)
+            elapsed_s = time.monotonic() - start_s
+        finally:
+            _resume(worker.pid)
+        assert step_timeout_s / 2 <= elapsed_s < step_timeout_s + 15, elapsed_s
+        assert worker.exitcode == -signal.SIGKILL
+        results = llm.generate(prompt_token_ids=_prompts(300), sampling_params=GREEDY)
+        assert all(r.finish_reason == "error" and "unresponsive" in r.error for r in results)
+        llm.engine.check_integrity()
+
+
+def test_tp_step_timeout_must_be_positive():
+    with pytest.raises(ValueError, match="tp_step_timeout_s"):
+        EngineConfig(tp_step_timeout_s=0)
 
 
 def test_pool_gpus_must_cover_the_tensor_parallel_size():

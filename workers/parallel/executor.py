@@ -21,6 +21,15 @@ or raises makes the step (or the start) raise ``WorkerFailed`` naming the
 rank and its exit code or error (gloo collectives raise when a peer's
 connection closes; replies are awaited by polling the worker's liveness);
 the remaining workers are stopped and every later step raises the same.
+A worker that is alive but silent (SIGSTOP, a frozen host) is bounded by
+``tp_step_timeout_s`` (T): every step collective and every step reply waits
+at most T, and a rank whose heartbeat is older than T/2 is named as
+unresponsive (``workers/parallel/heartbeat.py``), in a step or while idle::
+
+    rank r stopped while idle         -> failed when its heartbeat is T/2 old
+    rank r stopped before/in a step   -> the collective raises after T; the
+                                         rank whose heartbeat went stale is named
+                                         (at most T/2 more), then killed
 The engine core's caller decides what the requests see (``LLM``: an error
 finish; the Ray actor: the process exits, Ray restarts it with a new epoch).
 """
@@ -41,6 +50,7 @@ from kvtransfer.tp_outputs import ConnectorOutputMerger
 from scheduler.messages import ModelRunnerOutput, SchedulerOutput
 from workers.config import EngineConfig
 from workers.parallel.group import TPGroup, make_store
+from workers.parallel.heartbeat import HeartbeatBook
 from workers.parallel.messages import (
     CMD_KV_STATS,
     CMD_RELEASE_IDLE,
@@ -60,9 +70,9 @@ from workers.parallel.messages import (
 logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 600.0  # spawn + import + load of every worker
-COLLECTIVE_TIMEOUT_S = 600.0  # a collective waiting on a live but stuck peer
-STEP_REPLY_TIMEOUT_S = 600.0
+STARTUP_COLLECTIVE_TIMEOUT_S = 600.0  # joining the group, agreeing on the KV size
 STATS_TIMEOUT_S = 30.0
+# steps wait EngineConfig.tp_step_timeout_s
 # connector stats() keys that add up over ranks (each rank reads its own heads)
 SUMMED_KV_STATS = ("kv_transfer_bytes_total", "num_descriptors")
 _POLL_MS = 20
@@ -86,6 +96,9 @@ class TPExecutor:
         from workers.parallel.plan import make_plan
 
         self.size = config.tensor_parallel_size
+        self.step_timeout_s = config.tp_step_timeout_s
+        self._started = False  # heartbeats count from start() on
+        self._unresponsive: list[int] = []  # ranks to kill without asking first
         self.hf_config = load_config(model_path)
         self.plan = make_plan(self.hf_config, self.size, 0)  # ValueError: nothing started yet
         self.failed: str | None = None
@@ -95,6 +108,8 @@ class TPExecutor:
         self._replies = self._ctx.socket(zmq.PULL)
         self._replies.setsockopt(zmq.LINGER, 0)
         reply_port = self._replies.bind_to_random_port(f"tcp://{HOST}")
+        ranks = list(range(1, self.size))
+        self.heartbeats = HeartbeatBook(self._ctx, HOST, ranks, self.step_timeout_s / 2)
         self._commands = []
         self._enc = msgspec.msgpack.Encoder()
         self._dec = msgspec.msgpack.Decoder(WorkerReply)
@@ -125,13 +140,16 @@ class TPExecutor:
                     store_port=store.port,
                     command_addr=f"tcp://{HOST}:{port}",
                     reply_addr=f"tcp://{HOST}:{reply_port}",
-                    timeout_s=COLLECTIVE_TIMEOUT_S,
+                    heartbeat_addr=self.heartbeats.addrs[rank],
+                    timeout_s=STARTUP_COLLECTIVE_TIMEOUT_S,
                 )
                 self.procs.append(launcher.start(spec))
             weakref.finalize(self, _kill, self.procs)  # an engine dropped without shutdown()
             self._await(REPLY_HELLO, STARTUP_TIMEOUT_S)
             device = torch.device(config.device)
-            self.group = TPGroup.connect(store, 0, self.size, device, COLLECTIVE_TIMEOUT_S)
+            self.group = TPGroup.connect(
+                store, 0, self.size, device, STARTUP_COLLECTIVE_TIMEOUT_S, self.step_timeout_s
+            )
             self.model = self._guard(
                 load_rank_model,
                 model_path,
@@ -160,6 +178,8 @@ class TPExecutor:
         except BaseException:
             self.shutdown()
             raise
+        self.heartbeats.restart_clock()
+        self._started = True
         return TPRunner(self, runner)
 
     # ---- steps -------------------------------------------------------------
@@ -178,7 +198,7 @@ class TPExecutor:
         self.broadcast_bytes += len(frame)
         out = self._guard(runner.execute, so)
         start_s = time.perf_counter()
-        replies = self._await(REPLY_STEP, STEP_REPLY_TIMEOUT_S, step=self.num_steps)
+        replies = self._await(REPLY_STEP, self.step_timeout_s, step=self.num_steps)
         self.reply_wait_s += time.perf_counter() - start_s
         if runner.connector is not None:
             outputs = [out.kv_connector_output, *(r.kv_connector_output for r in replies)]
@@ -213,13 +233,19 @@ class TPExecutor:
     # ---- failure -----------------------------------------------------------
 
     def _guard(self, fn: Any, *args: Any) -> Any:
-        """Run a rank-0 call that joins collectives; a peer's death becomes ``WorkerFailed``."""
+        """Run a rank-0 call that joins collectives; a peer's death (or a
+        collective timing out on a silent peer) becomes ``WorkerFailed``."""
         try:
             return fn(*args)
         except WorkerFailed:
             raise
         except RuntimeError as exc:
-            reason = self._worker_trouble(wait_s=2.0) or f"rank 0: {type(exc).__name__}: {exc}"
+            # a dead peer's exit shows within 2 s; a stopped one's heartbeat
+            # goes stale at most stale_after_s after the collective gave up
+            wait_s = 2.0
+            if self._started:
+                wait_s += self.heartbeats.stale_after_s
+            reason = self._worker_trouble(wait_s) or f"rank 0: {type(exc).__name__}: {exc}"
             raise self._fail(reason) from exc
 
     def _await(self, kind: int, timeout_s: float, step: int = 0) -> list[WorkerReply]:
@@ -243,39 +269,66 @@ class TPExecutor:
         return [got[r] for r in sorted(got)]
 
     def check_alive(self) -> None:
-        """``WorkerFailed`` if the engine failed or a worker process exited."""
+        """``WorkerFailed`` if the engine failed, a worker process exited, a
+        worker sent an error or its heartbeat went stale (between steps)."""
         if self.failed is not None:
             raise WorkerFailed(self.failed)
         self._check_alive()
 
     def _check_alive(self) -> None:
-        for rank, proc in enumerate(self.procs, start=1):
-            if proc.exitcode is not None:
-                reason = self._worker_trouble(wait_s=0.0) or (
-                    f"rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
-                )
-                raise self._fail(reason)
+        reason = self._worker_trouble(wait_s=0.0)
+        if reason is not None:
+            raise self._fail(reason)
 
     def _worker_trouble(self, wait_s: float) -> str | None:
-        """A worker's error reply or exit, waiting up to ``wait_s`` for one to show."""
+        """A worker's error reply, exit or stale heartbeat, waiting up to
+        ``wait_s`` for one to show (reading every reply meanwhile)."""
         import zmq
 
         deadline = time.monotonic() + wait_s
+        error = None
         while True:
-            while self._replies.poll(0, zmq.POLLIN):
+            while error is None and self._replies.poll(0, zmq.POLLIN):
                 reply = self._dec.decode(self._replies.recv())
                 if reply.kind == REPLY_ERROR:
-                    return reply.error
-            for rank, proc in enumerate(self.procs, start=1):
-                if proc.exitcode is not None:
-                    return f"rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
-            if time.monotonic() >= deadline:
-                return None
+                    error = reply.error or f"rank {reply.rank} failed"
+            # a silent rank first: its live peers' collectives time out too and
+            # report that as their own error
+            reason = self._stale() or error or self._exited()
+            if reason is not None or time.monotonic() >= deadline:
+                return reason
             time.sleep(_POLL_MS / 1000)
+
+    def _exited(self) -> str | None:
+        for rank, proc in enumerate(self.procs, start=1):
+            if proc.exitcode is not None:
+                return f"rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
+        return None
+
+    def _stale(self) -> str | None:
+        """Ranks whose heartbeat is older than ``stale_after_s`` (they are
+        killed first when the engine fails: a stopped process answers nothing)."""
+        if not self._started:
+            return None
+        stale = {
+            rank: age_s
+            for rank, age_s in self.heartbeats.stale().items()
+            if self.procs[rank - 1].exitcode is None  # an exit is reported as such
+        }
+        if not stale:
+            return None
+        self._unresponsive = sorted(stale)
+        return "; ".join(
+            f"rank {rank} (pid {self.procs[rank - 1].pid}) unresponsive: no heartbeat for "
+            f"{age_s:.1f} s (tp_step_timeout_s={self.step_timeout_s:g})"
+            for rank, age_s in sorted(stale.items())
+        )
 
     def _fail(self, reason: str) -> WorkerFailed:
         self.failed = f"tensor-parallel engine failed: {reason}"
         logger.error("%s", self.failed)
+        for rank in self._unresponsive:
+            self.procs[rank - 1].kill()
         self.shutdown()
         return WorkerFailed(self.failed)
 
@@ -305,6 +358,7 @@ class TPExecutor:
         for sock in [*self._commands, self._replies]:
             sock.close()
         self._commands = []
+        self.heartbeats.close()
         if not self._ctx.closed:
             self._ctx.term()
 

@@ -26,6 +26,7 @@ REPLY_READY = 1  # weights loaded, KV cache allocated, runner built
 REPLY_STEP = 2  # a step done
 REPLY_ERROR = 3  # the worker failed (it exits right after sending this)
 REPLY_KV_STATS = 4
+REPLY_HEARTBEAT = 5  # from the worker's heartbeat thread (workers/parallel/heartbeat.py)
 
 
 class WorkerFailed(RuntimeError):
@@ -49,6 +50,7 @@ class WorkerReply(msgspec.Struct, array_like=True, omit_defaults=True):
     error: str | None = None
     side_channel_port: int = 0  # REPLY_READY: the rank's KV side channel (0: none)
     kv_stats: dict[str, float] = {}  # REPLY_KV_STATS: the rank's connector stats()
+    sent_s: float = 0.0  # REPLY_HEARTBEAT: the worker's time.monotonic() when sent
 
 
 @dataclass
@@ -66,7 +68,8 @@ class WorkerSpec:
     store_port: int
     command_addr: str  # the worker connects its PULL here
     reply_addr: str  # and its PUSH here
-    timeout_s: float  # process group and rendezvous timeout
+    heartbeat_addr: str  # its heartbeat thread's PUSH (workers/parallel/heartbeat.py)
+    timeout_s: float  # rendezvous and start-up collectives timeout
     # the CUDA device index this rank uses; -1: its rank (local processes see
     # every GPU of the engine, a Ray worker actor only its own: 0)
     device_index: int = -1

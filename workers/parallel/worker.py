@@ -12,7 +12,9 @@ sampled tokens leave the engine. A reply per step carries this rank's KV
 connector output (merged on rank 0 by ``kvtransfer/tp_outputs.py``).
 
 Any exception: an error reply, then exit(1). A worker whose engine core is
-gone (parent dead) exits on its next idle poll.
+gone (parent dead) exits on its next idle poll. From its hello on, a thread
+sends heartbeats (``workers/parallel/heartbeat.py``) so rank 0 can tell a
+stopped rank from a slow one.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any
 import msgspec
 import torch
 
+from workers.parallel.heartbeat import HeartbeatSender, heartbeat_interval_s
 from workers.parallel.messages import (
     CMD_KV_STATS,
     CMD_RELEASE_IDLE,
@@ -90,8 +93,13 @@ def run_worker(spec: WorkerSpec) -> None:
 
     connector = None
     code = 0
+    step_timeout_s = spec.config.tp_step_timeout_s
+    heartbeat = HeartbeatSender(
+        ctx, spec.heartbeat_addr, spec.rank, heartbeat_interval_s(step_timeout_s)
+    )
     try:
         reply(REPLY_HELLO)
+        heartbeat.start()
         runner, connector = _build_rank(spec)
         port = getattr(connector, "side_channel_port", None) or 0
         reply(REPLY_READY, side_channel_port=port)
@@ -101,6 +109,7 @@ def run_worker(spec: WorkerSpec) -> None:
         logger.error("TP worker rank %d failed:\n%s", spec.rank, traceback.format_exc())
         reply(REPLY_ERROR, error=f"rank {spec.rank}: {type(exc).__name__}: {exc}")
     finally:
+        heartbeat.stop()
         if connector is not None:
             connector.shutdown()
         commands.close()
@@ -125,7 +134,9 @@ def _build_rank(spec: WorkerSpec) -> tuple[Any, Any]:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     store = make_store(spec.rank, spec.tp_size, spec.store_host, spec.store_port, spec.timeout_s)
-    group = TPGroup.connect(store, spec.rank, spec.tp_size, device, spec.timeout_s)
+    group = TPGroup.connect(
+        store, spec.rank, spec.tp_size, device, spec.timeout_s, config.tp_step_timeout_s
+    )
     plan = make_plan(spec.hf_config, spec.tp_size, spec.rank)
     model = load_rank_model(spec.model_path, spec.hf_config, config.dtype, device, plan, group)
     num_blocks = group.min_int(kv_blocks_for_model(config, model, device))
