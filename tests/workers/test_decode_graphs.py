@@ -21,7 +21,8 @@ from kernels import AttentionMetadata  # noqa: E402
 from scheduler.messages import SamplingParams  # noqa: E402
 from tests.workers import hf_checkpoints  # noqa: E402
 from workers.config import EngineConfig, add_engine_arguments, engine_overrides  # noqa: E402
-from workers.graphs.runner import DecodeGraphRunner, EagerBackend, build_decode_graphs  # noqa: E402
+from workers.graphs.build import build_step_graphs  # noqa: E402
+from workers.graphs.runner import DecodeGraphRunner, EagerBackend  # noqa: E402
 from workers.graphs.sizes import bucket_for, capture_sizes, parse_cuda_graph_sizes  # noqa: E402
 from workers.graphs.static_inputs import StaticDecodeInputs  # noqa: E402
 from workers.llm import LLM  # noqa: E402
@@ -74,7 +75,8 @@ def test_flags_reach_the_config_and_pool_overrides():
 def test_cpu_engine_builds_no_graphs():
     model = torch.nn.Linear(1, 1)
     kv_cache = torch.zeros(4, 1, 2, 4, 1, 8)
-    assert build_decode_graphs(EngineConfig(), model, kv_cache, 64) is None
+    graphs = build_step_graphs(EngineConfig(), model, kv_cache, 64)
+    assert graphs.decode is None and graphs.piecewise is None
 
 
 def test_fill_writes_the_batch_and_pads_to_the_bucket():

@@ -7,7 +7,7 @@ GPU time; a replayed graph enqueues them all at once. Flow of a step (model runn
       yes: StaticDecodeInputs.fill (host, pinned) -> one non_blocking H2D copy
            -> replay graph[b] -> hidden[:n] (a view of the graph's static output)
       no (a prefill or chunk in the step, n > largest bucket, --enforce-eager):
-           the eager path, unchanged
+           piecewise graphs when the mode has them (piecewise.py), else the eager path
     then logits + sampling outside the graph; the sampled tokens' .tolist() is the step's one
     device->host sync
 
@@ -29,7 +29,7 @@ from typing import Any, Protocol
 
 import torch
 
-from workers.graphs.sizes import bucket_for, capture_sizes
+from workers.graphs.sizes import bucket_for
 from workers.graphs.static_inputs import StaticDecodeInputs
 
 logger = logging.getLogger(__name__)
@@ -178,30 +178,6 @@ class DecodeGraphRunner:
         self.inputs.fill(input_ids, positions, block_tables, seq_lens, size)
         self.num_replays[size] += 1
         return self.replays[size]()[:n]
-
-
-def build_decode_graphs(
-    config: Any, model: torch.nn.Module, kv_cache: torch.Tensor, max_model_len: int
-) -> DecodeGraphRunner | None:
-    """The engine's graph runner, captured; None on CPU, with ``enforce_eager``, or with
-    tensor parallelism (a rank-0 capture would issue collectives the other ranks never join;
-    TP engines run eager).
-
-    ``config``: an ``EngineConfig`` (``max_num_seqs``, ``cuda_graph_sizes``,
-    ``enforce_eager``, ``block_size``, ``tensor_parallel_size``).
-    """
-    if not graphs_allowed(config, kv_cache.device):
-        return None
-    runner = DecodeGraphRunner(
-        model,
-        kv_cache,
-        config.block_size,
-        max_model_len,
-        capture_sizes(config.max_num_seqs, config.cuda_graph_sizes),
-        CudaGraphBackend(kv_cache.device),
-    )
-    runner.capture()
-    return runner
 
 
 def graphs_allowed(config: Any, device: torch.device) -> bool:
