@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
+from collections import Counter
 
 os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of the Triton kernels
 
@@ -300,3 +302,83 @@ def test_a_piecewise_mixed_step_reads_the_device_once(one_layer_llama, monkeypat
     while engine.has_work():
         engine.step()
     engine.check_integrity()
+
+
+def _in_triton(frame) -> bool:
+    """Called from the Triton interpreter (its own torch calls launch nothing on a GPU)."""
+    while frame is not None:
+        if f"{os.sep}triton{os.sep}" in frame.f_code.co_filename:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _launches_outside_pieces(path: str) -> Counter:
+    """Kernel launches a mixed step enqueues outside the captured pieces (what a graph replay
+    does not cover): aten ops that launch a kernel plus Triton launches."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from triton.runtime import interpreter
+
+    from scheduler.messages import EngineRequest
+    from tests.workers.test_triton_path import _NO_LAUNCH
+
+    llm = _llm(path)
+    runner = _with_graphs(llm, "piecewise", [16]).piecewise
+    counting, counts = [False], Counter()
+
+    def uncounted(piece):
+        def run():
+            counting[0] = False
+            piece()
+            counting[0] = True
+
+        return run
+
+    runner.replays = {size: list(map(uncounted, p)) for size, p in runner.replays.items()}
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.__name__.split(".")[0]
+            if counting[0] and name not in _NO_LAUNCH and not _in_triton(sys._getframe(1)):
+                counts[name] += 1
+            return func(*args, **(kwargs or {}))
+
+    launch = interpreter.InterpretedFunction.__getitem__
+
+    def counted_launch(kernel, grid):
+        if counting[0]:
+            counts["triton:" + kernel.fn.__name__] += 1
+        return launch(kernel, grid)
+
+    engine = llm.engine
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(PROMPTS[:2]):
+        assert engine.add_request(EngineRequest(f"r{i}", prompt, params)) is None
+    engine.step()
+    assert engine.add_request(EngineRequest("r2", PROMPTS[3], params)) is None
+    interpreter.InterpretedFunction.__getitem__ = counted_launch
+    try:
+        with Count():
+            counting[0] = True
+            engine.step()  # 2 decodes + a 14-token chunk
+            counting[0] = False
+    finally:
+        interpreter.InterpretedFunction.__getitem__ = launch
+    assert engine.last_step_num_tokens == 16 and runner.num_replays[16] == 2
+    engine.abort(["r0", "r1", "r2"])
+    while engine.has_work():
+        engine.step()
+    engine.check_integrity()
+    return counts
+
+
+def test_outside_the_pieces_a_layer_is_attention_and_one_copy(
+    one_layer_llama, two_layer_llama, monkeypatch
+):
+    """Eager, a layer is nine launches (tests/workers/test_triton_path.py); replayed in
+    pieces, the host enqueues only its attention and the copy of attention's output."""
+    monkeypatch.setenv("TANDEM_FORCE_TRITON", "1")
+    per_layer = _launches_outside_pieces(two_layer_llama) - _launches_outside_pieces(
+        one_layer_llama
+    )
+    assert per_layer == Counter({"triton:_paged_attention_kernel": 1, "copy_": 1}), per_layer
