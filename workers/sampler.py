@@ -45,7 +45,8 @@ from workers.sampling.state import BatchExtras
 # temperature overflows float32 and argmax is the limit anyway.
 _MIN_TEMPERATURE = 1e-5
 # top-p looks for its cut among this many most likely tokens first; rows
-# whose cut lies beyond fall back to a full sort.
+# whose cut lies beyond fall back to a full sort. CPU only: on CUDA, finding
+# those rows is a device->host sync, so every row gets the full sort there.
 _TOP_P_CANDIDATES = 256
 # argmax_rows: ids per chunk (a multiple of the SIMD width).
 _ARGMAX_CHUNK = 128
@@ -190,7 +191,10 @@ def _mask_min_tokens(
     if not mask_rows:
         return logits
     masked = logits.clone()
-    masked[mask_rows, mask_ids] = float("-inf")
+    # index tensors staged through pinned memory: list indices would copy from pageable
+    # memory, which on CUDA waits for the whole queue (a hidden device->host sync)
+    index = (list_to_device(mask_rows, logits.device), list_to_device(mask_ids, logits.device))
+    masked.index_put_(index, torch.full((), float("-inf"), device=logits.device))
     return masked
 
 
@@ -237,13 +241,19 @@ def _apply_top_k(scaled: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
     return scaled.masked_fill(scaled < kth_value, float("-inf"))
 
 
-def _apply_top_p(scaled: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
-    """Tokens outside each row's nucleus set to -inf."""
+def _apply_top_p(
+    scaled: torch.Tensor, top_ps: list[float], full_sort: bool | None = None
+) -> torch.Tensor:
+    """Tokens outside each row's nucleus set to -inf. ``full_sort`` (default: on CUDA)
+    sorts every row whole instead of trying the candidates first: the same cut, and no
+    data-dependent fallback, so no device->host sync."""
     device = scaled.device
     vocab_size = scaled.shape[1]
     top_p = list_to_device(top_ps, device).unsqueeze(1)
     log_total = scaled.logsumexp(dim=-1, keepdim=True)
-    num_candidates = min(vocab_size, _TOP_P_CANDIDATES)
+    if full_sort is None:
+        full_sort = scaled.is_cuda
+    num_candidates = vocab_size if full_sort else min(vocab_size, _TOP_P_CANDIDATES)
     values = scaled.topk(num_candidates, dim=-1).values
     num_keep = _num_in_nucleus(values, log_total, top_p)
     cutoff = values.gather(1, (num_keep - 1).unsqueeze(1))
