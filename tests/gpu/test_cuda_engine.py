@@ -1,7 +1,8 @@
 """The engine on a CUDA device: fp32 greedy tokens equal transformers' on the same GPU
 (chunked prefill, shared prefixes), decode CUDA-graph replay gives the eager tokens in fp32
-and bf16, and a replayed decode step synchronises with the device exactly once (the sampled
-tokens). Skipped without CUDA (tests/conftest.py)."""
+and bf16, and a step, replayed or eager (prefill + decodes), synchronises with the device
+exactly once (the sampled tokens; greedy and seeded top-p/top-k). Skipped without CUDA
+(tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -72,14 +73,8 @@ SEEDED = SamplingParams(
 )
 
 
-@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded-top-p-top-k"])
-def test_replayed_decode_step_syncs_once(make_checkpoint, params):
-    llm = LLM(_config(make_checkpoint("llama"), cuda_graph_sizes=[4]))
-    engine, graphs = llm.engine, llm.engine.runner.graphs
-    for i, n in enumerate((5, 9, 3)):
-        assert engine.add_request(EngineRequest(f"r{i}", list(range(3, 3 + n)), params)) is None
-    while graphs.num_replays[4] == 0:
-        engine.step()
+def _syncs_of_one_step(engine) -> list[str]:
+    """The device->host syncs torch reports (sync debug mode) during one engine step."""
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("warn")
     try:
@@ -88,8 +83,39 @@ def test_replayed_decode_step_syncs_once(make_checkpoint, params):
             engine.step()
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
+    return [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
+
+
+# The tiny checkpoints' vocabulary (300) is above the sampler's 256 top-p candidates: the
+# seeded case reaches the path whose CPU fallback search would sync.
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded-top-p-top-k"])
+def test_replayed_decode_step_syncs_once(make_checkpoint, params):
+    llm = LLM(_config(make_checkpoint("llama"), cuda_graph_sizes=[4]))
+    engine, graphs = llm.engine, llm.engine.runner.graphs
+    for i, n in enumerate((5, 9, 3)):
+        assert engine.add_request(EngineRequest(f"r{i}", list(range(3, 3 + n)), params)) is None
+    while graphs.num_replays[4] == 0:
+        engine.step()
+    syncs = _syncs_of_one_step(engine)
     assert graphs.num_replays[4] == 2
+    assert len(syncs) == 1, syncs
+    while engine.has_work():
+        engine.step()
+    engine.check_integrity()
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded-top-p-top-k"])
+def test_eager_mixed_step_syncs_once(make_checkpoint, params):
+    """A step with a prefill chunk and decodes runs eager (metadata through pinned memory,
+    sampled rows picked on the device): one sync as well."""
+    llm = LLM(_config(make_checkpoint("llama"), cuda_graph_sizes=[4]))
+    engine = llm.engine
+    for i, n in enumerate((5, 9)):
+        assert engine.add_request(EngineRequest(f"d{i}", list(range(3, 3 + n)), params)) is None
+    engine.step()  # both prefilled: they decode from now on
+    assert engine.add_request(EngineRequest("p", list(range(3, 40)), params)) is None
+    syncs = _syncs_of_one_step(engine)
+    assert engine.last_step_num_tokens == 2 + 37  # two decodes and the whole prompt, eager
     assert len(syncs) == 1, syncs
     while engine.has_work():
         engine.step()
