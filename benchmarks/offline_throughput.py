@@ -153,8 +153,11 @@ def run_hf_cb(path: str, args: argparse.Namespace) -> Callable[[Tokens, int], To
     model = _load_hf(path, args)
     page_size = 256
     pages_per_seq = -(-(args.prompt_len + args.output_len) // page_size)
+    # transformers 5.17 (the GPU image's) names the page size block_size; later ones page_size
+    fields = ContinuousBatchingConfig.__dataclass_fields__
+    size_field = "page_size" if "page_size" in fields else "block_size"
     cb_config = ContinuousBatchingConfig(
-        page_size=page_size,
+        **{size_field: page_size},
         num_blocks=args.num_prompts * pages_per_seq + 4,
         max_batch_tokens=args.max_num_batched_tokens,
         max_requests_per_batch=args.num_prompts,

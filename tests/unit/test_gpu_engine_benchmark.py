@@ -1,4 +1,5 @@
-"""benchmarks/gpu_engine.py on a machine without CUDA: says so and exits 0."""
+"""benchmarks/gpu_engine.py on a machine without CUDA says so and exits 0; the GPU session
+script (benchmarks/gpu_session.sh) parses and refuses an unknown part before running anything."""
 
 from __future__ import annotations
 
@@ -22,3 +23,18 @@ def test_without_a_gpu_the_benchmark_says_so_and_exits_0():
     assert done.stdout.strip() == (
         "gpu_engine: no GPU (torch.cuda.is_available() is False); nothing measured"
     )
+
+
+def test_the_gpu_session_script_parses_and_refuses_an_unknown_part(tmp_path):
+    script = os.path.join(ROOT, "benchmarks", "gpu_session.sh")
+    assert subprocess.run(["bash", "-n", script], timeout=30).returncode == 0
+    done = subprocess.run(
+        ["bash", script, "everything"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=ROOT,
+        env={**os.environ, "OUT": str(tmp_path)},
+    )
+    assert done.returncode == 2 and "usage" in done.stderr
+    assert list(tmp_path.iterdir()) == []  # nothing ran
