@@ -69,6 +69,7 @@ class Request:
         "n",
         "parent_id",
         "sample_index",
+        "num_output_placeholders",
     )
 
     def __init__(
@@ -111,6 +112,9 @@ class Request:
         self.n = n
         self.parent_id: str | None = None
         self.sample_index = 0
+        # tokens sampled by steps still in flight (overlapped loop,
+        # scheduler/async_scheduler.py): scheduled as if already known
+        self.num_output_placeholders = 0
 
     @classmethod
     def from_engine_request(cls, req: EngineRequest, eos_token_id: int | None) -> Request:

@@ -29,6 +29,7 @@ from scheduler.messages import (
     SchedulerOutput,
     SchedulerStats,
 )
+from scheduler.placeholders import at_output_limit
 from scheduler.queues import create_queue
 from scheduler.request import Request, RequestStatus
 
@@ -183,7 +184,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = len(req.all_token_ids) - req.num_computed_tokens
+            num_new = len(req.all_token_ids) + req.num_output_placeholders - req.num_computed_tokens
+            if req.num_output_placeholders and at_output_limit(req, cfg.max_model_len):
+                i += 1  # its in-flight token is its last: never schedule past max_tokens
+                continue
             if req.n > 1 and req.parent_id is None:
                 num_new -= 1  # a fork parent stops before the last prompt token
                 if num_new <= 0:
@@ -403,6 +407,7 @@ class Scheduler:
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.num_output_placeholders = 0  # an in-flight token is dropped and recomputed
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend(req)
@@ -470,8 +475,15 @@ class Scheduler:
             if (
                 parent.status == RequestStatus.RUNNING
                 and parent.num_computed_tokens == parent.num_tokens - 1
+                and not self._computing(parent)
             ):
                 self._fork(parent, outputs)
+
+    def _computing(self, req: Request) -> bool:
+        """Is a step that computes ``req`` still running? Never here: each
+        step's output is applied before the next is scheduled
+        (``scheduler/async_scheduler.py`` overlaps them)."""
+        return False
 
     def _fork(self, parent: Request, outputs: list[EngineOutput]) -> None:
         pid = parent.request_id

@@ -81,6 +81,9 @@ class EngineConfig:
     # how prefix-free prefills (query = whole context) attend (kernels/prefill_attention.py):
     # auto (SDPA on CUDA in fp16/bf16, else the paged kernel) | triton (always paged) | sdpa
     prefill_attention: str = "auto"
+    # overlap: schedule step N+1 while step N runs (workers/async_step.py); outputs are
+    # those of the synchronous loop. Tensor-parallel engines run synchronous steps.
+    async_scheduling: bool = False
     # start-up probe READ reporting UCX's transport (kvtransfer/ucx/probe.py):
     # auto (on with CUDA) | on | off
     kv_transport_probe: str = "auto"
@@ -310,6 +313,11 @@ _BOOL_OFF_FLAGS = [
 # Booleans that default to off get --X (store_true).
 _BOOL_ON_FLAGS = [
     ("--enforce-eager", "enforce_eager", "CUDA: no CUDA graphs (every step eager)"),
+    (
+        "--async-scheduling",
+        "async_scheduling",
+        "schedule step N+1 while step N runs (same outputs as the synchronous loop)",
+    ),
 ]
 
 

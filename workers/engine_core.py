@@ -23,6 +23,7 @@ import torch
 
 from kvtransfer.ucx.proto_info import stats_fields as transport_fields
 from scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
+from scheduler.async_scheduler import AsyncScheduler
 from scheduler.engine_stats import EngineStats, Histogram, KVTransferStats, WireStats
 from scheduler.kv_events import KVEventRecorder, KVSnapshot
 from scheduler.messages import (
@@ -35,6 +36,7 @@ from scheduler.messages import (
     FinishReason,
 )
 from wire.frames import FrameCounters, FrameSpec, MalformedFrame, MiB, peer_address
+from workers.async_step import OverlappedLoop
 from workers.config import EngineConfig
 from workers.graphs.build import build_step_graphs
 from workers.graphs.memory import profile_step_memory
@@ -142,7 +144,12 @@ class EngineCore:
             load_failure_policy=config.load_failure_policy,
         )
         self.connector_scheduler, self.connector_worker = self._make_connector()
-        self.scheduler = Scheduler(self.sched_config, self.connector_scheduler, config.engine_id)
+        # overlapped loop (workers/async_step.py); TP ranks step in lockstep: synchronous
+        overlap = config.async_scheduling and self.tp is None
+        scheduler_cls = AsyncScheduler if overlap else Scheduler
+        self.scheduler = scheduler_cls(
+            self.sched_config, self.connector_scheduler, config.engine_id
+        )
         self.kv_events: KVEventRecorder | None = None
         self.kv_publisher: KVEventPublisher | None = None
         if config.kv_events:  # scheduler/kv_events.py: only when routing needs them
@@ -168,7 +175,9 @@ class EngineCore:
             decode_graphs=graphs.decode,
             piecewise_graphs=graphs.piecewise,
             prefill_attention=config.prefill_attention,
+            overlap=overlap,
         )
+        self.overlap = OverlappedLoop(self.scheduler, self.runner) if overlap else None
         if self.tp is not None:
             self.runner = self.tp.start(self.runner)
         self._shutdown = threading.Event()
@@ -227,10 +236,12 @@ class EngineCore:
     def step(self) -> EngineOutputs:
         self.num_steps += 1
         start_s = step_start = self.request_clock.clock()
-        so = self.scheduler.schedule()
-        out = self.runner.execute(so)
+        if self.overlap is not None:
+            so, outputs = self.overlap.step()
+        else:
+            so = self.scheduler.schedule()
+            outputs = self.scheduler.update_from_output(so, self.runner.execute(so))
         self.last_step_num_tokens = so.total_num_scheduled_tokens
-        outputs = self.scheduler.update_from_output(so, out)
         self.last_step_s = time.perf_counter() - start_s
         drain = getattr(self.connector_worker, "drain_load_records", None)
         self.request_clock.after_step(
@@ -374,6 +385,8 @@ class EngineCore:
             self.connector_worker.shutdown()
         if self.tp is not None and not self._loop_running:
             self.tp.shutdown()  # else the loop thread does, as it ends (it owns the sockets)
+        if self.overlap is not None and not self._loop_running:
+            self.runner.close()  # else the loop thread does, as it ends
 
     # ---- ZMQ service loop ------------------------------------------------------
 
@@ -478,6 +491,8 @@ class EngineCore:
             ctx.term()
             if self.tp is not None:
                 self.tp.shutdown()
+            if self.overlap is not None:
+                self.runner.close()
 
     def switch_gateway(self, output_addr: str) -> int:
         """Loop thread only (``call_in_loop``): a new gateway adopted this

@@ -13,6 +13,12 @@ On CPU (fp32), single-token queries that get a dense decode row
 (``workers/dense_decode.py``) come first, ordered by row, and the step's
 metadata is a ``workers.attention.SplitAttention``; the rest keep the order
 above and go through the paged kernels.
+
+A step is launched then finished (``launch`` / ``finish``): the loop thread
+plans it (``workers/step_batch.py``), the step stream runs its forward and
+sampling, and ``finish`` reads the sampled tokens. The synchronous loop
+(``execute``) finishes each step at once; the overlapped loop
+(``workers/async_step.py``) plans and launches the next step first.
 """
 
 from __future__ import annotations
@@ -32,26 +38,43 @@ from scheduler.messages import (
     SamplingParams,
     SchedulerOutput,
 )
+from workers.async_step import StepHandle, StepResult, StepStream
 from workers.attention import SplitAttention, StepMetadata
 from workers.cpu_allocator import tune_malloc_for_inference
 from workers.dense_decode import DenseDecodeKV, DenseDecodeStep
 from workers.graphs.piecewise import PiecewiseGraphRunner
 from workers.graphs.runner import DecodeGraphRunner
-from workers.sampler import Sampler
+from workers.sampler import Sampler, compute_logprobs
 from workers.sampling.prompt_logprobs import prompt_logprobs
-from workers.sampling.state import SamplingExtras
+from workers.sampling.state import SamplingExtras, uses_extras
+from workers.step_batch import PLACEHOLDER, Segment, StepPlan, flatten
 
 # CPU only: bytes the dense decode copy of the KV may use (see workers/dense_decode.py).
 DEFAULT_DENSE_DECODE_BYTES = 1 << 30
 
 
 class _ReqState:
-    __slots__ = ("token_ids", "block_ids", "num_computed", "num_prompt", "params", "prompt_lps")
+    __slots__ = (
+        "token_ids",
+        "block_ids",
+        "num_computed",
+        "num_prompt",
+        "params",
+        "prompt_lps",
+        "stream_key",
+        "pending",
+    )
 
     def __init__(
-        self, token_ids: list[int], block_ids: list[int], num_computed: int, num_prompt: int, params
+        self,
+        token_ids: list[int],
+        block_ids: list[int],
+        num_computed: int,
+        num_prompt: int,
+        params,
+        stream_key: int,
     ) -> None:
-        self.token_ids = token_ids
+        self.token_ids = token_ids  # PLACEHOLDER where a step in flight samples
         self.block_ids = block_ids
         self.num_computed = num_computed
         self.num_prompt = num_prompt
@@ -60,6 +83,9 @@ class _ReqState:
         self.prompt_lps: list[Logprobs] | None = None
         if params.prompt_logprobs is not None and num_computed == 0:
             self.prompt_lps = [] if len(token_ids) == num_prompt else None
+        self.stream_key = stream_key  # keys an unseeded request's random draws
+        # (launched step, its sampled row) of the PLACEHOLDER at the end of token_ids
+        self.pending: tuple[StepHandle, int] | None = None
 
 
 class ModelRunner:
@@ -76,8 +102,12 @@ class ModelRunner:
         decode_graphs: DecodeGraphRunner | None = None,
         piecewise_graphs: PiecewiseGraphRunner | None = None,
         prefill_attention: str = "auto",
+        overlap: bool = False,
     ) -> None:
         self.model = model
+        # each step's device work: on a thread of its own when steps overlap
+        # (workers/async_step.py), else inline
+        self.stream = StepStream(threaded=overlap)
         self.graphs = decode_graphs  # CUDA: decode-only steps replay a captured graph
         self.piecewise = piecewise_graphs  # CUDA: other steps replay pieces around attention
         self.kv_cache = kv_cache
@@ -105,26 +135,29 @@ class ModelRunner:
         if connector is not None:
             connector.register_kv_caches(kv_cache)
 
+    def close(self) -> None:
+        self.stream.close()
+
     def release_idle_memory(self) -> None:
         """Called by the engine loop while it has nothing to run."""
         if self.dense is not None:
             self.dense.release_if_idle(time.monotonic())
 
-    def _update_states(self, so: SchedulerOutput) -> None:
+    def _update_states(self, so: SchedulerOutput, plan: StepPlan) -> None:
+        dense_release = plan.dense_release  # the step stream owns the dense rows
         for rid in (*so.finished_req_ids, *so.preempted_req_ids):
             self.requests.pop(rid, None)
             self.extras.remove(rid)
-            if self.dense is not None:
-                self.dense.release(rid)
+            dense_release.append(rid)
         for nr in so.scheduled_new_reqs:
-            if self.dense is not None:
-                self.dense.release(nr.req_id)
+            dense_release.append(nr.req_id)
             self.requests[nr.req_id] = _ReqState(
                 list(nr.all_token_ids),
                 list(nr.block_ids),
                 nr.num_computed_tokens,
                 nr.num_prompt_tokens,
                 nr.sampling_params,
+                self.sampler.stream_key(nr.req_id),
             )
             self.extras.add(nr.req_id, nr.sampling_params, nr.all_token_ids, nr.num_prompt_tokens)
         c = so.scheduled_cached_reqs
@@ -134,20 +167,52 @@ class ModelRunner:
                 st.block_ids.extend(new_blocks)
             st.num_computed = num_computed
 
-    @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        self._update_states(so)
-        if so.copy_block_ids:  # a fork's partial last block, before anything writes
-            src, dst = zip(*so.copy_block_ids)
-            dev = self.device
-            self.kv_cache[torch.tensor(dst, device=dev)] = self.kv_cache[
-                torch.tensor(src, device=dev)
-            ]
+        """Run one step and wait for it (the synchronous loop)."""
+        return self.finish(self.launch(so))
+
+    def launch(self, so: SchedulerOutput, prev: StepHandle | None = None) -> StepHandle:
+        """Plan ``so`` on this (the loop) thread and start its device work on the step
+        stream (``workers/async_step.py``); return without waiting for it. ``prev``: the
+        step launched before, still in flight (its sampled tokens feed this one). Every
+        launched step must be passed to ``finish``, in launch order."""
+        plan = StepPlan()
+        self._update_states(so, plan)
+        if prev is not None and self._needs_host_tokens(so):
+            self.read_tokens(prev)  # penalties / bad words count the tokens on the host
         if self.connector is not None and so.kv_connector_metadata is not None:
+            if prev is not None:  # its KV writes end before a load may land in a freed block
+                self.read_tokens(prev)
             self.connector.start_load_kv(so.kv_connector_metadata)
+        handle = StepHandle(plan)
+        self._plan(so, plan, handle, prev)
+        handle.future = self.stream.submit(self._run_step, plan, prev)
+        return handle
+
+    def finish(self, handle: StepHandle) -> ModelRunnerOutput:
+        """Wait for a launched step and build its output (loop thread)."""
+        plan = handle.plan
+        result: StepResult = handle.future.result()
+        tokens = self.read_tokens(handle)
         out = ModelRunnerOutput()
-        if so.total_num_scheduled_tokens > 0:
-            self._forward_and_sample(so, out)
+        if plan.req_ids:
+            slots = [-1] * len(plan.req_ids)
+            for k, i in enumerate(plan.sample_segments):
+                slots[i] = k
+            out.req_ids = plan.req_ids
+            out.sampled_token_ids = [[tokens[k]] if k >= 0 else [] for k in slots]
+            if result.raw_logits is not None:
+                logprobs = compute_logprobs(result.raw_logits, plan.params, tokens)
+                if logprobs is not None:
+                    out.logprobs = [
+                        [logprobs[k]] if k >= 0 and logprobs[k] is not None else [] for k in slots
+                    ]
+            for i in plan.sample_segments:
+                prompt = plan.segments[i].prompt
+                if prompt is not None:  # the prompt is done: its logprobs go out now
+                    if out.prompt_logprobs is None:
+                        out.prompt_logprobs = {}
+                    out.prompt_logprobs[plan.req_ids[i]] = prompt[2]
         if self.connector is not None:
             sending, recving = self.connector.get_finished()
             invalid = self.connector.get_block_ids_with_load_errors()
@@ -159,116 +224,176 @@ class ModelRunner:
                 )
         return out
 
-    def _forward_and_sample(self, so: SchedulerOutput, out: ModelRunnerOutput) -> None:
-        req_ids = list(so.num_scheduled_tokens)
-        order, dense_step = self._order_for_dense(so, req_ids)
-        input_ids: list[int] = []
-        positions: list[int] = []
-        block_tables, seq_lens, query_lens = [], [], []
-        sample_rows: list[int] = []  # flat index of each sampled token's last query token
-        sample_reqs: list[_ReqState] = []
-        sample_ids: list[str] = []
-        sampled_slot: dict[str, int] = {}  # req id -> index into sample_reqs
-        # requests collecting prompt logprobs: (id, state, flat row of start, start, stop)
-        prompt_chunks: list[tuple[str, _ReqState, int, int, int]] = []
-        for rid in order:
-            n = so.num_scheduled_tokens[rid]
+    def read_tokens(self, handle: StepHandle) -> list[int]:
+        """A launched step's sampled tokens on the host (the step's one device->host
+        sync; waits for it). Fills the requests' placeholders; idempotent."""
+        if handle.tokens is not None:
+            return handle.tokens
+        result: StepResult = handle.future.result()
+        tokens = result.sampled.tolist() if result.sampled is not None else []
+        for (st, index), token in zip(handle.sample_states, tokens, strict=True):
+            st.token_ids[index] = token
+            if st.pending is not None and st.pending[0] is handle:
+                st.pending = None
+        handle.tokens = tokens
+        plan = handle.plan
+        self.extras.record([plan.req_ids[i] for i in plan.sample_segments], tokens)
+        return tokens
+
+    def _needs_host_tokens(self, so: SchedulerOutput) -> bool:
+        """Does a request of ``so`` with a token in flight use penalties, logit bias or
+        bad words? Those read its tokens on the host."""
+        if not self.extras.num_tracked:
+            return False
+        for rid in so.num_scheduled_tokens:
+            st = self.requests[rid]
+            if st.pending is not None and uses_extras(st.params):
+                return True
+        return False
+
+    def _plan(
+        self, so: SchedulerOutput, plan: StepPlan, handle: StepHandle, prev: StepHandle | None
+    ) -> None:
+        """Host half of a step (loop thread): each request's segment, sampling inputs,
+        and a PLACEHOLDER for every token this step samples."""
+        plan.copy_block_ids = list(so.copy_block_ids)
+        if so.total_num_scheduled_tokens == 0:
+            return
+        bs = self.block_size
+        sampled: list[_ReqState] = []
+        for rid, n in so.num_scheduled_tokens.items():
             st = self.requests[rid]
             start = st.num_computed
             end = start + n
-            if n == 1:
-                input_ids.append(st.token_ids[start])
-                positions.append(start)
-            else:
-                input_ids.extend(st.token_ids[start:end])
-                positions.extend(range(start, end))
+            pending_row = -1
+            if st.pending is not None:  # its last token is still on the device
+                pending_handle, pending_row = st.pending
+                assert pending_handle is prev and end == len(st.token_ids), rid
+            prompt = None
             if st.prompt_lps is not None:
                 stop = max(start, min(end, st.num_prompt - 1))
-                prompt_chunks.append((rid, st, len(input_ids) - n, start, stop))
-            block_tables.append(st.block_ids)
-            seq_lens.append(end)
-            query_lens.append(n)
+                targets = st.token_ids[start + 1 : stop + 1]
+                prompt = (targets, st.params.prompt_logprobs or 0, st.prompt_lps)
+            plan.req_ids.append(rid)
+            plan.segments.append(
+                Segment(rid, st.token_ids[start:end], start, st.block_ids[: -(-end // bs)],
+                        pending_row, prompt)
+            )  # fmt: skip
             st.num_computed = end
             if end == len(st.token_ids):
-                sampled_slot[rid] = len(sample_reqs)
-                sample_rows.append(len(input_ids) - 1)
-                sample_reqs.append(st)
-                sample_ids.append(rid)
+                plan.sample_segments.append(len(plan.segments) - 1)
+                sampled.append(st)
+                st.prompt_lps = None  # complete once this step ran: sent with its token
+        if not sampled:
+            return
+        plan.params = [st.params for st in sampled]
+        plan.positions = [len(st.token_ids) for st in sampled]
+        plan.output_counts = [len(st.token_ids) - st.num_prompt for st in sampled]
+        plan.stream_keys = [st.stream_key for st in sampled]
+        plan.wants_logprobs = any(p.logprobs is not None for p in plan.params)
+        if self.extras.num_tracked:
+            histories = [(st.token_ids, st.num_prompt) for st in sampled]
+            plan.extras = self.extras.batch([plan.req_ids[i] for i in plan.sample_segments],
+                                            histories)  # fmt: skip
+        for row, st in enumerate(sampled):
+            handle.sample_states.append((st, len(st.token_ids)))
+            st.token_ids.append(PLACEHOLDER)
+            st.pending = (handle, row)
+
+    @torch.inference_mode()
+    def _run_step(self, plan: StepPlan, prev: StepHandle | None) -> StepResult:
+        """Device half of a step (step stream): layout, forward, sample. Reads only the
+        plan, the dense rows and the previous step's result."""
+        if self.dense is not None:
+            for rid in plan.dense_release:
+                self.dense.release(rid)
+        if plan.copy_block_ids:  # a fork's partial last block, before anything writes
+            src, dst = zip(*plan.copy_block_ids)
+            dev = self.device
+            self.kv_cache[torch.tensor(dst, device=dev)] = self.kv_cache[
+                torch.tensor(src, device=dev)
+            ]
+        if not plan.segments:
+            return StepResult()
+        order, dense_step = self._order_for_dense(plan.segments)
+        flat = flatten(plan.segments, order)
         dev = self.device
+        scatter = None
+        if flat.scatter_dst:
+            prev_sampled = prev.future.result().sampled  # done: the stream runs in order
+            src = host_to_device(torch.tensor(flat.scatter_src, dtype=torch.long), dev)
+            dst = host_to_device(torch.tensor(flat.scatter_dst, dtype=torch.long), dev)
+
+            def scatter(ids: torch.Tensor) -> None:
+                ids.index_copy_(0, dst, prev_sampled.index_select(0, src).to(ids.dtype))
+
         hidden = None
         if self.graphs is not None and dense_step is None:
-            hidden = self.graphs.run(input_ids, positions, block_tables, seq_lens)
-        if hidden is None and self.piecewise is not None and dense_step is None:
-            hidden = self.piecewise.run(input_ids, positions, block_tables, seq_lens, query_lens)
-        if hidden is None:  # eager: no graph for this step (mode, bucket), CPU
-            meta = self._metadata(block_tables, seq_lens, query_lens, positions, dense_step)
-            ids_t = host_to_device(torch.tensor(input_ids, dtype=torch.long), dev)
-            pos_t = host_to_device(torch.tensor(positions, dtype=torch.long), dev)
-            hidden = self.model(ids_t, pos_t, self.kv_cache, meta)
-        for _, st, flat, start, stop in prompt_chunks:
-            if stop > start:
-                rows = hidden[flat : flat + stop - start]
-                targets = st.token_ids[start + 1 : stop + 1]
-                num_top = st.params.prompt_logprobs or 0
-                lps = prompt_logprobs(rows, self.model.compute_logits, targets, num_top)
-                st.prompt_lps.extend(lps)
-        tokens: list[int] = []
-        logprobs = None
-        if sample_reqs:
-            if sample_rows == list(range(len(hidden))):
-                last = hidden  # decode-only step: every row is sampled, in order
-            else:
-                rows = host_to_device(torch.tensor(sample_rows, dtype=torch.long), dev)
-                last = hidden.index_select(0, rows)
-            logits = self.model.compute_logits(last)
-            extras = None
-            if self.extras.num_tracked:
-                histories = [(st.token_ids, st.num_prompt) for st in sample_reqs]
-                extras = self.extras.batch(sample_ids, histories)
-            tokens, logprobs = self.sampler.sample(
-                logits,
-                [st.params for st in sample_reqs],
-                [len(st.token_ids) for st in sample_reqs],
-                [len(st.token_ids) - st.num_prompt for st in sample_reqs],
-                [self.eos_token_id] * len(sample_reqs),
-                extras,
+            hidden = self.graphs.run(
+                flat.input_ids, flat.positions, flat.block_tables, flat.seq_lens, scatter
             )
-            for st, tok in zip(sample_reqs, tokens):
-                st.token_ids.append(tok)
-            self.extras.record(sample_ids, tokens)
-        for rid, st, _, _, _ in prompt_chunks:
-            if rid in sampled_slot:  # the prompt is done: its logprobs go out now
-                if out.prompt_logprobs is None:
-                    out.prompt_logprobs = {}
-                out.prompt_logprobs[rid] = st.prompt_lps
-                st.prompt_lps = None
-        slots = [sampled_slot.get(rid, -1) for rid in req_ids]
-        out.req_ids = req_ids
-        out.sampled_token_ids = [[tokens[k]] if k >= 0 else [] for k in slots]
-        if logprobs is not None:
-            out.logprobs = [
-                [logprobs[k]] if k >= 0 and logprobs[k] is not None else [] for k in slots
-            ]
+        if hidden is None and self.piecewise is not None and dense_step is None:
+            hidden = self.piecewise.run(
+                flat.input_ids,
+                flat.positions,
+                flat.block_tables,
+                flat.seq_lens,
+                flat.query_lens,
+                scatter,
+            )
+        if hidden is None:  # eager: no graph for this step (mode, bucket), CPU
+            meta = self._metadata(
+                flat.block_tables, flat.seq_lens, flat.query_lens, flat.positions, dense_step
+            )
+            ids_t = host_to_device(torch.tensor(flat.input_ids, dtype=torch.long), dev)
+            if scatter is not None:
+                scatter(ids_t)
+            pos_t = host_to_device(torch.tensor(flat.positions, dtype=torch.long), dev)
+            hidden = self.model(ids_t, pos_t, self.kv_cache, meta)
+        for i, seg in enumerate(plan.segments):
+            if seg.prompt is not None and seg.prompt[0]:
+                targets, num_top, collected = seg.prompt
+                first = flat.first_row[i]
+                rows = hidden[first : first + len(targets)]
+                collected.extend(prompt_logprobs(rows, self.model.compute_logits, targets, num_top))
+        if not plan.sample_segments:
+            return StepResult()
+        sample_rows = [flat.last_row[i] for i in plan.sample_segments]
+        if sample_rows == list(range(len(hidden))):
+            last = hidden  # decode-only step: every row is sampled, in order
+        else:
+            last = hidden.index_select(0, host_to_device(torch.tensor(sample_rows), dev))
+        logits = self.model.compute_logits(last)
+        sampled, raw_logits = self.sampler.sample_on_device(
+            logits,
+            plan.params,
+            plan.positions,
+            plan.output_counts,
+            [self.eos_token_id] * len(plan.params),
+            plan.extras,
+            plan.stream_keys,
+        )
+        return StepResult(sampled, raw_logits if plan.wants_logprobs else None)
 
-    def _order_for_dense(
-        self, so: SchedulerOutput, req_ids: list[str]
-    ) -> tuple[list[str], DenseDecodeStep | None]:
-        """Flat token order: decodes on the dense path first (by row), then the rest."""
+    def _order_for_dense(self, segments: list[Segment]) -> tuple[list[int], DenseDecodeStep | None]:
+        """Flat order (indices into ``segments``): decodes on the dense path first (by
+        row), then the rest. Step stream only (it owns the dense rows)."""
+        everything = list(range(len(segments)))
         if self.dense is None:
-            return req_ids, None
-        decodes = []
-        for rid in req_ids:
-            st = self.requests[rid]
-            if so.num_scheduled_tokens[rid] == 1:
-                decodes.append((rid, st.num_computed, st.block_ids))
+            return everything, None
+        decodes, decode_segments = [], []
+        for i, seg in enumerate(segments):
+            if seg.num_tokens == 1:
+                decodes.append((seg.req_id, seg.start, seg.block_ids))
+                decode_segments.append(i)
             else:
-                self.dense.release(rid)  # its KV is being (re)computed: the row would be stale
+                self.dense.release(seg.req_id)  # its KV is being (re)computed: stale row
         chosen, step = self.dense.prepare(decodes)
         if step is None:
-            return req_ids, None
-        first = [decodes[i][0] for i in chosen]
+            return everything, None
+        first = [decode_segments[j] for j in chosen]
         taken = set(first)
-        return first + [rid for rid in req_ids if rid not in taken], step
+        return first + [i for i in everything if i not in taken], step
 
     def _metadata(
         self,

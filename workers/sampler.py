@@ -20,8 +20,12 @@ computed with integer arithmetic in Python (``uniform_for``), where position
 is the absolute index of the token being sampled (the number of tokens
 before it). A request split across a prefill engine and a decode engine
 therefore draws exactly the tokens it would draw on one engine, whatever its
-batch mates, process or call count. Unseeded rows draw ``u`` from one shared
-``random.Random``.
+batch mates, process or call count. An unseeded row of the engine draws the
+same way with its request's stream key (``Sampler.stream_key``: a hash of the
+engine seed and the request id) in place of the seed, so no row's draw depends
+on which other rows share its batch: a row the overlapped loop computes and
+then drops (``scheduler/async_scheduler.py``) shifts nobody's stream. Callers
+that pass no keys draw unseeded rows from one shared ``random.Random``.
 
 Filtering keeps tokens by value, never by sort position: top-k keeps every
 token >= the k-th largest logit, top-p every token >= the logit at which the
@@ -32,6 +36,7 @@ depend on sort order or batch composition.
 
 from __future__ import annotations
 
+import hashlib
 import random
 
 import torch
@@ -79,6 +84,13 @@ class Sampler:
 
     def __init__(self, seed: int | None = None) -> None:
         self._rng = random.Random(seed)
+        self._engine_key = random.Random(seed).getrandbits(64)
+
+    def stream_key(self, request_id: str) -> int:
+        """The key of an unseeded request's draws: a pure function of the engine seed
+        and the request id (the OS picks the engine's part when ``seed`` is None)."""
+        digest = hashlib.blake2b(request_id.encode(), digest_size=8).digest()
+        return mix_seed(self._engine_key, int.from_bytes(digest, "little"))
 
     def sample(
         self,
@@ -88,6 +100,7 @@ class Sampler:
         output_counts: list[int],
         eos_token_ids: list[int | None],
         extras: BatchExtras | None = None,
+        stream_keys: list[int] | None = None,
     ) -> tuple[list[int], list[Logprobs | None] | None]:
         """Sample one token per row.
 
@@ -103,6 +116,8 @@ class Sampler:
                 them (``workers.sampling.state``), applied after the
                 min_tokens mask and before temperature; min-p applies after
                 temperature, before top-k/top-p.
+            stream_keys: per row, the key unseeded rows draw with
+                (``stream_key``); None: the shared stream.
 
         Returns:
             ``(token_ids, logprobs)``. Greedy rows (temperature 0 or top_k 1)
@@ -112,6 +127,24 @@ class Sampler:
             logits (before temperature and masking), as OpenAI and vLLM
             report them; top entries sorted by logprob, ties by lower id.
         """
+        token_ids, raw_logits = self.sample_on_device(
+            logits, params, positions, output_counts, eos_token_ids, extras, stream_keys
+        )
+        token_list = token_ids.tolist()
+        return token_list, compute_logprobs(raw_logits, params, token_list)
+
+    def sample_on_device(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        positions: list[int],
+        output_counts: list[int],
+        eos_token_ids: list[int | None],
+        extras: BatchExtras | None = None,
+        stream_keys: list[int] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``sample`` without reading anything back: ``(token ids [N] on the logits'
+        device, the float raw logits for compute_logprobs)``."""
         num_rows = logits.shape[0]
         if not (len(params) == len(positions) == len(output_counts) == len(eos_token_ids)):
             raise ValueError("params, positions, output_counts, eos_token_ids must match rows")
@@ -130,6 +163,8 @@ class Sampler:
             uniforms = []
             for i in random_rows:
                 seed = params[i].seed
+                if seed is None and stream_keys is not None:
+                    seed = stream_keys[i]
                 uniforms.append(
                     self._rng.random() if seed is None else uniform_for(seed, positions[i])
                 )
@@ -138,9 +173,7 @@ class Sampler:
                 masked.index_select(0, rows), [params[i] for i in random_rows], uniforms
             )
             token_ids.index_copy_(0, rows, sampled)
-
-        token_list = token_ids.tolist()
-        return token_list, _compute_logprobs(raw_logits, params, token_list)
+        return token_ids, raw_logits
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
@@ -277,7 +310,7 @@ def _num_in_nucleus(
     return (mass_before < top_p).sum(dim=-1).clamp_(min=1)
 
 
-def _compute_logprobs(
+def compute_logprobs(
     raw_logits: torch.Tensor, params: list[SamplingParams], token_ids: list[int]
 ) -> list[Logprobs | None] | None:
     rows = [i for i, p in enumerate(params) if p.logprobs is not None]

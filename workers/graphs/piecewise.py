@@ -162,10 +162,13 @@ class PiecewiseGraphRunner:
         block_tables: list[list[int]],
         seq_lens: list[int],
         query_lens: list[int],
+        patch_ids: Callable[[torch.Tensor], None] | None = None,
     ) -> torch.Tensor | None:
         """Hidden states ``[n, hidden]`` of any step of n tokens (prefills, chunks, decodes,
         flat as the runner lays them out), or None when no token bucket holds n. The result
-        is a view of a static buffer: read it before the next ``run``."""
+        is a view of a static buffer: read it before the next ``run``. ``patch_ids`` gets the
+        device input ids ``[n]`` before the replay (the overlapped loop writes the previous
+        step's sampled tokens into them)."""
         n = len(input_ids)
         size = self.bucket_for(n)
         if size is None or size not in self.replays:
@@ -175,6 +178,8 @@ class PiecewiseGraphRunner:
         )
         meta.sdpa_prefills = self.sdpa_prefills
         self.inputs.fill(input_ids, positions, meta.slot_mapping, size)
+        if patch_ids is not None:
+            patch_ids(self.inputs.views(n)[0])
         pieces = self.replays[size]
         q_end = self.num_heads
         k_end = q_end + self.num_kv_heads

@@ -164,11 +164,13 @@ class DecodeGraphRunner:
         positions: list[int],
         block_tables: list[list[int]],
         seq_lens: list[int],
+        patch_ids: Callable[[torch.Tensor], None] | None = None,
     ) -> torch.Tensor | None:
         """Hidden states ``[n, hidden]`` of a decode-only batch by replay, or None when the
         step must run eager (some sequence has more than one query token, or no bucket is
         big enough). The result is a view of the graph's output: read it before the next
-        ``run``."""
+        ``run``. ``patch_ids`` gets the device input ids ``[n]`` before the replay (the
+        overlapped loop writes the previous step's sampled tokens into them)."""
         n = len(seq_lens)
         if n == 0 or len(input_ids) != n:
             return None
@@ -176,6 +178,8 @@ class DecodeGraphRunner:
         if size is None or size not in self.replays:
             return None
         self.inputs.fill(input_ids, positions, block_tables, seq_lens, size)
+        if patch_ids is not None:
+            patch_ids(self.inputs.device_view("input_ids", n))
         self.num_replays[size] += 1
         return self.replays[size]()[:n]
 

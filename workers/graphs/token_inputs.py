@@ -13,7 +13,9 @@ Rows past the step's tokens, up to the bucket, are padding: token 0 at position 
 token's, and the runner drops them.
 
 The host buffer is overwritten by the next ``fill``: as with ``StaticDecodeInputs``, the copy
-has completed by then because the step's sampled tokens are read after it in stream order.
+has completed by then in the synchronous loop (the step's sampled tokens are read after it in
+stream order); for the overlapped loop ``fill`` first waits on an event recorded after the
+previous copy.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class StaticTokenInputs:
         self.device_buffer = torch.zeros(2 * max_tokens, dtype=torch.int32, device=self.device)
         self.slot_mapping = torch.full((max_tokens,), -1, dtype=torch.int32, device=self.device)
         self._np = self.host.numpy()
+        self._copied: torch.cuda.Event | None = None  # CUDA: recorded after the last copy
 
     @property
     def num_bytes(self) -> int:
@@ -61,11 +64,16 @@ class StaticTokenInputs:
             raise ValueError(f"size {size} must be in [{n}, {self.max_tokens}]")
         if n and (slot_mapping is None or slot_mapping.shape != (n,)):
             raise ValueError(f"slot_mapping must hold the step's {n} slots")
+        if self._copied is not None:
+            self._copied.synchronize()  # the last copy has read the host buffer
         t = self.max_tokens
         ids, pos = self._np[:t], self._np[t:]
         ids[:n], ids[n:size] = input_ids, 0
         pos[:n], pos[n:size] = positions, 0
         self.device_buffer[: t + size].copy_(self.host[: t + size], non_blocking=True)
+        if self.device_buffer.is_cuda:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
         if n:
             self.slot_mapping[:n].copy_(slot_mapping)
         self.slot_mapping[n:size].fill_(-1)

@@ -1,0 +1,121 @@
+"""The overlapped engine loop (``--async-scheduling``): step N+1 is scheduled and
+launched while step N runs.
+
+    loop thread   schedule N+1 | plan N+1 | launch | read N's tokens | update N | schedule N+2 ...
+    step stream   ... forward+sample N ....| forward+sample N+1 (ids of N scattered in) ...
+
+The step stream runs each step's device work in launch order: on a thread of its own
+(torch releases the GIL inside its kernels, so the loop thread's scheduling and planning
+overlap the forward on CPU; on CUDA it also keeps kernel enqueueing off the loop thread),
+or inline for the synchronous loop. Both loops run the same ``ModelRunner.launch`` /
+``finish`` code: the synchronous one finishes each step right after launching it.
+
+At most one step is in flight between loop turns. A step's sampled tokens stay on the
+device; the next step copies the ones it needs into its input ids there, and the loop
+thread reads them (the step's one device->host sync) only after launching the next step.
+Where the next step needs them on the host first, its launch reads them before planning
+(``ModelRunner.launch``): batches holding a penalty / logit bias / bad words request, and
+steps that start remote KV loads (a load must not land in a block the running step still
+writes). Everything else (chunked prefill, prefix hits, forks, preemption, prompt
+logprobs, aborts) runs overlapped; see ``scheduler/async_scheduler.py`` for the tokens
+it drops.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from scheduler.async_scheduler import AsyncScheduler
+from scheduler.messages import EngineOutputs, SchedulerOutput
+from workers.step_batch import StepPlan
+
+
+class StepResult:
+    """A step's device outputs: sampled ids ``[num_sampled]`` (None when nothing was
+    sampled) and, when some row wants logprobs, the raw float logits they come from."""
+
+    __slots__ = ("sampled", "raw_logits")
+
+    def __init__(
+        self, sampled: torch.Tensor | None = None, raw_logits: torch.Tensor | None = None
+    ) -> None:
+        self.sampled = sampled
+        self.raw_logits = raw_logits
+
+
+class StepHandle:
+    """A launched step. ``tokens`` is set once the loop thread has read them."""
+
+    __slots__ = ("plan", "future", "tokens", "sample_states")
+
+    def __init__(self, plan: StepPlan) -> None:
+        self.plan = plan
+        self.future: Future[StepResult] | None = None
+        self.tokens: list[int] | None = None
+        # per sampled row: (the request's runner state, index of its PLACEHOLDER)
+        self.sample_states: list[tuple[Any, int]] = []
+
+
+class StepStream:
+    """Runs submitted step functions one at a time, in submission order: on one worker
+    thread (``threaded``), else inline in ``submit``. Either way the result is a Future
+    holding the value or the exception."""
+
+    def __init__(self, threaded: bool) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+        if threaded:
+            num_threads = torch.get_num_threads()  # torch's intra-op setting is per thread
+            self._pool = ThreadPoolExecutor(
+                1, "tandem-step", initializer=torch.set_num_threads, initargs=(num_threads,)
+            )
+
+    @property
+    def threaded(self) -> bool:
+        return self._pool is not None
+
+    def submit(self, fn: Callable[..., StepResult], *args: Any) -> Future:
+        if self._pool is not None:
+            return self._pool.submit(fn, *args)
+        fut: Future = Future()
+        try:
+            fut.set_result(fn(*args))
+        except BaseException as exc:  # noqa: BLE001 - re-raised by fut.result()
+            fut.set_exception(exc)
+        return fut
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+class OverlappedLoop:
+    """``EngineCore.step`` for ``async_scheduling``: one turn schedules and launches a
+    step, then finishes and applies the step launched on the previous turn. A step with
+    no tokens (only transfers to poll, finished ids to pass on) is applied at once."""
+
+    def __init__(self, scheduler: AsyncScheduler, runner: Any) -> None:
+        self.scheduler = scheduler
+        self.runner = runner  # workers.model_runner.ModelRunner with an overlapping stream
+        self.in_flight: tuple[SchedulerOutput, StepHandle] | None = None
+
+    def step(self) -> tuple[SchedulerOutput, EngineOutputs]:
+        """One turn: (the step just scheduled, the outputs applied this turn)."""
+        sched, runner = self.scheduler, self.runner
+        so = sched.schedule()
+        prev = self.in_flight
+        handle = runner.launch(so, prev[1] if prev is not None else None)
+        self.in_flight = None
+        outputs = []
+        if prev is not None:
+            outputs += sched.update_from_output(prev[0], runner.finish(prev[1])).outputs
+        if so.total_num_scheduled_tokens == 0:
+            outputs += sched.update_from_output(so, runner.finish(handle)).outputs
+        else:
+            self.in_flight = (so, handle)
+        return so, EngineOutputs(engine_id=sched.engine_id, outputs=outputs, timestamp=time.time())
