@@ -4,10 +4,11 @@ launched while step N runs.
     loop thread   schedule N+1 | plan N+1 | launch | read N's tokens | update N | schedule N+2 ...
     step stream   ... forward+sample N ....| forward+sample N+1 (ids of N scattered in) ...
 
-The step stream runs each step's device work in launch order: on a thread of its own
-(torch releases the GIL inside its kernels, so the loop thread's scheduling and planning
-overlap the forward on CPU; on CUDA it also keeps kernel enqueueing off the loop thread),
-or inline for the synchronous loop. Both loops run the same ``ModelRunner.launch`` /
+The step stream runs each step's device work in launch order: on CPU on a thread of its
+own (torch releases the GIL inside its kernels, so the loop thread's scheduling and
+planning overlap the forward), on CUDA inline (kernel launches return before the kernels
+run, so the device works on step N while the loop thread schedules N+1), and inline for
+the synchronous loop. Both loops run the same ``ModelRunner.launch`` /
 ``finish`` code: the synchronous one finishes each step right after launching it.
 
 At most one step is in flight between loop turns. A step's sampled tokens stay on the
@@ -37,15 +38,35 @@ from workers.step_batch import StepPlan
 
 class StepResult:
     """A step's device outputs: sampled ids ``[num_sampled]`` (None when nothing was
-    sampled) and, when some row wants logprobs, the raw float logits they come from."""
+    sampled) and, when some row wants logprobs, the raw float logits they come from.
 
-    __slots__ = ("sampled", "raw_logits")
+    On CUDA the ids are also copied to pinned host memory right after sampling, with an
+    event: reading them waits for this step only, not for the step queued behind it
+    (a plain ``tolist`` would queue its copy after the next step's kernels)."""
+
+    __slots__ = ("sampled", "raw_logits", "_host", "_ready")
 
     def __init__(
         self, sampled: torch.Tensor | None = None, raw_logits: torch.Tensor | None = None
     ) -> None:
         self.sampled = sampled
         self.raw_logits = raw_logits
+        self._host: torch.Tensor | None = None
+        self._ready: Any = None  # torch.cuda.Event
+        if sampled is not None and sampled.is_cuda:
+            self._host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
+            self._host.copy_(sampled, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+
+    def token_list(self) -> list[int]:
+        """The sampled ids on the host (waits for them: the step's device->host sync)."""
+        if self.sampled is None:
+            return []
+        if self._ready is None:
+            return self.sampled.tolist()
+        self._ready.synchronize()
+        return self._host.tolist()
 
 
 class StepHandle:
@@ -64,7 +85,12 @@ class StepHandle:
 class StepStream:
     """Runs submitted step functions one at a time, in submission order: on one worker
     thread (``threaded``), else inline in ``submit``. Either way the result is a Future
-    holding the value or the exception."""
+    holding the value or the exception.
+
+    The overlapped loop threads it on CPU only: there the forward itself is the work to
+    overlap, and torch releases the GIL inside its kernels. On CUDA the device already
+    runs behind the host (kernel launches return at once), so the step runs inline and
+    the loop thread never competes with a second Python thread for the GIL."""
 
     def __init__(self, threaded: bool) -> None:
         self._pool: ThreadPoolExecutor | None = None

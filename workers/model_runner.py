@@ -105,9 +105,9 @@ class ModelRunner:
         overlap: bool = False,
     ) -> None:
         self.model = model
-        # each step's device work: on a thread of its own when steps overlap
-        # (workers/async_step.py), else inline
-        self.stream = StepStream(threaded=overlap)
+        # each step's device work: on a thread of its own when steps overlap on
+        # CPU, else inline (workers/async_step.py)
+        self.stream = StepStream(threaded=overlap and kv_cache.device.type == "cpu")
         self.graphs = decode_graphs  # CUDA: decode-only steps replay a captured graph
         self.piecewise = piecewise_graphs  # CUDA: other steps replay pieces around attention
         self.kv_cache = kv_cache
@@ -180,10 +180,11 @@ class ModelRunner:
         self._update_states(so, plan)
         if prev is not None and self._needs_host_tokens(so):
             self.read_tokens(prev)  # penalties / bad words count the tokens on the host
-        if self.connector is not None and so.kv_connector_metadata is not None:
-            if prev is not None:  # its KV writes end before a load may land in a freed block
-                self.read_tokens(prev)
-            self.connector.start_load_kv(so.kv_connector_metadata)
+        meta = so.kv_connector_metadata
+        if self.connector is not None and meta is not None:
+            if prev is not None and getattr(meta, "loads", True):
+                self.read_tokens(prev)  # its KV writes end before a load lands in a freed block
+            self.connector.start_load_kv(meta)
         handle = StepHandle(plan)
         self._plan(so, plan, handle, prev)
         handle.future = self.stream.submit(self._run_step, plan, prev)
@@ -230,7 +231,7 @@ class ModelRunner:
         if handle.tokens is not None:
             return handle.tokens
         result: StepResult = handle.future.result()
-        tokens = result.sampled.tolist() if result.sampled is not None else []
+        tokens = result.token_list()
         for (st, index), token in zip(handle.sample_states, tokens, strict=True):
             st.token_ids[index] = token
             if st.pending is not None and st.pending[0] is handle:

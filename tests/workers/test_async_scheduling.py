@@ -15,8 +15,11 @@ import pytest
 import torch
 
 from scheduler.messages import EngineOutput, EngineRequest, FinishReason, SamplingParams
+from tests.workers import hf_checkpoints
+from tests.workers.test_decode_graphs import PROMPTS, _with_graphs
 from workers.config import EngineConfig, add_engine_arguments, engine_overrides
 from workers.engine_core import EngineCore
+from workers.llm import LLM
 
 Key = tuple[str, int]  # (request id, choice index)
 
@@ -93,14 +96,17 @@ def run(
     return results, engine
 
 
-def same_outputs(model: str, requests: list[EngineRequest], **kwargs) -> dict[Key, Result]:
+def same_outputs(
+    model: str, requests: list[EngineRequest], **kwargs
+) -> tuple[dict[Key, Result], EngineCore]:
+    """Both loops' outputs are equal: (them, the overlapped engine, shut down)."""
     sync, sync_engine = run(model, requests, async_scheduling=False, **kwargs)
     overlapped, engine = run(model, requests, async_scheduling=True, **kwargs)
     assert engine.overlap is not None and sync_engine.overlap is None
     assert sorted(overlapped) == sorted(sync)
     for key, r in sync.items():
         assert overlapped[key].as_tuple() == r.as_tuple(), key
-    return sync
+    return sync, engine
 
 
 def _req(rid: str, prompt: list[int], **params) -> EngineRequest:
@@ -126,7 +132,7 @@ def test_mixed_sampling_chunked_prefill_and_logprobs(tiny_model_dir):
         _req(f"r{i}", p, max_tokens=1 + (3 * i) % 13, ignore_eos=True, **kind)
         for i, (p, kind) in enumerate(zip(prompts, kinds))
     ]
-    results = same_outputs(tiny_model_dir, requests)
+    results, _ = same_outputs(tiny_model_dir, requests)
     assert [len(results[(f"r{i}", 0)].tokens) for i in range(8)] == [
         1 + (3 * i) % 13 for i in range(8)
     ]
@@ -152,7 +158,7 @@ def test_stop_tokens_eos_and_aborts_mid_batch(tiny_model_dir):
         _req("r5", prompts[5], max_tokens=12, temperature=0.0, ignore_eos=True,
              stop_token_ids=[stop_at["r5"]], min_tokens=5),
     ]  # fmt: skip
-    results = same_outputs(tiny_model_dir, requests, eos_token_id=eos, abort_at={"r3": 2, "r4": 5})
+    results, _ = same_outputs(tiny_model_dir, requests, eos_token_id=eos, abort_at={"r3": 2, "r4": 5})
     assert results[("r0", 0)].stop_reason == stop_at["r0"]
     assert (
         results[("r2", 0)].finish_reason == FinishReason.STOP
@@ -169,8 +175,7 @@ def test_preemption_under_a_small_kv_cache(tiny_model_dir):
              ignore_eos=True)
         for i, p in enumerate(prompts)
     ]  # fmt: skip
-    same_outputs(tiny_model_dir, requests, num_kv_blocks=14)
-    _, engine = run(tiny_model_dir, requests, async_scheduling=True, num_kv_blocks=14)
+    _, engine = same_outputs(tiny_model_dir, requests, num_kv_blocks=14)
     assert engine.scheduler.num_preemptions > 0
 
 
@@ -188,9 +193,8 @@ def test_prefix_hits_and_forks(tiny_model_dir):
         _req("fork-free", tails[1] + shared, n=2, max_tokens=5, temperature=0.8),
         _req("fork-greedy", shared[:10], n=2, max_tokens=4, temperature=0.0, ignore_eos=True),
     ]
-    results = same_outputs(tiny_model_dir, requests)
+    results, engine = same_outputs(tiny_model_dir, requests)
     assert {i for rid, i in results if rid == "fork-seeded"} == {0, 1, 2}
-    _, engine = run(tiny_model_dir, requests, async_scheduling=True)
     assert engine.scheduler.prefix_cache_hits > 0
 
 
@@ -288,3 +292,44 @@ def test_an_id_reused_after_a_stop_gets_none_of_the_old_tokens(tiny_model_dir, a
     engine.shutdown()
     alone, _ = run(tiny_model_dir, [EngineRequest("a", [9, 9, 9], greedy)], async_scheduling=False)
     assert outputs == [free[("a", 0)].tokens[:3], alone[("a", 0)].tokens]
+
+
+@pytest.fixture
+def triton_llama(tmp_path, monkeypatch) -> str:
+    """A one-layer Llama on the paged Triton kernels (interpreted on CPU), as the graph
+    runner's tests use."""
+    monkeypatch.setenv("TANDEM_FORCE_TRITON", "1")
+    return hf_checkpoints.make_checkpoint("llama", tmp_path, num_hidden_layers=1)
+
+
+def test_decode_graph_replays_read_the_tokens_in_flight(triton_llama):
+    """Replayed decode steps (the graph runner, eager backend on CPU) take the previous
+    step's tokens from the device through ``patch_ids``: same tokens as eager."""
+    params = [
+        SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=6, temperature=1.0, seed=2, ignore_eos=True),
+    ] * 2
+    eager = _graph_llm(triton_llama, False).generate(
+        prompt_token_ids=PROMPTS, sampling_params=params
+    )
+    llm = _graph_llm(triton_llama, True)
+    graphs = _with_graphs(llm, [1, 2, 4])
+    replayed = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)
+    assert [r.token_ids for r in replayed] == [r.token_ids for r in eager]
+    assert graphs.num_replays[4] > 0
+    llm.engine.check_integrity()
+    llm.close()
+
+
+def _graph_llm(path: str, async_scheduling: bool) -> LLM:
+    return LLM(
+        EngineConfig(
+            model=path,
+            block_size=4,
+            max_num_seqs=4,
+            max_num_batched_tokens=16,
+            num_kv_blocks=32,
+            dense_decode_bytes=0,  # the paged kernels, as on CUDA
+            async_scheduling=async_scheduling,
+        )
+    )

@@ -1,0 +1,160 @@
+"""Synchronous vs overlapped engine loop (``--async-scheduling``) on this machine.
+
+    .venv/bin/python benchmarks/async_scheduling.py                      # tiny + smollm2
+    .venv/bin/python benchmarks/async_scheduling.py --models tiny --batches 1,32
+
+For every model, decode batch and loop: ``batch`` seeded random prompts of ``--prompt-len``
+tokens generate exactly ``--output-len`` tokens each (greedy, EOS ignored, fp32, prefix
+caching off) after a warm-up run with the same engine. Columns:
+
+    step ms    median wall time of one loop turn while every request decodes (a turn is one
+               step: the synchronous loop runs it; the overlapped loop schedules and launches
+               step N+1, then reads step N's tokens and applies them)
+    host ms    median loop-thread time per decode turn spent neither in the forward nor
+               waiting for tokens: schedule, plan, launch, update (what overlap can hide)
+    tok/s      output tokens per second of the whole run (prefill included)
+    same       the overlapped run's tokens equal the synchronous run's
+
+Models: ``tiny`` (the built-in checkpoint) and ``smollm2`` (SmolLM2-135M-Instruct from the
+built-in GGUF, 30 layers). ``--torch-threads`` is the engine's intra-op thread count; the
+overlapped loop's step thread uses the same count, its loop thread is one more.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import threading
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks._machine import machine  # noqa: E402
+from benchmarks.offline_throughput import make_prompts, model_path  # noqa: E402
+
+SEED = 0
+
+
+class _Timed:
+    """Wraps a runner method; adds its wall time to ``seconds`` when called on the loop
+    thread (the synchronous loop's inline forward, either loop's wait for tokens)."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+        self.loop_thread = threading.get_ident()
+        self.seconds = 0.0
+
+    def __call__(self, *args):
+        start = time.perf_counter()
+        try:
+            return self.fn(*args)
+        finally:
+            if threading.get_ident() == self.loop_thread:
+                self.seconds += time.perf_counter() - start
+
+
+def run_engine(path: str, prompts: list[list[int]], output_len: int, overlap: bool, threads: int):
+    """(tokens, decode step s list, decode host s list, total s) of one timed run."""
+    from scheduler.messages import EngineRequest, SamplingParams
+    from workers.config import EngineConfig
+    from workers.engine_core import EngineCore
+
+    batch = len(prompts)
+    blocks = batch * -(-(len(prompts[0]) + output_len) // 16) + 16
+    engine = EngineCore(
+        EngineConfig(
+            model=path,
+            dtype="float32",
+            max_num_seqs=batch,
+            max_num_batched_tokens=max(2048, batch),
+            num_kv_blocks=blocks,
+            enable_prefix_caching=False,
+            torch_threads=threads,
+            async_scheduling=overlap,
+        )
+    )
+    runner = engine.runner
+    waits = [_Timed(runner.read_tokens), _Timed(runner._run_step)]
+    runner.read_tokens, runner._run_step = waits
+    sp = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    result = None
+    for run_id in ("warm", "timed"):
+        tokens: dict[str, list[int]] = {}
+        for i, prompt in enumerate(prompts):
+            rid = f"{run_id}-{i}"
+            tokens[rid] = []
+            engine.add_request(EngineRequest(rid, prompt, sp))
+        step_s, host_s = [], []
+        start = time.perf_counter()
+        while engine.has_work():
+            for w in waits:
+                w.seconds = 0.0
+            t0 = time.perf_counter()
+            out = engine.step()
+            dt = time.perf_counter() - t0
+            decoding = engine.last_step_num_tokens == batch and all(tokens.values())
+            for o in out.outputs:
+                tokens[o.request_id] += o.new_token_ids
+            if decoding and len(out.outputs) == batch:
+                step_s.append(dt)
+                host_s.append(dt - sum(w.seconds for w in waits))
+        total_s = time.perf_counter() - start
+        result = (list(tokens.values()), step_s, host_s, total_s)
+    engine.check_integrity()
+    engine.shutdown()
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--models", default="tiny,smollm2")
+    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--output-len", type=int, default=48)
+    ap.add_argument("--torch-threads", type=int, default=1)
+    args = ap.parse_args()
+    import logging
+
+    logging.basicConfig(level=logging.WARNING)
+    load = os.getloadavg()
+    print(f"machine: {machine()}; torch {torch.__version__}; load average {load[0]:.2f}")
+    print(
+        f"workload: batch x {args.prompt_len} prompt tokens -> {args.output_len} greedy tokens, "
+        f"fp32, CPU, torch threads {args.torch_threads}\n"
+    )
+    header = (
+        f"{'model':<8} {'batch':>5} {'loop':<6} {'step ms':>8} {'host ms':>8} "
+        f"{'tok/s':>8} {'same':>5}"
+    )
+    print(header)
+    print("-" * len(header))
+    for name in args.models.split(","):
+        path = model_path(name, "/tmp")
+        from transformers import AutoConfig
+
+        vocab = AutoConfig.from_pretrained(path).vocab_size
+        for batch in map(int, args.batches.split(",")):
+            prompts = make_prompts(batch, args.prompt_len, vocab)
+            runs = {}
+            for overlap in (False, True):
+                runs[overlap] = run_engine(
+                    path, prompts, args.output_len, overlap, args.torch_threads
+                )
+            for overlap in (False, True):
+                tokens, step_s, host_s, total_s = runs[overlap]
+                same = "yes" if tokens == runs[False][0] else "NO"
+                print(
+                    f"{name:<8} {batch:>5} {'async' if overlap else 'sync':<6} "
+                    f"{1e3 * statistics.median(step_s):>8.2f} "
+                    f"{1e3 * statistics.median(host_s):>8.2f} "
+                    f"{batch * args.output_len / total_s:>8.0f} {same:>5}"
+                )
+    print(f"\nload average after: {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
