@@ -158,7 +158,9 @@ def test_stop_tokens_eos_and_aborts_mid_batch(tiny_model_dir):
         _req("r5", prompts[5], max_tokens=12, temperature=0.0, ignore_eos=True,
              stop_token_ids=[stop_at["r5"]], min_tokens=5),
     ]  # fmt: skip
-    results, _ = same_outputs(tiny_model_dir, requests, eos_token_id=eos, abort_at={"r3": 2, "r4": 5})
+    results, _ = same_outputs(
+        tiny_model_dir, requests, eos_token_id=eos, abort_at={"r3": 2, "r4": 5}
+    )
     assert results[("r0", 0)].stop_reason == stop_at["r0"]
     assert (
         results[("r2", 0)].finish_reason == FinishReason.STOP
