@@ -16,6 +16,7 @@ import torch
 
 from scheduler.messages import EngineOutput, EngineRequest, FinishReason, SamplingParams
 from tests.workers import hf_checkpoints
+from tests.workers import test_piecewise_graphs as piecewise_tests
 from tests.workers.test_decode_graphs import PROMPTS, _with_graphs
 from workers.config import EngineConfig, add_engine_arguments, engine_overrides
 from workers.engine_core import EngineCore
@@ -323,14 +324,31 @@ def test_decode_graph_replays_read_the_tokens_in_flight(triton_llama):
     llm.close()
 
 
-def _graph_llm(path: str, async_scheduling: bool) -> LLM:
+def test_piecewise_replays_read_the_tokens_in_flight(tmp_path):
+    """Mixed steps replayed in pieces (eager backend on CPU): a decode whose token is in
+    flight next to a prefill chunk gets it through ``patch_ids``; same tokens as eager."""
+    path = hf_checkpoints.make_checkpoint("llama", tmp_path, num_hidden_layers=2)
+    prompts = [*piecewise_tests.PROMPTS, [7] * 21]
+    params = [SamplingParams(max_tokens=5, temperature=1.0, seed=i, ignore_eos=True)
+              for i in range(len(prompts))]  # fmt: skip
+    eager = _graph_llm(path, False, 48).generate(prompt_token_ids=prompts, sampling_params=params)
+    llm = _graph_llm(path, True, 48)
+    graphs = piecewise_tests._with_graphs(llm, "piecewise", [4, 8, 16])
+    replayed = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert [r.token_ids for r in replayed] == [r.token_ids for r in eager]
+    assert sum(graphs.piecewise.num_replays.values()) > 0
+    llm.engine.check_integrity()
+    llm.close()
+
+
+def _graph_llm(path: str, async_scheduling: bool, num_kv_blocks: int = 32) -> LLM:
     return LLM(
         EngineConfig(
             model=path,
             block_size=4,
             max_num_seqs=4,
             max_num_batched_tokens=16,
-            num_kv_blocks=32,
+            num_kv_blocks=num_kv_blocks,
             dense_decode_bytes=0,  # the paged kernels, as on CUDA
             async_scheduling=async_scheduling,
         )
