@@ -46,7 +46,7 @@ import torch
 from kernels import AttentionMetadata
 from kernels.prefill_attention import use_sdpa_prefills
 from scheduler.messages import SamplingParams
-from workers.graphs.build import make_step_graphs
+from workers.graphs.build import GRAPH_BYTES_SLACK, make_step_graphs
 from workers.graphs.runner import CudaGraphBackend, graphs_allowed, timed_capture
 from workers.kv_cache import allocate_kv_cache
 from workers.sampler import Sampler
@@ -133,8 +133,11 @@ def profile_step_memory(config: Any, model: torch.nn.Module, max_model_len: int)
         use_sdpa_prefills(config.prefill_attention, device, dtype),
     )
     torch.cuda.synchronize(device)
-    activation_bytes = max(0, torch.cuda.max_memory_reserved(device) - reserved_before)
+    peak = torch.cuda.max_memory_reserved(device)
     _release(device)
+    # What stays reserved (e.g. cuBLAS's workspace) is the engine's own at sizing time and
+    # counted there; the activations are the peak above it.
+    activation_bytes = max(0, peak - max(reserved_before, torch.cuda.memory_reserved(device)))
     graph_bytes = 0
     if graphs_allowed(config, device):
         graph_bytes = _profile_capture(config, model, dummy, max_model_len)
@@ -156,18 +159,27 @@ def _profile_capture(
     config: Any, model: torch.nn.Module, kv_cache: torch.Tensor, max_model_len: int
 ) -> int:
     """Device bytes of the graphs ``config`` asks for, captured over ``kv_cache`` and then
-    destroyed (their static buffers count: they live until the measurement)."""
-    backend = CudaGraphBackend(kv_cache.device)
+    destroyed (their static buffers count: they live until the measurement). What torch
+    still holds after they are destroyed (the capture stream's cuBLAS workspace, which the
+    real capture reuses: ``runner.capture_stream``) is left out: the budget counts it as the
+    engine's own."""
+    device = kv_cache.device
+    backend = CudaGraphBackend(device)
     made = []
 
     def capture() -> None:
         graphs = make_step_graphs(config, model, kv_cache, max_model_len, backend)
         made.append(graphs.capture(log=False))
 
-    _, num_bytes = timed_capture(kv_cache.device, capture)
+    reserved_before = torch.cuda.memory_reserved(device)
+    _, num_bytes = timed_capture(device, capture)
     backend.release()
     made.clear()
-    return num_bytes
+    _release(device)
+    kept = max(0, torch.cuda.memory_reserved(device) - reserved_before)
+    if kept > GRAPH_BYTES_SLACK * 16:
+        logger.warning("destroying the profiling graphs left %.1f MiB reserved", kept / 2**20)
+    return max(0, num_bytes - kept)
 
 
 def _release(device: torch.device) -> None:

@@ -53,24 +53,39 @@ class EagerBackend:
         return forward
 
 
+_CAPTURE_STREAMS: dict[torch.device, Any] = {}
+
+
+def capture_stream(device: torch.device) -> Any:
+    """The one side stream every warm-up and capture on ``device`` runs on. cuBLAS keeps a
+    workspace per stream it ran on, so a fresh stream per graph would leave one behind per
+    pool stream; one stream leaves one, shared by the profiling and the real capture."""
+    device = torch.device(device)
+    if device not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
+    return _CAPTURE_STREAMS[device]
+
+
 class CudaGraphBackend:
     """``torch.cuda.CUDAGraph`` per bucket, all in one memory pool."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self.stream = capture_stream(device)
         self.pool: Any = None
         self.graphs: list[torch.cuda.CUDAGraph] = []
 
     def capture(self, forward: Callable[[], Any]) -> Callable[[], Any]:
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
+        side, current = self.stream, torch.cuda.current_stream(self.device)
+        side.wait_stream(current)
         with torch.cuda.stream(side):
             for _ in range(NUM_WARMUP_RUNS):
                 forward()
-        torch.cuda.current_stream(self.device).wait_stream(side)
+        current.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pool, stream=side):
             output = forward()
+        current.wait_stream(side)
         if self.pool is None:
             self.pool = graph.pool()
         self.graphs.append(graph)
