@@ -1,5 +1,8 @@
+import logging
 import os
 import sys
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -20,3 +23,33 @@ def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="gpu: no CUDA device (torch.cuda.is_available() is False)")
     for item in gpu_items:
         item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _root_logging_restored():
+    """Put the root logger back as the test found it.
+
+    A test that runs a CLI entry point in-process (``cmd_serve``,
+    ``cluster.cli.main``) gets ``configure_logging``: the root's handlers
+    replaced by one writing to the test's captured ``sys.stderr``, level
+    INFO. Pytest closes that stream when the test ends, so every later record
+    from any thread (the gateway's loop logging a finished request, httpx)
+    fails with "--- Logging error ---", and the INFO level leaks into every
+    later test. Pytest's own capture handlers come and go with each phase and
+    are left to pytest."""
+    root = logging.getLogger()
+    handlers = [h for h in root.handlers if not _is_pytest_handler(h)]
+    level = root.level
+    yield
+    for handler in list(root.handlers):
+        if handler not in handlers and not _is_pytest_handler(handler):
+            root.removeHandler(handler)
+            handler.close()
+    for handler in handlers:
+        if handler not in root.handlers:
+            root.addHandler(handler)
+    root.setLevel(level)
+
+
+def _is_pytest_handler(handler: logging.Handler) -> bool:
+    return type(handler).__module__.split(".")[0] == "_pytest"
