@@ -114,48 +114,91 @@ def handoff(pair: ReadPair, iters: int) -> tuple[list[float], list[float]]:
     return p_lat, d_lat
 
 
-def setup_cost_us(num_pieces: int, device: str, iters: int = 200) -> tuple[float, float]:
-    """Median microseconds to make (and free) a READ handle of ``num_pieces``
-    one-block pieces, without transferring: NIXL preparing both lists per
-    READ (``initialize_xfer``) vs indices into lists prepared once
-    (``kvtransfer/prepped_blocks.py``). Two agents in this process."""
-    import numpy as np
+SETUP_CASES = {  # name -> (D blocks, P blocks) of one READ
+    "1 block": ([100], [300]),
+    "32 blocks, 1 run": (list(range(100, 132)), list(range(300, 332))),
+    "32 blocks, 32 runs": (list(range(0, 64, 2)), list(range(1, 64, 2))),
+    "512 blocks, 6 runs": (
+        [*range(0, 171), *range(300, 471), *range(600, 770)],
+        [*range(0, 128), *range(200, 328), *range(400, 528), *range(700, 828)],
+    ),
+    "512 blocks, 512 runs": (list(range(0, 1024, 2)), list(range(1, 1024, 2))),
+}
+
+
+def setup_cost_us(device: str, iters: int = 200) -> dict[str, tuple[float, float, int]]:
+    """Per ``SETUP_CASES`` entry: median microseconds to go from a load's
+    block ids to a READ handle (made and freed, nothing transferred) the two
+    ways the connector can, and the descriptors both give:
+
+    * addresses: ``tp_plan.read_descriptors`` (runs merged in local order),
+      then NIXL prepares both lists for this READ (``initialize_xfer``)
+    * prepped lists: block ids sorted by local id index lists NIXL prepared
+      once (``make_prepped_xfer``, ``kvtransfer/prepped_blocks.py``), which
+      merges the same runs
+
+    Two agents in this process, one-head 512-byte blocks."""
     import torch
 
+    from kvtransfer.compat import BLOCKS_FIRST
     from kvtransfer.nixl_agent import NixlAgent, _rows, make_agent_name
+    from kvtransfer.prepped_blocks import count_runs, sorted_block_pairs
+    from kvtransfer.tp_plan import BlockGeometry, HeadRead, read_descriptors, shard_for
 
+    geometry = BlockGeometry(BLOCKS_FIRST, 1, 1, 64, 4)  # 512 bytes per block
+    shard = shard_for(1, 1, 0)
+    whole = HeadRead(0, 0, 1)
     target, reader = (
         NixlAgent(make_agent_name("setup-p", 0)),
         NixlAgent(make_agent_name("setup-d", 0), prepped_reads=True),
     )
-    kv_p = torch.zeros((NUM_BLOCKS, 1024), device=device)
-    kv_d = torch.zeros((NUM_BLOCKS, 1024), device=device)
+    kv_p = torch.zeros((NUM_BLOCKS, 128), device=device)
+    kv_d = torch.zeros((NUM_BLOCKS, 128), device=device)
     p_region, d_region = target.register(kv_p), reader.register(kv_d)
+    assert d_region.block_len == geometry.block_len(1)
     peer = reader.add_peer(target.metadata)
-    blocks = np.arange(0, 2 * num_pieces, 2, dtype=np.int64)  # every other block: no runs
-    local = d_region.base_addr + blocks * d_region.block_len
-    remote = p_region.base_addr + blocks * p_region.block_len
-    lengths = np.full(num_pieces, d_region.block_len, dtype=np.int64)
     agent, prepped = reader._agent, reader._prepped
     mem = d_region.mem_type
-    per_read, once = [], []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        handle = agent.initialize_xfer(
-            "READ",
-            agent.get_xfer_descs(_rows(local, lengths, d_region.device_id), mem),
-            agent.get_xfer_descs(_rows(remote, lengths, p_region.device_id), mem),
-            peer,
+    out = {}
+    for name, (local_ids, remote_ids) in SETUP_CASES.items():
+        by_address, by_ids = [], []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            descs = read_descriptors(
+                geometry,
+                shard,
+                shard,
+                whole,
+                local_ids,
+                remote_ids,
+                d_region.base_addr,
+                p_region.base_addr,
+            )
+            handle = agent.initialize_xfer(
+                "READ",
+                agent.get_xfer_descs(_rows(descs.local_addrs, descs.lengths, 0), mem),
+                agent.get_xfer_descs(_rows(descs.remote_addrs, descs.lengths, 0), mem),
+                peer,
+            )
+            t1 = time.perf_counter()
+            agent.release_xfer_handle(handle)
+            t2 = time.perf_counter()
+            local, remote = sorted_block_pairs(local_ids, remote_ids)
+            handle = prepped.make_read(peer, p_region, local, remote)
+            num_runs = count_runs(local, remote)
+            t3 = time.perf_counter()
+            agent.release_xfer_handle(handle)
+            by_address.append(t1 - t0)
+            by_ids.append(t3 - t2)
+        assert num_runs == len(descs), (name, num_runs, len(descs))
+        out[name] = (
+            statistics.median(by_address) * 1e6,
+            statistics.median(by_ids) * 1e6,
+            num_runs,
         )
-        agent.release_xfer_handle(handle)
-        t1 = time.perf_counter()
-        handle = prepped.make_read(peer, p_region, local, remote, lengths)
-        agent.release_xfer_handle(handle)
-        per_read.append(t1 - t0)
-        once.append(time.perf_counter() - t1)
     reader.close()
     target.close()
-    return statistics.median(per_read) * 1e6, statistics.median(once) * 1e6
+    return out
 
 
 def pct(values: list[float], q: float) -> float:
@@ -241,11 +284,10 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['size']:>8} {r['blocks']:>6} {r['descs']:>5} {r['nixl']:>10.2f} "
             f"{r['wall']:>11.2f} {r['copy1']:>11.2f} {r['copyn']:>11.2f} {r['ratio']:>15.0%}"
         )
-    print("\nREAD set-up (make + free a handle, no transfer), median us:")
-    print(f"{'pieces':>8} {'prep per READ':>14} {'prepped lists':>14}")
-    for num_pieces in (1, 16, 256):
-        per_read_us, once_us = setup_cost_us(num_pieces, args.device)
-        print(f"{num_pieces:>8} {per_read_us:>14.1f} {once_us:>14.1f}")
+    print("\nREAD set-up, block ids -> READ handle (nothing transferred), median us:")
+    print(f"{'load':>22} {'descs':>5} {'addresses (prep per READ)':>26} {'prepped lists':>14}")
+    for name, (by_address_us, by_ids_us, num_descs) in setup_cost_us(args.device).items():
+        print(f"{name:>22} {num_descs:>5} {by_address_us:>26.1f} {by_ids_us:>14.1f}")
     print(
         f"\nhandoff, 1-block request, {len(p_lat)} iterations after the first handshake:\n"
         f"  P params ready -> D read + P got 'done': p50 {pct(p_lat, 0.5) * 1e3:.2f} ms, "

@@ -72,11 +72,14 @@ class KVTransferConfig:
     # 2-core VM off is ~3x faster (benchmarks/kv_transfer.py). It replaces the poller.
     nixl_progress_thread: bool = False
     nixl_progress_poll_interval_s: float = 0.001
-    # True: whole-block READs index block lists NIXL prepared once
-    # (prepped_blocks.py). Off by default: on CPU, NIXL preparing both lists
-    # per READ costs 7-12 us and the index conversion more (benchmarks/
-    # kv_transfer.py "READ set-up"); to be decided on a GPU run.
-    nixl_prepped_reads: bool = False
+    # True: a decode engine's whole-block READs (equal TP, the common case) name
+    # block ids into block lists NIXL prepared once (prepped_blocks.py); NIXL
+    # merges the same runs as read_descriptors. False: descriptors from
+    # addresses, NIXL preparing both lists per READ (always so for head slices).
+    # On by measurement: ids -> handle takes 8-34 us vs 12-46 us on CPU
+    # (benchmarks/kv_transfer.py "READ set-up"); vLLM's NIXL connector also
+    # uses prepared lists on GPUs.
+    nixl_prepped_reads: bool = True
     # where the KV cache lives ("cpu" or "cuda[:N]"): picks the UCX settings
     # the connector fills in (kvtransfer/ucx/env.py)
     device: str = "cpu"

@@ -180,7 +180,7 @@ class PeerTable:
         return ready, failed
 
     def _handshake(self, addr: PeerAddr, rank: int) -> tuple[str, RegionInfo, RankLayout]:
-        """Runs on a pool thread: the only NIXL call is add_remote_agent (locked)."""
+        """Runs on a pool thread: the only NIXL calls are in ``NixlAgent.add_peer`` (locked)."""
         port = addr.rank_port(rank)
         info = fetch_handshake(
             self._context,
@@ -223,7 +223,7 @@ class PeerTable:
                 f"engine {addr.engine_id} rank {rank} blocks are {info.region.block_len} bytes, "
                 f"expected {self._head_block_bytes * shard.num_heads} for {shard.num_heads} heads"
             )
-        return self._agent.add_peer(info.agent_metadata), info.region, shard
+        return self._agent.add_peer(info.agent_metadata, info.region), info.region, shard
 
     def _remove_agent(self, agent_name: str) -> bool:
         """True once NIXL no longer knows the agent (removed now or before)."""

@@ -138,7 +138,7 @@ class NixlWorkerSide(KVConnectorWorkerSide):
             make_agent_name(config.engine_id, config.epoch),
             config.backends,
             progress_thread=config.nixl_progress_thread,
-            prepped_reads=config.nixl_prepped_reads,
+            prepped_reads=config.nixl_prepped_reads and config.pulls_kv,
         )
         self._server: SideChannelServer | None = None
         if config.serves_kv:
@@ -425,37 +425,44 @@ class NixlWorkerSide(KVConnectorWorkerSide):
             self._fail(load, "the prefill engine's lease expired before the read started")
             return
         local_limit, remote_limit = self.agent.region.num_blocks, peer.region.num_blocks
-        if any(not 0 <= b < local_limit for b in spec.local_block_ids) or any(
-            not 0 <= b < remote_limit for b in spec.remote_block_ids
+        local_ids, remote_ids = spec.local_block_ids, spec.remote_block_ids  # both non-empty
+        if not (0 <= min(local_ids) and max(local_ids) < local_limit) or not (
+            0 <= min(remote_ids) and max(remote_ids) < remote_limit
         ):
             self._fail(load, f"block id out of range (local {local_limit}, remote {remote_limit})")
             return
         load.start_s = time.perf_counter()  # cma copies inside the post: time it too
+        whole_blocks = load.read.num_heads == self._shard.num_heads == peer.shard.num_heads
         try:
-            descs = read_descriptors(
-                self._geometry,
-                self._shard,
-                peer.shard,
-                load.read,
-                spec.local_block_ids,
-                spec.remote_block_ids,
-                self.agent.region.base_addr,
-                peer.region.base_addr,
-            )
-            load.handle, state = self.agent.start_read(peer.agent_name, peer.region, descs)
+            if whole_blocks and self.agent.uses_prepped_lists:  # block ids, no addresses
+                load.handle, state, load.num_descriptors = self.agent.start_block_read(
+                    peer.agent_name, peer.region, spec.local_block_ids, spec.remote_block_ids
+                )
+                load.num_bytes = len(spec.local_block_ids) * self.agent.region.block_len
+            else:
+                descs = read_descriptors(
+                    self._geometry,
+                    self._shard,
+                    peer.shard,
+                    load.read,
+                    spec.local_block_ids,
+                    spec.remote_block_ids,
+                    self.agent.region.base_addr,
+                    peer.region.base_addr,
+                )
+                load.handle, state = self.agent.start_read(peer.agent_name, peer.region, descs)
+                load.num_descriptors, load.num_bytes = len(descs), descs.num_bytes
         except Exception as e:
             self._fail(load, f"posting the READ failed: {e!r}")
             self._peers.invalidate(peer)
             return
-        load.num_descriptors = len(descs)
-        load.num_bytes = descs.num_bytes
-        if len(descs) > len(spec.local_block_ids) and not self._warned_slices:
+        if load.num_descriptors > len(spec.local_block_ids) and not self._warned_slices:
             self._warned_slices = True  # once: a head slice of blocks-first blocks
             logger.warning(
                 "reading KV head slices in the %s layout: %d descriptors for %d blocks "
                 "(--kv-layout head_major makes a head slice one descriptor per block)",
                 self._layout.layout,
-                len(descs),
+                load.num_descriptors,
                 len(spec.local_block_ids),
             )
         self._loads[load.key] = load

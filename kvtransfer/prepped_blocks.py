@@ -4,17 +4,22 @@
 every READ (which backend, which registration, the peer's remote keys).
 For whole blocks the lists never change, so they are prepared once: this
 engine's blocks when the KV cache is registered, a peer's blocks at its
-first READ (dropped with the peer). A READ then names block indices only
-(``make_prepped_xfer``), and NIXL merges entries adjacent on both sides
-back into one descriptor per run::
+handshake when its blocks are as long as ours (else at its first whole-block
+READ, if any), dropped with the peer. A READ then names block ids only
+(``make_prepped_xfer``), sorted by local block, and NIXL merges entries
+adjacent on both sides into one descriptor per run (its telemetry's
+``descCount``; ``tests/kvtransfer/test_prepped_reads.py``)::
 
     prepared once          local  [b0 b1 b2 ... bN]      peer  [p0 p1 ... pM]
-    per READ               local idx [2 3 4 9]  <-  peer idx [7 8 9 1]
+    per READ               local ids [9 2 3 4]  <-  peer ids [1 7 8 9]
+    sorted by local id     local ids [2 3 4 9]  <-  peer ids [7 8 9 1]
     NIXL transfers         (2..4 <- 7..9), (9 <- 1)      2 descriptors
 
-Head-slice reads (engines of different TP sizes, ``tp_plan.py``) are not
-whole blocks and keep ``initialize_xfer``. All methods run under the
-agent's lock (``NixlAgent``).
+The same runs, in the same order, as ``tp_plan.read_descriptors`` gives
+whole blocks, without computing addresses. Head-slice reads (engines of
+different TP sizes, ``tp_plan.py``) are not whole blocks and keep
+``initialize_xfer``. All methods run under the agent's lock
+(``NixlAgent``).
 """
 
 from __future__ import annotations
@@ -37,42 +42,26 @@ def block_rows(region: RegionInfo) -> np.ndarray:
     return rows
 
 
-def block_indices(addrs: np.ndarray, lengths: np.ndarray, region: RegionInfo) -> np.ndarray | None:
-    """The block index of every block the pieces ``(addrs, lengths)`` cover
-    in ``region``, in order; None unless every piece is whole blocks inside it.
-    A READ of a few runs takes a Python loop (a few microseconds, where each
-    numpy call costs ~1-2 us of overhead); many pieces take whole-array numpy."""
-    if len(lengths) <= _LOOP_MAX_PIECES:
-        return _indices_loop(addrs, lengths, region)
-    block_len = region.block_len
-    starts, misaligned = np.divmod(np.asarray(addrs, dtype=np.int64) - region.base_addr, block_len)
-    counts, partial = np.divmod(np.asarray(lengths, dtype=np.int64), block_len)
-    if misaligned.any() or partial.any() or counts.min() <= 0 or starts.min() < 0:
-        return None
-    if (starts + counts).max() > region.num_blocks:
-        return None
-    if counts.max() == 1:
-        return starts.astype(np.int32)
-    first_of_piece = np.repeat(np.cumsum(counts) - counts, counts)
-    within = np.arange(int(counts.sum())) - first_of_piece
-    return (np.repeat(starts, counts) + within).astype(np.int32)
+def sorted_block_pairs(
+    local_block_ids: list[int], remote_block_ids: list[int]
+) -> tuple[np.ndarray, np.ndarray]:
+    """Both id lists as int32 arrays, ordered by local block id (a READ's
+    blocks are distinct, so every order copies the same bytes)."""
+    local = np.asarray(local_block_ids, dtype=np.int32)
+    remote = np.asarray(remote_block_ids, dtype=np.int32)
+    if local.shape != remote.shape:
+        raise ValueError(f"{local.size} local vs {remote.size} remote block ids")
+    order = np.argsort(local, kind="stable")
+    return local[order], remote[order]
 
 
-_LOOP_MAX_PIECES = 8
-
-
-def _indices_loop(addrs: np.ndarray, lengths: np.ndarray, region: RegionInfo) -> np.ndarray | None:
-    base, block_len, num_blocks = region.base_addr, region.block_len, region.num_blocks
-    out = np.empty(int(np.sum(lengths)) // block_len, dtype=np.int32)
-    pos = 0
-    for addr, length in zip(np.asarray(addrs).tolist(), np.asarray(lengths).tolist()):
-        start, misaligned = divmod(addr - base, block_len)
-        count, partial = divmod(length, block_len)
-        if misaligned or partial or count <= 0 or start < 0 or start + count > num_blocks:
-            return None
-        out[pos : pos + count] = np.arange(start, start + count, dtype=np.int32)
-        pos += count
-    return out
+def count_runs(local: np.ndarray, remote: np.ndarray) -> int:
+    """Runs of consecutive entries whose blocks follow each other on both
+    sides: the descriptors NIXL merges ``(local, remote)`` into."""
+    if local.size == 0:
+        return 0
+    breaks = (np.diff(local) != 1) | (np.diff(remote) != 1)
+    return 1 + int(np.count_nonzero(breaks))
 
 
 class PreppedBlocks:
@@ -88,22 +77,24 @@ class PreppedBlocks:
         self,
         peer_name: str,
         peer_region: RegionInfo,
-        local_addrs: np.ndarray,
-        remote_addrs: np.ndarray,
-        lengths: np.ndarray,
-    ) -> Any | None:
-        """A READ handle (not posted) of whole blocks, or None when the pieces
-        are not whole blocks of both regions (the caller prepares them itself)."""
-        local = block_indices(local_addrs, lengths, self.region)
-        remote = block_indices(remote_addrs, lengths, peer_region)
-        if local is None or remote is None:
-            return None
+        local_block_ids: np.ndarray,
+        remote_block_ids: np.ndarray,
+    ) -> Any:
+        """A READ handle (not posted) of whole blocks ``local[i] <- remote[i]``
+        (int32 arrays, ids in range: the caller checks)."""
+        remote_list = self.prepare_peer(peer_name, peer_region)
+        return self._agent.make_prepped_xfer(
+            "READ", self._local, local_block_ids, remote_list, remote_block_ids
+        )
+
+    def prepare_peer(self, peer_name: str, peer_region: RegionInfo) -> Any:
+        """The peer's prepared block list, made now if it is new."""
         remote_list = self._peers.get(peer_name)
         if remote_list is None:
             rows = block_rows(peer_region)
             remote_list = self._agent.prep_xfer_dlist(peer_name, rows, peer_region.mem_type)
             self._peers[peer_name] = remote_list
-        return self._agent.make_prepped_xfer("READ", self._local, local, remote_list, remote)
+        return remote_list
 
     def drop_peer(self, peer_name: str) -> None:
         handle = self._peers.pop(peer_name, None)

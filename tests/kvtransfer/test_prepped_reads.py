@@ -2,76 +2,134 @@
 
 from __future__ import annotations
 
+import gc
+import time
+
 import numpy as np
 import pytest
 import torch
 
-from kvtransfer.prepped_blocks import block_indices
+from kvtransfer.compat import BLOCKS_FIRST
+from kvtransfer.prepped_blocks import PreppedBlocks, count_runs, sorted_block_pairs
 from kvtransfer.side_channel import RegionInfo
+from kvtransfer.tp_plan import BlockGeometry, HeadRead, read_descriptors, shard_for
 from tests.kvtransfer.prefill_process import PrefillProcess, kv_content
 from tests.kvtransfer.test_progress_while_blocked import COMMON, P_SHAPE, Decode
 
-REGION = RegionInfo(base_addr=1 << 20, block_len=256, num_blocks=10, device_id=0, mem_type="DRAM")
 
-
-def test_block_indices_of_whole_block_pieces():
-    base, bl = REGION.base_addr, REGION.block_len
-    addrs = np.array([base + 4 * bl, base + 1 * bl, base + 9 * bl])
-    lengths = np.array([3 * bl, bl, bl])
-    assert block_indices(addrs, lengths, REGION).tolist() == [4, 5, 6, 1, 9]
-
-
-def test_many_pieces_take_the_array_path_with_the_same_answer():
-    region = RegionInfo(base_addr=4096, block_len=64, num_blocks=100, device_id=0, mem_type="DRAM")
+def test_sorted_pairs_give_the_runs_read_descriptors_merges():
+    """Sorting by local id and counting runs gives exactly as many descriptors
+    as the address path (tp_plan.read_descriptors) for the same whole blocks."""
+    geometry = BlockGeometry(BLOCKS_FIRST, num_layers=2, block_size=4, head_dim=8, elem_size=4)
+    shard = shard_for(2, 1, 0)
+    whole = HeadRead(0, 0, 2)
     rng = np.random.default_rng(0)
-    for _ in range(20):
-        starts = rng.permutation(90)[:12]
-        counts = rng.integers(1, 4, size=12)
-        addrs = region.base_addr + starts * region.block_len
-        expected = [b for s, c in zip(starts, counts) for b in range(s, s + c)]
-        assert block_indices(addrs, counts * region.block_len, region).tolist() == expected
-    ones = np.arange(0, 40, 2)
-    addrs = region.base_addr + ones * region.block_len
-    lengths = np.full(len(ones), region.block_len)
-    assert block_indices(addrs, lengths, region).tolist() == ones.tolist()
-    assert block_indices(addrs + 1, lengths, region) is None
+    for _ in range(200):
+        n = int(rng.integers(1, 40))
+        local = rng.permutation(64)[:n].tolist()
+        remote = rng.permutation(64)[:n].tolist()
+        if rng.random() < 0.3:  # runs that continue each other once sorted
+            start = int(rng.integers(0, 20))
+            local = [b + start for b in rng.permutation(n).tolist()]
+            remote = [b + 7 for b in local]
+        ls, rs = sorted_block_pairs(local, remote)
+        assert ls.tolist() == sorted(local)
+        assert dict(zip(ls.tolist(), rs.tolist())) == dict(zip(local, remote))
+        descs = read_descriptors(geometry, shard, shard, whole, local, remote)
+        assert count_runs(ls, rs) == len(descs)
+    assert count_runs(*sorted_block_pairs([], [])) == 0
+    with pytest.raises(ValueError, match="2 local vs 1 remote"):
+        sorted_block_pairs([1, 2], [1])
+
+
+def _agent(name: str, progress_thread: bool):
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    config = nixl_agent_config(
+        enable_prog_thread=progress_thread, backends=["UCX"], capture_telemetry=True
+    )
+    return nixl_agent(name, config)
+
+
+def _region(t: torch.Tensor) -> RegionInfo:
+    return RegionInfo(t.data_ptr(), t[0].numel() * t.element_size(), t.shape[0], 0, "DRAM")
 
 
 @pytest.mark.parametrize(
-    "addr_blocks, length_bytes",
+    "local, remote, runs",
     [
-        ([2.5], 256),  # starts inside a block (a head slice)
-        ([2], 128),  # shorter than a block
-        ([9], 512),  # runs past the last block
-        ([-1], 256),  # before the region
+        ([2, 3, 4, 9], [5, 6, 7, 20], 2),
+        ([9, 4, 2, 3], [20, 7, 5, 6], 2),  # the same blocks listed out of order
+        (list(range(10, 40)), list(range(20, 50)), 1),
+        ([1, 3, 5, 7], [2, 4, 6, 8], 4),
     ],
 )
-def test_pieces_that_are_not_whole_blocks_fall_back(addr_blocks, length_bytes):
-    addrs = np.array([int(REGION.base_addr + b * REGION.block_len) for b in addr_blocks])
-    assert block_indices(addrs, np.array([length_bytes]), REGION) is None
+def test_nixl_posts_one_descriptor_per_run_of_prepared_blocks(local, remote, runs):
+    """NIXL's own telemetry: a READ of sorted block ids from prepared lists
+    is one descriptor per run, and the bytes land where they belong."""
+    target, reader = _agent("prep-target", True), _agent("prep-reader", False)
+    p_kv = torch.arange(64 * 64, dtype=torch.float32).reshape(64, 64)
+    d_kv = torch.zeros(64, 64)
+    target.register_memory(p_kv)
+    reader.register_memory(d_kv)
+    peer = reader.add_remote_agent(target.get_agent_metadata())
+    prepped = PreppedBlocks(reader, _region(d_kv))
+    try:
+        ls, rs = sorted_block_pairs(local, remote)
+        handle = prepped.make_read(peer, _region(p_kv), ls, rs)
+        state = reader.transfer(handle)
+        deadline = time.monotonic() + 20
+        while state == "PROC" and time.monotonic() < deadline:
+            state = reader.check_xfer_state(handle)
+        assert state == "DONE"
+        assert reader.get_xfer_telemetry(handle).descCount == count_runs(ls, rs) == runs
+        reader.release_xfer_handle(handle)
+        assert torch.equal(d_kv[local], p_kv[remote])
+        untouched = torch.ones(64, dtype=torch.bool)
+        untouched[local] = False
+        assert not d_kv[untouched].any()
+    finally:
+        prepped.close()
+        reader.remove_remote_agent(peer)
+        del target, reader  # stops the target's progress thread now
+        gc.collect()
+
+
+# (P blocks, D blocks, descriptors): out-of-order runs adjacent once sorted,
+# fragmented, contiguous; P_SHAPE has 32 blocks, D 40
+TWO_PROCESS_READS = [
+    ([6, 7, 4, 5], [18, 19, 16, 17], 1),
+    ([3, 9, 10, 1, 20, 21, 22], [30, 12, 13, 5, 6, 7, 8], 4),
+    (list(range(8, 24)), list(range(20, 36)), 1),
+]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("prepped", [True, False])
-def test_out_of_order_runs_read_as_one_descriptor(prepped):
-    """P blocks [6, 7, 4, 5] -> D blocks [18, 19, 16, 17]: adjacent on both
-    sides once sorted, so one descriptor; bytes equal with both READ paths."""
+def test_fragmented_and_contiguous_reads_are_byte_exact_in_the_fewest_descriptors(prepped):
+    """Between two processes, both READ paths: D's blocks equal P's, nothing
+    else is written, and each READ posts one descriptor per run (sorted)."""
     d = Decode(engine_id="d-prep", nixl_prepped_reads=prepped)
     p = PrefillProcess({"engine_id": "p-prep", **COMMON}, P_SHAPE, seed=3)
     try:
         d.scheduler.set_prefill_endpoints([p.endpoint])
-        p_blocks, d_blocks = [6, 7, 4, 5], [18, 19, 16, 17]
-        params = p.finish("r", 16, p_blocks)
-        req = d.start("r", params, d_blocks)
-        assert d.received_all({"r"}, 30.0) == {"r"}
         p_kv = kv_content(P_SHAPE, seed=3)
-        assert torch.equal(d.kv[16:20].view(torch.uint8), p_kv[4:8].view(torch.uint8))
-        assert not d.kv[:16].any() and not d.kv[20:].any()
-        d.finish(req, d_blocks)
-        p.wait_done_sending("r")
-        assert d.worker.stats()["num_descriptors"] == 1
+        for i, (p_blocks, d_blocks, num_descs) in enumerate(TWO_PROCESS_READS):
+            d.kv.zero_()
+            before = d.worker.stats()["num_descriptors"]
+            params = p.finish(f"r{i}", len(p_blocks) * 4, p_blocks)
+            req = d.start(f"r{i}", params, d_blocks)
+            assert d.received_all({f"r{i}"}, 30.0) == {f"r{i}"}
+            for local, remote in zip(d_blocks, p_blocks):
+                assert torch.equal(d.kv[local].view(torch.uint8), p_kv[remote].view(torch.uint8))
+            others = [b for b in range(d.kv.shape[0]) if b not in d_blocks]
+            assert not d.kv[others].any()
+            d.finish(req, d_blocks)
+            p.wait_done_sending(f"r{i}")
+            assert d.worker.stats()["num_descriptors"] - before == num_descs, i
+        n = len(TWO_PROCESS_READS)
         counts = (d.worker.agent.num_prepped_reads, d.worker.agent.num_prepared_reads)
-        assert counts == ((1, 0) if prepped else (0, 1))
+        assert counts == ((n, 0) if prepped else (0, n))
         d.close()
     finally:
         p.close()
