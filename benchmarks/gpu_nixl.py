@@ -18,7 +18,8 @@ on D, 4 on P, not in address order: up to 6 descriptors). Per size and layout:
 * device copy: ``Tensor.copy_`` of the same blocks on the device, one per run
 
 Every READ and copy lands in zeroed blocks and is compared byte for byte
-with P's content (outside the timing). The transport line is the
+with P's content (outside the timing). D checks a READ in flight back to
+back (``--poll-us 0``, yielding the GIL), as the copy's synchronize waits. The transport line is the
 connector's start-up probe (``kvtransfer/ucx/probe.py``) under the UCX
 settings the connector filled in. Target (H100): connector READ >= 70% of
 the device copy from 16 MiB, default settings. ``vram_read_rows()`` gives
@@ -94,6 +95,7 @@ class ReadReport:
     rows: list[ReadRow]
     transport: object | None  # kvtransfer.ucx.proto_info.TransportReport
     ucx_settings: dict[str, str]
+    prepped_reads: bool
     iters: int
     block_bytes: int
 
@@ -178,9 +180,14 @@ def measure(
     block_shape: tuple[int, ...] = BLOCK_SHAPE,
     num_blocks: int = NUM_BLOCKS,
     probe: bool = True,
+    prepped_reads: bool | None = None,
+    poll_s: float = 0.0,
 ) -> ReadReport:
     """Run the READs (see the module doc) on ``device``; ``probe`` also runs
-    the UCX transport probe. Raises when any READ or copy is not byte-exact."""
+    the UCX transport probe; ``prepped_reads`` None keeps the connector's
+    default; D checks a READ in flight every ``poll_s`` (0: back to back,
+    yielding the GIL, as a device copy's synchronize waits). Raises when any
+    READ or copy is not byte-exact."""
     import numpy as np
 
     from kvtransfer.ucx.env import ucx_env_defaults
@@ -188,8 +195,10 @@ def measure(
 
     for layout in layouts:
         block_layout(np.random.default_rng(0), layout, 1, 8)  # ValueError naming a bad one
-    config = {"model_name": "bench", "cluster_secret": generate_secret()}
-    pair = ReadPair(config, device, num_blocks, block_shape)
+    config: dict = {"model_name": "bench", "cluster_secret": generate_secret()}
+    if prepped_reads is not None:
+        config["nixl_prepped_reads"] = prepped_reads
+    pair = ReadPair(config, device, num_blocks, block_shape, poll_s=poll_s)
     try:
         expected = pair.expected()
         params = pair.finish("warm-up", [0])  # handshake + first READ
@@ -212,8 +221,9 @@ def measure(
             for layout in layouts
         ]
         sync(device)
+        prepped = pair.worker.agent.uses_prepped_lists
         return ReadReport(
-            device, device_name(device), rows, transport, settings, iters, pair.block_bytes
+            device, device_name(device), rows, transport, settings, prepped, iters, pair.block_bytes
         )
     finally:
         pair.close()
@@ -240,7 +250,8 @@ def format_table(report: ReadReport) -> str:
     lines = [
         f"NIXL READ between two processes, KV in {memory}: {report.device_label}",
         f"NIXL {version('nixl')}, {datetime.date.today().isoformat()}, load average "
-        f"{os.getloadavg()[0]:.1f}; UCX settings: {settings}",
+        f"{os.getloadavg()[0]:.1f}; UCX settings: {settings}; connector READs from "
+        f"{'prepared block lists' if report.prepped_reads else 'descriptors prepared per READ'}",
         f"UCX transport of a READ (probe): {transport}"
         + (f"  WARNING: {warning}" if warning else ""),
         f"fp32 KV, {report.block_bytes // 1024} KiB blocks, fresh blocks per READ; medians of "
@@ -287,6 +298,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=8, help="timed READs per size and layout")
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
     parser.add_argument("--no-probe", action="store_true", help="skip the UCX transport probe")
+    parser.add_argument(
+        "--prepped-lists",
+        choices=["default", "on", "off"],
+        default="default",
+        help="the connector's nixl_prepped_reads (default: its default)",
+    )
+    parser.add_argument(
+        "--poll-us", type=float, default=0.0, help="D's wait between checks of a READ in flight"
+    )
     args = parser.parse_args(argv)
     message = no_device_message(args.device)
     if message is not None:
@@ -298,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
         args.iters,
         args.layouts,
         probe=not args.no_probe,
+        prepped_reads={"default": None, "on": True, "off": False}[args.prepped_lists],
+        poll_s=args.poll_us * 1e-6,
     )
     print(format_table(report))
     return 0

@@ -25,7 +25,7 @@ BLOCK_SIZE = 16
 NUM_BLOCKS = 1024
 BLOCK_SHAPE = (8, 2, BLOCK_SIZE, 8, 64)
 SEED = 0
-POLL_S = 50e-6  # how often a waiting READ is checked (an engine loop polls per step)
+POLL_S = 50e-6  # default wait between checks of a READ in flight
 
 
 def no_device_message(device: str) -> str | None:
@@ -94,6 +94,7 @@ class ReadPair:
         block_shape: tuple[int, ...] = BLOCK_SHAPE,
         seed: int = SEED,
         prefill_poll_interval_s: float = 0.0001,
+        poll_s: float = POLL_S,
     ) -> None:
         import torch
 
@@ -101,6 +102,7 @@ class ReadPair:
         from tests.kvtransfer.prefill_process import PrefillProcess
 
         self.device = device
+        self.poll_s = poll_s  # D's wait between checks of a READ (connector and raw)
         self.shape = (num_blocks, *block_shape)
         self.seed = seed
         config = {"block_size": block_shape[2], **config, "device": device}
@@ -147,7 +149,7 @@ class ReadPair:
         while request_id not in self.worker.get_finished()[1]:
             if time.monotonic() > deadline:
                 raise TimeoutError(request_id)
-            time.sleep(POLL_S)  # poll like an engine loop; leave P a core
+            time.sleep(self.poll_s)  # poll like an engine loop; leave P a core
         if self.worker.get_block_ids_with_load_errors():
             raise RuntimeError(f"load of {request_id} failed")
         self.scheduler.update_connector_output(KVConnectorOutput(finished_recving=[request_id]))
@@ -183,14 +185,14 @@ class ReadPair:
 
     def raw_read_s(self, descs) -> float:
         """Seconds of one READ of ``descs`` through D's agent (NIXL only: no
-        planning, no connector), posted to completion, polled every ``POLL_S``."""
+        planning, no connector), posted to completion, polled every ``poll_s``."""
         peer_name, region = self._peer()
         agent = self.worker.agent
         sync(self.device)
         start = time.perf_counter()
         handle, state = agent.start_read(peer_name, region, descs)
         while state == "PROC":
-            time.sleep(POLL_S)
+            time.sleep(self.poll_s)
             state = agent.check(handle)
         elapsed = time.perf_counter() - start
         agent.release(handle)

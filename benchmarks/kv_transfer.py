@@ -219,8 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--notify", default="side_channel", choices=["side_channel", "nixl"])
     parser.add_argument(
         "--prepped-lists",
-        action="store_true",
-        help="whole-block READs index block lists prepared once (nixl_prepped_reads)",
+        choices=["on", "off"],
+        default="on",
+        help="whole-block READs index block lists prepared once (nixl_prepped_reads, default on)",
     )
     args = parser.parse_args(argv)
     message = no_device_message(args.device)
@@ -240,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         "model_name": "bench",
         "nixl_progress_thread": args.progress_thread,
         "notification_transport": args.notify,
-        "nixl_prepped_reads": args.prepped_lists,
+        "nixl_prepped_reads": args.prepped_lists == "on",
     }
     rng = np.random.default_rng(SEED)
     pair = ReadPair(config, args.device)
@@ -261,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         f"\nKV transfer, 2 processes, NIXL {version('nixl')} UCX (UCX_TLS="
         f"{os.environ.get('UCX_TLS', 'default')}, progress thread "
         f"{'on' if args.progress_thread else 'off'}, notifications via {args.notify}, "
-        f"{'prepped block lists' if args.prepped_lists else 'lists prepared per READ'})\n"
+        f"{'prepped block lists' if args.prepped_lists == 'on' else 'lists prepared per READ'})\n"
         f"KV in {memory}: {device_name(args.device)}; "
         f"torch {torch.__version__} ({torch.get_num_threads()} threads)"
     )
