@@ -6,7 +6,7 @@
 One seeded random Llama-3.2-1B-shaped checkpoint (``benchmarks/gpu_engine.py``), bf16. For
 each ``--cuda-graph-mode`` one engine: ``decode`` (mixed steps eager: today's default),
 ``piecewise`` and ``full_and_piecewise``. A shape ``D+C`` is D sequences decoding (prompt
-``--prompt-len``) while one long prompt is prefilled C tokens a step: every timed step has
+``--prompt-len``) while long prompts are prefilled C tokens a step: every timed step has
 D + C tokens (``last_step_num_tokens`` is checked), and its wall time includes scheduling,
 the forward, sampling and the one device sync. ``D+0`` is a decode-only step. Also printed
 per mode: the start-up capture seconds and graph memory, and the profiled activation peak.
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import os
 import sys
 import tempfile
@@ -83,10 +84,13 @@ def step_ms(engine, decodes: int, chunk: int, args) -> float:
         engine.step()
         settled = settled + 1 if engine.last_step_num_tokens == decodes else 0
     if chunk:
-        long_len = chunk * (num_steps + 4) + 1
+        # prompts of a whole number of chunks, one after another (max_num_seqs = D + 1): every
+        # step prefills exactly `chunk` tokens, the last chunk of one prompt included
+        per_prompt = chunk * max(1, (engine.max_model_len - 1) // chunk)
         long_params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-        ids.append("long")
-        engine.add_request(EngineRequest("long", _prompt(long_len, 99), long_params))
+        for j in range(math.ceil((num_steps + 2) * chunk / per_prompt) + 1):
+            ids.append(f"long{j}")
+            engine.add_request(EngineRequest(ids[-1], _prompt(per_prompt, 100 + j), long_params))
         for _ in range(2):  # warm: the first chunk steps
             engine.step()
     torch.cuda.synchronize()
