@@ -150,7 +150,7 @@ class EngineConfig:
             )
         get_block_hasher(self.prefix_caching_hash_algo)  # ValueError naming the field
         capture_sizes(self.max_num_seqs, self.cuda_graph_sizes)  # names cuda_graph_sizes
-        check_cuda_graph_mode(self.cuda_graph_mode)
+        self.cuda_graph_mode = check_cuda_graph_mode(self.cuda_graph_mode)
         piecewise_sizes(self.max_num_batched_tokens, self.piecewise_graph_sizes)
         check_fields(self)  # policy, admission margin, partial prefill limits
         if self.prefill_attention not in PREFILL_ATTENTION_MODES:

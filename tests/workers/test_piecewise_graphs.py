@@ -41,8 +41,14 @@ def test_default_token_sizes_stop_at_512_or_the_step_budget():
 
 
 def test_bad_mode_and_token_sizes_name_the_field():
-    with pytest.raises(ValueError, match="cuda_graph_mode"):
-        EngineConfig(cuda_graph_mode="full")
+    for mode in ("full", "FULL", 3):
+        with pytest.raises(ValueError, match="cuda_graph_mode"):
+            EngineConfig(cuda_graph_mode=mode)
+    # vLLM's spellings of the modes we have
+    assert EngineConfig(cuda_graph_mode="FULL_AND_PIECEWISE").cuda_graph_mode == (
+        "full_and_piecewise"
+    )
+    assert EngineConfig(cuda_graph_mode="FULL_DECODE_ONLY").cuda_graph_mode == "decode"
     for sizes in ([0], [17], []):
         with pytest.raises(ValueError, match="piecewise_graph_sizes"):
             EngineConfig(max_num_batched_tokens=16, piecewise_graph_sizes=sizes)

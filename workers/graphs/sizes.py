@@ -28,13 +28,21 @@ DEFAULT_CUDA_GRAPH_MODE = "decode"  # until a GPU run shows piecewise is faster 
 MAX_DEFAULT_PIECEWISE_TOKENS = 512
 
 
+# vLLM's spelling of the same mode (its names are upper case; any case is accepted)
+_VLLM_ALIASES = {"full_decode_only": "decode"}
+
+
 def check_cuda_graph_mode(mode: str) -> str:
-    """``mode`` if it is one of ``CUDA_GRAPH_MODES``; ValueError naming ``cuda_graph_mode``."""
-    if mode not in CUDA_GRAPH_MODES:
+    """``mode`` as one of ``CUDA_GRAPH_MODES`` (any case; vLLM's ``FULL_DECODE_ONLY`` is
+    ``decode``); ValueError naming ``cuda_graph_mode`` otherwise (vLLM's ``FULL``, full graphs
+    of mixed steps, is not built: attention's grid follows each step's query lengths)."""
+    name = mode.lower() if isinstance(mode, str) else mode
+    name = _VLLM_ALIASES.get(name, name)
+    if name not in CUDA_GRAPH_MODES:
         raise ValueError(
             f"cuda_graph_mode must be one of {', '.join(CUDA_GRAPH_MODES)}, got {mode!r}"
         )
-    return mode
+    return name
 
 
 def uses_full_decode(mode: str) -> bool:
