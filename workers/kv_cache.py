@@ -67,7 +67,8 @@ def gpu_kv_budget_bytes(
         gib = 2**30
         raise ValueError(
             f"--gpu-memory-utilization {gpu_memory_utilization} leaves this engine "
-            f"{budget / gib:.2f} GiB for its KV cache but only {free_bytes / gib:.2f} GiB of "
+            f"{budget / gib:.2f} GiB for its KV cache (and {step_bytes / gib:.2f} GiB for "
+            f"activations and CUDA graphs) but only {free_bytes / gib:.2f} GiB of "
             f"{total_bytes / gib:.2f} GiB are free: other processes on this GPU hold more than "
             "the rest of it; lower the utilization of the engines sharing it "
             "(--prefill-gpu-memory-utilization, --decode-gpu-memory-utilization)"
@@ -119,8 +120,9 @@ def num_blocks_for(
     n = budget // block_bytes
     if n < 1:
         raise ValueError(
-            f"KV cache budget of {budget} bytes holds no block of {block_bytes} bytes; "
-            "raise --kv-cache-memory / --gpu-memory-utilization or set --num-kv-blocks"
+            f"KV cache budget of {budget} bytes holds no block of {block_bytes} bytes"
+            + (f" (after {step_bytes} bytes of activations and CUDA graphs)" if step_bytes else "")
+            + "; raise --kv-cache-memory / --gpu-memory-utilization or set --num-kv-blocks"
         )
     return int(n)
 

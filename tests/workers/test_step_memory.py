@@ -67,7 +67,7 @@ def test_step_bytes_that_do_not_fit_name_the_flag():
             gpu_memory_utilization=0.5,
             step_bytes=2 * GIB,
         )
-    with pytest.raises(ValueError, match="gpu-memory-utilization"):
+    with pytest.raises(ValueError, match="after 1073741824 bytes of activations and CUDA"):
         num_blocks_for(
             block_bytes=MIB,
             num_kv_blocks=None,
