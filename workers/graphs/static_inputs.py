@@ -12,11 +12,9 @@ Rows past the real batch, up to the bucket, are padding: token 0 at position 0, 
 KV write skips it), sequence length 1 over block 0 (attention reads one finite cache row; the
 output row is dropped). ``query_start_loc`` is ``0..B``, set once: decodes have one query token.
 
-The host buffer is overwritten by the next ``fill``: the copy must have run by then. In the
-synchronous loop the step's one device->host sync (the sampled tokens) comes after the copy in
-stream order, so it has; but a step that samples nothing (only non-final one-token prompt
-chunks) or an overlapped loop reaches the next ``fill`` with the copy possibly still queued, so
-on CUDA an event recorded after the copy is queried first and waited on only if still pending.
+The host buffer is overwritten by the next ``fill``: the copy must have run by then, which
+``copy_guard.py`` ensures (the step's sampled-token read usually has; a step that samples
+nothing or an overlapped loop would not).
 """
 
 from __future__ import annotations
@@ -27,6 +25,7 @@ import numpy as np
 import torch
 
 from kernels import AttentionMetadata
+from workers.graphs.copy_guard import CopyGuard
 
 
 class StaticDecodeInputs:
@@ -58,8 +57,7 @@ class StaticDecodeInputs:
         self._host_view("query_start_loc")[:] = np.arange(b + 1, dtype=np.int32)
         self.device_buffer.copy_(self.host)
         self.num_copied_bytes = 0  # of the last fill (tests, benchmarks)
-        # CUDA: recorded after each copy; the next fill waits on it before writing the host
-        self.copy_done = torch.cuda.Event() if pin else None
+        self.copy_guard = CopyGuard(self.device)
 
     # ---- views -----------------------------------------------------------------------
 
@@ -123,8 +121,7 @@ class StaticDecodeInputs:
                 f"a block table has {int(row_lens.max())} blocks, more than the {width} "
                 "the graph buffers hold (max_model_len / block_size)"
             )
-        if self.copy_done is not None and not self.copy_done.query():
-            self.copy_done.synchronize()  # the last copy still reads the host buffer
+        self.copy_guard.before_write()
         ids, pos = self._host_view("input_ids"), self._host_view("positions")
         slots, lens = self._host_view("slot_mapping"), self._host_view("seq_lens")
         table = self._host_table()
@@ -145,6 +142,5 @@ class StaticDecodeInputs:
         slots[n:batch] = -1
         end = self._table_start + batch * width
         self.device_buffer[:end].copy_(self.host[:end], non_blocking=True)
-        if self.copy_done is not None:
-            self.copy_done.record(torch.cuda.current_stream(self.device))
+        self.copy_guard.after_copy()
         self.num_copied_bytes = end * 4

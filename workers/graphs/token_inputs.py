@@ -12,15 +12,16 @@ Rows past the step's tokens, up to the bucket, are padding: token 0 at position 
 (the KV write skips it); every piece computes row by row, so their rows never reach a real
 token's, and the runner drops them.
 
-The host buffer is overwritten by the next ``fill``: as with ``StaticDecodeInputs``, the copy
-has completed by then in the synchronous loop (the step's sampled tokens are read after it in
-stream order); for the overlapped loop ``fill`` first waits on an event recorded after the
-previous copy.
+The host buffer is overwritten by the next ``fill``: ``copy_guard.py`` makes it wait for the
+last copy if the GPU has not run it yet (every step of a long chunked prefill samples nothing,
+so no read of sampled tokens orders the two).
 """
 
 from __future__ import annotations
 
 import torch
+
+from workers.graphs.copy_guard import CopyGuard
 
 
 class StaticTokenInputs:
@@ -36,7 +37,7 @@ class StaticTokenInputs:
         self.device_buffer = torch.zeros(2 * max_tokens, dtype=torch.int32, device=self.device)
         self.slot_mapping = torch.full((max_tokens,), -1, dtype=torch.int32, device=self.device)
         self._np = self.host.numpy()
-        self._copied: torch.cuda.Event | None = None  # CUDA: recorded after the last copy
+        self.copy_guard = CopyGuard(self.device)
 
     @property
     def num_bytes(self) -> int:
@@ -64,16 +65,13 @@ class StaticTokenInputs:
             raise ValueError(f"size {size} must be in [{n}, {self.max_tokens}]")
         if n and (slot_mapping is None or slot_mapping.shape != (n,)):
             raise ValueError(f"slot_mapping must hold the step's {n} slots")
-        if self._copied is not None:
-            self._copied.synchronize()  # the last copy has read the host buffer
         t = self.max_tokens
+        self.copy_guard.before_write()
         ids, pos = self._np[:t], self._np[t:]
         ids[:n], ids[n:size] = input_ids, 0
         pos[:n], pos[n:size] = positions, 0
         self.device_buffer[: t + size].copy_(self.host[: t + size], non_blocking=True)
-        if self.device_buffer.is_cuda:
-            self._copied = torch.cuda.Event()
-            self._copied.record()
+        self.copy_guard.after_copy()
         if n:
             self.slot_mapping[:n].copy_(slot_mapping)
         self.slot_mapping[n:size].fill_(-1)
