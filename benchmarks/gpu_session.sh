@@ -1,22 +1,25 @@
 #!/usr/bin/env bash
-# A GPU session for issue #10 in two commands, each under the device box's 10-minute limit.
+# A GPU session for issue #10 in three commands, each under the device box's 10-minute limit.
 #
 #   bash benchmarks/gpu_session.sh tests   # ~4-6 min: environment, tests/gpu, Triton checks
-#   bash benchmarks/gpu_session.sh bench   # ~5-8 min: benchmarks/gpu_engine.py (full size)
-#   bash benchmarks/gpu_session.sh all     # both, where no per-command limit applies
+#   bash benchmarks/gpu_session.sh engine  # ~5-8 min: benchmarks/gpu_engine.py (full size)
+#   bash benchmarks/gpu_session.sh parts   # ~5-8 min: gpu_piecewise, prefill_attention, gpu_nixl
+#   bash benchmarks/gpu_session.sh all     # all three, where no per-command limit applies
 #
 # Run from the checkout's root on the GPU box. The offline image lacks msgspec, pyzmq and
 # nixl: copy /work/shared/gpu into the checkout as ./gpu (ignored: `echo /gpu/ >>
 # .git/info/exclude`), carry it, and this script sources gpu/setup.sh (GPU_SETUP overrides).
-# Logs go to $OUT (the device tool's folder; default ./gpu-out), at most 6 files:
-#   env.txt  gpu-tests.log  gpu-tests.xml  kernels.log  gpu-engine.txt  summary.txt
+# Logs go to $OUT (the device tool's folder; default ./gpu-out), at most 5 files a part:
+#   every part: env.txt summary.txt
+#   tests: gpu-tests.log gpu-tests.xml kernels.log   engine: gpu-engine.txt
+#   parts: gpu-piecewise.txt prefill-attention.txt gpu-nixl.txt
 # Every stage has its own timeout, so a hang costs that stage, not the command; the summary
 # gives each stage's exit status and seconds. Exit status: 0 only if every stage passed.
 set -u -o pipefail
 
 part=${1:-tests}
-case "$part" in tests | bench | all) ;; *)
-    echo "usage: $0 tests|bench|all" >&2
+case "$part" in tests | engine | parts | all) ;; *)
+    echo "usage: $0 tests|engine|parts|all" >&2
     exit 2
     ;;
 esac
@@ -66,7 +69,6 @@ EOF
 }
 
 run_tests() {
-    stage environment 60 "$out/env.txt" environment
     # the gpu-marked tests: kernels, engine (graphs, one sync, fp32 = transformers,
     # half-GPU P/D over NIXL VRAM), NIXL VRAM READ byte-exact
     stage "tests/gpu" 420 "$out/gpu-tests.log" \
@@ -79,19 +81,33 @@ run_tests() {
         tests/kernels/test_triton.py tests/kernels/test_fused.py
 }
 
-run_bench() {
+run_engine() {
     # full size: 256 x 512 -> 256 for Tandem, transformers static and generate_batch; decode
-    # step ms at batch 1/64/256 vs the HBM floor; prefill TFLOP/s; NIXL VRAM READ rows when
-    # benchmarks/gpu_nixl.py is present
+    # step ms at batch 1/64/256 vs the HBM floor; prefill TFLOP/s; NIXL VRAM READ rows
+    # (benchmarks/gpu_nixl.py's vram_read_rows)
     stage "benchmarks/gpu_engine.py" 540 "$out/gpu-engine.txt" python3 benchmarks/gpu_engine.py
 }
 
+run_parts() {
+    # mixed-step ms per --cuda-graph-mode (decides the default mode); prefill attention
+    # TFLOP/s triton vs SDPA vs the engine's split; NIXL READ per size and block layout
+    stage "benchmarks/gpu_piecewise.py" 270 "$out/gpu-piecewise.txt" \
+        python3 benchmarks/gpu_piecewise.py
+    stage "benchmarks/prefill_attention.py" 120 "$out/prefill-attention.txt" \
+        python3 benchmarks/prefill_attention.py
+    stage "benchmarks/gpu_nixl.py" 150 "$out/gpu-nixl.txt" python3 benchmarks/gpu_nixl.py
+}
+
+export -f environment # timeout runs programs, not shell functions
+stage environment 60 "$out/env.txt" bash -c environment
 case "$part" in
 tests) run_tests ;;
-bench) run_bench ;;
+engine) run_engine ;;
+parts) run_parts ;;
 all)
     run_tests
-    run_bench
+    run_engine
+    run_parts
     ;;
 esac
 echo "gpu_session $part: $([ $status -eq 0 ] && echo all stages passed || echo FAILURES) (see $summary)"
