@@ -182,12 +182,15 @@ def measure(
     probe: bool = True,
     prepped_reads: bool | None = None,
     poll_s: float = 0.0,
+    prefill_poll_s: float = 0.0001,
 ) -> ReadReport:
     """Run the READs (see the module doc) on ``device``; ``probe`` also runs
     the UCX transport probe; ``prepped_reads`` None keeps the connector's
     default; D checks a READ in flight every ``poll_s`` (0: back to back,
-    yielding the GIL, as a device copy's synchronize waits). Raises when any
-    READ or copy is not byte-exact."""
+    yielding the GIL, as a device copy's synchronize waits); P's loop calls
+    into NIXL every ``prefill_poll_s`` (besides its progress poller, every
+    1 ms while it holds blocks). Raises when any READ or copy is not
+    byte-exact."""
     import numpy as np
 
     from kvtransfer.ucx.env import ucx_env_defaults
@@ -198,7 +201,14 @@ def measure(
     config: dict = {"model_name": "bench", "cluster_secret": generate_secret()}
     if prepped_reads is not None:
         config["nixl_prepped_reads"] = prepped_reads
-    pair = ReadPair(config, device, num_blocks, block_shape, poll_s=poll_s)
+    pair = ReadPair(
+        config,
+        device,
+        num_blocks,
+        block_shape,
+        prefill_poll_interval_s=prefill_poll_s,
+        poll_s=poll_s,
+    )
     try:
         expected = pair.expected()
         params = pair.finish("warm-up", [0])  # handshake + first READ
@@ -307,6 +317,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--poll-us", type=float, default=0.0, help="D's wait between checks of a READ in flight"
     )
+    parser.add_argument(
+        "--prefill-poll-us",
+        type=float,
+        default=100.0,
+        help="how often P's loop calls into NIXL (its progress poller adds every 1 ms)",
+    )
     args = parser.parse_args(argv)
     message = no_device_message(args.device)
     if message is not None:
@@ -320,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         probe=not args.no_probe,
         prepped_reads={"default": None, "on": True, "off": False}[args.prepped_lists],
         poll_s=args.poll_us * 1e-6,
+        prefill_poll_s=args.prefill_poll_us * 1e-6,
     )
     print(format_table(report))
     return 0
