@@ -16,6 +16,7 @@ thread polls transfers).
 
 from __future__ import annotations
 
+import logging
 import threading
 import uuid
 from collections.abc import Callable
@@ -28,6 +29,8 @@ from kvtransfer.side_channel import RegionInfo
 from kvtransfer.tp_plan import Descriptors
 
 XferHandle = Any
+
+logger = logging.getLogger(__name__)
 
 
 def split_block_runs(
@@ -133,7 +136,10 @@ class NixlAgent:
                 and self.region is not None
                 and region.block_len == self.region.block_len
             ):
-                self._prepped.prepare_peer(name, region)
+                try:
+                    self._prepped.prepare_peer(name, region)
+                except Exception as e:  # the first READ tries again and fails its load
+                    logger.warning("preparing the block list of %s failed: %r", name, e)
             return name
 
     def remove_peer(self, peer_name: str) -> None:

@@ -134,3 +134,40 @@ def test_fragmented_and_contiguous_reads_are_byte_exact_in_the_fewest_descriptor
     finally:
         p.close()
         d.worker.shutdown()
+
+
+def test_a_peer_list_that_fails_at_the_handshake_is_prepared_at_the_first_read(caplog):
+    """add_peer never fails for want of the prepared list (it would leave the
+    peer's agent added but unknown to the table): the first READ prepares it."""
+    from kvtransfer.nixl_agent import NixlAgent, make_agent_name
+
+    target = NixlAgent(make_agent_name("prep-fail-p", 0), progress_thread=True)
+    reader = NixlAgent(make_agent_name("prep-fail-d", 0), prepped_reads=True)
+    p_kv = torch.arange(32 * 64, dtype=torch.float32).reshape(32, 64)
+    d_kv = torch.zeros(32, 64)
+    try:
+        p_region, _ = target.register(p_kv), reader.register(d_kv)
+        prepped = reader._prepped
+        real_prepare = prepped.prepare_peer
+        calls = []
+
+        def failing_once(name, region):
+            calls.append(name)
+            if len(calls) == 1:
+                raise RuntimeError("injected prep failure")
+            return real_prepare(name, region)
+
+        prepped.prepare_peer = failing_once
+        with caplog.at_level("WARNING", logger="kvtransfer.nixl_agent"):
+            peer = reader.add_peer(target.metadata, p_region)
+        assert "injected prep failure" in caplog.text
+        handle, state, num_descs = reader.start_block_read(peer, p_region, [5, 6, 1], [10, 11, 2])
+        deadline = time.monotonic() + 20
+        while state == "PROC" and time.monotonic() < deadline:
+            state = reader.check(handle)
+        assert state == "DONE" and num_descs == 2 and len(calls) == 2
+        assert reader.release(handle)
+        assert torch.equal(d_kv[[5, 6, 1]], p_kv[[10, 11, 2]])
+    finally:
+        reader.close()
+        target.close()
