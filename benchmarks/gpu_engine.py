@@ -119,7 +119,9 @@ def workload_rows(path: str, args: argparse.Namespace) -> list[tuple[str, str, s
     return rows
 
 
-def _engine(path: str, max_num_seqs: int, max_tokens_per_step: int, args) -> object:
+def _engine(
+    path: str, max_num_seqs: int, max_tokens_per_step: int, args, async_scheduling=False
+) -> object:
     from workers.config import EngineConfig
     from workers.engine_core import EngineCore
 
@@ -132,6 +134,7 @@ def _engine(path: str, max_num_seqs: int, max_tokens_per_step: int, args) -> obj
             max_num_batched_tokens=max_tokens_per_step,
             enable_prefix_caching=False,
             gpu_memory_utilization=args.gpu_memory_utilization,
+            async_scheduling=async_scheduling,
         )
     )
 
@@ -144,11 +147,15 @@ def model_bytes(engine) -> tuple[int, int]:
     return weights, kv_per_token
 
 
-def decode_rows(path: str, args: argparse.Namespace, hbm_tb_s: float) -> list[tuple]:
+def decode_rows(
+    path: str, args: argparse.Namespace, hbm_tb_s: float, async_scheduling: bool = False
+) -> list[tuple]:
+    """Decode step time per batch; ``async_scheduling``: with the overlapped loop."""
     from scheduler.messages import EngineRequest, SamplingParams
 
     batches = [int(b) for b in args.decode_batches.split(",")]
-    engine = _engine(path, max(batches), 8192, args)
+    engine = _engine(path, max(batches), 8192, args, async_scheduling)
+    loop = " (--async-scheduling)" if async_scheduling else ""
     weights, kv_per_token = model_bytes(engine)
     rows = []
     prompt = make_prompts(1, args.prompt_len, ONE_B_CONFIG["vocab_size"])[0]
@@ -168,7 +175,7 @@ def decode_rows(path: str, args: argparse.Namespace, hbm_tb_s: float) -> list[tu
         floor_ms = (weights + batch * context * kv_per_token) / (hbm_tb_s * 1e12) * 1e3
         rows.append(
             (
-                f"decode step, batch {batch}",
+                f"decode step, batch {batch}{loop}",
                 f"{step_ms:.2f} ms",
                 f"floor {floor_ms:.2f} ms ({step_ms / floor_ms:.1f}x)",
             )
@@ -178,7 +185,7 @@ def decode_rows(path: str, args: argparse.Namespace, hbm_tb_s: float) -> list[tu
             engine.step()
         engine.check_integrity()
     graphs = engine.runner.graphs
-    if graphs is not None:
+    if graphs is not None and not async_scheduling:
         used = {size: n for size, n in graphs.num_replays.items() if n}
         rows.append(("decode graphs replayed (bucket: steps)", str(used), ""))
     return rows
@@ -264,6 +271,8 @@ def main() -> int:
         rows += workload_rows(path, args)
         _release()
         rows += decode_rows(path, args, hbm_tb_s)
+        _release()
+        rows += decode_rows(path, args, hbm_tb_s, async_scheduling=True)
         _release()
         rows += prefill_rows(path, args)
     rows += nixl_rows()
