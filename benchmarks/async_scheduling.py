@@ -7,13 +7,19 @@ For every model, decode batch and loop: ``batch`` seeded random prompts of ``--p
 tokens generate exactly ``--output-len`` tokens each (greedy, EOS ignored, fp32, prefix
 caching off) after a warm-up run with the same engine. Columns:
 
-    step ms    median wall time of one loop turn while every request decodes (a turn is one
+    step ms    mean wall time of one loop turn while every request decodes (a turn is one
                step: the synchronous loop runs it; the overlapped loop schedules and launches
                step N+1, then reads step N's tokens and applies them)
-    host ms    median loop-thread time per decode turn spent neither in the forward nor
-               waiting for tokens: schedule, plan, launch, update (what overlap can hide)
+    host ms    synchronous loop: mean time per decode step outside the forward and the token
+               read (schedule, plan, update): the most overlapping can hide. (Not shown for
+               the overlapped loop: there the loop thread's work is interleaved with the
+               forward's Python under the GIL, so the same subtraction measures nothing.)
     tok/s      output tokens per second of the whole run (prefill included)
-    same       the overlapped run's tokens equal the synchronous run's
+    same       every run's tokens equal the synchronous loop's first run
+
+Both loops get their own engine; after one warm-up run each, ``--repeats`` timed runs
+alternate between them and every column is the median over those runs (the machine's other
+load shifts both alike).
 
 Models: ``tiny`` (the built-in checkpoint) and ``smollm2`` (SmolLM2-135M-Instruct from the
 built-in GGUF, 30 layers). ``--torch-threads`` is the engine's intra-op thread count; the
@@ -57,42 +63,49 @@ class _Timed:
                 self.seconds += time.perf_counter() - start
 
 
-def run_engine(path: str, prompts: list[list[int]], output_len: int, overlap: bool, threads: int):
-    """(tokens, decode step s list, decode host s list, total s) of one timed run."""
-    from scheduler.messages import EngineRequest, SamplingParams
-    from workers.config import EngineConfig
-    from workers.engine_core import EngineCore
+class Bench:
+    """One engine (one loop) and its timed runs."""
 
-    batch = len(prompts)
-    blocks = batch * -(-(len(prompts[0]) + output_len) // 16) + 16
-    engine = EngineCore(
-        EngineConfig(
-            model=path,
-            dtype="float32",
-            max_num_seqs=batch,
-            max_num_batched_tokens=max(2048, batch),
-            num_kv_blocks=blocks,
-            enable_prefix_caching=False,
-            torch_threads=threads,
-            async_scheduling=overlap,
+    def __init__(self, path: str, batch: int, prompt_len: int, output_len: int, overlap: bool,
+                 threads: int) -> None:  # fmt: skip
+        from workers.config import EngineConfig
+        from workers.engine_core import EngineCore
+
+        self.engine = EngineCore(
+            EngineConfig(
+                model=path,
+                dtype="float32",
+                max_num_seqs=batch,
+                max_num_batched_tokens=max(2048, batch),
+                num_kv_blocks=batch * -(-(prompt_len + output_len) // 16) + 16,
+                enable_prefix_caching=False,
+                torch_threads=threads,
+                async_scheduling=overlap,
+            )
         )
-    )
-    runner = engine.runner
-    waits = [_Timed(runner.read_tokens), _Timed(runner._run_step)]
-    runner.read_tokens, runner._run_step = waits
-    sp = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-    result = None
-    for run_id in ("warm", "timed"):
+        runner = self.engine.runner
+        self.timers = [_Timed(runner.read_tokens), _Timed(runner._run_step)]
+        runner.read_tokens, runner._run_step = self.timers
+        self.batch, self.output_len = batch, output_len
+        self.num_runs = 0
+
+    def run(self, prompts: list[list[int]]) -> tuple[list[list[int]], float, float, float]:
+        """(tokens, mean decode turn s, mean loop-thread host s per decode turn, total s)."""
+        from scheduler.messages import EngineRequest, SamplingParams
+
+        engine, batch = self.engine, self.batch
+        sp = SamplingParams(max_tokens=self.output_len, temperature=0.0, ignore_eos=True)
+        self.num_runs += 1
         tokens: dict[str, list[int]] = {}
         for i, prompt in enumerate(prompts):
-            rid = f"{run_id}-{i}"
+            rid = f"{self.num_runs}-{i}"
             tokens[rid] = []
             engine.add_request(EngineRequest(rid, prompt, sp))
         step_s, host_s = [], []
         start = time.perf_counter()
         while engine.has_work():
-            for w in waits:
-                w.seconds = 0.0
+            for t in self.timers:
+                t.seconds = 0.0
             t0 = time.perf_counter()
             out = engine.step()
             dt = time.perf_counter() - t0
@@ -101,12 +114,14 @@ def run_engine(path: str, prompts: list[list[int]], output_len: int, overlap: bo
                 tokens[o.request_id] += o.new_token_ids
             if decoding and len(out.outputs) == batch:
                 step_s.append(dt)
-                host_s.append(dt - sum(w.seconds for w in waits))
+                host_s.append(dt - sum(t.seconds for t in self.timers))
         total_s = time.perf_counter() - start
-        result = (list(tokens.values()), step_s, host_s, total_s)
-    engine.check_integrity()
-    engine.shutdown()
-    return result
+        mean = statistics.fmean
+        return list(tokens.values()), mean(step_s), mean(host_s), total_s
+
+    def close(self) -> None:
+        self.engine.check_integrity()
+        self.engine.shutdown()
 
 
 def main() -> None:
@@ -116,6 +131,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=48)
     ap.add_argument("--torch-threads", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per loop, alternated")
     args = ap.parse_args()
     import logging
 
@@ -139,19 +155,31 @@ def main() -> None:
         vocab = AutoConfig.from_pretrained(path).vocab_size
         for batch in map(int, args.batches.split(",")):
             prompts = make_prompts(batch, args.prompt_len, vocab)
-            runs = {}
+            benches = {
+                overlap: Bench(path, batch, args.prompt_len, args.output_len, overlap,
+                               args.torch_threads)
+                for overlap in (False, True)
+            }  # fmt: skip
+            runs: dict[bool, list] = {False: [], True: []}
+            for rep in range(args.repeats + 1):  # the first round warms up
+                for overlap, bench in benches.items():
+                    result = bench.run(prompts)
+                    if rep:
+                        runs[overlap].append(result)
+            for bench in benches.values():
+                bench.close()
+            reference = runs[False][0][0]
             for overlap in (False, True):
-                runs[overlap] = run_engine(
-                    path, prompts, args.output_len, overlap, args.torch_threads
-                )
-            for overlap in (False, True):
-                tokens, step_s, host_s, total_s = runs[overlap]
-                same = "yes" if tokens == runs[False][0] else "NO"
+                results = runs[overlap]
+                same = all(r[0] == reference for r in results)
+                step_ms = 1e3 * statistics.median(r[1] for r in results)
+                host_ms = 1e3 * statistics.median(r[2] for r in results)
+                tok_s = batch * args.output_len / statistics.median(r[3] for r in results)
                 print(
                     f"{name:<8} {batch:>5} {'async' if overlap else 'sync':<6} "
-                    f"{1e3 * statistics.median(step_s):>8.2f} "
-                    f"{1e3 * statistics.median(host_s):>8.2f} "
-                    f"{batch * args.output_len / total_s:>8.0f} {same:>5}"
+                    f"{step_ms:>8.2f} {'-' if overlap else f'{host_ms:.2f}':>8} "
+                    f"{tok_s:>8.0f} {'yes' if same else 'NO':>5}",
+                    flush=True,
                 )
     print(f"\nload average after: {os.getloadavg()[0]:.2f}")
 
