@@ -166,9 +166,8 @@ class PiecewiseGraphRunner:
     ) -> torch.Tensor | None:
         """Hidden states ``[n, hidden]`` of any step of n tokens (prefills, chunks, decodes,
         flat as the runner lays them out), or None when no token bucket holds n. The result
-        is a view of a static buffer: read it before the next ``run``. ``patch_ids`` gets the
-        device input ids ``[n]`` before the replay (the overlapped loop writes the previous
-        step's sampled tokens into them)."""
+        is a view of a static buffer: read it before the next ``run``. ``patch_ids``: as in
+        ``DecodeGraphRunner.run``."""
         n = len(input_ids)
         size = self.bucket_for(n)
         if size is None or size not in self.replays:
