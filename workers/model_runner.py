@@ -232,13 +232,19 @@ class ModelRunner:
             return handle.tokens
         result: StepResult = handle.future.result()
         tokens = result.token_list()
-        for (st, index), token in zip(handle.sample_states, tokens, strict=True):
+        plan = handle.plan
+        counted_ids, counted = [], []  # for the penalties: rows of requests still here
+        for (st, index), token, i in zip(handle.sample_states, tokens, plan.sample_segments,
+                                         strict=True):  # fmt: skip
             st.token_ids[index] = token
             if st.pending is not None and st.pending[0] is handle:
                 st.pending = None
+            rid = plan.req_ids[i]
+            if self.requests.get(rid) is st:  # not finished, nor re-added since
+                counted_ids.append(rid)
+                counted.append(token)
         handle.tokens = tokens
-        plan = handle.plan
-        self.extras.record([plan.req_ids[i] for i in plan.sample_segments], tokens)
+        self.extras.record(counted_ids, counted)
         return tokens
 
     def _needs_host_tokens(self, so: SchedulerOutput) -> bool:
