@@ -14,6 +14,8 @@ Rows, all in one process on one seeded random Llama-3.2-1B-shaped checkpoint (hi
   HBM floor: (weight bytes + KV bytes the step reads) / ``--hbm-tb-s``
 * prefill TFLOP/s: prompts of ``--prefill-len`` tokens through the engine, matmul + attention
   FLOPs over the measured time
+* torch.compile vs eager (``--compile-model``): decode step at batch 64, one prefill, compile
+  seconds (``compile_rows``)
 * NIXL VRAM READ GB/s, raw and through the connector, next to a device copy: provided by
   ``benchmarks/gpu_nixl.py`` (``vram_read_rows``) when present, else marked as not measured
 
@@ -226,6 +228,35 @@ def prefill_rows(path: str, args: argparse.Namespace) -> list[tuple]:
     ]
 
 
+def compile_rows(path: str, args: argparse.Namespace) -> list[tuple]:
+    """torch.compile vs eager (``--compile-model``): decode step at batch 64 (graphs replay
+    either forward) and one prefill of ``--prefill-len`` tokens, with the compile time."""
+    from benchmarks.compile_model import decode_step_ms, prefill_ms
+    from workers.config import EngineConfig
+    from workers.engine_core import EngineCore
+
+    rows, batch = [], 64
+    for mode in ("off", "on"):
+        torch._dynamo.reset()
+        engine = EngineCore(
+            EngineConfig(
+                model=path, device="cuda", dtype="bfloat16", max_num_seqs=batch,
+                max_num_batched_tokens=max(8192, args.prefill_len), enable_prefix_caching=False,
+                gpu_memory_utilization=args.gpu_memory_utilization, compile_model=mode,
+            )
+        )  # fmt: skip
+        name = "torch.compile" if mode == "on" else "eager"
+        step_ms, _ = decode_step_ms(engine, batch, args.prompt_len, args.decode_steps, 3)
+        note = f"compile {engine.compile_report.seconds:.0f} s" if mode == "on" else ""
+        rows.append((f"decode step, batch {batch}, {name}", f"{step_ms:.2f} ms", note))
+        one_prefill_ms = prefill_ms(engine, args.prefill_len, 3)
+        rows.append((f"prefill 1 x {args.prefill_len}, {name}", f"{one_prefill_ms:.1f} ms", ""))
+        engine.shutdown()
+        del engine
+        _release()
+    return rows
+
+
 def nixl_rows() -> list[tuple]:
     # NIXL VRAM READ (raw and through the connector, next to a device copy): the NIXL/UCX
     # work of issue #10 provides ``benchmarks/gpu_nixl.py`` with ``vram_read_rows()``.
@@ -275,6 +306,8 @@ def main() -> int:
         rows += decode_rows(path, args, hbm_tb_s, async_scheduling=True)
         _release()
         rows += prefill_rows(path, args)
+        _release()
+        rows += compile_rows(path, args)
     rows += nixl_rows()
 
     total_gib = torch.cuda.get_device_properties(0).total_memory / 2**30

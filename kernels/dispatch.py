@@ -6,7 +6,8 @@ references are the CPU fast paths (``kernels.reference``, ``kernels.fused_refere
 Triton kernels replace several small launches with one on CUDA.
 
 ``TANDEM_FORCE_TRITON=1`` routes CPU tensors to the Triton kernels too, so tests can run them
-under ``TRITON_INTERPRET=1``. Triton is imported lazily: the CPU path never loads it.
+under ``TRITON_INTERPRET=1``. Triton is imported lazily: the CPU path never loads it. While
+``torch.compile`` traces the model (``workers/compile/``) every op takes the reference.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ from kernels.metadata import AttentionMetadata
 
 def _use_triton(tensor: torch.Tensor) -> bool:
     # Read per call (cheap) so a test can set the variable after ``kernels`` was imported.
+    # Under torch.compile the references are traced and the compiler fuses them itself.
+    if torch.compiler.is_compiling():
+        return False
     return tensor.is_cuda or os.environ.get("TANDEM_FORCE_TRITON") == "1"
 
 

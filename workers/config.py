@@ -27,6 +27,8 @@ from workers.graphs.sizes import (
 
 # EngineConfig.prefill_attention (kernels/prefill_attention.py)
 PREFILL_ATTENTION_MODES = ("auto", "triton", "sdpa")
+# EngineConfig.compile_model (workers/compile/)
+COMPILE_MODEL_MODES = ("auto", "on", "off")
 
 
 @dataclass
@@ -84,6 +86,9 @@ class EngineConfig:
     # overlap: schedule step N+1 while step N runs (workers/async_step.py); outputs are
     # those of the synchronous loop. Tensor-parallel engines run synchronous steps.
     async_scheduling: bool = False
+    # torch.compile the model's forward at start-up (workers/compile/): auto (the faster one
+    # per device as measured: eager on CPU and, until measured, on CUDA) | on | off
+    compile_model: str = "auto"
     # start-up probe READ reporting UCX's transport (kvtransfer/ucx/probe.py):
     # auto (on with CUDA) | on | off
     kv_transport_probe: str = "auto"
@@ -158,6 +163,13 @@ class EngineConfig:
                 f"prefill_attention must be one of {', '.join(PREFILL_ATTENTION_MODES)}, "
                 f"got {self.prefill_attention!r}"
             )
+        if self.compile_model not in COMPILE_MODEL_MODES:
+            raise ValueError(
+                f"compile_model must be one of {', '.join(COMPILE_MODEL_MODES)}, "
+                f"got {self.compile_model!r}"
+            )
+        if self.compile_model == "on" and self.tensor_parallel_size > 1:
+            raise ValueError("compile_model 'on' needs tensor_parallel_size 1")
         if self.kv_transport_probe not in ("auto", "on", "off"):
             raise ValueError(
                 f"kv_transport_probe must be auto, on or off, got {self.kv_transport_probe!r}"
@@ -288,6 +300,13 @@ _FLAGS: list[tuple[str, str, Any, str]] = [
         _token_sizes_arg,
         "CUDA: step token counts captured piecewise, e.g. 16,32,64 "
         "(default 1,2,4,8,16,32,... up to min(512, --max-num-batched-tokens))",
+    ),
+    (
+        "--compile-model",
+        "compile_model",
+        str,
+        "auto | on | off: torch.compile the model's forward at start-up (auto: off, the "
+        "faster in steady state as measured)",
     ),
     (
         "--kv-transport-probe",

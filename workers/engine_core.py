@@ -37,6 +37,7 @@ from scheduler.messages import (
 )
 from wire.frames import FrameCounters, FrameSpec, MalformedFrame, MiB, peer_address
 from workers.async_step import OverlappedLoop
+from workers.compile.model import compile_model, use_compile
 from workers.config import EngineConfig
 from workers.graphs.build import build_step_graphs
 from workers.graphs.memory import profile_step_memory
@@ -161,6 +162,9 @@ class EngineCore:
                 config.cluster_secret,
                 config.kv_events_queue_batches,
             )
+        self.compile_report = None  # workers/compile/: torch.compile of the forward
+        if use_compile(config.compile_model, device, config.tensor_parallel_size):
+            self.compile_report = compile_model(self.model, self.kv_cache, config.block_size)
         self.graphs = graphs = build_step_graphs(
             config, self.model, self.kv_cache, max_len, self.step_memory.graph_bytes
         )

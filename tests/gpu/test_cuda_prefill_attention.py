@@ -11,10 +11,11 @@ import torch
 
 from kernels import AttentionMetadata, prefill_attention, reference
 from scheduler.messages import SamplingParams
+from tests.gpu.test_cuda_engine import _config
 from tests.kernels.cases import make_case, write_oracle
 from tests.workers.hf_checkpoints import load_hf_model
+from tests.workers.mixed_steps import last_step_hidden, new_kv_cache
 from tests.workers.test_engine import hf_greedy, prompts_for
-from workers.config import EngineConfig
 from workers.llm import LLM
 from workers.loader import load_model
 
@@ -87,20 +88,6 @@ NUM_NEW = 12
 GREEDY = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
 
 
-def _config(path: str, **changes) -> EngineConfig:
-    base = dict(
-        model=path,
-        device="cuda",
-        dtype="float32",
-        block_size=16,
-        max_num_batched_tokens=64,
-        max_num_seqs=16,
-        num_kv_blocks=128,
-    )
-    base.update(changes)
-    return EngineConfig(**base)
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_sdpa_engine_fp32_equals_transformers(make_checkpoint, arch):
     path = make_checkpoint(arch)
@@ -119,32 +106,10 @@ def test_sdpa_engine_fp32_equals_transformers(make_checkpoint, arch):
 def test_bf16_auto_takes_flash_and_stays_close_to_triton(make_checkpoint):
     """bf16 tokens may flip at near-ties between two kernels, so compare the hidden states of
     one mixed step (new prompts, a decode, a later chunk) through both paths."""
-    path = make_checkpoint("llama", num_hidden_layers=2)
-    model, _ = load_model(path, "bfloat16", "cuda")
+    model, _ = load_model(make_checkpoint("llama", num_hidden_layers=2), "bfloat16", "cuda")
     assert prefill_attention.use_sdpa_prefills("auto", "cuda", torch.bfloat16)
-    block_size, g = 16, torch.Generator().manual_seed(0)
-    steps = [[("a", 40, 40), ("b", 20, 20)], [("a", 41, 1), ("b", 50, 30), ("c", 90, 90)]]
-    tables = {"a": [3, 7, 30], "b": [1, 9, 4, 22], "c": [12, 2, 5, 11, 8, 20]}
-    hidden = {}
-    for sdpa in (False, True):
-        kv_cache = torch.zeros(
-            32, model.num_layers, 2, block_size, model.num_kv_heads, model.head_dim,
-            dtype=torch.bfloat16, device="cuda",
-        )  # fmt: skip
-        g.manual_seed(0)
-        for step in steps:
-            ids = torch.randint(3, 300, (sum(q for _, _, q in step),), generator=g).cuda()
-            positions = torch.cat([torch.arange(s - q, s) for _, s, q in step]).cuda()
-            meta = AttentionMetadata.build(
-                [tables[n] for n, _, _ in step], [s for _, s, _ in step],
-                [q for _, _, q in step], block_size, "cuda",
-            )  # fmt: skip
-            meta.sdpa_prefills = sdpa
-            with torch.inference_mode():
-                hidden[sdpa] = model(ids, positions, kv_cache, meta).float()
-    scale = hidden[False].abs().max()
-    assert (hidden[True] - hidden[False]).abs().max() <= 2e-2 * scale
-    assert prefill_attention.flash_varlen_supported(
-        torch.zeros(1, 4, 16, dtype=torch.bfloat16, device="cuda"),
-        torch.zeros(1, 2, 16, dtype=torch.bfloat16, device="cuda"),
-    )
+    before = prefill_attention.NUM_CALLS.copy()
+    paged, _ = last_step_hidden(model, new_kv_cache(model, "cuda"), sdpa_prefills=False)
+    split, _ = last_step_hidden(model, new_kv_cache(model, "cuda"), sdpa_prefills=True)
+    assert (prefill_attention.NUM_CALLS - before)["flash_varlen"] > 0
+    assert (split - paged).abs().max() <= 2e-2 * paged.abs().max()

@@ -1,4 +1,4 @@
-"""benchmarks/gpu_engine.py on a machine without CUDA says so and exits 0; the GPU session
+"""benchmarks/gpu_engine.py and prefill_attention.py on a machine without CUDA say so and exit 0; the GPU session
 script (benchmarks/gpu_session.sh) parses and refuses an unknown part before running anything."""
 
 from __future__ import annotations
@@ -14,14 +14,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: the script measures")
-def test_without_a_gpu_the_benchmark_says_so_and_exits_0():
-    script = os.path.join(ROOT, "benchmarks", "gpu_engine.py")
+@pytest.mark.parametrize("name", ["gpu_engine", "prefill_attention"])
+def test_without_a_gpu_the_benchmark_says_so_and_exits_0(name):
+    script = os.path.join(ROOT, "benchmarks", f"{name}.py")
     done = subprocess.run(
         [sys.executable, script], capture_output=True, text=True, timeout=120, cwd=ROOT
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == (
-        "gpu_engine: no GPU (torch.cuda.is_available() is False); nothing measured"
+        f"{name}: no GPU (torch.cuda.is_available() is False); nothing measured"
     )
 
 

@@ -13,9 +13,10 @@ os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of the Tri
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from kernels import AttentionMetadata, prefill_attention  # noqa: E402
+from kernels import prefill_attention  # noqa: E402
 from scheduler.messages import SamplingParams  # noqa: E402
 from tests.workers.hf_checkpoints import load_hf_model  # noqa: E402
+from tests.workers.mixed_steps import last_step_hidden, new_kv_cache  # noqa: E402
 from tests.workers.test_engine import hf_greedy  # noqa: E402
 from workers.config import EngineConfig, add_engine_arguments, engine_overrides  # noqa: E402
 from workers.llm import LLM  # noqa: E402
@@ -60,36 +61,11 @@ def test_sdpa_split_tokens_equal_transformers(make_checkpoint, arch, dense_decod
 
 
 def test_mixed_step_hidden_states_close_to_all_paged(make_checkpoint):
-    path = make_checkpoint("llama", num_hidden_layers=2)
-    model, _ = load_model(path, "float32")
-    block_size = 4
-    # step 1: prompts a (6) and b (3); step 2: a decodes, b gets a chunk, c and d are new
-    steps = [
-        [("a", 6, 6), ("b", 3, 3)],
-        [("a", 7, 1), ("b", 9, 6), ("c", 5, 5), ("d", 12, 12)],
-    ]
-    hidden = {}
-    for sdpa in (False, True):
-        kv_cache = torch.zeros(
-            32, model.num_layers, 2, block_size, model.num_kv_heads, model.head_dim
-        )
-        tables = {"a": [3, 7], "b": [1, 9, 4], "c": [12, 2], "d": [5, 11, 8]}
-        g = torch.Generator().manual_seed(0)
-        for step in steps:
-            ids = torch.randint(3, 300, (sum(q for _, _, q in step),), generator=g)
-            positions = torch.cat([torch.arange(s - q, s) for _, s, q in step])
-            meta = AttentionMetadata.build(
-                [tables[name] for name, _, _ in step],
-                [s for _, s, _ in step],
-                [q for _, _, q in step],
-                block_size,
-            )
-            meta.sdpa_prefills = sdpa
-            with torch.inference_mode():
-                out = model(ids, positions, kv_cache, meta)
-        hidden[sdpa] = out
-    assert prefill_attention.get_split(meta).paged.query_lens_list == [1, 6]
-    torch.testing.assert_close(hidden[True], hidden[False], atol=1e-5, rtol=1e-5)
+    model, _ = load_model(make_checkpoint("llama", num_hidden_layers=2), "float32")
+    paged, _ = last_step_hidden(model, new_kv_cache(model), sdpa_prefills=False)
+    split, meta = last_step_hidden(model, new_kv_cache(model), sdpa_prefills=True)
+    assert prefill_attention.get_split(meta).paged.query_lens_list == [1, 30]
+    torch.testing.assert_close(split, paged, atol=1e-5, rtol=1e-5)
 
 
 def test_flag_and_field_errors():

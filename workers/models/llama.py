@@ -41,8 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.dispatch import rope_write_kv
-from workers.attention import StepMetadata, attend
+from workers.attention import StepMetadata
+from workers.compile.attention_op import attend, rope_write_kv
 from workers.models.layers import Embedding, Linear, RMSNorm, SiluMLP
 from workers.models.rope import RotaryEmbedding
 
@@ -106,9 +106,9 @@ class LlamaAttention(nn.Module):
             qk = torch.cat((q, k), dim=1)
         v = qkv[:, num_heads + num_kv_heads :]
         # q and k rotate together, and the rotated k and v go straight to the cache: one
-        # Triton launch on CUDA, the rope ops plus the cache write on CPU.
-        layer_cache = kv_cache[:, self.layer_idx]
-        qk = rope_write_kv(qk, v, *rope, layer_cache, slot_mapping)
+        # Triton launch on CUDA, the rope ops plus the cache write on CPU (under
+        # torch.compile the write moves into the attention op: workers/compile/).
+        qk = rope_write_kv(self.layer_idx, qk, v, rope, kv_cache, slot_mapping)
         return qk[:, :num_heads], qk[:, num_heads:], v
 
     def attend(

@@ -1,0 +1,92 @@
+"""``--compile-model``: the opaque attention op equals the eager layer, the whole forward traces
+as one graph (``fullgraph``) with the op and gives the eager greedy tokens, and with inductor
+on CPU (slow: a C++ compile) the engine's tokens equal eager's and transformers'."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from kernels import AttentionMetadata
+from scheduler.messages import SamplingParams
+from tests.workers.hf_checkpoints import load_hf_model
+from tests.workers.test_engine import hf_greedy
+from workers.attention import attention
+from workers.compile.attention_op import step_context
+from workers.compile.model import compile_model, use_compile
+from workers.config import EngineConfig, add_engine_arguments, engine_overrides
+from workers.llm import LLM
+
+NUM_NEW = 6
+GREEDY = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(2)
+    return [torch.randint(3, 300, (n,), generator=g).tolist() for n in (1, 7, 23, 40)]
+
+
+def _generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    results = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+    llm.engine.check_integrity()
+    return [r.token_ids for r in results]
+
+
+def test_op_equals_the_eager_layer_and_needs_a_step():
+    g = torch.Generator().manual_seed(0)
+    num_heads, num_kv_heads, head_dim, block_size = 4, 2, 8, 4
+    kv_cache = torch.zeros(8, 2, 2, block_size, num_kv_heads, head_dim)
+    meta = AttentionMetadata.build([[3, 1], [5]], [6, 2], [6, 1], block_size)
+    q = torch.randn(7, num_heads, head_dim, generator=g)
+    k, v = torch.randn(2, 7, num_kv_heads, head_dim, generator=g)
+    expected_cache = kv_cache.clone()
+    expected = attention(1, q, k, v, expected_cache, meta, 0.3)
+    with step_context(kv_cache, meta):
+        out = torch.ops.tandem.attention(q, k, v, 1, 0.3)
+    assert torch.equal(out, expected) and torch.equal(kv_cache, expected_cache)
+    assert kv_cache[:, 1].abs().sum() > 0  # the op wrote this step's K/V
+    with pytest.raises(RuntimeError, match="outside step_context"):
+        torch.ops.tandem.attention(q, k, v, 1, 0.3)
+
+
+def test_traced_forward_is_one_graph_with_eager_tokens(make_checkpoint):
+    """``aot_eager``: dynamo + functionalisation with the op's fake, eager kernels (no codegen,
+    seconds); ``fullgraph`` makes any graph break an error. Qwen3: Llama plus q/k norms."""
+    path = make_checkpoint("qwen3", num_hidden_layers=2)
+    config = EngineConfig(model=path, block_size=4, max_num_batched_tokens=16, num_kv_blocks=64)
+    prompts = _prompts()
+    eager = _generate(LLM(config), prompts)
+    llm = LLM(config)
+    torch._dynamo.reset()
+    report = compile_model(llm.engine.model, llm.engine.kv_cache, 4, backend="aot_eager")
+    assert report.num_graphs == 2
+    assert _generate(llm, prompts) == eager  # chunked prefills, decodes, dense decode rows
+    assert eager == [hf_greedy(load_hf_model(path), p, NUM_NEW) for p in prompts]
+
+
+@pytest.mark.slow
+def test_inductor_engine_tokens_equal_eager(tiny_model_dir):
+    """The engine with ``compile_model="on"``: inductor generates C++ on CPU (gcc)."""
+    config = EngineConfig(model=tiny_model_dir, block_size=16, num_kv_blocks=64)
+    prompts = _prompts()
+    eager = _generate(LLM(config), prompts)
+    torch._dynamo.reset()
+    llm = LLM(config.replace(compile_model="on"))
+    assert llm.engine.compile_report is not None and llm.engine.compile_report.seconds > 0
+    assert _generate(llm, prompts) == eager
+
+
+def test_modes_flag_and_field_errors():
+    assert not use_compile("auto", "cpu") and not use_compile("auto", "cuda")
+    assert use_compile("on", "cpu") and not use_compile("off", "cuda")
+    assert not use_compile("auto", "cpu", tensor_parallel_size=2)
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    args = parser.parse_args(["--compile-model", "on"])
+    assert engine_overrides(args) == {"compile_model": "on"}
+    with pytest.raises(ValueError, match="compile_model must be one of auto, on, off"):
+        EngineConfig(compile_model="yes")
+    with pytest.raises(ValueError, match="compile_model 'on' needs tensor_parallel_size 1"):
+        EngineConfig(compile_model="on", tensor_parallel_size=2)

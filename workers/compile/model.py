@@ -1,0 +1,111 @@
+"""``--compile-model``: ``torch.compile`` the model's forward, warmed up at engine start-up.
+
+What is traced and what is not::
+
+    model(input_ids, positions, kv_cache, meta)          # the runner's and graph runner's call
+      -> step_context(kv_cache, meta)                    # attention_op.py reads them there
+      -> compiled(input_ids, positions)          # one graph: embed, norms, matmuls, rope, MLP
+           per layer: torch.ops.tandem.attention(...)   # opaque: KV write + attention
+
+* Shapes: the token dimension is marked dynamic, so a forward of 1 token (a decode of one
+  request; torch specialises sizes 0 and 1) and one of 2+ tokens are the only two graphs,
+  both compiled by the start-up warm-up (two dummy steps whose slots are -1: nothing is
+  written to the cache). The warm-up's seconds are the compile time, logged and returned.
+* Inside the graph ``kernels.dispatch`` takes the torch references, so the compiler fuses the
+  norms and SiLU itself (on CUDA it emits its own Triton kernels for them); inside the op the
+  usual kernels run (Triton KV write and paged attention, or the SDPA prefill split, on CUDA).
+* CUDA graphs: decode graphs capture the compiled forward like the eager one (the warm-up has
+  already compiled both graphs, so a capture only records kernels).
+* Not with tensor parallelism (the sharded layers' collectives are not traced).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kernels import AttentionMetadata
+from workers.compile.attention_op import COMPILED_STEP, step_context
+from workers.config import COMPILE_MODEL_MODES
+
+logger = logging.getLogger(__name__)
+
+
+def use_compile(mode: str, device: torch.device | str, tensor_parallel_size: int = 1) -> bool:
+    """Whether ``EngineConfig.compile_model`` compiles on this engine.
+
+    ``auto`` keeps the faster path in steady state as measured (README, "torch.compile"): on CPU
+    eager (the compiled tiny and SmolLM2 decode steps were no faster); on CUDA eager too until
+    ``benchmarks/gpu_engine.py --compile-rows`` has measured it on a GPU. Never with tensor
+    parallelism.
+    """
+    if mode not in COMPILE_MODEL_MODES:
+        raise ValueError(
+            f"compile_model must be one of {', '.join(COMPILE_MODEL_MODES)}, got {mode!r}"
+        )
+    if tensor_parallel_size > 1:
+        if mode == "on":
+            raise ValueError("compile_model 'on' needs tensor_parallel_size 1")
+        return False
+    return mode == "on"
+
+
+@dataclass
+class CompileReport:
+    seconds: float  # warm-up wall time: tracing + compiling both graphs + two dummy steps
+    num_graphs: int
+
+
+def compile_model(
+    model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int, backend: str = "inductor"
+) -> CompileReport:
+    """Replace ``model.forward`` by the compiled forward (same signature and results) and
+    compile it now. ``kv_cache``/``block_size``: the engine's, used by the warm-up steps.
+    ``backend``: torch.compile's (tests use ``aot_eager``: the same tracing, no codegen)."""
+    eager_forward = model.forward
+
+    def traced(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # the cache and the metadata come from the step context (attention_op.py)
+        return eager_forward(input_ids, positions, None, COMPILED_STEP)
+
+    compiled = torch.compile(traced, fullgraph=True, backend=backend)
+
+    def forward(
+        input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta
+    ) -> torch.Tensor:
+        torch._dynamo.maybe_mark_dynamic(input_ids, 0)
+        torch._dynamo.maybe_mark_dynamic(positions, 0)
+        with step_context(kv_cache, meta):
+            return compiled(input_ids, positions)
+
+    model.forward = forward
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for num_tokens in (1, 2):  # the one-token graph, then the dynamic one
+            _dummy_step(model, kv_cache, block_size, num_tokens)
+    if kv_cache.is_cuda:
+        torch.cuda.synchronize(kv_cache.device)
+    report = CompileReport(time.perf_counter() - start, 2)
+    logger.info(
+        "compiled the model's forward (torch.compile, %d graphs: 1 token, 2+ tokens) in %.1f s",
+        report.num_graphs,
+        report.seconds,
+    )
+    return report
+
+
+def _dummy_step(
+    model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int, num_tokens: int
+) -> None:
+    """One prompt of ``num_tokens`` in block 0 whose slots are all -1: attention reads block 0,
+    nothing is written."""
+    device = kv_cache.device
+    table = [0] * -(-num_tokens // block_size)  # block 0 again and again: nothing is written
+    meta = AttentionMetadata.build([table], [num_tokens], [num_tokens], block_size, device)
+    meta.slot_mapping = torch.full_like(meta.slot_mapping, -1)
+    ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
+    positions = torch.arange(num_tokens, device=device)
+    model(ids, positions, kv_cache, meta)
