@@ -14,8 +14,8 @@ Rows, all in one process on one seeded random Llama-3.2-1B-shaped checkpoint (hi
   HBM floor: (weight bytes + KV bytes the step reads) / ``--hbm-tb-s``
 * prefill TFLOP/s: prompts of ``--prefill-len`` tokens through the engine, matmul + attention
   FLOPs over the measured time
-* torch.compile vs eager (``--compile-model``): decode step at batch 64, one prefill, compile
-  seconds (``compile_rows``)
+* with ``--compile-rows``, torch.compile vs eager (``--compile-model``): decode step at batch
+  64, one prefill, compile seconds (``compile_rows``)
 * NIXL VRAM READ GB/s, raw and through the connector, next to a device copy: provided by
   ``benchmarks/gpu_nixl.py`` (``vram_read_rows``) when present, else marked as not measured
 
@@ -280,6 +280,9 @@ def main() -> int:
     p.add_argument("--prefill-prompts", type=int, default=4)
     p.add_argument("--hbm-tb-s", type=float, default=None, help="HBM TB/s for the floor")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    p.add_argument(
+        "--compile-rows", action="store_true", help="add torch.compile vs eager (minutes)"
+    )
     args = p.parse_args()
     message = no_gpu_message()
     if message is not None:
@@ -306,8 +309,9 @@ def main() -> int:
         rows += decode_rows(path, args, hbm_tb_s, async_scheduling=True)
         _release()
         rows += prefill_rows(path, args)
-        _release()
-        rows += compile_rows(path, args)
+        if args.compile_rows:
+            _release()
+            rows += compile_rows(path, args)
     rows += nixl_rows()
 
     total_gib = torch.cuda.get_device_properties(0).total_memory / 2**30

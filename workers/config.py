@@ -86,8 +86,8 @@ class EngineConfig:
     # overlap: schedule step N+1 while step N runs (workers/async_step.py); outputs are
     # those of the synchronous loop. Tensor-parallel engines run synchronous steps.
     async_scheduling: bool = False
-    # torch.compile the model's forward at start-up (workers/compile/): auto (the faster one
-    # per device as measured: eager on CPU and, until measured, on CUDA) | on | off
+    # torch.compile the model's forward at start-up (workers/compile/): auto (eager: see
+    # workers/compile/model.py use_compile for why) | on | off
     compile_model: str = "auto"
     # start-up probe READ reporting UCX's transport (kvtransfer/ucx/probe.py):
     # auto (on with CUDA) | on | off
@@ -305,8 +305,7 @@ _FLAGS: list[tuple[str, str, Any, str]] = [
         "--compile-model",
         "compile_model",
         str,
-        "auto | on | off: torch.compile the model's forward at start-up (auto: off, the "
-        "faster in steady state as measured)",
+        "auto | on | off: torch.compile the model's forward at start-up (auto: eager)",
     ),
     (
         "--kv-transport-probe",

@@ -16,7 +16,12 @@ import torch  # noqa: E402
 from kernels import prefill_attention  # noqa: E402
 from scheduler.messages import SamplingParams  # noqa: E402
 from tests.workers.hf_checkpoints import load_hf_model  # noqa: E402
-from tests.workers.mixed_steps import last_step_hidden, new_kv_cache  # noqa: E402
+from tests.workers.mixed_steps import (  # noqa: E402
+    SMALL_STEPS,
+    SMALL_TABLES,
+    last_step_hidden,
+    new_kv_cache,
+)
 from tests.workers.test_engine import hf_greedy  # noqa: E402
 from workers.config import EngineConfig, add_engine_arguments, engine_overrides  # noqa: E402
 from workers.llm import LLM  # noqa: E402
@@ -62,9 +67,10 @@ def test_sdpa_split_tokens_equal_transformers(make_checkpoint, arch, dense_decod
 
 def test_mixed_step_hidden_states_close_to_all_paged(make_checkpoint):
     model, _ = load_model(make_checkpoint("llama", num_hidden_layers=2), "float32")
-    paged, _ = last_step_hidden(model, new_kv_cache(model), sdpa_prefills=False)
-    split, meta = last_step_hidden(model, new_kv_cache(model), sdpa_prefills=True)
-    assert prefill_attention.get_split(meta).paged.query_lens_list == [1, 30]
+    small = {"steps": SMALL_STEPS, "tables": SMALL_TABLES}
+    paged, _ = last_step_hidden(model, new_kv_cache(model), False, **small)
+    split, meta = last_step_hidden(model, new_kv_cache(model), True, **small)
+    assert prefill_attention.get_split(meta).paged.query_lens_list == [1, 17]
     torch.testing.assert_close(split, paged, atol=1e-5, rtol=1e-5)
 
 

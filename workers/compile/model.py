@@ -37,10 +37,10 @@ logger = logging.getLogger(__name__)
 def use_compile(mode: str, device: torch.device | str, tensor_parallel_size: int = 1) -> bool:
     """Whether ``EngineConfig.compile_model`` compiles on this engine.
 
-    ``auto`` keeps the faster path in steady state as measured (README, "torch.compile"): on CPU
-    eager (the compiled tiny and SmolLM2 decode steps were no faster); on CUDA eager too until
-    ``benchmarks/gpu_engine.py --compile-rows`` has measured it on a GPU. Never with tensor
-    parallelism.
+    ``auto`` runs eager (README, "torch.compile"): on CPU the compiled decode step was faster
+    at batch 1 and within noise at batch 8 and in prefill, while every engine start pays the
+    compile (seconds with inductor's disk cache, minutes without); on CUDA until
+    ``benchmarks/gpu_engine.py --compile-rows`` has measured it. Never with tensor parallelism.
     """
     if mode not in COMPILE_MODEL_MODES:
         raise ValueError(
