@@ -8,19 +8,23 @@ Run from the repository root::
 
 A prefill connector in a child process and a decode connector here
 (``benchmarks/kv_read_pair.py``), fp32 KV of 512 KiB blocks (a bf16 block of
-a Llama-3.2-1B shape), fresh blocks every READ in two layouts: ``contiguous``
+a Llama-3.2-1B shape), fresh blocks every READ in three layouts: ``contiguous``
 (one run of blocks on each side: one descriptor) and ``fragmented`` (3 runs
-on D, 4 on P, not in address order: up to 6 descriptors). Per size and layout:
+on D, 4 on P, not in address order: up to 6 descriptors), plus ``concurrent``
+(4 loads of a quarter each, one run each, started in one engine step: one
+READ per load, timed from the first post to the last completion; does a
+GPU hide a READ's fixed cost behind the others?). Per size and layout:
 
 * raw READ: NIXL alone, the connector's descriptors posted through D's agent
+  (one READ per load)
 * connector READ: the load through both connector halves, from planning the
   descriptors to the READ seen done (the connector's own load record)
 * device copy: ``Tensor.copy_`` of the same blocks on the device, one per run
 
 Every READ and copy lands in zeroed blocks and is compared byte for byte
 with P's content (outside the timing). D checks a READ in flight back to
-back (``--poll-us 0``, yielding the GIL), as the copy's synchronize waits. The transport line is the
-connector's start-up probe (``kvtransfer/ucx/probe.py``) under the UCX
+back (``--poll-us 0``, yielding the GIL), as the copy's synchronize waits.
+The transport line is the connector's start-up probe (``kvtransfer/ucx/probe.py``) under the UCX
 settings the connector filled in. Target (H100): connector READ >= 70% of
 the device copy from 16 MiB, default settings. ``vram_read_rows()`` gives
 the same as rows of ``benchmarks/gpu_engine.py``. Without CUDA the script
@@ -54,7 +58,8 @@ from benchmarks.kv_read_pair import (  # noqa: E402
 
 MiB = 2**20
 SIZES = (16 * MiB, 64 * MiB, 256 * MiB)
-LAYOUTS = ("contiguous", "fragmented")
+LAYOUTS = ("contiguous", "fragmented", "concurrent")
+CONCURRENT_LOADS = 4
 TARGET_FROM_BYTES = 16 * MiB
 TARGET_OF_COPY = 0.70
 
@@ -100,14 +105,33 @@ class ReadReport:
     block_bytes: int
 
 
-def block_layout(rng, layout: str, num_blocks: int, limit: int) -> tuple[list[int], list[int]]:
-    """Fresh ``(D blocks, P blocks)`` of one READ."""
-    runs = {"contiguous": (1, 1), "fragmented": (3, 4)}.get(layout)
+def block_layout(
+    rng, layout: str, num_blocks: int, limit: int
+) -> list[tuple[list[int], list[int]]]:
+    """Fresh ``(D blocks, P blocks)`` of each load one READ step moves:
+    one load of one run (``contiguous``) or of 3 runs on D and 4 on P
+    (``fragmented``), or ``CONCURRENT_LOADS`` loads (fewer for fewer blocks)
+    of one run each, started in one step (``concurrent``)."""
+    runs = {"contiguous": (1, 1), "fragmented": (3, 4), "concurrent": (1, 1)}.get(layout)
     if runs is None:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    return pick_blocks(rng, num_blocks, runs[0], limit), pick_blocks(
-        rng, num_blocks, runs[1], limit
-    )
+    if layout != "concurrent":
+        return [
+            (
+                pick_blocks(rng, num_blocks, runs[0], limit),
+                pick_blocks(rng, num_blocks, runs[1], limit),
+            )
+        ]
+    k = min(CONCURRENT_LOADS, num_blocks)
+    sizes = [num_blocks // k + (j < num_blocks % k) for j in range(k)]
+
+    def one_run_each() -> list[list[int]]:  # load j in a random slot, at a random place
+        slot = limit // k
+        places = rng.permutation(k)
+        starts = [int(p) * slot + int(rng.integers(0, slot - n + 1)) for p, n in zip(places, sizes)]
+        return [list(range(start, start + n)) for start, n in zip(starts, sizes)]
+
+    return list(zip(one_run_each(), one_run_each()))
 
 
 def _check(kv, block_ids, expected, remote_block_ids, what: str) -> None:
@@ -133,21 +157,28 @@ def _measure_one(pair: ReadPair, expected, rng, num_bytes: int, layout: str, ite
     descriptors: set[int] = set()
     checked = 0
     for i in range(iters + 1):  # the first one warms up
-        local, remote = block_layout(rng, layout, num_blocks, pair.shape[0])
-        rid = f"{layout}-{num_bytes}-{i}"
+        loads = block_layout(rng, layout, num_blocks, pair.shape[0])
+        local = [b for ids, _ in loads for b in ids]
+        remote = [b for _, ids in loads for b in ids]
+        rids = [f"{layout}-{num_bytes}-{i}-{k}" for k in range(len(loads))]
         _zero(pair.kv, local)
-        params = pair.finish(rid, remote)
-        pair.pull(rid, params, local)
-        ((*_, num_descs, start_s, end_s),) = pair.worker.drain_load_records()
+        params = [pair.finish(rid, p_ids) for rid, (_, p_ids) in zip(rids, loads)]
+        pair.pull_many([(rid, par, d_ids) for rid, par, (d_ids, _) in zip(rids, params, loads)])
+        records = pair.worker.drain_load_records()
         pair.worker.drain_transfer_seconds()
-        pair.prefill.wait_done_sending(rid)
+        for rid in rids:
+            pair.prefill.wait_done_sending(rid)
         _check(pair.kv, local, expected, remote, "connector READ")
+        num_descs = sum(r[3] for r in records)
+        connector = max(r[5] for r in records) - min(r[4] for r in records)
 
-        descs = pair.descriptors(local, remote)
-        if len(descs) != num_descs:
-            raise AssertionError(f"raw READ has {len(descs)} descriptors, connector {num_descs}")
+        descs = [pair.descriptors(d_ids, p_ids) for d_ids, p_ids in loads]
+        if sum(map(len, descs)) != num_descs or len(records) != len(loads):
+            raise AssertionError(
+                f"raw READs have {sum(map(len, descs))} descriptors, the connector's {num_descs}"
+            )
         _zero(pair.kv, local)
-        raw = pair.raw_read_s(descs)
+        raw = pair.raw_read_s(*descs)
         _check(pair.kv, local, expected, remote, "raw READ")
 
         _zero(pair.kv, local)
@@ -157,7 +188,7 @@ def _measure_one(pair: ReadPair, expected, rng, num_bytes: int, layout: str, ite
         descriptors.add(num_descs)
         if i:
             raw_s.append(raw)
-            connector_s.append(end_s - start_s)
+            connector_s.append(connector)
             copy_s.append(copy)
     moved = num_blocks * pair.block_bytes
     return ReadRow(
@@ -197,7 +228,8 @@ def measure(
     from wire.auth import generate_secret
 
     for layout in layouts:
-        block_layout(np.random.default_rng(0), layout, 1, 8)  # ValueError naming a bad one
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     config: dict = {"model_name": "bench", "cluster_secret": generate_secret()}
     if prepped_reads is not None:
         config["nixl_prepped_reads"] = prepped_reads

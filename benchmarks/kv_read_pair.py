@@ -135,26 +135,39 @@ class ReadPair:
     def pull(self, request_id: str, params: dict, block_ids: list[int]) -> None:
         """D loads ``params``' blocks into ``block_ids`` through both connector
         halves, as an engine does; returns once the load is received."""
+        self.pull_many([(request_id, params, block_ids)])
+
+    def pull_many(self, loads: list[tuple[str, dict, list[int]]]) -> None:
+        """``(request_id, params, block_ids)`` loads started in one engine
+        step (one connector metadata); returns once all are received."""
         from scheduler.messages import KVConnectorOutput, SamplingParams
         from scheduler.request import Request, RequestStatus
 
-        num_tokens = params["num_tokens"]
-        req = Request(
-            request_id, [0] * (num_tokens + 1), SamplingParams(), kv_transfer_params=params
-        )
-        num_external, _ = self.scheduler.get_num_new_matched_tokens(req, 0)
-        self.scheduler.update_state_after_alloc(req, block_ids, num_external)
+        requests = []
+        for request_id, params, block_ids in loads:
+            num_tokens = params["num_tokens"]
+            req = Request(
+                request_id, [0] * (num_tokens + 1), SamplingParams(), kv_transfer_params=params
+            )
+            num_external, _ = self.scheduler.get_num_new_matched_tokens(req, 0)
+            self.scheduler.update_state_after_alloc(req, block_ids, num_external)
+            requests.append((req, block_ids))
         self.worker.start_load_kv(self.scheduler.build_connector_meta(None))
+        waiting = {request_id for request_id, _, _ in loads}
         deadline = time.monotonic() + 60
-        while request_id not in self.worker.get_finished()[1]:
+        while waiting:
+            waiting -= self.worker.get_finished()[1]
             if time.monotonic() > deadline:
-                raise TimeoutError(request_id)
-            time.sleep(self.poll_s)  # poll like an engine loop; leave P a core
+                raise TimeoutError(sorted(waiting))
+            if waiting:
+                time.sleep(self.poll_s)  # poll like an engine loop; leave P a core
         if self.worker.get_block_ids_with_load_errors():
-            raise RuntimeError(f"load of {request_id} failed")
-        self.scheduler.update_connector_output(KVConnectorOutput(finished_recving=[request_id]))
-        req.status = RequestStatus.FINISHED_STOPPED
-        self.scheduler.request_finished(req, block_ids)
+            raise RuntimeError(f"a load of {[r for r, _, _ in loads]} failed")
+        done = [request_id for request_id, _, _ in loads]
+        self.scheduler.update_connector_output(KVConnectorOutput(finished_recving=done))
+        for req, block_ids in requests:
+            req.status = RequestStatus.FINISHED_STOPPED
+            self.scheduler.request_finished(req, block_ids)
 
     def descriptors(self, block_ids: list[int], remote_block_ids: list[int]):
         """The descriptors the connector posts for this whole-block load
@@ -183,21 +196,24 @@ class ReadPair:
             peer[1].base_addr,
         )
 
-    def raw_read_s(self, descs) -> float:
-        """Seconds of one READ of ``descs`` through D's agent (NIXL only: no
-        planning, no connector), posted to completion, polled every ``poll_s``."""
+    def raw_read_s(self, *descs) -> float:
+        """Seconds of READs of ``descs`` (one READ each, all posted, then
+        waited for) through D's agent: NIXL only, no planning, no connector;
+        from the first post to the last completion, polled every ``poll_s``."""
         peer_name, region = self._peer()
         agent = self.worker.agent
         sync(self.device)
         start = time.perf_counter()
-        handle, state = agent.start_read(peer_name, region, descs)
-        while state == "PROC":
+        posted = [agent.start_read(peer_name, region, d) for d in descs]
+        states = [state for _, state in posted]
+        while "PROC" in states:
             time.sleep(self.poll_s)
-            state = agent.check(handle)
+            states = [s if s != "PROC" else agent.check(h) for (h, _), s in zip(posted, states)]
         elapsed = time.perf_counter() - start
-        agent.release(handle)
-        if state != "DONE":
-            raise RuntimeError(f"raw READ ended {state}")
+        for handle, _ in posted:
+            agent.release(handle)
+        if any(state != "DONE" for state in states):
+            raise RuntimeError(f"raw READs ended {states}")
         return elapsed
 
     def _peer(self):

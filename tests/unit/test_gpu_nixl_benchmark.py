@@ -27,10 +27,7 @@ def test_cpu_path_reads_byte_exact_through_raw_nixl_the_connector_and_a_copy():
         probe=False,
     )
     assert [(r.num_bytes, r.layout) for r in report.rows] == [
-        (8 * KiB, "contiguous"),
-        (8 * KiB, "fragmented"),
-        (32 * KiB, "contiguous"),
-        (32 * KiB, "fragmented"),
+        (size, layout) for size in (8 * KiB, 32 * KiB) for layout in gpu_nixl.LAYOUTS
     ]
     for row in report.rows:
         assert row.num_blocks == row.num_bytes // (2 * KiB)
@@ -42,6 +39,8 @@ def test_cpu_path_reads_byte_exact_through_raw_nixl_the_connector_and_a_copy():
     assert by_layout[8 * KiB, "contiguous"] == by_layout[32 * KiB, "contiguous"] == 1
     # 3 runs on D x 4 on P: between 4 and 6 descriptors, never one per block
     assert 4 <= by_layout[32 * KiB, "fragmented"] <= 6
+    # 4 loads of one run each, posted in one step: one descriptor each
+    assert by_layout[8 * KiB, "concurrent"] == by_layout[32 * KiB, "concurrent"] == 4
     table = gpu_nixl.format_table(report)
     assert "KV in DRAM" in table and "not probed" in table
 
@@ -54,12 +53,19 @@ def test_block_layouts_are_distinct_blocks_in_the_named_number_of_runs():
 
     rng = np.random.default_rng(0)
     for _ in range(20):
-        local, remote = gpu_nixl.block_layout(rng, "fragmented", 24, 64)
+        ((local, remote),) = gpu_nixl.block_layout(rng, "fragmented", 24, 64)
         assert len(set(local)) == len(set(remote)) == 24
         assert max(local + remote) < 64
         assert num_runs(local) <= 3 and num_runs(remote) <= 4
-        local, remote = gpu_nixl.block_layout(rng, "contiguous", 24, 64)
+        ((local, remote),) = gpu_nixl.block_layout(rng, "contiguous", 24, 64)
         assert num_runs(local) == num_runs(remote) == 1
+        for n, sizes in ((24, [6, 6, 6, 6]), (6, [2, 2, 1, 1]), (2, [1, 1])):
+            loads = gpu_nixl.block_layout(rng, "concurrent", n, 64)
+            assert [(len(d), len(p)) for d, p in loads] == [(s, s) for s in sizes]
+            assert all(num_runs(d) == num_runs(p) == 1 for d, p in loads)
+            assert len({b for d, _ in loads for b in d}) == n
+            assert len({b for _, p in loads for b in p}) == n
+            assert max(b for d, p in loads for b in d + p) < 64
     assert pick_blocks(rng, 5, 1, 5) == [0, 1, 2, 3, 4]
     with pytest.raises(ValueError, match="layout"):
         gpu_nixl.block_layout(rng, "striped", 4, 8)
