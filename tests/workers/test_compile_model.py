@@ -67,13 +67,16 @@ def test_traced_forward_is_one_graph_with_eager_tokens(make_checkpoint):
 
 
 @pytest.mark.slow
-def test_inductor_engine_tokens_equal_eager(tiny_model_dir):
-    """The engine with ``compile_model="on"``: inductor generates C++ on CPU (gcc)."""
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_inductor_engine_tokens_equal_eager(tiny_model_dir, async_scheduling):
+    """The engine with ``compile_model="on"``: inductor generates C++ on CPU (gcc); with the
+    overlapped loop the forward runs on the step stream's thread."""
     config = EngineConfig(model=tiny_model_dir, block_size=16, num_kv_blocks=64)
     prompts = _prompts()
     eager = _generate(LLM(config), prompts)
     torch._dynamo.reset()
-    llm = LLM(config.replace(compile_model="on"))
+    llm = LLM(config.replace(compile_model="on", async_scheduling=async_scheduling))
+    assert (llm.engine.overlap is not None) == async_scheduling
     assert llm.engine.compile_report is not None and llm.engine.compile_report.seconds > 0
     assert _generate(llm, prompts) == eager
 
