@@ -64,6 +64,15 @@ def test_traced_forward_is_one_graph_with_eager_tokens(make_checkpoint):
     assert report.num_graphs == 2
     assert _generate(llm, prompts) == eager  # chunked prefills, decodes, dense decode rows
     assert eager == [hf_greedy(load_hf_model(path), p, NUM_NEW) for p in prompts]
+    # int32 ids and positions (CUDA decode graphs' static buffers) give the int64 result
+    model, kv_cache = llm.engine.model, llm.engine.kv_cache
+    meta = AttentionMetadata.build([[0, 1]], [5], [5], 4)
+    meta.slot_mapping = torch.full_like(meta.slot_mapping, -1)  # write nothing
+    ids = torch.tensor(prompts[1][:5])
+    with torch.inference_mode():
+        wide = model(ids, torch.arange(5), kv_cache, meta)
+        narrow = model(ids.int(), torch.arange(5, dtype=torch.int32), kv_cache, meta)
+    assert torch.equal(wide, narrow)
 
 
 @pytest.mark.slow

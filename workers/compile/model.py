@@ -8,8 +8,9 @@ What is traced and what is not::
            per layer: torch.ops.tandem.attention(...)   # opaque: KV write + attention
 
 * Shapes: the token dimension is marked dynamic, so a forward of 1 token (a decode of one
-  request; torch specialises sizes 0 and 1) and one of 2+ tokens are the only two graphs,
-  both compiled by the start-up warm-up (two dummy steps whose slots are -1: nothing is
+  request; torch specialises sizes 0 and 1) and one of 2+ tokens are the only two graphs
+  (per id dtype: int64 from eager steps, and on CUDA int32 from the decode graphs' static
+  buffers), all compiled by the start-up warm-up (dummy steps whose slots are -1: nothing is
   written to the cache). The warm-up's seconds are the compile time, logged and returned.
 * Inside the graph ``kernels.dispatch`` takes the torch references, so the compiler fuses the
   norms and SiLU itself (on CUDA it emits its own Triton kernels for them); inside the op the
@@ -82,23 +83,32 @@ def compile_model(
             return compiled(input_ids, positions)
 
     model.forward = forward
+    # eager steps send int64 ids/positions; CUDA decode graphs read them from int32 buffers
+    id_dtypes = (torch.long, torch.int32) if kv_cache.is_cuda else (torch.long,)
     start = time.perf_counter()
     with torch.inference_mode():
-        for num_tokens in (1, 2):  # the one-token graph, then the dynamic one
-            _dummy_step(model, kv_cache, block_size, num_tokens)
+        for dtype in id_dtypes:
+            for num_tokens in (1, 2):  # the one-token graph, then the dynamic one
+                _dummy_step(model, kv_cache, block_size, num_tokens, dtype)
     if kv_cache.is_cuda:
         torch.cuda.synchronize(kv_cache.device)
-    report = CompileReport(time.perf_counter() - start, 2)
+    report = CompileReport(time.perf_counter() - start, 2 * len(id_dtypes))
     logger.info(
-        "compiled the model's forward (torch.compile, %d graphs: 1 token, 2+ tokens) in %.1f s",
+        "compiled the model's forward (torch.compile, %d graphs: 1 token and 2+ tokens, "
+        "ids %s) in %.1f s",
         report.num_graphs,
+        "/".join(str(d).removeprefix("torch.") for d in id_dtypes),
         report.seconds,
     )
     return report
 
 
 def _dummy_step(
-    model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int, num_tokens: int
+    model: torch.nn.Module,
+    kv_cache: torch.Tensor,
+    block_size: int,
+    num_tokens: int,
+    id_dtype: torch.dtype,
 ) -> None:
     """One prompt of ``num_tokens`` in block 0 whose slots are all -1: attention reads block 0,
     nothing is written."""
@@ -106,6 +116,6 @@ def _dummy_step(
     table = [0] * -(-num_tokens // block_size)  # block 0 again and again: nothing is written
     meta = AttentionMetadata.build([table], [num_tokens], [num_tokens], block_size, device)
     meta.slot_mapping = torch.full_like(meta.slot_mapping, -1)
-    ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
-    positions = torch.arange(num_tokens, device=device)
+    ids = torch.zeros(num_tokens, dtype=id_dtype, device=device)
+    positions = torch.arange(num_tokens, dtype=id_dtype, device=device)
     model(ids, positions, kv_cache, meta)
