@@ -8,9 +8,12 @@ Run from the repository root::
 
 A prefill connector in a child process and a decode connector here
 (``benchmarks/kv_read_pair.py``), fp32 KV of 512 KiB blocks (a bf16 block of
-a Llama-3.2-1B shape), fresh blocks every READ in three layouts: ``contiguous``
+a Llama-3.2-1B shape), fresh blocks every READ in these layouts: ``contiguous``
 (one run of blocks on each side: one descriptor) and ``fragmented`` (3 runs
-on D, 4 on P, not in address order: up to 6 descriptors), plus ``concurrent``
+on D, 4 on P, not in address order: up to 6 descriptors), ``scattered``
+(blocks in random order on both sides: about one descriptor per block, what
+a decode engine's READs post once the block pools churn; see
+``benchmarks/kv_fragmentation.py``), plus ``concurrent``
 (4 loads of a quarter each, one run each, started in one engine step: one
 READ per load, timed from the first post to the last completion; does a
 GPU hide a READ's fixed cost behind the others?). Per size and layout:
@@ -19,7 +22,8 @@ GPU hide a READ's fixed cost behind the others?). Per size and layout:
   (one READ per load)
 * connector READ: the load through both connector halves, from planning the
   descriptors to the READ seen done (the connector's own load record)
-* device copy: ``Tensor.copy_`` of the same blocks on the device, one per run
+* device copy: one ``Tensor.copy_`` of as many bytes on the device (the
+  ceiling the READs are held to, whatever their layout)
 
 Every READ and copy lands in zeroed blocks and is compared byte for byte
 with P's content (outside the timing). D checks a READ in flight back to
@@ -58,7 +62,7 @@ from benchmarks.kv_read_pair import (  # noqa: E402
 
 MiB = 2**20
 SIZES = (16 * MiB, 64 * MiB, 256 * MiB)
-LAYOUTS = ("contiguous", "fragmented", "concurrent")
+LAYOUTS = ("contiguous", "fragmented", "scattered", "concurrent")
 CONCURRENT_LOADS = 4
 TARGET_FROM_BYTES = 16 * MiB
 TARGET_OF_COPY = 0.70
@@ -109,11 +113,13 @@ def block_layout(
     rng, layout: str, num_blocks: int, limit: int
 ) -> list[tuple[list[int], list[int]]]:
     """Fresh ``(D blocks, P blocks)`` of each load one READ step moves:
-    one load of one run (``contiguous``) or of 3 runs on D and 4 on P
-    (``fragmented``), or ``CONCURRENT_LOADS`` loads (fewer for fewer blocks)
-    of one run each, started in one step (``concurrent``)."""
-    runs = {"contiguous": (1, 1), "fragmented": (3, 4), "concurrent": (1, 1)}.get(layout)
-    if runs is None:
+    one load of one run (``contiguous``), of 3 runs on D and 4 on P
+    (``fragmented``) or of single blocks in random order (``scattered``), or
+    ``CONCURRENT_LOADS`` loads (fewer for fewer blocks) of one run each,
+    started in one step (``concurrent``)."""
+    scattered = (num_blocks, num_blocks)  # a run per block, in random order
+    runs = {"contiguous": (1, 1), "fragmented": (3, 4), "scattered": scattered}.get(layout)
+    if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if layout != "concurrent":
         return [
@@ -181,9 +187,13 @@ def _measure_one(pair: ReadPair, expected, rng, num_bytes: int, layout: str, ite
         raw = pair.raw_read_s(*descs)
         _check(pair.kv, local, expected, remote, "raw READ")
 
-        _zero(pair.kv, local)
-        copy = timed_copy_s(pair.kv, expected, local, remote, pair.device)
-        _check(pair.kv, local, expected, remote, "device copy")
+        # the ceiling: one copy of as many bytes (a copy per scattered block
+        # would time kernel launches on a GPU and torch calls on a CPU)
+        span = list(range(num_blocks))
+        src_span = list(range(pair.shape[0] - num_blocks, pair.shape[0]))
+        _zero(pair.kv, span)
+        copy = timed_copy_s(pair.kv, expected, span, src_span, pair.device)
+        _check(pair.kv, span, expected, src_span, "device copy")
         checked += 3
         descriptors.add(num_descs)
         if i:

@@ -35,5 +35,7 @@ def test_vram_reads_are_byte_exact_on_both_read_paths(prepped):
             assert row.num_descriptors == 1
         elif row.layout == "concurrent":  # 4 loads of one run each
             assert row.num_descriptors == 4
+        elif row.layout == "scattered":  # single blocks in random order
+            assert row.num_descriptors >= row.num_blocks // 4
         else:
             assert 4 <= row.num_descriptors <= 6

@@ -39,6 +39,8 @@ def test_cpu_path_reads_byte_exact_through_raw_nixl_the_connector_and_a_copy():
     assert by_layout[8 * KiB, "contiguous"] == by_layout[32 * KiB, "contiguous"] == 1
     # 3 runs on D x 4 on P: between 4 and 6 descriptors, never one per block
     assert 4 <= by_layout[32 * KiB, "fragmented"] <= 6
+    # single blocks in random order: mostly one descriptor per block
+    assert by_layout[32 * KiB, "scattered"] >= 8
     # 4 loads of one run each, posted in one step: one descriptor each
     assert by_layout[8 * KiB, "concurrent"] == by_layout[32 * KiB, "concurrent"] == 4
     table = gpu_nixl.format_table(report)
@@ -59,6 +61,8 @@ def test_block_layouts_are_distinct_blocks_in_the_named_number_of_runs():
         assert num_runs(local) <= 3 and num_runs(remote) <= 4
         ((local, remote),) = gpu_nixl.block_layout(rng, "contiguous", 24, 64)
         assert num_runs(local) == num_runs(remote) == 1
+        ((local, remote),) = gpu_nixl.block_layout(rng, "scattered", 24, 64)
+        assert len(set(local)) == len(set(remote)) == 24 and max(local + remote) < 64
         for n, sizes in ((24, [6, 6, 6, 6]), (6, [2, 2, 1, 1]), (2, [1, 1])):
             loads = gpu_nixl.block_layout(rng, "concurrent", n, 64)
             assert [(len(d), len(p)) for d, p in loads] == [(s, s) for s in sizes]
