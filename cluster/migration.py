@@ -13,11 +13,14 @@ are prompt now) and nothing is missed (the first new output is the next one).
     client <-- t0 t1 t2 | engine decode-0 dies (DEAD in cluster/engines/health.py,
                         | or drained by an operator)
     gateway: ledger = [t0 t1 t2]; request' = prompt+[t0 t1 t2], max_tokens-3
-             KV for the new engine, by length of prompt':
-               < handoff_min_tokens : the decode engine prefills it itself
-                                      (its prefix cache hits what it holds)
+             the new decode engine D first: the router's cost over the
+             survivors (kv-aware: prefix hit and load, so one that holds
+             prompt' cached is preferred; RoutingPolicy.plan_migration),
+             then KV for D by the tokens of prompt' that D does not hold:
+               < handoff_min_tokens : D prefills them itself
+                                      (its prefix cache hits the rest)
                >= and a prefill engine ready : P recomputes prompt' and samples
-                                      t3, D reads the KV (the normal handoff)
+                                      t3, D reads what it lacks (the normal handoff)
     client <-- t3 t4 ...            (same SSE stream, same request id)
 
 A SLOW engine is never migrated (its requests complete when it catches up);
@@ -44,9 +47,10 @@ REASON_DRAIN = "drain"  # an operator drained the engine
 class MigrationPolicy:
     """``enabled``: migrate at all (``--no-migration`` turns it off).
     ``max_migrations``: per request (``--max-migrations``, default 3).
-    ``handoff_min_tokens``: contexts at least this long get their KV by a fresh
-    prefill handoff when a prefill engine is ready; shorter ones are recomputed
-    by the decode engine (measured by ``benchmarks/migration.py``).
+    ``handoff_min_tokens``: when the new decode engine lacks at least this many
+    tokens of the context (its prefix cache holds the rest), its KV comes by a
+    fresh prefill handoff if a prefill engine is ready; fewer are recomputed by
+    the decode engine (measured by ``benchmarks/migration.py``).
     ``wait_for_engine_s``: how long a stream waits for a ready engine to move to
     (e.g. the restarted one when it was the only decode engine)."""
 
@@ -125,12 +129,3 @@ class StreamLedger:
             ),
             kv_transfer_params=None,
         )
-
-
-def use_prefill_handoff(
-    policy: MigrationPolicy, num_context_tokens: int, prefill_ready: bool
-) -> bool:
-    """KV for the new engine: a fresh P handoff for long contexts (P's prefill
-    is faster than D's chunked recompute beside its running batch), local
-    recompute (with D's prefix-cache hits) for short ones."""
-    return prefill_ready and num_context_tokens >= policy.handoff_min_tokens

@@ -78,7 +78,6 @@ from cluster.migration import (
     EngineLost,
     MigrationPolicy,
     StreamLedger,
-    use_prefill_handoff,
 )
 from cluster.pools import EngineHandle
 from cluster.prefill_endpoints import push_prefill_endpoints
@@ -647,9 +646,13 @@ class RayBackend(Backend):
         num_prompt = len(request.prompt_token_ids)
         split = request.sampling_params.max_tokens > 1 if n == 1 else num_prompt > 1
         decode_choice = None
-        if migrated:  # KV for the new engine by context length (cluster/migration.py)
-            prefill_ready = bool(self.router.ready_engines("prefill"))
-            remote = split and use_prefill_handoff(self.migration, num_prompt, prefill_ready)
+        if migrated:  # D by prefix and load, P only for what D lacks (cluster/migration.py)
+            handoff_min = self.migration.handoff_min_tokens
+            plan = self.routing.plan_migration(hashes, split, handoff_min, exclude)
+            if plan is None:
+                yield _error(request.request_id, "no ready decode engine")
+                return
+            remote, decode_choice = plan.remote_prefill, plan.decode
         else:
             plan = self.routing.plan(hashes, split)
             if plan is None:

@@ -130,6 +130,30 @@ class ClusterRouting:
             self.notes.planned(rid, plan.reason)
         return plan
 
+    def plan_migration(
+        self,
+        hashes: PromptHashes,
+        wants_remote: bool,
+        handoff_min_tokens: int,
+        exclude: set[str] = frozenset(),
+    ) -> Plan | None:
+        """``hashes`` of the resubmitted request (prompt + sent tokens):
+        ``RoutingPolicy.plan_migration``, noted for the finished line."""
+        plan = self.policy.plan_migration(
+            len(hashes.request.prompt_token_ids),
+            hashes.of("decode"),
+            hashes.block_size("decode"),
+            wants_remote,
+            handoff_min_tokens,
+            exclude,
+        )
+        if plan is not None:
+            rid = hashes.request.request_id
+            d = plan.decode
+            self.notes.chosen(rid, "decode", d.engine.engine_id, d.reason)
+            self.notes.planned(rid, plan.reason)
+        return plan
+
     def observe_hit(self, request_id: str, choice: Choice, reported_tokens: int) -> None:
         """The engine that computed the prompt reported its prefix hit."""
         if self.index is not None:

@@ -30,6 +30,14 @@ Disaggregated plan (kv-aware): the decode engine D is chosen first. Then
     else                                         -> prefill engine by cost ("remote_prefill")
 The other policies keep the length rule: n < disagg_min_tokens -> on D.
 
+Migration plan (a stream moved off a lost decode engine, cluster/migration.py;
+n = prompt + tokens already sent): the decode engine is chosen first, by the
+same cost (so a survivor holding the context is preferred), then
+    n - hit_D >= handoff_min_tokens and a prefill engine ready
+        -> fresh P handoff ("migration_handoff"; D reads only what it lacks)
+    else -> D recomputes what its cache misses ("migration_recompute")
+Without the index (round-robin, least-load) hit_D is 0: the length rule.
+
 ``hit`` never counts the block holding the prompt's last token (an engine
 always computes at least one token), exactly as the engine's scheduler does.
 """
@@ -210,5 +218,27 @@ class RoutingPolicy:
             reason = "remote_prefill" if n >= self.router.disagg_min_tokens else "short_prompt"
         remote = reason == "remote_prefill"
         self.router.num_decisions["remote" if remote else "local"] += 1
+        self._count("route", reason)
+        return Plan(d, remote, reason)
+
+    def plan_migration(
+        self,
+        num_prompt_tokens: int,
+        decode_hashes: Sequence[bytes],
+        block_size: int,
+        wants_remote: bool,
+        handoff_min_tokens: int,
+        exclude: set[str] = frozenset(),
+    ) -> Plan | None:
+        """A migrated stream's route (module doc): its decode engine (not in
+        ``exclude``, the engines it lost), then a P handoff only when that
+        engine lacks at least ``handoff_min_tokens`` of the context."""
+        d = self.choose("decode", num_prompt_tokens, decode_hashes, exclude, block_size=block_size)
+        if d is None:
+            return None
+        has_p = bool(self.router.ready_engines("prefill"))
+        num_missing = num_prompt_tokens - d.predicted_hit_tokens
+        remote = wants_remote and has_p and num_missing >= handoff_min_tokens
+        reason = "migration_handoff" if remote else "migration_recompute"
         self._count("route", reason)
         return Plan(d, remote, reason)

@@ -6,7 +6,9 @@
 Fields (absent when they did not happen):
     router                 the policy (round-robin | least-load | kv-aware)
     route_reason           P/D: the plan (remote_prefill, small_miss,
-                           decode_holds_prompt, short_prompt, no_prefill);
+                           decode_holds_prompt, short_prompt, no_prefill;
+                           after a migration migration_recompute or
+                           migration_handoff);
                            colocated: the choice (prefix_hit, load, ...)
     prefill_engine, prefill_reason   the prefill engine that computed the prompt
     decode_engine, decode_reason     the decode engine (P/D)

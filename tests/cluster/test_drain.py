@@ -3,7 +3,9 @@ model), by the HTTP admin call and by ``tandem drain``: under 8 concurrent
 seeded streams the drained engine's streams migrate away and finish
 token-identical to an undisturbed run; the engine ends idle (nothing running,
 no block held, check_integrity) and gets no new work while drained; after
-undrain it takes work again. Refused calls answer in the OpenAI envelope."""
+undrain it takes work again. Refused calls answer in the OpenAI envelope.
+A drained stream whose context the other decode engine holds cached moves
+there and recomputes what it lacks, without the prefill engine."""
 
 from __future__ import annotations
 
@@ -15,8 +17,10 @@ import time
 import httpx
 import pytest
 
+from scheduler.messages import EngineRequest, SamplingParams
 from tests.chaos.harness import Workload, per_role, settings, verdict
 from tests.chaos.service import engine, requests_on, reset_prefix_caches, stats, wait_ready
+from tests.cluster.test_kv_routing_service import RequestLog
 
 pytestmark = pytest.mark.slow
 
@@ -196,3 +200,56 @@ def test_refused_admin_calls_answer_in_the_openai_envelope(svc_refs):
     assert p.returncode == 2 and "decode-9" in p.stderr
     # nothing was drained by the refused calls
     assert all(not engine(svc, eid).draining for eid in ("decode-0", "decode-1"))
+
+
+def test_drained_stream_moves_to_the_decode_engine_holding_its_context(svc_refs):
+    """Both decode engines hold a 600-token prompt in their prefix cache; a
+    greedy stream of it runs on one, which is drained. The context is past
+    ``--migration-handoff-min-tokens`` (256), which alone used to send the
+    stream through the prefill engine; the other decode engine lacks only
+    the tokens sent so far (< 256), so it recomputes them itself."""
+    svc, _ = svc_refs
+    backend = svc.service.backend
+    decoders = ("decode-0", "decode-1")
+    prompt = [3 + (i * 7) % 200 for i in range(600)]
+    max_tokens = 240  # a context lacks at most 600 % 16 + 240 < 256 tokens
+    reset_prefix_caches(svc)
+    refs = []
+    for eid in decoders:  # each drained in turn: the prompt is computed on the other
+        r = admin(svc, "/admin/drain", {"engine_id": eid})
+        assert r.status_code == 200 and r.json()["idle"], r.text
+        w = Workload(svc.base_url, "greedy", 1, prompts=[prompt], max_tokens=max_tokens)
+        assert not any(w.finish()) and w.results[0].finish_reason == "length", w.results
+        refs.append(w.results[0])
+        assert admin(svc, "/admin/undrain", {"engine_id": eid}).status_code == 200
+        wait_ready(svc, eid, deadline_s=60)
+    assert refs[0].tokens == refs[1].tokens
+    hashes = backend.routing.hashes(EngineRequest("probe", prompt, SamplingParams())).of("decode")
+    full = dict.fromkeys(decoders, len(hashes))
+    deadline = time.monotonic() + 30
+    while backend.routing.index.match(hashes, list(decoders)) != full:
+        assert time.monotonic() < deadline, "the prefix index never saw both engines hold it"
+        time.sleep(0.05)
+    p_queries = stats(handle(svc, "prefill-0")).scheduler.prefix_cache_queries
+    decisions = backend.routing.decisions()
+    with RequestLog() as log:
+        w = Workload(svc.base_url, "greedy", 1, prompts=[prompt], max_tokens=max_tokens)
+        w.wait_tokens(4)
+        (source,) = [eid for eid in decoders if requests_on(svc, eid)]
+        (dest,) = [eid for eid in decoders if eid != source]
+        r = admin(svc, "/admin/drain", {"engine_id": source})
+        assert r.status_code == 200 and r.json()["migrated"] == 1, r.text
+        assert not any(w.finish())
+        (line,) = log.wait_lines(1)
+    assert verdict(w.results[0], refs[0], False) == "identical", w.results[0]
+    assert (line["decode_engine"], line["decode_reason"]) == (dest, "prefix_hit"), line
+    assert line["route_reason"] == "migration_recompute" and "prefill_engine" not in line, line
+    after = backend.routing.decisions()
+    assert (
+        after.get("route/migration_recompute", 0)
+        == decisions.get("route/migration_recompute", 0) + 1
+    )
+    assert after.get("route/migration_handoff", 0) == decisions.get("route/migration_handoff", 0)
+    # the stream started on a holder (no P: decode_holds_prompt) and moved to one
+    assert stats(handle(svc, "prefill-0")).scheduler.prefix_cache_queries == p_queries
+    assert_idle(svc, source)

@@ -4,7 +4,9 @@ plane (fake actors answer the control calls). A stream whose engine dies
 goes on on the other engine with prompt + sent tokens, none repeated or
 missing, late outputs of the dead engine ignored; once ``max_migrations``
 is spent the stream ends with an explicit error event; with migration off
-it ends with the error at once."""
+it ends with the error at once. With 1 prefill + 3 decode engines and the
+kv-aware router, a migrated stream goes to the survivor whose prefix cache
+holds its context and recomputes there, without the prefill engine."""
 
 from __future__ import annotations
 
@@ -19,7 +21,9 @@ from cluster.kv_routing.policy import RoutingConfig
 from cluster.migration import MigrationPolicy
 from cluster.pools import EngineHandle
 from cluster.ray_backend import RayBackend
+from scheduler.block_hash import hash_request_blocks
 from scheduler.engine_stats import EngineStats
+from scheduler.kv_events import KVSnapshot
 from scheduler.messages import (
     EngineOutput,
     EngineOutputs,
@@ -31,6 +35,7 @@ from wire.frames import decode
 
 PROMPT = [1, 5, 9, 14]
 ENGINE_IDS = ("colocated-0", "colocated-1")
+BLOCK_SIZE = 16
 
 
 class _Method:
@@ -49,7 +54,9 @@ class FakeEngine:
     PUSH to the gateway, and the actor's control calls. ``die()``: Ray now
     says the actor died and its input socket closes (a dropped connection)."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, engine_id: str, output_addr: str) -> None:
+    def __init__(
+        self, ctx: zmq.asyncio.Context, engine_id: str, output_addr: str, role: str = "colocated"
+    ) -> None:
         self.engine_id = engine_id
         self.dead = False
         self.input_addr = f"tcp://127.0.0.1:{free_port()}"
@@ -61,22 +68,30 @@ class FakeEngine:
         self.out.connect(output_addr)
         info = {
             "engine_id": engine_id,
-            "role": "colocated",
+            "role": role,
             "epoch": 1,
             "input_addr": self.input_addr,
-            "max_model_len": 512,
+            "max_model_len": 4096,
             "max_num_seqs": 8,
+            # what the kv-aware router reads (no kv_events_addr: the test
+            # feeds the prefix index itself)
+            "block_size": BLOCK_SIZE,
+            "prefix_caching_hash_algo": "sha256",
+            "num_kv_blocks": 1024,
         }
+        if role == "prefill":
+            info["kv_address"] = ["127.0.0.1", 1]
         self.ready = _Method(self._answer(lambda: info))
         self.stats = _Method(
-            self._answer(lambda: msgspec.msgpack.encode(EngineStats(engine_id, "colocated", 1)))
+            self._answer(lambda: msgspec.msgpack.encode(EngineStats(engine_id, role, 1)))
         )
+        self.set_prefill_endpoints = _Method(self._answer(lambda endpoints: True))
 
     def _answer(self, fn):
-        def call():
+        def call(*args):
             if self.dead:
                 raise RuntimeError(f"the actor {self.engine_id} died")  # as Ray's ActorDiedError
-            return fn()
+            return fn(*args)
 
         return call
 
@@ -100,17 +115,26 @@ class FakeEngine:
         self.out.close(linger=0)
 
 
-async def with_backend(policy: MigrationPolicy, scenario) -> None:
+async def with_backend(
+    policy: MigrationPolicy,
+    scenario,
+    roles: dict[str, str] | None = None,
+    routing: RoutingConfig | None = None,
+    disagg_min_tokens: int = 0,
+) -> None:
+    """``roles``: engine id -> role (default: ``ENGINE_IDS``, colocated)."""
+    roles = roles or dict.fromkeys(ENGINE_IDS, "colocated")
     output_addr = f"tcp://127.0.0.1:{free_port()}"
     ctx = zmq.asyncio.Context()
-    engines = {eid: FakeEngine(ctx, eid, output_addr) for eid in ENGINE_IDS}
+    engines = {eid: FakeEngine(ctx, eid, output_addr, role) for eid, role in roles.items()}
     backend = RayBackend(
-        [EngineHandle(eid, "colocated", e) for eid, e in engines.items()],
+        [EngineHandle(eid, roles[eid], e) for eid, e in engines.items()],
         tokenizer=None,
         model_name="m",
         output_addr=output_addr,
+        disagg_min_tokens=disagg_min_tokens,
         engine_dead_after_s=120.0,
-        routing=RoutingConfig(router="least-load"),
+        routing=routing or RoutingConfig(router="least-load"),
         migration=policy,
     )
     try:
@@ -207,3 +231,67 @@ def test_no_migration_ends_the_stream_with_the_error():
         assert backend.num_migrations == {}
 
     asyncio.run(asyncio.wait_for(with_backend(MigrationPolicy(enabled=False), scenario), 90))
+
+
+def test_migration_prefers_the_survivor_holding_the_prefix_and_skips_prefill():
+    """1 prefill + 3 decode engines, kv-aware. The stream's decode engine dies
+    after 2 tokens; of the two survivors, one holds the first 40 blocks of the
+    context. The context (643 tokens) is past ``handoff_min_tokens`` (256),
+    which used to send every such migration through the prefill engine; the
+    holder lacks only 3 tokens, so it recomputes them itself."""
+    roles = {"prefill-0": "prefill", "decode-0": "decode", "decode-1": "decode"}
+    roles["decode-2"] = "decode"
+    prompt = [3 + i % 250 for i in range(641)]
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+
+    async def scenario(backend: RayBackend, engines: dict[str, FakeEngine]) -> None:
+        decoders = {eid: e for eid, e in engines.items() if eid.startswith("decode")}
+        client = Client(backend, EngineRequest("r-1", list(prompt), params))
+        first, req = await first_engine(decoders)  # a short first attempt: local on D
+        assert req.prompt_token_ids == prompt
+        await first.send("r-1", [11])
+        await first.send("r-1", [12])
+        await client.wait_tokens(2)
+        holder, other = sorted(eid for eid in decoders if eid != first.engine_id)
+        # the holder's cache has the context's first 40 full blocks (e.g. an
+        # earlier request with the same system prompt)
+        context = prompt + [11, 12]
+        hashes = hash_request_blocks(context, BLOCK_SIZE, algo="sha256")[:40]
+        backend.routing.index.load_snapshot(KVSnapshot(holder, 1, 1, hashes))
+        assert len(hashes) == 40
+        first.die()
+        survivors = {eid: e for eid, e in engines.items() if e is not first}
+        target, again = await first_engine(survivors)
+        assert target.engine_id == holder, f"the migrated stream went to {target.engine_id}"
+        assert again.prompt_token_ids == context and again.kv_transfer_params is None
+        await engines[holder].send("r-1", [13, 14, 15, 16], FinishReason.LENGTH)
+        await asyncio.wait_for(client.task, 30)
+        assert client.tokens == [11, 12, 13, 14, 15, 16]  # none repeated, none missing
+        assert backend.num_migrations == {"engine_dead": 1}
+        fields = backend.route_log_fields("r-1")
+        assert fields["decode_engine"] == holder and fields["decode_reason"] == "prefix_hit"
+        assert fields["route_reason"] == "migration_recompute"
+        assert "prefill_engine" not in fields
+        assert fields["predicted_hit_tokens"] == 40 * BLOCK_SIZE
+        assert backend.routing.decisions()["route/migration_recompute"] == 1
+        # neither the prefill engine nor the other survivor saw anything
+        for eid in ("prefill-0", other):
+            try:
+                kind, _ = await asyncio.wait_for(engines[eid].inp.recv_multipart(), 0.3)
+            except asyncio.TimeoutError:
+                continue
+            assert kind != b"R", f"{eid} got the migrated request"
+        assert all(not e.requests for e in backend.engines.values())
+
+    asyncio.run(
+        asyncio.wait_for(
+            with_backend(
+                MigrationPolicy(handoff_min_tokens=256),
+                scenario,
+                roles=roles,
+                routing=RoutingConfig(router="kv-aware"),
+                disagg_min_tokens=100_000,  # the first attempt prefills on D
+            ),
+            90,
+        )
+    )
