@@ -76,7 +76,7 @@ class KVTransferConfig:
     # block ids into block lists NIXL prepared once (prepped_blocks.py); NIXL
     # merges the same runs as read_descriptors. False: descriptors from
     # addresses, NIXL preparing both lists per READ (always so for head slices).
-    # On by measurement: ids -> handle takes 8-34 us vs 12-46 us on CPU
+    # On by measurement: ids -> handle takes 9-36 us vs 12-49 us on CPU
     # (benchmarks/kv_transfer.py "READ set-up"); vLLM's NIXL connector also
     # uses prepared lists on GPUs.
     nixl_prepped_reads: bool = True
