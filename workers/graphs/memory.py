@@ -16,7 +16,8 @@ after it. Hence, at start-up (CUDA, cache sized from the utilization, one GPU):
    torch's peak reserved bytes above what was reserved before.
 2. a profiling capture: the same graphs (modes, sizes, static buffers) over the dummy cache,
    measured as device free memory before minus after (graph pools and the driver's graph
-   objects both count), then destroyed and returned to the device.
+   objects both count; capped for a shared GPU, see ``runner.timed_capture``), then
+   destroyed and returned to the device.
 3. the KV budget takes both out (``workers.kv_cache.gpu_kv_budget_bytes``); the real capture
    runs after the cache is allocated and its log line sets its memory beside the profiled.
 

@@ -210,9 +210,18 @@ def graphs_allowed(config: Any, device: torch.device) -> bool:
     return True
 
 
+# What a capture may take outside torch's allocator (the driver's executable graphs).
+DRIVER_GRAPH_BYTES = 512 << 20
+
+
 def timed_capture(device: torch.device, capture: Callable[[], None]) -> tuple[float, int]:
     """Run ``capture``; return its seconds and the device memory it took (free memory before
     minus after, so graph pools and the driver's graph objects both count; 0 off CUDA).
+
+    Free memory is device-wide: on a GPU shared with other engines (``--num-gpus-per-engine
+    0.5``, started together) it also drops by what they allocate meanwhile, e.g. a whole KV
+    cache, which this engine would then take out of its own budget. So the result is capped
+    at this process's torch reservation growth plus ``DRIVER_GRAPH_BYTES``.
 
     The warm-up runs' activations come from torch's ordinary cache, not the graphs' pool;
     they are handed back before measuring, so they are not counted twice (the profiled
@@ -222,13 +231,16 @@ def timed_capture(device: torch.device, capture: Callable[[], None]) -> tuple[fl
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
         free_before = torch.cuda.mem_get_info(device)[0]
+        reserved_before = torch.cuda.memory_reserved(device)
     start = time.perf_counter()
     capture()
     num_bytes = 0
     if on_cuda:
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
-        num_bytes = max(0, free_before - torch.cuda.mem_get_info(device)[0])
+        device_bytes = max(0, free_before - torch.cuda.mem_get_info(device)[0])
+        own_bytes = max(0, torch.cuda.memory_reserved(device) - reserved_before)
+        num_bytes = min(device_bytes, own_bytes + DRIVER_GRAPH_BYTES)
     return time.perf_counter() - start, num_bytes
 
 
