@@ -6,6 +6,7 @@ exactly once (the sampled tokens; greedy and seeded top-p/top-k). Skipped withou
 
 from __future__ import annotations
 
+import traceback
 import warnings
 
 import pytest
@@ -74,23 +75,42 @@ SEEDED = SamplingParams(
 
 
 def _syncs_of_one_step(engine) -> list[str]:
-    """The device->host syncs torch reports (sync debug mode) during one engine step."""
+    """Every host wait on the device during one engine step: the synchronising CUDA calls
+    torch's sync debug mode reports (``.tolist()``, ``.item()``, pageable copies, stream and
+    device syncs) and CUDA event waits, which it does not see (the sampled tokens are read
+    through a pinned copy and an event, workers/async_step.py)."""
     torch.cuda.synchronize()
+    event_waits: list[str] = []
+    event_synchronize = torch.cuda.Event.synchronize
+
+    def counted(event) -> None:
+        caller = traceback.extract_stack(limit=2)[0]
+        event_waits.append(f"Event.synchronize at {caller.filename}:{caller.lineno}")
+        event_synchronize(event)
+
     torch.cuda.set_sync_debug_mode("warn")
+    torch.cuda.Event.synchronize = counted
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             engine.step()
     finally:
+        torch.cuda.Event.synchronize = event_synchronize
         torch.cuda.set_sync_debug_mode("default")
-    return [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
+    return syncs + event_waits
+
+
+LOOPS = [False, True]  # the synchronous loop, the overlapped one (--async-scheduling)
 
 
 # The tiny checkpoints' vocabulary (300) is above the sampler's 256 top-p candidates: the
 # seeded case reaches the path whose CPU fallback search would sync.
+@pytest.mark.parametrize("overlap", LOOPS, ids=["sync", "async"])
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded-top-p-top-k"])
-def test_replayed_decode_step_syncs_once(make_checkpoint, params):
-    llm = LLM(_config(make_checkpoint("llama"), cuda_graph_sizes=[4]))
+def test_replayed_decode_step_syncs_once(make_checkpoint, params, overlap):
+    config = _config(make_checkpoint("llama"), cuda_graph_sizes=[4], async_scheduling=overlap)
+    llm = LLM(config)
     engine, graphs = llm.engine, llm.engine.runner.graphs
     for i, n in enumerate((5, 9, 3)):
         assert engine.add_request(EngineRequest(f"r{i}", list(range(3, 3 + n)), params)) is None
@@ -104,11 +124,13 @@ def test_replayed_decode_step_syncs_once(make_checkpoint, params):
     engine.check_integrity()
 
 
+@pytest.mark.parametrize("overlap", LOOPS, ids=["sync", "async"])
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded-top-p-top-k"])
-def test_eager_mixed_step_syncs_once(make_checkpoint, params):
+def test_eager_mixed_step_syncs_once(make_checkpoint, params, overlap):
     """A step with a prefill chunk and decodes runs eager (metadata through pinned memory,
     sampled rows picked on the device): one sync as well."""
-    llm = LLM(_config(make_checkpoint("llama"), cuda_graph_sizes=[4]))
+    config = _config(make_checkpoint("llama"), cuda_graph_sizes=[4], async_scheduling=overlap)
+    llm = LLM(config)
     engine = llm.engine
     for i, n in enumerate((5, 9)):
         assert engine.add_request(EngineRequest(f"d{i}", list(range(3, 3 + n)), params)) is None
