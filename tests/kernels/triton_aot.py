@@ -5,25 +5,32 @@ The interpreter runs kernels as NumPy and hides what only the compiler sees: typ
 device's. Here each kernel launch the model code makes is recorded (the kernel is not run),
 then compiled for a CUDA target with Triton's own argument specialization and ptxas::
 
-    with compiled_kernel_modules(), recording() as launches:
+    with recording() as launches:
         model(ids, positions, kv_cache, meta)        # CPU tensors, TANDEM_FORCE_TRITON=1
     for launch in unique(launches):
         compile_for(launch, SM90)                    # -> cubin + shared-memory bytes
+
+Runs in a process of its own, never inside a pytest run that also interprets kernels: Triton
+decides at import whether ``triton.jit`` (its standard library too) compiles or interprets,
+and the interpreter patches ``triton.language`` while it runs; one process cannot do both.
 
 A CPU launch picks the interpreter's variant of the attention kernel (``INTERPRETED``,
 ``DOT_FP32``); ``cuda_constexprs`` swaps in what a CUDA tensor picks. Uses Triton internals
 (``create_function_from_signature``, ``JITFunction._pack_args``, the path ``JITFunction.run``
 takes to compile); ``aot_unavailable`` says why when an installed Triton lacks them.
 
-The whole matrix (every shape in ``SHAPES``, three dtypes, both KV layouts, sm_90 and sm_80)
-prints a table: ``.venv/bin/python -m tests.kernels.triton_aot`` (about 2 minutes on 2 cores);
-``tests/kernels/test_triton_compile.py`` checks a subset in CI.
+    .venv/bin/python -m tests.kernels.triton_aot          # the whole matrix, a table (~4 min)
+    .venv/bin/python -m tests.kernels.triton_aot --json   # the CI subset, JSON (~20 s)
+
+The whole matrix: every shape in ``SHAPES``, three dtypes, both KV layouts, sm_90 and sm_80.
+``tests/kernels/test_triton_compile.py`` runs the CI subset and checks its results.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
+import json
 import os
 import sys
 from collections.abc import Iterator
@@ -109,40 +116,18 @@ def aot_unavailable() -> str | None:
     return None
 
 
-def _reload_kernels() -> None:
-    for name in KERNEL_MODULES:
-        if name in sys.modules:
-            importlib.reload(sys.modules[name])
-        else:
-            importlib.import_module(name)
-
-
-@contextlib.contextmanager
-def compiled_kernel_modules() -> Iterator[None]:
-    """The kernel modules with ``triton.jit`` compiling (``TRITON_INTERPRET`` unset while
-    they are re-imported; the interpreter tests set it at import), restored afterwards."""
-    saved = os.environ.pop("TRITON_INTERPRET", None)
-    try:
-        _reload_kernels()
-        yield
-    finally:
-        if saved is not None:
-            os.environ["TRITON_INTERPRET"] = saved
-        _reload_kernels()
-
-
 @contextlib.contextmanager
 def recording() -> Iterator[list[Launch]]:
     """Every kernel launch in the block is recorded instead of run (outputs stay empty)."""
     launches: list[Launch] = []
     kernels = []
     for name in KERNEL_MODULES:
-        module = sys.modules[name]
+        module = importlib.import_module(name)
         for value in vars(module).values():
             if type(value).__name__ == "JITFunction" and value.__module__ == name:
                 kernels.append(value)
     if not kernels:
-        raise RuntimeError("no JITFunction kernels: the modules are interpreted")
+        raise RuntimeError("no JITFunction kernels: TRITON_INTERPRET was set at import")
 
     def recorder(kernel):
         def run(*args, grid, warmup, **kwargs):
@@ -248,7 +233,7 @@ def record_model_launches(
     shape: str, dtypes: tuple, kinds: tuple[str, ...] = STEP_KINDS, layout: str = "blocks_first"
 ) -> list[Launch]:
     """The kernel launches of one model forward per step kind and dtype, as CUDA tensors
-    would make them. Needs ``compiled_kernel_modules()`` and ``TANDEM_FORCE_TRITON=1``."""
+    would make them. Needs ``TANDEM_FORCE_TRITON=1`` (``_start`` sets it)."""
     import torch
 
     from kernels import AttentionMetadata
@@ -281,55 +266,161 @@ def record_model_launches(
     return [cuda_constexprs(launch) for launch in launches]
 
 
-def main() -> int:
-    """Compile the whole matrix; print one row per specialization; exit 1 on a failure."""
+def _start() -> str | None:
+    """Prepare this process to compile (not interpret); why it cannot, or None."""
+    os.environ.pop("TRITON_INTERPRET", None)
+    os.environ["TANDEM_FORCE_TRITON"] = "1"
+    if "triton" in sys.modules and "kernels.triton_attention" in sys.modules:
+        kernel = sys.modules["kernels.triton_attention"]._paged_attention_kernel
+        if type(kernel).__name__ != "JITFunction":
+            raise RuntimeError("the kernels were imported interpreted: run in a fresh process")
+    return aot_unavailable()
+
+
+def _describe(compiled: Compiled) -> dict[str, Any]:
+    return {
+        "name": compiled.name,
+        "signature": compiled.signature,
+        "constexprs": {k: v for k, v in compiled.constexprs.items() if _jsonable(v)},
+        "shared_bytes": compiled.shared_bytes,
+        "cubin_bytes": compiled.cubin_bytes,
+    }
+
+
+def _jsonable(value: Any) -> bool:
+    return isinstance(value, (bool, int, float, str)) or value is None
+
+
+# The CI subset: case -> (shape, dtypes, step kinds, kernels kept or None for all)
+CI_ALL = ("float32", "bfloat16", "float16")
+CI_CASES: dict[str, tuple[str, tuple[str, ...], tuple[str, ...], tuple[str, ...] | None]] = {
+    "llama-3.2-1b": ("llama-3.2-1b", CI_ALL, STEP_KINDS, None),
+    **{
+        shape: (
+            shape,
+            ("float32", "bfloat16") if shape == "llama-hd80-mqa" else ("bfloat16",),
+            ("mixed", "decode"),
+            ("_paged_attention_kernel", "_rope_write_kv_kernel")
+            + (("_rms_norm_kernel",) if "qwen3" in shape else ()),
+        )
+        for shape in ("tiny-llama", "tiny-qwen3-hd24-bias", "llama-hd80-mqa", "qwen2.5-0.5b",
+                      "qwen3-0.6b")
+    },
+}  # fmt: skip
+
+
+def _kv_write_launches() -> list[Launch]:
+    import torch
+
+    from kernels import triton_cache
+
+    with recording() as recorded:
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            key = torch.zeros(7, 8, 64, dtype=dtype)
+            cache = torch.zeros(16, 3, 2, BLOCK, 8, 64, dtype=dtype)[:, 1]  # a layer's view
+            for slots in (torch.arange(7), torch.arange(7, dtype=torch.int32)):
+                triton_cache.write_kv_cache(key, key.clone(), cache, slots)
+    return recorded
+
+
+def _bad_kernel_error() -> str | None:
+    """What the compiler says of a kernel it must refuse (a float offset on a pointer)."""
+    import torch
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def bad_kernel(x_ptr, N: tl.constexpr):
+        offsets = tl.arange(0, N).to(tl.float32)
+        tl.store(x_ptr + offsets, 1.0)
+
+    try:
+        compile_for(Launch(bad_kernel, (torch.zeros(16),), {"N": 16}), SM90)
+    except Exception as exc:  # noqa: BLE001 - the message is the result
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def run_ci() -> dict[str, Any]:
+    """The CI subset compiled for sm_90: per case, every distinct specialization's
+    signature, constexprs and shared memory, or the error it raised."""
+    import torch
+    import triton
+
+    result: dict[str, Any] = {"triton": triton.__version__, "unavailable": _start()}
+    if result["unavailable"] is not None:
+        return result
+    cases: dict[str, Any] = {}
+    for case, (shape, dtype_names, kinds, keep) in CI_CASES.items():
+        dtypes = tuple(getattr(torch, name) for name in dtype_names)
+        launches = record_model_launches(shape, dtypes, kinds)
+        if keep is not None:
+            launches = [launch for launch in launches if launch.name in keep]
+        cases[case] = _compile_case(launches)
+    cases["kv-write"] = _compile_case(_kv_write_launches())
+    result["cases"] = cases
+    result["bad_kernel_error"] = _bad_kernel_error()
+    return result
+
+
+def _compile_case(launches: list[Launch]) -> list[dict[str, Any]]:
+    out = []
+    for launch in unique(launches):
+        try:
+            out.append(_describe(compile_for(launch, SM90)))
+        except Exception as exc:  # noqa: BLE001 - reported per specialization
+            out.append({"name": launch.name, "error": f"{type(exc).__name__}: {exc}"[:2000]})
+    return out
+
+
+def main(argv: list[str]) -> int:
+    """``--json``: the CI subset as JSON on stdout. Else the whole matrix as a table; exit
+    1 on a failure."""
+    if argv[1:] == ["--json"]:
+        print(json.dumps(run_ci()))
+        return 0
     import time
 
     import torch
 
-    reason = aot_unavailable()
+    reason = _start()
     if reason is not None:
         print(f"no Triton AOT compile here: {reason}")
         return 0
     import triton
 
-    os.environ["TANDEM_FORCE_TRITON"] = "1"
     dtypes = (torch.float32, torch.bfloat16, torch.float16)
     failures = 0
     print(f"triton {triton.__version__}, torch {torch.__version__}")
     print(f"{'target':<6} {'shape':<22} {'kernel':<24} {'smem B':>7}  signature dtypes; constexprs")
-    with compiled_kernel_modules():
-        launches = []
-        for shape in SHAPES:
-            for layout in ("blocks_first", "head_major"):
-                launches += [
-                    (shape, x) for x in record_model_launches(shape, dtypes, layout=layout)
-                ]
-        for target_name, target in TARGETS.items():
-            start = time.perf_counter()
-            seen: set[str] = set()
-            for shape, launch in launches:
-                key = specialization_key(launch, target)
-                if key in seen:
-                    continue
-                seen.add(key)
-                try:
-                    c = compile_for(launch, target)
-                except Exception as exc:  # noqa: BLE001 - reported, then counted
-                    failures += 1
-                    print(f"{target_name:<6} {shape:<22} {launch.name:<24} FAILED: {exc}")
-                    continue
-                ptrs = sorted({v for v in c.signature.values() if v.startswith("*")})
-                print(
-                    f"{target_name:<6} {shape:<22} {c.name:<24} {c.shared_bytes:>7}  "
-                    f"{','.join(ptrs)}; {c.constexprs}"
-                )
+    launches = []
+    for shape in SHAPES:
+        for layout in ("blocks_first", "head_major"):
+            launches += [(shape, x) for x in record_model_launches(shape, dtypes, layout=layout)]
+    launches += [("kv-write", x) for x in _kv_write_launches()]
+    for target_name, target in TARGETS.items():
+        start = time.perf_counter()
+        seen: set[str] = set()
+        for shape, launch in launches:
+            key = specialization_key(launch, target)
+            if key in seen:
+                continue
+            seen.add(key)
+            try:
+                c = compile_for(launch, target)
+            except Exception as exc:  # noqa: BLE001 - reported, then counted
+                failures += 1
+                print(f"{target_name:<6} {shape:<22} {launch.name:<24} FAILED: {exc}")
+                continue
+            ptrs = sorted({v for v in c.signature.values() if v.startswith("*")})
             print(
-                f"{target_name}: {len(seen)} specializations in {time.perf_counter() - start:.0f} s"
+                f"{target_name:<6} {shape:<22} {c.name:<24} {c.shared_bytes:>7}  "
+                f"{','.join(ptrs)}; {c.constexprs}"
             )
+        print(f"{target_name}: {len(seen)} specializations in {time.perf_counter() - start:.0f} s")
     print(f"{failures} failed")
     return 1 if failures else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv))
