@@ -117,11 +117,11 @@ def block_layout(
     (``fragmented``) or of single blocks in random order (``scattered``), or
     ``CONCURRENT_LOADS`` loads (fewer for fewer blocks) of one run each,
     started in one step (``concurrent``)."""
-    scattered = (num_blocks, num_blocks)  # a run per block, in random order
-    runs = {"contiguous": (1, 1), "fragmented": (3, 4), "scattered": scattered}.get(layout)
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if layout != "concurrent":
+        scattered = (num_blocks, num_blocks)  # a run per block, in random order
+        runs = {"contiguous": (1, 1), "fragmented": (3, 4), "scattered": scattered}[layout]
         return [
             (
                 pick_blocks(rng, num_blocks, runs[0], limit),
