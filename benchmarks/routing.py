@@ -112,6 +112,7 @@ def run_one(model: str, pools: dict, policy: str, trace: str, a: argparse.Namesp
         model=model,
         router=policy,
         disagg_min_tokens=a.disagg_min_tokens,
+        router_busy_threshold=a.router_busy_threshold,
         **pools,
     )
     per_role = {r: dict(ENGINE) for r in ("prefill", "decode", "colocated")}
@@ -188,6 +189,12 @@ def main() -> None:
         default=256,
         help="serve's flag, same for every policy (kv-aware: uncached tokens on D)",
     )
+    p.add_argument(
+        "--router-busy-threshold",
+        type=float,
+        default=SERVE_DEFAULTS["router_busy_threshold"],
+        help="serve's flag (kv-aware; 100 = off)",
+    )
     p.add_argument("--time-scale", type=float, default=1.0)
     p.add_argument("--setups", default=",".join(SETUPS))
     p.add_argument("--policies", default=",".join(POLICIES))
@@ -239,7 +246,8 @@ def main() -> None:
     print(
         f"workload: synthetic trace seed {a.seed}, {a.num_sessions} sessions "
         f"({len(rows)} requests, {a.block_tokens}-token blocks, sessions {a.session_rate_per_s}/s, "
-        f"time x{a.time_scale}, --disagg-min-tokens {a.disagg_min_tokens}; no-sharing control: "
+        f"time x{a.time_scale}, --disagg-min-tokens {a.disagg_min_tokens}, "
+        f"--router-busy-threshold {a.router_busy_threshold:g}; no-sharing control: "
         f"{a.control_sessions} sessions, {len(traces['no sharing'][2])} requests); "
         f"random Llama {MODEL} fp32; engines {ENGINE}"
     )

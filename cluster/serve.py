@@ -74,6 +74,7 @@ SERVE_DEFAULTS: dict[str, Any] = {
     "router_hit_weight": 1.0,
     "router_load_weight": 1.0,
     "router_prefill_queue_weight": 1.0,
+    "router_busy_threshold": 0.5,
     # operators (cluster/logging_setup.py, cluster/tracing/)
     "log_format": "text",
     "otlp_traces_endpoint": None,

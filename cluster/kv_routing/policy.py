@@ -18,6 +18,15 @@ disaggregated request needs the prefill pool at all.
     that work in units of this prompt, so a holder that already has a
     backlog of prefills larger than the tokens it would save gives way.
 
+    Busy engines (decode / colocated): an engine whose load (the last term's
+    parenthesis) is above ``busy_threshold`` is passed over while some other
+    candidate is at or below it, whatever it holds. The cost alone lets a
+    full holder win over an idle engine until it is fuller by a whole
+    engine's worth (see below): a popular prefix piled every request on one
+    engine while the others idled. Below the threshold affinity rules; above
+    it a busy holder yields, and the engine that takes the prefix caches it
+    too. When every candidate is busy, the cost decides among all.
+
     Ties (e.g. a prompt cached nowhere, equal loads) go by rendezvous hash of
     the prompt's first block and the engine id, so distinct prefixes spread
     over the pool instead of piling on one engine; then by engine id. With the defaults (1, 1, 1) a full
@@ -63,13 +72,16 @@ class RoutingConfig:
     hit_weight: float = 1.0
     load_weight: float = 1.0
     prefill_queue_weight: float = 1.0
+    # kv-aware: load (KV usage + running share, ~0 idle .. ~2 full) above
+    # which a decode / colocated engine is passed over while another is not
+    busy_threshold: float = 0.5
 
     def __post_init__(self) -> None:
         if self.router is not None and self.router not in ROUTER_POLICIES:
             raise ValueError(
                 f"router must be one of {', '.join(ROUTER_POLICIES)}, got {self.router!r}"
             )
-        for name in ("hit_weight", "load_weight", "prefill_queue_weight"):
+        for name in ("hit_weight", "load_weight", "prefill_queue_weight", "busy_threshold"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"router_{name} must be >= 0, got {getattr(self, name)}")
 
@@ -145,9 +157,11 @@ class RoutingPolicy:
             assert e is not None
             self._count(role, "least_load")
             return Choice(e, "least_load", self._hit_of(e, hashes, num_prompt_tokens, block_size))
+        c = self.config
+        if role != "prefill":  # busy engines yield while one is not (module doc)
+            cands = [e for e in cands if load(e) <= c.busy_threshold] or cands
         hit = self._hits(cands, hashes, num_prompt_tokens, block_size)
         n = max(num_prompt_tokens, 1)
-        c = self.config
         first = hashes[0] if hashes else b""
 
         def tie(e: EngineState) -> int:

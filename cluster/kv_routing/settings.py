@@ -1,5 +1,6 @@
 """``tandem serve`` flags of the router, and its ``RoutingConfig`` from the
-resolved serve settings (keys ``router``, ``router_*_weight``)."""
+resolved serve settings (keys ``router``, ``router_*_weight``,
+``router_busy_threshold``)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,13 @@ def add_routing_arguments(p: argparse.ArgumentParser) -> None:
         help="kv-aware cost: weight of an engine's queued prefill tokens vs the "
         "prompt's uncached ones (default 1)",
     )
+    p.add_argument(
+        "--router-busy-threshold",
+        type=float,
+        help="kv-aware: a decode/colocated engine whose load (KV usage + running "
+        "share) is above this is passed over while another is not, prefix "
+        "or not (default 0.5; 100 = never)",
+    )
 
 
 def routing_config(settings: dict[str, Any]) -> RoutingConfig:
@@ -41,4 +49,5 @@ def routing_config(settings: dict[str, Any]) -> RoutingConfig:
         hit_weight=float(settings.get("router_hit_weight", 1.0)),
         load_weight=float(settings.get("router_load_weight", 1.0)),
         prefill_queue_weight=float(settings.get("router_prefill_queue_weight", 1.0)),
+        busy_threshold=float(settings.get("router_busy_threshold", 0.5)),
     )

@@ -86,6 +86,51 @@ def test_overloaded_holder_loses_the_prefix():
     assert other.engine.engine_id != holder and other.reason == "load"
 
 
+def _dispatch_shared_prefix(c: SimCluster, num: int) -> list[str]:
+    """``num`` requests sharing one prefix, each counted in flight on its
+    engine (none finishes); the first is run so its engine caches the prefix."""
+    rng = random.Random(11)
+    prefix = _prefixes(rng, 1, 32)[0]
+    picks = []
+    for i in range(num):
+        tokens = prefix + [rng.randrange(1000) for _ in range(6)]
+        eid = c.route("colocated", tokens).engine.engine_id
+        if i == 0:
+            c.run(eid, "r0", tokens)
+        c.router.engines[eid].num_inflight += 1
+        picks.append(eid)
+    return picks
+
+
+def test_busy_holder_yields_to_an_idle_engine():
+    """max_num_seqs 4: a holder with 3 requests in flight has load 0.75. The
+    cost alone keeps it (0.75 + a small miss beats an idle engine's whole
+    miss, 1.0) until it is fuller by a whole engine's worth; past the busy
+    threshold (0.5) it yields while the other engine idles."""
+    c = SimCluster({"c0": "colocated", "c1": "colocated"})
+    picks = _dispatch_shared_prefix(c, 6)
+    holder = picks[0]
+    other = "c1" if holder == "c0" else "c0"
+    # loads before each pick: 0, 0.25, 0.5 (<= 0.5: affinity), then 0.75 (busy)
+    assert picks[:4] == [holder, holder, holder, other], picks
+    assert picks.count(other) >= 2  # it caches the prefix too: both take turns
+    # with the threshold off (a load no engine reaches) the other engine idles
+    # until the holder's running share is full (load 1.0 + its miss > 1.0)
+    c = SimCluster({"c0": "colocated", "c1": "colocated"}, busy_threshold=100.0)
+    picks = _dispatch_shared_prefix(c, 6)
+    assert picks[:5] == [holder] * 4 + [other], picks  # the same prompts: the same holder
+
+
+def test_every_engine_busy_the_cost_decides():
+    c = SimCluster({"c0": "colocated", "c1": "colocated"})
+    tokens = _prefixes(random.Random(12), 1, 32)[0]
+    c.run("c1", "r0", tokens)
+    for st in c.router.engines.values():
+        st.num_running = 3  # load 0.75 each: both busy
+    choice = c.route("colocated", tokens)
+    assert (choice.engine.engine_id, choice.reason) == ("c1", "prefix_hit")
+
+
 def test_predicted_hit_equals_reported_hit_without_eviction():
     rng = random.Random(2)
     c = SimCluster({"d0": "decode", "d1": "decode", "d2": "decode"})
@@ -180,6 +225,8 @@ def test_config_validation_names_the_field():
         RoutingConfig("fastest")
     with pytest.raises(ValueError, match="router_load_weight"):
         RoutingConfig(load_weight=-1)
+    with pytest.raises(ValueError, match="router_busy_threshold"):
+        RoutingConfig(busy_threshold=-0.1)
     assert RoutingConfig().resolve({"decode": 2}) == "kv-aware"
     assert RoutingConfig().resolve({"prefill": 1, "decode": 1}) == "least-load"
     assert RoutingConfig("round-robin").resolve({"decode": 4}) == "round-robin"
@@ -187,6 +234,7 @@ def test_config_validation_names_the_field():
 
 def test_serve_flags_turn_events_on_only_for_kv_aware(tmp_path):
     from cluster.cli import build_parser
+    from cluster.kv_routing.settings import routing_config
     from cluster.serve import pool_specs, resolve_settings
 
     def specs(argv):
@@ -202,6 +250,8 @@ def test_serve_flags_turn_events_on_only_for_kv_aware(tmp_path):
     args = build_parser().parse_args(["serve", "--router-load-weight", "0.5"])
     settings, _ = resolve_settings(args)
     assert settings["router_load_weight"] == 0.5
+    args = build_parser().parse_args(["serve", "--router-busy-threshold", "0.8"])
+    assert routing_config(resolve_settings(args)[0]).busy_threshold == 0.8
     bad = tmp_path / "bad.yaml"
     bad.write_text("router: fastest\n")
     with pytest.raises(ValueError, match="router must be one of"):
