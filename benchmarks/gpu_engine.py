@@ -34,6 +34,7 @@ import os
 import sys
 import tempfile
 import time
+import traceback
 
 import torch
 
@@ -168,9 +169,13 @@ def decode_rows(
         for rid in ids:
             engine.add_request(EngineRequest(rid, prompt, params))
         decoding = 0
-        while decoding < 3:  # three decode-only steps in a row: every sequence decodes
+        for _ in range(10_000):  # three decode-only steps in a row: every sequence decodes
             engine.step()
             decoding = decoding + 1 if engine.last_step_num_tokens == batch else 0
+            if decoding == 3:
+                break
+        else:
+            raise RuntimeError(f"batch {batch} never decoded whole (KV cache too small?)")
         elapsed_s, _ = timed(lambda: [engine.step() for _ in range(num_steps)])
         step_ms = elapsed_s / num_steps * 1e3
         context = args.prompt_len + num_steps // 2  # about the mean context while timed
@@ -299,38 +304,52 @@ def main() -> int:
 
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
-    rows: list[tuple] = []
-    with tempfile.TemporaryDirectory(prefix="tandem-gpu-bench-") as tmp_dir:
-        path = make_1b_checkpoint(tmp_dir)
-        rows += workload_rows(path, args)
-        _release()
-        rows += decode_rows(path, args, hbm_tb_s)
-        _release()
-        rows += decode_rows(path, args, hbm_tb_s, async_scheduling=True)
-        _release()
-        rows += prefill_rows(path, args)
-        if args.compile_rows:
-            _release()
-            rows += compile_rows(path, args)
-    rows += nixl_rows()
-
     total_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
-    print(f"GPU:      {gpu}, {total_gib:.0f} GiB; {datetime.date.today().isoformat()}")
-    print(
+    header = [
+        f"GPU:      {gpu}, {total_gib:.0f} GiB; {datetime.date.today().isoformat()}",
         f"software: torch {torch.__version__}, triton {triton.__version__}, "
-        f"transformers {transformers.__version__}"
-    )
-    print(
+        f"transformers {transformers.__version__}",
         f"workload: random Llama-3.2-1B shape, bf16; {args.num_prompts} prompts x "
         f"{args.prompt_len} -> {args.output_len}, greedy, EOS ignored; seed {SEED}; "
-        f"HBM floor at {hbm_tb_s} TB/s"
-    )
+        f"HBM floor at {hbm_tb_s} TB/s",
+    ]
+    print("\n".join(header), flush=True)
+    rows: list[tuple] = []
+    failed = False
+
+    def section(fn, *fn_args, **fn_kwargs) -> None:
+        """Measure one section; print its rows at once (a later failure or a session's time
+        limit loses nothing already measured); a failure becomes a FAILED row."""
+        nonlocal failed
+        try:
+            new = fn(*fn_args, **fn_kwargs)
+        except Exception as exc:  # noqa: BLE001 - reported as a row, exit status 1
+            traceback.print_exc()
+            failed = True
+            new = [(fn.__name__, "FAILED", f"{type(exc).__name__}: {exc}"[:300])]
+        for row in new:
+            print(f"  {row[0]:<48} {row[1]:>28}  {row[2]}", flush=True)
+        rows.extend(new)
+        _release()
+
+    with tempfile.TemporaryDirectory(prefix="tandem-gpu-bench-") as tmp_dir:
+        path = make_1b_checkpoint(tmp_dir)
+        section(workload_rows, path, args)
+        section(decode_rows, path, args, hbm_tb_s)
+        section(decode_rows, path, args, hbm_tb_s, async_scheduling=True)
+        section(prefill_rows, path, args)
+        if args.compile_rows:
+            section(compile_rows, path, args)
+    section(nixl_rows)
+
+    print()
+    print("\n".join(header))
     width = max(len(r[0]) for r in rows)
     print(f"{'measure':<{width}}  {'value':>28}  note")
     print("-" * (width + 50))
     for name, value, note in rows:
         print(f"{name:<{width}}  {value:>28}  {note}")
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
