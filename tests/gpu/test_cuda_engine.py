@@ -55,9 +55,14 @@ def test_fp32_greedy_equals_transformers_on_the_gpu(make_checkpoint, arch):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_graph_replay_equals_eager(make_checkpoint, dtype):
+    """fp32: ragged prompts, so decode batches are padded to their bucket (6 -> 8, a tail of
+    1); the padding rows must not change the real rows' tokens. bf16: eight 8-token prompts,
+    one prefill step, then batches of exactly 8 (a padded batch runs other cuBLAS shapes than
+    the eager one, whose bf16 rounding may flip a near-tie: not what this test is about)."""
     path = make_checkpoint("llama")
     g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (3, 17, 30, 5, 64, 9)]
+    lengths = (3, 17, 30, 5, 64, 9) if dtype == "float32" else (8,) * 8
+    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in lengths]
     eager_llm = LLM(_config(path, dtype=dtype, enforce_eager=True))
     assert eager_llm.engine.runner.graphs is None
     eager = eager_llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
@@ -65,7 +70,10 @@ def test_graph_replay_equals_eager(make_checkpoint, dtype):
     graphs = graph_llm.engine.runner.graphs
     replayed = graph_llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
     assert [r.token_ids for r in replayed] == [r.token_ids for r in eager]
-    assert graphs.num_replays[8] > 0 and graphs.num_replays[1] > 0  # padded 6 -> 8, tail of 1
+    if dtype == "float32":
+        assert graphs.num_replays[8] > 0 and graphs.num_replays[1] > 0
+    else:
+        assert graphs.num_replays == {1: 0, 2: 0, 4: 0, 8: NUM_NEW - 1}
     graph_llm.engine.check_integrity()
 
 
