@@ -9,15 +9,9 @@ import sys
 
 import pytest
 
+from tests.kernels.triton_aot import KERNEL_MODULES
 from tests.workers.conftest import make_checkpoint, tiny_model_dir  # noqa: F401
 
-KERNEL_MODULES = (
-    "kernels.triton_attention",
-    "kernels.triton_cache",
-    "kernels.triton_norm",
-    "kernels.triton_rope_cache",
-    "kernels.triton_activation",
-)
 _ENV = ("TRITON_INTERPRET", "TANDEM_FORCE_TRITON")
 
 
