@@ -17,9 +17,10 @@ thread reads them (the step's one device->host sync) only after launching the ne
 Where the next step needs them on the host first, its launch reads them before planning
 (``ModelRunner.launch``): batches holding a penalty / logit bias / bad words request, and
 steps that start remote KV loads (a load must not land in a block the running step still
-writes). Everything else (chunked prefill, prefix hits, forks, preemption, prompt
-logprobs, aborts) runs overlapped; see ``scheduler/async_scheduler.py`` for the tokens
-it drops.
+writes). Everything else (chunked prefill, prefix hits, forks, preemption, aborts)
+runs overlapped; logprobs and prompt logprobs too on CPU, while on CUDA they read the
+device behind the next step or inside their own (docs/architecture.md, "Overlapped
+loop"). ``scheduler/async_scheduler.py`` says which tokens the loop drops.
 """
 
 from __future__ import annotations
