@@ -4,8 +4,9 @@
     .venv/bin/python benchmarks/async_scheduling.py --models tiny --batches 1,32
 
 For every model, decode batch and loop: ``batch`` seeded random prompts of ``--prompt-len``
-tokens generate exactly ``--output-len`` tokens each (greedy, EOS ignored, fp32, prefix
-caching off) after a warm-up run with the same engine. Columns:
+tokens generate exactly ``--output-len`` tokens each (greedy, EOS ignored, prefix caching
+off; fp32 on the CPU unless ``--device cuda`` / ``--dtype`` say otherwise) after a warm-up
+run with the same engine. Columns:
 
     step ms    mean wall time of one loop turn while every request decodes (a turn is one
                step: the synchronous loop runs it; the overlapped loop schedules and launches
@@ -67,19 +68,20 @@ class Bench:
     """One engine (one loop) and its timed runs."""
 
     def __init__(self, path: str, batch: int, prompt_len: int, output_len: int, overlap: bool,
-                 threads: int) -> None:  # fmt: skip
+                 args: argparse.Namespace) -> None:  # fmt: skip
         from workers.config import EngineConfig
         from workers.engine_core import EngineCore
 
         self.engine = EngineCore(
             EngineConfig(
                 model=path,
-                dtype="float32",
+                device=args.device,
+                dtype=args.dtype,
                 max_num_seqs=batch,
                 max_num_batched_tokens=max(2048, batch),
                 num_kv_blocks=batch * -(-(prompt_len + output_len) // 16) + 16,
                 enable_prefix_caching=False,
-                torch_threads=threads,
+                torch_threads=args.torch_threads,
                 async_scheduling=overlap,
             )
         )
@@ -131,16 +133,19 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=48)
     ap.add_argument("--torch-threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda for the same table on a GPU")
+    ap.add_argument("--dtype", default="float32")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per loop, alternated")
     args = ap.parse_args()
     import logging
 
     logging.basicConfig(level=logging.WARNING)
     load = os.getloadavg()
-    print(f"machine: {machine()}; torch {torch.__version__}; load average {load[0]:.2f}")
+    gpu = f"; GPU {torch.cuda.get_device_name()}" if args.device.startswith("cuda") else ""
+    print(f"machine: {machine()}{gpu}; torch {torch.__version__}; load average {load[0]:.2f}")
     print(
         f"workload: batch x {args.prompt_len} prompt tokens -> {args.output_len} greedy tokens, "
-        f"fp32, CPU, torch threads {args.torch_threads}\n"
+        f"{args.dtype}, {args.device}, torch threads {args.torch_threads}\n"
     )
     header = (
         f"{'model':<8} {'batch':>5} {'loop':<6} {'step ms':>8} {'host ms':>8} "
@@ -156,8 +161,7 @@ def main() -> None:
         for batch in map(int, args.batches.split(",")):
             prompts = make_prompts(batch, args.prompt_len, vocab)
             benches = {
-                overlap: Bench(path, batch, args.prompt_len, args.output_len, overlap,
-                               args.torch_threads)
+                overlap: Bench(path, batch, args.prompt_len, args.output_len, overlap, args)
                 for overlap in (False, True)
             }  # fmt: skip
             runs: dict[bool, list] = {False: [], True: []}
