@@ -90,3 +90,18 @@ def test_preemption_drops_the_in_flight_token_and_recomputes_it():
     s.update_from_output(so3, output(so3, {"a": 5}))
     assert a.output_token_ids == [1, 3, 5]
     s.check_integrity(idle=False)
+
+
+def test_never_scheduled_past_max_model_len():
+    s = make(max_model_len=8)
+    a = add(s, "a", 6, max_tokens=10)
+    so1 = s.schedule()
+    so2 = s.schedule()  # position 6 (in flight), samples the 8th token
+    assert so2.num_scheduled_tokens == {"a": 1}
+    so3 = s.schedule()  # 6 known + 2 in flight = max_model_len: nothing to compute
+    assert so3.num_scheduled_tokens == {}
+    s.update_from_output(so1, output(so1, {"a": 1}))
+    out = s.update_from_output(so2, output(so2, {"a": 2})).outputs[0]
+    assert out.finish_reason == FinishReason.LENGTH and a.output_token_ids == [1, 2]
+    s.update_from_output(so3, output(so3, {}))
+    s.check_integrity(idle=False)

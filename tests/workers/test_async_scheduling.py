@@ -350,3 +350,13 @@ def _graph_llm(path: str, async_scheduling: bool, num_kv_blocks: int = 32) -> LL
             async_scheduling=async_scheduling,
         )
     )
+
+
+def test_max_model_len_caps_the_overlapped_loop_too(tiny_model_dir):
+    """Requests that end at max_model_len give the synchronous loop's tokens (that no
+    step is scheduled past the limit: tests/unit/test_async_scheduler.py)."""
+    prompts = _prompts([19, 21, 12])
+    requests = [_req(f"r{i}", p, max_tokens=30, temperature=0.0 if i else 0.9, seed=1,
+                     ignore_eos=True) for i, p in enumerate(prompts)]  # fmt: skip
+    results, _ = same_outputs(tiny_model_dir, requests, max_model_len=24)
+    assert [len(results[(f"r{i}", 0)].tokens) for i in range(3)] == [5, 3, 12]
