@@ -3,11 +3,16 @@ actors, each in its own bundle of the engine's STRICT_PACK placement group
 (workers/parallel/ray_workers.py, cluster/tp_placement.py): a TP=2
 colocated engine on a local Ray runs rank 1 as an actor in bundle 1, its
 greedy text equals TP=1 ``generate``, killing the worker actor restarts the
-engine as one unit (new epoch, new worker actor, serves the same text), and
-no worker actor outlives the service."""
+engine as one unit (new epoch, new worker actor, serves the same text), so
+does stopping it (SIGSTOP: the engine fails after ``tp_step_timeout_s``, the
+request in flight migrates to the new incarnation), and no worker actor
+outlives the service."""
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
 import time
 
 import pytest
@@ -23,13 +28,19 @@ from workers.parallel.ray_workers import ACTOR_PREFIX
 
 pytestmark = pytest.mark.slow
 
-ENGINE = {"num_kv_blocks": 64, "max_num_seqs": 4, "max_model_len": 256, "torch_threads": 1}
+ENGINE = {
+    "num_kv_blocks": 64,
+    "max_num_seqs": 4,
+    "max_model_len": 256,
+    "torch_threads": 1,
+    "tp_step_timeout_s": 6.0,
+}
 PROMPT = "Rank one runs as a Ray actor"
 RESTART_TIMEOUT_S = 120.0
 
 
-def greedy(svc) -> str:
-    r = client(svc).completions.create(
+def greedy(svc, timeout_s: float = 60.0) -> str:
+    r = client(svc, timeout_s).completions.create(
         model="tiny", prompt=PROMPT, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
     )
     assert r.usage.completion_tokens == 8
@@ -57,7 +68,13 @@ def test_tp_worker_is_a_ray_actor_in_bundle_one_and_fails_with_its_engine():
     (expected,) = [r.text for r in llm.generate([PROMPT], sp)]
 
     settings = dict(
-        SERVE_DEFAULTS, model="tiny", ray_dashboard=False, colocated=1, prefill=0, decode=0
+        SERVE_DEFAULTS,
+        model="tiny",
+        ray_dashboard=False,
+        colocated=1,
+        prefill=0,
+        decode=0,
+        migration_wait_s=RESTART_TIMEOUT_S,  # the request in flight waits for the restart
     )
     per_role = {r: dict(ENGINE, tensor_parallel_size=2) for r in ("prefill", "decode", "colocated")}
     with ServiceThread(settings, per_role) as svc:
@@ -84,6 +101,30 @@ def test_tp_worker_is_a_ray_actor_in_bundle_one_and_fails_with_its_engine():
         wait_idle(svc)
         assert greedy(svc) == expected
         wait_idle(svc)  # idle and intact (check_integrity)
+
+        # stopped, not dead: the request sent right after the stop makes rank 0's
+        # collective time out; the engine fails, Ray restarts it, the request
+        # migrates there and completes with the same text
+        epoch = e.state.epoch
+        migrations = sum(svc.service.backend.num_migrations.values())
+        os.kill(new_worker["pid"], signal.SIGSTOP)
+        texts: list[str] = []
+        try:
+            sender = threading.Thread(
+                target=lambda: texts.append(greedy(svc, RESTART_TIMEOUT_S)), daemon=True
+            )
+            sender.start()
+            sender.join(RESTART_TIMEOUT_S + 60)
+        finally:
+            try:
+                os.kill(new_worker["pid"], signal.SIGCONT)
+            except ProcessLookupError:  # the engine killed it, as it should
+                pass
+        assert texts == [expected]
+        assert e.state.epoch != epoch
+        assert sum(svc.service.backend.num_migrations.values()) == migrations + 1
+        (new_worker,) = e.state.info["tp_worker_actors"]
+        wait_idle(svc)
         end = time.monotonic() + 30  # the GCS drops dead names asynchronously
         while worker_actor_names() != [new_worker["name"]]:
             assert time.monotonic() < end, worker_actor_names()
