@@ -24,7 +24,8 @@ pytestmark = pytest.mark.gpu
 # fresh prompts of several lengths (two of 130: one flash call still packs them), a decode,
 # a later chunk and a prefix hit
 MIXED = [(9, 9), (13, 1), (130, 130), (300, 1), (20, 6), (1, 1), (130, 130), (200, 70), (77, 77)]
-TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}
+# fp32: SDPA's memory-efficient kernel vs the CPU reference (margin for its dot precision)
+TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}
 
 
 def _cuda_case(dtype, heads=(8, 2), head_dim=64, block_size=16):
