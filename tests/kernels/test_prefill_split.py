@@ -88,3 +88,13 @@ def test_modes():
     assert use("sdpa", cpu, torch.float32) and not use("triton", cuda, torch.bfloat16)
     with pytest.raises(ValueError, match="prefill_attention"):
         use("flash", cpu, torch.float32)
+
+
+def test_flash_varlen_call_matches_torchs_schema():
+    """The varlen flash call (CUDA only) checked on the meta device: this torch accepts its
+    arguments and returns ``[T, Hq, D]`` for GQA operands strided like the model's q/k/v."""
+    qkv = torch.empty(10, 8 + 2 * 2, 64, device="meta", dtype=torch.bfloat16)
+    q, k, v = qkv[:, :8], qkv[:, 8:10], qkv[:, 10:]
+    cu_seqlens = torch.tensor([0, 4, 10], dtype=torch.int32, device="meta")
+    out = prefill_attention._flash_varlen(q, k, v, cu_seqlens, 6, 0.125)
+    assert out.shape == (10, 8, 64) and out.dtype == torch.bfloat16
