@@ -18,6 +18,7 @@ from scheduler.messages import EngineOutput, EngineRequest, FinishReason, Sampli
 from tests.workers import hf_checkpoints
 from tests.workers import test_piecewise_graphs as piecewise_tests
 from tests.workers.test_decode_graphs import PROMPTS, _with_graphs
+from workers.async_step import StepStream
 from workers.config import EngineConfig, add_engine_arguments, engine_overrides
 from workers.engine_core import EngineCore
 from workers.llm import LLM
@@ -55,16 +56,21 @@ def run(
     async_scheduling: bool,
     abort_at: dict[str, int] | None = None,
     eos_token_id: int | None = None,
+    inline_stream: bool = False,
     **config,
 ) -> tuple[dict[Key, Result], EngineCore]:
     """Step an engine until idle. ``abort_at``: abort a request between steps once it
-    has this many output tokens. ``eos_token_id``: the engine's EOS, for both loops."""
+    has this many output tokens. ``eos_token_id``: the engine's EOS, for both loops.
+    ``inline_stream``: the overlapped loop's steps run inline, as on CUDA."""
     config.setdefault("num_kv_blocks", 64)
     config.setdefault("block_size", 4)
     config.setdefault("max_num_batched_tokens", 32)
     engine = EngineCore(EngineConfig(model=model, async_scheduling=async_scheduling, **config))
     if eos_token_id is not None:
         engine.eos_token_id = engine.runner.eos_token_id = eos_token_id
+    if inline_stream:
+        engine.runner.stream.close()
+        engine.runner.stream = StepStream(threaded=False)
     results: dict[Key, Result] = {}
     for req in requests:
         assert engine.add_request(req) is None
@@ -360,3 +366,44 @@ def test_max_model_len_caps_the_overlapped_loop_too(tiny_model_dir):
                      ignore_eos=True) for i, p in enumerate(prompts)]  # fmt: skip
     results, _ = same_outputs(tiny_model_dir, requests, max_model_len=24)
     assert [len(results[(f"r{i}", 0)].tokens) for i in range(3)] == [5, 3, 12]
+
+
+def test_inline_step_stream_as_on_cuda(tiny_model_dir):
+    """The overlapped loop with its steps run inline on the loop thread (the CUDA
+    arrangement, where launches return before the kernels run): same tokens, with stops,
+    aborts, forks, penalties and preemption in one batch."""
+    prompts = _prompts([6, 11, 4, 25, 8, 13])
+    free, _ = run(tiny_model_dir, [_req("r0", prompts[0], max_tokens=12, temperature=0.0,
+                                        ignore_eos=True)], async_scheduling=False)  # fmt: skip
+    requests = [
+        _req("r0", prompts[0], max_tokens=12, temperature=0.0, ignore_eos=True,
+             stop_token_ids=[free[("r0", 0)].tokens[4]]),
+        _req("r1", prompts[1], max_tokens=12, temperature=0.9, seed=3, ignore_eos=True, n=2),
+        _req("r2", prompts[2], max_tokens=12, temperature=1.0, ignore_eos=True),
+        _req("r3", prompts[3], max_tokens=12, temperature=0.0, repetition_penalty=1.3,
+             ignore_eos=True),
+        _req("r4", prompts[4], max_tokens=12, temperature=0.7, logprobs=2, ignore_eos=True),
+        _req("r5", prompts[5], max_tokens=12, temperature=0.0, ignore_eos=True),
+    ]  # fmt: skip
+    sync, _ = run(tiny_model_dir, requests, async_scheduling=False, num_kv_blocks=20,
+                  abort_at={"r5": 3})  # fmt: skip
+    inline, engine = run(tiny_model_dir, requests, async_scheduling=True, num_kv_blocks=20,
+                         abort_at={"r5": 3}, inline_stream=True)  # fmt: skip
+    assert not engine.runner.stream.threaded
+    assert sorted(inline) == sorted(sync)
+    for key, r in sync.items():
+        got = inline[key]
+        assert (got.tokens, got.finish_reason, got.stop_reason) == (
+            r.tokens,
+            r.finish_reason,
+            r.stop_reason,
+        ), key
+        # The loops preempt at different steps, and a recomputed prefix's KV differs from
+        # the decoded one in the last float bits: logprobs agree to rounding, not exactly
+        # (the synchronous loop with and without preemption differs as much, ~2e-5).
+        assert [lp.token_id for lp in got.logprobs] == [lp.token_id for lp in r.logprobs]
+        for a, b in zip(got.logprobs, r.logprobs):
+            assert a.top_token_ids == b.top_token_ids
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+            assert a.top_logprobs == pytest.approx(b.top_logprobs, abs=1e-4)
+    assert engine.scheduler.num_preemptions > 0
