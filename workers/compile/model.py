@@ -39,8 +39,8 @@ def use_compile(mode: str, device: torch.device | str, tensor_parallel_size: int
     """Whether ``EngineConfig.compile_model`` compiles on this engine.
 
     ``auto`` runs eager (README, "torch.compile"): on CPU the compiled SmolLM2 decode step was
-    ~21% faster at batch 1 and within noise at batch 8 and in prefill, while every engine start
-    pays the compile (seconds with inductor's disk cache, minutes without); on CUDA until
+    7-8% faster on the quietest run (more under load) and prefill even, while every engine
+    start pays the compile (seconds with inductor's disk cache, minutes without); on CUDA until
     ``benchmarks/gpu_engine.py --compile-rows`` has measured it. Never with tensor parallelism.
     """
     if mode not in COMPILE_MODEL_MODES:
