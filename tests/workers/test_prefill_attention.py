@@ -35,11 +35,19 @@ def force_triton(monkeypatch):
     monkeypatch.setenv("TANDEM_FORCE_TRITON", "1")
 
 
-@pytest.mark.parametrize("arch,dense_decode_bytes", [("llama", 0), ("qwen3", None)])
-def test_sdpa_split_tokens_equal_transformers(make_checkpoint, arch, dense_decode_bytes):
+@pytest.mark.parametrize(
+    "arch,dense_decode_bytes,paged_kernel",
+    [("llama", 0, "triton"), ("qwen3", None, "triton"), ("llama", 0, "reference")],
+)
+def test_sdpa_split_tokens_equal_transformers(
+    make_checkpoint, monkeypatch, arch, dense_decode_bytes, paged_kernel
+):
     """Chunked prefill (budget 8: a first chunk is fresh, the next one paged), decodes in the
     same steps, then a prompt that hits the prefix cache (paged); with the CPU dense-decode
-    rows too (qwen3: dense_decode_bytes default)."""
+    rows too (qwen3: dense_decode_bytes default); the rest through the interpreted Triton
+    kernel or the CPU reference."""
+    if paged_kernel == "reference":
+        monkeypatch.delenv("TANDEM_FORCE_TRITON")
     path = make_checkpoint(arch, num_hidden_layers=1)
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (5, 11, 1)]
