@@ -94,16 +94,51 @@ def test_fill_writes_the_batch_and_pads_to_the_bucket():
     assert inputs.block_tables(4).tolist() == [[7, 2, 0, 0], [5, 0, 0, 0], [1, 3, 6, 0], [0] * 4]
     expected = AttentionMetadata.build(tables, seq_lens, [1, 1, 1], 4)
     assert inputs.device_view("slot_mapping", 3).tolist() == expected.slot_mapping.tolist()
-    assert inputs.num_copied_bytes == (5 * 8 + 1 + 4 * 4) * 4  # only the rows the bucket uses
+    # only the header and the rows x columns the step uses: 4 rows x 3 blocks, not 4 x 4
+    assert inputs.num_copied_bytes == (5 * 8 + 1 + 4 * 3) * 4
 
-    # a smaller batch next: stale rows are overwritten by padding, not left behind
+    # a smaller batch next: the used corner is rewritten (padding rows zeroed), the columns
+    # past it keep stale ids no kernel reads (each row is read up to its seq_len's block)
     inputs.fill([21], [0], [[4]], [1], batch=2)
     assert inputs.device_view("input_ids", 2).tolist() == [21, 0]
     assert inputs.device_view("slot_mapping", 2).tolist() == [16, -1]
-    assert inputs.block_tables(2).tolist() == [[4, 0, 0, 0], [0] * 4]
+    assert inputs.block_tables(2)[:, :1].tolist() == [[4], [0]]
+    assert inputs.block_tables(2).tolist() == [[4, 2, 0, 0], [0, 0, 0, 0]]  # stale: 2
+    assert inputs.num_copied_bytes == (5 * 8 + 1 + 2 * 1) * 4
     meta = inputs.metadata(2)
     assert meta.max_query_len == 1 and meta.block_tables.shape == (2, 4)
     assert meta.seq_lens.data_ptr() == inputs.device_view("seq_lens", 2).data_ptr()
+
+
+@pytest.mark.parametrize("triton", [True, False], ids=["triton", "reference"])
+def test_stale_table_columns_past_a_rows_blocks_are_never_read(triton, monkeypatch):
+    """fill copies only the step's corner of the block table; both attention paths must
+    read nothing past a row's ceil(seq_len / block_size) blocks, padded rows included:
+    the stale columns are poisoned with an out-of-range block id."""
+    from kernels import paged_attention
+    from workers.kv_cache import allocate_kv_cache
+
+    monkeypatch.setenv("TANDEM_FORCE_TRITON", "1" if triton else "0")
+    torch.manual_seed(0)
+    block_size, heads, head_dim = 4, 2, 8
+    kv = allocate_kv_cache(16, 1, block_size, heads, head_dim, torch.float32, torch.device("cpu"))
+    kv.copy_(torch.randn_like(kv))
+    inputs = StaticDecodeInputs(max_batch=4, max_blocks_per_seq=6, block_size=block_size,
+                                device="cpu")  # fmt: skip
+    inputs.fill([1] * 4, [20] * 4, [[1, 2, 3, 4, 5, 6]] * 4, [21] * 4, batch=4)  # long step
+    tables, seq_lens = [[7, 2], [5]], [6, 3]
+    inputs.fill([1, 2], [5, 2], tables, seq_lens, batch=4)  # short step: 2 real + 2 padded rows
+    inputs.block_tables(4)[:, 2:] = 10**6  # past every row's used columns
+    query = torch.randn(4, heads, head_dim)
+    expected = paged_attention(
+        query[:2], kv[:, 0], AttentionMetadata.build(tables, seq_lens, [1, 1], block_size), 0.3
+    )
+    meta = inputs.metadata(4)
+    if not triton:  # the reference reads the host lists: give it the step's real ones
+        meta.seq_lens_list, meta.max_seq_len = [6, 3, 1, 1], 6
+    out = paged_attention(query, kv[:, 0], meta, 0.3)
+    torch.testing.assert_close(out[:2], expected)
+    assert torch.isfinite(out).all()  # padded rows read block 0
 
 
 def test_fill_rejects_what_the_buffers_cannot_hold():

@@ -4,7 +4,7 @@ A decode step launches a few hundred small kernels whose host-side enqueue time 
 GPU time; a replayed graph enqueues them all at once. Flow of a step (model runner)::
 
     decode-only batch of n, bucket b = smallest captured size >= n ?
-      yes: StaticDecodeInputs.fill (host, pinned) -> one non_blocking H2D copy
+      yes: StaticDecodeInputs.fill (host, pinned) -> non_blocking H2D copies
            -> replay graph[b] -> hidden[:n] (a view of the graph's static output)
       no (a prefill or chunk in the step, n > largest bucket, --enforce-eager):
            piecewise graphs when the mode has them (piecewise.py), else the eager path

@@ -2,15 +2,28 @@
 
 A graph replays fixed device addresses, so a step's token ids, positions, slots, sequence
 lengths and block tables are written into the same device tensors each time. They live in one
-int32 buffer, built on the host (pinned memory on CUDA) and sent with ONE ``non_blocking``
-copy of the prefix the batch uses::
+int32 buffer, built on the host (pinned memory on CUDA) and sent with ``non_blocking``
+copies of what the batch uses::
 
-    | input_ids B | positions B | slot_mapping B | seq_lens B | query_start_loc B+1 | block_tables B x W |
+    device | input_ids B | positions B | slot_mapping B | seq_lens B | query_start_loc B+1 |
+           | block_tables B x W                                                            |
+    host   | the same 5B+1 header, then the step's table corner b x w, compact             |
       B = largest captured batch, W = blocks of the longest sequence (max_model_len / block_size)
+      b = this step's bucket, w = blocks of the step's longest table (at least 1)
+
+The header goes in one copy; the table's used corner ``[:b, :w]`` in a second (a contiguous
+pinned source into a strided destination: on CUDA torch stages it through a device temporary,
+still without a host wait). The graph keeps reading the whole ``B x W`` table, but the kernels
+read row ``i`` only up to column ``ceil(seq_lens[i] / block_size) - 1`` (the Triton kernel masks
+its block-table loads by ``seq_len``; the reference slices each row to its width), so the stale
+columns past ``w`` from longer earlier steps are never read. At a 128k context with 16-token
+blocks a full table is 8 MiB per step at B = 256; a step of 256 sequences of 2k tokens copies
+128 KiB.
 
 Rows past the real batch, up to the bucket, are padding: token 0 at position 0, slot -1 (the
 KV write skips it), sequence length 1 over block 0 (attention reads one finite cache row; the
-output row is dropped). ``query_start_loc`` is ``0..B``, set once: decodes have one query token.
+output row is dropped; columns ``[0, w)`` of padded rows are zeroed every step, ``w >= 1``).
+``query_start_loc`` is ``0..B``, set once: decodes have one query token.
 
 The host buffer is overwritten by the next ``fill``: the copy must have run by then, which
 ``copy_guard.py`` ensures (the step's sampled-token read usually has; a step that samples
@@ -55,7 +68,7 @@ class StaticDecodeInputs:
         self.device_buffer = torch.zeros(total, dtype=torch.int32, device=self.device)
         self._np = self.host.numpy()
         self._host_view("query_start_loc")[:] = np.arange(b + 1, dtype=np.int32)
-        self.device_buffer.copy_(self.host)
+        self.device_buffer.copy_(self.host)  # the table starts all zeros: block 0 everywhere
         self.num_copied_bytes = 0  # of the last fill (tests, benchmarks)
         self.copy_guard = CopyGuard(self.device)
 
@@ -65,8 +78,10 @@ class StaticDecodeInputs:
         start, end = self._sections[name]
         return self._np[start:end]
 
-    def _host_table(self) -> np.ndarray:
-        return self._np[self._table_start :].reshape(self.max_batch, self.max_blocks_per_seq)
+    def _host_table(self, batch: int, width: int) -> np.ndarray:
+        """The host's compact ``[batch, width]`` corner (row stride ``width``, not W)."""
+        start = self._table_start
+        return self._np[start : start + batch * width].reshape(batch, width)
 
     def device_view(self, name: str, batch: int) -> torch.Tensor:
         """First ``batch`` rows of a device section (``query_start_loc``: ``batch + 1``)."""
@@ -108,7 +123,8 @@ class StaticDecodeInputs:
         batch: int,
     ) -> None:
         """Write a decode batch (one token per sequence) padded to ``batch`` rows, then copy
-        the used prefix to the device (``non_blocking``; pinned host memory on CUDA)."""
+        the header and the table's used corner to the device (``non_blocking``; pinned host
+        memory on CUDA)."""
         n = len(input_ids)
         if not (len(positions) == len(block_tables) == len(seq_lens) == n):
             raise ValueError("input_ids, positions, block_tables and seq_lens need n entries each")
@@ -124,23 +140,26 @@ class StaticDecodeInputs:
         self.copy_guard.before_write()
         ids, pos = self._host_view("input_ids"), self._host_view("positions")
         slots, lens = self._host_view("slot_mapping"), self._host_view("seq_lens")
-        table = self._host_table()
+        used = max(int(row_lens.max(initial=0)), 1)  # columns this step's kernels may read
+        table = self._host_table(batch, used)
         ids[:n], ids[n:batch] = input_ids, 0
         pos[:n], pos[n:batch] = positions, 0
         lens[:n], lens[n:batch] = seq_lens, 1
-        table[:batch] = 0
+        table[:] = 0
         if n:
             flat = np.fromiter(
                 itertools.chain.from_iterable(block_tables),
                 dtype=np.int32,
                 count=int(row_lens.sum()),
             )
-            table[:n][np.arange(width)[None, :] < row_lens[:, None]] = flat
+            table[:n][np.arange(used)[None, :] < row_lens[:, None]] = flat
             positions_np = pos[:n].astype(np.int64)
             blocks = table[np.arange(n), positions_np // self.block_size].astype(np.int64)
             slots[:n] = blocks * self.block_size + positions_np % self.block_size
         slots[n:batch] = -1
-        end = self._table_start + batch * width
-        self.device_buffer[:end].copy_(self.host[:end], non_blocking=True)
+        start = self._table_start
+        self.device_buffer[:start].copy_(self.host[:start], non_blocking=True)
+        host_corner = self.host[start : start + batch * used].view(batch, used)
+        self.block_tables(batch)[:, :used].copy_(host_corner, non_blocking=True)
         self.copy_guard.after_copy()
-        self.num_copied_bytes = end * 4
+        self.num_copied_bytes = (start + batch * used) * 4
