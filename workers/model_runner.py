@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from kernels import AttentionMetadata
-from kernels.metadata import host_to_device
+from kernels.metadata import host_to_device, list_to_device
 from kernels.prefill_attention import use_sdpa_prefills
 from scheduler.messages import (
     KVConnectorOutput,
@@ -316,10 +316,10 @@ class ModelRunner:
                 self.dense.release(rid)
         if plan.copy_block_ids:  # a fork's partial last block, before anything writes
             src, dst = zip(*plan.copy_block_ids)
-            dev = self.device
-            self.kv_cache[torch.tensor(dst, device=dev)] = self.kv_cache[
-                torch.tensor(src, device=dev)
-            ]
+            # index tensors through pinned memory: a torch.tensor(..., device=cuda) would
+            # be a hidden host wait for every kernel queued (kernels/metadata.py)
+            src_t = list_to_device(src, self.device, torch.long)
+            self.kv_cache[list_to_device(dst, self.device, torch.long)] = self.kv_cache[src_t]
         if not plan.segments:
             return StepResult()
         order, dense_step = self._order_for_dense(plan.segments)
@@ -420,7 +420,7 @@ class ModelRunner:
             table[pos // bs] * bs + pos % bs for table, pos in zip(block_tables[:n], positions)
         ]
         paged = None
-        slot_mapping = torch.tensor(dense_slots, dtype=torch.long, device=dev)
+        slot_mapping = list_to_device(dense_slots, dev, torch.long)
         if len(block_tables) > n:
             paged = AttentionMetadata.build(block_tables[n:], seq_lens[n:], query_lens[n:], bs, dev)
             paged.sdpa_prefills = self.sdpa_prefills

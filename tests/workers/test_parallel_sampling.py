@@ -4,9 +4,12 @@ forked partial block holds the parent's KV."""
 
 from __future__ import annotations
 
+import sys
+
 import msgspec
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from scheduler.messages import EngineRequest, SamplingParams
 from workers.config import EngineConfig
@@ -72,6 +75,23 @@ def test_greedy_children_are_identical_and_equal_n1(engine):
     assert forked[("g", 0)] == forked[("g", 1)] == forked[("g", 2)] == single[("s", 0)]
 
 
+class _TensorsBuiltOnDevice(TorchFunctionMode):
+    """``torch.tensor(list, device=...)`` calls by the model runner: pageable host memory
+    copied to the device, which on CUDA waits for every queued kernel. The runner builds
+    its index tensors through pinned memory instead (``kernels.metadata.list_to_device``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        caller = sys._getframe(1).f_code.co_filename
+        if getattr(func, "__name__", "") == "tensor" and (kwargs or {}).get("device"):
+            if caller.endswith("model_runner.py"):
+                self.calls.append(f"tensor(device={kwargs['device']}) in {caller}")
+        return func(*args, **(kwargs or {}))
+
+
 def test_the_copied_block_holds_the_parents_kv(engine):
     prompt = prompt_of(2 * BLOCK + 7, seed=5)  # the parent computes 38 tokens: 6 in block 2
     sp = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
@@ -83,7 +103,10 @@ def test_the_copied_block_holds_the_parents_kv(engine):
     assert len(so.copy_block_ids) == 2
     src = so.copy_block_ids[0][0]
     before = engine.kv_cache[src, :, :, :6].clone()
-    sched.update_from_output(so, engine.runner.execute(so))
+    with _TensorsBuiltOnDevice() as built:
+        out = engine.runner.execute(so)
+    assert built.calls == [], built.calls  # on CUDA each would be a hidden host wait
+    sched.update_from_output(so, out)
     for _src, d in so.copy_block_ids:
         assert torch.equal(engine.kv_cache[d, :, :, :6], before)
     assert torch.equal(engine.kv_cache[src, :, :, :6], before)
