@@ -79,6 +79,19 @@ def test_cpu_engine_builds_no_graphs():
     assert graphs.decode is None and graphs.piecewise is None
 
 
+def test_captures_use_a_capture_mode_this_torch_accepts():
+    """Captures run in "thread_local" mode (runner.CAPTURE_ERROR_MODE: other threads' CUDA
+    work must not invalidate them); torch.cuda.graph must take the argument and the value."""
+    import inspect
+
+    from workers.graphs.runner import CAPTURE_ERROR_MODE
+
+    assert CAPTURE_ERROR_MODE == "thread_local"
+    params = inspect.signature(torch.cuda.graph.__init__).parameters
+    assert "capture_error_mode" in params
+    assert CAPTURE_ERROR_MODE in (torch.cuda.graph.__init__.__doc__ or torch.cuda.graph.__doc__)
+
+
 def test_fill_writes_the_batch_and_pads_to_the_bucket():
     inputs = StaticDecodeInputs(max_batch=8, max_blocks_per_seq=4, block_size=4, device="cpu")
     tables = [[7, 2], [5], [1, 3, 6]]

@@ -37,6 +37,20 @@ logger = logging.getLogger(__name__)
 # Runs before each capture: Triton compiles, cuBLAS picks its kernels, lazy buffers get made.
 NUM_WARMUP_RUNS = 2
 
+# cudaStreamCaptureMode of every capture. Under torch's default, "global", a potentially unsafe
+# CUDA call (event query, cudaMalloc, ...) by ANY thread of the process while a capture is open
+# fails and invalidates the capture; this process has other threads that may touch CUDA: NIXL's
+# C++ progress thread and the connector's ProgressPoller (UCX's cuda_ipc / cuda_copy transports
+# query events and copy on their own streams). "thread_local" still rejects unsafe calls by the
+# capturing thread (a real capture bug) and lets other threads' work on their own streams go on.
+# What no mode allows, a device-wide sync (cudaDeviceSynchronize, torch.cuda.empty_cache) by
+# another thread mid-capture, no thread of an engine does. The poller need not pause either:
+# captures run in EngineCore.__init__ before the runner registers the KV cache with the
+# connector (which starts the UCX transport probe's READ, kvtransfer/ucx/probe.py) and before
+# any request, so the poller is idle (it polls only while this engine holds blocks for a
+# decode engine) and no transfer is in flight. See docs/architecture.md.
+CAPTURE_ERROR_MODE = "thread_local"
+
 
 class GraphBackend(Protocol):
     def capture(self, forward: Callable[[], Any]) -> Callable[[], Any]:
@@ -83,7 +97,9 @@ class CudaGraphBackend:
                 forward()
         current.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, stream=side):
+        with torch.cuda.graph(
+            graph, pool=self.pool, stream=side, capture_error_mode=CAPTURE_ERROR_MODE
+        ):
             output = forward()
         current.wait_stream(side)
         if self.pool is None:
