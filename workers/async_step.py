@@ -18,9 +18,9 @@ Where the next step needs them on the host first, its launch reads them before p
 (``ModelRunner.launch``): batches holding a penalty / logit bias / bad words request, and
 steps that start remote KV loads (a load must not land in a block the running step still
 writes). Everything else (chunked prefill, prefix hits, forks, preemption, aborts)
-runs overlapped; logprobs and prompt logprobs too on CPU, while on CUDA they read the
-device behind the next step or inside their own (docs/architecture.md, "Overlapped
-loop"). ``scheduler/async_scheduler.py`` says which tokens the loop drops.
+runs overlapped, logprobs too (copied with the sampled ids); prompt logprobs too on CPU,
+while on CUDA they read the device inside their own step (docs/architecture.md,
+"Overlapped loop"). ``scheduler/async_scheduler.py`` says which tokens the loop drops.
 """
 
 from __future__ import annotations
@@ -34,34 +34,40 @@ import torch
 
 from scheduler.async_scheduler import AsyncScheduler
 from scheduler.messages import EngineOutputs, SchedulerOutput
+from workers.sampling.sample_logprobs import DeviceLogprobs
 from workers.step_batch import StepPlan
 
 
 class StepResult:
     """A step's device outputs: sampled ids ``[num_sampled]`` (None when nothing was
-    sampled) and, when some row wants logprobs, the raw float logits they come from.
+    sampled) and, when some row wants logprobs, their logprobs computed on the device
+    (``workers/sampling/sample_logprobs.py``).
 
-    On CUDA the ids are also copied to pinned host memory right after sampling, with an
-    event: reading them waits for this step only, not for the step queued behind it
-    (a plain ``tolist`` would queue its copy after the next step's kernels)."""
+    On CUDA the ids, and the packed logprobs with them, are copied to pinned host memory
+    right after sampling, then ONE event is recorded: reading them waits for this step
+    only, not for the step queued behind it (a plain ``tolist`` would queue its copy after
+    the next step's kernels), and the logprobs cost no second wait."""
 
-    __slots__ = ("sampled", "raw_logits", "_host", "_ready")
+    __slots__ = ("sampled", "logprobs", "_host", "_ready")
 
     def __init__(
-        self, sampled: torch.Tensor | None = None, raw_logits: torch.Tensor | None = None
+        self, sampled: torch.Tensor | None = None, logprobs: DeviceLogprobs | None = None
     ) -> None:
         self.sampled = sampled
-        self.raw_logits = raw_logits
+        self.logprobs = logprobs
         self._host: torch.Tensor | None = None
         self._ready: Any = None  # torch.cuda.Event
         if sampled is not None and sampled.is_cuda:
             self._host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
             self._host.copy_(sampled, non_blocking=True)
+            if logprobs is not None:
+                logprobs.copy_to_host()
             self._ready = torch.cuda.Event()
             self._ready.record()
 
     def token_list(self) -> list[int]:
-        """The sampled ids on the host (waits for them: the step's device->host sync)."""
+        """The sampled ids on the host (waits for them, and for the logprobs' copy: the
+        step's device->host sync)."""
         if self.sampled is None:
             return []
         if self._ready is None:

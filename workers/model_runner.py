@@ -44,8 +44,9 @@ from workers.cpu_allocator import tune_malloc_for_inference
 from workers.dense_decode import DenseDecodeKV, DenseDecodeStep
 from workers.graphs.piecewise import PiecewiseGraphRunner
 from workers.graphs.runner import DecodeGraphRunner
-from workers.sampler import Sampler, compute_logprobs
+from workers.sampler import Sampler
 from workers.sampling.prompt_logprobs import prompt_logprobs
+from workers.sampling.sample_logprobs import DeviceLogprobs
 from workers.sampling.state import SamplingExtras, uses_extras
 from workers.step_batch import PLACEHOLDER, Segment, StepPlan, flatten
 
@@ -202,12 +203,11 @@ class ModelRunner:
                 slots[i] = k
             out.req_ids = plan.req_ids
             out.sampled_token_ids = [[tokens[k]] if k >= 0 else [] for k in slots]
-            if result.raw_logits is not None:
-                logprobs = compute_logprobs(result.raw_logits, plan.params, tokens)
-                if logprobs is not None:
-                    out.logprobs = [
-                        [logprobs[k]] if k >= 0 and logprobs[k] is not None else [] for k in slots
-                    ]
+            if result.logprobs is not None:  # copied with the tokens: host memory now
+                logprobs = result.logprobs.build(tokens)
+                out.logprobs = [
+                    [logprobs[k]] if k >= 0 and logprobs[k] is not None else [] for k in slots
+                ]
             for i in plan.sample_segments:
                 prompt = plan.segments[i].prompt
                 if prompt is not None:  # the prompt is done: its logprobs go out now
@@ -380,7 +380,8 @@ class ModelRunner:
             plan.extras,
             plan.stream_keys,
         )
-        return StepResult(sampled, raw_logits if plan.wants_logprobs else None)
+        logprobs = DeviceLogprobs(raw_logits, plan.params, sampled) if plan.wants_logprobs else None
+        return StepResult(sampled, logprobs)
 
     def _order_for_dense(self, segments: list[Segment]) -> tuple[list[int], DenseDecodeStep | None]:
         """Flat order (indices into ``segments``): decodes on the dense path first (by

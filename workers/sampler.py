@@ -44,6 +44,7 @@ import torch
 from kernels.metadata import list_to_device
 from scheduler.messages import Logprobs, SamplingParams
 from workers.sampling.penalties import apply_min_p
+from workers.sampling.sample_logprobs import DeviceLogprobs, finish_top, top_on_device
 from workers.sampling.state import BatchExtras
 
 # Below this temperature a row is sampled greedily: dividing by a tiny
@@ -313,25 +314,12 @@ def _num_in_nucleus(
 def compute_logprobs(
     raw_logits: torch.Tensor, params: list[SamplingParams], token_ids: list[int]
 ) -> list[Logprobs | None] | None:
-    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-    if not rows:
+    """Logprobs of ``token_ids`` (one per row) under ``raw_logits``; None when no row asks.
+    The engine does the same in two halves (``workers/sampling/sample_logprobs.py``)."""
+    if all(p.logprobs is None for p in params):
         return None
-    device = raw_logits.device
-    logprobs = torch.log_softmax(raw_logits.index_select(0, list_to_device(rows, device)), -1)
-    sampled = list_to_device([token_ids[i] for i in rows], device).unsqueeze(1)
-    sampled_lp = logprobs.gather(1, sampled).squeeze(1).tolist()
-    num_tops = [min(params[i].logprobs, logprobs.shape[1]) for i in rows]
-    top_ids, top_lps = _top_logprobs(logprobs, num_tops)
-
-    result: list[Logprobs | None] = [None] * len(params)
-    for j, i in enumerate(rows):
-        result[i] = Logprobs(
-            token_id=token_ids[i],
-            logprob=sampled_lp[j],
-            top_token_ids=top_ids[j],
-            top_logprobs=top_lps[j],
-        )
-    return result
+    sampled = list_to_device(token_ids, raw_logits.device, torch.long)
+    return DeviceLogprobs(raw_logits, params, sampled).build(token_ids)
 
 
 def _top_logprobs(
@@ -339,29 +327,7 @@ def _top_logprobs(
 ) -> tuple[list[list[int]], list[list[float]]]:
     """Top-n ids and values per row, by value descending then id ascending."""
     num_rows = logprobs.shape[0]
-    max_top = max(num_tops)
-    if max_top == 0:
+    if max(num_tops) == 0:
         return [[] for _ in range(num_rows)], [[] for _ in range(num_rows)]
-    values, ids = logprobs.topk(max_top, dim=-1)
-    # topk's order among equal values is unspecified: re-sort by id, then
-    # stably by value.
-    by_id = ids.argsort(dim=-1)
-    ids, values = ids.gather(1, by_id), values.gather(1, by_id)
-    by_value = values.argsort(dim=-1, descending=True, stable=True)
-    ids, values = ids.gather(1, by_value), values.gather(1, by_value)
-    # A tie across the n-th place may have made topk pick a higher id than
-    # an equal value outside its result: such rows are redone exactly.
-    n_index = list_to_device([max(n - 1, 0) for n in num_tops], logprobs.device)
-    nth_value = values.gather(1, n_index.unsqueeze(1))
-    num_at_least = (logprobs >= nth_value).sum(dim=-1).tolist()
-    id_lists, value_lists = ids.tolist(), values.tolist()
-    for j, n in enumerate(num_tops):
-        if n and num_at_least[j] > n:
-            candidates = (logprobs[j] >= nth_value[j]).nonzero().squeeze(1)
-            candidate_values = logprobs[j].index_select(0, candidates)
-            order = candidate_values.argsort(descending=True, stable=True)[:n]
-            id_lists[j] = candidates.index_select(0, order).tolist()
-            value_lists[j] = candidate_values.index_select(0, order).tolist()
-        else:
-            id_lists[j], value_lists[j] = id_lists[j][:n], value_lists[j][:n]
-    return id_lists, value_lists
+    ids, values, num_at_least = top_on_device(logprobs, num_tops)
+    return finish_top(logprobs, ids.tolist(), values.tolist(), num_at_least.tolist(), num_tops)

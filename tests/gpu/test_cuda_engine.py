@@ -114,8 +114,14 @@ LOOPS = [False, True]  # the synchronous loop, the overlapped one (--async-sched
 
 # The tiny checkpoints' vocabulary (300) is above the sampler's 256 top-p candidates: the
 # seeded case reaches the path whose CPU fallback search would sync.
+# logprobs are computed in the step and copied with the sampled ids (one event wait)
+WITH_LOGPROBS = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, logprobs=5, ignore_eos=True)
+
+
 @pytest.mark.parametrize("overlap", LOOPS, ids=["sync", "async"])
-@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded-top-p-top-k"])
+@pytest.mark.parametrize(
+    "params", [GREEDY, SEEDED, WITH_LOGPROBS], ids=["greedy", "seeded-top-p-top-k", "logprobs"]
+)
 def test_replayed_decode_step_syncs_once(make_checkpoint, params, overlap):
     config = _config(make_checkpoint("llama"), cuda_graph_sizes=[4], async_scheduling=overlap)
     llm = LLM(config)

@@ -13,6 +13,7 @@ import sys
 
 os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of the Triton kernels
 
+import msgspec  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from torch.overrides import TorchFunctionMode  # noqa: E402
@@ -250,7 +251,8 @@ class _CountHostReads(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_replayed_decode_step_reads_the_device_once(triton_checkpoint):
+@pytest.mark.parametrize("logprobs", [None, 3], ids=["greedy", "logprobs"])
+def test_replayed_decode_step_reads_the_device_once(triton_checkpoint, logprobs):
     llm = _llm(triton_checkpoint)
     graphs = _with_graphs(llm, [1, 2, 4])
     engine = llm.engine
@@ -258,16 +260,31 @@ def test_replayed_decode_step_reads_the_device_once(triton_checkpoint):
 
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(PROMPTS[:3]):
-        assert engine.add_request(EngineRequest(f"r{i}", prompt, params)) is None
+        row_params = params  # greedy: none asks; else r1 the sampled token's alone, r0 r2 top 3
+        if logprobs is not None:
+            row_params = msgspec.structs.replace(params, logprobs=0 if i == 1 else logprobs)
+        assert engine.add_request(EngineRequest(f"r{i}", prompt, row_params)) is None
     while sum(graphs.num_replays.values()) == 0:  # prefill steps, eager
         engine.step()
     before = dict(graphs.num_replays)
     with _CountHostReads() as counter:
-        engine.step()  # a decode step of 3: bucket 4
+        out = engine.step()  # a decode step of 3: bucket 4
     assert graphs.num_replays[4] == before[4] + 1
-    # the one read: the step's sampled tokens (workers/async_step.py, StepResult.token_list)
-    assert len(counter.reads) == 1 and "async_step.py" in counter.reads[0], counter.reads
-    assert counter.tensors_from_lists == [], counter.tensors_from_lists
+    # the one read: the step's sampled tokens (workers/async_step.py, StepResult.token_list);
+    # with logprobs, the packed table copied with them (to pinned memory on CUDA, before the
+    # step's one event wait: workers/sampling/sample_logprobs.py) is read from the host
+    assert counter.reads[0].startswith("tolist at async_step.py"), counter.reads
+    if logprobs is None:
+        assert len(counter.reads) == 1, counter.reads
+        assert counter.tensors_from_lists == [], counter.tensors_from_lists
+    else:
+        assert len(counter.reads) == 2, counter.reads
+        assert counter.reads[1].startswith("tolist at sample_logprobs.py"), counter.reads
+        # index tensors: through pinned memory (kernels/metadata.py list_to_device)
+        assert all("metadata.py" in c for c in counter.tensors_from_lists), counter
+        by_id = {o.request_id: o for o in out.outputs}
+        assert len(by_id["r0"].new_logprobs[0].top_token_ids) == logprobs
+        assert by_id["r1"].new_logprobs[0].top_token_ids == []  # logprobs=0: the sampled one only
     while engine.has_work():
         engine.step()
     engine.check_integrity()
