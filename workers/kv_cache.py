@@ -28,6 +28,17 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
 
+# Most blocks a memory budget is turned into (``--num-kv-blocks`` sets any count). Some state
+# is per block: the scheduler's KVBlock and free-queue entry (~2.5 s and ~120 MB of Python per
+# million on the dev box), the NIXL block lists prepared for this engine and for each peer at
+# its handshake (~90 ms per 131k blocks on CPU), and check_integrity walks every block. A tiny
+# model at 0.9 of an 80 GB GPU would get millions of blocks (a 2-layer fp32 test llama: ~9M);
+# real ones stay far below the cap (Llama-3.2-1B bf16: ~137k, Qwen2.5-0.5B bf16: ~370k).
+# 2**20 blocks of 16 tokens is 16M tokens of context: more than max_num_seqs x max_model_len
+# of any configuration served here, with room for the prefix cache. It also keeps every slot
+# id below 2**31 for block sizes up to 1024 (the decode graphs' int32 slot buffer).
+MAX_AUTO_KV_BLOCKS = 1 << 20
+
 
 def bytes_per_block(
     num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
@@ -89,7 +100,8 @@ def num_blocks_for(
 ) -> int:
     """Explicit count wins; otherwise memory bytes (CPU: ``kv_cache_memory``,
     default 1 GiB; CUDA: ``gpu_kv_budget_bytes``, after the weights are
-    loaded, less ``step_bytes`` for activations and graphs). ``mem_get_info``
+    loaded, less ``step_bytes`` for activations and graphs), at most
+    ``MAX_AUTO_KV_BLOCKS`` blocks. ``mem_get_info``
     / ``memory_reserved`` default to torch.cuda's (tests pass fakes)."""
     if num_kv_blocks is not None:
         return num_kv_blocks
@@ -118,6 +130,14 @@ def num_blocks_for(
     else:
         budget = DEFAULT_CPU_KV_BYTES
     n = budget // block_bytes
+    if n > MAX_AUTO_KV_BLOCKS:
+        logger.info(
+            "KV cache: the budget holds %d blocks, capped at %d (MAX_AUTO_KV_BLOCKS; "
+            "--num-kv-blocks sets any count)",
+            n,
+            MAX_AUTO_KV_BLOCKS,
+        )
+        return MAX_AUTO_KV_BLOCKS
     if n < 1:
         raise ValueError(
             f"KV cache budget of {budget} bytes holds no block of {block_bytes} bytes"
