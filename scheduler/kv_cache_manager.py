@@ -135,7 +135,11 @@ class KVCacheManager:
             self.pool.touch(computed)
             blocks.extend(computed)
             self.num_cached_blocks[request.request_id] += len(computed)
-        new_blocks = self.pool.get_new_blocks(num_new_blocks) if num_new_blocks > 0 else []
+        new_blocks = (
+            self.pool.get_new_blocks(num_new_blocks, blocks[-1] if blocks else None)
+            if num_new_blocks > 0
+            else []
+        )
         blocks.extend(new_blocks)
         if not delay_cache_blocks:
             self.cache_blocks(request, min(num_total, request.num_tokens))
