@@ -66,9 +66,9 @@ def test_local_prefix_hit_reduces_external_tokens():
     d = remote("d", 11, 10)
     s.add_request(d)
     step(s, r)
-    # 8 local (w's blocks 0, 1) + 2 external into a new block; free LRU order
-    # after w finished was 3..15, 2, 1, 0, so the new block is 3
-    assert conn.allocs[-1] == ("d", [0, 1, 3], 2)
+    # 8 local (w's blocks 0, 1) + 2 external into a new block: w's partial
+    # block 2 holds no hash and continues the run after block 1
+    assert conn.allocs[-1] == ("d", [0, 1, 2], 2)
     r.kv_output = KVConnectorOutput(finished_recving=["d"])
     step(s, r)
     assert d.num_computed_tokens == 10
@@ -85,8 +85,10 @@ def test_full_local_hit_reads_nothing():
     d = remote("d", 9, 8)
     s.add_request(d)
     so, _ = step(s, r)
-    # w's 3 full blocks are cached, but d (9 tokens) can hit at most 2 of them
-    assert conn.allocs[-1] == ("d", [0, 1, 4], 0)  # notify-only
+    # w's 3 full blocks are cached, but d (9 tokens) can hit at most 2 of them;
+    # its new block is the lowest uncached free one (w's partial block 3), so
+    # w's cached block 2 survives
+    assert conn.allocs[-1] == ("d", [0, 1, 3], 0)  # notify-only
     assert d.status == RequestStatus.RUNNING and so.num_scheduled_tokens["d"] == 1
     while s.has_work():
         step(s, r)
