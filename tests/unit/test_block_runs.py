@@ -99,12 +99,12 @@ def churn(evict_runs: bool, seed: int, steps: int = 400) -> float:
     rng = random.Random(seed)
     kv = KVCacheManager(num_blocks=96, block_size=4)
     kv.pool.evict_runs = evict_runs
-    live: dict[str, tuple[Request, int]] = {}
+    live: dict[str, Request] = {}
     runs, allocs, n = [], 0, 0
     for _ in range(steps):
         if live and (rng.random() < 0.45 or kv.num_free_blocks < 12):
             rid = rng.choice(sorted(live))
-            kv.free(live.pop(rid)[0])
+            kv.free(live.pop(rid))
         else:
             n += 1
             prompt = [rng.randrange(1000) for _ in range(rng.randrange(9, 40))]
@@ -113,16 +113,16 @@ def churn(evict_runs: bool, seed: int, steps: int = 400) -> float:
             if new is None:
                 continue
             r.num_computed_tokens = len(prompt)
-            live[r.request_id] = (r, 0)
+            live[r.request_id] = r
             allocs += 1
             if allocs > 20:
                 runs.append(num_runs(new))
-        for rid, (r, _) in list(live.items()):  # decode growth, interleaved
+        for r in list(live.values()):  # decode growth, interleaved
             if rng.random() < 0.5 and kv.allocate_slots(r, 1) is not None:
                 r.append_output_token(7)
                 r.num_computed_tokens += 1
         kv.check_integrity()
-    for r, _ in live.values():
+    for r in live.values():
         kv.free(r)
     kv.check_integrity()
     assert kv.num_free_blocks == 96  # no leaks
