@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_CPU_KV_BYTES = 1 << 30
 
 # Most blocks a memory budget is turned into (``--num-kv-blocks`` sets any count). Some state
-# is per block: the scheduler's KVBlock and free-queue entry (~2.5 s and ~120 MB of Python per
+# is per block: the scheduler's KVBlock and free-list state (~0.7 s and ~170 MB of Python per
 # million on the dev box), the NIXL block lists prepared for this engine and for each peer at
 # its handshake (~90 ms per 131k blocks on CPU), and check_integrity walks every block. A tiny
 # model at 0.9 of an 80 GB GPU would get millions of blocks (a 2-layer fp32 test llama: ~9M);
