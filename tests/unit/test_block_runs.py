@@ -133,3 +133,16 @@ def test_churn_keeps_integrity_and_run_eviction_fragments_less():
     strict = [churn(False, s) for s in range(3)]
     runs = [churn(True, s) for s in range(3)]
     assert sum(runs) < 0.8 * sum(strict), (runs, strict)
+
+
+def test_stale_heap_entries_stay_bounded():
+    pool = BlockPool(8)
+    for _ in range(200):
+        # taking 0.. as a growth run leaves their heap entries stale; freeing
+        # pushes them again, so without compaction the heap would grow
+        (first,) = pool.get_new_blocks(1)
+        rest = pool.get_new_blocks(7, after=first)
+        assert ids([first] + rest) == list(range(8))
+        pool.free_blocks(reversed([first] + rest))
+        pool.check_integrity({})
+    assert len(pool._uncached_ids) <= 2 * 8 + 64 + 8
