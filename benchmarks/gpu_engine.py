@@ -11,13 +11,15 @@ Rows, all in one process on one seeded random Llama-3.2-1B-shaped checkpoint (hi
   continuous batching (``generate_batch``); engines from ``benchmarks/offline_throughput.py``
 * decode step ms at batch 1 / 64 / 256 (context = prompt length), engine steps timed after
   every sequence is decoding (scheduler + graph replay + sampling + the one sync), next to the
-  HBM floor: (weight bytes + KV bytes the step reads) / ``--hbm-tb-s``
+  HBM floor: (weight bytes + KV bytes the step reads) / ``--hbm-tb-s``; the same rows again
+  with ``--async-scheduling`` (the overlapped loop)
 * prefill TFLOP/s: prompts of ``--prefill-len`` tokens through the engine, matmul + attention
   FLOPs over the measured time
 * with ``--compile-rows``, torch.compile vs eager (``--compile-model``): decode step at batch
   64, one prefill, compile seconds (``compile_rows``)
-* NIXL VRAM READ GB/s, raw and through the connector, next to a device copy: provided by
-  ``benchmarks/gpu_nixl.py`` (``vram_read_rows``) when present, else marked as not measured
+* NIXL VRAM READ GB/s, raw and through the connector, next to a device copy:
+  ``benchmarks/gpu_nixl.py``'s ``vram_read_rows`` (a row marked not measured if it cannot be
+  imported)
 
 Targets (issue #10, H100): decode step <= 2x the floor at batch 64 and 256; the workload >= 3x
 transformers static; connector READ >= 70% of a device copy from 16 MiB.
@@ -263,8 +265,8 @@ def compile_rows(path: str, args: argparse.Namespace) -> list[tuple]:
 
 
 def nixl_rows() -> list[tuple]:
-    # NIXL VRAM READ (raw and through the connector, next to a device copy): the NIXL/UCX
-    # work of issue #10 provides ``benchmarks/gpu_nixl.py`` with ``vram_read_rows()``.
+    # NIXL VRAM READ (raw and through the connector, next to a device copy), measured by
+    # ``benchmarks/gpu_nixl.py``'s ``vram_read_rows()``.
     try:
         from benchmarks.gpu_nixl import vram_read_rows  # type: ignore[import-not-found]
     except ImportError:
