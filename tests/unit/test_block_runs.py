@@ -146,3 +146,30 @@ def test_stale_heap_entries_stay_bounded():
         pool.free_blocks(reversed([first] + rest))
         pool.check_integrity({})
     assert len(pool._uncached_ids) <= 2 * 8 + 64 + 8
+
+
+def test_run_eviction_spares_an_old_neighbour_a_prefix_hit_shared():
+    pool = BlockPool(8)
+    blocks = pool.get_new_blocks(8)
+    cache(pool, blocks, "x")
+    pool.touch([blocks[1]])  # a second request's prefix hit shares block 1
+    for i in [2, 6, 1, 3, 7, 0, 5, 4]:  # same ticks as the test above
+        pool.free_blocks([blocks[i]] * (2 if i == 1 else 1))
+    # without the hit, 1 would go with the head 2 (test above); now it stays
+    got = pool.get_new_blocks(3)
+    assert ids(got) == [2, 3, 6]  # head 2 with its old neighbour 3, then the next head 6
+    assert pool.get_cached_block(b"x-1") is blocks[1]
+    # handing a block out clears its mark: only a later hit sets it again
+    assert not any(b.was_hit for b in got)
+    pool.check_integrity({2: 1, 3: 1, 6: 1})
+
+
+def test_prefix_eviction_benchmark_workload_runs_in_both_modes():
+    from benchmarks.prefix_eviction import simulate, workload
+
+    reqs = workload(seed=0, num_requests=40)
+    assert len(reqs) == 40 and all(1 <= len(p) <= 1536 + 256 and m >= 8 for p, m in reqs)
+    for evict_runs in (False, True):
+        res = simulate(reqs, num_blocks=256, evict_runs=evict_runs)
+        assert 0.0 < res["hit_rate"] < 1.0
+        assert 0.0 < res["runs_per_block"] <= 1.0 and res["runs_per_request"] >= 1.0
