@@ -37,7 +37,7 @@ from scheduler.messages import (
 )
 from wire.frames import FrameCounters, FrameSpec, MalformedFrame, MiB, peer_address
 from workers.async_step import OverlappedLoop
-from workers.compile.model import compile_model, use_compile
+from workers.compile.model import compile_before_sizing
 from workers.config import EngineConfig
 from workers.graphs.build import build_step_graphs
 from workers.graphs.memory import profile_step_memory
@@ -103,6 +103,9 @@ class EngineCore:
         block_bytes = bytes_per_block(
             m.num_layers, config.block_size, m.num_kv_heads, m.head_dim, self.dtype
         )
+        # workers/compile/: torch.compile of the forward, first, so that the profile below
+        # measures the forward the engine runs (the compiled graphs hold no cache)
+        self.compile_report = compile_before_sizing(config, m)
         # activation peak and CUDA graphs, measured to come out of the KV budget (CUDA only)
         self.step_memory = profile_step_memory(config, m, max_len)
         num_blocks = num_blocks_for(
@@ -162,9 +165,6 @@ class EngineCore:
                 config.cluster_secret,
                 config.kv_events_queue_batches,
             )
-        self.compile_report = None  # workers/compile/: torch.compile of the forward
-        if use_compile(config.compile_model, device, config.tensor_parallel_size):
-            self.compile_report = compile_model(self.model, self.kv_cache, config.block_size)
         self.graphs = graphs = build_step_graphs(
             config, self.model, self.kv_cache, max_len, self.step_memory.graph_bytes
         )

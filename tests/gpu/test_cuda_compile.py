@@ -1,12 +1,17 @@
 """``--compile-model on`` on a CUDA device: inductor's Triton kernels for the norms, matmuls
 and MLP, rope traced, the opaque op for KV write + paged attention, decode CUDA graphs over
 the compiled forward; fp32 greedy tokens equal eager's and transformers', bf16 hidden states
-close to eager's. Skipped without CUDA (tests/conftest.py)."""
+close to eager's; an engine sized by ``gpu_memory_utilization`` profiles the compiled forward
+(compiled before sizing: no graph compiled after start-up) and stays inside its share. Skipped
+without CUDA (tests/conftest.py)."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from scheduler.messages import SamplingParams
 from tests.gpu.test_cuda_engine import _config
@@ -20,6 +25,7 @@ from workers.loader import load_model
 pytestmark = pytest.mark.gpu
 
 NUM_NEW = 12
+MIB = 2**20
 GREEDY = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
 
 
@@ -60,3 +66,59 @@ def test_compiled_bf16_hidden_states_close_to_eager(make_checkpoint):
         hidden.append(last_step_hidden(model, kv_cache)[0])
     eager, compiled = hidden
     assert (compiled - eager).abs().max() <= 2e-2 * eager.abs().max()
+
+
+def test_compiled_engine_profiles_the_compiled_forward_and_stays_inside_its_share(
+    make_checkpoint,
+):
+    """``profile_step_memory`` runs after ``compile_before_sizing``: the profiling step and
+    capture run the warm compiled graphs (inductor's buffers in the activation peak), so what
+    the engine holds after generating full-budget steps stays within its share, and no graph
+    is compiled after the warm-up (profiling, capture and serving reuse its graphs)."""
+    path = make_checkpoint(
+        "llama",
+        vocab_size=32000,
+        hidden_size=512,
+        intermediate_size=2048,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=1024,
+    )
+    torch._dynamo.reset()
+    counters.clear()
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    free_before, total = torch.cuda.mem_get_info()
+    reserved_before = torch.cuda.memory_reserved()  # the engine counts it as its own
+    share = 0.1
+    llm = LLM(
+        _compile_config(
+            path,
+            num_kv_blocks=None,
+            gpu_memory_utilization=share,
+            max_num_batched_tokens=512,
+            max_num_seqs=32,
+            cuda_graph_sizes=None,
+            compile_model="on",
+        )
+    )
+    engine = llm.engine
+    report, profiled = engine.compile_report, engine.step_memory
+    assert report is not None and profiled.activation_bytes > 0 and profiled.graph_bytes > 0
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 32000, (n,), generator=g).tolist() for n in (500, 7, 30, 200)]
+    prompts += [torch.randint(3, 32000, (5,), generator=g).tolist() for _ in range(28)]
+    llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)  # full-budget steps too
+    assert sum(engine.runner.graphs.num_replays.values()) > 0
+    assert counters["stats"]["unique_graphs"] == report.num_graphs  # warm-up's graphs only
+    torch.cuda.synchronize()
+    grown = free_before - torch.cuda.mem_get_info()[0]
+    # weights + activations + graphs + KV within the share; 64 MiB for what torch does not
+    # allocate (kernel images, cuBLAS handles)
+    assert reserved_before + grown <= share * total + 64 * MIB, (reserved_before, grown, total)
+    kv_bytes = engine.kv_cache.numel() * engine.kv_cache.element_size()
+    weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    assert weights + profiled.num_bytes + kv_bytes <= share * total - reserved_before
+    engine.check_integrity()

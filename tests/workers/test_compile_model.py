@@ -1,6 +1,8 @@
 """``--compile-model``: the opaque attention op equals the eager layer, the whole forward traces
-as one graph (``fullgraph``) with the op and gives the eager greedy tokens, and with inductor
-on CPU (slow: a C++ compile) the engine's tokens equal eager's and transformers'."""
+as one graph (``fullgraph``) with the op and gives the eager greedy tokens, compiling before the
+KV cache is sized makes the profiling step run the compiled graphs (which then serve the real
+cache), and with inductor on CPU (slow: a C++ compile) the engine's tokens equal eager's and
+transformers'."""
 
 from __future__ import annotations
 
@@ -12,12 +14,16 @@ import torch
 from kernels import AttentionMetadata
 from scheduler.messages import SamplingParams
 from tests.workers.hf_checkpoints import load_hf_model
+from tests.workers.mixed_steps import BLOCK_SIZE, last_step_hidden, new_kv_cache
 from tests.workers.test_engine import hf_greedy
 from workers.attention import attention
 from workers.compile.attention_op import step_context
-from workers.compile.model import compile_model, use_compile
+from workers.compile.model import compile_before_sizing, compile_model, use_compile
 from workers.config import EngineConfig, add_engine_arguments, engine_overrides
+from workers.graphs.memory import profile_forward
+from workers.kv_cache import allocate_kv_cache
 from workers.llm import LLM
+from workers.loader import load_model
 
 NUM_NEW = 6
 GREEDY = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
@@ -73,6 +79,54 @@ def test_traced_forward_is_one_graph_with_eager_tokens(make_checkpoint):
         wide = model(ids, torch.arange(5), kv_cache, meta)
         narrow = model(ids.int(), torch.arange(5, dtype=torch.int32), kv_cache, meta)
     assert torch.equal(wide, narrow)
+
+
+class CountingBackend:
+    """``aot_eager`` that counts the graphs it compiles and the calls each compiled one serves."""
+
+    def __init__(self) -> None:
+        self.num_compiled = 0
+        self.num_calls = 0
+        self._inner = torch._dynamo.lookup_backend("aot_eager")
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        self.num_compiled += 1
+        compiled = self._inner(gm, example_inputs)
+
+        def run(*args):
+            self.num_calls += 1
+            return compiled(*args)
+
+        return run
+
+
+def test_compiled_before_sizing_the_profiling_step_runs_the_compiled_graphs(make_checkpoint):
+    """The engine's start-up order (workers/engine_core.py): ``compile_before_sizing`` warms up
+    over a one-block dummy cache, then the profiling step (``profile_forward``, a full
+    ``max_num_batched_tokens`` step) runs the compiled graphs without compiling again; the same
+    graphs then serve a real, larger cache with the eager model's hidden states."""
+    path = make_checkpoint("llama", num_hidden_layers=2)
+    config = EngineConfig(model=path, block_size=4, max_num_batched_tokens=48, compile_model="on")
+    eager, _ = load_model(path, "float32", "cpu")
+    model, _ = load_model(path, "float32", "cpu")
+    assert compile_before_sizing(config.replace(compile_model="auto"), model) is None
+    torch._dynamo.reset()
+    backend = CountingBackend()
+    report = compile_before_sizing(config, model, backend=backend)
+    assert report is not None and report.num_graphs == 2 and backend.num_compiled == 2
+    calls = backend.num_calls
+    dummy = allocate_kv_cache(
+        1, model.num_layers, 4, model.num_kv_heads, model.head_dim, torch.float32, "cpu"
+    )
+    profile_forward(model, dummy, 4, config.max_num_batched_tokens, 16, config.max_num_seqs)
+    assert backend.num_calls == calls + 1  # the profiled forward is the compiled one
+    assert backend.num_compiled == 2  # and the warm-up had already compiled it
+    assert torch.count_nonzero(dummy) == 0
+    with torch.inference_mode():  # inputs made in it, as the runner's step makes them
+        compiled, _ = last_step_hidden(model, new_kv_cache(model))
+    expected, _ = last_step_hidden(eager, new_kv_cache(eager))
+    assert backend.num_compiled == 2 and BLOCK_SIZE != 4  # another cache, another block size
+    torch.testing.assert_close(compiled, expected, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.slow

@@ -17,6 +17,11 @@ What is traced and what is not::
   usual kernels run (Triton KV write and paged attention, or the SDPA prefill split, on CUDA).
 * CUDA graphs: decode graphs capture the compiled forward like the eager one (the warm-up has
   already compiled both graphs, so a capture only records kernels).
+* Start-up order (``compile_before_sizing``): the engine compiles before it sizes the KV cache,
+  warming up over a one-block dummy cache. The compiled graphs hold no cache (the op reads the
+  step's from ``step_context``), so they serve the real cache unchanged, and the profiling step
+  and capture (``workers/graphs/memory.py``) measure the compiled forward: inductor's buffers
+  and the graphs captured over them come out of the KV budget like the eager ones.
 * Not with tensor parallelism (the sharded layers' collectives are not traced).
 """
 
@@ -24,13 +29,16 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from kernels import AttentionMetadata
 from workers.compile.attention_op import COMPILED_STEP, step_context
 from workers.config import COMPILE_MODEL_MODES
+from workers.kv_cache import allocate_kv_cache
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +69,10 @@ class CompileReport:
 
 
 def compile_model(
-    model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int, backend: str = "inductor"
+    model: torch.nn.Module,
+    kv_cache: torch.Tensor,
+    block_size: int,
+    backend: str | Callable[..., Any] = "inductor",
 ) -> CompileReport:
     """Replace ``model.forward`` by the compiled forward (same signature and results) and
     compile it now. ``kv_cache``/``block_size``: the engine's, used by the warm-up steps.
@@ -103,6 +114,29 @@ def compile_model(
     return report
 
 
+def compile_before_sizing(
+    config: Any, model: torch.nn.Module, backend: str | Callable[..., Any] = "inductor"
+) -> CompileReport | None:
+    """Compile ``model``'s forward when ``config.compile_model`` asks for it on this engine
+    (``use_compile``), before the KV cache exists: the warm-up runs over a one-block dummy cache
+    of ``config``'s block size and layout, freed on return. None when the engine runs eager.
+    Call it before ``profile_step_memory`` so the profile measures the compiled forward."""
+    device = torch.device(config.device)
+    if not use_compile(config.compile_model, device, config.tensor_parallel_size):
+        return None
+    dummy = allocate_kv_cache(
+        1,
+        model.num_layers,
+        config.block_size,
+        model.num_kv_heads,
+        model.head_dim,
+        next(model.parameters()).dtype,
+        device,
+        layout=config.kv_layout,
+    )
+    return compile_model(model, dummy, config.block_size, backend)
+
+
 def _dummy_step(
     model: torch.nn.Module,
     kv_cache: torch.Tensor,
@@ -116,6 +150,9 @@ def _dummy_step(
     table = [0] * -(-num_tokens // block_size)  # block 0 again and again: nothing is written
     meta = AttentionMetadata.build([table], [num_tokens], [num_tokens], block_size, device)
     meta.slot_mapping = torch.full_like(meta.slot_mapping, -1)
-    ids = torch.zeros(num_tokens, dtype=id_dtype, device=device)
-    positions = torch.arange(num_tokens, dtype=id_dtype, device=device)
+    # compiled graphs guard on inference mode: eager steps make their int64 inputs in it
+    # (the runner's step), the decode graphs read views of int32 buffers made outside it
+    with torch.inference_mode(id_dtype != torch.int32):
+        ids = torch.zeros(num_tokens, dtype=id_dtype, device=device)
+        positions = torch.arange(num_tokens, dtype=id_dtype, device=device)
     model(ids, positions, kv_cache, meta)

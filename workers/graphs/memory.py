@@ -10,10 +10,12 @@ The KV cache gets what is left, so the middle two must be known before it is all
 a captured graph bakes in the KV cache's address, so the real graphs can only be captured
 after it. Hence, at start-up (CUDA, cache sized from the utilization, one GPU):
 
-1. a profiling step, eager, over a one-block dummy cache (every slot -1: nothing is
-   written): ``max_num_batched_tokens`` tokens through the model, then logits and a top-p /
-   top-k / logprobs sampling of ``min(max_num_seqs, tokens)`` rows. Its activation peak is
-   torch's peak reserved bytes above what was reserved before.
+1. a profiling step of the forward the engine will run (with ``--compile-model on`` the
+   compiled one: ``workers.compile.model.compile_before_sizing`` ran first), over a one-block
+   dummy cache (every slot -1: nothing is written): ``max_num_batched_tokens`` tokens
+   through the model, then logits and a top-p / top-k / logprobs sampling of
+   ``min(max_num_seqs, tokens)`` rows. Its activation peak is torch's peak reserved bytes
+   above what was reserved before.
 2. a profiling capture: the same graphs (modes, sizes, static buffers) over the dummy cache,
    measured as device free memory before minus after (graph pools and the driver's graph
    objects both count; capped for a shared GPU, see ``runner.timed_capture``), then
@@ -89,12 +91,14 @@ def profile_forward(
         lengths.append(num_tokens % max_model_len)
     tables = [[0] * math.ceil(n / block_size) for n in lengths]
     dev = kv_cache.device
-    meta = AttentionMetadata.build(tables, lengths, lengths, block_size, dev)
-    meta.slot_mapping = torch.full((num_tokens,), -1, dtype=torch.long, device=dev)
-    meta.sdpa_prefills = sdpa_prefills
-    ids = torch.zeros(num_tokens, dtype=torch.long, device=dev)
-    positions = torch.cat([torch.arange(n, device=dev) for n in lengths])
+    # inputs made in inference mode, as the runner's step makes them: a compiled forward
+    # (--compile-model) guards on it, and must run its warm graphs here, not compile anew
     with torch.inference_mode():
+        meta = AttentionMetadata.build(tables, lengths, lengths, block_size, dev)
+        meta.slot_mapping = torch.full((num_tokens,), -1, dtype=torch.long, device=dev)
+        meta.sdpa_prefills = sdpa_prefills
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=dev)
+        positions = torch.cat([torch.arange(n, device=dev) for n in lengths])
         hidden = model(ids, positions, kv_cache, meta)
         rows = min(num_sampled, num_tokens)
         logits = model.compute_logits(hidden[:rows])
