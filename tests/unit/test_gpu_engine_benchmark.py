@@ -37,5 +37,5 @@ def test_the_gpu_session_script_parses_and_refuses_an_unknown_part(tmp_path):
         cwd=ROOT,
         env={**os.environ, "OUT": str(tmp_path)},
     )
-    assert done.returncode == 2 and "usage" in done.stderr
+    assert done.returncode == 2 and "usage" in done.stderr and "extras" in done.stderr
     assert list(tmp_path.iterdir()) == []  # nothing ran
