@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -165,3 +166,20 @@ def allocate_kv_cache(
     order = STORAGE_ORDER[layout]
     storage = torch.zeros([logical[i] for i in order], dtype=dtype, device=device)
     return storage.permute(*[order.index(i) for i in range(6)])
+
+
+def allocate_model_kv_cache(
+    config: Any, model: torch.nn.Module, num_blocks: int, device: torch.device | str
+) -> torch.Tensor:
+    """``allocate_kv_cache`` for ``model`` (its layers, KV heads, head size and dtype) with
+    ``config``'s ``block_size`` and ``kv_layout``."""
+    return allocate_kv_cache(
+        num_blocks,
+        model.num_layers,
+        config.block_size,
+        model.num_kv_heads,
+        model.head_dim,
+        next(model.parameters()).dtype,
+        torch.device(device),
+        layout=config.kv_layout,
+    )

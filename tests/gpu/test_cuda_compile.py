@@ -7,13 +7,17 @@ without CUDA (tests/conftest.py)."""
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
 from torch._dynamo.utils import counters
 
 from scheduler.messages import SamplingParams
+from tests.gpu.memory_share import (
+    assert_inside_share,
+    device_before,
+    full_budget_prompts,
+    share_checkpoint,
+)
 from tests.gpu.test_cuda_engine import _config
 from tests.workers.hf_checkpoints import load_hf_model
 from tests.workers.mixed_steps import BLOCK_SIZE, last_step_hidden, new_kv_cache
@@ -25,7 +29,6 @@ from workers.loader import load_model
 pytestmark = pytest.mark.gpu
 
 NUM_NEW = 12
-MIB = 2**20
 GREEDY = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
 
 
@@ -75,23 +78,10 @@ def test_compiled_engine_profiles_the_compiled_forward_and_stays_inside_its_shar
     capture run the warm compiled graphs (inductor's buffers in the activation peak), so what
     the engine holds after generating full-budget steps stays within its share, and no graph
     is compiled after the warm-up (profiling, capture and serving reuse its graphs)."""
-    path = make_checkpoint(
-        "llama",
-        vocab_size=32000,
-        hidden_size=512,
-        intermediate_size=2048,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        max_position_embeddings=1024,
-    )
+    path = share_checkpoint(make_checkpoint)
     torch._dynamo.reset()
     counters.clear()
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    free_before, total = torch.cuda.mem_get_info()
-    reserved_before = torch.cuda.memory_reserved()  # the engine counts it as its own
+    before = device_before()
     share = 0.1
     llm = LLM(
         _compile_config(
@@ -107,18 +97,8 @@ def test_compiled_engine_profiles_the_compiled_forward_and_stays_inside_its_shar
     engine = llm.engine
     report, profiled = engine.compile_report, engine.step_memory
     assert report is not None and profiled.activation_bytes > 0 and profiled.graph_bytes > 0
-    g = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(3, 32000, (n,), generator=g).tolist() for n in (500, 7, 30, 200)]
-    prompts += [torch.randint(3, 32000, (5,), generator=g).tolist() for _ in range(28)]
-    llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)  # full-budget steps too
+    llm.generate(prompt_token_ids=full_budget_prompts(), sampling_params=GREEDY)
     assert sum(engine.runner.graphs.num_replays.values()) > 0
     assert counters["stats"]["unique_graphs"] == report.num_graphs  # warm-up's graphs only
-    torch.cuda.synchronize()
-    grown = free_before - torch.cuda.mem_get_info()[0]
-    # weights + activations + graphs + KV within the share; 64 MiB for what torch does not
-    # allocate (kernel images, cuBLAS handles)
-    assert reserved_before + grown <= share * total + 64 * MIB, (reserved_before, grown, total)
-    kv_bytes = engine.kv_cache.numel() * engine.kv_cache.element_size()
-    weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
-    assert weights + profiled.num_bytes + kv_bytes <= share * total - reserved_before
+    assert_inside_share(engine, before, share)
     engine.check_integrity()

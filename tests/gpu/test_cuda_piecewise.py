@@ -7,13 +7,18 @@ with the profiled graph memory matching the real capture. Skipped without CUDA
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
 
 from kernels import AttentionMetadata
 from scheduler.messages import SamplingParams
+from tests.gpu.memory_share import (
+    MIB,
+    assert_inside_share,
+    device_before,
+    full_budget_prompts,
+    share_checkpoint,
+)
 from tests.gpu.test_cuda_engine import _config as engine_config
 from workers.config import EngineConfig
 from workers.llm import LLM
@@ -21,7 +26,6 @@ from workers.llm import LLM
 pytestmark = pytest.mark.gpu
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-MIB = 2**20
 
 
 def _config(path: str, **changes) -> EngineConfig:
@@ -81,22 +85,8 @@ def test_padded_mixed_step_equals_the_eager_forward(make_checkpoint):
 
 
 def test_engine_memory_stays_inside_its_share(make_checkpoint):
-    # big enough for the graphs and activations to matter next to the slack below
-    path = make_checkpoint(
-        "llama",
-        vocab_size=32000,
-        hidden_size=512,
-        intermediate_size=2048,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        max_position_embeddings=1024,
-    )
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    free_before, total = torch.cuda.mem_get_info()
-    reserved_before = torch.cuda.memory_reserved()  # the engine counts it as its own
+    path = share_checkpoint(make_checkpoint)
+    before = device_before()
     share = 0.1
     llm = LLM(
         _config(
@@ -117,16 +107,6 @@ def test_engine_memory_stays_inside_its_share(make_checkpoint):
     assert (
         abs(engine.graphs.num_bytes - profiled.graph_bytes) <= 8 * MIB + profiled.graph_bytes // 10
     )
-    g = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(3, 32000, (n,), generator=g).tolist() for n in (500, 7, 30, 200)]
-    prompts += [torch.randint(3, 32000, (5,), generator=g).tolist() for _ in range(28)]
-    llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)  # full-budget steps too
-    torch.cuda.synchronize()
-    grown = free_before - torch.cuda.mem_get_info()[0]
-    # weights + activations + graphs + KV within the share; 64 MiB for what torch does not
-    # allocate (kernel images, cuBLAS handles)
-    assert reserved_before + grown <= share * total + 64 * MIB, (reserved_before, grown, total)
-    kv_bytes = engine.kv_cache.numel() * engine.kv_cache.element_size()
-    weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
-    assert weights + profiled.num_bytes + kv_bytes <= share * total - reserved_before
+    llm.generate(prompt_token_ids=full_budget_prompts(), sampling_params=GREEDY)
+    assert_inside_share(engine, before, share)
     engine.check_integrity()

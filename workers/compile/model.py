@@ -38,7 +38,7 @@ import torch
 from kernels import AttentionMetadata
 from workers.compile.attention_op import COMPILED_STEP, step_context
 from workers.config import COMPILE_MODEL_MODES
-from workers.kv_cache import allocate_kv_cache
+from workers.kv_cache import allocate_model_kv_cache
 
 logger = logging.getLogger(__name__)
 
@@ -124,16 +124,7 @@ def compile_before_sizing(
     device = torch.device(config.device)
     if not use_compile(config.compile_model, device, config.tensor_parallel_size):
         return None
-    dummy = allocate_kv_cache(
-        1,
-        model.num_layers,
-        config.block_size,
-        model.num_kv_heads,
-        model.head_dim,
-        next(model.parameters()).dtype,
-        device,
-        layout=config.kv_layout,
-    )
+    dummy = allocate_model_kv_cache(config, model, 1, device)
     return compile_model(model, dummy, config.block_size, backend)
 
 

@@ -51,7 +51,7 @@ from kernels.prefill_attention import use_sdpa_prefills
 from scheduler.messages import SamplingParams
 from workers.graphs.build import GRAPH_BYTES_SLACK, make_step_graphs
 from workers.graphs.runner import CudaGraphBackend, graphs_allowed, timed_capture
-from workers.kv_cache import allocate_kv_cache
+from workers.kv_cache import allocate_model_kv_cache
 from workers.sampler import Sampler
 
 logger = logging.getLogger(__name__)
@@ -115,16 +115,7 @@ def profile_step_memory(config: Any, model: torch.nn.Module, max_model_len: int)
         return StepMemory()
     start = time.perf_counter()
     dtype = next(model.parameters()).dtype
-    dummy = allocate_kv_cache(
-        1,
-        model.num_layers,
-        config.block_size,
-        model.num_kv_heads,
-        model.head_dim,
-        dtype,
-        device,
-        layout=config.kv_layout,
-    )
+    dummy = allocate_model_kv_cache(config, model, 1, device)
     _release(device)
     torch.cuda.reset_peak_memory_stats(device)
     reserved_before = torch.cuda.memory_reserved(device)

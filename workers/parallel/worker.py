@@ -119,7 +119,7 @@ def run_worker(spec: WorkerSpec) -> None:
 
 
 def _build_rank(spec: WorkerSpec) -> tuple[Any, Any]:
-    from workers.kv_cache import allocate_kv_cache
+    from workers.kv_cache import allocate_model_kv_cache
     from workers.loader import end_token_ids
     from workers.model_runner import ModelRunner
     from workers.parallel.connector_hook import make_rank_connector
@@ -140,16 +140,7 @@ def _build_rank(spec: WorkerSpec) -> tuple[Any, Any]:
     plan = make_plan(spec.hf_config, spec.tp_size, spec.rank)
     model = load_rank_model(spec.model_path, spec.hf_config, config.dtype, device, plan, group)
     num_blocks = group.min_int(kv_blocks_for_model(config, model, device))
-    kv_cache = allocate_kv_cache(
-        num_blocks,
-        model.num_layers,
-        config.block_size,
-        model.num_kv_heads,
-        model.head_dim,
-        next(model.parameters()).dtype,
-        device,
-        layout=config.kv_layout,
-    )
+    kv_cache = allocate_model_kv_cache(config, model, num_blocks, device)
     connector = make_rank_connector(config, spec.hf_config, spec.rank)
     end_ids = end_token_ids(spec.hf_config)
     runner = ModelRunner(
