@@ -61,13 +61,6 @@ class KVConnectorSchedulerSide(abc.ABC):
         nothing to load, but the connector may still need to notify the
         peer, e.g. to free its blocks after a full local hit)."""
 
-    def get_remote_block_runs(self, request: Request) -> list[int] | None:
-        """After ``get_num_new_matched_tokens`` promised an asynchronous load:
-        the lengths of the runs of consecutive remote block ids the load reads
-        into the request's next new blocks, in order (the scheduler's allocator
-        shapes its runs after them). None: no shape to follow."""
-        return None
-
     @abc.abstractmethod
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
         """Pack the work recorded since the last call (loads to start,

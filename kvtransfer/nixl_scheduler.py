@@ -117,26 +117,6 @@ class NixlSchedulerSide(KVConnectorSchedulerSide):
         num_external = max(0, num_remote - num_local_computed_tokens)
         return (num_external, True) if num_external > 0 else (0, False)
 
-    def get_remote_block_runs(self, request: Request) -> list[int] | None:
-        """Run lengths of ``remote_block_ids[i0:i1]`` (module docstring), the
-        blocks the load will read into the request's new blocks."""
-        state = self._remote.get(request.request_id)
-        if state is None or state.phase != _WAITING or state.error:
-            return None
-        num_local = state.num_local_computed
-        num_remote = min(state.params.num_tokens, request.num_tokens - 1)
-        if num_local % self.block_size or num_remote <= num_local:
-            return None
-        i0 = num_local // self.block_size
-        ids = state.params.remote_block_ids[i0 : _cdiv(num_remote, self.block_size)]
-        runs: list[int] = []
-        for j, block_id in enumerate(ids):
-            if j and block_id == ids[j - 1] + 1:
-                runs[-1] += 1
-            else:
-                runs.append(1)
-        return runs or None
-
     def update_state_after_alloc(
         self, request: Request, block_ids: list[int], num_external_tokens: int
     ) -> None:

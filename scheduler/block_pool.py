@@ -30,16 +30,6 @@ smaller than the prefixes (benchmarks/prefix_eviction.py) this costs 0.3-0.6
 points of hit rate against strict LRU (0.7-2.5 without the ``was_hit`` rule)
 and cuts runs of ids per block from 0.5-0.75 to 0.08-0.33. ``BlockPool(evict_runs=False)``
 evicts strictly in LRU order.
-
-A decode engine that reads a request's KV from a prefill engine asks for the
-new blocks as runs shaped like the remote ones (``get_new_blocks(n,
-runs=[k1, k2, ...])``, the lengths of the runs of consecutive remote ids):
-first one run of all ``n`` free uncached ids, else each ``k`` as a run of
-free uncached ids (right after the previous run if free, else an exact hole
-of ``k``, else the first hole longer than ``k``), and only a remote run no
-hole can hold goes through steps 2-3 above on its own. So the local run
-breaks fall where the remote ones do wherever the free uncached ids allow.
-Holes are found with ``bytes.find`` on a byte map of the free uncached ids.
 """
 
 from __future__ import annotations
@@ -142,8 +132,6 @@ class BlockPool:
         # ids of free blocks without a hash; stale entries (taken or since
         # hashed) are skipped when popped and dropped on compaction
         self._uncached_ids: list[int] = list(range(num_blocks))
-        # byte i + 1 is 1 iff block i is free and uncached (0 pads both ends)
-        self._uncached_map = bytearray(b"\x00" + b"\x01" * num_blocks + b"\x00")
         self._free_clock = 0
         # scheduler.kv_events.KVEventRecorder when KV events are on (routing)
         self.events = None
@@ -173,7 +161,6 @@ class BlockPool:
             block.block_hash = None
         block.ref_cnt = 1
         block.was_hit = False
-        self._uncached_map[block.block_id + 1] = 0
         out.append(block)
 
     def _take_run(self, start_id: int, num_blocks: int, out: list[KVBlock]) -> int:
@@ -186,66 +173,14 @@ class BlockPool:
             i += 1
         return taken
 
-    def get_new_blocks(
-        self,
-        num_blocks: int,
-        after: KVBlock | None = None,
-        runs: Sequence[int] | None = None,
-    ) -> list[KVBlock]:
+    def get_new_blocks(self, num_blocks: int, after: KVBlock | None = None) -> list[KVBlock]:
         """``num_blocks`` blocks with one reference each, as runs of consecutive
         ids where possible (module docstring). ``after``: the request's last
         block, whose successors continue its run. The first blocks returned
         continue ``after``; the rest are in ascending id order within each
-        step. O(blocks taken + log(free blocks)) amortised.
-
-        ``runs``: positive lengths summing to ``num_blocks`` (the remote runs a
-        read will fill these blocks from, in order); the blocks come back in
-        that order, the ``j``-th group consecutive where a hole allows, and
-        ``after`` is ignored. Adds O(pool size) byte scans per run."""
+        step. O(blocks taken + log(free blocks)) amortised."""
         if num_blocks > self.free_queue.num_free_blocks:
             raise ValueError(f"cannot get {num_blocks} blocks, {self.num_free_blocks} free")
-        if runs is not None:
-            if any(k < 1 for k in runs) or sum(runs) != num_blocks:
-                raise ValueError(f"runs {list(runs)} must be positive and sum to {num_blocks}")
-            return self._get_runs(num_blocks, runs)
-        return self._get_blocks(num_blocks, after)
-
-    def _find_hole(self, num_blocks: int, after_id: int) -> int:
-        """First id of ``num_blocks`` consecutive free uncached blocks: right
-        after ``after_id`` if free, else the first exact hole, else the first
-        longer one; -1 if none."""
-        m = self._uncached_map
-        ones = b"\x01" * num_blocks
-        if after_id >= 0 and m[after_id + 2 : after_id + 2 + num_blocks] == ones:
-            return after_id + 1
-        pos = m.find(b"\x00" + ones + b"\x00")
-        if pos >= 0:
-            return pos
-        pos = m.find(ones)
-        return pos - 1 if pos >= 0 else -1
-
-    def _get_runs(self, num_blocks: int, runs: Sequence[int]) -> list[KVBlock]:
-        out: list[KVBlock] = []
-        start = self._find_hole(num_blocks, -1)
-        if start >= 0:
-            self._take_run(start, num_blocks, out)
-            return out
-        if self._uncached_map.count(1) < num_blocks:
-            # eviction decides anyway: one request-wide pass keeps D's own runs long
-            return _arrange(self._get_blocks(num_blocks, None), runs)
-        last_id, rest = -1, 0
-        for j, k in enumerate(runs):
-            start = self._find_hole(k, last_id)
-            if start < 0:
-                rest = sum(runs[j:])
-                break
-            self._take_run(start, k, out)
-            last_id = start + k - 1
-        if rest:
-            out += self._get_blocks(rest, None)
-        return _arrange(out, runs)
-
-    def _get_blocks(self, num_blocks: int, after: KVBlock | None) -> list[KVBlock]:
         out: list[KVBlock] = []
         need = num_blocks
         if after is not None:
@@ -332,7 +267,6 @@ class BlockPool:
                 self.free_queue.append(b)
                 if b.block_hash is None:
                     self._push_uncached(b)
-                    self._uncached_map[b.block_id + 1] = 1
             elif b.ref_cnt < 0:
                 raise AssertionError(f"double free of {b}")
 
@@ -345,7 +279,6 @@ class BlockPool:
             b.block_hash = None
         self.cached.clear()
         self._uncached_ids = list(range(self.num_blocks))
-        self._uncached_map[1:-1] = b"\x01" * self.num_blocks
         if self.events is not None:
             self.events.cleared()
         return True
@@ -370,47 +303,3 @@ class BlockPool:
         for i in free_ids:
             if self.blocks[i].block_hash is None:
                 assert i in heap_ids, f"free uncached block {i} missing from the id heap"
-        m = self._uncached_map
-        assert m[0] == 0 and m[-1] == 0 and len(m) == self.num_blocks + 2, "byte map pads"
-        for b in self.blocks:
-            want = int(b.block_id in free_ids and b.block_hash is None)
-            assert m[b.block_id + 1] == want, f"{b}: byte map says {m[b.block_id + 1]}"
-
-
-def _num_segments(blocks: Sequence[KVBlock], runs: Sequence[int]) -> int:
-    """Runs consecutive in ``blocks`` and in the remote ``runs`` at once."""
-    breaks = set()
-    pos = 0
-    for k in runs[:-1]:
-        pos += k
-        breaks.add(pos)
-    for j in range(1, len(blocks)):
-        if blocks[j].block_id != blocks[j - 1].block_id + 1:
-            breaks.add(j)
-    return len(breaks) + 1
-
-
-def _arrange(blocks: list[KVBlock], runs: Sequence[int]) -> list[KVBlock]:
-    """Reorder ``blocks`` so their runs break where the remote ``runs`` do:
-    each remote run takes a local run of exactly its length, else the head of
-    a longer one, else the longest left (a break inside it). Kept only if that
-    leaves fewer segments than the given order."""
-    pieces: list[list[KVBlock]] = []
-    for b in sorted(blocks, key=lambda b: b.block_id):
-        if pieces and pieces[-1][-1].block_id + 1 == b.block_id:
-            pieces[-1].append(b)
-        else:
-            pieces.append([b])
-    out: list[KVBlock] = []
-    for k in runs:
-        while k:
-            exact = [p for p in pieces if len(p) == k]
-            longer = [p for p in pieces if len(p) > k]
-            piece = exact[0] if exact else min(longer, key=len) if longer else max(pieces, key=len)
-            take = min(k, len(piece))
-            out += piece[:take]
-            del piece[:take]
-            if not piece:
-                pieces.remove(piece)
-            k -= take
-    return out if _num_segments(out, runs) < _num_segments(blocks, runs) else blocks

@@ -93,7 +93,6 @@ class KVCacheManager:
         num_new_computed_tokens: int = 0,
         new_computed_blocks: list[KVBlock] | None = None,
         delay_cache_blocks: bool = False,
-        block_runs: list[int] | None = None,
     ) -> list[int] | None:
         """Make room for ``num_new_tokens`` tokens after the request's computed
         ones (plus the prefix-hit ``new_computed_blocks`` covering
@@ -103,11 +102,6 @@ class KVCacheManager:
 
         ``delay_cache_blocks``: do not publish hashes yet (a remote read will
         fill these blocks; ``cache_blocks`` publishes them afterwards).
-
-        ``block_runs``: lengths of the runs of consecutive remote block ids the
-        new blocks will be read from; when they add up to the number of new
-        blocks, the pool shapes its runs after them (``BlockPool.get_new_blocks``),
-        otherwise they are ignored.
         """
         blocks = self.req_blocks.get(request.request_id)
         if blocks is not None and not new_computed_blocks:
@@ -141,12 +135,8 @@ class KVCacheManager:
             self.pool.touch(computed)
             blocks.extend(computed)
             self.num_cached_blocks[request.request_id] += len(computed)
-        if block_runs is not None and sum(block_runs) != num_new_blocks:
-            block_runs = None
         new_blocks = (
-            self.pool.get_new_blocks(
-                num_new_blocks, blocks[-1] if blocks else None, runs=block_runs
-            )
+            self.pool.get_new_blocks(num_new_blocks, blocks[-1] if blocks else None)
             if num_new_blocks > 0
             else []
         )

@@ -317,17 +317,12 @@ class Scheduler:
                 num_computed + num_new, computed_blocks
             ):
                 break  # admitting it would eat into the blocks kept for growth
-            block_runs = None
-            if load_async:  # shape the blocks after the remote ones (fewer descriptors)
-                remote_runs = getattr(connector, "get_remote_block_runs", None)
-                block_runs = remote_runs(req) if remote_runs is not None else None
             new_block_ids = self.kv.allocate_slots(
                 req,
                 num_new + num_external,
                 num_new_computed,
                 computed_blocks,
                 delay_cache_blocks=load_async,
-                block_runs=block_runs,
             )
             if new_block_ids is None:
                 break  # no room; it keeps its place at the head of the queue

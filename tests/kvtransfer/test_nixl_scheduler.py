@@ -331,15 +331,3 @@ def test_prefill_only_role_ignores_remote_prefill():
     assert conn.get_num_new_matched_tokens(req, 0) == (0, False)
     conn.update_state_after_alloc(req, [1, 2, 3], 0)
     assert meta(conn).is_empty()
-
-
-def test_decode_remote_block_runs_follow_the_read():
-    conn = make()
-    req = d_request("d1", 22, d_params(22, [20, 21, 22, 5, 6, 9]))
-    assert conn.get_remote_block_runs(req) is None  # not seen yet
-    assert conn.get_num_new_matched_tokens(req, 0) == (22, True)
-    assert conn.get_remote_block_runs(req) == [3, 2, 1]
-    assert conn.get_num_new_matched_tokens(req, 8) == (14, True)  # a local hit of 2 blocks
-    assert conn.get_remote_block_runs(req) == [1, 2, 1]
-    conn.update_state_after_alloc(req, [0, 1, 2, 3, 4, 7], 14)
-    assert conn.get_remote_block_runs(req) is None  # loading: nothing left to shape
