@@ -314,3 +314,27 @@ def test_sharded_weights_are_read_as_slices(make_checkpoint, monkeypatch):
     assert whole and all(shard_for(n, plan) is None for n in whole)
     assert {n for n in names if shard_for(n, plan) is not None}.isdisjoint(whole)
     assert any(n.endswith("q_proj.weight") for n in names)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("exit_seen", [True, False])
+def test_commands_to_a_killed_worker_never_block(make_checkpoint, monkeypatch, exit_seen):
+    """A killed worker's command socket has no peer a moment after the kill
+    (its kernel closed the connection), before Ray reports the actor dead
+    (``exit_seen`` False: the window a Ray worker's exit code is not known
+    yet): what rank 0 sends it (stats, idle release, a step) fails the
+    engine instead of blocking the engine loop for good."""
+    path = make_checkpoint("llama")
+    with LLM(_config(path, 2, tp_step_timeout_s=4.0)) as llm:
+        tp = llm.engine.tp
+        (worker,) = tp.procs
+        os.kill(worker.pid, signal.SIGKILL)
+        time.sleep(0.5)  # the pipe is gone
+        if not exit_seen:
+            monkeypatch.setattr(type(worker), "exitcode", property(lambda self: None))
+            monkeypatch.setattr(tp.heartbeats, "stale_after_s", 1e9)
+        start_s = time.monotonic()
+        with pytest.raises(WorkerFailed):
+            tp.sum_kv_stats({})
+        assert time.monotonic() - start_s < 4.0 + 2.0
+        monkeypatch.undo()

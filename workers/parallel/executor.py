@@ -192,8 +192,7 @@ class TPExecutor:
         self.num_steps += 1
         start_s = time.perf_counter()
         frame = self._enc.encode(WorkerCommand(CMD_STEP, self.num_steps, so))
-        for sock in self._commands:
-            sock.send(frame, copy=False)
+        self._send(frame)
         self.broadcast_s += time.perf_counter() - start_s
         self.broadcast_bytes += len(frame)
         out = self._guard(runner.execute, so)
@@ -209,8 +208,29 @@ class TPExecutor:
         """A command without a scheduler output (``CMD_RELEASE_IDLE``,
         ``CMD_KV_STATS``) to every worker; ``seq`` matches its replies."""
         frame = self._enc.encode(WorkerCommand(kind, seq))
-        for sock in self._commands:
-            sock.send(frame, copy=False)
+        self._send(frame)
+
+    def _send(self, frame: bytes) -> None:
+        """``frame`` to every worker, never blocking on a gone one: the PUSH
+        socket of a worker whose process died (its kernel closed the
+        connection) has no peer, and a blocking send would wait forever,
+        before Ray (or waitpid) reports the exit. Waits for a peer at most
+        ``step_timeout_s``, polling the workers' liveness meanwhile."""
+        import zmq
+
+        for rank, sock in enumerate(self._commands, start=1):
+            deadline = time.monotonic() + self.step_timeout_s
+            while True:
+                try:
+                    sock.send(frame, flags=zmq.NOBLOCK, copy=False)
+                    break
+                except zmq.Again:
+                    self._check_alive()
+                    if time.monotonic() > deadline:
+                        raise self._fail(
+                            f"rank {rank} took no command within {self.step_timeout_s:g} s"
+                        ) from None
+                    time.sleep(_POLL_MS / 1000)
 
     def sum_kv_stats(self, rank0: dict[str, float]) -> dict[str, float]:
         """Rank 0's connector ``stats()`` with the bytes and descriptors of every
@@ -218,6 +238,7 @@ class TPExecutor:
         rank sees: rank 0's stand). Engine loop thread, between steps."""
         if self.failed is not None:
             return rank0
+        self._check_alive()
         self._num_stats += 1
         self.broadcast(CMD_KV_STATS, self._num_stats)
         replies = self._await(REPLY_KV_STATS, STATS_TIMEOUT_S, step=self._num_stats)
