@@ -8,6 +8,10 @@
 #   bash benchmarks/gpu_session.sh extras  # <= 9.5 min (optional): gpu_engine --compile-only,
 #                                          #   async_scheduling on CUDA bf16, kv_transfer on CUDA
 #   bash benchmarks/gpu_session.sh all     # all four, where no per-command limit applies
+#   GPU_DEADLINE_S=500 bash benchmarks/gpu_session.sh tests parts
+#                                          # several parts in one command under one deadline:
+#                                          #   a stage starts only with >= 40 s left and is cut
+#                                          #   to what is left (skipped stages are listed)
 #
 # Run from the checkout's root on the GPU box. The offline image lacks msgspec, pyzmq and
 # nixl: copy /work/shared/gpu into the checkout as ./gpu (ignored: `echo /gpu/ >>
@@ -21,12 +25,15 @@
 # gives each stage's exit status and seconds. Exit status: 0 only if every stage passed.
 set -u -o pipefail
 
-part=${1:-tests}
-case "$part" in tests | engine | parts | extras | all) ;; *)
-    echo "usage: $0 tests|engine|parts|extras|all" >&2
-    exit 2
-    ;;
-esac
+parts=("${@:-tests}")
+for part in "${parts[@]}"; do
+    case "$part" in tests | engine | parts | extras | all) ;; *)
+        echo "usage: $0 tests|engine|parts|extras|all [more parts]" >&2
+        exit 2
+        ;;
+    esac
+done
+deadline=${GPU_DEADLINE_S:-0} # 0: no overall deadline
 out=${OUT:-$PWD/gpu-out}
 mkdir -p "$out"
 summary="$out/summary.txt"
@@ -48,6 +55,16 @@ stage() {
     local name=$1 limit=$2 log=$3
     shift 3
     local start=$SECONDS rc
+    if [ "$deadline" -gt 0 ]; then
+        local left=$((deadline - SECONDS))
+        if [ "$left" -lt 40 ]; then
+            printf '%-28s skipped: %ss left of GPU_DEADLINE_S=%s\n' "$name" "$left" "$deadline" |
+                tee -a "$summary"
+            status=1
+            return
+        fi
+        [ "$left" -lt "$limit" ] && limit=$left
+    fi
     echo "== $name (limit ${limit}s): $*" | tee -a "$log"
     timeout --kill-after=15 "$limit" "$@" 2>&1 | tee -a "$log"
     rc=$?
@@ -72,14 +89,22 @@ EOF
     env | grep -E '^(UCX_|NIXL|CUDA_VISIBLE)' || true
 }
 
+# the quick kernel and engine checks first, torch.compile's long compiles last, so a deadline
+# cuts the slowest file rather than the basics
+GPU_TEST_ORDER="tests/gpu/test_cuda_kernels.py tests/gpu/test_cuda_engine.py
+ tests/gpu/test_cuda_graph_inputs.py tests/gpu/test_cuda_capture_threads.py
+ tests/gpu/test_cuda_prefill_attention.py tests/gpu/test_cuda_nixl_reads.py
+ tests/gpu/test_cuda_nixl.py tests/gpu/test_cuda_pd_half_gpu.py tests/gpu/test_cuda_piecewise.py
+ tests/gpu/test_cuda_async_scheduling.py tests/gpu/test_cuda_compile.py"
+
 run_tests() {
     # the gpu-marked tests: kernels, engine (graphs, one sync, fp32 = transformers,
     # half-GPU P/D over NIXL VRAM), NIXL VRAM READ byte-exact, piecewise, prefill split.
     # GPU_TESTS re-runs a subset (e.g. GPU_TESTS="tests/gpu/test_cuda_engine.py -k sync").
     # shellcheck disable=SC2086
     stage "tests/gpu" 430 "$out/gpu-tests.log" \
-        python3 -m pytest -p no:cacheprovider -q -ra --timeout 240 \
-        --junitxml="$out/gpu-tests.xml" ${GPU_TESTS:-tests/gpu}
+        python3 -m pytest -p no:cacheprovider -v -ra --timeout 150 --durations=25 \
+        --junitxml="$out/gpu-tests.xml" ${GPU_TESTS:-$GPU_TEST_ORDER}
     # this image's Triton: does the CPU check (ahead-of-time compile for sm_90) agree with the
     # real compiles above?
     stage "triton AOT compile" 90 "$out/kernels.log" \
@@ -94,13 +119,14 @@ run_engine() {
 }
 
 run_parts() {
-    # mixed-step ms per --cuda-graph-mode (decides the default mode); prefill attention
-    # TFLOP/s triton vs SDPA vs the engine's split; NIXL READ per size and block layout
-    stage "benchmarks/gpu_piecewise.py" 270 "$out/gpu-piecewise.txt" \
-        python3 benchmarks/gpu_piecewise.py
+    # prefill attention TFLOP/s triton vs SDPA vs the engine's split; NIXL READ per size and
+    # block layout; mixed-step ms per --cuda-graph-mode (decides the default mode). Shortest
+    # first, so a GPU_DEADLINE_S cuts the longest.
     stage "benchmarks/prefill_attention.py" 120 "$out/prefill-attention.txt" \
         python3 benchmarks/prefill_attention.py
     stage "benchmarks/gpu_nixl.py" 150 "$out/gpu-nixl.txt" python3 benchmarks/gpu_nixl.py
+    stage "benchmarks/gpu_piecewise.py" 270 "$out/gpu-piecewise.txt" \
+        python3 benchmarks/gpu_piecewise.py
 }
 
 run_extras() {
@@ -119,17 +145,19 @@ run_extras() {
 
 export -f environment # timeout runs programs, not shell functions
 stage environment 30 "$out/env.txt" bash -c environment
-case "$part" in
-tests) run_tests ;;
-engine) run_engine ;;
-parts) run_parts ;;
-extras) run_extras ;;
-all)
-    run_tests
-    run_engine
-    run_parts
-    run_extras
-    ;;
-esac
-echo "gpu_session $part: $([ $status -eq 0 ] && echo all stages passed || echo FAILURES) (see $summary)"
+for part in "${parts[@]}"; do
+    case "$part" in
+    tests) run_tests ;;
+    engine) run_engine ;;
+    parts) run_parts ;;
+    extras) run_extras ;;
+    all)
+        run_tests
+        run_engine
+        run_parts
+        run_extras
+        ;;
+    esac
+done
+echo "gpu_session ${parts[*]}: $([ $status -eq 0 ] && echo all stages passed || echo FAILURES) (see $summary)"
 exit $status

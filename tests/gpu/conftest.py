@@ -53,3 +53,12 @@ def compiled_triton_kernels():
         if value is not None:
             os.environ[key] = value
     _reload_loaded_kernels()
+
+
+def pytest_runtest_logreport(report):
+    """Print a failing test's traceback as soon as it fails, not at the session's end: a GPU
+    session's pytest may be stopped by its stage deadline before the summary is written, and
+    its log must still say why each finished test failed."""
+    if report.failed:
+        print(f"\n==== FAILED {report.nodeid} ({report.when}, {report.duration:.1f}s)", flush=True)
+        print(report.longreprtext[-6000:], flush=True)
