@@ -294,14 +294,14 @@ def transport_text(report: ReadReport) -> tuple[str, str]:
 
 
 def format_table(report: ReadReport) -> str:
-    from importlib.metadata import version
+    from kvtransfer.nixl_agent import nixl_version
 
     memory = "VRAM" if report.device.startswith("cuda") else "DRAM"
     transport, warning = transport_text(report)
     settings = ", ".join(f"{k}={v or '(unset)'}" for k, v in report.ucx_settings.items())
     lines = [
         f"NIXL READ between two processes, KV in {memory}: {report.device_label}",
-        f"NIXL {version('nixl')}, {datetime.date.today().isoformat()}, load average "
+        f"NIXL {nixl_version()}, {datetime.date.today().isoformat()}, load average "
         f"{os.getloadavg()[0]:.1f}; UCX settings: {settings}; connector READs from "
         f"{'prepared block lists' if report.prepped_reads else 'descriptors prepared per READ'}",
         f"UCX transport of a READ (probe): {transport}"

@@ -47,9 +47,9 @@ def _shapes(text: str) -> list[tuple[int, int]]:
     return shapes
 
 
-def _prompt(n: int, seed: int) -> list[int]:
+def _prompt(n: int, seed: int, vocab_size: int = ONE_B_CONFIG["vocab_size"]) -> list[int]:
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, ONE_B_CONFIG["vocab_size"], (n,), generator=g).tolist()
+    return torch.randint(3, vocab_size, (n,), generator=g).tolist()
 
 
 def _engine(path: str, mode: str, shapes: list[tuple[int, int]], args) -> object:
@@ -70,15 +70,27 @@ def _engine(path: str, mode: str, shapes: list[tuple[int, int]], args) -> object
     )
 
 
+def _sync(engine) -> None:
+    if engine.config.device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
 def step_ms(engine, decodes: int, chunk: int, args) -> float:
     """Mean wall ms of ``args.steps`` steps of ``decodes`` decodes + a ``chunk``-token chunk."""
     from scheduler.messages import EngineRequest, SamplingParams
 
     num_steps = args.steps
+    # One engine serves every shape, its budget the largest D + C: a step must not fill the
+    # rest of the budget with prompt tokens. The decodes' prompts prefill uncapped; then one
+    # partial prefill of at most C tokens a step (the scheduler's partial-prefill limits).
+    sched = engine.scheduler.config
+    sched.long_prefill_token_threshold, sched.max_num_partial_prefills = 0, 0
     params = SamplingParams(max_tokens=num_steps * 2 + 64, temperature=0.0, ignore_eos=True)
     ids = [f"d{decodes}-{chunk}-{i}" for i in range(decodes)]
     for i, rid in enumerate(ids):
-        engine.add_request(EngineRequest(rid, _prompt(args.prompt_len, i), params))
+        engine.add_request(
+            EngineRequest(rid, _prompt(args.prompt_len, i, engine.model.vocab_size), params)
+        )
     settled = 0
     while decodes and settled < 3:  # every sequence decodes
         engine.step()
@@ -88,12 +100,17 @@ def step_ms(engine, decodes: int, chunk: int, args) -> float:
         # step prefills exactly `chunk` tokens, the last chunk of one prompt included
         per_prompt = chunk * max(1, (engine.max_model_len - 1) // chunk)
         long_params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        sched.long_prefill_token_threshold, sched.max_num_partial_prefills = chunk, 1
         for j in range(math.ceil((num_steps + 2) * chunk / per_prompt) + 1):
             ids.append(f"long{j}")
-            engine.add_request(EngineRequest(ids[-1], _prompt(per_prompt, 100 + j), long_params))
+            engine.add_request(
+                EngineRequest(
+                    ids[-1], _prompt(per_prompt, 100 + j, engine.model.vocab_size), long_params
+                )
+            )
         for _ in range(2):  # warm: the first chunk steps
             engine.step()
-    torch.cuda.synchronize()
+    _sync(engine)
     start = time.perf_counter()
     for _ in range(num_steps):
         engine.step()
@@ -101,9 +118,10 @@ def step_ms(engine, decodes: int, chunk: int, args) -> float:
             raise RuntimeError(
                 f"step had {engine.last_step_num_tokens} tokens, not {decodes}+{chunk}"
             )
-    torch.cuda.synchronize()
+    _sync(engine)
     elapsed_ms = (time.perf_counter() - start) / num_steps * 1e3
     engine.abort(ids)
+    sched.long_prefill_token_threshold, sched.max_num_partial_prefills = 0, 0
     while engine.has_work():
         engine.step()
     engine.check_integrity()

@@ -255,11 +255,11 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         pair.close()
 
-    from importlib.metadata import version
+    from kvtransfer.nixl_agent import nixl_version
 
     memory = "VRAM" if args.device.startswith("cuda") else "DRAM"
     print(
-        f"\nKV transfer, 2 processes, NIXL {version('nixl')} UCX (UCX_TLS="
+        f"\nKV transfer, 2 processes, NIXL {nixl_version()} UCX (UCX_TLS="
         f"{os.environ.get('UCX_TLS', 'default')}, progress thread "
         f"{'on' if args.progress_thread else 'off'}, notifications via {args.notify}, "
         f"{'prepped block lists' if args.prepped_lists == 'on' else 'lists prepared per READ'})\n"

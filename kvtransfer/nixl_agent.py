@@ -33,6 +33,20 @@ XferHandle = Any
 logger = logging.getLogger(__name__)
 
 
+def nixl_version() -> str:
+    """The installed NIXL's version: from its package metadata (``nixl``, or the CUDA-specific
+    ``nixl-cu12``/``nixl-cu13`` distributions), else "unknown" where the module was unpacked
+    without metadata (the offline GPU image's ``gpu/setup.sh``)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for name in ("nixl", "nixl-cu13", "nixl-cu12"):
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            continue
+    return "unknown (no package metadata)"
+
+
 def split_block_runs(
     local_block_ids: list[int], remote_block_ids: list[int]
 ) -> list[tuple[int, int, int]]:

@@ -33,7 +33,7 @@ GREEDY = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
 
 
 def _compile_config(path: str, **changes):
-    return _config(path, cuda_graph_sizes=[1, 2, 4, 8], **changes)
+    return _config(path, **{"cuda_graph_sizes": [1, 2, 4, 8], **changes})
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

@@ -21,3 +21,30 @@ def test_without_a_gpu_the_benchmark_says_so_and_exits_0(monkeypatch, capsys):
 
 def test_shapes_are_decodes_plus_chunk_tokens():
     assert gpu_piecewise._shapes("1+15,64+0") == [(1, 15), (64, 0)]
+
+
+def test_every_timed_step_has_exactly_d_plus_c_tokens_on_one_engine():
+    """One engine (budget = the largest D + C) serves every shape: ``step_ms`` raises if a
+    timed step's token count is not D + C (on the GPU the first shape filled the whole
+    budget with prompt tokens: "step had 512 tokens, not 1+15")."""
+    from argparse import Namespace
+
+    from workers.config import EngineConfig
+    from workers.engine_core import EngineCore
+
+    shapes = [(1, 15), (4, 28), (3, 0)]
+    engine = EngineCore(
+        EngineConfig(
+            model="tiny",
+            max_num_seqs=max(d for d, _ in shapes) + 1,
+            max_num_batched_tokens=max(d + c for d, c in shapes),
+            max_model_len=256,
+            num_kv_blocks=256,
+            enable_prefix_caching=False,
+        )
+    )
+    args = Namespace(steps=4, prompt_len=40)
+    for decodes, chunk in shapes:
+        assert gpu_piecewise.step_ms(engine, decodes, chunk, args) > 0
+    assert engine.scheduler.config.long_prefill_token_threshold == 0
+    engine.check_integrity()

@@ -173,6 +173,12 @@ def _profile_capture(
     made.clear()
     _release(device)
     kept = max(0, torch.cuda.memory_reserved(device) - reserved_before)
+    logger.info(
+        "profiling capture took %.1f MiB; %.1f MiB stayed reserved after its graphs were "
+        "destroyed (left out)",
+        num_bytes / 2**20,
+        kept / 2**20,
+    )
     if kept > GRAPH_BYTES_SLACK * 16:
         logger.warning("destroying the profiling graphs left %.1f MiB reserved", kept / 2**20)
     return max(0, num_bytes - kept)
