@@ -158,7 +158,11 @@ def main() -> int:
                 f"activations {mem.activation_bytes / 2**20:.0f} MiB, "
                 f"profiling {mem.seconds:.1f} s"
             )
-            ms[mode] = [step_ms(engine, d, c, args) for d, c in shapes]
+            print(f"{mode}: {startup[mode]}", flush=True)  # as measured: a cut run keeps rows
+            ms[mode] = []
+            for d, c in shapes:
+                ms[mode].append(step_ms(engine, d, c, args))
+                print(f"  {mode} {d}+{c}: {ms[mode][-1]:.2f} ms/step", flush=True)
             del engine
             _release()
 

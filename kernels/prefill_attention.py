@@ -55,15 +55,18 @@ def use_sdpa_prefills(mode: str, device: torch.device | str, dtype: torch.dtype)
     """Whether a step's prefix-free prefills take SDPA, for ``EngineConfig.prefill_attention``.
 
     ``triton``: never (every query through ``kernels.dispatch.paged_attention``); ``sdpa``:
-    always; ``auto``: on CUDA in fp16/bf16, where torch's flash kernel beats the paged Triton
-    kernel (issue #10: 225 vs 188 TFLOP/s on an H100). fp32 keeps the paged kernel's exact
-    (non-TF32) dots; the CPU reference already attends long prompts with SDPA.
+    always; ``auto``: the paged Triton kernel everywhere. Measured on an H200 (2026-11-26,
+    ``benchmarks/prefill_attention.py``, bf16, two runs): the split's varlen flash call was
+    slower than the paged kernel at 512 and 1024-token prompts (81-91 vs 112-118 and 117-124 vs
+    119-150 TFLOP/s), level at 128, 2048 and mixed lengths, and ahead only at 4096 (217-243 vs
+    168-189). (Batched SDPA over equal lengths beat both from 512 up: the next measurement.)
+    On CPU the reference path already attends long prompts with SDPA.
     """
     if mode not in MODES:
         raise ValueError(f"prefill_attention must be one of {', '.join(MODES)}, got {mode!r}")
-    if mode != "auto":
-        return mode == "sdpa"
-    return torch.device(device).type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+    torch.device(device)  # validates the device argument for every mode
+    del dtype  # auto no longer depends on it (docstring)
+    return mode == "sdpa"
 
 
 @dataclass

@@ -149,7 +149,7 @@ class EngineCore:
         )
         self.connector_scheduler, self.connector_worker = self._make_connector()
         # overlapped loop (workers/async_step.py); TP ranks step in lockstep: synchronous
-        overlap = config.async_scheduling and self.tp is None
+        overlap = config.uses_async_scheduling() and self.tp is None
         scheduler_cls = AsyncScheduler if overlap else Scheduler
         self.scheduler = scheduler_cls(
             self.sched_config, self.connector_scheduler, config.engine_id

@@ -104,11 +104,11 @@ def test_sdpa_engine_fp32_equals_transformers(make_checkpoint, arch):
     llm.engine.check_integrity()
 
 
-def test_bf16_auto_takes_flash_and_stays_close_to_triton(make_checkpoint):
+def test_bf16_sdpa_takes_flash_and_stays_close_to_triton(make_checkpoint):
     """bf16 tokens may flip at near-ties between two kernels, so compare the hidden states of
     one mixed step (new prompts, a decode, a later chunk) through both paths."""
     model, _ = load_model(make_checkpoint("llama", num_hidden_layers=2), "bfloat16", "cuda")
-    assert prefill_attention.use_sdpa_prefills("auto", "cuda", torch.bfloat16)
+    assert prefill_attention.use_sdpa_prefills("sdpa", "cuda", torch.bfloat16)
     before = prefill_attention.NUM_CALLS.copy()
     paged, _ = last_step_hidden(model, new_kv_cache(model, "cuda"), sdpa_prefills=False)
     split, _ = last_step_hidden(model, new_kv_cache(model, "cuda"), sdpa_prefills=True)

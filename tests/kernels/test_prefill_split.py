@@ -83,8 +83,10 @@ def test_off_or_without_fresh_sequences_it_is_the_paged_kernel():
 def test_modes():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     use = prefill_attention.use_sdpa_prefills
-    assert use("auto", cuda, torch.bfloat16) and use("auto", cuda, torch.float16)
-    assert not use("auto", cuda, torch.float32) and not use("auto", cpu, torch.bfloat16)
+    # auto = the paged kernel: the H200 rows (use_sdpa_prefills' docstring)
+    for device in (cpu, cuda):
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            assert not use("auto", device, dtype)
     assert use("sdpa", cpu, torch.float32) and not use("triton", cuda, torch.bfloat16)
     with pytest.raises(ValueError, match="prefill_attention"):
         use("flash", cpu, torch.float32)

@@ -256,7 +256,16 @@ def test_flag():
     add_engine_arguments(parser)
     assert engine_overrides(parser.parse_args(["--async-scheduling"])) == {"async_scheduling": True}
     assert engine_overrides(parser.parse_args([])) == {}
-    assert EngineConfig().async_scheduling is False
+    assert engine_overrides(parser.parse_args(["--no-async-scheduling"])) == {
+        "async_scheduling": False
+    }
+    # auto (None): on with CUDA (the H200 decode rows), off on CPU; an explicit value wins
+    assert EngineConfig().async_scheduling is None
+    assert not EngineConfig().uses_async_scheduling()
+    assert EngineConfig(device="cuda").uses_async_scheduling()
+    assert EngineConfig(device="cuda:1").uses_async_scheduling()
+    assert not EngineConfig(device="cuda", async_scheduling=False).uses_async_scheduling()
+    assert EngineConfig(async_scheduling=True).uses_async_scheduling()
 
 
 def test_unseeded_draws_do_not_depend_on_batch_mates(tiny_model_dir):

@@ -49,8 +49,8 @@ import torch
 from kernels import AttentionMetadata
 from kernels.prefill_attention import use_sdpa_prefills
 from scheduler.messages import SamplingParams
-from workers.graphs.build import GRAPH_BYTES_SLACK, make_step_graphs
-from workers.graphs.runner import CudaGraphBackend, graphs_allowed, timed_capture
+from workers.graphs.build import GRAPH_BYTES_SLACK, capture_step_graphs
+from workers.graphs.runner import CudaGraphBackend, graphs_allowed
 from workers.kv_cache import allocate_model_kv_cache
 from workers.sampler import Sampler
 
@@ -161,16 +161,11 @@ def _profile_capture(
     engine's own."""
     device = kv_cache.device
     backend = CudaGraphBackend(device)
-    made = []
-
-    def capture() -> None:
-        graphs = make_step_graphs(config, model, kv_cache, max_model_len, backend)
-        made.append(graphs.capture(log=False))
-
     reserved_before = torch.cuda.memory_reserved(device)
-    _, num_bytes = timed_capture(device, capture)
+    graphs = capture_step_graphs(config, model, kv_cache, max_model_len, backend, log=False)
+    num_bytes = graphs.num_bytes
     backend.release()
-    made.clear()
+    del graphs
     _release(device)
     kept = max(0, torch.cuda.memory_reserved(device) - reserved_before)
     logger.info(
