@@ -7,7 +7,7 @@ max_model_len 100k), a 100k-token prompt refused by the length pre-check
 (max_model_len 4096), a body over the 8 MB limit (413). Reported: the
 median and max extra duration of the stream over its baseline, and how long
 the refused request took. The "on the loop" row tokenizes on the event loop
-(what the gateway did before ``cluster/edge/``), for comparison.
+(what the gateway did before ``cluster/gateway/edge/``), for comparison.
 
 Run: python benchmarks/gateway_edge.py [--repeats 7]
 """
@@ -27,9 +27,9 @@ import httpx
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._machine import machine  # noqa: E402
-from cluster.edge.tokenizer_pool import TokenizerPool  # noqa: E402
-from cluster.gateway import create_app, serve_in_thread  # noqa: E402
-from cluster.null_backend import NullBackend  # noqa: E402
+from cluster.gateway.app import create_app, serve_in_thread  # noqa: E402
+from cluster.gateway.edge.tokenizer_pool import TokenizerPool  # noqa: E402
+from cluster.gateway.null_backend import NullBackend  # noqa: E402
 from workers.tiny import build_tokenizer  # noqa: E402
 from workers.tokenizer import encode_prompt  # noqa: E402
 

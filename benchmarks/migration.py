@@ -4,7 +4,7 @@ A real service (local Ray, 1 prefill + 2 decode engines, the `tiny` model)
 runs STREAMS concurrent greedy streams whose prompts are CONTEXT tokens long;
 once every stream has a few tokens, the decode engine holding the most of
 them is killed (``ray.kill``, Ray restarts it). Its streams migrate to the
-other decode engine (cluster/migration.py). Per migrated stream: the time
+other decode engine (cluster/disagg/migration.py). Per migrated stream: the time
 from the kill to its first token after the migration's silence
 (tests/chaos/harness.py ``resume_time``), and whether its tokens equal the
 undisturbed run's (asserted).
@@ -37,7 +37,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._machine import machine  # noqa: E402
-from cluster.serve import SERVE_DEFAULTS, ServiceThread  # noqa: E402
+from cluster.cli.serve import ServiceThread  # noqa: E402
+from cluster.cli.settings import SERVE_DEFAULTS  # noqa: E402
 from tests.chaos.harness import Tally, Workload, verdict  # noqa: E402
 from tests.chaos.service import requests_on, reset_prefix_caches  # noqa: E402
 

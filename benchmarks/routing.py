@@ -1,9 +1,9 @@
 """KV-aware routing vs round-robin and least-load on a multi-turn,
-shared-prefix trace (cluster/trace_replay.py), same seed for every run.
+shared-prefix trace (cluster/cli/trace_replay.py), same seed for every run.
 
 Setups: 2 prefill + 2 decode engines, and 4 colocated engines. For each
 router policy a fresh service (cold caches) replays the same synthetic
-trace (cluster/trace_replay.py SynthConfig: 32 chat/RAG sessions, 184
+trace (cluster/cli/trace_replay.py SynthConfig: 32 chat/RAG sessions, 184
 requests, ~2k-token prompts) through `tandem bench --trace` in its own
 process. Then the 2P+2D setup replays a trace of the same shape with no
 sharing at all (the control: routing must cost no throughput there; fewer
@@ -47,8 +47,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._machine import machine  # noqa: E402
 from benchmarks.serve_interference import MODEL, make_checkpoint  # noqa: E402
-from cluster.serve import SERVE_DEFAULTS, ServiceThread  # noqa: E402
-from cluster.trace_replay import SynthConfig, oracle_hit_tokens, synthesize  # noqa: E402
+from cluster.cli.serve import ServiceThread  # noqa: E402
+from cluster.cli.settings import SERVE_DEFAULTS  # noqa: E402
+from cluster.cli.trace_replay import SynthConfig, oracle_hit_tokens, synthesize  # noqa: E402
 
 # 8192 blocks (128k tokens, 256 MiB) per engine: the trace's working set
 # fits a pool, so the oracle (nothing evicted) is a fair bar for routing.

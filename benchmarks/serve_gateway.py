@@ -9,7 +9,7 @@ tracer (every request sampled, spans exported over OTLP/HTTP to a sink in a
 third process that decodes nothing); "bare" is a raw ASGI app writing
 pre-encoded chunks. Both gateways log as ``tandem serve`` does (one INFO line
 per finished request, written to /dev/null). The client is
-``cluster.bench`` (aiohttp) in this process, so the two sides never share a
+``cluster.cli.bench`` (aiohttp) in this process, so the two sides never share a
 GIL. Also reported: the server's CPU time per output token (from
 /proc/<pid>/stat), which does not depend on the client keeping up.
 
@@ -117,10 +117,10 @@ def serve(kind: str, port: int, otlp_endpoint: str | None = None) -> None:
     elif kind == "sink":
         app = sink_app()
     else:
-        from cluster.gateway import create_app
-        from cluster.logging_setup import make_handler
-        from cluster.null_backend import NullBackend
-        from cluster.tracing.settings import make_tracer
+        from cluster.gateway.app import create_app
+        from cluster.gateway.null_backend import NullBackend
+        from cluster.observability.logging_setup import make_handler
+        from cluster.observability.tracing.settings import make_tracer
 
         root = logging.getLogger()  # as `tandem serve`: INFO, one line per request
         root.addHandler(make_handler("text", open(os.devnull, "w")))  # noqa: SIM115
@@ -174,7 +174,7 @@ def cpu_seconds(pid: int) -> float:
 
 
 def measure(url: str, pid: int, concurrency: int, output_len: int, num_rounds: int) -> dict:
-    from cluster.bench import BenchConfig, run_benchmark
+    from cluster.cli.bench import BenchConfig, run_benchmark
 
     config = BenchConfig(
         url,

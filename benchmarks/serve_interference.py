@@ -28,7 +28,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._machine import machine  # noqa: E402
-from cluster.serve import SERVE_DEFAULTS, ServiceThread  # noqa: E402
+from cluster.cli.serve import ServiceThread  # noqa: E402
+from cluster.cli.settings import SERVE_DEFAULTS  # noqa: E402
 
 ENGINE = {
     "num_kv_blocks": 512,

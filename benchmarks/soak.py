@@ -3,7 +3,7 @@
     python benchmarks/soak.py                        # 10,000 requests at 64, tiny model, 1P+1D
     python benchmarks/soak.py --num-requests 1000 --concurrency 32 --colocated 1
 
-The service (``cluster.serve.Service`` + the gateway under uvicorn, exactly
+The service (``cluster.cli.serve.Service`` + the gateway under uvicorn, exactly
 what ``tandem serve`` runs) lives in a child process with its own local Ray;
 this process only drives HTTP load and asks the child, over a pipe, for
 measurements. The workload (fixed seed): completions and chat, streaming and
@@ -101,7 +101,8 @@ def _service_main(conn: Any, config: SoakConfig) -> None:
     """Child process: start the service, answer ``sample`` / ``settle`` / ``stop``."""
     import ray
 
-    from cluster.serve import SERVE_DEFAULTS, ServiceThread
+    from cluster.cli.serve import ServiceThread
+    from cluster.cli.settings import SERVE_DEFAULTS
 
     ray.init(include_dashboard=False, num_cpus=2, log_to_driver=False)
     settings = dict(

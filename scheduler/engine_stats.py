@@ -9,7 +9,7 @@ read nothing else from an engine.
 
 ``Histogram`` is the one histogram implementation: engines use it for KV
 transfer time, the gateway for its request-level histograms
-(``cluster/metrics.py``). Pure Python + msgspec (``scheduler`` imports no
+(``cluster/observability/metrics.py``). Pure Python + msgspec (``scheduler`` imports no
 torch).
 """
 

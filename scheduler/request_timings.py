@@ -4,7 +4,7 @@ Every time is seconds on the engine's own monotonic clock, counted from when
 the engine received the request (``Request.arrival_mono``): no wall clock is
 compared across processes. The gateway places the engine's timeline in its
 own by anchoring ``finished_s`` at the moment the output arrived
-(``cluster/tracing/record.py``).
+(``cluster/observability/tracing/record.py``).
 
     receipt --queue--> scheduled --compute--> first token --decode--> finished
     D only:  receipt --> kv_load_start --(READ)--> kv_load_end --> first token

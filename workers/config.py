@@ -120,7 +120,7 @@ class EngineConfig:
     kv_events: bool = False
     kv_events_port: int = 0
     kv_events_queue_batches: int = 1024
-    # log lines of the engine's process: "text" or "json" (cluster/logging_setup.py,
+    # log lines of the engine's process: "text" or "json" (cluster/observability/logging_setup.py,
     # applied by the Ray actor); `tandem serve --log-format` sets it for every pool
     log_format: str = "text"
     extra: dict[str, Any] = field(default_factory=dict)

@@ -500,7 +500,7 @@ class EngineCore:
 
     def switch_gateway(self, output_addr: str) -> int:
         """Loop thread only (``call_in_loop``): a new gateway adopted this
-        engine (``cluster/attach.py``). Every unfinished request belonged to
+        engine (``cluster/engines/attach.py``). Every unfinished request belonged to
         the previous gateway, which can no longer receive its outputs: abort
         them all (their KV is freed), drop the outputs not yet sent, and send
         outputs to ``output_addr`` from now on (same socket, new peer).

@@ -3,7 +3,7 @@
 Missing heartbeats make an engine SLOW, and DEAD only after
 ``engine_dead_after_s`` (``health.py``): a paused or starved engine must keep
 its streams. A crashed engine should lose them at once, so that they migrate
-(``cluster/migration.py``) before the client notices. The fast path:
+(``cluster/disagg/migration.py``) before the client notices. The fast path:
 
     engine process exits
       -> its kernel closes the engine's bound input socket

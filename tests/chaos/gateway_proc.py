@@ -11,7 +11,7 @@ import time
 
 import httpx
 
-from cluster.engine_actor import free_port
+from cluster.engines.actor import free_port
 
 
 class GatewayProcess:

@@ -32,7 +32,7 @@ ENGINE = {"num_kv_blocks": 512, "max_num_seqs": 32, "max_model_len": 1024}
 
 
 def settings(namespace: str, **kw) -> dict:
-    from cluster.serve import SERVE_DEFAULTS
+    from cluster.cli.settings import SERVE_DEFAULTS
 
     s = dict(
         SERVE_DEFAULTS,

@@ -9,7 +9,7 @@ import os
 import tempfile
 import time
 
-from cluster.serve import ServiceThread
+from cluster.cli.serve import ServiceThread
 from kvtransfer.fault_injection import ENV_READ_FAIL_FILE
 from tests.chaos.harness import WORKLOADS, Workload, per_role, settings
 from tests.cluster.service_helpers import BUSY_FIELDS
@@ -90,7 +90,7 @@ def settle(svc, skip: tuple[str, ...] = (), deadline_s: float = 60.0) -> int:
 
 
 def settle_engines(handles, deadline_s: float = 60.0) -> int:
-    """``settle`` for engine handles (``cluster.pools.EngineHandle``) of any
+    """``settle`` for engine handles (``cluster.engines.pools.EngineHandle``) of any
     gateway, called over Ray from the test process."""
     import ray
 

@@ -1,6 +1,6 @@
 """Chaos: the gateway process crashes and a new one takes over while the
 engines keep running (``--detach-engines``, then ``--attach``;
-``cluster/attach.py``).
+``cluster/engines/attach.py``).
 
 The test process holds the Ray cluster; each gateway is a ``tandem serve``
 process joining it with ``--address``. Gateway 1 starts 1 prefill + 2 decode
@@ -28,7 +28,7 @@ import time
 import httpx
 import pytest
 
-from cluster.attach import AttachError, adopt_engines, find_engines, stop_engines
+from cluster.engines.attach import AttachError, adopt_engines, find_engines, stop_engines
 from tests.chaos.gateway_proc import GatewayProcess, gateway_env
 from tests.chaos.harness import ENGINE, WORKLOADS, Tally, Workload, print_row, verdict
 from tests.chaos.service import settle_engines, stats

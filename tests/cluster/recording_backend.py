@@ -3,7 +3,7 @@ tests that check what reaches the engines."""
 
 from __future__ import annotations
 
-from cluster.null_backend import NullBackend
+from cluster.gateway.null_backend import NullBackend
 from scheduler.messages import EngineRequest
 
 

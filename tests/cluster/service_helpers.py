@@ -59,7 +59,8 @@ def tiny_pd_service(disagg_min_tokens: int = 32, tracer: Any = None) -> Iterator
     remote path; ``tracer`` as ``ServiceThread``'s. Ray is shut down on exit."""
     import ray
 
-    from cluster.serve import SERVE_DEFAULTS, ServiceThread
+    from cluster.cli.serve import ServiceThread
+    from cluster.cli.settings import SERVE_DEFAULTS
 
     engine = {"num_kv_blocks": 256, "max_num_seqs": 16, "max_model_len": 512}
     settings = dict(

@@ -1,4 +1,4 @@
-"""The admin plane's refusals (cluster/admin.py), in process: off without
+"""The admin plane's refusals (cluster/gateway/api/admin.py), in process: off without
 ``--admin-api-key`` (403), the /v1 API key does not open it (401), bad bodies
 are 400 naming the field; every refusal in the OpenAI error envelope. The
 drain itself runs against the real service in tests/cluster/test_drain.py."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from cluster.gateway import create_app, serve_in_thread
-from cluster.null_backend import NullBackend
+from cluster.gateway.app import create_app, serve_in_thread
+from cluster.gateway.null_backend import NullBackend
 from workers.tiny import build_tokenizer
 
 

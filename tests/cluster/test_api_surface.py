@@ -10,9 +10,9 @@ import httpx
 import openai
 import pytest
 
-from cluster.api.config import ApiConfig
-from cluster.api.generation_defaults import load_generation_defaults
-from cluster.gateway import create_app, serve_in_thread
+from cluster.gateway.api.config import ApiConfig
+from cluster.gateway.api.generation_defaults import load_generation_defaults
+from cluster.gateway.app import create_app, serve_in_thread
 from tests.cluster.recording_backend import RecordingBackend
 from workers.tiny import build_tokenizer
 from workers.tokenizer import apply_chat_template, encode_prompt

@@ -9,10 +9,10 @@ import time
 
 import pytest
 
-from cluster import bench
-from cluster.bench import BenchConfig
-from cluster.gateway import create_app, serve_in_thread
-from cluster.null_backend import NullBackend
+from cluster.cli import bench
+from cluster.cli.bench import BenchConfig
+from cluster.gateway.app import create_app, serve_in_thread
+from cluster.gateway.null_backend import NullBackend
 from workers.tiny import build_tokenizer
 
 

@@ -6,9 +6,9 @@ import sys
 
 import pytest
 
-from cluster.cli import build_parser
-from cluster.placement import parse_ray_resources
-from cluster.serve import pool_specs, resolve_settings
+from cluster.cli.main import build_parser
+from cluster.cli.settings import pool_specs, resolve_settings
+from cluster.engines.placement import parse_ray_resources
 
 
 def run_check(argv, tmp_path=None):
@@ -109,7 +109,7 @@ def test_check_config_rejects_bad_config_with_exit_2(tmp_path, yaml_text, argv, 
 def test_plain_settings_dicts_still_make_pool_specs():
     """Tests and benchmarks build settings from SERVE_DEFAULTS without
     resolve_settings: the per-pool keys fall back to the global ones."""
-    from cluster.serve import SERVE_DEFAULTS
+    from cluster.cli.settings import SERVE_DEFAULTS
 
     settings = dict(SERVE_DEFAULTS, model="tiny", num_gpus_per_engine=0)
     per_role = {r: {} for r in ("prefill", "decode", "colocated")}

@@ -12,10 +12,10 @@ import msgspec
 import openai
 import pytest
 
-from cluster.dashboard.rolling import RollingStats
-from cluster.gateway import create_app, serve_in_thread
-from cluster.metrics import GatewayMetrics
-from cluster.null_backend import NullBackend
+from cluster.gateway.app import create_app, serve_in_thread
+from cluster.gateway.null_backend import NullBackend
+from cluster.observability.dashboard.rolling import RollingStats
+from cluster.observability.metrics import GatewayMetrics
 from scheduler.engine_stats import (
     STATS_DECODER,
     EngineStats,

@@ -33,7 +33,7 @@ MAX_TOKENS = 256  # streams still run when the drain lands (the CLI starts a pro
 def svc_refs():
     import ray
 
-    from cluster.serve import ServiceThread
+    from cluster.cli.serve import ServiceThread
 
     ray.init(include_dashboard=False, num_cpus=2, log_to_driver=False)
     try:

@@ -1,11 +1,12 @@
-"""`tandem serve --detach-engines` / `--attach` settings (cluster/attach.py):
+"""`tandem serve --detach-engines` / `--attach` settings (cluster/engines/attach.py):
 each misuse is a ValueError naming the flag before anything starts; the
 secret fingerprint an adopting gateway checks."""
 
 import pytest
 
-from cluster.cli import build_parser
-from cluster.serve import Service, resolve_settings
+from cluster.cli.main import build_parser
+from cluster.cli.serve import Service
+from cluster.cli.settings import resolve_settings
 from wire.auth import secret_fingerprint
 
 

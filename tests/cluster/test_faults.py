@@ -21,8 +21,9 @@ import time
 import httpx
 import pytest
 
-from cluster.placement import resolve_placement
-from cluster.serve import SERVE_DEFAULTS, ServiceThread
+from cluster.cli.serve import ServiceThread
+from cluster.cli.settings import SERVE_DEFAULTS
+from cluster.engines.placement import resolve_placement
 from scheduler.messages import EngineRequest, SamplingParams
 
 pytestmark = pytest.mark.slow

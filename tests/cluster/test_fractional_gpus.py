@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.cli import build_parser
-from cluster.placement import check_num_gpus, engine_actor_placement
-from cluster.serve import pool_specs, resolve_settings
+from cluster.cli.main import build_parser
+from cluster.cli.settings import pool_specs, resolve_settings
+from cluster.engines.placement import check_num_gpus, engine_actor_placement
 
 
 def specs_for(argv: list[str]) -> dict:

@@ -19,9 +19,9 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from cluster.edge.limits import GatewayLimits
-from cluster.gateway import create_app, serve_in_thread
-from cluster.null_backend import NullBackend
+from cluster.gateway.app import create_app, serve_in_thread
+from cluster.gateway.edge.limits import GatewayLimits
+from cluster.gateway.null_backend import NullBackend
 from workers.tiny import build_tokenizer
 
 DEADLINE_S = 10.0

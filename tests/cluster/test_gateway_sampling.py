@@ -12,8 +12,8 @@ import httpx
 import openai
 import pytest
 
-from cluster.edge.limits import GatewayLimits
-from cluster.gateway import create_app, serve_in_thread
+from cluster.gateway.app import create_app, serve_in_thread
+from cluster.gateway.edge.limits import GatewayLimits
 from tests.cluster.recording_backend import RecordingBackend
 from workers.tiny import build_tokenizer
 

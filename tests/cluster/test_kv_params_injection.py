@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import httpx
 
-from cluster.gateway import create_app, serve_in_thread
-from cluster.null_backend import NullBackend
+from cluster.gateway.app import create_app, serve_in_thread
+from cluster.gateway.null_backend import NullBackend
 from workers.tiny import build_tokenizer
 
 FORGED = {

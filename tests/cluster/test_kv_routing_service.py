@@ -11,8 +11,9 @@ import time
 import httpx
 import pytest
 
-from cluster.logging_setup import make_handler
-from cluster.serve import SERVE_DEFAULTS, ServiceThread
+from cluster.cli.serve import ServiceThread
+from cluster.cli.settings import SERVE_DEFAULTS
+from cluster.observability.logging_setup import make_handler
 from tests.cluster.service_helpers import client, wait_idle
 
 pytestmark = pytest.mark.slow

@@ -16,11 +16,11 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from cluster.engine_actor import free_port
-from cluster.kv_routing.policy import RoutingConfig
-from cluster.migration import MigrationPolicy
-from cluster.pools import EngineHandle
-from cluster.ray_backend import RayBackend
+from cluster.disagg.migration import MigrationPolicy
+from cluster.disagg.ray_backend import RayBackend
+from cluster.engines.actor import free_port
+from cluster.engines.pools import EngineHandle
+from cluster.routing.policy import RoutingConfig
 from scheduler.block_hash import hash_request_blocks
 from scheduler.engine_stats import EngineStats
 from scheduler.kv_events import KVSnapshot

@@ -19,9 +19,9 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 from schemathesis.specs.openapi import checks as openapi_checks
 
-from cluster.api.config import ApiConfig
-from cluster.gateway import create_app, serve_in_thread
-from cluster.null_backend import NullBackend
+from cluster.gateway.api.config import ApiConfig
+from cluster.gateway.app import create_app, serve_in_thread
+from cluster.gateway.null_backend import NullBackend
 from workers.tiny import build_tokenizer
 
 MAX_EXAMPLES = 40  # per operation and generation mode

@@ -12,9 +12,9 @@ import msgspec
 import zmq
 from prometheus_client import CollectorRegistry
 
-from cluster.engine_actor import free_port
-from cluster.metrics import EngineMetricsCollector, render
-from cluster.ray_backend import GATEWAY_OUTPUT, RayBackend
+from cluster.disagg.ray_backend import GATEWAY_OUTPUT, RayBackend
+from cluster.engines.actor import free_port
+from cluster.observability.metrics import EngineMetricsCollector, render
 from scheduler.messages import EngineOutput, EngineOutputs, EngineRequest, SamplingParams
 from wire.auth import PlaneAuth, generate_secret
 
@@ -93,9 +93,9 @@ def test_engine_stats_are_validated_like_frames():
     dropped (the last good stats stay) and counted as socket engine_stats."""
     from types import SimpleNamespace
 
+    from cluster.disagg.ray_backend import _Engine
     from cluster.engines.health import EngineHealth
-    from cluster.ray_backend import _Engine
-    from cluster.router import EngineState
+    from cluster.routing.router import EngineState
     from scheduler.engine_stats import EngineStats
     from scheduler.messages import SchedulerStats
 

@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from cluster.cli import build_parser
-from cluster.pools import start_pools, stop_pools
-from cluster.serve import pool_specs, resolve_settings
+from cluster.cli.main import build_parser
+from cluster.cli.settings import pool_specs, resolve_settings
+from cluster.engines.pools import start_pools, stop_pools
 
 pytestmark = pytest.mark.slow
 
@@ -143,7 +143,7 @@ def test_half_gpu_engines_are_packed_two_per_gpu(two_groups):
     )
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from cluster.placement import engine_actor_placement
+    from cluster.engines.placement import engine_actor_placement
 
     node_of_pool, _ = two_groups
     pinned = '{"tandem_decode": 1}'

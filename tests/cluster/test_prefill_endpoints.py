@@ -1,4 +1,4 @@
-"""What the backend registers with decode engines (cluster/prefill_endpoints.py):
+"""What the backend registers with decode engines (cluster/engines/prefill_endpoints.py):
 the list, when it is pushed again, and what a failed push leaves."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-from cluster.prefill_endpoints import prefill_endpoints, push_prefill_endpoints
-from cluster.router import EngineState
+from cluster.engines.prefill_endpoints import prefill_endpoints, push_prefill_endpoints
+from cluster.routing.router import EngineState
 
 
 def engine(engine_id: str, role: str, epoch: int, kv_address=None):

@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from cluster.engine_actor import free_port
+from cluster.engines.actor import free_port
 
 pytestmark = pytest.mark.slow
 

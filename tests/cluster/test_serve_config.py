@@ -2,8 +2,8 @@
 
 import pytest
 
-from cluster.cli import build_parser
-from cluster.serve import pool_specs, resolve_settings
+from cluster.cli.main import build_parser
+from cluster.cli.settings import pool_specs, resolve_settings
 
 
 def parse(argv):

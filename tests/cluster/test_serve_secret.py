@@ -2,8 +2,9 @@
 
 import pytest
 
-from cluster.cli import build_parser
-from cluster.serve import cluster_secret, cmd_serve, pool_specs, resolve_settings
+from cluster.cli.main import build_parser
+from cluster.cli.serve import cmd_serve
+from cluster.cli.settings import cluster_secret, pool_specs, resolve_settings
 
 
 def parse(argv):

@@ -12,7 +12,8 @@ import httpx
 import openai
 import pytest
 
-from cluster.serve import SERVE_DEFAULTS, ServiceThread
+from cluster.cli.serve import ServiceThread
+from cluster.cli.settings import SERVE_DEFAULTS
 from scheduler.messages import SamplingParams
 from tests.cluster.service_helpers import client, disconnect_mid_stream, wait_idle
 from workers.config import EngineConfig
@@ -439,7 +440,7 @@ def test_kill_prefill_engine_requests_still_complete(disagg):
 
 def test_kill_decode_engine_mid_stream_migrates_to_the_restarted_one(disagg):
     """The only decode engine dies mid-stream: the stream waits for its
-    restart and continues there (cluster/migration.py); tokens identical is
+    restart and continues there (cluster/disagg/migration.py); tokens identical is
     the chaos suite's job (tests/chaos/), here: no error, no token lost."""
     events = []
     migrations = dict(disagg.service.backend.num_migrations)

@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from cluster.serve import SERVE_DEFAULTS, ServiceThread
+from cluster.cli.serve import ServiceThread
+from cluster.cli.settings import SERVE_DEFAULTS
 from tests.cluster.service_helpers import client, disconnect_mid_stream, wait_idle
 
 pytestmark = pytest.mark.slow

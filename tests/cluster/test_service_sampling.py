@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.serve import SERVE_DEFAULTS, ServiceThread
+from cluster.cli.serve import ServiceThread
+from cluster.cli.settings import SERVE_DEFAULTS
 from tests.cluster.service_helpers import client, wait_idle
 
 pytestmark = pytest.mark.slow

@@ -10,7 +10,8 @@ import time
 import httpx
 import pytest
 
-from cluster.serve import SERVE_DEFAULTS, ServiceThread
+from cluster.cli.serve import ServiceThread
+from cluster.cli.settings import SERVE_DEFAULTS
 from scheduler.messages import SamplingParams
 from tests.cluster.service_helpers import client, wait_idle
 from workers.config import EngineConfig

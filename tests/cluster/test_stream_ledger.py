@@ -1,4 +1,4 @@
-"""StreamLedger (cluster/migration.py): what a migrated stream resubmits, and
+"""StreamLedger (cluster/disagg/migration.py): what a migrated stream resubmits, and
 that a real engine continuing the resubmission produces exactly the tokens of
 the undisturbed run after those already sent (none repeated, none missing),
 with seeded sampling and output-token penalties."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from cluster.migration import MigrationPolicy, StreamLedger
+from cluster.disagg.migration import MigrationPolicy, StreamLedger
 from scheduler.messages import EngineOutput, EngineRequest, SamplingParams
 from workers.config import EngineConfig
 from workers.engine_core import EngineCore

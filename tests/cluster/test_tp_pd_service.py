@@ -23,7 +23,8 @@ import time
 
 import pytest
 
-from cluster.serve import SERVE_DEFAULTS, ServiceThread
+from cluster.cli.serve import ServiceThread
+from cluster.cli.settings import SERVE_DEFAULTS
 from scheduler.messages import SamplingParams
 from tests.cluster.service_helpers import client, wait_idle
 from tests.cluster.test_service import ray_local  # noqa: F401 - the module's local Ray

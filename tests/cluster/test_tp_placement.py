@@ -1,5 +1,5 @@
 """Bundle shapes of an engine's placement group per tensor-parallel size
-(cluster/tp_placement.py): one bundle per rank, resources on bundle 0."""
+(cluster/engines/placement.py): one bundle per rank, resources on bundle 0."""
 
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ import time
 
 import pytest
 
-from cluster.placement import check_pool_parallel
-from cluster.tp_placement import CPU_RANK_SHARE, engine_group_placement
+from cluster.engines.placement import CPU_RANK_SHARE, check_pool_parallel, engine_group_placement
 from workers.config import EngineConfig
 
 

@@ -1,6 +1,6 @@
 """Under ``tandem serve`` a tensor-parallel engine's ranks 1..N-1 are Ray
 actors, each in its own bundle of the engine's STRICT_PACK placement group
-(workers/parallel/ray_workers.py, cluster/tp_placement.py): a TP=2
+(workers/parallel/ray_workers.py, cluster/engines/placement.py): a TP=2
 colocated engine on a local Ray runs rank 1 as an actor in bundle 1, its
 greedy text equals TP=1 ``generate``, killing the worker actor restarts the
 engine as one unit (new epoch, new worker actor, serves the same text), so
@@ -17,7 +17,8 @@ import time
 
 import pytest
 
-from cluster.serve import SERVE_DEFAULTS, ServiceThread
+from cluster.cli.serve import ServiceThread
+from cluster.cli.settings import SERVE_DEFAULTS
 from scheduler.messages import SamplingParams
 from tests.cluster.service_helpers import client, wait_idle
 from tests.cluster.test_service import ray_local  # noqa: F401 - the module's local Ray

@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from cluster.engine_actor import free_port
+from cluster.engines.actor import free_port
 from scheduler.engine_stats import EngineStats
 from scheduler.messages import EngineAbort, EngineOutput, EngineOutputs, EngineRequest
 from wire.auth import PlaneAuth, generate_secret

@@ -28,8 +28,8 @@ NUM_NEW = 8
 
 
 def _serve_configs(path: str) -> dict:
-    from cluster.cli import build_parser
-    from cluster.serve import pool_specs, resolve_settings
+    from cluster.cli.main import build_parser
+    from cluster.cli.settings import pool_specs, resolve_settings
 
     argv = ["serve", "--model", path, "--prefill", "1", "--decode", "1"]
     argv += ["--num-gpus-per-engine", "0.5", "--device", "cuda", "--dtype", "float32"]

@@ -190,8 +190,8 @@ def test_cpu_connector_reports_its_real_transport(caplog):
 
 
 def test_metrics_expose_the_transport_and_the_slow_fallback():
-    from cluster.backend import EngineMetrics
-    from cluster.metrics import _kv_families
+    from cluster.gateway.backend import EngineMetrics
+    from cluster.observability.metrics import _kv_families
     from scheduler.engine_stats import EngineStats, KVTransferStats
 
     report = transport_report(parse_proto_info(GPU_DEFAULT_TCP), "VRAM", worker="D")

@@ -13,7 +13,7 @@ import sys
 import zmq
 import zmq.asyncio
 
-from cluster.engine_actor import free_port
+from cluster.engines.actor import free_port
 from cluster.engines.death_watch import DisconnectWatch, confirm_exit, process_gone
 
 PEER = """

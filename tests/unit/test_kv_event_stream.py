@@ -1,5 +1,5 @@
 """KV events over real ZMQ PUB/SUB with CURVE (scheduler/kv_events.py ->
-cluster/kv_routing/subscriber.py): a late subscriber and a lost batch both
+cluster/routing/subscriber.py): a late subscriber and a lost batch both
 end in a snapshot resync; a peer without the secret reads nothing."""
 
 import asyncio
@@ -7,8 +7,8 @@ import asyncio
 import zmq
 import zmq.asyncio
 
-from cluster.kv_routing.index import PrefixIndex
-from cluster.kv_routing.subscriber import KVEventSubscriber
+from cluster.routing.index import PrefixIndex
+from cluster.routing.subscriber import KVEventSubscriber
 from tests.unit.kv_sim import SimEngine
 from wire.auth import PlaneAuth, generate_secret
 from wire.frames import FrameCounters

@@ -1,11 +1,11 @@
 """KV events (scheduler/kv_events.py) against the cluster prefix index
-(cluster/kv_routing/index.py): the index equals the engine's cache."""
+(cluster/routing/index.py): the index equals the engine's cache."""
 
 import random
 
 import pytest
 
-from cluster.kv_routing.index import PrefixIndex
+from cluster.routing.index import PrefixIndex
 from scheduler.kv_events import BlockRemoved, BlockStored, KVEventBatch
 from tests.unit.kv_sim import SimEngine
 

@@ -1,14 +1,14 @@
-"""Router policies (cluster/kv_routing/policy.py) over simulated engines:
+"""Router policies (cluster/routing/policy.py) over simulated engines:
 real schedulers, real KV events, the real index and hash function."""
 
 import random
 
 import pytest
 
-from cluster.kv_routing.cluster_routing import PromptHashes
-from cluster.kv_routing.index import PrefixIndex
-from cluster.kv_routing.policy import RoutingConfig, RoutingPolicy
-from cluster.router import Router
+from cluster.routing.cluster_routing import PromptHashes
+from cluster.routing.index import PrefixIndex
+from cluster.routing.policy import RoutingConfig, RoutingPolicy
+from cluster.routing.router import Router
 from scheduler.messages import EngineRequest, SamplingParams
 from tests.unit.kv_sim import SimEngine
 
@@ -233,9 +233,9 @@ def test_config_validation_names_the_field():
 
 
 def test_serve_flags_turn_events_on_only_for_kv_aware(tmp_path):
-    from cluster.cli import build_parser
-    from cluster.kv_routing.settings import routing_config
-    from cluster.serve import pool_specs, resolve_settings
+    from cluster.cli.main import build_parser
+    from cluster.cli.settings import pool_specs, resolve_settings
+    from cluster.routing.settings import routing_config
 
     def specs(argv):
         args = build_parser().parse_args(["serve", *argv])

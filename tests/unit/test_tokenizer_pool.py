@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
-from cluster.edge.tokenizer_pool import TokenizerPool, chat_text_len
-from cluster.protocol import ProtocolError
+from cluster.gateway.edge.tokenizer_pool import TokenizerPool, chat_text_len
+from cluster.gateway.protocol import ProtocolError
 from workers.tiny import build_tokenizer
 from workers.tokenizer import apply_chat_template, encode_prompt
 

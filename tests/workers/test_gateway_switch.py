@@ -1,5 +1,5 @@
 """An engine adopted by a new gateway (``EngineCore.switch_gateway``,
-``cluster/attach.py``): the old gateway reads nothing any more (it crashed);
+``cluster/engines/attach.py``): the old gateway reads nothing any more (it crashed);
 the switch aborts every request it had sent, frees their KV, drops the
 outputs held back for it, and from then on the new gateway gets the
 heartbeats and the outputs of the requests it sends."""

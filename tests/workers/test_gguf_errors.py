@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cluster.cli import main as tandem_main
+from cluster.cli.main import main as tandem_main
 from workers.checkpoints import builtin
 from workers.checkpoints.gguf_convert import ensure_converted
 from workers.checkpoints.gguf_file import GGUFError

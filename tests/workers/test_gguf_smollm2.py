@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from cluster.cli import main as tandem_main
+from cluster.cli.main import main as tandem_main
 from scheduler.messages import SamplingParams
 from workers.checkpoints.builtin import builtin_gguf_path
 from workers.config import EngineConfig

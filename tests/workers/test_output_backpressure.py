@@ -15,7 +15,7 @@ import msgspec
 import pytest
 import zmq
 
-from cluster.engine_actor import free_port
+from cluster.engines.actor import free_port
 from scheduler.messages import EngineOutputs, EngineRequest, FinishReason, SamplingParams
 from workers.config import EngineConfig
 from workers.engine_core import EngineCore

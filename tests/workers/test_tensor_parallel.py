@@ -107,7 +107,7 @@ def test_rank_slices_rebuild_every_weight(make_checkpoint):
 
 
 def test_flags():
-    from cluster.cli import build_parser
+    from cluster.cli.main import build_parser
 
     args = build_parser().parse_args(["generate", "--model", "tiny", "-tp", "2", "--prompt", "x"])
     assert args.tensor_parallel_size == 2
@@ -257,7 +257,7 @@ def test_tp_step_timeout_must_be_positive():
 
 
 def test_pool_gpus_must_cover_the_tensor_parallel_size():
-    from cluster.placement import check_pool_parallel
+    from cluster.engines.placement import check_pool_parallel
 
     with pytest.raises(ValueError, match="decode_num_gpus_per_engine"):
         check_pool_parallel("decode", EngineConfig(tensor_parallel_size=2), num_gpus=1)
@@ -266,8 +266,8 @@ def test_pool_gpus_must_cover_the_tensor_parallel_size():
 
 
 def test_serve_refuses_a_pool_size_that_does_not_split_the_model(tiny_model_dir):
-    from cluster.placement import check_pools_split_model
-    from cluster.pools import PoolSpec
+    from cluster.engines.placement import check_pools_split_model
+    from cluster.engines.pools import PoolSpec
 
     specs = [
         PoolSpec("prefill", 1, EngineConfig(tensor_parallel_size=2)),

@@ -5,7 +5,7 @@ too, running the same worker loop (``workers.parallel.worker.run_worker``)
 as the local processes of ``tandem generate``: ZMQ steps, the gloo/NCCL
 group and the KV connector are unchanged. Where each rank runs::
 
-    engine placement group (STRICT_PACK, cluster/tp_placement.py)
+    engine placement group (STRICT_PACK, cluster/engines/placement.py)
     bundle 0: engine actor (scheduler + rank 0)   bundle r: rank r's worker actor
 
     no placement group, CPU engine (a detached actor): plain actors that

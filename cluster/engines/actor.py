@@ -1,0 +1,145 @@
+"""One engine as a Ray actor.
+
+The actor owns an EngineCore whose loop runs on a background thread, fed by
+ZMQ (the data plane). Ray method calls are control only: ``ready`` (address,
+epoch), ``stats``, ``check_integrity``, ``set_prefill_endpoints``,
+``kv_events_snapshot``, ``attach``, ``shutdown``. Each start (including a
+restart by Ray after a crash) gets a new epoch, so peers and the router never
+reuse state of a previous incarnation.
+
+Gateway sessions (``cluster/engines/attach.py``): the gateway that serves this
+engine is named by its session (a ``time_ns`` taken at its start). An
+engine that outlives its gateway (a detached actor) is adopted by the next
+one with ``attach``: the newer session wins, the old session's requests are
+aborted and outputs go to the new gateway.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+import msgspec
+
+from wire.auth import secret_fingerprint
+from workers.config import EngineConfig
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def node_ip() -> str:
+    if os.environ.get("TANDEM_HOST"):
+        return os.environ["TANDEM_HOST"]
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address()
+    except Exception:  # noqa: BLE001 - not in Ray: loopback
+        return "127.0.0.1"
+
+
+class EngineActor:
+    """Plain class; ``cluster.engines.pools`` wraps it with ``ray.remote``."""
+
+    def __init__(self, config: EngineConfig, output_addr: str, gateway_session: int = 0) -> None:
+        from cluster.observability.logging_setup import configure_logging
+        from workers.engine_core import EngineCore
+
+        configure_logging(config.log_format)  # Ray forwards these lines to the driver
+        self.epoch = time.time_ns()
+        # A restart by Ray re-runs this with the arguments of the first start:
+        # the gateway serving now re-attaches it (its session is newer).
+        self.gateway_session = gateway_session
+        self._attach_lock = threading.Lock()
+        # "auto": this node's address (multi-node clusters); else as given.
+        host = node_ip() if config.kv_host in ("", "auto", "0.0.0.0") else config.kv_host
+        self.config = config.replace(epoch=self.epoch, kv_host=host)
+        self.engine = EngineCore(self.config)
+        self.input_addr = f"tcp://{host}:{free_port(host)}"
+        self._thread = threading.Thread(
+            target=self._serve, args=(output_addr,), name="engine-loop", daemon=True
+        )
+        self._thread.start()
+
+    def _serve(self, output_addr: str) -> None:
+        try:
+            self.engine.serve_zmq(self.input_addr, output_addr)
+        except BaseException:  # a dead loop must not leave a live-looking actor
+            os._exit(1)
+
+    def ready(self) -> dict[str, Any]:
+        import ray
+
+        kv = self.engine.kv_transfer_address()
+        return {
+            "engine_id": self.config.engine_id,
+            "role": self.config.role,
+            "epoch": self.epoch,
+            "input_addr": self.input_addr,
+            "max_model_len": self.engine.max_model_len,
+            "max_num_seqs": self.config.max_num_seqs,
+            "num_kv_blocks": self.engine.sched_config.num_kv_blocks,
+            "kv_address": list(kv) if kv else None,
+            "kv_rank_ports": self.engine.kv_rank_ports(),
+            "tp_worker_pids": [p.pid for p in self.engine.tp.procs] if self.engine.tp else [],
+            # rank 1.. worker actors (workers/parallel/ray_workers.py): name, placement
+            "tp_worker_actors": [
+                p.describe()
+                for p in (self.engine.tp.procs if self.engine.tp else [])
+                if hasattr(p, "describe")
+            ],
+            "block_size": self.config.block_size,
+            "prefix_caching_hash_algo": self.config.prefix_caching_hash_algo,
+            "kv_events_addr": self.engine.kv_publisher.addr if self.engine.kv_publisher else None,
+            "pid": os.getpid(),
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "model": self.config.model,
+            "gateway_session": self.gateway_session,
+            "secret_fingerprint": secret_fingerprint(self.config.cluster_secret),
+        }
+
+    def attach(self, output_addr: str, gateway_session: int) -> dict[str, Any]:
+        """A gateway with session ``gateway_session`` adopts this engine. An
+        older session than the one serving now is refused (the answer names
+        the newer one). A newer one takes over: every request in flight (the
+        previous gateway's) is aborted and outputs go to ``output_addr``.
+        Returns ``ready()``'s answer plus ``num_aborted``."""
+        with self._attach_lock:
+            num_aborted = 0
+            if gateway_session > self.gateway_session:
+                num_aborted = self.engine.call_in_loop(
+                    lambda: self.engine.switch_gateway(output_addr)
+                )
+                self.gateway_session = gateway_session
+            return {**self.ready(), "num_aborted": num_aborted}
+
+    def stats(self) -> bytes:
+        """The engine's ``EngineStats``, msgpack-encoded: the gateway decodes
+        and validates it like a frame of its sockets."""
+        return msgspec.msgpack.encode(self.engine.call_in_loop(self.engine.stats))
+
+    def check_integrity(self) -> bool:
+        return self.engine.call_in_loop(self.engine.check_integrity)
+
+    def set_prefill_endpoints(self, endpoints: list[list[Any]]) -> bool:
+        """Control call from the cluster: the registered prefill engines'
+        ``[engine_id, epoch, host, port]``; D reads KV only from these."""
+        return self.engine.call_in_loop(lambda: self.engine.set_prefill_endpoints(endpoints))
+
+    def kv_events_snapshot(self) -> Any:
+        """The engine's cached hashes as of its last KV event batch (resync)."""
+        return self.engine.call_in_loop(self.engine.kv_events_snapshot)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine.call_in_loop(self.engine.scheduler.reset_prefix_cache)
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+        self._thread.join(timeout=10)

@@ -1,0 +1,240 @@
+"""Where a pool's engines may run: per-pool Ray resources and GPU counts.
+
+On a cluster whose nodes are split into groups (KubeRay worker groups
+``prefill`` and ``decode``), each group advertises a custom Ray resource
+(``ray start --resources '{"tandem_prefill": 2}'``) and every engine of a pool
+asks for one unit of it, so Ray places prefill engines only on prefill nodes::
+
+    tandem serve --prefill 4 --prefill-ray-resources '{"tandem_prefill": 1}' \\
+                 --decode 4  --decode-ray-resources  '{"tandem_decode": 1}'
+
+``--<pool>-num-gpus-per-engine`` overrides ``--num-gpus-per-engine`` for one
+pool (prefill engines with 2 GPUs, decode engines with 1). A fraction packs
+engines onto one GPU (``--num-gpus-per-engine 0.5``: a prefill and a decode
+engine share a GPU); Ray then gives both the same device, and each engine
+sizes its KV cache from its own ``--<pool>-gpu-memory-utilization``, which
+defaults to 0.9 x its fraction and may not exceed it (``gpu_share``)::
+
+    one GPU, --num-gpus-per-engine 0.5
+    +---------------------------------------------+------+
+    | prefill-0: 0.45 of memory | decode-0: 0.45  | 0.10 |  CUDA contexts,
+    +---------------------------------------------+------+  activations
+
+Tensor parallelism: an engine's placement group holds one bundle per rank
+(``engine_group_placement``)::
+
+    GPU engine, num_gpus G, tensor_parallel_size N (STRICT_PACK: one node)
+      bundle 0: {GPU: G/N, CPU: 1, **resources}   engine actor (scheduler + rank 0)
+      bundle r: {GPU: G/N, CPU: 1}                rank r's worker actor, r = 1..N-1
+
+    CPU engine with N > 1 (no GPU to hold: the ranks share the node's cores)
+      bundle r: {CPU: CPU_RANK_SHARE} (+ resources on bundle 0)
+
+A CPU engine with N = 1 keeps no group (``engine_actor_placement``). The
+engine actor asks for bundle 0's GPUs; ``workers/parallel/ray_workers.py``
+starts rank r in bundle r. ``G/N`` must be a whole number (NCCL wants one
+GPU per rank): 3 GPUs, or half a GPU, for 2 ranks is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+ROLES = ("prefill", "decode", "colocated")
+# Ray takes these through num_cpus / num_gpus / memory, never in ``resources``.
+_RESERVED_RESOURCES = frozenset({"CPU", "GPU", "memory", "object_store_memory"})
+
+
+def parse_ray_resources(value: Any, field: str) -> dict[str, float]:
+    """A ``{name: amount}`` mapping from a dict or a JSON object string.
+
+    Raises ValueError naming ``field`` for bad JSON, a non-object, a name Ray
+    reserves (CPU, GPU, memory) or an amount that is not a finite number >= 0.
+    """
+    if value is None or value == "":
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{field}: not valid JSON ({exc.msg}): {value!r}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f'{field}: expected a JSON object like {{"tandem_prefill": 1}}')
+    out: dict[str, float] = {}
+    for name, amount in value.items():
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{field}: resource names must be non-empty strings")
+        if name in _RESERVED_RESOURCES:
+            raise ValueError(
+                f"{field}: {name!r} is set by Ray itself; use --num-gpus-per-engine for GPUs"
+            )
+        if isinstance(amount, bool) or not isinstance(amount, (int, float)):
+            raise ValueError(f"{field}: amount of {name!r} must be a number, got {amount!r}")
+        if not math.isfinite(amount) or amount < 0:
+            raise ValueError(f"{field}: amount of {name!r} must be >= 0, got {amount!r}")
+        out[name] = float(amount)
+    return out
+
+
+def check_num_gpus(value: Any, key: str) -> int | float:
+    """GPUs per engine: 0 (CPU), a fraction in (0, 1] (engines share a GPU)
+    or a whole number >= 1. Whole numbers come back as ``int``. Raises
+    ValueError naming ``key`` and its flag."""
+    flag = "--" + key.replace("_", "-")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{key} ({flag}) must be a number, got {value!r}")
+    if value < 0 or (value > 1 and not float(value).is_integer()):
+        raise ValueError(
+            f"{key} ({flag}) must be 0 (CPU), a fraction in (0, 1] (engines share a GPU) "
+            f"or a whole number >= 1, got {value!r}"
+        )
+    return int(value) if float(value).is_integer() else float(value)
+
+
+def resolve_placement(settings: dict[str, Any]) -> None:
+    """Normalise the per-pool placement settings in place (see module doc)."""
+    for role in ROLES:
+        key = f"{role}_ray_resources"
+        settings[key] = parse_ray_resources(settings.get(key), key)
+        gpus_key = f"{role}_num_gpus_per_engine"
+        if settings.get(gpus_key) is None:
+            settings[gpus_key] = settings["num_gpus_per_engine"]
+    for key in ("num_gpus_per_engine", *(f"{r}_num_gpus_per_engine" for r in ROLES)):
+        settings[key] = check_num_gpus(settings[key], key)
+
+
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+
+
+def gpu_share(num_gpus: float, overrides: dict[str, Any], role: str) -> dict[str, Any]:
+    """Engine overrides of a pool with ``num_gpus`` per engine, completed for
+    GPU sharing: with a fraction, ``gpu_memory_utilization`` defaults to
+    0.9 x the fraction, and an explicit one above the fraction is refused
+    (engines packed on one GPU would ask for more memory than it has)."""
+    if not 0 < num_gpus < 1:
+        return overrides
+    util = overrides.get("gpu_memory_utilization")
+    if util is None:
+        return {**overrides, "gpu_memory_utilization": DEFAULT_GPU_MEMORY_UTILIZATION * num_gpus}
+    if isinstance(util, (int, float)) and util > num_gpus:
+        raise ValueError(
+            f"{role}_gpu_memory_utilization (--{role}-gpu-memory-utilization or "
+            f"--gpu-memory-utilization) is {util} but a {role} engine holds only {num_gpus} "
+            f"of a GPU ({role}_num_gpus_per_engine): engines sharing the GPU would ask for "
+            "more memory than it has"
+        )
+    return overrides
+
+
+def pool_placement(settings: dict[str, Any], role: str) -> tuple[int | float, dict[str, float]]:
+    """``(GPUs per engine, Ray resources per engine)`` of one pool, from
+    resolved settings or from a plain settings dict (tests, benchmarks)
+    that leaves the per-pool keys unset."""
+    num_gpus = settings.get(f"{role}_num_gpus_per_engine")
+    if num_gpus is None:
+        num_gpus = settings.get("num_gpus_per_engine") or 0
+    key = f"{role}_ray_resources"
+    return num_gpus, parse_ray_resources(settings.get(key), key)
+
+
+def add_placement_arguments(parser: Any) -> None:
+    for role in ROLES:
+        parser.add_argument(
+            f"--{role}-ray-resources",
+            metavar="JSON",
+            help=f"Ray custom resources each {role} engine requests, e.g. "
+            f"'{{\"tandem_{role}\": 1}}'",
+        )
+        parser.add_argument(
+            f"--{role}-num-gpus-per-engine",
+            type=float,
+            help=f"GPUs per {role} engine, a fraction shares a GPU (default: --num-gpus-per-engine)",
+        )
+
+
+def engine_actor_placement(
+    num_gpus: int | float, resources: dict[str, float]
+) -> tuple[dict[str, Any], dict[str, float] | None]:
+    """``(Ray actor options, placement group bundle or None)`` of one engine.
+
+    CPU engines ask Ray for nothing but their custom resources (they share
+    the node's cores). GPU engines get a one-bundle STRICT_PACK group of
+    ``num_gpus`` GPUs (fractions allowed: two 0.5 bundles fit one GPU and
+    Ray hands both actors the same device), one CPU and the resources.
+    """
+    options: dict[str, Any] = {"num_cpus": 0, "num_gpus": num_gpus}
+    if resources:
+        options["resources"] = dict(resources)
+    if not num_gpus:
+        return options, None
+    return options, {"GPU": num_gpus, "CPU": 1, **resources}
+
+
+def check_pool_parallel(role: str, config: Any, num_gpus: float) -> None:
+    """A pool's tensor-parallel size against its GPUs.
+
+    Each rank holds its own bundle of the engine's STRICT_PACK group
+    (``engine_group_placement``): ``num_gpus`` (when not 0, i.e. CPU) must be
+    at least ``tensor_parallel_size`` and split into equal whole GPUs.
+    ValueError names the fields.
+    """
+    tp = config.tensor_parallel_size
+    if tp > 1 and num_gpus and num_gpus < tp:
+        raise ValueError(
+            f"{role}_num_gpus_per_engine ({num_gpus}) is less than the {role} engines' "
+            f"tensor_parallel_size ({tp}): each worker needs its own GPU"
+        )
+    if tp > 1 and num_gpus:
+        per_rank_gpus(num_gpus, tp, f"{role}_num_gpus_per_engine")
+
+
+def check_pools_split_model(model_path: str, specs: list[Any]) -> None:
+    """Every pool's ``tensor_parallel_size`` splits the model (heads, KV heads,
+    MLP); ValueError naming the pool and the model field, before anything starts."""
+    sizes = {s.role: s.config.tensor_parallel_size for s in specs}
+    if all(n == 1 for n in sizes.values()):
+        return
+    from workers.loader import load_config
+    from workers.parallel.plan import check_tensor_parallel
+
+    config = load_config(model_path)
+    for role, n in sizes.items():
+        try:
+            check_tensor_parallel(config, n)
+        except ValueError as exc:
+            raise ValueError(f"{role} pool: {exc}") from None
+
+
+# ---- tensor parallelism: one bundle per rank (module doc) ----------------------------
+
+# a bundle may not be empty: CPU ranks hold a token share of a core (they
+# share the node's cores, as CPU engine actors ask for no CPU)
+CPU_RANK_SHARE = 0.01
+
+
+def per_rank_gpus(num_gpus: float, tp_size: int, field: str = "num_gpus_per_engine") -> int:
+    """Whole GPUs of one rank's bundle; ValueError naming ``field`` when they do not split."""
+    per = num_gpus / tp_size
+    if not float(per).is_integer() or per < 1:
+        raise ValueError(
+            f"{field} ({num_gpus}) does not split into {tp_size} equal whole GPUs "
+            f"(tensor_parallel_size {tp_size}): use a multiple of {tp_size}"
+        )
+    return int(per)
+
+
+def engine_group_placement(
+    num_gpus: int | float, resources: dict[str, float], tp_size: int
+) -> tuple[dict[str, Any], list[dict[str, float]] | None]:
+    """``(engine actor options, bundles or None)``: see the module doc."""
+    options, bundle = engine_actor_placement(num_gpus, resources)
+    if tp_size == 1:
+        return options, None if bundle is None else [bundle]
+    if bundle is None:  # CPU
+        first = {"CPU": CPU_RANK_SHARE, **resources}
+        return options, [first] + [{"CPU": CPU_RANK_SHARE} for _ in range(tp_size - 1)]
+    per = per_rank_gpus(num_gpus, tp_size)
+    options["num_gpus"] = per
+    return options, [{**bundle, "GPU": per}] + [{"GPU": per, "CPU": 1} for _ in range(tp_size - 1)]

@@ -1,0 +1,10 @@
+"""The HTTP front door: the OpenAI-compatible app (``app.py``), the OpenAI wire
+format (``protocol.py``), the edge's per-request limits (``edge/``) and the
+routes beside generation (``api/``), over one ``Backend`` (``backend.py``;
+``null_backend.py`` for tests and benchmarks).
+
+May import ``cluster.observability``, scheduler messages and the tokenizer side
+of ``workers``; never ``cluster.disagg``, ``cluster.engines`` or
+``cluster.routing``. Other packages import only ``backend.py`` from here (the
+contract), and ``cli`` the app.
+"""

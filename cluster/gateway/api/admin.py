@@ -1,0 +1,72 @@
+"""Operator calls on the gateway, behind their own key.
+
+    POST /admin/drain    {"engine_id": "decode-0"}   -> 200 {"engine_id", "draining",
+                                                          "migrated", "idle"}
+    POST /admin/undrain  {"engine_id": "decode-0"}   -> 200 {"engine_id", "draining"}
+
+Both need ``Authorization: Bearer <admin key>`` (``--admin-api-key``; the API
+key of ``/v1/*`` does not open them). Without an admin key configured the
+routes answer 403: there is no open admin plane. Errors use the OpenAI error
+envelope: 401 bad key, 400 malformed body or unknown ``engine_id``.
+``tandem drain ENGINE_ID`` is the command-line client of the same call.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+import msgspec
+from fastapi import FastAPI, Request
+from starlette.responses import JSONResponse
+
+from cluster.gateway.backend import Backend
+from cluster.gateway.protocol import ProtocolError
+
+MAX_ADMIN_BODY_BYTES = 4096
+
+
+class DrainRequest(msgspec.Struct, forbid_unknown_fields=True):
+    engine_id: str
+
+
+def add_admin_routes(app: FastAPI, backend: Backend, admin_api_key: str | None) -> None:
+    expected = f"Bearer {admin_api_key}".encode() if admin_api_key else None
+
+    async def parse(request: Request) -> DrainRequest:
+        if expected is None:
+            raise ProtocolError(
+                "The admin API is off; start the server with --admin-api-key.",
+                status_code=403,
+                type="permission_error",
+            )
+        given = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(given, expected):
+            raise ProtocolError(
+                "Invalid or missing admin API key.",
+                status_code=401,
+                type="authentication_error",
+                code="invalid_api_key",
+            )
+        body = await request.body()
+        if len(body) > MAX_ADMIN_BODY_BYTES:
+            raise ProtocolError(f"admin request body over {MAX_ADMIN_BODY_BYTES} bytes")
+        try:
+            return msgspec.json.decode(body, type=DrainRequest)
+        except msgspec.DecodeError as exc:
+            raise ProtocolError(f"invalid admin request: {exc}", param="engine_id") from None
+
+    @app.post("/admin/drain", include_in_schema=False)
+    async def drain(request: Request) -> JSONResponse:
+        req = await parse(request)
+        try:
+            return JSONResponse(await backend.drain(req.engine_id))
+        except ValueError as exc:
+            raise ProtocolError(str(exc), param="engine_id") from None
+
+    @app.post("/admin/undrain", include_in_schema=False)
+    async def undrain(request: Request) -> JSONResponse:
+        req = await parse(request)
+        try:
+            return JSONResponse(backend.undrain(req.engine_id))
+        except ValueError as exc:
+            raise ProtocolError(str(exc), param="engine_id") from None

@@ -1,0 +1,75 @@
+"""The gateway's API settings: one typed place, checked at construction.
+
+--served-model-name NAME [NAME ...]   names clients may send as ``model``
+                                      (the first is the one responses carry
+                                      when a request names none); default: --model
+--chat-template FILE                  Jinja template for chat requests (replaces
+                                      the tokenizer's)
+--generation-config auto|vllm|DIR     sampling defaults (generation_defaults.py)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from cluster.gateway.api.generation_defaults import GenerationDefaults, load_generation_defaults
+from cluster.gateway.protocol import ProtocolError
+
+
+@dataclasses.dataclass(frozen=True)
+class ApiConfig:
+    served_model_names: tuple[str, ...] = ()  # empty: the backend's model name
+    chat_template: str | None = None  # the template's text (read from --chat-template)
+    generation_defaults: GenerationDefaults = dataclasses.field(default_factory=GenerationDefaults)
+
+    def __post_init__(self) -> None:
+        for name in self.served_model_names:
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"--served-model-name: names must be non-empty, got {name!r}")
+        if len(set(self.served_model_names)) != len(self.served_model_names):
+            raise ValueError(f"--served-model-name: repeated names in {self.served_model_names}")
+
+    @classmethod
+    def from_settings(cls, settings: dict[str, Any], model_path: str | None) -> ApiConfig:
+        """From serve settings (``served_model_name``, ``chat_template``,
+        ``generation_config``); ``model_path``: the checkpoint directory that
+        ``generation_config: auto`` reads. ValueError names the flag."""
+        names = settings.get("served_model_name") or ()
+        if isinstance(names, str):
+            names = (names,)
+        template = None
+        if settings.get("chat_template"):
+            path = os.path.expanduser(settings["chat_template"])
+            try:
+                with open(path, encoding="utf-8") as f:
+                    template = f.read()
+            except OSError as exc:
+                raise ValueError(f"--chat-template: cannot read {path}: {exc}") from None
+            if not template.strip():
+                raise ValueError(f"--chat-template: {path} is empty")
+        mode = settings.get("generation_config") or "auto"
+        return cls(tuple(names), template, load_generation_defaults(mode, model_path))
+
+
+class ServedModels:
+    """Which ``model`` values the gateway accepts, and the name to answer with."""
+
+    def __init__(self, names: tuple[str, ...], fallback: str) -> None:
+        self.names = names or (fallback,)
+
+    def resolve(self, requested: str | None) -> str:
+        """The name a response carries; 404 ``model_not_found`` (OpenAI's and
+        vLLM's answer) for a name this server does not serve."""
+        if requested is None:
+            return self.names[0]
+        if requested in self.names:
+            return requested
+        served = ", ".join(f"`{n}`" for n in self.names)
+        raise ProtocolError(
+            f"The model `{requested}` does not exist; this server serves {served}.",
+            status_code=404,
+            param="model",
+            code="model_not_found",
+        )

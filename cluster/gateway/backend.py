@@ -1,0 +1,169 @@
+"""What the gateway needs from whatever runs the engines.
+
+The gateway validates and tokenizes a request, then talks to one ``Backend``:
+the Ray pools + router + ZMQ data plane in production, ``NullBackend`` in
+gateway tests and the gateway-overhead benchmark.
+
+    gateway --EngineRequest--> Backend.generate() --EngineOutput*--> gateway
+    gateway --abort(request_id)--> Backend   (client gone, stop string matched)
+    gateway /metrics --scrape--> Backend.metrics_snapshot()
+
+All methods are called on the gateway's event loop thread.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+
+from scheduler.engine_stats import EngineStats, HistogramSnapshot
+from scheduler.messages import EngineOutput, EngineRequest
+
+
+class BackendUnavailable(Exception):
+    """No ready engine, or the backend refuses more load. The gateway answers
+    503 with this exception's message."""
+
+
+class EngineMetrics(msgspec.Struct):
+    """One engine as the gateway sees it at scrape time: the latest
+    ``EngineStats`` it reported (all zeros until the first arrives) and the
+    gateway's own view of it.
+
+    ``state``: ``"alive"``, ``"slow"`` or ``"dead"`` (``cluster/engines/health.py``),
+    ``"starting"`` before its first ``ready()``; ``epoch`` is the incarnation
+    the gateway is connected to; ``num_restarts`` counts new epochs after
+    the first; ``last_error`` is the latest failure the gateway saw there.
+    """
+
+    stats: EngineStats
+    epoch: int = 0
+    state: str = "alive"
+    ready: bool = True
+    num_restarts: int = 0
+    last_error: str = ""
+
+    @property
+    def engine_id(self) -> str:
+        return self.stats.engine_id
+
+    @property
+    def role(self) -> str:
+        return self.stats.role
+
+
+class ErrorEvent(msgspec.Struct):
+    """One failure worth an operator's eye: ``time_s`` is wall-clock
+    (``time.time()``), ``source`` an engine id, ``"gateway"`` or ``"request"``."""
+
+    time_s: float
+    source: str
+    message: str
+
+
+class BackendMetrics(msgspec.Struct):
+    engines: list[EngineMetrics] = []
+    # Router decisions, cumulative: {"remote": n, "local": m}.
+    num_disagg_decisions: dict[str, int] = {}
+    # Router choices, cumulative: {"decode/prefix_hit": n, ...} (cluster/routing)
+    router_decisions: dict[str, int] = {}
+    # predicted - reported prefix-hit tokens per request (kv-aware routing)
+    prefix_hit_error: HistogramSnapshot | None = None
+    # Streams migrated off a lost/drained engine, by reason (cluster/disagg/migration.py).
+    num_migrations: dict[str, int] = {}
+    # The gateway's own internal-plane sockets (gateway_output), same meaning.
+    malformed_frames: dict[str, int] = {}
+    auth_failures: dict[str, int] = {}
+    # Cumulative counts of the backend's own recoveries.
+    num_streams_cut: int = 0  # streams cut: the client read too slowly
+    num_orphans_aborted: int = 0  # aborts sent to an engine that came back
+    num_reader_restarts: int = 0  # output reader restarted after it ended
+    num_engine_restarts: int = 0  # engines that came back with a new epoch
+    recent_errors: list[ErrorEvent] = []  # oldest first, bounded
+
+
+class Backend(abc.ABC):
+    """Engines behind the gateway.
+
+    Attributes the gateway reads:
+      ``model_name``      the served model id (``/v1/models``, ``model`` field)
+      ``max_model_len``   prompt + generated tokens may not exceed it
+      ``tokenizer``       a Hugging Face tokenizer (``workers.tokenizer``)
+      ``eos_token_id``    informational; EOS stopping is the engines' job
+    """
+
+    model_name: str
+    max_model_len: int
+    tokenizer: Any
+    eos_token_id: int | None
+
+    @abc.abstractmethod
+    def is_ready(self) -> tuple[bool, str]:
+        """``(True, "")`` when every pool has a ready engine, else
+        ``(False, reason)``. Cheap; called by every ``/health`` probe."""
+
+    @abc.abstractmethod
+    def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        """Run one request; an async generator of its outputs.
+
+        Contract:
+        - Raises ``BackendUnavailable`` before yielding anything when no engine
+          can take the request (the gateway answers 503).
+        - Yields ``EngineOutput`` for ``request.request_id`` in order; the last
+          one has ``finish_reason`` set, and nothing follows it. With
+          ``request.n > 1`` each output names its choice (``index``); every
+          choice finishes once and the generator ends after the last one (an
+          ERROR output ends it at once).
+        - An output with ``finish_reason`` STOP (EOS or a stop token id) carries
+          that stop token as the last of its ``new_token_ids``; the gateway
+          counts it but does not detokenize it.
+        - Under P/D, the first token-bearing output is the prefill engine's
+          and carries its ``kv_transfer_params`` (the gateway labels the
+          request's latencies ``path="remote"``); any other output has none.
+        - An engine/transfer failure is a final output with ``finish_reason``
+          ERROR and ``error`` text, never an exception and never silent garbage.
+        - If the consumer stops iterating early (``aclose()``), the gateway
+          also calls ``abort``; the generator's cleanup must not block.
+        - A backend that buffers outputs may bound the buffer: when the
+          consumer falls that far behind (a client that does not read), it
+          aborts the request and cancels the task iterating the generator,
+          as a client disconnect would.
+        """
+
+    @abc.abstractmethod
+    async def abort(self, request_id: str) -> None:
+        """Cancel a request on every engine holding it (prefill, decode, the
+        handoff in between). Idempotent; unknown ids are ignored."""
+
+    async def abort_choice(self, request_id: str, index: int) -> None:
+        """Cancel one choice of an ``n > 1`` request (its stop string matched);
+        the others go on. The default does nothing: the choice then runs to
+        its own end and its outputs are ignored."""
+
+    def route_log_fields(self, request_id: str) -> dict[str, Any]:
+        """The router's decision for an ended request, as fields of its
+        finished log line (``cluster/routing/route_log.py``); asked once,
+        after the request's generator closed. The default has none."""
+        return {}
+
+    def degraded(self) -> str:
+        """Non-empty while serving with less than configured (an engine
+        dead or drained): ``/health`` stays 200 and reports it."""
+        return ""
+
+    async def drain(self, engine_id: str) -> dict[str, Any]:
+        """Stop new work on an engine and move its streams away (admin API).
+        ValueError naming ``engine_id`` if unknown."""
+        raise ValueError("engine_id: this backend has no engines to drain")
+
+    def undrain(self, engine_id: str) -> dict[str, Any]:
+        """Let a drained engine take new work again."""
+        raise ValueError("engine_id: this backend has no engines to drain")
+
+    @abc.abstractmethod
+    def metrics_snapshot(self) -> BackendMetrics:
+        """Current engine metrics; called at each ``/metrics`` scrape. Must
+        not block on engines (return the latest values received)."""

@@ -1,0 +1,116 @@
+"""Per-request limits at the HTTP edge, checked before any work is done.
+
+    request arrives
+      -> RequestSlots.acquire()      503 + Retry-After past --max-num-requests
+      -> read_body()                 413 past --max-request-body-mb (Content-Length
+                                     checked first, then bytes counted as they arrive)
+      -> parse, tokenize (pool), generate under the --request-timeout-s deadline
+
+Every refusal is a ``ProtocolError`` (the OpenAI error envelope).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from starlette.requests import Request
+
+from cluster.gateway.protocol import ProtocolError
+
+MIB = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class GatewayLimits:
+    """The gateway's limits (``tandem serve`` flags of the same names).
+
+    ``max_num_requests`` 0 means no cap; ``request_timeout_s`` 0 means no
+    deadline. ``tokenizer_workers`` threads tokenize prompts and render chat
+    templates (the Rust tokenizer releases the GIL while it encodes).
+    """
+
+    max_request_body_mb: float = 8.0
+    max_num_requests: int = 0
+    request_timeout_s: float = 600.0
+    tokenizer_workers: int = 2
+    retry_after_s: int = 1
+    max_logprobs: int = 20  # cap of logprobs / top_logprobs (vLLM's default)
+
+    def __post_init__(self) -> None:
+        for name in ("max_request_body_mb", "request_timeout_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        if self.max_request_body_mb == 0:
+            raise ValueError("max_request_body_mb must be > 0")
+        for name in ("max_num_requests", "tokenizer_workers", "retry_after_s", "max_logprobs"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        if self.tokenizer_workers < 1:
+            raise ValueError(f"tokenizer_workers must be >= 1, got {self.tokenizer_workers}")
+
+    @property
+    def max_request_body_bytes(self) -> int:
+        return int(self.max_request_body_mb * MIB)
+
+
+class Overloaded(ProtocolError):
+    """503 with a ``Retry-After`` header."""
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(
+            message, status_code=503, type="service_unavailable", code="too_many_requests"
+        )
+        self.headers = {"retry-after": str(retry_after_s)}
+
+
+def body_too_large(max_bytes: int) -> ProtocolError:
+    return ProtocolError(
+        f"The request body is larger than the limit of {max_bytes} bytes.",
+        status_code=413,
+        code="request_too_large",
+    )
+
+
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The request body, refusing (413) as soon as it is known to exceed
+    ``max_bytes``: from ``Content-Length`` before reading anything, else
+    while the chunks arrive (chunked transfer encoding). Nothing is parsed."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise ProtocolError("Invalid Content-Length header.")
+        if int(declared) > max_bytes:
+            raise body_too_large(max_bytes)
+    chunks: list[bytes] = []
+    num_bytes = 0
+    async for chunk in request.stream():
+        num_bytes += len(chunk)
+        if num_bytes > max_bytes:
+            raise body_too_large(max_bytes)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+class RequestSlots:
+    """At most ``max_num_requests`` generation requests at once (0: no cap),
+    from arrival to the end of the response. Event-loop thread only."""
+
+    def __init__(self, max_num_requests: int, retry_after_s: int) -> None:
+        self.max_num_requests = max_num_requests
+        self.retry_after_s = retry_after_s
+        self.num_active = 0
+
+    def acquire(self) -> None:
+        """Take a slot or raise ``Overloaded``; pair with ``release()``."""
+        if self.max_num_requests and self.num_active >= self.max_num_requests:
+            raise Overloaded(
+                f"The server is at its limit of {self.max_num_requests} concurrent requests.",
+                self.retry_after_s,
+            )
+        self.num_active += 1
+
+    def release(self) -> None:
+        self.num_active -= 1

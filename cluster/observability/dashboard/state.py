@@ -1,0 +1,142 @@
+"""``GET /cluster/state``: the cluster as one JSON document.
+
+Built from what the gateway already holds (no call to an engine):
+``Backend.metrics_snapshot()`` (each engine's latest ``EngineStats`` and the
+gateway's view of its health), ``GatewayMetrics`` and ``RollingStats``.
+The structs below are the documented schema (README, "Operators").
+"""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+
+from cluster.gateway.backend import Backend, EngineMetrics
+from cluster.observability.dashboard.rolling import RollingStats, WindowStats
+from cluster.observability.metrics import GatewayMetrics
+
+MAX_RECENT_ERRORS = 20
+
+
+class EngineRow(msgspec.Struct):
+    id: str
+    role: str
+    epoch: int
+    state: str  # "alive", "slow", "dead" or "starting"
+    ready: bool  # the router may send it requests
+    running: int
+    waiting: int
+    waiting_for_remote_kv: int
+    kv_usage: float  # 0..1
+    blocks_held: int  # held for a decode engine's read (prefill)
+    transfers_in_flight: int  # KV reads in flight (decode)
+    restarts: int
+    last_error: str
+    steps: int
+    last_step_s: float
+    preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+
+
+class PoolRow(msgspec.Struct):
+    role: str
+    engines: int
+    ready: int
+    running: int
+    waiting: int
+
+
+class ErrorRow(msgspec.Struct):
+    time_s: float  # wall clock
+    source: str  # engine id, "gateway", or "request <id>"
+    message: str
+
+
+class Counters(msgspec.Struct):
+    requests_in_flight: int
+    finished: dict[str, int]  # by finish reason
+    rejected: dict[str, int]  # by HTTP status code
+    streams_cut: int
+    orphans_aborted: int
+    reader_restarts: int
+    engine_restarts: int
+
+
+class ClusterState(msgspec.Struct):
+    time_s: float
+    model: str
+    ready: bool
+    not_ready_reason: str
+    pools: list[PoolRow]
+    engines: list[EngineRow]
+    window: WindowStats | None  # the whole rolling window (``window_s``)
+    series: list[WindowStats]  # one point per sampling interval, oldest first
+    counters: Counters
+    recent_errors: list[ErrorRow]  # newest first
+
+
+def cluster_state(backend: Backend, metrics: GatewayMetrics, rolling: RollingStats) -> ClusterState:
+    snapshot = backend.metrics_snapshot()
+    engines = [_engine(e) for e in snapshot.engines]
+    pools = []
+    for role in sorted({e.role for e in engines}):
+        members = [e for e in engines if e.role == role]
+        pools.append(
+            PoolRow(
+                role=role,
+                engines=len(members),
+                ready=sum(e.ready for e in members),
+                running=sum(e.running for e in members),
+                waiting=sum(e.waiting + e.waiting_for_remote_kv for e in members),
+            )
+        )
+    errors = [ErrorRow(e.time_s, e.source, e.message) for e in snapshot.recent_errors]
+    errors += [ErrorRow(t, f"request {rid}", msg) for t, rid, msg in metrics.recent_failures]
+    errors.sort(key=lambda e: e.time_s, reverse=True)
+    ready, reason = backend.is_ready()
+    return ClusterState(
+        time_s=time.time(),
+        model=backend.model_name,
+        ready=ready,
+        not_ready_reason=reason,
+        pools=pools,
+        engines=engines,
+        window=rolling.window(),
+        series=rolling.series(),
+        counters=Counters(
+            requests_in_flight=metrics.num_requests_in_flight,
+            finished=dict(metrics.num_finished),
+            rejected=dict(metrics.num_rejected),
+            streams_cut=snapshot.num_streams_cut,
+            orphans_aborted=snapshot.num_orphans_aborted,
+            reader_restarts=snapshot.num_reader_restarts,
+            engine_restarts=snapshot.num_engine_restarts,
+        ),
+        recent_errors=errors[:MAX_RECENT_ERRORS],
+    )
+
+
+def _engine(e: EngineMetrics) -> EngineRow:
+    s, q = e.stats, e.stats.scheduler
+    return EngineRow(
+        id=s.engine_id,
+        role=s.role,
+        epoch=e.epoch,
+        state=e.state,
+        ready=e.ready,
+        running=q.num_running_reqs,
+        waiting=q.num_waiting_reqs,
+        waiting_for_remote_kv=q.num_waiting_for_remote_kvs,
+        kv_usage=q.kv_cache_usage,
+        blocks_held=q.num_blocks_held_for_transfer,
+        transfers_in_flight=s.num_transfers_in_flight,
+        restarts=e.num_restarts,
+        last_error=e.last_error,
+        steps=s.num_steps,
+        last_step_s=s.last_step_s,
+        preemptions=q.num_preemptions,
+        prefix_cache_queries=q.prefix_cache_queries,
+        prefix_cache_hits=q.prefix_cache_hits,
+    )

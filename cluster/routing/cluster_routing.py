@@ -1,0 +1,170 @@
+"""What the gateway's backend asks of routing, in one object.
+
+    request --hashes (once per pool hashing)--> policy.choose / plan_disaggregated
+            --engine's first output--> observe_hit(predicted, reported)
+    every decision and hit is noted per request (route_log.py); the gateway
+    takes the note into the request's finished line (``log_fields``).
+
+The prompt's block hashes are computed here, once per request and per
+distinct (block size, hash algorithm) of the pools, with
+``scheduler.block_hash.hash_request_blocks`` and the request's
+``cache_salt`` (the engines' own function), and only when the policy is
+kv-aware. Engines tell their block size and algorithm in ``ready``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from cluster.routing.hit_error import HitErrorHistogram
+from cluster.routing.index import PrefixIndex
+from cluster.routing.policy import Choice, Plan, RoutingConfig, RoutingPolicy
+from cluster.routing.route_log import RouteNotes
+from cluster.routing.router import Router
+from cluster.routing.subscriber import KVEventSubscriber
+from scheduler.block_hash import hash_request_blocks
+from scheduler.kv_events import KVSnapshot
+from scheduler.messages import EngineRequest
+from wire.frames import FrameCounters
+
+
+class PromptHashes:
+    """One request's prompt hashes per pool role, computed on first use."""
+
+    def __init__(self, request: EngineRequest, hashing: dict[str, tuple[int, str]]) -> None:
+        self.request = request
+        self._hashing = hashing
+        self._by_hashing: dict[tuple[int, str], list[bytes]] = {}
+
+    def block_size(self, role: str) -> int:
+        return self._hashing.get(role, (0, ""))[0]
+
+    def of(self, role: str) -> list[bytes]:
+        key = self._hashing.get(role)
+        if key is None:
+            return []
+        if key not in self._by_hashing:
+            self._by_hashing[key] = hash_request_blocks(
+                self.request.prompt_token_ids,
+                key[0],
+                cache_salt=self.request.cache_salt,
+                algo=key[1],
+            )
+        return self._by_hashing[key]
+
+
+class ClusterRouting:
+    def __init__(self, config: RoutingConfig, router: Router, pool_sizes: dict[str, int]) -> None:
+        self.config = config
+        self.name = config.resolve(pool_sizes)
+        self.index = PrefixIndex() if self.name == "kv-aware" else None
+        self.policy = RoutingPolicy(config, router, self.index, self.name)
+        self.hit_error = HitErrorHistogram()
+        self.notes = RouteNotes(self.name)
+        self.subscriber: KVEventSubscriber | None = None
+        self._hashing: dict[str, tuple[int, str]] = {}  # role -> (block size, algo)
+
+    @property
+    def needs_events(self) -> bool:
+        return self.index is not None
+
+    def start(
+        self,
+        ctx: Any,
+        auth: Any,
+        snapshot: Callable[[str], Awaitable[KVSnapshot]],
+        malformed_frames: FrameCounters,
+    ) -> asyncio.Task | None:
+        """Open the event subscriber (kv-aware only); returns its reader task."""
+        if self.index is None:
+            return None
+        self.subscriber = KVEventSubscriber(ctx, auth, self.index, snapshot, malformed_frames)
+        return asyncio.create_task(self.subscriber.run())
+
+    def close(self) -> None:
+        if self.subscriber is not None:
+            self.subscriber.close()
+
+    def on_connected(self, engine_id: str, role: str, info: dict[str, Any]) -> None:
+        """A (new) incarnation answered ``ready``: follow its event stream."""
+        if self.index is None:
+            return
+        self._hashing[role] = (info["block_size"], info["prefix_caching_hash_algo"])
+        self.index.add_engine(engine_id, role, info["num_kv_blocks"])
+        self.index.drop_engine_state(engine_id, info["epoch"])
+        if self.subscriber is not None and info.get("kv_events_addr"):
+            self.subscriber.connect(engine_id, info["kv_events_addr"])
+
+    def hashes(self, request: EngineRequest) -> PromptHashes:
+        return PromptHashes(request, self._hashing if self.index is not None else {})
+
+    def choose(
+        self, role: str, hashes: PromptHashes, exclude: set[str] = frozenset()
+    ) -> Choice | None:
+        choice = self.policy.choose(
+            role,
+            len(hashes.request.prompt_token_ids),
+            hashes.of(role),
+            exclude,
+            block_size=hashes.block_size(role),
+        )
+        if choice is not None:
+            self.notes.chosen(
+                hashes.request.request_id, role, choice.engine.engine_id, choice.reason
+            )
+        return choice
+
+    def plan(self, hashes: PromptHashes, wants_remote: bool) -> Plan | None:
+        plan = self.policy.plan_disaggregated(
+            len(hashes.request.prompt_token_ids),
+            hashes.of("decode"),
+            hashes.block_size("decode"),
+            wants_remote,
+        )
+        if plan is not None:
+            rid = hashes.request.request_id
+            d = plan.decode
+            self.notes.chosen(rid, "decode", d.engine.engine_id, d.reason)
+            self.notes.planned(rid, plan.reason)
+        return plan
+
+    def plan_migration(
+        self,
+        hashes: PromptHashes,
+        wants_remote: bool,
+        handoff_min_tokens: int,
+        exclude: set[str] = frozenset(),
+    ) -> Plan | None:
+        """``hashes`` of the resubmitted request (prompt + sent tokens):
+        ``RoutingPolicy.plan_migration``, noted for the finished line."""
+        plan = self.policy.plan_migration(
+            len(hashes.request.prompt_token_ids),
+            hashes.of("decode"),
+            hashes.block_size("decode"),
+            wants_remote,
+            handoff_min_tokens,
+            exclude,
+        )
+        if plan is not None:
+            rid = hashes.request.request_id
+            d = plan.decode
+            self.notes.chosen(rid, "decode", d.engine.engine_id, d.reason)
+            self.notes.planned(rid, plan.reason)
+        return plan
+
+    def observe_hit(self, request_id: str, choice: Choice, reported_tokens: int) -> None:
+        """The engine that computed the prompt reported its prefix hit."""
+        if self.index is not None:
+            self.hit_error.observe(choice.predicted_hit_tokens, reported_tokens)
+        self.notes.hit(request_id, choice.predicted_hit_tokens, reported_tokens)
+
+    def log_fields(self, request_id: str) -> dict[str, Any]:
+        """The request's routing fields for its finished line (route_log.py);
+        called once, when the request ended."""
+        return self.notes.take(request_id)
+
+    def decisions(self) -> dict[str, int]:
+        """``"role/reason" -> count`` (``role`` "route" for the P-or-not plan)."""
+        return {f"{r}/{why}": n for (r, why), n in sorted(self.policy.decisions.items())}
