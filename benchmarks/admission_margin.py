@@ -20,7 +20,7 @@ import time
 import torch
 
 from benchmarks._machine import machine
-from scheduler.messages import EngineRequest, SamplingParams
+from wire.engine_protocol import EngineRequest, SamplingParams
 from workers.config import EngineConfig
 from workers.engine_core import EngineCore
 

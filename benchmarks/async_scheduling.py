@@ -93,7 +93,7 @@ class Bench:
 
     def run(self, prompts: list[list[int]]) -> tuple[list[list[int]], float, float, float]:
         """(tokens, mean decode turn s, mean loop-thread host s per decode turn, total s)."""
-        from scheduler.messages import EngineRequest, SamplingParams
+        from wire.engine_protocol import EngineRequest, SamplingParams
 
         engine, batch = self.engine, self.batch
         sp = SamplingParams(max_tokens=self.output_len, temperature=0.0, ignore_eos=True)

@@ -91,7 +91,7 @@ def _device_dtype(args: argparse.Namespace) -> tuple[str, str]:
 
 
 def run_tandem(path: str, args: argparse.Namespace) -> Callable[[Tokens, int], Tokens]:
-    from scheduler.messages import SamplingParams
+    from wire.engine_protocol import SamplingParams
     from workers.config import EngineConfig
     from workers.llm import LLM
 

@@ -29,7 +29,7 @@ import msgspec
 import torch
 
 from benchmarks._machine import machine
-from scheduler.messages import EngineRequest, SamplingParams
+from wire.engine_protocol import EngineRequest, SamplingParams
 from workers.config import EngineConfig
 from workers.engine_core import EngineCore
 

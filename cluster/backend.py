@@ -20,7 +20,7 @@ from typing import Any
 import msgspec
 
 from scheduler.engine_stats import EngineStats, HistogramSnapshot
-from scheduler.messages import EngineOutput, EngineRequest
+from wire.engine_protocol import EngineOutput, EngineRequest
 
 
 class BackendUnavailable(Exception):

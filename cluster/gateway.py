@@ -55,7 +55,7 @@ from cluster.protocol import ChatCompletionRequest, CompletionRequest, ProtocolE
 from cluster.tracing.observer import RequestObserver, Tracer
 from cluster.tracing.phase_metrics import RequestPhaseMetrics
 from cluster.tracing.record import TRACEPARENT, RequestRecord
-from scheduler.messages import EngineOutput, EngineRequest, FinishReason, Logprobs, SamplingParams
+from wire.engine_protocol import EngineOutput, EngineRequest, FinishReason, Logprobs, SamplingParams
 from workers.detokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)

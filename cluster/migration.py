@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from scheduler.messages import EngineOutput, EngineRequest
+from wire.engine_protocol import EngineOutput, EngineRequest
 
 # tandem:migrations_total{reason}
 REASON_DEAD = "engine_dead"  # health says DEAD (Ray says so, or no heartbeat)

@@ -25,10 +25,11 @@ from __future__ import annotations
 
 from collections import deque
 
-from scheduler.messages import EngineOutputs, ModelRunnerOutput, SchedulerOutput
+from scheduler.messages import ModelRunnerOutput, SchedulerOutput
 from scheduler.placeholders import samples_this_step
 from scheduler.request import Request
 from scheduler.scheduler import Scheduler
+from wire.engine_protocol import EngineOutputs
 
 
 class _StepRecord:

@@ -33,7 +33,8 @@ from typing import Any
 import torch
 
 from scheduler.async_scheduler import AsyncScheduler
-from scheduler.messages import EngineOutputs, SchedulerOutput
+from scheduler.messages import SchedulerOutput
+from wire.engine_protocol import EngineOutputs
 from workers.sampling.sample_logprobs import DeviceLogprobs
 from workers.step_batch import StepPlan
 

@@ -26,16 +26,18 @@ from scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
 from scheduler.async_scheduler import AsyncScheduler
 from scheduler.engine_stats import EngineStats, Histogram, KVTransferStats, WireStats
 from scheduler.kv_events import KVEventRecorder, KVSnapshot
-from scheduler.messages import (
+from wire.engine_protocol import (
+    ENGINE_INPUT,
     HEARTBEAT_INTERVAL_S,
-    EngineAbort,
     EngineHeartbeat,
     EngineOutput,
     EngineOutputs,
     EngineRequest,
     FinishReason,
+    UtilityCall,
+    UtilityResult,
 )
-from wire.frames import FrameCounters, FrameSpec, MalformedFrame, MiB, peer_address
+from wire.frames import FrameCounters, MalformedFrame, peer_address
 from workers.async_step import OverlappedLoop
 from workers.compile.model import compile_before_sizing
 from workers.config import EngineConfig
@@ -51,27 +53,6 @@ from workers.request_clock import RequestClock
 logger = logging.getLogger(__name__)
 
 MAX_DEFAULT_MODEL_LEN = 4096
-
-
-class UtilityCall(msgspec.Struct, array_like=True):
-    call_id: int
-    method: str
-    args: list[Any] = []
-
-
-class UtilityResult(msgspec.Struct, array_like=True, omit_defaults=True):
-    call_id: int
-    result: Any = None
-    error: str | None = None
-
-
-# What the engine's input socket accepts (``wire.frames``). 64 MiB holds a
-# prompt of millions of token ids; the socket cuts a sender at 4x that.
-ENGINE_INPUT = FrameSpec(
-    "engine_input",
-    {b"R": EngineRequest, b"A": EngineAbort, b"U": UtilityCall},
-    max_frame_bytes=64 * MiB,
-)
 
 
 class EngineCore:

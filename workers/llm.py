@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from scheduler.messages import EngineRequest, SamplingParams
+from wire.engine_protocol import EngineRequest, SamplingParams
 from workers.config import EngineConfig
 from workers.detokenizer import IncrementalDetokenizer
 from workers.engine_core import EngineCore

@@ -31,13 +31,8 @@ import torch
 from kernels import AttentionMetadata
 from kernels.metadata import host_to_device, list_to_device
 from kernels.prefill_attention import use_sdpa_prefills
-from scheduler.messages import (
-    KVConnectorOutput,
-    Logprobs,
-    ModelRunnerOutput,
-    SamplingParams,
-    SchedulerOutput,
-)
+from scheduler.messages import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
+from wire.engine_protocol import Logprobs, SamplingParams
 from workers.async_step import StepHandle, StepResult, StepStream
 from workers.attention import SplitAttention, StepMetadata
 from workers.cpu_allocator import tune_malloc_for_inference

@@ -18,7 +18,7 @@ two steps.
 
 from __future__ import annotations
 
-from scheduler.messages import Logprobs, SamplingParams
+from wire.engine_protocol import Logprobs, SamplingParams
 from workers.sampling.state import BatchExtras
 
 PLACEHOLDER = -1  # a token id not known on the host yet

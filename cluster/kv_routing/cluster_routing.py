@@ -26,7 +26,7 @@ from cluster.kv_routing.subscriber import KVEventSubscriber
 from cluster.router import Router
 from scheduler.block_hash import hash_request_blocks
 from scheduler.kv_events import KVSnapshot
-from scheduler.messages import EngineRequest
+from wire.engine_protocol import EngineRequest
 from wire.frames import FrameCounters
 
 

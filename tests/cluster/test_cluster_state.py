@@ -24,7 +24,7 @@ from scheduler.engine_stats import (
     KVTransferStats,
     quantile,
 )
-from scheduler.messages import SchedulerStats
+from wire.engine_protocol import SchedulerStats
 from wire.frames import MalformedFrame, decode
 from workers.tiny import build_tokenizer
 

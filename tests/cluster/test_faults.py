@@ -23,7 +23,7 @@ import pytest
 
 from cluster.placement import resolve_placement
 from cluster.serve import SERVE_DEFAULTS, ServiceThread
-from scheduler.messages import EngineRequest, SamplingParams
+from wire.engine_protocol import EngineRequest, SamplingParams
 
 pytestmark = pytest.mark.slow
 

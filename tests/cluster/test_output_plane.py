@@ -14,9 +14,15 @@ from prometheus_client import CollectorRegistry
 
 from cluster.engine_actor import free_port
 from cluster.metrics import EngineMetricsCollector, render
-from cluster.ray_backend import GATEWAY_OUTPUT, RayBackend
-from scheduler.messages import EngineOutput, EngineOutputs, EngineRequest, SamplingParams
+from cluster.ray_backend import RayBackend
 from wire.auth import PlaneAuth, generate_secret
+from wire.engine_protocol import (
+    GATEWAY_OUTPUT,
+    EngineOutput,
+    EngineOutputs,
+    EngineRequest,
+    SamplingParams,
+)
 
 SECRET = generate_secret()
 enc = msgspec.msgpack.encode
@@ -97,7 +103,7 @@ def test_engine_stats_are_validated_like_frames():
     from cluster.ray_backend import _Engine
     from cluster.router import EngineState
     from scheduler.engine_stats import EngineStats
-    from scheduler.messages import SchedulerStats
+    from wire.engine_protocol import SchedulerStats
 
     backend = RayBackend([], tokenizer=None, model_name="m", output_addr="tcp://127.0.0.1:1")
     try:

@@ -11,8 +11,8 @@ import httpx
 import pytest
 
 from cluster.serve import SERVE_DEFAULTS, ServiceThread
-from scheduler.messages import SamplingParams
 from tests.cluster.service_helpers import client, wait_idle
+from wire.engine_protocol import SamplingParams
 from workers.config import EngineConfig
 from workers.llm import LLM
 from workers.tokenizer import apply_chat_template

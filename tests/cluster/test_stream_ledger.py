@@ -9,7 +9,7 @@ import msgspec
 import pytest
 
 from cluster.migration import MigrationPolicy, StreamLedger
-from scheduler.messages import EngineOutput, EngineRequest, SamplingParams
+from wire.engine_protocol import EngineOutput, EngineRequest, SamplingParams
 from workers.config import EngineConfig
 from workers.engine_core import EngineCore
 

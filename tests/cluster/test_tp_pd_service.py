@@ -24,9 +24,9 @@ import time
 import pytest
 
 from cluster.serve import SERVE_DEFAULTS, ServiceThread
-from scheduler.messages import SamplingParams
 from tests.cluster.service_helpers import client, wait_idle
 from tests.cluster.test_service import ray_local  # noqa: F401 - the module's local Ray
+from wire.engine_protocol import SamplingParams
 from workers.config import EngineConfig
 from workers.llm import LLM
 

@@ -18,10 +18,16 @@ import zmq
 
 from cluster.engine_actor import free_port
 from scheduler.engine_stats import EngineStats
-from scheduler.messages import EngineAbort, EngineOutput, EngineOutputs, EngineRequest
 from wire.auth import PlaneAuth, generate_secret
+from wire.engine_protocol import (
+    EngineAbort,
+    EngineOutput,
+    EngineOutputs,
+    EngineRequest,
+    UtilityCall,
+    UtilityResult,
+)
 from workers.config import EngineConfig
-from workers.engine_core import UtilityCall, UtilityResult
 
 _NEW = object()
 

@@ -12,9 +12,9 @@ import warnings
 import pytest
 import torch
 
-from scheduler.messages import EngineRequest, SamplingParams
 from tests.workers.hf_checkpoints import load_hf_model
 from tests.workers.test_engine import hf_greedy, prompts_for
+from wire.engine_protocol import EngineRequest, SamplingParams
 from workers.config import EngineConfig
 from workers.llm import LLM
 

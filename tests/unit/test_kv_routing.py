@@ -9,8 +9,8 @@ from cluster.kv_routing.cluster_routing import PromptHashes
 from cluster.kv_routing.index import PrefixIndex
 from cluster.kv_routing.policy import RoutingConfig, RoutingPolicy
 from cluster.router import Router
-from scheduler.messages import EngineRequest, SamplingParams
 from tests.unit.kv_sim import SimEngine
+from wire.engine_protocol import EngineRequest, SamplingParams
 
 BLOCK = 4
 

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from kernels import AttentionMetadata
-from scheduler.messages import SamplingParams
 from tests.workers.hf_checkpoints import load_hf_model
 from tests.workers.mixed_steps import BLOCK_SIZE, last_step_hidden, new_kv_cache
 from tests.workers.test_engine import hf_greedy
+from wire.engine_protocol import SamplingParams
 from workers.attention import attention
 from workers.compile.attention_op import step_context
 from workers.compile.model import compile_before_sizing, compile_model, use_compile

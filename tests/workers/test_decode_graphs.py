@@ -19,8 +19,8 @@ import torch  # noqa: E402
 from torch.overrides import TorchFunctionMode  # noqa: E402
 
 from kernels import AttentionMetadata  # noqa: E402
-from scheduler.messages import SamplingParams  # noqa: E402
 from tests.workers import hf_checkpoints  # noqa: E402
+from wire.engine_protocol import SamplingParams  # noqa: E402
 from workers.config import EngineConfig, add_engine_arguments, engine_overrides  # noqa: E402
 from workers.graphs.build import build_step_graphs  # noqa: E402
 from workers.graphs.runner import DecodeGraphRunner, EagerBackend  # noqa: E402
@@ -256,7 +256,7 @@ def test_replayed_decode_step_reads_the_device_once(triton_checkpoint, logprobs)
     llm = _llm(triton_checkpoint)
     graphs = _with_graphs(llm, [1, 2, 4])
     engine = llm.engine
-    from scheduler.messages import EngineRequest
+    from wire.engine_protocol import EngineRequest
 
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(PROMPTS[:3]):

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from kernels import AttentionMetadata
-from scheduler.messages import SamplingParams
 from tests.workers.hf_checkpoints import load_hf_model
 from tests.workers.test_engine import hf_greedy
+from wire.engine_protocol import SamplingParams
 from workers import model_runner
 from workers.attention import SplitAttention, attention
 from workers.config import EngineConfig

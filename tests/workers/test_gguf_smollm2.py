@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from cluster.cli import main as tandem_main
-from scheduler.messages import SamplingParams
+from wire.engine_protocol import SamplingParams
 from workers.checkpoints.builtin import builtin_gguf_path
 from workers.config import EngineConfig
 from workers.detokenizer import IncrementalDetokenizer

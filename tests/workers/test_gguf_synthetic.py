@@ -10,8 +10,8 @@ import os
 import pytest
 import torch
 
-from scheduler.messages import SamplingParams
 from tests.workers.gguf_writer import write_gguf_from_hf
+from wire.engine_protocol import SamplingParams
 from workers.checkpoints.gguf_convert import ensure_converted
 from workers.config import EngineConfig
 from workers.llm import LLM

@@ -16,7 +16,7 @@ import pytest
 import zmq
 
 from cluster.engine_actor import free_port
-from scheduler.messages import EngineOutputs, EngineRequest, FinishReason, SamplingParams
+from wire.engine_protocol import EngineOutputs, EngineRequest, FinishReason, SamplingParams
 from workers.config import EngineConfig
 from workers.engine_core import EngineCore
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from scheduler.messages import EngineRequest, SamplingParams
+from wire.engine_protocol import EngineRequest, SamplingParams
 from workers.config import EngineConfig
 from workers.engine_core import EngineCore
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from scheduler.block_hash import HASH_ALGOS
-from scheduler.messages import SamplingParams
+from wire.engine_protocol import SamplingParams
 from workers.config import EngineConfig
 from workers.llm import LLM
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from scheduler.messages import SamplingParams
+from wire.engine_protocol import SamplingParams
 from workers.sampler import Sampler, mix_seed, uniform_for
 
 

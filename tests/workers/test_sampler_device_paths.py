@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from scheduler.messages import SamplingParams
+from wire.engine_protocol import SamplingParams
 from workers import sampler
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvtransfer.handoff import decode_request, prefill_request
-from scheduler.messages import EngineOutput, EngineRequest, SamplingParams
+from wire.engine_protocol import EngineOutput, EngineRequest, SamplingParams
 from workers.config import EngineConfig
 from workers.llm import LLM
 

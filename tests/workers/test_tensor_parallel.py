@@ -11,9 +11,9 @@ import time
 import pytest
 import torch
 
-from scheduler.messages import EngineRequest, SamplingParams
 from tests.workers.hf_checkpoints import load_hf_model, make_config
 from tests.workers.test_engine import hf_greedy
+from wire.engine_protocol import EngineRequest, SamplingParams
 from workers.config import EngineConfig
 from workers.llm import LLM
 from workers.loader import iter_safetensors, safetensors_files

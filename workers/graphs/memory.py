@@ -48,7 +48,7 @@ import torch
 
 from kernels import AttentionMetadata
 from kernels.prefill_attention import use_sdpa_prefills
-from scheduler.messages import SamplingParams
+from wire.engine_protocol import SamplingParams
 from workers.graphs.build import GRAPH_BYTES_SLACK, capture_step_graphs
 from workers.graphs.runner import CudaGraphBackend, graphs_allowed
 from workers.kv_cache import allocate_model_kv_cache

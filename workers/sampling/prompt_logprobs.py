@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from scheduler.messages import Logprobs
+from wire.engine_protocol import Logprobs
 from workers.sampler import _top_logprobs
 
 ROWS_PER_PIECE = 256

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from kernels.metadata import list_to_device
-from scheduler.messages import Logprobs, SamplingParams
+from wire.engine_protocol import Logprobs, SamplingParams
 
 
 def top_on_device(
