@@ -70,7 +70,7 @@ class Bench:
     def __init__(self, path: str, batch: int, prompt_len: int, output_len: int, overlap: bool,
                  args: argparse.Namespace) -> None:  # fmt: skip
         from workers.config import EngineConfig
-        from workers.engine_core import EngineCore
+        from workers.engine.core import EngineCore
 
         self.engine = EngineCore(
             EngineConfig(

@@ -129,7 +129,7 @@ def _engine(
     path: str, max_num_seqs: int, max_tokens_per_step: int, args, async_scheduling=False
 ) -> object:
     from workers.config import EngineConfig
-    from workers.engine_core import EngineCore
+    from workers.engine.core import EngineCore
 
     return EngineCore(
         EngineConfig(
@@ -241,7 +241,7 @@ def compile_rows(path: str, args: argparse.Namespace) -> list[tuple]:
     either forward) and one prefill of ``--prefill-len`` tokens, with the compile time."""
     from benchmarks.compile_model import decode_step_ms, prefill_ms
     from workers.config import EngineConfig
-    from workers.engine_core import EngineCore
+    from workers.engine.core import EngineCore
 
     rows, batch = [], 64
     for mode in ("off", "on"):

@@ -54,7 +54,7 @@ def _prompt(n: int, seed: int, vocab_size: int = ONE_B_CONFIG["vocab_size"]) -> 
 
 def _engine(path: str, mode: str, shapes: list[tuple[int, int]], args) -> object:
     from workers.config import EngineConfig
-    from workers.engine_core import EngineCore
+    from workers.engine.core import EngineCore
 
     return EngineCore(
         EngineConfig(

@@ -40,9 +40,10 @@ def _engine_main(config: EngineConfig, input_addr: str, output_addr: str) -> Non
     import torch
 
     torch.set_num_threads(1)
-    from workers.engine_core import EngineCore
+    from workers.engine.core import EngineCore
+    from workers.engine.service import EngineService
 
-    EngineCore(config).serve_zmq(input_addr, output_addr)
+    EngineService(EngineCore(config)).serve_zmq(input_addr, output_addr)
 
 
 class EngineProcess:

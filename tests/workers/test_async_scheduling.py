@@ -20,7 +20,7 @@ from tests.workers.test_decode_graphs import PROMPTS, _with_graphs
 from wire.engine_protocol import EngineOutput, EngineRequest, FinishReason, SamplingParams
 from workers.async_step import StepStream
 from workers.config import EngineConfig, add_engine_arguments, engine_overrides
-from workers.engine_core import EngineCore
+from workers.engine.core import EngineCore
 from workers.llm import LLM
 
 Key = tuple[str, int]  # (request id, choice index)

@@ -101,7 +101,7 @@ class CountingBackend:
 
 
 def test_compiled_before_sizing_the_profiling_step_runs_the_compiled_graphs(make_checkpoint):
-    """The engine's start-up order (workers/engine_core.py): ``compile_before_sizing`` warms up
+    """The engine's start-up order (workers/engine/startup.py): ``compile_before_sizing`` warms up
     over a one-block dummy cache, then the profiling step (``profile_forward``, a full
     ``max_num_batched_tokens`` step) runs the compiled graphs without compiling again; the same
     graphs then serve a real, larger cache with the eager model's hidden states."""

@@ -18,7 +18,7 @@ from wire.engine_protocol import (
 )
 from wire.frames import MalformedFrame
 from workers.config import EngineConfig
-from workers.engine_core import EngineCore
+from workers.engine.core import EngineCore
 
 
 def run_until_final(core: EngineCore, request_ids: set[str]) -> dict[str, list[EngineOutput]]:
