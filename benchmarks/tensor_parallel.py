@@ -47,7 +47,7 @@ def _decode_steps(tp: int, args: argparse.Namespace) -> dict[str, float]:
 
     from wire.engine_protocol import EngineRequest, SamplingParams
     from workers.config import EngineConfig
-    from workers.llm import LLM
+    from workers.engine.llm import LLM
 
     cfg = EngineConfig(
         model=args.model,

@@ -56,7 +56,7 @@ from cluster.tracing.observer import RequestObserver, Tracer
 from cluster.tracing.phase_metrics import RequestPhaseMetrics
 from cluster.tracing.record import TRACEPARENT, RequestRecord
 from wire.engine_protocol import EngineOutput, EngineRequest, FinishReason, Logprobs, SamplingParams
-from workers.detokenizer import IncrementalDetokenizer
+from workers.text.detokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)
 

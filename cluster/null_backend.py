@@ -72,8 +72,8 @@ class NullBackend(Backend):
     @classmethod
     def tiny(cls, **kwargs: Any) -> NullBackend:
         """A NullBackend with the built-in tiny model's tokenizer."""
-        from workers.tiny import ensure_tiny_model
-        from workers.tokenizer import load_tokenizer
+        from workers.checkpoints.tiny import ensure_tiny_model
+        from workers.text.tokenizer import load_tokenizer
 
         return cls(load_tokenizer(ensure_tiny_model()), **kwargs)
 

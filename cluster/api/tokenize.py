@@ -26,7 +26,7 @@ from cluster import protocol
 from cluster.edge.limits import read_body
 from cluster.edge.tokenizer_pool import chat_text_len
 from cluster.protocol import ProtocolError
-from workers.tokenizer import apply_chat_template
+from workers.text.tokenizer import apply_chat_template
 
 
 class TokenizeCompletionRequest(msgspec.Struct, kw_only=True):

@@ -13,7 +13,7 @@ from cluster import bench
 from cluster.bench import BenchConfig
 from cluster.gateway import create_app, serve_in_thread
 from cluster.null_backend import NullBackend
-from workers.tiny import build_tokenizer
+from workers.checkpoints.tiny import build_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import pytest
 from cluster.edge.limits import GatewayLimits
 from cluster.gateway import create_app, serve_in_thread
 from tests.cluster.recording_backend import RecordingBackend
-from workers.tiny import build_tokenizer
+from workers.checkpoints.tiny import build_tokenizer
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 

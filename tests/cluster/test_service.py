@@ -16,7 +16,7 @@ from cluster.serve import SERVE_DEFAULTS, ServiceThread
 from tests.cluster.service_helpers import client, disconnect_mid_stream, wait_idle
 from wire.engine_protocol import SamplingParams
 from workers.config import EngineConfig
-from workers.llm import LLM
+from workers.engine.llm import LLM
 
 pytestmark = pytest.mark.slow
 

@@ -23,7 +23,7 @@ from tests.cluster.test_service import ray_local  # noqa: F401 - the module's lo
 from tests.cluster.test_tp_placement import bundle_in_use
 from wire.engine_protocol import SamplingParams
 from workers.config import EngineConfig
-from workers.llm import LLM
+from workers.engine.llm import LLM
 from workers.parallel.ray_workers import ACTOR_PREFIX
 
 pytestmark = pytest.mark.slow

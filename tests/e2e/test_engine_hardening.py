@@ -19,7 +19,7 @@ from tests.e2e.test_pd_engines import handoff
 from wire.auth import PlaneAuth, generate_secret
 from wire.engine_protocol import EngineAbort, EngineRequest, FinishReason, SamplingParams
 from workers.config import EngineConfig
-from workers.llm import LLM
+from workers.engine.llm import LLM
 
 pytestmark = pytest.mark.slow
 

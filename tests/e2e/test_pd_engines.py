@@ -14,7 +14,7 @@ from tests.e2e.engine_proc import Harness
 from tests.workers.hf_checkpoints import load_hf_model
 from wire.engine_protocol import NOT_REACHED, EngineRequest, FinishReason, SamplingParams
 from workers.config import EngineConfig
-from workers.llm import LLM
+from workers.engine.llm import LLM
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,7 @@ from tests.e2e.engine_proc import Harness
 from tests.e2e.test_pd_engines import handoff, kv_bytes
 from wire.engine_protocol import EngineRequest, FinishReason, SamplingParams
 from workers.config import EngineConfig
-from workers.llm import LLM
+from workers.engine.llm import LLM
 
 pytestmark = pytest.mark.slow
 

@@ -22,9 +22,9 @@ from tests.workers.hf_checkpoints import load_hf_model
 from tests.workers.mixed_steps import BLOCK_SIZE, last_step_hidden, new_kv_cache
 from tests.workers.test_engine import hf_greedy, prompts_for
 from wire.engine_protocol import SamplingParams
+from workers.checkpoints.loader import load_model
 from workers.compile.model import compile_model
-from workers.llm import LLM
-from workers.loader import load_model
+from workers.engine.llm import LLM
 
 pytestmark = pytest.mark.gpu
 

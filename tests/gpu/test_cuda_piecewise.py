@@ -21,7 +21,7 @@ from tests.gpu.memory_share import (
 from tests.gpu.test_cuda_engine import _config as engine_config
 from wire.engine_protocol import SamplingParams
 from workers.config import EngineConfig
-from workers.llm import LLM
+from workers.engine.llm import LLM
 
 pytestmark = pytest.mark.gpu
 

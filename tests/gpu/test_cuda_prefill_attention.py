@@ -16,8 +16,8 @@ from tests.workers.hf_checkpoints import load_hf_model
 from tests.workers.mixed_steps import last_step_hidden, new_kv_cache
 from tests.workers.test_engine import hf_greedy, prompts_for
 from wire.engine_protocol import SamplingParams
-from workers.llm import LLM
-from workers.loader import load_model
+from workers.checkpoints.loader import load_model
+from workers.engine.llm import LLM
 
 pytestmark = pytest.mark.gpu
 

@@ -16,14 +16,14 @@ from tests.workers.hf_checkpoints import load_hf_model
 from tests.workers.mixed_steps import BLOCK_SIZE, last_step_hidden, new_kv_cache
 from tests.workers.test_engine import hf_greedy
 from wire.engine_protocol import SamplingParams
-from workers.attention import attention
+from workers.checkpoints.loader import load_model
 from workers.compile.attention_op import step_context
 from workers.compile.model import compile_before_sizing, compile_model, use_compile
 from workers.config import EngineConfig, add_engine_arguments, engine_overrides
+from workers.engine.llm import LLM
 from workers.graphs.memory import profile_forward
-from workers.kv_cache import allocate_kv_cache
-from workers.llm import LLM
-from workers.loader import load_model
+from workers.runner.attention import attention
+from workers.runner.kv_cache import allocate_kv_cache
 
 NUM_NEW = 6
 GREEDY = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)

@@ -9,7 +9,7 @@ import torch
 from tests.workers.hf_checkpoints import load_hf_model
 from wire.engine_protocol import SamplingParams
 from workers.config import EngineConfig
-from workers.llm import LLM
+from workers.engine.llm import LLM
 
 NUM_NEW = 8
 

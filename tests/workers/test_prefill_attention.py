@@ -23,9 +23,9 @@ from tests.workers.mixed_steps import (  # noqa: E402
 )
 from tests.workers.test_engine import hf_greedy  # noqa: E402
 from wire.engine_protocol import SamplingParams  # noqa: E402
+from workers.checkpoints.loader import load_model  # noqa: E402
 from workers.config import EngineConfig, add_engine_arguments, engine_overrides  # noqa: E402
-from workers.llm import LLM  # noqa: E402
-from workers.loader import load_model  # noqa: E402
+from workers.engine.llm import LLM  # noqa: E402
 
 NUM_NEW = 3
 

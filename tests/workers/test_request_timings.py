@@ -1,5 +1,5 @@
 """Per-request timings an engine reports on a request's final output
-(wire/engine_protocol.py, workers/request_clock.py), and their
+(wire/engine_protocol.py, workers/engine/request_clock.py), and their
 validation on the gateway's socket."""
 
 from __future__ import annotations

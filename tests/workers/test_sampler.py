@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from wire.engine_protocol import SamplingParams
-from workers.sampler import Sampler, mix_seed, uniform_for
+from workers.sampling.sampler import Sampler, mix_seed, uniform_for
 
 
 def _sample(sampler, logits, params, positions=None, counts=None, eos=None):

@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from wire.engine_protocol import SamplingParams
-from workers.sampler import Sampler
 from workers.sampling.penalties import apply_min_p, banned_last_tokens
+from workers.sampling.sampler import Sampler
 from workers.sampling.state import SamplingExtras
 
 

@@ -1,7 +1,7 @@
 """EngineCore: one engine's loop, ``schedule() -> execute() -> update_from_output()``.
 
 ``add_request`` / ``abort`` / ``step`` from one thread at a time: in process
-(``workers/llm.py``), or the loop thread of an ``EngineService``
+(``workers/engine/llm.py``), or the loop thread of an ``EngineService``
 (``service.py``), which feeds it from the engine's sockets. No sockets here
 beyond the KV events publisher and the connector's side channel.
 """
@@ -19,8 +19,9 @@ from scheduler.async_scheduler import AsyncScheduler
 from scheduler.engine_stats import EngineStats, Histogram, KVTransferStats, WireStats
 from scheduler.kv_events import KVEventRecorder, KVSnapshot
 from wire.engine_protocol import EngineOutput, EngineOutputs, EngineRequest, FinishReason
-from workers.async_step import OverlappedLoop
 from workers.config import EngineConfig
+from workers.engine.kv_events_publisher import KVEventPublisher
+from workers.engine.request_clock import RequestClock
 from workers.engine.startup import (
     build_runner,
     load_engine_model,
@@ -28,8 +29,7 @@ from workers.engine.startup import (
     scheduler_config,
     size_kv_cache,
 )
-from workers.kv_events_publisher import KVEventPublisher
-from workers.request_clock import RequestClock
+from workers.runner.async_step import OverlappedLoop
 
 
 class EngineCore:
@@ -52,7 +52,7 @@ class EngineCore:
         self.kv_cache = cache.kv_cache
         self.sched_config = scheduler_config(config, cache.num_blocks, cache.max_model_len)
         self.connector_scheduler, self.connector_worker = make_connector(config, self.hf_config)
-        # overlapped loop (workers/async_step.py); TP ranks step in lockstep: synchronous
+        # overlapped loop (workers/runner/async_step.py); TP ranks step in lockstep: synchronous
         overlap = config.uses_async_scheduling() and self.tp is None
         scheduler_cls = AsyncScheduler if overlap else Scheduler
         self.scheduler = scheduler_cls(

@@ -35,7 +35,7 @@ from wire.engine_protocol import (
 )
 from wire.frames import FrameCounters, MalformedFrame, peer_address
 from workers.engine.core import EngineCore
-from workers.loop_wait import LoopWait
+from workers.engine.loop_wait import LoopWait
 
 logger = logging.getLogger(__name__)
 
@@ -67,17 +67,17 @@ class EngineService:
     def serve_zmq(self, input_addr: str, output_addr: str, *, bind_input: bool = True) -> None:
         """Run until ``shutdown()``. Blocks on the input socket when idle, polls
         it without waiting while requests run, and briefly while only
-        transfers are in flight (``workers/loop_wait.py``). A malformed input
+        transfers are in flight (``workers/engine/loop_wait.py``). A malformed input
         message is dropped and counted (``wire.frames``); with
         ``config.cluster_secret`` both sockets use CURVE (``wire.auth``) and
         unauthenticated peers are refused. Outputs go through a bounded send
-        queue (``workers/output_sender.py``): while the gateway does not keep
+        queue (``workers/engine/output_sender.py``): while the gateway does not keep
         up the loop stops stepping, when the queue is full it stops reading
         input, and after ``output_stall_timeout_s`` it cuts every stream."""
         import zmq
 
         from wire.auth import PlaneAuth
-        from workers.output_sender import OutputSender
+        from workers.engine.output_sender import OutputSender
 
         engine = self.engine
         ctx = zmq.Context()

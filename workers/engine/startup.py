@@ -24,13 +24,13 @@ from typing import Any
 import torch
 
 from scheduler import SchedulerConfig
+from workers.checkpoints.loader import end_token_ids, load_model, resolve_model_path
 from workers.compile.model import compile_before_sizing
 from workers.config import EngineConfig
 from workers.graphs.build import StepGraphs, build_step_graphs
 from workers.graphs.memory import StepMemory, profile_step_memory
-from workers.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for
-from workers.loader import end_token_ids, load_model, resolve_model_path
-from workers.model_runner import ModelRunner
+from workers.runner.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for
+from workers.runner.model_runner import ModelRunner
 
 MAX_DEFAULT_MODEL_LEN = 4096
 
@@ -51,7 +51,7 @@ class LoadedModel:
 class SizedKVCache:
     max_model_len: int
     num_blocks: int
-    kv_cache: Any  # workers.kv_cache.allocate_kv_cache's cache
+    kv_cache: Any  # workers.runner.kv_cache.allocate_kv_cache's cache
     compile_report: Any  # workers.compile.model.compile_before_sizing's report
     step_memory: StepMemory
 

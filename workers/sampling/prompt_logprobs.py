@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from wire.engine_protocol import Logprobs
-from workers.sampler import _top_logprobs
+from workers.sampling.sampler import _top_logprobs
 
 ROWS_PER_PIECE = 256
 

@@ -3,7 +3,7 @@
 ``ModelRunner.launch`` turns a ``SchedulerOutput`` into a ``StepPlan`` from the runner's
 own copy of each request (host data only, copied, so the loop thread can plan the next
 step while this one runs); ``flatten`` lays the segments out in the order the forward
-wants (``workers/model_runner.py``: dense decode rows first on CPU):
+wants (``workers/runner/model_runner.py``: dense decode rows first on CPU):
 
     segments    a (prefill chunk 5..7)   b (decode, token in flight)   c (decode)
     input_ids   [a5 a6 a7]               [PLACEHOLDER]                 [c4]
