@@ -20,9 +20,9 @@ import time
 import torch
 
 from benchmarks._machine import machine
-from scheduler.messages import EngineRequest, SamplingParams
+from wire.engine_protocol import EngineRequest, SamplingParams
 from workers.config import EngineConfig
-from workers.engine_core import EngineCore
+from workers.engine.core import EngineCore
 
 
 def run(args: argparse.Namespace, margin: float) -> dict:

@@ -26,8 +26,8 @@ def measure(disaggregated: bool, ckpt: str) -> tuple[list[float], int]:
     """Token gaps (ms) of 4 decode streams while 1536-token prompts arrive
     (LONG_PROMPTS_PER_S): prefilled on P and handed to D, or prefilled on D itself."""
     from kvtransfer.handoff import decode_request, prefill_request
-    from scheduler.messages import EngineRequest, SamplingParams
     from tests.e2e.engine_proc import Harness
+    from wire.engine_protocol import EngineRequest, SamplingParams
     from workers.config import EngineConfig
 
     h = Harness()

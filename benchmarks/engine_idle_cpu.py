@@ -45,8 +45,8 @@ def main() -> None:
 
     from benchmarks._machine import machine
     from kvtransfer.handoff import decode_request, prefill_request
-    from scheduler.messages import EngineRequest, SamplingParams
     from tests.e2e.engine_proc import Harness
+    from wire.engine_protocol import EngineRequest, SamplingParams
     from workers.config import EngineConfig
 
     h = Harness()

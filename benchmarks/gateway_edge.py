@@ -30,8 +30,8 @@ from benchmarks._machine import machine  # noqa: E402
 from cluster.gateway.app import create_app, serve_in_thread  # noqa: E402
 from cluster.gateway.edge.tokenizer_pool import TokenizerPool  # noqa: E402
 from cluster.gateway.null_backend import NullBackend  # noqa: E402
-from workers.tiny import build_tokenizer  # noqa: E402
-from workers.tokenizer import encode_prompt  # noqa: E402
+from workers.checkpoints.tiny import build_tokenizer  # noqa: E402
+from workers.text.tokenizer import encode_prompt  # noqa: E402
 
 NUM_TOKENS = 40
 

@@ -24,7 +24,7 @@ import sys
 
 # (app module, backend module, null backend module) per layout: today's first
 LAYOUTS = (
-    ("cluster.gateway.app", "cluster.disagg.backend", "cluster.gateway.null_backend"),
+    ("cluster.gateway.app", "cluster.disagg.ray_backend", "cluster.gateway.null_backend"),
     ("cluster.gateway", "cluster.ray_backend", "cluster.null_backend"),
 )
 
@@ -70,7 +70,12 @@ def main() -> int:
     env = dict(os.environ, PYTHONPATH=root)
     tokenizer_dir = (
         subprocess.run(  # the built-in tiny model's directory (written once)
-            [sys.executable, "-c", "from workers.tiny import ensure_tiny_model as e; print(e())"],
+            [
+                sys.executable,
+                "-c",
+                "try:\n from workers.checkpoints.tiny import ensure_tiny_model as e\n"
+                "except ImportError:\n from workers.tiny import ensure_tiny_model as e\nprint(e())",
+            ],
             cwd=root,
             env=env,
             capture_output=True,

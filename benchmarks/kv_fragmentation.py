@@ -35,9 +35,9 @@ def run(requests: int, concurrency: int, num_kv_blocks: int, seed: int) -> list[
     import numpy as np
 
     from kvtransfer.handoff import decode_request, prefill_request
-    from scheduler.messages import EngineRequest, SamplingParams
     from tests.e2e.engine_proc import Harness
     from tests.workers.hf_checkpoints import make_checkpoint
+    from wire.engine_protocol import EngineRequest, SamplingParams
     from workers.config import EngineConfig
 
     rng = np.random.default_rng(seed)

@@ -140,8 +140,9 @@ class ReadPair:
     def pull_many(self, loads: list[tuple[str, dict, list[int]]]) -> None:
         """``(request_id, params, block_ids)`` loads started in one engine
         step (one connector metadata); returns once all are received."""
-        from scheduler.messages import KVConnectorOutput, SamplingParams
+        from scheduler.messages import KVConnectorOutput
         from scheduler.request import Request, RequestStatus
+        from wire.engine_protocol import SamplingParams
 
         requests = []
         for request_id, params, block_ids in loads:

@@ -87,7 +87,7 @@ def make_checkpoint(out_dir: str) -> str:
     import torch
     import transformers
 
-    from workers.tiny import ensure_tiny_model
+    from workers.checkpoints.tiny import ensure_tiny_model
 
     tiny = ensure_tiny_model()
     torch.manual_seed(0)

@@ -45,9 +45,9 @@ def _decode_steps(tp: int, args: argparse.Namespace) -> dict[str, float]:
     with TP > 1, of rank 0's broadcast / reply wait / collective times."""
     import torch
 
-    from scheduler.messages import EngineRequest, SamplingParams
+    from wire.engine_protocol import EngineRequest, SamplingParams
     from workers.config import EngineConfig
-    from workers.llm import LLM
+    from workers.engine.llm import LLM
 
     cfg = EngineConfig(
         model=args.model,

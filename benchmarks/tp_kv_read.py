@@ -63,8 +63,8 @@ def _pick_blocks(rng, num_blocks: int, num_runs: int, limit: int) -> list[int]:
 
 def _pull(d, scheduler, engine_id: str, request_id: str, params: dict, blocks: list[int]):
     """Every D rank loads its part; returns each rank's load record."""
-    from scheduler.messages import SamplingParams
     from scheduler.request import Request, RequestStatus
+    from wire.engine_protocol import SamplingParams
 
     num_tokens = params["num_tokens"]
     req = Request(request_id, [0] * (num_tokens + 1), SamplingParams(), kv_transfer_params=params)

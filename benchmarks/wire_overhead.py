@@ -32,9 +32,12 @@ import msgspec  # noqa: E402
 import zmq  # noqa: E402
 
 from benchmarks._machine import machine  # noqa: E402
-from cluster.disagg.ray_backend import GATEWAY_OUTPUT  # noqa: E402
-from scheduler.messages import EngineOutput, EngineOutputs  # noqa: E402
 from wire.auth import PlaneAuth, generate_secret  # noqa: E402
+from wire.engine_protocol import (  # noqa: E402
+    GATEWAY_OUTPUT,
+    EngineOutput,
+    EngineOutputs,
+)
 
 
 def run(mode: str, num_batches: int, batch_size: int) -> float:

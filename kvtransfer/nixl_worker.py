@@ -247,7 +247,7 @@ class NixlWorkerSide(KVConnectorWorkerSide):
 
     def register_kv_caches(self, kv_cache: Any) -> None:
         """Register this rank's shard: the logical ``[blk, L, 2, bs, heads held,
-        d]`` tensor in ``config.kv_layout`` (``workers/kv_cache.py``)."""
+        d]`` tensor in ``config.kv_layout`` (``workers/runner/kv_cache.py``)."""
         self._layout, self._shard = self._check_layout(kv_cache)
         storage = kv_cache.permute(*STORAGE_ORDER[self._layout.layout])
         if not storage.is_contiguous() or kv_cache.storage_offset() != 0:

@@ -13,7 +13,7 @@ output is applied the request
 - finished (EOS, a stop token or an abort arrived after it was scheduled): its blocks
   were freed when it finished; the dropped token was computed into blocks nobody reads;
 - was preempted (``num_preemptions`` changed): it recomputes from its known tokens and
-  samples that position again, with the same random number (``workers/sampler.py``);
+  samples that position again, with the same random number (``workers/sampling/sampler.py``);
 - is gone, or its id now names another request.
 
 Fork parents (``scheduler/fork.py``) are forked only once their prefill step is no longer
@@ -25,10 +25,11 @@ from __future__ import annotations
 
 from collections import deque
 
-from scheduler.messages import EngineOutputs, ModelRunnerOutput, SchedulerOutput
+from scheduler.messages import ModelRunnerOutput, SchedulerOutput
 from scheduler.placeholders import samples_this_step
 from scheduler.request import Request
 from scheduler.scheduler import Scheduler
+from wire.engine_protocol import EngineOutputs
 
 
 class _StepRecord:
@@ -44,7 +45,7 @@ class _StepRecord:
 class AsyncScheduler(Scheduler):
     """``Scheduler`` whose ``schedule`` may run before the previous step's
     ``update_from_output``. Outputs must be applied in the order steps were scheduled
-    (``workers/async_step.py`` does); with each output applied before the next schedule
+    (``workers/runner/async_step.py`` does); with each output applied before the next schedule
     it behaves exactly like ``Scheduler``."""
 
     def __init__(self, *args, **kwargs) -> None:

@@ -20,7 +20,7 @@ import math
 
 import msgspec
 
-from scheduler.messages import SchedulerStats
+from wire.engine_protocol import SchedulerStats
 
 
 class HistogramSnapshot(msgspec.Struct, forbid_unknown_fields=True):

@@ -2,7 +2,7 @@
 
     block pool --stored/removed/cleared--> KVEventRecorder (this step's events)
     engine loop, after each step: recorder.drain() -> one KVEventBatch
-    workers/kv_events_publisher.py: bounded queue -> ZMQ PUB
+    workers/engine/kv_events_publisher.py: bounded queue -> ZMQ PUB
         ==>  gateway SUB (cluster/routing/subscriber.py)
 
 Field meaning follows vLLM's ``KVEventBatch``:

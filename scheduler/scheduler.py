@@ -20,18 +20,11 @@ from collections.abc import Iterable
 from scheduler import fork, policies
 from scheduler.config import SchedulerConfig
 from scheduler.kv_cache_manager import KVCacheManager, cdiv
-from scheduler.messages import (
-    CachedRequestData,
-    EngineOutput,
-    EngineOutputs,
-    ModelRunnerOutput,
-    NewRequestData,
-    SchedulerOutput,
-    SchedulerStats,
-)
+from scheduler.messages import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from scheduler.placeholders import at_output_limit
 from scheduler.queues import create_queue
 from scheduler.request import Request, RequestStatus
+from wire.engine_protocol import EngineOutput, EngineOutputs, SchedulerStats
 
 
 class Scheduler:

@@ -1,10 +1,11 @@
-"""The internal planes' ZMQ sockets: what every frame must look like
-(``frames``) and who may connect (``auth``).
+"""The internal planes' ZMQ sockets: what the engine sockets carry
+(``engine_protocol``), what every frame must look like (``frames``) and who
+may connect (``auth``).
 
 Sockets of the internal planes (names used as the ``socket`` metric label):
 
     engine_input      engine PULL (bound)   <- gateway PUSH      R/A/U frames
-    gateway_output    gateway PULL (bound)  <- engine PUSH       O/U frames
+    gateway_output    gateway PULL (bound)  <- engine PUSH       O/U/H frames
     kv_side_channel   prefill ROUTER (bound) <- decode REQ/DEALER handshake, notify
     kv_handshake_reply decode REQ           <- prefill ROUTER    handshake reply
 

@@ -65,9 +65,9 @@ class EngineConfig:
     # process uses the same cores.
     torch_threads: int = 0
     # CPU fp32: bytes for the dense copy of decoding requests' KV (None =
-    # workers.model_runner default, 0 = off); see workers/dense_decode.py.
+    # workers.runner.model_runner default, 0 = off); see workers/runner/dense_decode.py.
     dense_decode_bytes: int | None = None
-    # byte layout of the KV cache (workers/kv_cache.py): "blocks_first" or
+    # byte layout of the KV cache (workers/runner/kv_cache.py): "blocks_first" or
     # "head_major" (a head slice of a block is one piece: cheaper KV reads
     # between engines of different tensor-parallel sizes). P and D must agree.
     kv_layout: str = "blocks_first"
@@ -83,7 +83,7 @@ class EngineConfig:
     # how prefix-free prefills (query = whole context) attend (kernels/prefill_attention.py):
     # auto (SDPA on CUDA in fp16/bf16, else the paged kernel) | triton (always paged) | sdpa
     prefill_attention: str = "auto"
-    # overlap: schedule step N+1 while step N runs (workers/async_step.py); outputs are
+    # overlap: schedule step N+1 while step N runs (workers/runner/async_step.py); outputs are
     # those of the synchronous loop. Tensor-parallel engines run synchronous steps.
     # None = auto: on for CUDA engines (`uses_async_scheduling`), off on CPU.
     async_scheduling: bool | None = None
@@ -108,7 +108,7 @@ class EngineConfig:
     # ZMQ, the development mode of in-process engines; ``tandem serve`` always
     # sets one. Never printed.
     cluster_secret: bytes | None = field(default=None, repr=False)
-    # output backpressure (workers/output_sender.py): ZMQ send queue of the
+    # output backpressure (workers/engine/output_sender.py): ZMQ send queue of the
     # output socket, the local backlog behind it, and how long the gateway
     # may read nothing before every stream is cut with an error
     output_hwm_messages: int = 1000

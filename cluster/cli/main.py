@@ -21,8 +21,8 @@ def _parse_ids(text: str) -> list[int]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from scheduler.messages import SamplingParams
-    from workers.llm import LLM
+    from wire.engine_protocol import SamplingParams
+    from workers.engine.llm import LLM
 
     # say where a GGUF model's converted copy is (first start: how long it took)
     logging.basicConfig(format="%(message)s", stream=sys.stderr)

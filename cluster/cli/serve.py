@@ -205,8 +205,8 @@ class Service:
         from cluster.disagg.ray_backend import RayBackend
         from cluster.engines.actor import free_port, node_ip
         from cluster.engines.pools import start_pools
-        from workers.loader import resolve_model_path
-        from workers.tokenizer import load_tokenizer
+        from workers.checkpoints.loader import resolve_model_path
+        from workers.text.tokenizer import load_tokenizer
 
         if not ray.is_initialized():
             if self.settings["address"] or os.environ.get("RAY_ADDRESS"):
@@ -337,7 +337,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         configure_logging(settings["log_format"])  # the YAML may name it
         specs = pool_specs(settings, per_role)  # validates engine configs before starting
         gateway_limits(settings)
-        from workers.loader import resolve_model_path
+        from workers.checkpoints.loader import resolve_model_path
 
         # bad model: one line, exit 2 (GGUF: convert once)
         model_path = resolve_model_path(settings["model"])

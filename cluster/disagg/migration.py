@@ -2,7 +2,7 @@
 elsewhere, token-identical.
 
 Why identical: a seeded row samples with ``u = f(seed, position)``
-(``workers.sampler``) and greedy needs no randomness, so the next token depends
+(``workers.sampling.sampler``) and greedy needs no randomness, so the next token depends
 only on the token sequence so far and the sampling parameters. The gateway
 resubmits the *same* request with every token already sent to the client
 appended to the prompt and ``max_tokens`` / ``min_tokens`` reduced by their
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from scheduler.messages import EngineOutput, EngineRequest
+from wire.engine_protocol import EngineOutput, EngineRequest
 
 # tandem:migrations_total{reason}
 REASON_DEAD = "engine_dead"  # health says DEAD (Ray says so, or no heartbeat)

@@ -85,17 +85,15 @@ from cluster.routing.router import EngineState, Router
 from kvtransfer.handoff import decode_request, prefill_request
 from scheduler.engine_stats import STATS_DECODER, EngineStats
 from scheduler.fork import child_request_id
-from scheduler.messages import (
+from wire.auth import PlaneAuth
+from wire.engine_protocol import (
+    GATEWAY_OUTPUT,
     EngineAbort,
-    EngineHeartbeat,
     EngineOutput,
-    EngineOutputs,
     EngineRequest,
     FinishReason,
 )
-from wire.auth import PlaneAuth
-from wire.frames import FrameCounters, FrameSpec, MalformedFrame, MiB, decode, peer_address
-from workers.engine_core import UtilityResult
+from wire.frames import FrameCounters, MalformedFrame, decode, peer_address
 
 logger = logging.getLogger(__name__)
 
@@ -106,14 +104,6 @@ _BUSY_STATS = (
     "num_waiting_reqs",
     "num_waiting_for_remote_kvs",
     "num_blocks_held_for_transfer",
-)
-
-# What the gateway's output socket accepts: a batch of outputs, or a utility
-# reply (engines answer ZMQ utility calls there; the gateway makes none).
-GATEWAY_OUTPUT = FrameSpec(
-    "gateway_output",
-    {b"O": EngineOutputs, b"U": UtilityResult, b"H": EngineHeartbeat},
-    max_frame_bytes=64 * MiB,
 )
 
 

@@ -50,7 +50,8 @@ class EngineActor:
 
     def __init__(self, config: EngineConfig, output_addr: str, gateway_session: int = 0) -> None:
         from cluster.observability.logging_setup import configure_logging
-        from workers.engine_core import EngineCore
+        from workers.engine.core import EngineCore
+        from workers.engine.service import EngineService
 
         configure_logging(config.log_format)  # Ray forwards these lines to the driver
         self.epoch = time.time_ns()
@@ -62,6 +63,7 @@ class EngineActor:
         host = node_ip() if config.kv_host in ("", "auto", "0.0.0.0") else config.kv_host
         self.config = config.replace(epoch=self.epoch, kv_host=host)
         self.engine = EngineCore(self.config)
+        self.service = EngineService(self.engine)
         self.input_addr = f"tcp://{host}:{free_port(host)}"
         self._thread = threading.Thread(
             target=self._serve, args=(output_addr,), name="engine-loop", daemon=True
@@ -70,7 +72,7 @@ class EngineActor:
 
     def _serve(self, output_addr: str) -> None:
         try:
-            self.engine.serve_zmq(self.input_addr, output_addr)
+            self.service.serve_zmq(self.input_addr, output_addr)
         except BaseException:  # a dead loop must not leave a live-looking actor
             os._exit(1)
 
@@ -114,8 +116,8 @@ class EngineActor:
         with self._attach_lock:
             num_aborted = 0
             if gateway_session > self.gateway_session:
-                num_aborted = self.engine.call_in_loop(
-                    lambda: self.engine.switch_gateway(output_addr)
+                num_aborted = self.service.call_in_loop(
+                    lambda: self.service.switch_gateway(output_addr)
                 )
                 self.gateway_session = gateway_session
             return {**self.ready(), "num_aborted": num_aborted}
@@ -123,23 +125,23 @@ class EngineActor:
     def stats(self) -> bytes:
         """The engine's ``EngineStats``, msgpack-encoded: the gateway decodes
         and validates it like a frame of its sockets."""
-        return msgspec.msgpack.encode(self.engine.call_in_loop(self.engine.stats))
+        return msgspec.msgpack.encode(self.service.call_in_loop(self.service.stats))
 
     def check_integrity(self) -> bool:
-        return self.engine.call_in_loop(self.engine.check_integrity)
+        return self.service.call_in_loop(self.engine.check_integrity)
 
     def set_prefill_endpoints(self, endpoints: list[list[Any]]) -> bool:
         """Control call from the cluster: the registered prefill engines'
         ``[engine_id, epoch, host, port]``; D reads KV only from these."""
-        return self.engine.call_in_loop(lambda: self.engine.set_prefill_endpoints(endpoints))
+        return self.service.call_in_loop(lambda: self.engine.set_prefill_endpoints(endpoints))
 
     def kv_events_snapshot(self) -> Any:
         """The engine's cached hashes as of its last KV event batch (resync)."""
-        return self.engine.call_in_loop(self.engine.kv_events_snapshot)
+        return self.service.call_in_loop(self.engine.kv_events_snapshot)
 
     def reset_prefix_cache(self) -> bool:
-        return self.engine.call_in_loop(self.engine.scheduler.reset_prefix_cache)
+        return self.service.call_in_loop(self.engine.scheduler.reset_prefix_cache)
 
     def shutdown(self) -> None:
-        self.engine.shutdown()
+        self.service.shutdown()
         self._thread.join(timeout=10)

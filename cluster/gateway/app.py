@@ -56,8 +56,8 @@ from cluster.observability.metrics import EngineMetricsCollector, GatewayMetrics
 from cluster.observability.tracing.observer import RequestObserver, Tracer
 from cluster.observability.tracing.phase_metrics import RequestPhaseMetrics
 from cluster.observability.tracing.record import TRACEPARENT, RequestRecord
-from scheduler.messages import EngineOutput, EngineRequest, FinishReason, Logprobs, SamplingParams
-from workers.detokenizer import IncrementalDetokenizer
+from wire.engine_protocol import EngineOutput, EngineRequest, FinishReason, Logprobs, SamplingParams
+from workers.text.detokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)
 

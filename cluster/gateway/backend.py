@@ -20,7 +20,7 @@ from typing import Any
 import msgspec
 
 from scheduler.engine_stats import EngineStats, HistogramSnapshot
-from scheduler.messages import EngineOutput, EngineRequest
+from wire.engine_protocol import EngineOutput, EngineRequest
 
 
 class BackendUnavailable(Exception):
@@ -91,7 +91,7 @@ class Backend(abc.ABC):
     Attributes the gateway reads:
       ``model_name``      the served model id (``/v1/models``, ``model`` field)
       ``max_model_len``   prompt + generated tokens may not exceed it
-      ``tokenizer``       a Hugging Face tokenizer (``workers.tokenizer``)
+      ``tokenizer``       a Hugging Face tokenizer (``workers.text.tokenizer``)
       ``eos_token_id``    informational; EOS stopping is the engines' job
     """
 

@@ -20,14 +20,14 @@ from typing import Any
 
 from cluster.gateway.backend import Backend, BackendMetrics, BackendUnavailable, EngineMetrics
 from scheduler.engine_stats import EngineStats, HistogramSnapshot, KVTransferStats
-from scheduler.messages import (
+from wire.engine_protocol import (
     EngineOutput,
     EngineRequest,
     FinishReason,
     Logprobs,
+    RequestTimings,
     SchedulerStats,
 )
-from scheduler.request_timings import RequestTimings
 
 DEFAULT_TEXT = "The quick brown fox jumps over the lazy dog. "
 
@@ -72,8 +72,8 @@ class NullBackend(Backend):
     @classmethod
     def tiny(cls, **kwargs: Any) -> NullBackend:
         """A NullBackend with the built-in tiny model's tokenizer."""
-        from workers.tiny import ensure_tiny_model
-        from workers.tokenizer import load_tokenizer
+        from workers.checkpoints.tiny import ensure_tiny_model
+        from workers.text.tokenizer import load_tokenizer
 
         return cls(load_tokenizer(ensure_tiny_model()), **kwargs)
 
@@ -145,7 +145,7 @@ class NullBackend(Backend):
                 if first_token_s < 0:
                     first_token_s = now_s - received_s
                 timings = None
-                if finish is not None:  # as an engine reports them (scheduler.request_timings)
+                if finish is not None:  # as an engine reports them (wire.engine_protocol)
                     timings = RequestTimings(
                         "null-0",
                         0,

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 import msgspec
 
 from scheduler.fork import MAX_N
-from scheduler.messages import Logprobs, SamplingParams
+from wire.engine_protocol import Logprobs, SamplingParams
 
 _LOGPROB_FLOOR = -9999.0  # JSON has no -inf; clients expect a number
 

@@ -26,7 +26,7 @@ from cluster.routing.router import Router
 from cluster.routing.subscriber import KVEventSubscriber
 from scheduler.block_hash import hash_request_blocks
 from scheduler.kv_events import KVSnapshot
-from scheduler.messages import EngineRequest
+from wire.engine_protocol import EngineRequest
 from wire.frames import FrameCounters
 
 

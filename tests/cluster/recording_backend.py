@@ -4,7 +4,7 @@ tests that check what reaches the engines."""
 from __future__ import annotations
 
 from cluster.gateway.null_backend import NullBackend
-from scheduler.messages import EngineRequest
+from wire.engine_protocol import EngineRequest
 
 
 class RecordingBackend(NullBackend):

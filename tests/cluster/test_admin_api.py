@@ -10,7 +10,7 @@ import pytest
 
 from cluster.gateway.app import create_app, serve_in_thread
 from cluster.gateway.null_backend import NullBackend
-from workers.tiny import build_tokenizer
+from workers.checkpoints.tiny import build_tokenizer
 
 
 @pytest.fixture(scope="module")

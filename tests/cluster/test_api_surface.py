@@ -14,8 +14,8 @@ from cluster.gateway.api.config import ApiConfig
 from cluster.gateway.api.generation_defaults import load_generation_defaults
 from cluster.gateway.app import create_app, serve_in_thread
 from tests.cluster.recording_backend import RecordingBackend
-from workers.tiny import build_tokenizer
-from workers.tokenizer import apply_chat_template, encode_prompt
+from workers.checkpoints.tiny import build_tokenizer
+from workers.text.tokenizer import apply_chat_template, encode_prompt
 
 MESSAGES = [{"role": "user", "content": "Hello there, tandem!"}]
 TEMPLATE = "{% for m in messages %}[[{{ m['role'] }}]] {{ m['content'] }}\n{% endfor %}"

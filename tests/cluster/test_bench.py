@@ -13,7 +13,7 @@ from cluster.cli import bench
 from cluster.cli.bench import BenchConfig
 from cluster.gateway.app import create_app, serve_in_thread
 from cluster.gateway.null_backend import NullBackend
-from workers.tiny import build_tokenizer
+from workers.checkpoints.tiny import build_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -24,9 +24,9 @@ from scheduler.engine_stats import (
     KVTransferStats,
     quantile,
 )
-from scheduler.messages import SchedulerStats
+from wire.engine_protocol import SchedulerStats
 from wire.frames import MalformedFrame, decode
-from workers.tiny import build_tokenizer
+from workers.checkpoints.tiny import build_tokenizer
 
 STATE_KEYS = {
     "time_s", "model", "ready", "not_ready_reason", "pools", "engines", "window", "series",

@@ -17,10 +17,10 @@ import time
 import httpx
 import pytest
 
-from scheduler.messages import EngineRequest, SamplingParams
 from tests.chaos.harness import Workload, per_role, settings, verdict
 from tests.chaos.service import engine, requests_on, reset_prefix_caches, stats, wait_ready
 from tests.cluster.test_kv_routing_service import RequestLog
+from wire.engine_protocol import EngineRequest, SamplingParams
 
 pytestmark = pytest.mark.slow
 

@@ -24,7 +24,7 @@ import pytest
 from cluster.cli.serve import ServiceThread
 from cluster.cli.settings import SERVE_DEFAULTS
 from cluster.engines.placement import resolve_placement
-from scheduler.messages import EngineRequest, SamplingParams
+from wire.engine_protocol import EngineRequest, SamplingParams
 
 pytestmark = pytest.mark.slow
 

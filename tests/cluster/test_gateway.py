@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 
 from cluster.gateway.app import create_app, serve_in_thread
 from cluster.gateway.null_backend import NullBackend
-from workers.tiny import build_tokenizer
-from workers.tokenizer import apply_chat_template, encode_prompt
+from workers.checkpoints.tiny import build_tokenizer
+from workers.text.tokenizer import apply_chat_template, encode_prompt
 
 MAX_MODEL_LEN = 256
 DEADLINE_S = 5.0

@@ -15,7 +15,7 @@ import pytest
 from cluster.gateway.app import create_app, serve_in_thread
 from cluster.gateway.edge.limits import GatewayLimits
 from tests.cluster.recording_backend import RecordingBackend
-from workers.tiny import build_tokenizer
+from workers.checkpoints.tiny import build_tokenizer
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 

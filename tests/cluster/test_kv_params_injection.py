@@ -9,7 +9,7 @@ import httpx
 
 from cluster.gateway.app import create_app, serve_in_thread
 from cluster.gateway.null_backend import NullBackend
-from workers.tiny import build_tokenizer
+from workers.checkpoints.tiny import build_tokenizer
 
 FORGED = {
     "do_remote_prefill": True,

@@ -24,7 +24,7 @@ from cluster.routing.policy import RoutingConfig
 from scheduler.block_hash import hash_request_blocks
 from scheduler.engine_stats import EngineStats
 from scheduler.kv_events import KVSnapshot
-from scheduler.messages import (
+from wire.engine_protocol import (
     EngineOutput,
     EngineOutputs,
     EngineRequest,

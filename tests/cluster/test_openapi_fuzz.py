@@ -22,7 +22,7 @@ from schemathesis.specs.openapi import checks as openapi_checks
 from cluster.gateway.api.config import ApiConfig
 from cluster.gateway.app import create_app, serve_in_thread
 from cluster.gateway.null_backend import NullBackend
-from workers.tiny import build_tokenizer
+from workers.checkpoints.tiny import build_tokenizer
 
 MAX_EXAMPLES = 40  # per operation and generation mode
 

@@ -12,11 +12,17 @@ import msgspec
 import zmq
 from prometheus_client import CollectorRegistry
 
-from cluster.disagg.ray_backend import GATEWAY_OUTPUT, RayBackend
+from cluster.disagg.ray_backend import RayBackend
 from cluster.engines.actor import free_port
 from cluster.observability.metrics import EngineMetricsCollector, render
-from scheduler.messages import EngineOutput, EngineOutputs, EngineRequest, SamplingParams
 from wire.auth import PlaneAuth, generate_secret
+from wire.engine_protocol import (
+    GATEWAY_OUTPUT,
+    EngineOutput,
+    EngineOutputs,
+    EngineRequest,
+    SamplingParams,
+)
 
 SECRET = generate_secret()
 enc = msgspec.msgpack.encode
@@ -97,7 +103,7 @@ def test_engine_stats_are_validated_like_frames():
     from cluster.engines.health import EngineHealth
     from cluster.routing.router import EngineState
     from scheduler.engine_stats import EngineStats
-    from scheduler.messages import SchedulerStats
+    from wire.engine_protocol import SchedulerStats
 
     backend = RayBackend([], tokenizer=None, model_name="m", output_addr="tcp://127.0.0.1:1")
     try:

@@ -14,10 +14,10 @@ import pytest
 
 from cluster.cli.serve import ServiceThread
 from cluster.cli.settings import SERVE_DEFAULTS
-from scheduler.messages import SamplingParams
 from tests.cluster.service_helpers import client, disconnect_mid_stream, wait_idle
+from wire.engine_protocol import SamplingParams
 from workers.config import EngineConfig
-from workers.llm import LLM
+from workers.engine.llm import LLM
 
 pytestmark = pytest.mark.slow
 
@@ -322,8 +322,8 @@ def test_internal_planes_refuse_outsiders_and_survive_malformed_frames(disagg):
     import zmq
 
     from kvtransfer.side_channel import HandshakeError, fetch_handshake
-    from scheduler.messages import EngineAbort
     from wire.auth import PlaneAuth
+    from wire.engine_protocol import EngineAbort
 
     backend = disagg.service.backend
     assert disagg.service.cluster_secret is not None  # auth is on by default

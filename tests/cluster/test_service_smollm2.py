@@ -12,11 +12,11 @@ import pytest
 
 from cluster.cli.serve import ServiceThread
 from cluster.cli.settings import SERVE_DEFAULTS
-from scheduler.messages import SamplingParams
 from tests.cluster.service_helpers import client, wait_idle
+from wire.engine_protocol import SamplingParams
 from workers.config import EngineConfig
-from workers.llm import LLM
-from workers.tokenizer import apply_chat_template
+from workers.engine.llm import LLM
+from workers.text.tokenizer import apply_chat_template
 
 pytestmark = pytest.mark.slow
 

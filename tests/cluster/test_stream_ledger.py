@@ -9,9 +9,9 @@ import msgspec
 import pytest
 
 from cluster.disagg.migration import MigrationPolicy, StreamLedger
-from scheduler.messages import EngineOutput, EngineRequest, SamplingParams
+from wire.engine_protocol import EngineOutput, EngineRequest, SamplingParams
 from workers.config import EngineConfig
-from workers.engine_core import EngineCore
+from workers.engine.core import EngineCore
 
 PROMPT = [5, 17, 99, 3, 42, 42, 8, 61, 7, 120, 33]
 PARAMS = SamplingParams(

@@ -25,11 +25,11 @@ import pytest
 
 from cluster.cli.serve import ServiceThread
 from cluster.cli.settings import SERVE_DEFAULTS
-from scheduler.messages import SamplingParams
 from tests.cluster.service_helpers import client, wait_idle
 from tests.cluster.test_service import ray_local  # noqa: F401 - the module's local Ray
+from wire.engine_protocol import SamplingParams
 from workers.config import EngineConfig
-from workers.llm import LLM
+from workers.engine.llm import LLM
 
 pytestmark = pytest.mark.slow
 

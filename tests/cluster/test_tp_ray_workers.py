@@ -19,12 +19,12 @@ import pytest
 
 from cluster.cli.serve import ServiceThread
 from cluster.cli.settings import SERVE_DEFAULTS
-from scheduler.messages import SamplingParams
 from tests.cluster.service_helpers import client, wait_idle
 from tests.cluster.test_service import ray_local  # noqa: F401 - the module's local Ray
 from tests.cluster.test_tp_placement import bundle_in_use
+from wire.engine_protocol import SamplingParams
 from workers.config import EngineConfig
-from workers.llm import LLM
+from workers.engine.llm import LLM
 from workers.parallel.ray_workers import ACTOR_PREFIX
 
 pytestmark = pytest.mark.slow

@@ -27,7 +27,7 @@ from cluster.gateway.null_backend import NullBackend
 from cluster.observability.logging_setup import make_handler
 from cluster.observability.tracing.otel import OtelTracer
 from cluster.observability.tracing.settings import check_settings, traces_url
-from workers.tiny import build_tokenizer
+from workers.checkpoints.tiny import build_tokenizer
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_ID = "00f067aa0ba902b7"
@@ -254,7 +254,7 @@ def test_tracing_off_imports_no_sdk():
         "from cluster.gateway.app import create_app\n"
         "from cluster.gateway.null_backend import NullBackend\n"
         "from cluster.observability.tracing.settings import make_tracer\n"
-        "from workers.tiny import build_tokenizer\n"
+        "from workers.checkpoints.tiny import build_tokenizer\n"
         "assert make_tracer({'otlp_traces_endpoint': None}) is None\n"
         "create_app(NullBackend(build_tokenizer()))\n"
         "print(sorted(m for m in sys.modules if m.startswith('opentelemetry.sdk')))\n"

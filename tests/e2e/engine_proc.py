@@ -18,10 +18,16 @@ import zmq
 
 from cluster.engines.actor import free_port
 from scheduler.engine_stats import EngineStats
-from scheduler.messages import EngineAbort, EngineOutput, EngineOutputs, EngineRequest
 from wire.auth import PlaneAuth, generate_secret
+from wire.engine_protocol import (
+    EngineAbort,
+    EngineOutput,
+    EngineOutputs,
+    EngineRequest,
+    UtilityCall,
+    UtilityResult,
+)
 from workers.config import EngineConfig
-from workers.engine_core import UtilityCall, UtilityResult
 
 _NEW = object()
 
@@ -34,9 +40,10 @@ def _engine_main(config: EngineConfig, input_addr: str, output_addr: str) -> Non
     import torch
 
     torch.set_num_threads(1)
-    from workers.engine_core import EngineCore
+    from workers.engine.core import EngineCore
+    from workers.engine.service import EngineService
 
-    EngineCore(config).serve_zmq(input_addr, output_addr)
+    EngineService(EngineCore(config)).serve_zmq(input_addr, output_addr)
 
 
 class EngineProcess:

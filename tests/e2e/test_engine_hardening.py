@@ -14,12 +14,12 @@ import pytest
 import zmq
 
 from kvtransfer.side_channel import HandshakeError, Notification, fetch_handshake
-from scheduler.messages import EngineAbort, EngineRequest, FinishReason, SamplingParams
 from tests.e2e.engine_proc import Harness
 from tests.e2e.test_pd_engines import handoff
 from wire.auth import PlaneAuth, generate_secret
+from wire.engine_protocol import EngineAbort, EngineRequest, FinishReason, SamplingParams
 from workers.config import EngineConfig
-from workers.llm import LLM
+from workers.engine.llm import LLM
 
 pytestmark = pytest.mark.slow
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from kvtransfer.handoff import decode_request, prefill_request
-from scheduler.messages import EngineRequest, FinishReason, SamplingParams
 from tests.e2e.engine_proc import Harness
 from tests.workers.test_async_scheduling import run
+from wire.engine_protocol import EngineRequest, FinishReason, SamplingParams
 from workers.config import EngineConfig
 
 pytestmark = pytest.mark.slow

@@ -10,12 +10,11 @@ import pytest
 import torch
 
 from kvtransfer.handoff import decode_request, prefill_request
-from scheduler.messages import EngineRequest, FinishReason, SamplingParams
-from scheduler.request_timings import NOT_REACHED
 from tests.e2e.engine_proc import Harness
 from tests.workers.hf_checkpoints import load_hf_model
+from wire.engine_protocol import NOT_REACHED, EngineRequest, FinishReason, SamplingParams
 from workers.config import EngineConfig
-from workers.llm import LLM
+from workers.engine.llm import LLM
 
 pytestmark = pytest.mark.slow
 

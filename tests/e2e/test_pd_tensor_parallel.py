@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scheduler.messages import EngineRequest, FinishReason, SamplingParams
 from tests.e2e import test_pd_engines
 from tests.e2e.engine_proc import Harness
 from tests.e2e.test_pd_engines import handoff, kv_bytes
+from wire.engine_protocol import EngineRequest, FinishReason, SamplingParams
 from workers.config import EngineConfig
-from workers.llm import LLM
+from workers.engine.llm import LLM
 
 pytestmark = pytest.mark.slow
 

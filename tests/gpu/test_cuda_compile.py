@@ -11,7 +11,6 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from scheduler.messages import SamplingParams
 from tests.gpu.memory_share import (
     assert_inside_share,
     device_before,
@@ -22,9 +21,10 @@ from tests.gpu.test_cuda_engine import _config
 from tests.workers.hf_checkpoints import load_hf_model
 from tests.workers.mixed_steps import BLOCK_SIZE, last_step_hidden, new_kv_cache
 from tests.workers.test_engine import hf_greedy, prompts_for
+from wire.engine_protocol import SamplingParams
+from workers.checkpoints.loader import load_model
 from workers.compile.model import compile_model
-from workers.llm import LLM
-from workers.loader import load_model
+from workers.engine.llm import LLM
 
 pytestmark = pytest.mark.gpu
 

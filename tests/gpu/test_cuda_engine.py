@@ -12,11 +12,11 @@ import warnings
 import pytest
 import torch
 
-from scheduler.messages import EngineRequest, SamplingParams
 from tests.workers.hf_checkpoints import load_hf_model
 from tests.workers.test_engine import hf_greedy, prompts_for
+from wire.engine_protocol import EngineRequest, SamplingParams
 from workers.config import EngineConfig
-from workers.llm import LLM
+from workers.engine.llm import LLM
 
 pytestmark = pytest.mark.gpu
 
@@ -86,7 +86,7 @@ def _syncs_of_one_step(engine) -> list[str]:
     """Every host wait on the device during one engine step: the synchronising CUDA calls
     torch's sync debug mode reports (``.tolist()``, ``.item()``, pageable copies, stream and
     device syncs) and CUDA event waits, which it does not see (the sampled tokens are read
-    through a pinned copy and an event, workers/async_step.py)."""
+    through a pinned copy and an event, workers/runner/async_step.py)."""
     torch.cuda.synchronize()
     event_waits: list[str] = []
     event_synchronize = torch.cuda.Event.synchronize

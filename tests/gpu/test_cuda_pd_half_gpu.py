@@ -13,11 +13,11 @@ import time
 import pytest
 import torch
 
-from scheduler.messages import SamplingParams
 from tests.e2e.engine_proc import Harness
 from tests.e2e.test_pd_engines import handoff
 from tests.workers.hf_checkpoints import load_hf_model, make_checkpoint
 from tests.workers.test_engine import hf_greedy
+from wire.engine_protocol import SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from kernels import AttentionMetadata
-from scheduler.messages import SamplingParams
 from tests.gpu.memory_share import (
     MIB,
     assert_inside_share,
@@ -20,8 +19,9 @@ from tests.gpu.memory_share import (
     share_checkpoint,
 )
 from tests.gpu.test_cuda_engine import _config as engine_config
+from wire.engine_protocol import SamplingParams
 from workers.config import EngineConfig
-from workers.llm import LLM
+from workers.engine.llm import LLM
 
 pytestmark = pytest.mark.gpu
 

@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from kernels import AttentionMetadata, prefill_attention, reference
-from scheduler.messages import SamplingParams
 from tests.gpu.test_cuda_engine import _config
 from tests.kernels.cases import make_case, write_oracle
 from tests.workers.hf_checkpoints import load_hf_model
 from tests.workers.mixed_steps import last_step_hidden, new_kv_cache
 from tests.workers.test_engine import hf_greedy, prompts_for
-from workers.llm import LLM
-from workers.loader import load_model
+from wire.engine_protocol import SamplingParams
+from workers.checkpoints.loader import load_model
+from workers.engine.llm import LLM
 
 pytestmark = pytest.mark.gpu
 

@@ -238,7 +238,7 @@ def record_model_launches(
 
     from kernels import AttentionMetadata
     from workers.graphs.static_inputs import StaticDecodeInputs
-    from workers.kv_cache import allocate_kv_cache
+    from workers.runner.kv_cache import allocate_kv_cache
 
     arch, fields = SHAPES[shape]
     cpu = torch.device("cpu")

@@ -62,8 +62,8 @@ def finish_prefill(scheduler, request_id: str, num_prompt: int, block_ids: list[
     """A prefill engine's scheduler side sees ``request_id`` finish its prefill
     (the prompt computed, one token sampled): ``(kv_transfer_params, the step's
     connector metadata)``."""
-    from scheduler.messages import SamplingParams
     from scheduler.request import Request, RequestStatus
+    from wire.engine_protocol import SamplingParams
 
     req = Request(
         request_id,

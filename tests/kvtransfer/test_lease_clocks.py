@@ -13,8 +13,8 @@ import pytest
 from kvtransfer.config import KVTransferConfig
 from kvtransfer.nixl_scheduler import NixlSchedulerSide
 from kvtransfer.nixl_worker import NixlWorkerSide
-from scheduler.messages import SamplingParams
 from scheduler.request import Request, RequestStatus
+from wire.engine_protocol import SamplingParams
 
 BS = 4
 LEASE_S = 10.0

@@ -15,9 +15,10 @@ import torch
 
 from kvtransfer import KVTransferConfig, create_connector
 from kvtransfer.nixl_meta import LoadSpec, NixlConnectorMetadata, PeerAddr
-from scheduler.messages import KVConnectorOutput, SamplingParams
+from scheduler.messages import KVConnectorOutput
 from scheduler.request import Request, RequestStatus
 from tests.kvtransfer.prefill_process import PrefillProcess, kv_content
+from wire.engine_protocol import SamplingParams
 
 pytestmark = pytest.mark.slow
 

@@ -18,9 +18,10 @@ import pytest
 import torch
 
 from kvtransfer import KVTransferConfig, create_connector
-from scheduler.messages import KVConnectorOutput, SamplingParams
+from scheduler.messages import KVConnectorOutput
 from scheduler.request import Request, RequestStatus
 from tests.kvtransfer.prefill_process import PrefillProcess, kv_content
+from wire.engine_protocol import SamplingParams
 
 pytestmark = pytest.mark.slow
 

@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from kvtransfer import KVTransferConfig, create_connector
-from scheduler.messages import SamplingParams
 from scheduler.request import Request
 from tests.kvtransfer.prefill_process import PrefillProcess, kv_content
+from wire.engine_protocol import SamplingParams
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,8 @@ from kvtransfer.compat import HEAD_MAJOR, KVLayout, RankLayout, compat_hash
 from kvtransfer.nixl_meta import NotifKey, PeerAddr, decode_notif, encode_notif
 from kvtransfer.prefill_registry import PrefillRegistry
 from kvtransfer.tp_outputs import ConnectorOutputMerger
-from scheduler.messages import KVConnectorOutput, SamplingParams
+from scheduler.messages import KVConnectorOutput
+from wire.engine_protocol import SamplingParams
 
 
 def test_hash_covers_the_model_not_the_tp_size():

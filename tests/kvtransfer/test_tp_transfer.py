@@ -28,7 +28,6 @@ from kvtransfer.compat import BLOCKS_FIRST, HEAD_MAJOR
 from kvtransfer.nixl_scheduler import NixlSchedulerSide
 from kvtransfer.tp_outputs import ConnectorOutputMerger
 from kvtransfer.tp_plan import shard_for
-from scheduler.messages import SamplingParams
 from scheduler.request import Request, RequestStatus
 from tests.kvtransfer.tp_rank_process import (
     BLOCK_SIZE,
@@ -38,6 +37,7 @@ from tests.kvtransfer.tp_rank_process import (
     model_kv,
     shard_block_bytes,
 )
+from wire.engine_protocol import SamplingParams
 
 pytestmark = pytest.mark.slow
 

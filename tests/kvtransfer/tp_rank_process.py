@@ -72,7 +72,7 @@ def _build(spec: RankSpec, rank: int):
 
     from kvtransfer import KVTransferConfig, create_connector
     from kvtransfer.nixl_worker import NixlWorkerSide
-    from workers.kv_cache import allocate_kv_cache
+    from workers.runner.kv_cache import allocate_kv_cache
 
     config = KVTransferConfig(
         role=spec.role,

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from scheduler import Request, RequestStatus, SamplingParams, SchedulerConfig
+from scheduler import Request, RequestStatus, SchedulerConfig
 from scheduler.async_scheduler import AsyncScheduler
-from scheduler.messages import FinishReason, ModelRunnerOutput, SchedulerOutput
+from scheduler.messages import ModelRunnerOutput, SchedulerOutput
+from wire.engine_protocol import FinishReason, SamplingParams
 
 
 def make(**kw) -> AsyncScheduler:

@@ -11,7 +11,7 @@ import sys
 import pytest
 import xxhash
 
-from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
+from scheduler import Request, Scheduler, SchedulerConfig
 from scheduler.block_hash import (
     HASH_ALGOS,
     encode_block,
@@ -21,6 +21,7 @@ from scheduler.block_hash import (
 )
 from scheduler.kv_cache_manager import KVCacheManager
 from tests.unit.fakes import FakeRunner, step
+from wire.engine_protocol import SamplingParams
 
 # msgpack of [nil, [1, 2, 3, 200, 70000], ["t1"]], written out by hand:
 # 0x93 array(3) | 0xc0 nil | 0x95 array(5) 01 02 03, 0xcc c8 (uint8 200),

@@ -2,8 +2,8 @@ import pytest
 
 from scheduler.block_pool import BlockPool, FreeBlockQueue, KVBlock
 from scheduler.kv_cache_manager import KVCacheManager
-from scheduler.messages import SamplingParams
 from scheduler.request import Request
+from wire.engine_protocol import SamplingParams
 
 
 def req(rid, tokens, salt=None):

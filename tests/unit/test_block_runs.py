@@ -4,8 +4,8 @@ import random
 
 from scheduler.block_pool import BlockPool
 from scheduler.kv_cache_manager import KVCacheManager
-from scheduler.messages import SamplingParams
 from scheduler.request import Request
+from wire.engine_protocol import SamplingParams
 
 
 def ids(blocks):

@@ -30,7 +30,7 @@ def test_every_timed_step_has_exactly_d_plus_c_tokens_on_one_engine():
     from argparse import Namespace
 
     from workers.config import EngineConfig
-    from workers.engine_core import EngineCore
+    from workers.engine.core import EngineCore
 
     shapes = [(1, 15), (4, 28), (3, 0)]
     engine = EngineCore(

@@ -12,7 +12,7 @@ from cluster.routing.subscriber import KVEventSubscriber
 from tests.unit.kv_sim import SimEngine
 from wire.auth import PlaneAuth, generate_secret
 from wire.frames import FrameCounters
-from workers.kv_events_publisher import KVEventPublisher
+from workers.engine.kv_events_publisher import KVEventPublisher
 
 
 async def _until(cond, timeout_s=20.0):

@@ -9,8 +9,8 @@ from cluster.routing.cluster_routing import PromptHashes
 from cluster.routing.index import PrefixIndex
 from cluster.routing.policy import RoutingConfig, RoutingPolicy
 from cluster.routing.router import Router
-from scheduler.messages import EngineRequest, SamplingParams
 from tests.unit.kv_sim import SimEngine
+from wire.engine_protocol import EngineRequest, SamplingParams
 
 BLOCK = 4
 

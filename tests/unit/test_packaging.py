@@ -94,7 +94,7 @@ VERIFIED_FLOORS = {
 # API the code uses that older releases lack: (distribution, module, name,
 # first release that has it). Each floor must be at or above these.
 API_FLOORS = [
-    # workers/detokenizer.py: the Rust-backed tokenizer class of transformers 5
+    # workers/text/detokenizer.py: the Rust-backed tokenizer class of transformers 5
     # (transformers 4.x has tokenization_utils_fast.PreTrainedTokenizerFast instead)
     ("transformers", "transformers.tokenization_utils_tokenizers", "TokenizersBackend", "5.0"),
     # scheduler/block_hash.py: --prefix-caching-hash-algo xxhash128

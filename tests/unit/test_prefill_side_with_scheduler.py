@@ -3,9 +3,10 @@ what a prefill engine hands to the decode engine."""
 
 from kvtransfer.config import KVTransferConfig
 from kvtransfer.nixl_scheduler import NixlSchedulerSide
-from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
-from scheduler.messages import FinishReason, KVConnectorOutput
+from scheduler import Request, Scheduler, SchedulerConfig
+from scheduler.messages import KVConnectorOutput
 from tests.unit.fakes import FakeRunner, step
+from wire.engine_protocol import FinishReason, SamplingParams
 
 
 def make():

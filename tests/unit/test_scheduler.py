@@ -1,8 +1,8 @@
 import pytest
 
-from scheduler import Request, RequestStatus, SamplingParams, Scheduler, SchedulerConfig
-from scheduler.messages import FinishReason
+from scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
 from tests.unit.fakes import FakeRunner, step
+from wire.engine_protocol import FinishReason, SamplingParams
 
 
 def make(**kw):

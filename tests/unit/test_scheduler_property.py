@@ -3,9 +3,10 @@
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from scheduler import Request, RequestStatus, SamplingParams, Scheduler, SchedulerConfig
+from scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
 from scheduler.messages import KVConnectorOutput
 from tests.unit.fakes import FakeConnector, FakeRunner
+from wire.engine_protocol import SamplingParams
 
 request_st = st.fixed_dictionaries(
     {

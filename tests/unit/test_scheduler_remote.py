@@ -1,8 +1,9 @@
 """Connector hooks: remote KV loads (decode side) and held blocks (prefill side)."""
 
-from scheduler import Request, RequestStatus, SamplingParams, Scheduler, SchedulerConfig
-from scheduler.messages import FinishReason, KVConnectorOutput
+from scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
+from scheduler.messages import KVConnectorOutput
 from tests.unit.fakes import FakeConnector, FakeRunner, step
+from wire.engine_protocol import FinishReason, SamplingParams
 
 
 def make(policy="recompute", **kw):

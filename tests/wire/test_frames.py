@@ -6,7 +6,7 @@ import msgspec
 import pytest
 import zmq
 
-from scheduler.messages import EngineAbort, EngineRequest, SamplingParams
+from wire.engine_protocol import EngineAbort, EngineRequest, SamplingParams
 from wire.frames import FrameCounters, FrameSpec, MalformedFrame, peer_address
 
 SPEC = FrameSpec("test_socket", {b"R": EngineRequest, b"A": EngineAbort}, max_frame_bytes=1024)

@@ -12,18 +12,18 @@ import pytest
 import torch
 
 from kernels import AttentionMetadata
-from scheduler.messages import SamplingParams
 from tests.workers.hf_checkpoints import load_hf_model
 from tests.workers.mixed_steps import BLOCK_SIZE, last_step_hidden, new_kv_cache
 from tests.workers.test_engine import hf_greedy
-from workers.attention import attention
+from wire.engine_protocol import SamplingParams
+from workers.checkpoints.loader import load_model
 from workers.compile.attention_op import step_context
 from workers.compile.model import compile_before_sizing, compile_model, use_compile
 from workers.config import EngineConfig, add_engine_arguments, engine_overrides
+from workers.engine.llm import LLM
 from workers.graphs.memory import profile_forward
-from workers.kv_cache import allocate_kv_cache
-from workers.llm import LLM
-from workers.loader import load_model
+from workers.runner.attention import attention
+from workers.runner.kv_cache import allocate_kv_cache
 
 NUM_NEW = 6
 GREEDY = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
@@ -101,7 +101,7 @@ class CountingBackend:
 
 
 def test_compiled_before_sizing_the_profiling_step_runs_the_compiled_graphs(make_checkpoint):
-    """The engine's start-up order (workers/engine_core.py): ``compile_before_sizing`` warms up
+    """The engine's start-up order (workers/engine/startup.py): ``compile_before_sizing`` warms up
     over a one-block dummy cache, then the profiling step (``profile_forward``, a full
     ``max_num_batched_tokens`` step) runs the compiled graphs without compiling again; the same
     graphs then serve a real, larger cache with the eager model's hidden states."""

@@ -19,14 +19,14 @@ import torch  # noqa: E402
 from torch.overrides import TorchFunctionMode  # noqa: E402
 
 from kernels import AttentionMetadata  # noqa: E402
-from scheduler.messages import SamplingParams  # noqa: E402
 from tests.workers import hf_checkpoints  # noqa: E402
+from wire.engine_protocol import SamplingParams  # noqa: E402
 from workers.config import EngineConfig, add_engine_arguments, engine_overrides  # noqa: E402
+from workers.engine.llm import LLM  # noqa: E402
 from workers.graphs.build import build_step_graphs  # noqa: E402
 from workers.graphs.runner import DecodeGraphRunner, EagerBackend  # noqa: E402
 from workers.graphs.sizes import bucket_for, capture_sizes, parse_cuda_graph_sizes  # noqa: E402
 from workers.graphs.static_inputs import StaticDecodeInputs  # noqa: E402
-from workers.llm import LLM  # noqa: E402
 
 
 def test_default_buckets_follow_vllm_and_end_at_max_num_seqs():
@@ -130,7 +130,7 @@ def test_stale_table_columns_past_a_rows_blocks_are_never_read(triton, monkeypat
     read nothing past a row's ceil(seq_len / block_size) blocks, padded rows included:
     the stale columns are poisoned with an out-of-range block id."""
     from kernels import paged_attention
-    from workers.kv_cache import allocate_kv_cache
+    from workers.runner.kv_cache import allocate_kv_cache
 
     monkeypatch.setenv("TANDEM_FORCE_TRITON", "1" if triton else "0")
     torch.manual_seed(0)
@@ -256,7 +256,7 @@ def test_replayed_decode_step_reads_the_device_once(triton_checkpoint, logprobs)
     llm = _llm(triton_checkpoint)
     graphs = _with_graphs(llm, [1, 2, 4])
     engine = llm.engine
-    from scheduler.messages import EngineRequest
+    from wire.engine_protocol import EngineRequest
 
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(PROMPTS[:3]):
@@ -270,7 +270,7 @@ def test_replayed_decode_step_reads_the_device_once(triton_checkpoint, logprobs)
     with _CountHostReads() as counter:
         out = engine.step()  # a decode step of 3: bucket 4
     assert graphs.num_replays[4] == before[4] + 1
-    # the one read: the step's sampled tokens (workers/async_step.py, StepResult.token_list);
+    # the one read: the step's sampled tokens (workers/runner/async_step.py, StepResult.token_list);
     # with logprobs, the packed table copied with them (to pinned memory on CUDA, before the
     # step's one event wait: workers/sampling/sample_logprobs.py) is read from the host
     assert counter.reads[0].startswith("tolist at async_step.py"), counter.reads

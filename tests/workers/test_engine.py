@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scheduler.messages import SamplingParams
 from tests.workers.hf_checkpoints import load_hf_model
+from wire.engine_protocol import SamplingParams
 from workers.config import EngineConfig
-from workers.llm import LLM
+from workers.engine.llm import LLM
 
 NUM_NEW = 8
 
@@ -123,7 +123,7 @@ def test_logprobs_match_transformers(make_checkpoint):
     sp = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=4)
     llm = LLM(EngineConfig(model=path, num_kv_blocks=32))
     rid_outputs = []
-    from scheduler.messages import EngineRequest
+    from wire.engine_protocol import EngineRequest
 
     llm.engine.add_request(EngineRequest("lp", prompt, sp))
     while llm.engine.has_work():

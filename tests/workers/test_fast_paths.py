@@ -10,15 +10,15 @@ import pytest
 import torch
 
 from kernels import AttentionMetadata
-from scheduler.messages import SamplingParams
 from tests.workers.hf_checkpoints import load_hf_model
 from tests.workers.test_engine import hf_greedy
-from workers import model_runner
-from workers.attention import SplitAttention, attention
+from wire.engine_protocol import SamplingParams
 from workers.config import EngineConfig
-from workers.dense_decode import DenseDecodeKV
-from workers.llm import LLM
-from workers.sampler import argmax_rows
+from workers.engine.llm import LLM
+from workers.runner import model_runner
+from workers.runner.attention import SplitAttention, attention
+from workers.runner.dense_decode import DenseDecodeKV
+from workers.sampling.sampler import argmax_rows
 
 NUM_LAYERS, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 2, 4, 2, 8, 4, 128
 

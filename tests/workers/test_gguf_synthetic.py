@@ -10,12 +10,12 @@ import os
 import pytest
 import torch
 
-from scheduler.messages import SamplingParams
 from tests.workers.gguf_writer import write_gguf_from_hf
+from wire.engine_protocol import SamplingParams
 from workers.checkpoints.gguf_convert import ensure_converted
+from workers.checkpoints.loader import load_model
 from workers.config import EngineConfig
-from workers.llm import LLM
-from workers.loader import load_model
+from workers.engine.llm import LLM
 
 QUANTIZED = ["F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
 K_QUANTS = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]  # gguf cannot encode these: random blocks

@@ -1,4 +1,4 @@
-"""The head-major KV layout (workers/kv_cache.py) is only a change of strides:
+"""The head-major KV layout (workers/runner/kv_cache.py) is only a change of strides:
 greedy output still equals transformers through chunked prefill and the CPU
 dense-decode path, and the cache really is head-major (prefix hits and
 preemption in head-major: tests/workers/test_engine.py)."""
@@ -11,8 +11,8 @@ import torch
 from tests.workers.hf_checkpoints import load_hf_model
 from tests.workers.test_engine import GREEDY, hf_greedy, prompts_for
 from workers.config import EngineConfig
-from workers.kv_cache import allocate_kv_cache
-from workers.llm import LLM
+from workers.engine.llm import LLM
+from workers.runner.kv_cache import allocate_kv_cache
 
 
 def test_allocate_layouts_share_the_logical_shape():

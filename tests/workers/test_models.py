@@ -14,7 +14,7 @@ import torch
 
 from tests.workers.hf_checkpoints import ARCH_PRESETS, hf_logits, load_hf_model, make_config
 from tests.workers.paged_session import PagedSession
-from workers.loader import load_model
+from workers.checkpoints.loader import load_model
 from workers.models import MODEL_REGISTRY, get_model_class
 from workers.models.rope import inverse_frequencies, rope_settings
 

@@ -16,9 +16,10 @@ import pytest
 import zmq
 
 from cluster.engines.actor import free_port
-from scheduler.messages import EngineOutputs, EngineRequest, FinishReason, SamplingParams
+from wire.engine_protocol import EngineOutputs, EngineRequest, FinishReason, SamplingParams
 from workers.config import EngineConfig
-from workers.engine_core import EngineCore
+from workers.engine.core import EngineCore
+from workers.engine.service import EngineService
 
 _IDS = itertools.count()
 pytestmark = pytest.mark.slow  # an engine loop on real sockets, ~20 s
@@ -84,15 +85,15 @@ def served(tiny_model_dir, request):
         output_backlog_messages=BACKLOG,
         output_stall_timeout_s=stall_s,
     )
-    engine = EngineCore(config)
+    service = EngineService(EngineCore(config))
     gw = Gateway(f"/tmp/tandem-bp-{os.getpid()}-{next(_IDS)}")
-    thread = threading.Thread(target=engine.serve_zmq, args=(gw.in_addr, gw.out_addr), daemon=True)
+    thread = threading.Thread(target=service.serve_zmq, args=(gw.in_addr, gw.out_addr), daemon=True)
     thread.start()
     gw.push.connect(gw.in_addr)
     try:
-        yield engine, gw
+        yield service, gw
     finally:
-        engine.shutdown()
+        service.shutdown()
         thread.join(10)
         gw.close()
         assert not thread.is_alive()
@@ -104,46 +105,46 @@ def send_all(gw: Gateway) -> None:
         gw.send(EngineRequest(f"r{i}", [5 + i, 6, 7, 8], sp))
 
 
-def in_loop(engine: EngineCore, fn):
-    return engine.call_in_loop(fn, timeout_s=10.0)  # the loop must keep answering
+def in_loop(service: EngineService, fn):
+    return service.call_in_loop(fn, timeout_s=10.0)  # the loop must keep answering
 
 
-def wait_blocked(engine: EngineCore, timeout_s: float = 120.0) -> None:
+def wait_blocked(service: EngineService, timeout_s: float = 120.0) -> None:
     deadline = time.monotonic() + timeout_s
-    while in_loop(engine, engine.stats).output_backlog_messages == 0:
+    while in_loop(service, service.stats).output_backlog_messages == 0:
         assert time.monotonic() < deadline, "the engine never had to hold outputs back"
         time.sleep(0.05)
 
 
 def test_slow_gateway_slows_the_engine_and_loses_nothing(served):
-    engine, gw = served
+    service, gw = served
     send_all(gw)
-    wait_blocked(engine)
-    generated = lambda: engine.scheduler.num_generation_tokens  # noqa: E731
-    before = in_loop(engine, generated)
+    wait_blocked(service)
+    generated = lambda: service.engine.scheduler.num_generation_tokens  # noqa: E731
+    before = in_loop(service, generated)
     samples = []
     for _ in range(10):
         time.sleep(0.1)
-        samples.append(in_loop(engine, engine.stats).output_backlog_messages)
-    assert in_loop(engine, generated) == before  # no stepping while the gateway is behind
+        samples.append(in_loop(service, service.stats).output_backlog_messages)
+    assert in_loop(service, generated) == before  # no stepping while the gateway is behind
     assert max(samples) <= BACKLOG + 1  # bounded memory
     assert before < NUM_REQUESTS * MAX_TOKENS
     gw.read_until_finished(timeout_s=300)
     assert gw.tokens == {f"r{i}": MAX_TOKENS for i in range(NUM_REQUESTS)}
     assert {o.finish_reason for o in gw.finals.values()} == {FinishReason.LENGTH}
-    assert in_loop(engine, engine.check_integrity)
+    assert in_loop(service, service.engine.check_integrity)
 
 
 @pytest.mark.parametrize("served", [1.0], indirect=True)
 def test_gateway_reading_nothing_past_the_stall_timeout_cuts_streams(served):
-    engine, gw = served
+    service, gw = served
     send_all(gw)
-    wait_blocked(engine)
+    wait_blocked(service)
     deadline = time.monotonic() + 60
-    while in_loop(engine, engine.stats).num_streams_cut < NUM_REQUESTS:
+    while in_loop(service, service.stats).num_streams_cut < NUM_REQUESTS:
         assert time.monotonic() < deadline, "streams were not cut"
         time.sleep(0.1)
-    assert in_loop(engine, engine.check_integrity)  # nothing held: KV all free
+    assert in_loop(service, service.engine.check_integrity)  # nothing held: KV all free
     gw.read_until_finished(timeout_s=120)
     for out in gw.finals.values():
         assert out.finish_reason == FinishReason.ERROR and "not read" in out.error

@@ -19,16 +19,16 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from kernels import AttentionMetadata  # noqa: E402
-from scheduler.messages import SamplingParams  # noqa: E402
 from tests.workers import hf_checkpoints  # noqa: E402
 from tests.workers.test_decode_graphs import _llm  # noqa: E402  (block 4, budget 16, paged)
+from wire.engine_protocol import SamplingParams  # noqa: E402
 from workers.config import EngineConfig, add_engine_arguments, engine_overrides  # noqa: E402
+from workers.engine.llm import LLM  # noqa: E402
 from workers.graphs.build import build_step_graphs, make_step_graphs  # noqa: E402
 from workers.graphs.piecewise import PiecewiseGraphRunner  # noqa: E402
 from workers.graphs.runner import EagerBackend  # noqa: E402
 from workers.graphs.sizes import piecewise_sizes  # noqa: E402
 from workers.graphs.token_inputs import StaticTokenInputs  # noqa: E402
-from workers.llm import LLM  # noqa: E402
 
 # ---- flags and sizes -------------------------------------------------------------------
 
@@ -289,8 +289,8 @@ def test_sdpa_prefills_attend_over_the_pieces_k_and_v(two_layer_llama):
 
 
 def test_a_piecewise_mixed_step_reads_the_device_once(one_layer_llama, monkeypatch):
-    from scheduler.messages import EngineRequest
     from tests.workers.test_decode_graphs import _CountHostReads
+    from wire.engine_protocol import EngineRequest
 
     monkeypatch.setenv("TANDEM_FORCE_TRITON", "1")  # the kernels CUDA runs, interpreted
     llm = _llm(one_layer_llama)
@@ -304,7 +304,7 @@ def test_a_piecewise_mixed_step_reads_the_device_once(one_layer_llama, monkeypat
     with _CountHostReads() as counter:
         engine.step()  # two decodes + a 14-token chunk of r2: a mixed step of 16 tokens
     assert graphs.piecewise.num_replays[16] == 2
-    # the one read: the step's sampled tokens (workers/async_step.py, StepResult.token_list)
+    # the one read: the step's sampled tokens (workers/runner/async_step.py, StepResult.token_list)
     assert len(counter.reads) == 1 and "async_step.py" in counter.reads[0], counter.reads
     while engine.has_work():
         engine.step()
@@ -326,8 +326,8 @@ def _launches_outside_pieces(path: str) -> Counter:
     from torch.utils._python_dispatch import TorchDispatchMode
     from triton.runtime import interpreter
 
-    from scheduler.messages import EngineRequest
     from tests.workers.test_triton_path import _NO_LAUNCH
+    from wire.engine_protocol import EngineRequest
 
     llm = _llm(path)
     runner = _with_graphs(llm, "piecewise", [16]).piecewise

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from scheduler.block_hash import HASH_ALGOS
-from scheduler.messages import SamplingParams
+from wire.engine_protocol import SamplingParams
 from workers.config import EngineConfig
-from workers.llm import LLM
+from workers.engine.llm import LLM
 
 PROMPT = list(range(40, 90))  # 50 tokens: 3 full blocks of 16 + 2 tokens
 

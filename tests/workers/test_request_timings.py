@@ -1,5 +1,5 @@
 """Per-request timings an engine reports on a request's final output
-(scheduler/request_timings.py, workers/request_clock.py), and their
+(wire/engine_protocol.py, workers/engine/request_clock.py), and their
 validation on the gateway's socket."""
 
 from __future__ import annotations
@@ -7,12 +7,18 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from cluster.disagg.ray_backend import GATEWAY_OUTPUT
-from scheduler.messages import EngineOutput, EngineOutputs, EngineRequest, SamplingParams
-from scheduler.request_timings import NOT_REACHED, RequestTimings
+from wire.engine_protocol import (
+    GATEWAY_OUTPUT,
+    NOT_REACHED,
+    EngineOutput,
+    EngineOutputs,
+    EngineRequest,
+    RequestTimings,
+    SamplingParams,
+)
 from wire.frames import MalformedFrame
 from workers.config import EngineConfig
-from workers.engine_core import EngineCore
+from workers.engine.core import EngineCore
 
 
 def run_until_final(core: EngineCore, request_ids: set[str]) -> dict[str, list[EngineOutput]]:

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from kvtransfer.handoff import decode_request, prefill_request
-from scheduler.messages import EngineOutput, EngineRequest, SamplingParams
+from wire.engine_protocol import EngineOutput, EngineRequest, SamplingParams
 from workers.config import EngineConfig
-from workers.llm import LLM
+from workers.engine.llm import LLM
 
 PROMPT = [256, *range(40, 90), 72, 101, 108, 108, 111, 40, 41, 42]
 FEATURES = [

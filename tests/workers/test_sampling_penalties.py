@@ -10,9 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler.messages import SamplingParams
-from workers.sampler import Sampler
+from wire.engine_protocol import SamplingParams
 from workers.sampling.penalties import apply_min_p, banned_last_tokens
+from workers.sampling.sampler import Sampler
 from workers.sampling.state import SamplingExtras
 
 

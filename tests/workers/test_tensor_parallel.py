@@ -11,12 +11,12 @@ import time
 import pytest
 import torch
 
-from scheduler.messages import EngineRequest, SamplingParams
 from tests.workers.hf_checkpoints import load_hf_model, make_config
 from tests.workers.test_engine import hf_greedy
+from wire.engine_protocol import EngineRequest, SamplingParams
+from workers.checkpoints.loader import iter_safetensors, safetensors_files
 from workers.config import EngineConfig
-from workers.llm import LLM
-from workers.loader import iter_safetensors, safetensors_files
+from workers.engine.llm import LLM
 from workers.parallel.loading import ZEROS_OFF_RANK0, iter_rank_weights, shard_for
 from workers.parallel.messages import WorkerFailed
 from workers.parallel.plan import make_plan

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 from tests.workers.hf_checkpoints import hf_logits, load_hf_model
 from tests.workers.paged_session import PagedSession
-from workers import tiny
-from workers.loader import load_model
+from workers.checkpoints import tiny
+from workers.checkpoints.loader import load_model
 
 
 @pytest.fixture(scope="module")

@@ -13,11 +13,11 @@ os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of the Tri
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from scheduler.messages import EngineRequest, SamplingParams  # noqa: E402
 from tests.workers.hf_checkpoints import load_hf_model  # noqa: E402
 from tests.workers.test_engine import hf_greedy  # noqa: E402
+from wire.engine_protocol import EngineRequest, SamplingParams  # noqa: E402
 from workers.config import EngineConfig  # noqa: E402
-from workers.llm import LLM  # noqa: E402
+from workers.engine.llm import LLM  # noqa: E402
 
 NUM_NEW = 3
 

@@ -30,8 +30,8 @@ from typing import Any
 import torch
 
 from kernels import dispatch, fused_reference
-from workers import attention as attention_module
-from workers.attention import StepMetadata
+from workers.runner import attention as attention_module
+from workers.runner.attention import StepMetadata
 
 _step = threading.local()
 
@@ -83,7 +83,7 @@ def attend(
     scale: float,
 ) -> torch.Tensor:
     """Causal attention ``[T, Hq, D]`` of ``q`` over layer ``layer_idx`` of the cache, which
-    holds this step's ``k``/``v`` (``workers.attention.attend``). While compiling: the opaque
+    holds this step's ``k``/``v`` (``workers.runner.attention.attend``). While compiling: the opaque
     op, which writes ``k``/``v`` first."""
     if torch.compiler.is_compiling():
         return torch.ops.tandem.attention(q, k, v, layer_idx, scale)

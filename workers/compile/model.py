@@ -38,7 +38,7 @@ import torch
 from kernels import AttentionMetadata
 from workers.compile.attention_op import COMPILED_STEP, step_context
 from workers.config import COMPILE_MODEL_MODES
-from workers.kv_cache import allocate_model_kv_cache
+from workers.runner.kv_cache import allocate_model_kv_cache
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ after it. Hence, at start-up (CUDA, cache sized from the utilization, one GPU):
    measured as device free memory before minus after (graph pools and the driver's graph
    objects both count; capped for a shared GPU, see ``runner.timed_capture``), then
    destroyed and returned to the device.
-3. the KV budget takes both out (``workers.kv_cache.gpu_kv_budget_bytes``); the real capture
+3. the KV budget takes both out (``workers.runner.kv_cache.gpu_kv_budget_bytes``); the real capture
    runs after the cache is allocated and its log line sets its memory beside the profiled.
 
 Why capture everything twice rather than estimate from a few graphs (as vLLM does): all
@@ -48,11 +48,11 @@ import torch
 
 from kernels import AttentionMetadata
 from kernels.prefill_attention import use_sdpa_prefills
-from scheduler.messages import SamplingParams
+from wire.engine_protocol import SamplingParams
 from workers.graphs.build import GRAPH_BYTES_SLACK, capture_step_graphs
 from workers.graphs.runner import CudaGraphBackend, graphs_allowed
-from workers.kv_cache import allocate_model_kv_cache
-from workers.sampler import Sampler
+from workers.runner.kv_cache import allocate_model_kv_cache
+from workers.sampling.sampler import Sampler
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ Contract shared by every model class::
 
 The batch is flat: T tokens from all sequences back to back, described by
 ``kernels.AttentionMetadata`` (slot mapping, block tables, lengths), or a
-``workers.attention.SplitAttention`` when the runner sends decodes through
+``workers.runner.attention.SplitAttention`` when the runner sends decodes through
 the dense CPU fast path.
 ``kv_cache`` is the whole engine cache, blocks-first
 ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``; layer
@@ -41,10 +41,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.attention import StepMetadata
 from workers.compile.attention_op import attend, rope_write_kv
 from workers.models.layers import Embedding, Linear, RMSNorm, SiluMLP
 from workers.models.rope import RotaryEmbedding
+from workers.runner.attention import StepMetadata
 
 # Checkpoint entries that are not weights (old HF checkpoints saved them).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)

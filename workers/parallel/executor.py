@@ -91,7 +91,7 @@ class TPExecutor:
     def __init__(self, config: EngineConfig, model_path: str) -> None:
         import zmq
 
-        from workers.loader import load_config
+        from workers.checkpoints.loader import load_config
         from workers.parallel.loading import load_rank_model
         from workers.parallel.plan import make_plan
 
@@ -440,5 +440,5 @@ def worker_context() -> Any:
     once per engine-core process: each start skips those seconds of imports
     (a fork of the server, which runs no threads, unlike this process)."""
     ctx = torch.multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "workers.parallel.worker", "workers.model_runner"])
+    ctx.set_forkserver_preload(["torch", "workers.parallel.worker", "workers.runner.model_runner"])
     return ctx

@@ -110,7 +110,7 @@ def load_rank_model(
     """Build rank ``plan.rank``'s model from the HF directory ``path`` (whose
     ``load_config`` is ``config``: rank 0 reads it once and hands it to the
     workers, sparing each the transformers import) and fill it from its slices."""
-    from workers.loader import resolve_dtype, safetensors_files
+    from workers.checkpoints.loader import resolve_dtype, safetensors_files
     from workers.models import get_model_class
     from workers.parallel.layers import shard_model
 

@@ -7,7 +7,7 @@ the sampled tokens: no second device->host wait per step.
     top-K ids and values, by value desc then id asc
     per row: how many logprobs are >= its n-th top
     packed [R, 2 + 2K] float64 -> pinned host copy --> the step's one event wait (with the
-                                                       sampled ids, workers/async_step.py)
+                                                       sampled ids, workers/runner/async_step.py)
                                                        -> one tolist of host memory
 
     packed row j | sampled logprob | count >= n-th | K top ids | K top logprobs |
@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from kernels.metadata import list_to_device
-from scheduler.messages import Logprobs, SamplingParams
+from wire.engine_protocol import Logprobs, SamplingParams
 
 
 def top_on_device(

@@ -24,7 +24,7 @@ import dataclasses
 import torch
 
 from kernels.metadata import list_to_device
-from scheduler.messages import SamplingParams
+from wire.engine_protocol import SamplingParams
 from workers.sampling.penalties import apply_penalties, banned_last_tokens
 
 

@@ -26,7 +26,7 @@ from cluster.gateway import protocol
 from cluster.gateway.edge.limits import read_body
 from cluster.gateway.edge.tokenizer_pool import chat_text_len
 from cluster.gateway.protocol import ProtocolError
-from workers.tokenizer import apply_chat_template
+from workers.text.tokenizer import apply_chat_template
 
 
 class TokenizeCompletionRequest(msgspec.Struct, kw_only=True):

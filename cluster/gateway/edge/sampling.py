@@ -19,7 +19,7 @@ from typing import Any
 import msgspec
 
 from cluster.gateway.protocol import ProtocolError
-from scheduler.messages import Logprobs, SamplingParams
+from wire.engine_protocol import Logprobs, SamplingParams
 
 
 def check_num_logprobs(value: int | None, param: str, max_logprobs: int) -> None:

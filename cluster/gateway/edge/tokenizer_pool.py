@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from cluster.gateway.protocol import ProtocolError
-from workers.tokenizer import apply_chat_template, encode_prompt
+from workers.text.tokenizer import apply_chat_template, encode_prompt
 
 # A normalizer (NFC, accent stripping) can shorten text; Unicode composition
 # shortens it by at most ~3x (Hangul jamo), so 4 keeps the bound safe.

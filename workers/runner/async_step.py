@@ -33,9 +33,10 @@ from typing import Any
 import torch
 
 from scheduler.async_scheduler import AsyncScheduler
-from scheduler.messages import EngineOutputs, SchedulerOutput
+from scheduler.messages import SchedulerOutput
+from wire.engine_protocol import EngineOutputs
+from workers.runner.step_batch import StepPlan
 from workers.sampling.sample_logprobs import DeviceLogprobs
-from workers.step_batch import StepPlan
 
 
 class StepResult:
@@ -134,7 +135,7 @@ class OverlappedLoop:
 
     def __init__(self, scheduler: AsyncScheduler, runner: Any) -> None:
         self.scheduler = scheduler
-        self.runner = runner  # workers.model_runner.ModelRunner with an overlapping stream
+        self.runner = runner  # workers.runner.model_runner.ModelRunner with an overlapping stream
         self.in_flight: tuple[SchedulerOutput, StepHandle] | None = None
 
     def step(self) -> tuple[SchedulerOutput, EngineOutputs]:

@@ -42,7 +42,7 @@ import random
 import torch
 
 from kernels.metadata import list_to_device
-from scheduler.messages import Logprobs, SamplingParams
+from wire.engine_protocol import Logprobs, SamplingParams
 from workers.sampling.penalties import apply_min_p
 from workers.sampling.sample_logprobs import DeviceLogprobs, finish_top, top_on_device
 from workers.sampling.state import BatchExtras

@@ -10,15 +10,15 @@ the scheduler's diffs, and flattens a step into one batch:
     logits rows  a7 (if the chunk ends the prompt), b9, c4
 
 On CPU (fp32), single-token queries that get a dense decode row
-(``workers/dense_decode.py``) come first, ordered by row, and the step's
-metadata is a ``workers.attention.SplitAttention``; the rest keep the order
+(``workers/runner/dense_decode.py``) come first, ordered by row, and the step's
+metadata is a ``workers.runner.attention.SplitAttention``; the rest keep the order
 above and go through the paged kernels.
 
 A step is launched then finished (``launch`` / ``finish``): the loop thread
-plans it (``workers/step_batch.py``), the step stream runs its forward and
+plans it (``workers/runner/step_batch.py``), the step stream runs its forward and
 sampling, and ``finish`` reads the sampled tokens. The synchronous loop
 (``execute``) finishes each step at once; the overlapped loop
-(``workers/async_step.py``) plans and launches the next step first.
+(``workers/runner/async_step.py``) plans and launches the next step first.
 """
 
 from __future__ import annotations
@@ -31,26 +31,21 @@ import torch
 from kernels import AttentionMetadata
 from kernels.metadata import host_to_device, list_to_device
 from kernels.prefill_attention import use_sdpa_prefills
-from scheduler.messages import (
-    KVConnectorOutput,
-    Logprobs,
-    ModelRunnerOutput,
-    SamplingParams,
-    SchedulerOutput,
-)
-from workers.async_step import StepHandle, StepResult, StepStream
-from workers.attention import SplitAttention, StepMetadata
-from workers.cpu_allocator import tune_malloc_for_inference
-from workers.dense_decode import DenseDecodeKV, DenseDecodeStep
+from scheduler.messages import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
+from wire.engine_protocol import Logprobs, SamplingParams
 from workers.graphs.piecewise import PiecewiseGraphRunner
 from workers.graphs.runner import DecodeGraphRunner
-from workers.sampler import Sampler
+from workers.runner.async_step import StepHandle, StepResult, StepStream
+from workers.runner.attention import SplitAttention, StepMetadata
+from workers.runner.cpu_allocator import tune_malloc_for_inference
+from workers.runner.dense_decode import DenseDecodeKV, DenseDecodeStep
+from workers.runner.step_batch import PLACEHOLDER, Segment, StepPlan, flatten
 from workers.sampling.prompt_logprobs import prompt_logprobs
 from workers.sampling.sample_logprobs import DeviceLogprobs
+from workers.sampling.sampler import Sampler
 from workers.sampling.state import SamplingExtras, uses_extras
-from workers.step_batch import PLACEHOLDER, Segment, StepPlan, flatten
 
-# CPU only: bytes the dense decode copy of the KV may use (see workers/dense_decode.py).
+# CPU only: bytes the dense decode copy of the KV may use (see workers/runner/dense_decode.py).
 DEFAULT_DENSE_DECODE_BYTES = 1 << 30
 
 
@@ -107,7 +102,7 @@ class ModelRunner:
     ) -> None:
         self.model = model
         # each step's device work: on a thread of its own when steps overlap on
-        # CPU, else inline (workers/async_step.py)
+        # CPU, else inline (workers/runner/async_step.py)
         self.stream = StepStream(threaded=overlap and kv_cache.device.type == "cpu")
         self.graphs = decode_graphs  # CUDA: decode-only steps replay a captured graph
         self.piecewise = piecewise_graphs  # CUDA: other steps replay pieces around attention
@@ -174,7 +169,7 @@ class ModelRunner:
 
     def launch(self, so: SchedulerOutput, prev: StepHandle | None = None) -> StepHandle:
         """Plan ``so`` on this (the loop) thread and start its device work on the step
-        stream (``workers/async_step.py``); return without waiting for it. ``prev``: the
+        stream (``workers/runner/async_step.py``); return without waiting for it. ``prev``: the
         step launched before, still in flight (its sampled tokens feed this one). Every
         launched step must be passed to ``finish``, in launch order."""
         plan = StepPlan()

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from scheduler.messages import EngineRequest, SamplingParams
+from wire.engine_protocol import EngineRequest, SamplingParams
 from workers.config import EngineConfig
-from workers.detokenizer import IncrementalDetokenizer
-from workers.engine_core import EngineCore
+from workers.engine.core import EngineCore
 from workers.parallel.messages import WorkerFailed
-from workers.tokenizer import encode_prompt, load_tokenizer
+from workers.text.detokenizer import IncrementalDetokenizer
+from workers.text.tokenizer import encode_prompt, load_tokenizer
 
 
 @dataclass

@@ -16,8 +16,8 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from scheduler.messages import EngineOutput, SchedulerOutput
-from scheduler.request_timings import NOT_REACHED, RequestTimings
+from scheduler.messages import SchedulerOutput
+from wire.engine_protocol import NOT_REACHED, EngineOutput, RequestTimings
 
 
 class _Marks:

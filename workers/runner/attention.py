@@ -20,7 +20,7 @@ import torch
 
 from kernels import AttentionMetadata, write_kv_cache
 from kernels.prefill_attention import attend as paged_or_sdpa
-from workers.dense_decode import DenseDecodeStep
+from workers.runner.dense_decode import DenseDecodeStep
 
 
 @dataclass

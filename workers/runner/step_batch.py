@@ -3,7 +3,7 @@
 ``ModelRunner.launch`` turns a ``SchedulerOutput`` into a ``StepPlan`` from the runner's
 own copy of each request (host data only, copied, so the loop thread can plan the next
 step while this one runs); ``flatten`` lays the segments out in the order the forward
-wants (``workers/model_runner.py``: dense decode rows first on CPU):
+wants (``workers/runner/model_runner.py``: dense decode rows first on CPU):
 
     segments    a (prefill chunk 5..7)   b (decode, token in flight)   c (decode)
     input_ids   [a5 a6 a7]               [PLACEHOLDER]                 [c4]
@@ -18,7 +18,7 @@ two steps.
 
 from __future__ import annotations
 
-from scheduler.messages import Logprobs, SamplingParams
+from wire.engine_protocol import Logprobs, SamplingParams
 from workers.sampling.state import BatchExtras
 
 PLACEHOLDER = -1  # a token id not known on the host yet

@@ -59,7 +59,7 @@ def resolve_model_path(model: str, *, cache_dir: str | None = None) -> str:
     from workers.checkpoints.gguf_convert import ensure_converted
 
     if model == "tiny":
-        from workers.tiny import ensure_tiny_model
+        from workers.checkpoints.tiny import ensure_tiny_model
 
         return ensure_tiny_model()
     if model in BUILTIN_MODELS:

@@ -1,0 +1,189 @@
+"""One engine's start-up, in the order the memory budget needs it:
+
+    load_engine_model   weights (rank 0's share under TP, the ranks started),
+                        dtype, end-of-sequence ids
+    size_kv_cache       context length; torch.compile of the forward
+                        (workers/compile/) before the profile, so the profile
+                        measures the forward the engine runs; one step's
+                        activation and CUDA graph memory (workers/graphs/);
+                        the KV blocks what is left holds (every TP rank
+                        agreeing); the cache allocated
+    scheduler_config    the scheduler's limits over that cache
+    make_connector      the KV connector's scheduler and worker sides
+    build_runner        CUDA graphs over the real cache, the model runner
+                        (under TP: once every worker is ready)
+
+Each returns what ``EngineCore`` keeps; none keeps state of its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from scheduler import SchedulerConfig
+from workers.checkpoints.loader import end_token_ids, load_model, resolve_model_path
+from workers.compile.model import compile_before_sizing
+from workers.config import EngineConfig
+from workers.graphs.build import StepGraphs, build_step_graphs
+from workers.graphs.memory import StepMemory, profile_step_memory
+from workers.runner.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for
+from workers.runner.model_runner import ModelRunner
+
+MAX_DEFAULT_MODEL_LEN = 4096
+
+
+@dataclass
+class LoadedModel:
+    model_path: str
+    model: Any  # workers.models: a Llama/Qwen module (rank 0's shard under TP)
+    hf_config: Any
+    dtype: torch.dtype
+    eos_token_id: int | None
+    extra_eos_ids: list[int]  # further end ids: stop tokens of every request
+    device: torch.device
+    tp: Any = None  # workers.parallel.executor.TPExecutor with TP > 1
+
+
+@dataclass
+class SizedKVCache:
+    max_model_len: int
+    num_blocks: int
+    kv_cache: Any  # workers.runner.kv_cache.allocate_kv_cache's cache
+    compile_report: Any  # workers.compile.model.compile_before_sizing's report
+    step_memory: StepMemory
+
+
+def load_engine_model(config: EngineConfig) -> LoadedModel:
+    """This process's model. With ``tensor_parallel_size > 1`` this process
+    is rank 0 (``workers/parallel/``): the executor starts the other ranks."""
+    if config.torch_threads > 0:
+        torch.set_num_threads(config.torch_threads)
+    device = torch.device(config.device)
+    model_path = resolve_model_path(config.model)
+    tp = None
+    if config.tensor_parallel_size > 1:
+        from workers.parallel.executor import TPExecutor
+
+        tp = TPExecutor(config, model_path)
+        model, hf_config = tp.model, tp.hf_config
+    else:
+        model, hf_config = load_model(model_path, config.dtype, device)
+    eos_ids = end_token_ids(hf_config)
+    return LoadedModel(
+        model_path=model_path,
+        model=model,
+        hf_config=hf_config,
+        dtype=next(model.parameters()).dtype,
+        eos_token_id=eos_ids[0] if eos_ids else None,
+        extra_eos_ids=eos_ids[1:],
+        device=device,
+        tp=tp,
+    )
+
+
+def size_kv_cache(config: EngineConfig, loaded: LoadedModel) -> SizedKVCache:
+    """Measure what a step needs, then allocate the KV cache from the rest.
+    ``max_model_len`` unset: the model's context, capped at
+    ``MAX_DEFAULT_MODEL_LEN`` and at what the cache holds."""
+    m = loaded.model
+    max_len = config.max_model_len or min(m.max_context_len, MAX_DEFAULT_MODEL_LEN)
+    if max_len > m.max_context_len:
+        raise ValueError(
+            f"max_model_len {max_len} exceeds the model's context length {m.max_context_len}"
+        )
+    block_bytes = bytes_per_block(
+        m.num_layers, config.block_size, m.num_kv_heads, m.head_dim, loaded.dtype
+    )
+    # workers/compile/: torch.compile of the forward, first, so that the profile below
+    # measures the forward the engine runs (the compiled graphs hold no cache)
+    compile_report = compile_before_sizing(config, m)
+    # activation peak and CUDA graphs, measured to come out of the KV budget (CUDA only)
+    step_memory = profile_step_memory(config, m, max_len)
+    num_blocks = num_blocks_for(
+        block_bytes=block_bytes,
+        num_kv_blocks=config.num_kv_blocks,
+        kv_cache_memory=config.kv_cache_memory,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+        device=loaded.device,
+        step_bytes=step_memory.num_bytes,
+    )
+    if loaded.tp is not None:
+        num_blocks = loaded.tp.agree_num_blocks(num_blocks)
+    if config.max_model_len is None:
+        # Default: the model's length, but never more than the cache holds.
+        max_len = min(max_len, num_blocks * config.block_size)
+    kv_cache = allocate_kv_cache(
+        num_blocks,
+        m.num_layers,
+        config.block_size,
+        m.num_kv_heads,
+        m.head_dim,
+        loaded.dtype,
+        loaded.device,
+        layout=config.kv_layout,
+    )
+    return SizedKVCache(max_len, num_blocks, kv_cache, compile_report, step_memory)
+
+
+def scheduler_config(config: EngineConfig, num_blocks: int, max_model_len: int) -> SchedulerConfig:
+    return SchedulerConfig(
+        num_kv_blocks=num_blocks,
+        block_size=config.block_size,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_num_seqs=config.max_num_seqs,
+        max_model_len=max_model_len,
+        enable_chunked_prefill=config.enable_chunked_prefill,
+        long_prefill_token_threshold=config.long_prefill_token_threshold,
+        enable_prefix_caching=config.enable_prefix_caching,
+        prefix_caching_hash_algo=config.prefix_caching_hash_algo,
+        policy=config.policy,
+        kv_admission_margin=config.kv_admission_margin,
+        max_num_partial_prefills=config.max_num_partial_prefills,
+        max_long_partial_prefills=config.max_long_partial_prefills,
+        load_failure_policy=config.load_failure_policy,
+    )
+
+
+def make_connector(config: EngineConfig, hf_config: Any) -> tuple[Any, Any]:
+    """``(scheduler side, worker side)`` of the configured KV connector, or
+    ``(None, None)`` without one."""
+    if not config.kv_connector:
+        return None, None
+    from kvtransfer.registry import create_connector
+    from workers.parallel.connector_hook import kv_transfer_config
+
+    return create_connector(kv_transfer_config(config, hf_config))
+
+
+def build_runner(
+    config: EngineConfig,
+    loaded: LoadedModel,
+    cache: SizedKVCache,
+    connector_worker: Any,
+    overlap: bool,
+) -> tuple[StepGraphs, Any]:
+    """The step graphs over the real cache and the runner that uses them.
+    Under TP the runner is rank 0's front (``TPRunner``), returned once every
+    worker is ready."""
+    graphs = build_step_graphs(
+        config, loaded.model, cache.kv_cache, cache.max_model_len, cache.step_memory.graph_bytes
+    )
+    runner: Any = ModelRunner(
+        loaded.model,
+        cache.kv_cache,
+        config.block_size,
+        loaded.eos_token_id,
+        connector=connector_worker,
+        seed=config.seed,
+        dense_decode_bytes=config.dense_decode_bytes,
+        decode_graphs=graphs.decode,
+        piecewise_graphs=graphs.piecewise,
+        prefill_attention=config.prefill_attention,
+        overlap=overlap,
+    )
+    if loaded.tp is not None:
+        runner = loaded.tp.start(runner)
+    return graphs, runner
