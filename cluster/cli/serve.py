@@ -205,7 +205,7 @@ class Service:
         from cluster.disagg.ray_backend import RayBackend
         from cluster.engines.actor import free_port, node_ip
         from cluster.engines.pools import start_pools
-        from workers.checkpoints.loader import resolve_model_path
+        from workers.checkpoints.model_dir import resolve_model_dir
         from workers.text.tokenizer import load_tokenizer
 
         if not ray.is_initialized():
@@ -221,7 +221,7 @@ class Service:
             self.dashboard_url = getattr(ctx, "dashboard_url", None)
         host = node_ip() if self.settings["address"] else "127.0.0.1"
         output_addr = f"tcp://{host}:{free_port(host)}"
-        self.model_path = model_path = resolve_model_path(self.settings["model"])
+        self.model_path = model_path = resolve_model_dir(self.settings["model"])
         tokenizer = load_tokenizer(model_path)
         self.cluster_secret = secret = cluster_secret(self.settings)
         namespace = self.settings.get("ray_namespace") or SERVE_DEFAULTS["ray_namespace"]
@@ -325,6 +325,9 @@ async def _serve(settings: dict[str, Any], per_role: dict[str, dict[str, Any]]) 
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from cluster.gateway.torch_free import bar_torch
+
+    bar_torch()  # this process is the gateway: no torch in it (cluster/gateway/torch_free.py)
     if args.check_config:
         from cluster.cli.check_config import check_config
 
@@ -337,10 +340,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         configure_logging(settings["log_format"])  # the YAML may name it
         specs = pool_specs(settings, per_role)  # validates engine configs before starting
         gateway_limits(settings)
-        from workers.checkpoints.loader import resolve_model_path
+        from workers.checkpoints.model_dir import resolve_model_dir
 
-        # bad model: one line, exit 2 (GGUF: convert once)
-        model_path = resolve_model_path(settings["model"])
+        # bad model: one line, exit 2 (GGUF: convert once, in a child process)
+        model_path = resolve_model_dir(settings["model"])
         api_config(settings, model_path)
         check_pools_split_model(model_path, specs)
         if settings["internal_auth"] and settings["cluster_secret_file"]:

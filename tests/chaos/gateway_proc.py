@@ -48,6 +48,12 @@ class GatewayProcess:
             assert time.monotonic() < end, f"gateway not healthy in {deadline_s} s:\n{self.log()}"
             time.sleep(0.25)
 
+    def mapped_torch_libraries(self) -> list[str]:
+        """Shared objects of torch mapped into the gateway process (``/proc/PID/maps``):
+        none, since the serve command bars torch (``cluster/gateway/torch_free.py``)."""
+        with open(f"/proc/{self.proc.pid}/maps") as f:
+            return sorted({line.split()[-1] for line in f if "libtorch" in line})
+
     def crash(self) -> None:
         """SIGKILL: nothing of the gateway runs its clean-up."""
         self.proc.kill()

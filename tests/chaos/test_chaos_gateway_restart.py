@@ -126,6 +126,7 @@ def test_gateway_restart_engines_keep_running_new_gateway_adopts_them(tmp_path, 
             w = Workload(first.url, workload)
             assert not any(w.finish())
             refs[workload] = w.results
+        assert first.mapped_torch_libraries() == []  # a serving gateway never loads torch
         handles = find_engines(namespace)
         assert sorted(h.engine_id for h in handles) == ["decode-0", "decode-1", "prefill-0"]
         before = epochs(handles)

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from workers.checkpoints.model_dir import load_config
 from workers.models import get_model_class
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -113,39 +114,6 @@ def _download(repo_id: str, cache_dir: str | None) -> str:
             f"model {repo_id!r} is not 'tiny', not a local directory, and could not be "
             f"fetched from the Hugging Face hub ({type(exc).__name__}: {exc})"
         ) from exc
-
-
-def load_config(path: str) -> Any:
-    """``transformers.AutoConfig`` for a model directory, end ids merged.
-
-    ``eos_token_id`` becomes the config's end ids followed by any other ones
-    ``generation_config.json`` names (an int when there is one).
-    """
-    from transformers import AutoConfig
-
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise FileNotFoundError(f"no config.json in model directory {path!r}")
-    config = AutoConfig.from_pretrained(path)
-    end_ids = _as_list(getattr(config, "eos_token_id", None))
-    gen_file = os.path.join(path, "generation_config.json")
-    if os.path.isfile(gen_file):
-        with open(gen_file) as f:
-            gen_ids = _as_list(json.load(f).get("eos_token_id"))
-        end_ids += [i for i in gen_ids if i not in end_ids]
-    if end_ids:
-        config.eos_token_id = end_ids[0] if len(end_ids) == 1 else end_ids
-    return config
-
-
-def end_token_ids(config: Any) -> list[int]:
-    """The config's end ids as a list (``load_config`` merged generation_config's)."""
-    return _as_list(getattr(config, "eos_token_id", None))
-
-
-def _as_list(ids: Any) -> list[int]:
-    if ids is None:
-        return []
-    return [int(i) for i in ids] if isinstance(ids, (list, tuple)) else [int(ids)]
 
 
 def resolve_dtype(dtype: str | torch.dtype, config: Any, device: str | torch.device) -> torch.dtype:
