@@ -32,7 +32,7 @@ import msgspec  # noqa: E402
 import zmq  # noqa: E402
 
 from benchmarks._machine import machine  # noqa: E402
-from cluster.disagg.ray_backend import GATEWAY_OUTPUT  # noqa: E402
+from cluster.disagg.data_plane import GATEWAY_OUTPUT  # noqa: E402
 from scheduler.messages import EngineOutput, EngineOutputs  # noqa: E402
 from wire.auth import PlaneAuth, generate_secret  # noqa: E402
 

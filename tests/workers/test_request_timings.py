@@ -7,7 +7,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from cluster.disagg.ray_backend import GATEWAY_OUTPUT
+from cluster.disagg.data_plane import GATEWAY_OUTPUT
 from scheduler.messages import EngineOutput, EngineOutputs, EngineRequest, SamplingParams
 from scheduler.request_timings import NOT_REACHED, RequestTimings
 from wire.frames import MalformedFrame
