@@ -31,11 +31,17 @@ to within ``wait_for_engine_s``, it ends with an explicit error output.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from dataclasses import dataclass
 
 import msgspec
 
+from cluster.disagg.engine import Engine
+from cluster.routing.router import Router
 from wire.engine_protocol import EngineOutput, EngineRequest
+
+logger = logging.getLogger(__name__)
 
 # tandem:migrations_total{reason}
 REASON_DEAD = "engine_dead"  # health says DEAD (Ray says so, or no heartbeat)
@@ -129,3 +135,58 @@ class StreamLedger:
             ),
             kv_transfer_params=None,
         )
+
+
+class Migrator:
+    """Whether a stream that lost its engine moves on, and where it may not
+    go. ``role``: the pool a stream continues in (decode, or colocated).
+    ``num_migrations``: reason -> count (``tandem:migrations_total``)."""
+
+    def __init__(
+        self, policy: MigrationPolicy, engines: dict[str, Engine], router: Router, role: str
+    ) -> None:
+        self.policy = policy
+        self.engines = engines
+        self.router = router
+        self.role = role
+        self.num_migrations: dict[str, int] = {}
+
+    def lost_engines(self, ledger: StreamLedger) -> set[str]:
+        """Engines whose current incarnation this request lost: never again
+        (a late output of the old run could not be told from the new one's)."""
+        return {eid for eid, epoch in ledger.lost if self.engines[eid].state.epoch == epoch}
+
+    async def prepare(self, lost: EngineLost, q: asyncio.Queue, ledger: StreamLedger) -> str | None:
+        """Decide whether the stream moves on; wait (bounded) for an engine to
+        take it. Returns None to resubmit, else the error text to end with."""
+        ledger.lost.add((lost.engine_id, lost.epoch))
+        if not self.policy.enabled:
+            return lost.message
+        if ledger.request.n > 1:  # the ledger follows one choice's tokens, not n
+            return f"{lost.message} (requests with n > 1 do not migrate)"
+        if not ledger.can_migrate(self.policy):
+            return f"{lost.message} (migrated {ledger.num_migrations} times already)"
+        while not q.empty():  # anything still queued came from the lost engine
+            q.get_nowait()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.policy.wait_for_engine_s
+        while True:
+            exclude = self.lost_engines(ledger)
+            if any(st.engine_id not in exclude for st in self.router.ready_engines(self.role)):
+                break
+            if loop.time() >= deadline:
+                return (
+                    f"{lost.message}; no {self.role} engine to continue on within "
+                    f"{self.policy.wait_for_engine_s:g} s"
+                )
+            await asyncio.sleep(0.05)
+        ledger.num_migrations += 1
+        self.num_migrations[lost.reason] = self.num_migrations.get(lost.reason, 0) + 1
+        logger.info(
+            "request %s: %s on %s; migrating after %d tokens",
+            ledger.request.request_id,
+            lost.reason,
+            lost.engine_id,
+            len(ledger.sent_token_ids),
+        )
+        return None

@@ -48,12 +48,6 @@ class Router:
     def pools(self) -> set[str]:
         return {e.role for e in self.engines.values()}
 
-    def use_remote_prefill(self, num_prompt_tokens: int) -> bool:
-        """Decide (and count) the path of one request in a disaggregated setup."""
-        remote = num_prompt_tokens >= self.disagg_min_tokens and bool(self.ready_engines("prefill"))
-        self.num_decisions["remote" if remote else "local"] += 1
-        return remote
-
     def pick_prefill(self, exclude: set[str] = frozenset()) -> EngineState | None:
         cands = [e for e in self.ready_engines("prefill") if e.engine_id not in exclude]
         if not cands:

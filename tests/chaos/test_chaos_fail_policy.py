@@ -68,7 +68,7 @@ def test_restart_storm_exhausts_restarts_streams_migrate_pool_shrinks(chaos):
     assert svc.service.settings["max_restarts"] == NUM_KILLS - 1
     tally = Tally("restart storm (decode-0 killed 5x, restarts exhausted)")
     handle = actor(svc, "decode-0")
-    before = sum(backend.num_migrations.values())
+    before = sum(backend.migrator.num_migrations.values())
     reset_prefix_caches(svc)
     wave1 = [Workload(svc.base_url, w) for w in WORKLOADS]
     for w in wave1:
@@ -96,7 +96,7 @@ def test_restart_storm_exhausts_restarts_streams_migrate_pool_shrinks(chaos):
     finally:
         backend.undrain("decode-1")  # a flag: ready again at the next health check
     assert on_d0, "wave 2 is not on decode-0"
-    migrated = sum(backend.num_migrations.values())
+    migrated = sum(backend.migrator.num_migrations.values())
     final_s = time.monotonic()
     os.kill(pid, signal.SIGKILL)  # the last kill: no restart left
     storm_s = final_s - start_s
@@ -105,7 +105,7 @@ def test_restart_storm_exhausts_restarts_streams_migrate_pool_shrinks(chaos):
         tally.add(w.workload, w.results, refs[w.workload], w.finish(), final_s, on_d0)
     assert tally.hung == 0 and tally.wrong == 0, tally.details
     # its streams moved to decode-1 (those not finished by the kill)
-    moved_last = sum(backend.num_migrations.values()) - migrated
+    moved_last = sum(backend.migrator.num_migrations.values()) - migrated
     assert moved_last > 0
     # the pool shrank: decode-0 is out for good, the gateway says degraded
     assert not engine(svc, "decode-0").state.ready
@@ -121,7 +121,7 @@ def test_restart_storm_exhausts_restarts_streams_migrate_pool_shrinks(chaos):
     print_row(tally)
     print(
         f"   storm: {NUM_KILLS} kills in {storm_s:.1f} s (served again at {back_s} s), "
-        f"{sum(backend.num_migrations.values()) - before} migrations, {moved_last} of "
+        f"{sum(backend.migrator.num_migrations.values()) - before} migrations, {moved_last} of "
         f"{len(on_d0)} streams on decode-0 at the last kill",
         flush=True,
     )

@@ -62,7 +62,7 @@ def test_kill_decode_actor_mid_stream_every_stream_identical(chaos):
 
     svc, _, refs = chaos
     backend = svc.service.backend
-    before = sum(backend.num_migrations.values())
+    before = sum(backend.migrator.num_migrations.values())
     epochs = {eid: engine(svc, eid).state.epoch for eid in ("decode-0", "decode-1")}
     tally, moved, target = run(
         svc,
@@ -73,7 +73,7 @@ def test_kill_decode_actor_mid_stream_every_stream_identical(chaos):
     )
     assert moved, f"no stream was on {target} when it was killed"
     assert tally.identical == tally.requests, tally.details
-    assert sum(backend.num_migrations.values()) - before == len(moved)
+    assert sum(backend.migrator.num_migrations.values()) - before == len(moved)
     assert len(tally.migration_s) == len(moved)
     wait_ready(svc, target, new_epoch_after=epochs[target])
     assert settle(svc) == 0
@@ -115,7 +115,7 @@ def test_injected_nixl_read_failure_recompute_policy(chaos):
 def test_sigstop_decode_engine_2s_is_slow_not_dead(chaos):
     svc, _, refs = chaos
     backend = svc.service.backend
-    before = dict(backend.num_migrations)
+    before = dict(backend.migrator.num_migrations)
     pid = engine(svc, "decode-1").state.info["pid"]
 
     def pause(_) -> None:
@@ -127,6 +127,6 @@ def test_sigstop_decode_engine_2s_is_slow_not_dead(chaos):
 
     tally, _, _ = run(svc, refs, "SIGSTOP decode engine 2 s", pause)
     assert tally.identical == tally.requests, tally.details
-    assert backend.num_migrations == before  # slow is not dead: nothing moved
+    assert backend.migrator.num_migrations == before  # slow is not dead: nothing moved
     assert engine(svc, "decode-1").state.ready
     assert settle(svc) == 0

@@ -97,7 +97,7 @@ def drain_under_load(svc, refs, drain) -> str:
     undisturbed run and the engine idle. Returns the drained engine id."""
     reset_prefix_caches(svc)
     backend = svc.service.backend
-    before = backend.num_migrations.get("drain", 0)
+    before = backend.migrator.num_migrations.get("drain", 0)
     w = Workload(svc.base_url, "seeded", NUM_STREAMS, max_tokens=MAX_TOKENS)
     w.wait_tokens(4)
     held = {eid: requests_on(svc, eid) for eid in ("decode-0", "decode-1")}
@@ -109,7 +109,7 @@ def drain_under_load(svc, refs, drain) -> str:
     assert verdicts == ["identical"] * NUM_STREAMS, [r for r in w.results if r.error]
     # the streams that were still running when it drained moved (a stream may
     # have finished between the snapshot and the drain)
-    assert 1 <= backend.num_migrations.get("drain", 0) - before <= len(held[target])
+    assert 1 <= backend.migrator.num_migrations.get("drain", 0) - before <= len(held[target])
     assert_idle(svc, target)
     return target
 

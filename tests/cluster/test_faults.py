@@ -138,7 +138,7 @@ def test_paused_shorter_than_dead_timeout_requests_complete(svc):
     finally:
         os.kill(pid, signal.SIGCONT)
     assert [completion_tokens(s.finish()) for s in streams] == [300, 300, 300]
-    assert svc.service.backend.num_orphans_aborted == 0
+    assert svc.service.backend.members.num_orphans_aborted == 0
     assert e.state.ready
     wait_idle(svc)
 
@@ -167,7 +167,7 @@ def test_paused_past_dead_timeout_fails_then_holds_no_orphan(svc):
         os.kill(pid, signal.SIGCONT)
     wait_for(lambda: health_code(svc) == 200, 30, "engine back")
     assert e.state.epoch == epoch  # the same incarnation, not a restart
-    assert backend.num_orphans_aborted == 2 and not e.health.orphans
+    assert backend.members.num_orphans_aborted == 2 and not e.health.orphans
     wait_idle(svc)
     r = httpx.post(
         svc.base_url + "/v1/completions",
@@ -179,17 +179,17 @@ def test_paused_past_dead_timeout_fails_then_holds_no_orphan(svc):
 
 def test_killed_output_reader_fails_streams_then_recovers(svc):
     backend = svc.service.backend
-    backend.reader_restart_delay_s = 3.0  # long enough to observe the 503
-    num_restarts = backend.num_reader_restarts
+    backend.plane.reader_restart_delay_s = 3.0  # long enough to observe the 503
+    num_restarts = backend.plane.num_reader_restarts
     stream = Stream(svc, 900)
     assert stream.started.wait(60)
-    svc.loop.call_soon_threadsafe(backend.reader_task.cancel)
+    svc.loop.call_soon_threadsafe(backend.plane.reader_task.cancel)
     events = stream.finish(30)
     assert events[-1] == "[DONE]"
     assert "output reader failed" in json.loads(events[-2])["error"]["message"]
     assert health_code(svc) == 503
     wait_for(lambda: health_code(svc) == 200, 30, "reader restarted")
-    assert backend.num_reader_restarts == num_restarts + 1
+    assert backend.plane.num_reader_restarts == num_restarts + 1
     r = httpx.post(
         svc.base_url + "/v1/completions",
         json={"prompt": PROMPT, "max_tokens": 4, "ignore_eos": True},
@@ -208,8 +208,8 @@ def test_consumer_that_stops_reading_is_cut_and_others_stream(svc):
     passes the bound: the stream is cut, the consumer cancelled, the request
     aborted on the engine (it ends idle), and a stream beside it completes."""
     backend = svc.service.backend
-    backend.max_queued_outputs = 16
-    num_cut = backend.num_streams_cut
+    backend.plane.max_queued_outputs = 16
+    num_cut = backend.plane.num_streams_cut
     request = EngineRequest(
         "stalled-consumer",
         backend.tokenizer.encode(PROMPT),
@@ -231,10 +231,10 @@ def test_consumer_that_stops_reading_is_cut_and_others_stream(svc):
         future = asyncio.run_coroutine_threadsafe(stalled_consumer(), svc.loop)
         other = Stream(svc, 200)
         assert future.result(120) == "cancelled"
-        assert backend.num_streams_cut == num_cut + 1
+        assert backend.plane.num_streams_cut == num_cut + 1
         assert completion_tokens(other.finish(120)) == 200
     finally:
-        backend.max_queued_outputs = 512
+        backend.plane.max_queued_outputs = 512
     wait_idle(svc)
 
 
@@ -248,8 +248,8 @@ def test_http_client_that_never_reads_is_cut(svc):
     import socket
 
     backend = svc.service.backend
-    backend.max_queued_outputs = 16
-    num_cut = backend.num_streams_cut
+    backend.plane.max_queued_outputs = 16
+    num_cut = backend.plane.num_streams_cut
     listener = svc._sock
     sndbuf = listener.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
@@ -266,14 +266,14 @@ def test_http_client_that_never_reads_is_cut(svc):
             + f"content-length: {len(body)}\r\n\r\n".encode()
             + body
         )
-        wait_for(lambda: backend.num_streams_cut > num_cut, 120, "never-reading client cut")
+        wait_for(lambda: backend.plane.num_streams_cut > num_cut, 120, "never-reading client cut")
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
         other = Stream(svc, 200)
         assert completion_tokens(other.finish(120)) == 200
     finally:
         client.close()
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
-        backend.max_queued_outputs = 512
+        backend.plane.max_queued_outputs = 512
     wait_idle(svc)
     # nothing of the cut stream is kept: its output queue went with it
-    wait_for(lambda: not backend._streams, 10, "per-request queues released")
+    wait_for(lambda: not backend.plane.streams, 10, "per-request queues released")

@@ -204,14 +204,14 @@ def test_migrates_without_repeat_or_gap_then_errors_past_max_migrations():
         await first.send("r-1", [99])  # a late output of the lost engine
         await other.send("r-1", [13])
         await client.wait_tokens(3)
-        assert backend.num_migrations == {"engine_dead": 1}
+        assert backend.migrator.num_migrations == {"engine_dead": 1}
         other.die()  # max_migrations=1 is spent: an explicit error, no third engine
         await asyncio.wait_for(client.task, 30)
         assert client.tokens == [11, 12, 13]
         last = client.outputs[-1]
         assert last.finish_reason == FinishReason.ERROR
         assert "migrated 1 times already" in last.error
-        assert backend.num_migrations == {"engine_dead": 1}
+        assert backend.migrator.num_migrations == {"engine_dead": 1}
         assert all(not e.requests for e in backend.engines.values())
 
     asyncio.run(asyncio.wait_for(with_backend(MigrationPolicy(max_migrations=1), scenario), 90))
@@ -228,7 +228,7 @@ def test_no_migration_ends_the_stream_with_the_error():
         assert client.tokens == [11]
         assert client.outputs[-1].finish_reason == FinishReason.ERROR
         assert first.engine_id in client.outputs[-1].error
-        assert backend.num_migrations == {}
+        assert backend.migrator.num_migrations == {}
 
     asyncio.run(asyncio.wait_for(with_backend(MigrationPolicy(enabled=False), scenario), 90))
 
@@ -267,7 +267,7 @@ def test_migration_prefers_the_survivor_holding_the_prefix_and_skips_prefill():
         await engines[holder].send("r-1", [13, 14, 15, 16], FinishReason.LENGTH)
         await asyncio.wait_for(client.task, 30)
         assert client.tokens == [11, 12, 13, 14, 15, 16]  # none repeated, none missing
-        assert backend.num_migrations == {"engine_dead": 1}
+        assert backend.migrator.num_migrations == {"engine_dead": 1}
         fields = backend.route_log_fields("r-1")
         assert fields["decode_engine"] == holder and fields["decode_reason"] == "prefix_hit"
         assert fields["route_reason"] == "migration_recompute"

@@ -51,7 +51,7 @@ def test_reader_drops_malformed_and_refuses_outsiders():
         intruder = ctx.socket(zmq.PUSH)
         try:
             q: asyncio.Queue = asyncio.Queue()
-            backend._streams["r1"] = q
+            backend.plane.streams["r1"] = q
             for sock, secret in ((member, SECRET), (intruder, None)):
                 sock.setsockopt(zmq.LINGER, 0)
                 PlaneAuth(ctx, secret).client(sock)
@@ -70,7 +70,7 @@ def test_reader_drops_malformed_and_refuses_outsiders():
             member.send_multipart([b"O", outputs("r1", 7)])
             engine_id, out = await asyncio.wait_for(q.get(), 20)
             assert (engine_id, out.new_token_ids) == ("decode-0", [7])
-            await wait_for(lambda: backend._auth.failures().get("gateway_output", 0) >= 1)
+            await wait_for(lambda: backend.plane.auth.failures().get("gateway_output", 0) >= 1)
             member.send_multipart([b"O", outputs("r1", 8)])
             engine_id, out = await asyncio.wait_for(q.get(), 20)
             assert out.new_token_ids == [8] and q.empty()  # 666 never arrived
@@ -99,7 +99,7 @@ def test_engine_stats_are_validated_like_frames():
     dropped (the last good stats stay) and counted as socket engine_stats."""
     from types import SimpleNamespace
 
-    from cluster.disagg.ray_backend import _Engine
+    from cluster.disagg.engine import Engine
     from cluster.engines.health import EngineHealth
     from cluster.routing.router import EngineState
     from scheduler.engine_stats import EngineStats
@@ -108,14 +108,13 @@ def test_engine_stats_are_validated_like_frames():
     backend = RayBackend([], tokenizer=None, model_name="m", output_addr="tcp://127.0.0.1:1")
     try:
         state = EngineState(engine_id="decode-0", role="decode")
-        e = _Engine(SimpleNamespace(), state, EngineHealth(dead_after_s=30))
+        e = Engine(SimpleNamespace(), state, EngineHealth(dead_after_s=30))
         good = EngineStats("decode-0", "decode", 5, scheduler=SchedulerStats(num_running_reqs=3))
-        backend._update_stats(e, enc(good))
+        backend.members.update_stats(e, enc(good))
         assert e.stats == good and state.num_running == 3
         for bad in (b"\xc1", enc({"engine_id": "decode-0"}), {"num_running_reqs": 9}):
-            backend._update_stats(e, bad)
+            backend.members.update_stats(e, bad)
         assert e.stats == good and state.num_running == 3
-        assert backend.malformed_frames.snapshot() == {"engine_stats": 3}
+        assert backend.plane.malformed_frames.snapshot() == {"engine_stats": 3}
     finally:
-        backend._auth.close()
-        backend._ctx.term()
+        backend.plane.terminate()

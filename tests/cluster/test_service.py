@@ -328,7 +328,7 @@ def test_internal_planes_refuse_outsiders_and_survive_malformed_frames(disagg):
     backend = disagg.service.backend
     assert disagg.service.cluster_secret is not None  # auth is on by default
     epochs = {eid: e.state.epoch for eid, e in backend.engines.items()}
-    restarts = backend.num_engine_restarts
+    restarts = backend.members.num_engine_restarts
     garbage = [
         [b"R", b"\xc1 not msgpack"],
         [b"R", msgspec.msgpack.encode(EngineAbort(["x"]))],
@@ -351,8 +351,8 @@ def test_internal_planes_refuse_outsiders_and_survive_malformed_frames(disagg):
             for frames in garbage:
                 push(e.state.info["input_addr"], member).send_multipart(frames)
             push(e.state.info["input_addr"], outsider).send_multipart([b"A", b"x"])
-        push(backend.output_addr, member).send_multipart([b"O", b"\xc1 garbage"])
-        push(backend.output_addr, outsider).send_multipart([b"O", b"forged"])
+        push(backend.plane.output_addr, member).send_multipart([b"O", b"\xc1 garbage"])
+        push(backend.plane.output_addr, outsider).send_multipart([b"O", b"forged"])
         host, port = backend.engines["prefill-0"].state.info["kv_address"]
         with pytest.raises(HandshakeError):
             fetch_handshake(ctx, host, port, "outsider", 0.5, auth=outsider)
@@ -384,7 +384,7 @@ def test_internal_planes_refuse_outsiders_and_survive_malformed_frames(disagg):
         ctx.term()
     assert greedy_completion(disagg, max_tokens=3).usage.completion_tokens == 3
     wait_idle(disagg)
-    assert backend.num_engine_restarts == restarts
+    assert backend.members.num_engine_restarts == restarts
     assert {eid: e.state.epoch for eid, e in backend.engines.items()} == epochs
 
 
@@ -443,7 +443,7 @@ def test_kill_decode_engine_mid_stream_migrates_to_the_restarted_one(disagg):
     restart and continues there (cluster/disagg/migration.py); tokens identical is
     the chaos suite's job (tests/chaos/), here: no error, no token lost."""
     events = []
-    migrations = dict(disagg.service.backend.num_migrations)
+    migrations = dict(disagg.service.backend.migrator.num_migrations)
     with httpx.Client(timeout=120) as h:
         with h.stream(
             "POST",
@@ -467,7 +467,9 @@ def test_kill_decode_engine_mid_stream_migrates_to_the_restarted_one(disagg):
     assert events[-1] == "[DONE]"
     assert json.loads(events[-2]).get("usage", {}).get("completion_tokens") == 900, events[-2]
     assert not any("error" in json.loads(e) for e in events[:-1])
-    assert sum(disagg.service.backend.num_migrations.values()) == sum(migrations.values()) + 1
+    assert (
+        sum(disagg.service.backend.migrator.num_migrations.values()) == sum(migrations.values()) + 1
+    )
     _wait_health(disagg, True, 120)
     assert greedy_completion(disagg, max_tokens=3).usage.completion_tokens == 3
     wait_idle(disagg)

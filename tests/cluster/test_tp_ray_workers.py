@@ -107,7 +107,7 @@ def test_tp_worker_is_a_ray_actor_in_bundle_one_and_fails_with_its_engine():
         # collective time out; the engine fails, Ray restarts it, the request
         # migrates there and completes with the same text
         epoch = e.state.epoch
-        migrations = sum(svc.service.backend.num_migrations.values())
+        migrations = sum(svc.service.backend.migrator.num_migrations.values())
         os.kill(new_worker["pid"], signal.SIGSTOP)
         texts: list[str] = []
         try:
@@ -123,7 +123,7 @@ def test_tp_worker_is_a_ray_actor_in_bundle_one_and_fails_with_its_engine():
                 pass
         assert texts == [expected]
         assert e.state.epoch != epoch
-        assert sum(svc.service.backend.num_migrations.values()) == migrations + 1
+        assert sum(svc.service.backend.migrator.num_migrations.values()) == migrations + 1
         (new_worker,) = e.state.info["tp_worker_actors"]
         wait_idle(svc)
         end = time.monotonic() + 30  # the GCS drops dead names asynchronously

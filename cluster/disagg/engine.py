@@ -1,0 +1,52 @@
+"""The backend's record of one engine, and its log of recent failures.
+
+``Engine`` is shared by the backend's parts: the data plane owns its input
+socket and the request ids in flight there, membership everything learnt
+from probing it (epoch, health, stats, registry state), the router its load
+counters (``state``).
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+
+import zmq.asyncio
+
+from cluster.engines.health import EngineHealth
+from cluster.engines.pools import EngineHandle
+from cluster.gateway.backend import ErrorEvent
+from cluster.routing.router import EngineState
+from scheduler.engine_stats import EngineStats
+
+
+class Engine:
+    def __init__(self, handle: EngineHandle, state: EngineState, health: EngineHealth) -> None:
+        self.handle = handle
+        self.state = state
+        self.health = health
+        self.socket: zmq.asyncio.Socket | None = None
+        self.requests: set[str] = set()  # request ids in flight here
+        self.stats: EngineStats | None = None  # the latest it reported
+        self.num_restarts = 0
+        self.last_error = ""
+        # decode: (own epoch, prefill endpoints) it last acknowledged
+        self.pushed_endpoints: tuple[int, list] | None = None
+        # new incarnation not yet in the registry exchange: a prefill engine
+        # not yet known to the decode engines, a decode engine without the list
+        self.unregistered = False
+        self.answered = False  # the last health check got an answer
+        self.draining = False  # an operator drained it: no new work (migration)
+        self.local_pid: int | None = None  # its pid, when visible from this process
+
+
+class ErrorLog:
+    """Failures worth an operator's eye (``/cluster/state``), newest last, bounded."""
+
+    def __init__(self, maxlen: int = 50) -> None:
+        self.events: collections.deque[ErrorEvent] = collections.deque(maxlen=maxlen)
+
+    def add(self, source: str, message: str, engine: Engine | None = None) -> None:
+        self.events.append(ErrorEvent(time.time(), source, message))
+        if engine is not None:
+            engine.last_error = message
