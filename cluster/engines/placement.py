@@ -196,7 +196,7 @@ def check_pools_split_model(model_path: str, specs: list[Any]) -> None:
     sizes = {s.role: s.config.tensor_parallel_size for s in specs}
     if all(n == 1 for n in sizes.values()):
         return
-    from workers.checkpoints.model_dir import load_config
+    from workers.checkpoints.hf_config import load_config
     from workers.parallel.plan import check_tensor_parallel
 
     config = load_config(model_path)

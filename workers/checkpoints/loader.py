@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from workers.checkpoints.model_dir import load_config
+from workers.checkpoints.hf_config import load_config
 from workers.models import get_model_class
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -1,8 +1,7 @@
-"""A model's HF directory and its config, without torch (the gateway process imports this).
+"""A model's HF directory, without torch in this process (the gateway imports this).
 
     resolve_model_dir(model) -> local HF directory   (builds / converts / downloads in a
                                                        child process when torch is barred)
-    load_config(path)        -> transformers config, generation_config's end ids merged
 
 ``resolve_model_path`` (``workers/checkpoints/loader.py``) may build the ``tiny`` checkpoint
 or convert a GGUF file, which needs torch. The gateway process bars torch
@@ -18,7 +17,6 @@ import json
 import os
 import subprocess
 import sys
-from typing import Any
 
 # exception classes a failed resolution may raise (the child names one of them)
 _ERRORS = {"ValueError": ValueError, "FileNotFoundError": FileNotFoundError}
@@ -60,36 +58,3 @@ def resolve_model_dir(model: str, *, timeout_s: float = 1800.0) -> str:
         f"model {model!r}: resolving it in a child process failed (exit {done.returncode}): "
         + (done.stderr.strip().splitlines() or ["no output"])[-1]
     )
-
-
-def load_config(path: str) -> Any:
-    """``transformers.AutoConfig`` for a model directory, end ids merged.
-
-    ``eos_token_id`` becomes the config's end ids followed by any other ones
-    ``generation_config.json`` names (an int when there is one).
-    """
-    from transformers import AutoConfig
-
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise FileNotFoundError(f"no config.json in model directory {path!r}")
-    config = AutoConfig.from_pretrained(path)
-    end_ids = as_id_list(getattr(config, "eos_token_id", None))
-    gen_file = os.path.join(path, "generation_config.json")
-    if os.path.isfile(gen_file):
-        with open(gen_file) as f:
-            gen_ids = as_id_list(json.load(f).get("eos_token_id"))
-        end_ids += [i for i in gen_ids if i not in end_ids]
-    if end_ids:
-        config.eos_token_id = end_ids[0] if len(end_ids) == 1 else end_ids
-    return config
-
-
-def end_token_ids(config: Any) -> list[int]:
-    """The config's end ids as a list (``load_config`` merged generation_config's)."""
-    return as_id_list(getattr(config, "eos_token_id", None))
-
-
-def as_id_list(ids: Any) -> list[int]:
-    if ids is None:
-        return []
-    return [int(i) for i in ids] if isinstance(ids, (list, tuple)) else [int(ids)]

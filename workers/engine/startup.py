@@ -24,8 +24,8 @@ from typing import Any
 import torch
 
 from scheduler import SchedulerConfig
+from workers.checkpoints.hf_config import end_token_ids
 from workers.checkpoints.loader import load_model, resolve_model_path
-from workers.checkpoints.model_dir import end_token_ids
 from workers.compile.model import compile_before_sizing
 from workers.config import EngineConfig
 from workers.graphs.build import StepGraphs, build_step_graphs

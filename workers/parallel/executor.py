@@ -91,7 +91,7 @@ class TPExecutor:
     def __init__(self, config: EngineConfig, model_path: str) -> None:
         import zmq
 
-        from workers.checkpoints.model_dir import load_config
+        from workers.checkpoints.hf_config import load_config
         from workers.parallel.loading import load_rank_model
         from workers.parallel.plan import make_plan
 

@@ -119,7 +119,7 @@ def run_worker(spec: WorkerSpec) -> None:
 
 
 def _build_rank(spec: WorkerSpec) -> tuple[Any, Any]:
-    from workers.checkpoints.model_dir import end_token_ids
+    from workers.checkpoints.hf_config import end_token_ids
     from workers.parallel.connector_hook import make_rank_connector
     from workers.parallel.group import TPGroup, make_store
     from workers.parallel.loading import load_rank_model
