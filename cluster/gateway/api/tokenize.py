@@ -75,7 +75,8 @@ def _json(payload: msgspec.Struct) -> Response:
 
 
 def add_tokenize_routes(app: FastAPI, gateway: Any, check_api_key: Callable) -> None:
-    """Register both routes on ``app``; ``gateway`` is the ``cluster.gateway.app.Gateway``."""
+    """Register both routes on ``app``; ``gateway`` is the
+    ``cluster.gateway.generation.Gateway``."""
     pool = gateway.tokenizer_pool
     tokenizer = gateway.tokenizer
 

@@ -1,0 +1,387 @@
+"""Per-request generation: a decoded request becomes a ``Job`` and its steps.
+
+    prepare_completion / prepare_chat   validate (protocol, edge), tokenize,
+                                        build the EngineRequest and formatters
+    run                                 backend.generate() -> detokenize +
+                                        stop strings -> one ``Step`` per output;
+                                        metrics and the request's record
+
+``Gateway`` knows no routes and writes no bytes: a prepared job is answered
+by ``responses.GenerationResponse``, which drives ``Gateway.run``. A matched
+stop string, or a consumer that stops early (disconnect, deadline), aborts
+the request on the backend.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+from starlette.responses import Response
+
+from cluster.gateway import formatting, protocol
+from cluster.gateway.api.config import ApiConfig, ServedModels
+from cluster.gateway.backend import Backend, BackendUnavailable
+from cluster.gateway.edge import sampling as edge_sampling
+from cluster.gateway.edge.limits import GatewayLimits, RequestSlots
+from cluster.gateway.edge.tokenizer_pool import TokenizerPool, chat_text_len
+from cluster.gateway.protocol import ChatCompletionRequest, CompletionRequest, ProtocolError
+from cluster.gateway.responses import GenerationResponse
+from cluster.observability.logging_setup import REQUEST_ID
+from cluster.observability.metrics import GatewayMetrics
+from cluster.observability.tracing.observer import RequestObserver, Tracer
+from cluster.observability.tracing.phase_metrics import RequestPhaseMetrics
+from cluster.observability.tracing.record import TRACEPARENT, RequestRecord
+from wire.engine_protocol import EngineOutput, EngineRequest, FinishReason, Logprobs, SamplingParams
+from workers.text.detokenizer import IncrementalDetokenizer
+
+
+@dataclasses.dataclass(slots=True)
+class Job:
+    """One validated request, ready to dispatch."""
+
+    engine_request: EngineRequest
+    formatter: formatting.CompletionFormatter | formatting.ChatFormatter
+    stream: bool
+    include_usage: bool
+    stop: list[str]
+    skip_special_tokens: bool
+    include_stop_str_in_output: bool
+    arrival_s: float  # time.perf_counter() when the HTTP request arrived
+    deadline_s: float | None  # event-loop time after which the request is cut (504)
+    record: RequestRecord  # where its time went (cluster/observability/tracing)
+    num_output_tokens: int = 0  # every choice's
+    num_cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens
+    # one per choice (n > 1: the same response, each its own "index")
+    formatters: list[Any] = dataclasses.field(default_factory=list)
+    echo_text: str | None = None  # prompt text put before each choice's output (echo)
+    echoed: set[int] = dataclasses.field(default_factory=set)  # choices echoed so far
+    echo_logprobs: bool = False  # the echoed prompt carries logprobs
+    want_prompt_logprobs: bool = False  # the client asked for prompt_logprobs
+    prompt_logprobs: list[Logprobs] | None = None  # from the first output with tokens
+
+    @property
+    def request_id(self) -> str:
+        return self.engine_request.request_id
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.engine_request.prompt_token_ids)
+
+
+@dataclasses.dataclass(slots=True)
+class Step:
+    """What one engine output adds to the response."""
+
+    text: str = ""
+    logprobs: list[Logprobs] | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+    index: int = 0  # the choice
+    last: bool = False  # every choice has finished: the response's last step
+
+
+class Gateway:
+    """Request preparation and the generation loop, independent of routes."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        metrics: GatewayMetrics,
+        limits: GatewayLimits | None = None,
+        api: ApiConfig | None = None,
+        tracer: Tracer | None = None,
+    ) -> None:
+        self.backend = backend
+        self.api = api = api or ApiConfig()
+        self.models = ServedModels(api.served_model_names, backend.model_name)
+        self.metrics = metrics
+        self.observer = RequestObserver(RequestPhaseMetrics(), tracer)
+        self.limits = limits = limits or GatewayLimits()
+        self.slots = RequestSlots(limits.max_num_requests, limits.retry_after_s)
+        self.tokenizer = backend.tokenizer
+        self.tokenizer_pool = TokenizerPool(backend.tokenizer, limits.tokenizer_workers)
+        self.vocab_size = len(backend.tokenizer)
+        self.started_at = int(time.time())
+        self.token_text = functools.lru_cache(maxsize=1 << 16)(self._decode_one)
+
+    def _decode_one(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    # ---- preparation (raises ProtocolError) ----
+
+    async def prepare_completion(self, req: CompletionRequest, arrival_s: float) -> Response:
+        model = self.models.resolve(req.model)
+        protocol.validate_common(req, model)
+        prompt = protocol.completion_prompt(req)
+        edge_sampling.check_num_logprobs(req.logprobs, "logprobs", self.limits.max_logprobs)
+        if isinstance(prompt, str):
+            self.tokenizer_pool.check_text_len(len(prompt), self.backend.max_model_len, "prompt")
+            prompt_ids = await self.tokenizer_pool.encode(prompt)
+        else:
+            prompt_ids = self._check_token_ids(prompt)
+        self._check_prompt_len(prompt_ids)
+        self.api.generation_defaults.apply(req, self.backend.max_model_len - len(prompt_ids))
+        max_tokens = 16 if req.max_tokens is None else req.max_tokens
+        self._check_total_len(prompt_ids, max_tokens, "max_tokens")
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        formatter = formatting.CompletionFormatter(
+            request_id, model, int(time.time()), req.logprobs, self.token_text
+        )
+        params = protocol.sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs)
+        echo_text = None
+        if req.echo:
+            echo_text = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt_ids)
+            if req.logprobs is not None:  # the echoed tokens carry logprobs too
+                num_top = max(req.prompt_logprobs or 0, req.logprobs)
+                params = msgspec.structs.replace(params, prompt_logprobs=num_top)
+        return self._response(req, prompt_ids, params, formatter, arrival_s, echo_text)
+
+    async def prepare_chat(self, req: ChatCompletionRequest, arrival_s: float) -> Response:
+        model = self.models.resolve(req.model)
+        protocol.validate_common(req, model)
+        protocol.check_chat_fields(req)
+        num_logprobs = protocol.chat_logprobs(req)
+        edge_sampling.check_num_logprobs(req.top_logprobs, "top_logprobs", self.limits.max_logprobs)
+        num_chars = chat_text_len(req.messages)
+        self.tokenizer_pool.check_text_len(num_chars, self.backend.max_model_len, "messages")
+        try:
+            prompt_ids = await self.tokenizer_pool.chat(req.messages, req.add_generation_prompt)
+        except ValueError as exc:
+            raise ProtocolError(str(exc), param="messages") from None
+        self._check_prompt_len(prompt_ids, param="messages")
+        self.api.generation_defaults.apply(req, self.backend.max_model_len - len(prompt_ids))
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+        if max_tokens is None:
+            max_tokens = self.backend.max_model_len - len(prompt_ids)
+        else:
+            self._check_total_len(prompt_ids, max_tokens, param)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        formatter = formatting.ChatFormatter(
+            request_id, model, int(time.time()), num_logprobs, self.token_text
+        )
+        params = protocol.sampling_params(req, max_tokens=max_tokens, logprobs=num_logprobs)
+        return self._response(req, prompt_ids, params, formatter, arrival_s)
+
+    def _response(
+        self,
+        req: CompletionRequest | ChatCompletionRequest,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        formatter: formatting.CompletionFormatter | formatting.ChatFormatter,
+        arrival_s: float,
+        echo_text: str | None = None,
+    ) -> Response:
+        self._check_token_ids(params.stop_token_ids, param="stop_token_ids")
+        max_logprobs = self.limits.max_logprobs
+        edge_sampling.check_num_logprobs(req.prompt_logprobs, "prompt_logprobs", max_logprobs)
+        params = edge_sampling.with_token_fields(params, req, self.tokenizer, self.vocab_size)
+        deadline_s = None
+        if self.limits.request_timeout_s:
+            elapsed_s = time.perf_counter() - arrival_s
+            deadline_s = (
+                asyncio.get_running_loop().time() + self.limits.request_timeout_s - elapsed_s
+            )
+        REQUEST_ID.set(formatter.request_id)  # every later log line of this request
+        chat = isinstance(formatter, formatting.ChatFormatter)
+        record = RequestRecord(
+            formatter.request_id,
+            "chat.completions" if chat else "completions",
+            arrival_s,
+            time.time_ns() - int((time.perf_counter() - arrival_s) * 1e9),
+            len(prompt_ids),
+            traceparent=TRACEPARENT.get(),
+        )
+        job = Job(
+            engine_request=EngineRequest(
+                formatter.request_id,
+                prompt_ids,
+                params,
+                arrival_time=time.time(),
+                cache_salt=req.cache_salt,
+                priority=req.priority,
+                n=req.n,
+            ),
+            formatter=formatter,
+            stream=req.stream,
+            include_usage=bool(req.stream_options and req.stream_options.include_usage),
+            stop=protocol.stop_strings(req),
+            skip_special_tokens=req.skip_special_tokens,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            arrival_s=arrival_s,
+            deadline_s=deadline_s,
+            formatters=[formatter, *(formatter.for_choice(i) for i in range(1, req.n))],
+            echo_text=echo_text,
+            echo_logprobs=echo_text is not None and params.logprobs is not None,
+            want_prompt_logprobs=req.prompt_logprobs is not None,
+            record=record,
+        )
+        return GenerationResponse(self, job)
+
+    def _check_token_ids(self, token_ids: list[int], param: str = "prompt") -> list[int]:
+        for token_id in token_ids:
+            if not 0 <= token_id < self.vocab_size:
+                raise ProtocolError(
+                    f"Token id {token_id} is out of range [0, {self.vocab_size}).", param=param
+                )
+        return token_ids
+
+    def _check_prompt_len(self, prompt_ids: list[int], param: str = "prompt") -> None:
+        if not prompt_ids:
+            raise ProtocolError("The prompt is empty.", param=param)
+        if len(prompt_ids) >= self.backend.max_model_len:
+            raise ProtocolError(
+                f"The prompt has {len(prompt_ids)} tokens; the model's context length is "
+                f"{self.backend.max_model_len}, which leaves no room to generate.",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+    def _check_total_len(self, prompt_ids: list[int], max_tokens: int, param: str) -> None:
+        if len(prompt_ids) + max_tokens > self.backend.max_model_len:
+            raise ProtocolError(
+                f"This model's maximum context length is {self.backend.max_model_len} tokens; "
+                f"the request asks for {len(prompt_ids)} prompt + {max_tokens} output tokens.",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+    # ---- generation ----
+
+    async def run(self, job: Job) -> AsyncIterator[Step]:
+        """The request's steps; the last has ``finish_reason`` or ``error``.
+
+        Raises ``BackendUnavailable`` before the first step. If the consumer
+        stops early (stop string, disconnect, cancellation) the request is
+        aborted on the backend.
+        """
+        metrics = self.metrics
+        request = job.engine_request
+        detokenizers = [  # one per choice
+            IncrementalDetokenizer(
+                self.tokenizer,
+                request.prompt_token_ids,
+                skip_special_tokens=job.skip_special_tokens,
+                stop=job.stop,
+                include_stop_str_in_output=job.include_stop_str_in_output,
+            )
+            for _ in range(request.n)
+        ]
+        open_choices = set(range(request.n))
+        stop_string_matched = False
+        outputs = self.backend.generate(request)
+        record = job.record
+        record.dispatch_s = time.perf_counter()
+        self.observer.metrics.gateway.observe(record.dispatch_s - job.arrival_s)
+        metrics.num_requests_in_flight += 1
+        outcome = "abort"  # until a final output says otherwise
+        last_token_s = 0.0
+        path = "local"  # "remote" once the first token came from a prefill engine
+        try:
+            async for output in outputs:
+                now_s = time.perf_counter()
+                if output.timings is not None:
+                    record.add_timings(output.timings, now_s)
+                if output.new_token_ids:
+                    if last_token_s:
+                        metrics.inter_token_latency.observe(now_s - last_token_s, path)
+                    else:
+                        # P's first token carries the KV handoff (Backend.generate)
+                        path = "remote" if output.kv_transfer_params else "local"
+                        metrics.time_to_first_token.observe(now_s - job.arrival_s, path)
+                        record.first_token_s = now_s
+                        # The first output's prefix hit is the request's: under P/D
+                        # it is P's (tokens not computed); D's local hits only save
+                        # reading blocks from P, not computing them.
+                        job.num_cached_tokens = output.num_cached_tokens
+                    last_token_s = now_s
+                if output.finish_reason is FinishReason.ERROR:
+                    outcome = "error"
+                    metrics.request_failed(request.request_id, output.error or "")
+                    yield Step(error=output.error or "The engine failed the request.")
+                    return
+                if output.index not in open_choices:
+                    continue  # a choice that a stop string ended
+                step = self._step(job, detokenizers[output.index], output)
+                step.index = output.index
+                if step.finish_reason is not None:
+                    open_choices.discard(output.index)
+                    step.last = not open_choices
+                    if output.finish_reason is None:  # a stop string: the engine goes on
+                        stop_string_matched = True
+                        if not step.last:
+                            await self.backend.abort_choice(request.request_id, output.index)
+                    if step.last:
+                        # A stop-string match still needs an abort; else the backend is done.
+                        outcome = "stop-string" if stop_string_matched else step.finish_reason
+                yield step
+                if step.last:
+                    return
+            outcome = "error"
+            yield Step(error="The backend ended the request without a final output.")
+        except BackendUnavailable:
+            outcome = "unavailable"
+            raise
+        finally:
+            await outputs.aclose()
+            metrics.num_requests_in_flight -= 1
+            if outcome in ("abort", "stop-string"):
+                await self.backend.abort(request.request_id)
+            if outcome == "unavailable":
+                metrics.rejected(503)
+            else:
+                metrics.num_prompt_tokens += job.num_prompt_tokens
+                metrics.num_generation_tokens += job.num_output_tokens
+                reason = "stop" if outcome == "stop-string" else outcome
+                metrics.finished(reason)
+                metrics.e2e_request_latency.observe(time.perf_counter() - job.arrival_s, path)
+            record.end_s = time.perf_counter()
+            record.path, record.outcome = path, outcome
+            record.num_output_tokens = job.num_output_tokens
+            record.router_fields = self.backend.route_log_fields(request.request_id)
+            self.observer.finished(record)
+
+    def _step(self, job: Job, detokenizer: IncrementalDetokenizer, output: EngineOutput) -> Step:
+        token_ids = output.new_token_ids
+        finish = output.finish_reason
+        # EOS / stop token: counted, not shown (Backend.generate contract).
+        text_ids = token_ids[:-1] if finish is FinishReason.STOP and token_ids else token_ids
+        if job.stop:
+            # One token at a time, to know which token completed the stop string.
+            parts = []
+            for num_consumed, token_id in enumerate(text_ids, 1):
+                parts.append(detokenizer.update([token_id]))
+                if detokenizer.stop_matched is not None:
+                    token_ids = token_ids[:num_consumed]
+                    break
+            text = "".join(parts)
+        else:
+            text = detokenizer.update(text_ids) if text_ids else ""
+        finish_reason = None
+        if detokenizer.stop_matched is not None:
+            finish_reason = "stop"
+        elif finish is not None:
+            finish_reason = str(finish)
+            text += detokenizer.finish()
+        job.num_output_tokens += len(token_ids)
+        logprobs = output.new_logprobs
+        if logprobs is not None and len(logprobs) > len(token_ids):
+            logprobs = logprobs[: len(token_ids)]
+        if output.prompt_logprobs is not None:
+            job.prompt_logprobs = output.prompt_logprobs
+        if job.echo_text is not None and output.index not in job.echoed:
+            # the choice's first output: the prompt goes first
+            job.echoed.add(output.index)
+            text = job.echo_text + text
+            if job.echo_logprobs:
+                prompt_ids = job.engine_request.prompt_token_ids
+                echoed = edge_sampling.echo_logprobs(prompt_ids, job.prompt_logprobs)
+                logprobs = echoed + (logprobs or [])
+        return Step(text, logprobs, finish_reason)

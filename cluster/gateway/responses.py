@@ -1,0 +1,203 @@
+"""The ASGI response of a generation request: SSE stream or one JSON body.
+
+``GenerationResponse`` runs a prepared ``Job`` (``generation.py``) beside a
+watcher of the ASGI receive channel: when the client disconnects
+(``http.disconnect``) or the job's deadline passes, the work is cancelled and
+``Gateway.run``'s cleanup aborts the request on the backend; past the
+deadline the client gets 504 (or, mid-stream, an error event). Bodies and
+chunks come from the job's formatters (``formatting.py``); the ``_send_*``
+helpers write the raw ASGI messages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import TYPE_CHECKING, Any
+
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from cluster.gateway import formatting, protocol
+from cluster.gateway.backend import BackendUnavailable
+from cluster.gateway.edge import sampling as edge_sampling
+from wire.engine_protocol import Logprobs
+
+if TYPE_CHECKING:
+    from cluster.gateway.generation import Gateway, Job, Step
+
+logger = logging.getLogger(__name__)
+
+_SSE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
+_JSON_HEADERS = [(b"content-type", b"application/json")]
+_LAST_WORDS_TIMEOUT_S = 1.0  # sending a deadline's error to a client
+
+# Scope key of the server's own ``send``. Starlette wraps ``send`` in one coroutine per
+# exception-handling layer (three here) only to learn whether a response has started; at
+# one SSE event per token that was ~12% of the gateway's CPU. A stream's start goes through
+# the wrappers (so they know), its body events go straight to the server. No middleware
+# here transforms bodies; one that did (gzip) would have to see them.
+SERVER_SEND = "tandem.server_send"
+
+
+class GenerationResponse(Response):
+    """Runs a ``Job`` and writes its response, stream or not.
+
+    The work runs as a task beside a watcher of ``receive``; whichever ends
+    first wins. A disconnect cancels the work, whose cleanup aborts the
+    request on the backend. Past the job's deadline the work is cancelled
+    the same way and the client gets 504 (or, mid-stream, an error event).
+    The request's slot (``RequestSlots``) is released when this ends.
+    """
+
+    def __init__(self, gateway: Gateway, job: Job) -> None:
+        self.gateway = gateway
+        self.job = job
+        self.status_code = 200
+        self.background = None
+        self._headers_sent = False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        work = asyncio.create_task(self._respond(send, scope.get(SERVER_SEND, send)))
+        watcher = asyncio.create_task(_wait_for_disconnect(receive))
+        try:
+            await asyncio.wait((work, watcher), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            if not work.done():
+                work.cancel()  # client gone (or server shutting down)
+            await asyncio.gather(work, watcher, return_exceptions=True)
+            self.gateway.slots.release()
+
+    async def _respond(self, send: Send, body_send: Send) -> None:
+        try:
+            async with asyncio.timeout_at(self.job.deadline_s):
+                await self._respond_in_time(send, body_send)
+        except TimeoutError:
+            # The work was cancelled, so run()'s cleanup aborted the request.
+            job = self.job
+            logger.warning("request %s passed its deadline", job.request_id)
+            timeout_s = self.gateway.limits.request_timeout_s
+            body = protocol.error_body(
+                f"The request did not finish within {timeout_s} s.",
+                "timeout_error",
+                code="request_timeout",
+            )
+            # A client that is not reading gets no more time than this.
+            async with asyncio.timeout(_LAST_WORDS_TIMEOUT_S):
+                if self._headers_sent:
+                    await _send_body(body_send, formatting.sse(body) + formatting.SSE_DONE, False)
+                else:
+                    await _send_json(send, 504, body)
+
+    async def _respond_in_time(self, send: Send, body_send: Send) -> None:
+        job = self.job
+        try:
+            async with aclosing(self.gateway.run(job)) as steps:
+                try:
+                    first = await anext(steps)
+                except BackendUnavailable as exc:
+                    body = protocol.error_body(str(exc), "service_unavailable", code="unavailable")
+                    await _send_json(send, 503, body)
+                    return
+                if job.stream:
+                    self._headers_sent = True
+                    await self._stream(send, body_send, first, steps)
+                else:
+                    await self._collect(send, first, steps)
+        except (asyncio.CancelledError, OSError):
+            raise
+        except Exception:
+            logger.exception("request %s failed", job.request_id)
+            body = protocol.error_body("Internal server error.", "server_error")
+            if self._headers_sent:
+                await _send_body(send, formatting.sse(body) + formatting.SSE_DONE, more_body=False)
+            else:
+                await _send_json(send, 500, body)
+
+    async def _stream(
+        self, send: Send, body_send: Send, step: Step, steps: AsyncIterator[Step]
+    ) -> None:
+        """SSE: the start through ``send`` (the middleware chain), every body event
+        through ``body_send`` (the server's; see ``SERVER_SEND``)."""
+        job, formatter = self.job, self.job.formatter
+        await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+        for chunk in (c for f in job.formatters for c in f.stream_start()):
+            await _send_body(body_send, chunk)
+        while True:
+            if step.error is not None:
+                body = protocol.error_body(step.error, "server_error", code="engine_error")
+                await _send_body(
+                    body_send, formatting.sse(body) + formatting.SSE_DONE, more_body=False
+                )
+                return
+            if step.text or step.logprobs or step.finish_reason is not None:
+                chunk = job.formatters[step.index].stream_delta(
+                    step.text, step.logprobs, step.finish_reason
+                )
+                await body_send({"type": "http.response.body", "body": chunk, "more_body": True})
+            if step.last:
+                break
+            step = await anext(steps)
+        tail = formatting.SSE_DONE
+        if job.include_usage:
+            usage = formatting.usage(
+                job.num_prompt_tokens, job.num_output_tokens, job.num_cached_tokens
+            )
+            tail = formatter.stream_usage(usage) + tail
+        await _send_body(body_send, tail, more_body=False)
+
+    async def _collect(self, send: Send, step: Step, steps: AsyncIterator[Step]) -> None:
+        job = self.job
+        texts: list[list[str]] = [[] for _ in job.formatters]  # per choice
+        logprobs: list[list[Logprobs]] = [[] for _ in job.formatters]
+        finish_reasons: list[str | None] = [None for _ in job.formatters]
+        while True:
+            if step.error is not None:
+                body = protocol.error_body(step.error, "server_error", code="engine_error")
+                await _send_json(send, 500, body)
+                return
+            texts[step.index].append(step.text)
+            logprobs[step.index].extend(step.logprobs or ())
+            finish_reasons[step.index] = step.finish_reason
+            if step.last:
+                break
+            step = await anext(steps)
+        usage = formatting.usage(
+            job.num_prompt_tokens, job.num_output_tokens, job.num_cached_tokens
+        )
+        prompt_logprobs = None
+        if job.want_prompt_logprobs:
+            token_text = self.gateway.token_text
+            prompt_logprobs = edge_sampling.prompt_logprobs_body(job.prompt_logprobs, token_text)
+        choices = [
+            f.choice("".join(t), lp, fin)
+            for f, t, lp, fin in zip(job.formatters, texts, logprobs, finish_reasons, strict=True)
+        ]
+        body = job.formatter.response_choices(choices, usage, prompt_logprobs)
+        await _send_bytes(send, 200, body)
+
+
+async def _wait_for_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _send_body(send: Send, body: bytes, more_body: bool = True) -> None:
+    await send({"type": "http.response.body", "body": body, "more_body": more_body})
+
+
+async def _send_json(send: Send, status_code: int, payload: dict[str, Any]) -> None:
+    await _send_bytes(send, status_code, formatting.encode_json(payload))
+
+
+async def _send_bytes(send: Send, status_code: int, body: bytes) -> None:
+    headers = [*_JSON_HEADERS, (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status_code, "headers": headers})
+    await _send_body(send, body, more_body=False)
