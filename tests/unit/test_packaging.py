@@ -175,7 +175,7 @@ def test_floors_are_verified_and_installed():
 
 def test_floors_cover_the_api_the_code_uses():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    # asyncio.timeout (cluster/gateway/app.py) and tomllib are Python 3.11's; the suite runs on 3.11
+    # asyncio.timeout (cluster/gateway/responses.py) and tomllib are Python 3.11's; the suite runs on 3.11
     assert project["requires-python"] == ">=3.11"
     declared = _declared()["runtime"]
     for dist, module, name, since in API_FLOORS:
