@@ -236,6 +236,12 @@ def test_yaml_values_of_the_wrong_type_name_the_key(tmp_path):
             resolve_config(parse(["--config", str(cfg)]))
 
 
+def test_an_empty_pool_mapping_is_no_setting(tmp_path):
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("decode_engine:\nprefill: 1\n")
+    assert resolve_config(parse(["--config", str(cfg)])) == defaults()
+
+
 def test_flat_and_section_yaml_give_the_same_tree(tmp_path):
     flat, nested = tmp_path / "flat.yaml", tmp_path / "nested.yaml"
     flat.write_text(

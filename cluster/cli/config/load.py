@@ -73,8 +73,9 @@ class Values:
 
 
 def _pool_engine_keys(values: Values, role: str, mapping: Any, where: str) -> None:
+    mapping = {} if mapping is None else mapping  # `decode_engine:` left empty
     if not isinstance(mapping, dict):
-        raise ValueError(f"--config: {where} must be a mapping")
+        raise ValueError(f"{where} must be a mapping of engine keys, got {mapping!r}")
     for name, value in mapping.items():
         if name in IGNORED_ENGINE_KEYS:
             logger.warning("%s.%s is ignored: %s", where, name, IGNORED_ENGINE_KEYS[name])
