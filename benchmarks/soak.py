@@ -102,26 +102,22 @@ def _service_main(conn: Any, config: SoakConfig) -> None:
     import ray
 
     from cluster.cli.serve import ServiceThread
-    from cluster.cli.settings import SERVE_DEFAULTS
+    from cluster.cli.settings import serve_config
 
     ray.init(include_dashboard=False, num_cpus=2, log_to_driver=False)
-    settings = dict(
-        SERVE_DEFAULTS,
+    serve = serve_config(
         model=config.model,
         prefill=config.prefill,
         decode=config.decode,
         colocated=config.colocated,
         ray_dashboard=False,
         request_timeout_s=0.0,
+        num_kv_blocks=config.num_kv_blocks,
+        max_num_seqs=config.max_num_seqs,
+        max_model_len=config.max_model_len,
     )
-    engine = {
-        "num_kv_blocks": config.num_kv_blocks,
-        "max_num_seqs": config.max_num_seqs,
-        "max_model_len": config.max_model_len,
-    }
-    per_role = {r: dict(engine) for r in ("prefill", "decode", "colocated")}
     try:
-        with ServiceThread(settings, per_role) as svc:
+        with ServiceThread(serve) as svc:
             backend = svc.service.backend
             engines = svc.run(backend.call_all("ready"))
             conn.send(("ready", svc.base_url))

@@ -10,5 +10,8 @@ Sockets of the internal planes (names used as the ``socket`` metric label):
     kv_handshake_reply decode REQ           <- prefill ROUTER    handshake reply
 
 Depends on msgspec and pyzmq only, so ``kvtransfer``, ``workers`` and
-``cluster`` can all use it.
+``cluster`` can all use it. For the same reason it holds ``config_fields``
+(standard library only): the field metadata every layer's config class
+carries, from which ``tandem serve``'s flags, YAML keys and reference page
+are generated.
 """

@@ -1,21 +1,22 @@
-"""Engine configuration: one typed place for every engine flag.
+"""Engine configuration: one typed place for every engine setting.
 
-The same fields are the flags of ``tandem generate`` and ``tandem serve``
-(``--block-size`` ... ``--no-prefix-caching``); ``add_engine_arguments`` and
-``EngineConfig.from_args`` keep the two in step. Per-pool overrides in
-``tandem serve`` use the same names with a ``--prefill-`` / ``--decode-``
-prefix.
+Each field of ``EngineConfig`` carries its default, help, section and whether
+a pool may set its own (``wire/config_fields.py``): ``tandem generate``'s
+flags (``add_engine_arguments``), ``tandem serve``'s engine flags, per-pool
+flags (``--decode-max-num-seqs``) and YAML keys, and the reference page
+(docs/configuration.md) are all generated from them.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from scheduler.block_hash import HASH_ALGOS, get_block_hasher
 from scheduler.policies import POLICIES, check_fields
+from wire.config_fields import add_option, flags_of, hints, key_of, meta_of, option
 from workers.graphs.sizes import (
     CUDA_GRAPH_MODES,
     DEFAULT_CUDA_GRAPH_MODE,
@@ -31,99 +32,301 @@ PREFILL_ATTENTION_MODES = ("auto", "triton", "sdpa")
 COMPILE_MODEL_MODES = ("auto", "on", "off")
 
 
+ENGINE_SECTIONS = {
+    "model": "Engine: model and device",
+    "cache": "Engine: KV cache",
+    "scheduler": "Engine: scheduling",
+    "parallel": "Engine: tensor parallelism and threads",
+    "graphs": "Engine: CUDA graphs, torch.compile, prefill attention",
+    "kv_transfer": "Engine: KV transfer and KV events",
+    "output": "Engine: output backpressure",
+    "identity": "Engine: set by the command",
+    "hooks": "Engine: test hooks",
+}
+
+
+def _sizes_arg(text: str) -> list[int]:
+    return parse_cuda_graph_sizes(text)
+
+
+def _token_sizes_arg(text: str) -> list[int]:
+    return parse_cuda_graph_sizes(text, "piecewise_graph_sizes")
+
+
 @dataclass
 class EngineConfig:
-    model: str = "tiny"
-    dtype: str = "auto"
-    device: str = "cpu"
-    block_size: int = 16
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None  # default: the model's context length, capped at 4096
-    num_kv_blocks: int | None = None  # explicit block count; wins over memory sizing
-    kv_cache_memory: int | None = None  # bytes for the KV cache (CPU); default 1 GiB
-    gpu_memory_utilization: float = 0.9
-    enable_prefix_caching: bool = True
-    prefix_caching_hash_algo: str = "sha256"  # sha256 | xxhash128 | builtin
-    enable_chunked_prefill: bool = True
-    long_prefill_token_threshold: int = 0
-    policy: str = "fcfs"  # fcfs | priority | prefill-first (scheduler/policies.py)
-    kv_admission_margin: float = 0.0  # fraction of KV blocks kept free at admission
-    max_num_partial_prefills: int = 0  # per step, 0 = no limit
-    max_long_partial_prefills: int = 0  # per step, 0 = no limit
-    seed: int = 0
-    # workers per engine, each holding 1/N of the weights and KV heads
-    # (workers/parallel/); the model's head counts must split N ways
-    tensor_parallel_size: int = 1
-    # TP > 1: the longest rank 0 waits for a worker within a step (a
-    # collective, a reply) before the engine fails naming the rank; a worker
-    # whose heartbeat stops for half of it is reported as unresponsive
-    # (workers/parallel/heartbeat.py)
-    tp_step_timeout_s: float = 60.0
-    # CPU: torch intra-op threads (0 = torch's default). Pin it on shared
-    # machines: torch's default OpenMP threads stall badly when another
-    # process uses the same cores.
-    torch_threads: int = 0
-    # CPU fp32: bytes for the dense copy of decoding requests' KV (None =
-    # workers.runner.model_runner default, 0 = off); see workers/runner/dense_decode.py.
-    dense_decode_bytes: int | None = None
-    # byte layout of the KV cache (workers/runner/kv_cache.py): "blocks_first" or
-    # "head_major" (a head slice of a block is one piece: cheaper KV reads
-    # between engines of different tensor-parallel sizes). P and D must agree.
-    kv_layout: str = "blocks_first"
-    # CUDA graphs (workers/graphs/; CPU ignores all four): which steps replay graphs
-    # (decode | piecewise | full_and_piecewise | none, workers/graphs/sizes.py), the decode
-    # batch sizes captured whole (None = 1, 2, 4, 8, 16, then every 16 up to max_num_seqs),
-    # the step token counts captured piecewise (None = 1, 2, 4, 8, then every 16 up to
-    # min(512, max_num_batched_tokens)); enforce_eager captures none, whatever the mode.
-    cuda_graph_mode: str = DEFAULT_CUDA_GRAPH_MODE
-    cuda_graph_sizes: list[int] | None = None
-    piecewise_graph_sizes: list[int] | None = None
-    enforce_eager: bool = False
-    # how prefix-free prefills (query = whole context) attend (kernels/prefill_attention.py):
-    # auto (SDPA on CUDA in fp16/bf16, else the paged kernel) | triton (always paged) | sdpa
-    prefill_attention: str = "auto"
+    """One engine's settings. Flat on purpose: ``config.block_size`` is read in
+    dozens of places under ``workers/``; the sections (``ENGINE_SECTIONS``) are
+    field metadata, and so are help, flag and whether a pool may differ
+    (``per_pool``: P and D must agree on model, dtype, block size and KV layout)."""
+
+    # ---- model and device
+    model: str = option(
+        "tiny",
+        internal=True,
+        section="model",
+        help="'tiny', 'smollm2', a .gguf file, a local directory or a hub id "
+        "(the command's --model)",
+    )
+    dtype: str = option("auto", section="model", help="auto | float32 | bfloat16 | float16")
+    device: str = option("cpu", section="model", help="cpu or cuda")
+    max_model_len: int | None = option(
+        None,
+        section="model",
+        default_text="the model's context length, at most 4096",
+        help="max prompt + output tokens",
+    )
+    seed: int = option(
+        0,
+        section="model",
+        flag="--engine-seed",
+        help="seed of the engine's sampler (the draws of requests that give no seed)",
+    )
+    # ---- KV cache
+    block_size: int = option(16, section="cache", help="tokens per KV block")
+    num_kv_blocks: int | None = option(
+        None,
+        section="cache",
+        per_pool=True,
+        default_text="sized from memory",
+        help="KV blocks (wins over memory sizing)",
+    )
+    kv_cache_memory: int | None = option(
+        None,
+        section="cache",
+        per_pool=True,
+        default_text="1 GiB on CPU",
+        help="bytes of KV cache (CPU)",
+    )
+    gpu_memory_utilization: float = option(
+        0.9,
+        section="cache",
+        per_pool=True,
+        help="fraction of GPU memory the engine sizes weights + activations + graphs + KV "
+        "cache to (a pool sharing a GPU: 0.9 x its fraction, at most the fraction)",
+    )
+    enable_prefix_caching: bool = option(
+        True,
+        section="cache",
+        per_pool=True,
+        flag="--no-prefix-caching",
+        help="reuse the KV of cached prompt prefixes (--no-prefix-caching: off)",
+    )
+    prefix_caching_hash_algo: str = option(
+        "sha256",
+        section="cache",
+        per_pool=True,
+        help=f"prefix-cache block hash: {' | '.join(HASH_ALGOS)}",
+    )
+    # byte layout of the KV cache (workers/runner/kv_cache.py): "head_major" makes a head slice of
+    # a block one piece: cheaper KV reads between engines of different tensor-parallel sizes
+    kv_layout: str = option(
+        "blocks_first", section="cache", help="blocks_first | head_major (KV byte layout)"
+    )
+    # CPU fp32: the dense copy of decoding requests' KV (workers/runner/dense_decode.py)
+    dense_decode_bytes: int | None = option(
+        None,
+        section="cache",
+        per_pool=True,
+        default_text="the runner's default",
+        help="CPU dense decode KV copy in bytes (0 = off)",
+    )
+    # ---- scheduling (scheduler/policies.py)
+    max_num_seqs: int = option(
+        128, section="scheduler", per_pool=True, help="max running requests per engine"
+    )
+    max_num_batched_tokens: int = option(
+        2048, section="scheduler", per_pool=True, help="token budget per step"
+    )
+    enable_chunked_prefill: bool = option(
+        True,
+        section="scheduler",
+        per_pool=True,
+        flag="--no-chunked-prefill",
+        help="split long prompts over steps (--no-chunked-prefill: off)",
+    )
+    long_prefill_token_threshold: int = option(
+        0,
+        section="scheduler",
+        per_pool=True,
+        help="prefill chunk cap; prompts with more tokens left are long (0 = none)",
+    )
+    policy: str = option(
+        "fcfs",
+        section="scheduler",
+        per_pool=True,
+        flag="--scheduling-policy",
+        help=" | ".join(POLICIES),
+    )
+    kv_admission_margin: float = option(
+        0.0,
+        section="scheduler",
+        per_pool=True,
+        help="fraction of KV blocks kept free when admitting requests",
+    )
+    max_num_partial_prefills: int = option(
+        0, section="scheduler", per_pool=True, help="requests in prefill per step (0 = no limit)"
+    )
+    max_long_partial_prefills: int = option(
+        0,
+        section="scheduler",
+        per_pool=True,
+        help="long prefills per step (0 = no limit); shorter prompts overtake",
+    )
     # overlap: schedule step N+1 while step N runs (workers/runner/async_step.py); outputs are
     # those of the synchronous loop. Tensor-parallel engines run synchronous steps.
-    # None = auto: on for CUDA engines (`uses_async_scheduling`), off on CPU.
-    async_scheduling: bool | None = None
-    # torch.compile the model's forward at start-up (workers/compile/): auto (eager: see
-    # workers/compile/model.py use_compile for why) | on | off
-    compile_model: str = "auto"
-    # start-up probe READ reporting UCX's transport (kvtransfer/ucx/probe.py):
-    # auto (on with CUDA) | on | off
-    kv_transport_probe: str = "auto"
-    # identity and disaggregation
-    engine_id: str = "engine-0"
-    epoch: int = 0
-    role: str = "colocated"  # "prefill" | "decode" | "colocated"
-    kv_connector: str | None = None  # "nixl" to exchange KV with peers
-    kv_host: str = "127.0.0.1"  # side-channel host peers connect to
-    kv_port: int = 0  # 0: pick a free port
-    kv_lease_s: float = 60.0
-    kv_load_timeout_s: float = 30.0
-    load_failure_policy: str = "recompute"
-    # Per-cluster secret of the internal planes (engine sockets, KV side
-    # channel): CURVE keys are derived from it (wire/auth.py). None = plain
-    # ZMQ, the development mode of in-process engines; ``tandem serve`` always
-    # sets one. Never printed.
-    cluster_secret: bytes | None = field(default=None, repr=False)
-    # output backpressure (workers/engine/output_sender.py): ZMQ send queue of the
-    # output socket, the local backlog behind it, and how long the gateway
-    # may read nothing before every stream is cut with an error
-    output_hwm_messages: int = 1000
-    output_backlog_messages: int = 64
-    output_stall_timeout_s: float = 60.0
-    # KV events for KV-aware routing (scheduler/kv_events.py): off unless the
-    # router needs them; ZMQ PUB on kv_host:kv_events_port (0 = a free port),
-    # at most kv_events_queue_batches batches waiting to be sent
-    kv_events: bool = False
-    kv_events_port: int = 0
-    kv_events_queue_batches: int = 1024
-    # log lines of the engine's process: "text" or "json" (cluster/observability/logging_setup.py,
-    # applied by the Ray actor); `tandem serve --log-format` sets it for every pool
-    log_format: str = "text"
-    extra: dict[str, Any] = field(default_factory=dict)
+    async_scheduling: bool | None = option(
+        None,
+        section="scheduler",
+        per_pool=True,
+        default_text="on with CUDA, off on CPU",
+        help="schedule step N+1 while step N runs (same outputs as the synchronous loop)",
+    )
+    # ---- tensor parallelism (workers/parallel/)
+    tensor_parallel_size: int = option(
+        1,
+        section="parallel",
+        per_pool=True,
+        short="-tp",
+        help="workers per engine sharing its weights and KV heads (the model's head "
+        "counts must split N ways)",
+    )
+    # the longest rank 0 waits for a worker within a step; a worker whose heartbeat stops
+    # for half of it is reported as unresponsive (workers/parallel/heartbeat.py)
+    tp_step_timeout_s: float = option(
+        60.0,
+        section="parallel",
+        per_pool=True,
+        help="TP: fail the engine when a worker is silent this long in a step",
+    )
+    # Pin it on shared machines: torch's default OpenMP threads stall badly when another
+    # process uses the same cores.
+    torch_threads: int = option(
+        0,
+        section="parallel",
+        per_pool=True,
+        default_text="0 (tandem serve on CPU: the cores split between engines)",
+        help="CPU torch threads per engine (0 = torch's default)",
+    )
+    # ---- CUDA graphs (workers/graphs/; CPU ignores them), compile, prefill attention
+    cuda_graph_mode: str = option(
+        DEFAULT_CUDA_GRAPH_MODE,
+        section="graphs",
+        per_pool=True,
+        parse=check_cuda_graph_mode,
+        help=f"CUDA: {' | '.join(CUDA_GRAPH_MODES)}: steps that replay graphs",
+    )
+    cuda_graph_sizes: list[int] | None = option(
+        None,
+        section="graphs",
+        per_pool=True,
+        parse=_sizes_arg,
+        default_text="1,2,4,8,16,32,... up to max_num_seqs",
+        help="CUDA: decode batch sizes captured as graphs, e.g. 1,2,4,8",
+    )
+    piecewise_graph_sizes: list[int] | None = option(
+        None,
+        section="graphs",
+        per_pool=True,
+        parse=_token_sizes_arg,
+        default_text="1,2,4,8,16,32,... up to min(512, max_num_batched_tokens)",
+        help="CUDA: step token counts captured piecewise, e.g. 16,32,64",
+    )
+    enforce_eager: bool = option(
+        False,
+        section="graphs",
+        per_pool=True,
+        help="CUDA: no CUDA graphs (every step eager), whatever the mode",
+    )
+    prefill_attention: str = option(
+        "auto",
+        section="graphs",
+        per_pool=True,
+        help="auto | triton | sdpa: prefix-free prefills through torch SDPA or the paged "
+        "Triton kernel (auto: the paged kernel)",
+    )
+    compile_model: str = option(
+        "auto",
+        section="graphs",
+        per_pool=True,
+        help="auto | on | off: torch.compile the model's forward at start-up (auto: eager)",
+    )
+    # ---- KV transfer (kvtransfer/) and KV events (scheduler/kv_events.py)
+    kv_transport_probe: str = option(
+        "auto",
+        section="kv_transfer",
+        per_pool=True,
+        help="auto | on | off: a start-up READ reports UCX's transport (auto: on with CUDA)",
+    )
+    engine_id: str = option("engine-0", section="identity", internal=True, help="engine id")
+    epoch: int = option(0, section="identity", internal=True, help="restart count")
+    role: str = option(
+        "colocated", section="identity", internal=True, help="prefill | decode | colocated"
+    )
+    kv_connector: str | None = option(
+        None, section="identity", internal=True, help='"nixl" to exchange KV with peers'
+    )
+    kv_host: str = option(
+        "127.0.0.1", section="identity", internal=True, help="side-channel host peers connect to"
+    )
+    kv_port: int = option(
+        0, section="kv_transfer", help="KV side-channel port of each engine (0 = a free port)"
+    )
+    kv_lease_s: float = option(
+        60.0,
+        section="kv_transfer",
+        help="how long a prefill engine holds a request's KV for the decode engine",
+    )
+    kv_load_timeout_s: float = option(
+        30.0, section="kv_transfer", help="a decode engine gives up one KV load after this long"
+    )
+    load_failure_policy: str = option(
+        "recompute",
+        section="kv_transfer",
+        choices=("recompute", "fail"),
+        help="a failed KV load: recompute the missing blocks on decode, or fail the request",
+    )
+    # Per-cluster secret of the internal planes (engine sockets, KV side channel): CURVE
+    # keys are derived from it (wire/auth.py). None = plain ZMQ, the development mode of
+    # in-process engines; ``tandem serve`` always sets one. Never printed.
+    cluster_secret: bytes | None = option(
+        None, repr=False, section="identity", internal=True, help="internal planes' secret"
+    )
+    # ---- output backpressure (workers/engine/output_sender.py)
+    output_hwm_messages: int = option(
+        1000, section="output", per_pool=True, help="ZMQ send queue to the gateway"
+    )
+    output_backlog_messages: int = option(
+        64, section="output", per_pool=True, help="outputs held before pausing"
+    )
+    output_stall_timeout_s: float = option(
+        60.0,
+        section="output",
+        per_pool=True,
+        help="cut streams when the gateway reads nothing this long",
+    )
+    # KV events for KV-aware routing: on when the router needs them; ZMQ PUB on
+    # kv_host:kv_events_port, at most kv_events_queue_batches batches waiting
+    kv_events: bool = option(
+        False, section="identity", internal=True, help="publish KV events (kv-aware routing)"
+    )
+    kv_events_port: int = option(
+        0, section="kv_transfer", help="KV events PUB port of each engine (0 = a free port)"
+    )
+    kv_events_queue_batches: int = option(
+        1024, section="kv_transfer", help="KV event batches waiting to be sent, at most"
+    )
+    # applied by the Ray actor (cluster/observability/logging_setup.py)
+    log_format: str = option(
+        "text", section="identity", internal=True, help="engine log lines: text | json"
+    )
+    extra: dict[str, Any] = option(
+        default_factory=dict,
+        section="hooks",
+        per_pool=True,
+        yaml_only=True,
+        help="test hooks, passed to the engine as is",
+    )
 
     def uses_async_scheduling(self) -> bool:
         """Whether the overlapped loop runs (before the tensor-parallel exception). Auto turns
@@ -206,186 +409,84 @@ class EngineConfig:
         return dataclasses.replace(self, **changes)
 
 
-def _sizes_arg(text: str) -> list[int]:
-    try:
-        return parse_cuda_graph_sizes(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+# ---- the engine flags (tandem generate, tandem serve) --------------------------------
 
 
-def _token_sizes_arg(text: str) -> list[int]:
-    try:
-        return parse_cuda_graph_sizes(text, "piecewise_graph_sizes")
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+def engine_fields(internal: bool = False) -> list[dataclasses.Field]:
+    """EngineConfig's settings in declaration order (``internal``: also those the
+    command sets itself)."""
+    return [
+        f
+        for f in dataclasses.fields(EngineConfig)
+        if internal or not meta_of(EngineConfig, f).internal
+    ]
 
 
-def _mode_arg(text: str) -> str:
-    try:
-        return check_cuda_graph_mode(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+# Pool variants (--decode-device) of settings that are one for every pool: they
+# were flags before the pools knew better, so they stay, hidden; tandem serve
+# warns and still applies them to that pool.
+HIDDEN_POOL_FLAGS = ("dtype", "device", "block_size", "max_model_len", "kv_layout")
 
 
-# flag name -> (field, type, help). Booleans that default to on get --no-X.
-_FLAGS: list[tuple[str, str, Any, str]] = [
-    ("--dtype", "dtype", str, "auto|float32|bfloat16|float16"),
-    ("--device", "device", str, "cpu or cuda"),
-    ("--block-size", "block_size", int, "tokens per KV block"),
-    ("--max-num-seqs", "max_num_seqs", int, "max running requests per engine"),
-    ("--max-num-batched-tokens", "max_num_batched_tokens", int, "token budget per step"),
-    ("--max-model-len", "max_model_len", int, "max prompt + output tokens"),
-    ("--num-kv-blocks", "num_kv_blocks", int, "KV blocks (overrides memory sizing)"),
-    ("--kv-cache-memory", "kv_cache_memory", int, "bytes of KV cache (CPU)"),
-    ("--gpu-memory-utilization", "gpu_memory_utilization", float, "fraction of GPU memory"),
-    (
-        "--long-prefill-token-threshold",
-        "long_prefill_token_threshold",
-        int,
-        "prefill chunk cap; prompts with more tokens left are long",
-    ),
-    ("--scheduling-policy", "policy", str, " | ".join(POLICIES) + " (default fcfs)"),
-    (
-        "--kv-admission-margin",
-        "kv_admission_margin",
-        float,
-        "fraction of KV blocks kept free when admitting requests (default 0)",
-    ),
-    (
-        "--max-num-partial-prefills",
-        "max_num_partial_prefills",
-        int,
-        "requests in prefill per step (0 = no limit)",
-    ),
-    (
-        "--max-long-partial-prefills",
-        "max_long_partial_prefills",
-        int,
-        "long prefills per step (0 = no limit); shorter prompts overtake",
-    ),
-    (
-        "--prefix-caching-hash-algo",
-        "prefix_caching_hash_algo",
-        str,
-        f"prefix-cache block hash: {' | '.join(HASH_ALGOS)} (default sha256)",
-    ),
-    (
-        "--tensor-parallel-size",
-        "tensor_parallel_size",
-        int,
-        "workers per engine sharing its weights and KV heads (-tp; default 1)",
-    ),
-    (
-        "--tp-step-timeout-s",
-        "tp_step_timeout_s",
-        float,
-        "TP: fail the engine when a worker is silent this long in a step (default 60)",
-    ),
-    ("--torch-threads", "torch_threads", int, "CPU threads per engine (0 = torch default)"),
-    ("--dense-decode-bytes", "dense_decode_bytes", int, "CPU dense decode KV copy (0 = off)"),
-    ("--kv-layout", "kv_layout", str, "blocks_first | head_major (KV byte layout)"),
-    (
-        "--cuda-graph-sizes",
-        "cuda_graph_sizes",
-        _sizes_arg,
-        "CUDA: decode batch sizes to capture as graphs, e.g. 1,2,4,8 "
-        "(default 1,2,4,8,16,32,... up to --max-num-seqs)",
-    ),
-    (
-        "--prefill-attention",
-        "prefill_attention",
-        str,
-        "auto | triton | sdpa: prefix-free prefills through torch SDPA (auto: CUDA fp16/bf16) "
-        "or the paged Triton kernel",
-    ),
-    (
-        "--cuda-graph-mode",
-        "cuda_graph_mode",
-        _mode_arg,
-        f"CUDA: {' | '.join(CUDA_GRAPH_MODES)}: steps that replay graphs "
-        f"(default {DEFAULT_CUDA_GRAPH_MODE}: decode-only batches)",
-    ),
-    (
-        "--piecewise-graph-sizes",
-        "piecewise_graph_sizes",
-        _token_sizes_arg,
-        "CUDA: step token counts captured piecewise, e.g. 16,32,64 "
-        "(default 1,2,4,8,16,32,... up to min(512, --max-num-batched-tokens))",
-    ),
-    (
-        "--compile-model",
-        "compile_model",
-        str,
-        "auto | on | off: torch.compile the model's forward at start-up (auto: eager)",
-    ),
-    (
-        "--kv-transport-probe",
-        "kv_transport_probe",
-        str,
-        "auto | on | off: a start-up READ reports UCX's transport (auto: on with CUDA)",
-    ),
-    ("--output-hwm-messages", "output_hwm_messages", int, "ZMQ send queue to the gateway"),
-    ("--output-backlog-messages", "output_backlog_messages", int, "outputs held before pausing"),
-    (
-        "--output-stall-timeout-s",
-        "output_stall_timeout_s",
-        float,
-        "cut streams when the gateway reads nothing this long",
-    ),
-]
-# short aliases of the unprefixed flags
-_SHORT_FLAGS = {"--tensor-parallel-size": "-tp"}
-_BOOL_OFF_FLAGS = [
-    ("--no-prefix-caching", "enable_prefix_caching"),
-    ("--no-chunked-prefill", "enable_chunked_prefill"),
-    ("--no-async-scheduling", "async_scheduling"),
-]
-# Booleans that default to off get --X (store_true).
-_BOOL_ON_FLAGS = [
-    ("--enforce-eager", "enforce_eager", "CUDA: no CUDA graphs (every step eager)"),
-    (
-        "--async-scheduling",
-        "async_scheduling",
-        "schedule step N+1 while step N runs (same outputs as the synchronous loop); "
-        "default: on with CUDA, off on CPU (--no-async-scheduling turns it off)",
-    ),
-]
-
-
-def add_engine_arguments(parser: argparse.ArgumentParser, prefix: str = "") -> None:
-    """Engine flags; ``prefix`` ("prefill-") makes per-pool variants that default to None."""
-    for flag, dest, typ, help_ in _FLAGS:
-        names = ["--" + prefix + flag[2:]]
-        if not prefix and flag in _SHORT_FLAGS:
-            names.append(_SHORT_FLAGS[flag])
-        parser.add_argument(*names, dest=prefix.replace("-", "_") + dest, type=typ, help=help_)
-    for flag, dest in _BOOL_OFF_FLAGS:
-        name = "--" + prefix + flag[2:]
-        parser.add_argument(
-            name, dest=prefix.replace("-", "_") + dest, action="store_false", default=None
+def add_engine_arguments(
+    parser: argparse.ArgumentParser | Any,
+    prefix: str = "",
+    exclude: tuple[str, ...] = (),
+) -> None:
+    """The engine flags, one argument group per section (``exclude``: field
+    names left out). ``prefix`` ("decode-") adds a pool's variants into
+    ``parser`` (a parser or a group): ``--decode-X`` for the fields that may
+    differ per pool, hidden ones for ``HIDDEN_POOL_FLAGS``."""
+    groups: dict[str, Any] = {}
+    hint_of = hints(EngineConfig)
+    for f in engine_fields():
+        meta = meta_of(EngineConfig, f)
+        if meta.yaml_only or f.name in exclude:
+            continue
+        if prefix and not (meta.per_pool or f.name in HIDDEN_POOL_FLAGS):
+            continue
+        if prefix:
+            container = parser
+        else:
+            if meta.section not in groups:
+                groups[meta.section] = (
+                    parser.add_argument_group(ENGINE_SECTIONS[meta.section])
+                    if hasattr(parser, "add_argument_group")
+                    else parser
+                )
+            container = groups[meta.section]
+        default = f.default if f.default is not dataclasses.MISSING else None
+        role = prefix.rstrip("-")
+        add_option(
+            container,
+            key=key_of(EngineConfig, f),
+            meta=meta,
+            hint=hint_of[f.name],
+            default=default,
+            dest=prefix.replace("-", "_") + f.name,
+            prefix=prefix,
+            help=(f"the {role} pool's {main_flags(f.name)}" if prefix else None),
+            hidden=bool(prefix) and not meta.per_pool,
+            show_default=not prefix,
         )
-    for flag, dest, help_ in _BOOL_ON_FLAGS:
-        name = "--" + prefix + flag[2:]
-        parser.add_argument(
-            name, dest=prefix.replace("-", "_") + dest, action="store_true", default=None,
-            help=help_,
-        )  # fmt: skip
+
+
+def main_flags(name: str) -> str:
+    """The flag(s) of one engine field: ``--block-size``, ``--async-scheduling /
+    --no-async-scheduling``."""
+    f = EngineConfig.__dataclass_fields__[name]
+    meta = meta_of(EngineConfig, f)
+    default = f.default if f.default is not dataclasses.MISSING else None
+    flags = flags_of(key_of(EngineConfig, f), meta, default, hints(EngineConfig)[name])
+    return " / ".join(flag for flag, _ in flags)
 
 
 def engine_overrides(args: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
     """Fields the user set on the command line (None = not given)."""
-    out = {}
     p = prefix.replace("-", "_")
-    for _, dest, _, _ in _FLAGS:
-        v = getattr(args, p + dest, None)
+    out = {}
+    for f in engine_fields():
+        v = getattr(args, p + f.name, None)
         if v is not None:
-            out[dest] = v
-    for _, dest in _BOOL_OFF_FLAGS:
-        v = getattr(args, p + dest, None)
-        if v is not None:
-            out[dest] = v
-    for _, dest, _ in _BOOL_ON_FLAGS:
-        v = getattr(args, p + dest, None)
-        if v is not None:
-            out[dest] = v
+            out[f.name] = v
     return out

@@ -2,10 +2,15 @@
 
 Resolves the configuration exactly as ``tandem serve`` does (defaults < YAML
 < command line, per-pool overrides, engine config validation), then prints it
-as JSON and exits 0, or prints ``error: ...`` naming the field and exits 2.
+as JSON and exits 0, or prints ``error: ...`` naming the field and exits 2:
+
+    serve    every setting by its flat key (the keys a YAML file uses)
+    config   the same settings as the typed tree, by section (also a valid --config)
+    pools    each pool that would start, with its resolved engine config
+
 Starts no Ray, loads no model and touches no file except ``--config``: a
 model directory is checked where it is mounted, when the engines start.
-The API key is printed as ``"<set>"``, never in clear.
+API keys are printed as ``"<set>"``, never in clear.
 """
 
 from __future__ import annotations
@@ -15,17 +20,14 @@ import json
 import sys
 from typing import Any, TextIO
 
-from cluster.cli.settings import gateway_limits, pool_specs, resolve_settings
+from cluster.cli.config.keys import flatten, tree
+from cluster.cli.settings import ServeConfig, pool_specs, resolve_config
 
 
-def resolved_config(settings: dict[str, Any], per_role: dict[str, dict[str, Any]]) -> dict:
-    """The serve settings and one entry per pool that would start."""
-    serve = dict(settings)
-    for key in ("api_key", "admin_api_key"):
-        if serve.get(key):
-            serve[key] = "<set>"
+def resolved_config(config: ServeConfig) -> dict:
+    """The settings by key, by section, and one entry per pool that would start."""
     pools = []
-    for spec in pool_specs(settings, per_role):
+    for spec in pool_specs(config):
         engine = dataclasses.asdict(spec.config)
         for key in ("engine_id", "epoch", "extra", "cluster_secret"):  # secret: per run
             engine.pop(key, None)
@@ -39,14 +41,12 @@ def resolved_config(settings: dict[str, Any], per_role: dict[str, dict[str, Any]
                 "engine": engine,
             }
         )
-    return {"serve": serve, "pools": pools}
+    return {"serve": flatten(config), "config": tree(config), "pools": pools}
 
 
 def check_config(args: Any, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
     try:
-        settings, per_role = resolve_settings(args)
-        gateway_limits(settings)
-        config = resolved_config(settings, per_role)
+        config = resolved_config(resolve_config(args))
     except (ValueError, TypeError, OSError) as exc:
         print(f"error: {exc}", file=err)
         return 2

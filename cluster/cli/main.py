@@ -8,7 +8,19 @@ import json
 import logging
 import sys
 
+from cluster.cli.config.tree import ServeConfig
 from workers.config import EngineConfig, add_engine_arguments, engine_overrides
+
+# engine settings of the KV connector and KV events: tandem generate's one
+# in-process engine has neither
+SERVE_ONLY_ENGINE_FIELDS = (
+    "kv_port",
+    "kv_lease_s",
+    "kv_load_timeout_s",
+    "load_failure_policy",
+    "kv_events_port",
+    "kv_events_queue_batches",
+)
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -70,11 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="offline generation with one in-process engine")
-    g.add_argument(
-        "--model",
-        default="smollm2",
-        help="'smollm2' (default), 'tiny', a .gguf file, a local directory or a hub id",
-    )
+    model = ServeConfig.__dataclass_fields__["model"]  # the same default as tandem serve
+    g.add_argument("--model", default=model.default, help=model.metadata["option"].help)
     g.add_argument("--prompt", action="append", help="prompt text (repeatable)")
     g.add_argument(
         "--prompt-token-ids", action="append", type=_parse_ids, help="1,2,3 (repeatable)"
@@ -92,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt")
-    add_engine_arguments(g)
+    add_engine_arguments(g, exclude=SERVE_ONLY_ENGINE_FIELDS)
     g.set_defaults(func=cmd_generate)
 
     try:

@@ -3,7 +3,9 @@
     tandem serve --model smollm2 --prefill 1 --decode 1       # disaggregated (default)
     tandem serve --colocated 2                                 # no disaggregation
     tandem serve --decode-max-num-seqs 256 --prefill-max-num-batched-tokens 8192
-    tandem serve --config serve.yaml                           # same keys, YAML
+    tandem serve --config serve.yaml                           # same settings, YAML
+
+Every flag and YAML key is a field of ``ServeConfig`` (cluster/cli/config/).
 
 The gateway runs in this process (the Ray driver); engines are Ray actors.
 Ctrl-C stops the gateway, the engines and the Ray instance this command started.
@@ -19,177 +21,35 @@ import sys
 import time
 from typing import Any
 
+from cluster.cli.config.args import add_serve_arguments
 from cluster.cli.settings import (
-    SERVE_DEFAULTS,
+    ServeConfig,
     api_config,
     cluster_secret,
-    gateway_limits,
-    migration_policy,
     pool_specs,
-    resolve_settings,
+    resolve_config,
+    with_pool_counts,
 )
-from cluster.engines.placement import add_placement_arguments, check_pools_split_model
-from cluster.routing.settings import add_routing_arguments, routing_config
-from workers.config import add_engine_arguments
+from cluster.engines.placement import check_pools_split_model
 
 logger = logging.getLogger("tandem.serve")
 
 
 def add_serve_parser(sub: Any) -> None:
-    p = sub.add_parser("serve", help="serve the OpenAI API with Ray engine pools")
+    p = sub.add_parser(
+        "serve",
+        help="serve the OpenAI API with Ray engine pools",
+        usage="%(prog)s [--config FILE.yaml] [--check-config] [options]",
+    )
     add_serve_arguments(p)
     p.set_defaults(func=cmd_serve)
-
-
-def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model", help="'smollm2' (default), 'tiny', a .gguf file, a local directory or a hub id"
-    )
-    p.add_argument("--prefill", type=int, help="prefill engines (default 1)")
-    p.add_argument("--decode", type=int, help="decode engines (default 1)")
-    p.add_argument("--colocated", type=int, help="colocated engines (replaces prefill/decode)")
-    p.add_argument("--host", help="gateway host (default 127.0.0.1)")
-    p.add_argument("--port", type=int, help="gateway port (default 8000)")
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/*")
-    p.add_argument("--address", help="Ray address to join (default: start a local Ray)")
-    p.add_argument("--config", help="YAML file with the same keys (CLI wins)")
-    p.add_argument(
-        "--disagg-min-tokens",
-        type=int,
-        help="prompts with fewer tokens prefill on the decode engine (default 0)",
-    )
-    p.add_argument("--max-restarts", type=int, help="Ray restarts per engine actor (default 3)")
-    p.add_argument(
-        "--num-gpus-per-engine",
-        type=float,
-        help="GPUs per engine (0 = CPU; 0.5 = two engines share a GPU)",
-    )
-    p.add_argument("--kv-lease-s", type=float, help="prefill-side KV lease (default 60)")
-    p.add_argument("--load-failure-policy", choices=["recompute", "fail"])
-    p.add_argument(
-        "--max-request-body-mb", type=float, help="larger request bodies get 413 (default 8)"
-    )
-    p.add_argument(
-        "--max-num-requests",
-        type=int,
-        help="concurrent requests; more get 503 + Retry-After (default 0 = no cap)",
-    )
-    p.add_argument(
-        "--request-timeout-s",
-        type=float,
-        help="per-request deadline: aborted on the engines, 504 / error event (default 600, 0 = none)",
-    )
-    p.add_argument(
-        "--engine-dead-after-s",
-        type=float,
-        help="an engine without a heartbeat this long is dead: its requests fail (default 30)",
-    )
-    p.add_argument(
-        "--max-queued-outputs",
-        type=int,
-        help="undelivered outputs of one stream before it is cut (client not reading; default 512)",
-    )
-    p.add_argument(
-        "--tokenizer-workers", type=int, help="threads that tokenize prompts (default 2)"
-    )
-    p.add_argument(
-        "--max-logprobs", type=int, help="cap of logprobs / top_logprobs per token (default 20)"
-    )
-    p.add_argument(
-        "--check-config",
-        action="store_true",
-        help="validate flags + YAML, print the resolved config and exit (0 ok, 2 bad)",
-    )
-    p.add_argument(
-        "--cluster-secret-file",
-        help="file holding the secret of the internal planes (>= 16 bytes; "
-        "default: a fresh random secret per `tandem serve`)",
-    )
-    p.add_argument(
-        "--no-internal-auth",
-        dest="internal_auth",
-        action="store_false",
-        default=None,
-        help="development only: engine sockets and the KV side channel accept "
-        "anyone who can reach them (no CURVE)",
-    )
-    p.add_argument(
-        "--served-model-name",
-        nargs="+",
-        help="model names clients may send (the first is reported; default: --model)",
-    )
-    p.add_argument("--chat-template", help="Jinja chat template file (replaces the tokenizer's)")
-    p.add_argument(
-        "--generation-config",
-        help="sampling defaults: 'auto' (the checkpoint's generation_config.json, default), "
-        "'vllm' (ignore it) or a directory holding one",
-    )
-    add_routing_arguments(p)
-    p.add_argument(
-        "--log-format",
-        choices=["text", "json"],
-        help="gateway and engine logs: text (default) or one JSON object a line",
-    )
-    p.add_argument(
-        "--otlp-traces-endpoint",
-        help="export one OpenTelemetry trace per request over OTLP/HTTP to this URL "
-        "(http://collector:4318 gets /v1/traces; default: off)",
-    )
-    p.add_argument(
-        "--ray-namespace",
-        help="Ray namespace of the named engine actors prefill-<i>/decode-<i>/colocated-<i> "
-        "(default tandem; give each service on one Ray cluster its own)",
-    )
-    p.add_argument(
-        "--no-migration",
-        dest="migration",
-        action="store_false",
-        default=None,
-        help="a stream whose decode engine dies ends with an error instead of moving on",
-    )
-    p.add_argument("--max-migrations", type=int, help="migrations per request (default 3)")
-    p.add_argument(
-        "--migration-handoff-min-tokens",
-        type=int,
-        help="migrated contexts this long get KV from a prefill engine, shorter are "
-        "recomputed on decode (default 256)",
-    )
-    p.add_argument(
-        "--migration-wait-s",
-        type=float,
-        help="how long a migrating stream waits for a ready engine (default 30)",
-    )
-    p.add_argument(
-        "--admin-api-key",
-        help="opens POST /admin/drain and /admin/undrain with 'Authorization: Bearer KEY' "
-        "(default: admin API off)",
-    )
-    p.add_argument(
-        "--detach-engines",
-        action="store_true",
-        default=None,
-        help="start the engines as detached Ray actors that outlive this gateway "
-        "(needs --address and --cluster-secret-file; stop them with tandem stop-engines)",
-    )
-    p.add_argument(
-        "--attach",
-        action="store_true",
-        default=None,
-        help="adopt the engines running in --ray-namespace (left by --detach-engines) "
-        "instead of starting new ones; same --model and --cluster-secret-file",
-    )
-    add_placement_arguments(p)
-    add_engine_arguments(p)
-    for role in ("prefill", "decode", "colocated"):
-        add_engine_arguments(p, prefix=f"{role}-")
 
 
 class Service:
     """Everything ``tandem serve`` runs, startable from tests too."""
 
-    def __init__(self, settings: dict[str, Any], per_role: dict[str, dict[str, Any]]) -> None:
-        self.settings = settings
-        self.per_role = per_role
+    def __init__(self, config: ServeConfig) -> None:
+        self.config = config
         self.handles: list = []
         self.backend = None
         self.started_ray = False
@@ -197,7 +57,7 @@ class Service:
         self.cluster_secret: bytes | None = None  # set by start(); tests act as members
         self.model_path: str | None = None  # set by start()
         # stop the engines at exit: not when they are meant to outlive this gateway
-        self.owns_engines = not (settings.get("detach_engines") or settings.get("attach"))
+        self.owns_engines = not (config.ray.detach_engines or config.ray.attach)
 
     async def start(self) -> None:
         import ray
@@ -208,52 +68,50 @@ class Service:
         from workers.checkpoints.model_dir import resolve_model_dir
         from workers.text.tokenizer import load_tokenizer
 
+        config = self.config
         if not ray.is_initialized():
-            if self.settings["address"] or os.environ.get("RAY_ADDRESS"):
+            if config.ray.address or os.environ.get("RAY_ADDRESS"):
                 # joining a cluster (--address, or inside `ray job submit`)
-                ctx = ray.init(address=self.settings["address"] or None)
+                ctx = ray.init(address=config.ray.address or None)
             else:
                 ctx = ray.init(
-                    include_dashboard=self.settings.get("ray_dashboard", True),
-                    dashboard_host="127.0.0.1",
+                    include_dashboard=config.ray.ray_dashboard, dashboard_host="127.0.0.1"
                 )
                 self.started_ray = True
             self.dashboard_url = getattr(ctx, "dashboard_url", None)
-        host = node_ip() if self.settings["address"] else "127.0.0.1"
+        host = node_ip() if config.ray.address else "127.0.0.1"
         output_addr = f"tcp://{host}:{free_port(host)}"
-        self.model_path = model_path = resolve_model_dir(self.settings["model"])
+        self.model_path = model_path = resolve_model_dir(config.model)
         tokenizer = load_tokenizer(model_path)
-        self.cluster_secret = secret = cluster_secret(self.settings)
-        namespace = self.settings.get("ray_namespace") or SERVE_DEFAULTS["ray_namespace"]
+        self.cluster_secret = secret = cluster_secret(config)
+        namespace = config.ray.ray_namespace
         session = time.time_ns()  # newer than any gateway before (cluster/engines/attach.py)
-        if self.settings.get("attach"):
+        if config.ray.attach:
             from cluster.engines.attach import adopt_engines, pool_counts
             from wire.auth import secret_fingerprint
 
-            self.handles = adopt_engines(
-                namespace, self.settings["model"], secret_fingerprint(secret)
-            )
-            self.settings.update(pool_counts(self.handles))
+            self.handles = adopt_engines(namespace, config.model, secret_fingerprint(secret))
+            self.config = config = with_pool_counts(config, pool_counts(self.handles))
         else:
             self.handles = start_pools(
-                pool_specs(self.settings, self.per_role, secret),
+                pool_specs(config, secret),
                 output_addr,
                 namespace=namespace,
                 gateway_session=session,
-                detached=bool(self.settings.get("detach_engines")),
+                detached=config.ray.detach_engines,
             )
         self.backend = RayBackend(
             self.handles,
             tokenizer=tokenizer,
-            model_name=self.settings["model"],
+            model_name=config.model,
             output_addr=output_addr,
-            disagg_min_tokens=self.settings["disagg_min_tokens"],
+            disagg_min_tokens=config.routing.disagg_min_tokens,
             cluster_secret=secret,
-            engine_dead_after_s=self.settings.get("engine_dead_after_s", 30.0),
-            call_timeout_s=self.settings.get("engine_call_timeout_s", 5.0),
-            max_queued_outputs=self.settings.get("max_queued_outputs", 512),
-            routing=routing_config(self.settings),
-            migration=migration_policy(self.settings),
+            engine_dead_after_s=config.health.engine_dead_after_s,
+            call_timeout_s=config.health.engine_call_timeout_s,
+            max_queued_outputs=config.limits.max_queued_outputs,
+            routing=config.routing,
+            migration=config.migration,
             gateway_session=session,
         )
         await self.backend.start()
@@ -271,45 +129,40 @@ class Service:
             logger.warning(
                 "leaving %d engines running in Ray namespace %r (tandem stop-engines stops them)",
                 len(self.handles),
-                self.settings.get("ray_namespace"),
+                self.config.ray.ray_namespace,
             )
         if self.started_ray:
             ray.shutdown()
 
 
-async def _serve(settings: dict[str, Any], per_role: dict[str, dict[str, Any]]) -> None:
+async def _serve(config: ServeConfig) -> None:
     import uvicorn
 
     from cluster.gateway.app import create_app
     from cluster.observability.tracing.settings import make_tracer
 
-    svc = Service(settings, per_role)
-    tracer = make_tracer(settings)
+    svc = Service(config)
+    tracer = make_tracer(config.observability)
     try:
         await svc.start()
+        config = svc.config  # --attach: the pools found
         app = create_app(
             svc.backend,
-            api_key=settings["api_key"],
-            limits=gateway_limits(settings),
-            api=api_config(settings, svc.model_path),
+            api_key=config.security.api_key,
+            limits=config.limits,
+            api=api_config(config, svc.model_path),
             tracer=tracer,
-            admin_api_key=settings["admin_api_key"],
+            admin_api_key=config.security.admin_api_key,
         )
+        host, port = config.server.host, config.server.port
         server = uvicorn.Server(
             uvicorn.Config(
-                app,
-                host=settings["host"],
-                port=settings["port"],
-                log_level="warning",
-                access_log=False,
-                lifespan="off",
+                app, host=host, port=port, log_level="warning", access_log=False, lifespan="off"
             )
         )
-        base = f"http://{settings['host']}:{settings['port']}"
-        pools = ", ".join(
-            f"{settings[r]} {r}" for r in ("prefill", "decode", "colocated") if settings[r]
-        )
-        print(f"tandem: serving {settings['model']!r} with {pools}", flush=True)
+        base = f"http://{host}:{port}"
+        pools = ", ".join(f"{n} {r}" for r, n in config.pools.sizes().items() if n)
+        print(f"tandem: serving {config.model!r} with {pools}", flush=True)
         print(f"  OpenAI API : {base}/v1", flush=True)
         print(f"  health     : {base}/health", flush=True)
         print(f"  metrics    : {base}/metrics", flush=True)
@@ -336,27 +189,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     configure_logging(getattr(args, "log_format", None) or "text")
     try:
-        settings, per_role = resolve_settings(args)
-        configure_logging(settings["log_format"])  # the YAML may name it
-        specs = pool_specs(settings, per_role)  # validates engine configs before starting
-        gateway_limits(settings)
+        config = resolve_config(args)  # validates every section and pool engine
+        configure_logging(config.observability.log_format)  # the YAML may name it
+        specs = pool_specs(config)
         from workers.checkpoints.model_dir import resolve_model_dir
 
         # bad model: one line, exit 2 (GGUF: convert once, in a child process)
-        model_path = resolve_model_dir(settings["model"])
-        api_config(settings, model_path)
+        model_path = resolve_model_dir(config.model)
+        api_config(config, model_path)
         check_pools_split_model(model_path, specs)
-        if settings["internal_auth"] and settings["cluster_secret_file"]:
+        security = config.security
+        if security.internal_auth and security.cluster_secret_file:
             from wire.auth import read_secret_file
 
-            read_secret_file(settings["cluster_secret_file"])  # a bad file fails before Ray starts
+            read_secret_file(security.cluster_secret_file)  # a bad file fails before Ray starts
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     from cluster.engines.attach import AttachError
 
     try:
-        asyncio.run(_serve(settings, per_role))
+        asyncio.run(_serve(config))
     except KeyboardInterrupt:
         pass
     except AttachError as exc:  # --attach found nothing it may adopt
@@ -369,32 +222,33 @@ class ServiceThread:
     """The whole service (Ray pools, backend, gateway) on a background event
     loop, for tests and benchmarks::
 
-        with ServiceThread(settings, per_role) as svc:
+        with ServiceThread(serve_config(model="tiny", colocated=1)) as svc:
             httpx.get(svc.base_url + "/health")
             svc.run(svc.service.backend.call_all("check_integrity"))
     """
 
     def __init__(
         self,
-        settings: dict[str, Any],
-        per_role: dict[str, dict[str, Any]],
+        config: ServeConfig,
         start_timeout_s: float = 300.0,
         tracer: Any = None,
     ) -> None:
-        """``tracer``: a ``cluster.observability.tracing`` tracer (tests pass one with an
-        in-memory exporter); None = built from ``otlp_traces_endpoint``."""
+        """``config``: e.g. ``serve_config(model="tiny", max_num_seqs=16)``
+        (cluster.cli.settings); ``tracer``: a ``cluster.observability.tracing``
+        tracer (tests pass one with an in-memory exporter); None = built from
+        ``otlp_traces_endpoint``."""
         import socket
         import threading
 
         from cluster.observability.tracing.settings import make_tracer
 
-        self.service = Service(settings, per_role)
-        self.tracer = tracer if tracer is not None else make_tracer(settings)
+        self.service = Service(config)
+        self.tracer = tracer if tracer is not None else make_tracer(config.observability)
         self.start_timeout_s = start_timeout_s
         self.loop = asyncio.new_event_loop()
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((settings.get("host") or "127.0.0.1", 0))
+        self._sock.bind((config.server.host or "127.0.0.1", 0))
         self.base_url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
         self._server = None
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -413,14 +267,14 @@ class ServiceThread:
         except BaseException:
             self.__exit__(None, None, None)
             raise
-        settings = self.service.settings
+        config = self.service.config
         app = create_app(
             self.service.backend,
-            api_key=settings.get("api_key"),
-            limits=gateway_limits(settings),
-            api=api_config(settings, self.service.model_path),
+            api_key=config.security.api_key,
+            limits=config.limits,
+            api=api_config(config, self.service.model_path),
             tracer=self.tracer,
-            admin_api_key=settings.get("admin_api_key"),
+            admin_api_key=config.security.admin_api_key,
         )
         self._server = uvicorn.Server(
             uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False)

@@ -25,6 +25,28 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+
+from wire.config_fields import option
+
+
+@dataclass(frozen=True)
+class HealthConfig:
+    """How the gateway judges its engines: a section of the serve configuration."""
+
+    engine_dead_after_s: float = option(
+        30.0,
+        help="an engine without a heartbeat this long is dead: its requests fail "
+        "(a slower one keeps them)",
+    )
+    engine_call_timeout_s: float = option(
+        5.0, help="a Ray control call slower than this gives no verdict (the engine may be slow)"
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("engine_dead_after_s", "engine_call_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
 
 class Liveness(enum.Enum):

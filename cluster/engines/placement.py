@@ -38,9 +38,13 @@ GPU per rank): 3 GPUs, or half a GPU, for 2 ranks is refused.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+from dataclasses import dataclass
 from typing import Any
+
+from wire.config_fields import option
 
 ROLES = ("prefill", "decode", "colocated")
 # Ray takes these through num_cpus / num_gpus / memory, never in ``resources``.
@@ -93,31 +97,21 @@ def check_num_gpus(value: Any, key: str) -> int | float:
     return int(value) if float(value).is_integer() else float(value)
 
 
-def resolve_placement(settings: dict[str, Any]) -> None:
-    """Normalise the per-pool placement settings in place (see module doc)."""
-    for role in ROLES:
-        key = f"{role}_ray_resources"
-        settings[key] = parse_ray_resources(settings.get(key), key)
-        gpus_key = f"{role}_num_gpus_per_engine"
-        if settings.get(gpus_key) is None:
-            settings[gpus_key] = settings["num_gpus_per_engine"]
-    for key in ("num_gpus_per_engine", *(f"{r}_num_gpus_per_engine" for r in ROLES)):
-        settings[key] = check_num_gpus(settings[key], key)
-
-
-DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
-
-
 def gpu_share(num_gpus: float, overrides: dict[str, Any], role: str) -> dict[str, Any]:
     """Engine overrides of a pool with ``num_gpus`` per engine, completed for
     GPU sharing: with a fraction, ``gpu_memory_utilization`` defaults to
     0.9 x the fraction, and an explicit one above the fraction is refused
-    (engines packed on one GPU would ask for more memory than it has)."""
+    (engines packed on one GPU would ask for more memory than it has).
+    ``overrides`` holds what was given: the serve configuration passes its
+    engine section's value only when it is not the field's default."""
     if not 0 < num_gpus < 1:
         return overrides
+    from workers.config import EngineConfig
+
+    default = EngineConfig.__dataclass_fields__["gpu_memory_utilization"].default
     util = overrides.get("gpu_memory_utilization")
     if util is None:
-        return {**overrides, "gpu_memory_utilization": DEFAULT_GPU_MEMORY_UTILIZATION * num_gpus}
+        return {**overrides, "gpu_memory_utilization": default * num_gpus}
     if isinstance(util, (int, float)) and util > num_gpus:
         raise ValueError(
             f"{role}_gpu_memory_utilization (--{role}-gpu-memory-utilization or "
@@ -128,30 +122,106 @@ def gpu_share(num_gpus: float, overrides: dict[str, Any], role: str) -> dict[str
     return overrides
 
 
-def pool_placement(settings: dict[str, Any], role: str) -> tuple[int | float, dict[str, float]]:
-    """``(GPUs per engine, Ray resources per engine)`` of one pool, from
-    resolved settings or from a plain settings dict (tests, benchmarks)
-    that leaves the per-pool keys unset."""
-    num_gpus = settings.get(f"{role}_num_gpus_per_engine")
-    if num_gpus is None:
-        num_gpus = settings.get("num_gpus_per_engine") or 0
-    key = f"{role}_ray_resources"
-    return num_gpus, parse_ray_resources(settings.get(key), key)
+# ---- the pools section of the serve configuration (cluster/cli/config/) --------------
 
 
-def add_placement_arguments(parser: Any) -> None:
-    for role in ROLES:
-        parser.add_argument(
-            f"--{role}-ray-resources",
-            metavar="JSON",
-            help=f"Ray custom resources each {role} engine requests, e.g. "
-            f"'{{\"tandem_{role}\": 1}}'",
+@dataclass(frozen=True)
+class PoolConfig:
+    """One engine pool: how many engines, where they run, and the engine
+    settings of this pool alone (``engine``: EngineConfig field -> value, over
+    the engine section every pool shares). ``{role}`` in a key or help is the
+    pool's name: keys ``decode``, ``decode_num_gpus_per_engine``, ..."""
+
+    role: str = option("colocated", internal=True, help="prefill | decode | colocated")
+    num_engines: int = option(0, key="{role}", help="{role} engines")
+    num_gpus_per_engine: float | None = option(
+        None,
+        key="{role}_num_gpus_per_engine",
+        default_text="--num-gpus-per-engine",
+        help="GPUs per {role} engine, a fraction shares a GPU",
+    )
+    ray_resources: dict[str, float] = option(
+        default_factory=dict,
+        key="{role}_ray_resources",
+        metavar="JSON",
+        help="Ray custom resources each {role} engine requests, e.g. '{{\"tandem_{role}\": 1}}'",
+    )
+    engine: dict[str, Any] = option(
+        default_factory=dict,
+        key="{role}_engine",
+        yaml_only=True,
+        help="engine keys of the {role} pool only (flags: --{role}-X)",
+    )
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"pool role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        key = f"{self.role}_ray_resources"
+        object.__setattr__(self, "ray_resources", parse_ray_resources(self.ray_resources, key))
+        if self.num_gpus_per_engine is not None:
+            key = f"{self.role}_num_gpus_per_engine"
+            object.__setattr__(
+                self, "num_gpus_per_engine", check_num_gpus(self.num_gpus_per_engine, key)
+            )
+        if isinstance(self.num_engines, bool) or not isinstance(self.num_engines, int):
+            raise ValueError(f"{self.role} must be an integer, got {self.num_engines!r}")
+        from workers.config import EngineConfig, engine_fields
+
+        if not isinstance(self.engine, dict):
+            raise ValueError(f"{self.role}_engine must be a mapping, got {self.engine!r}")
+        bad = set(self.engine) - {f.name for f in engine_fields()}
+        if bad:
+            internal = bad & set(EngineConfig.__dataclass_fields__)
+            why = f" ({', '.join(sorted(internal))}: set by tandem serve)" if internal else ""
+            raise ValueError(f"--config: unknown keys in {self.role}_engine: {sorted(bad)}{why}")
+
+
+@dataclass(frozen=True)
+class PoolsConfig:
+    """The engine pools: prefill + decode (disaggregated) or colocated alone."""
+
+    prefill: PoolConfig = option(
+        default_factory=lambda: PoolConfig("prefill", 1), help="the prefill pool"
+    )
+    decode: PoolConfig = option(
+        default_factory=lambda: PoolConfig("decode", 1), help="the decode pool"
+    )
+    colocated: PoolConfig = option(
+        default_factory=lambda: PoolConfig("colocated", 0),
+        help="the colocated pool (replaces prefill and decode)",
+    )
+    num_gpus_per_engine: float = option(
+        0, help="GPUs per engine (0 = CPU; 0.5 = two engines share a GPU)"
+    )
+
+    def __post_init__(self) -> None:
+        object.__setattr__(
+            self,
+            "num_gpus_per_engine",
+            check_num_gpus(self.num_gpus_per_engine, "num_gpus_per_engine"),
         )
-        parser.add_argument(
-            f"--{role}-num-gpus-per-engine",
-            type=float,
-            help=f"GPUs per {role} engine, a fraction shares a GPU (default: --num-gpus-per-engine)",
-        )
+        for role in ROLES:
+            if self.pool(role).role != role:
+                raise ValueError(f"pools.{role} holds the {self.pool(role).role} pool")
+        if self.colocated.num_engines:
+            for role in ("prefill", "decode"):  # a colocated pool replaces them
+                object.__setattr__(self, role, dataclasses.replace(self.pool(role), num_engines=0))
+        elif self.prefill.num_engines < 0 or self.decode.num_engines < 1:
+            raise ValueError("--decode must be >= 1 and --prefill >= 0 (or use --colocated K)")
+
+    def pool(self, role: str) -> PoolConfig:
+        return getattr(self, role)
+
+    def sizes(self) -> dict[str, int]:
+        return {role: self.pool(role).num_engines for role in ROLES}
+
+    def placement(self, role: str) -> tuple[int | float, dict[str, float]]:
+        """``(GPUs per engine, Ray resources per engine)`` of one pool."""
+        pool = self.pool(role)
+        num_gpus = pool.num_gpus_per_engine
+        if num_gpus is None:
+            num_gpus = self.num_gpus_per_engine
+        return num_gpus, dict(pool.ray_resources)
 
 
 def engine_actor_placement(

@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass, field
 
 from cluster.engines.placement import engine_group_placement
+from wire.config_fields import option
 from workers.config import EngineConfig
 
 
@@ -59,6 +60,43 @@ def default_torch_threads(num_engines: int) -> int:
 
 
 DEFAULT_NAMESPACE = "tandem"
+
+
+@dataclass(frozen=True)
+class RayConfig:
+    """The Ray cluster and the engine actors' lifetime: a section of the serve
+    configuration (``--detach-engines`` / ``--attach``: cluster/engines/attach.py)."""
+
+    address: str | None = option(None, default_text="start a local Ray", help="Ray address to join")
+    ray_namespace: str = option(
+        DEFAULT_NAMESPACE,
+        help="Ray namespace of the named engine actors prefill-<i>/decode-<i>/colocated-<i> "
+        "(give each service on one Ray cluster its own)",
+    )
+    max_restarts: int = option(3, help="Ray restarts per engine actor")
+    ray_dashboard: bool = option(
+        True, help="the local Ray that tandem serve starts runs its dashboard"
+    )
+    detach_engines: bool = option(
+        False,
+        help="start the engines as detached Ray actors that outlive this gateway "
+        "(needs --address and --cluster-secret-file; stop them with tandem stop-engines)",
+    )
+    attach: bool = option(
+        False,
+        help="adopt the engines running in --ray-namespace (left by --detach-engines) "
+        "instead of starting new ones; same --model and --cluster-secret-file",
+    )
+
+    def __post_init__(self) -> None:
+        if not self.ray_namespace:
+            object.__setattr__(self, "ray_namespace", DEFAULT_NAMESPACE)
+        if self.max_restarts < -1:
+            raise ValueError(f"max_restarts must be >= -1 (-1 = always), got {self.max_restarts}")
+        if self.detach_engines and self.attach:
+            raise ValueError(
+                "--attach adopts running engines, --detach-engines starts new ones: pass one"
+            )
 
 
 def check_names_free(specs: list[PoolSpec], namespace: str) -> None:

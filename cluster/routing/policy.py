@@ -60,21 +60,49 @@ from dataclasses import dataclass
 
 from cluster.routing.index import PrefixIndex
 from cluster.routing.router import EngineState, Router, load
+from wire.config_fields import option
 
 ROUTER_POLICIES = ("round-robin", "least-load", "kv-aware")
 
 
-@dataclass
+@dataclass(frozen=True)
 class RoutingConfig:
-    """``router`` None: kv-aware when some pool has more than one engine, else least-load."""
+    """The router's settings (module doc): a section of the serve configuration,
+    flags ``--router``, ``--router-*``, ``--disagg-min-tokens``."""
 
-    router: str | None = None
-    hit_weight: float = 1.0
-    load_weight: float = 1.0
-    prefill_queue_weight: float = 1.0
-    # kv-aware: load (KV usage + running share, ~0 idle .. ~2 full) above
-    # which a decode / colocated engine is passed over while another is not
-    busy_threshold: float = 0.5
+    router: str | None = option(
+        None,
+        choices=ROUTER_POLICIES,
+        default_text="kv-aware when a pool has more than one engine, else least-load",
+        help="engine choice in each pool",
+    )
+    hit_weight: float = option(
+        1.0,
+        key="router_hit_weight",
+        help="kv-aware decode/colocated cost: weight of the uncached prompt share",
+    )
+    load_weight: float = option(
+        1.0,
+        key="router_load_weight",
+        help="kv-aware decode/colocated cost: weight of KV usage + running share",
+    )
+    prefill_queue_weight: float = option(
+        1.0,
+        key="router_prefill_queue_weight",
+        help="kv-aware cost: weight of an engine's queued prefill tokens vs the prompt's "
+        "uncached ones",
+    )
+    # load: KV usage + running share, ~0 idle .. ~2 full
+    busy_threshold: float = option(
+        0.5,
+        key="router_busy_threshold",
+        default_text="0.5 (100 = never)",
+        help="kv-aware: a decode/colocated engine whose load (KV usage + running share) is "
+        "above this is passed over while another is not, prefix or not",
+    )
+    disagg_min_tokens: int = option(
+        0, help="prompts with fewer tokens prefill on the decode engine"
+    )
 
     def __post_init__(self) -> None:
         if self.router is not None and self.router not in ROUTER_POLICIES:
@@ -84,6 +112,8 @@ class RoutingConfig:
         for name in ("hit_weight", "load_weight", "prefill_queue_weight", "busy_threshold"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"router_{name} must be >= 0, got {getattr(self, name)}")
+        if self.disagg_min_tokens < 0:
+            raise ValueError(f"disagg_min_tokens must be >= 0, got {self.disagg_min_tokens}")
 
     def resolve(self, pool_sizes: dict[str, int]) -> str:
         if self.router is not None:

@@ -31,11 +31,11 @@ WORKLOADS = ("greedy", "seeded")
 ENGINE = {"num_kv_blocks": 512, "max_num_seqs": 32, "max_model_len": 1024}
 
 
-def settings(namespace: str, **kw) -> dict:
-    from cluster.cli.settings import SERVE_DEFAULTS
+def serve_config(namespace: str, **kw):
+    """1 prefill + 2 decode engines of the tiny model (``kw``: more serve keys)."""
+    from cluster.cli.settings import serve_config
 
-    s = dict(
-        SERVE_DEFAULTS,
+    settings = dict(
         model="tiny",
         ray_dashboard=False,
         prefill=1,
@@ -43,13 +43,10 @@ def settings(namespace: str, **kw) -> dict:
         ray_namespace=namespace,
         kv_lease_s=10.0,
         engine_call_timeout_s=2.0,
+        **ENGINE,
     )
-    s.update(kw)
-    return s
-
-
-def per_role() -> dict:
-    return {r: dict(ENGINE) for r in ("prefill", "decode", "colocated")}
+    settings.update(kw)
+    return serve_config(**settings)
 
 
 def request_body(

@@ -11,7 +11,7 @@ import time
 
 from cluster.cli.serve import ServiceThread
 from kvtransfer.fault_injection import ENV_READ_FAIL_FILE
-from tests.chaos.harness import WORKLOADS, Workload, per_role, settings
+from tests.chaos.harness import WORKLOADS, Workload, serve_config
 from tests.cluster.service_helpers import BUSY_FIELDS
 
 
@@ -32,9 +32,7 @@ def chaos_service(policy: str, **kw):
     )
     namespace = f"chaos-{os.getpid()}-{policy}"
     try:
-        with ServiceThread(
-            settings(namespace, load_failure_policy=policy, **kw), per_role()
-        ) as svc:
+        with ServiceThread(serve_config(namespace, load_failure_policy=policy, **kw)) as svc:
             references = {}
             for workload in WORKLOADS:
                 w = Workload(svc.base_url, workload)
@@ -64,7 +62,7 @@ def requests_on(svc, engine_id: str) -> set[str]:
 def actor(svc, engine_id: str):
     import ray
 
-    return ray.get_actor(engine_id, namespace=svc.service.settings["ray_namespace"])
+    return ray.get_actor(engine_id, namespace=svc.service.config.ray.ray_namespace)
 
 
 def wait_ready(svc, engine_id: str, deadline_s: float = 120.0, new_epoch_after: int = 0) -> None:

@@ -65,7 +65,7 @@ def test_restart_storm_exhausts_restarts_streams_migrate_pool_shrinks(chaos):
     kill certainly has streams to move, and only decode-1 can take them."""
     svc, _, refs = chaos
     backend = svc.service.backend
-    assert svc.service.settings["max_restarts"] == NUM_KILLS - 1
+    assert svc.service.config.ray.max_restarts == NUM_KILLS - 1
     tally = Tally("restart storm (decode-0 killed 5x, restarts exhausted)")
     handle = actor(svc, "decode-0")
     before = sum(backend.migrator.num_migrations.values())

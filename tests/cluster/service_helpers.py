@@ -60,21 +60,21 @@ def tiny_pd_service(disagg_min_tokens: int = 32, tracer: Any = None) -> Iterator
     import ray
 
     from cluster.cli.serve import ServiceThread
-    from cluster.cli.settings import SERVE_DEFAULTS
+    from cluster.cli.settings import serve_config
 
-    engine = {"num_kv_blocks": 256, "max_num_seqs": 16, "max_model_len": 512}
-    settings = dict(
-        SERVE_DEFAULTS,
+    config = serve_config(
         model="tiny",
         ray_dashboard=False,
         prefill=1,
         decode=1,
         disagg_min_tokens=disagg_min_tokens,
+        num_kv_blocks=256,
+        max_num_seqs=16,
+        max_model_len=512,
     )
-    per_role = {r: dict(engine) for r in ("prefill", "decode", "colocated")}
     ray.init(include_dashboard=False, num_cpus=2, log_to_driver=False)
     try:
-        with ServiceThread(settings, per_role, tracer=tracer) as svc:
+        with ServiceThread(config, tracer=tracer) as svc:
             yield svc
     finally:
         ray.shutdown()

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from cluster.gateway.api.config import ApiConfig
+from cluster.gateway.api.config import ApiConfig, ApiSettings
 from cluster.gateway.api.generation_defaults import load_generation_defaults
 from cluster.gateway.app import create_app, serve_in_thread
 from tests.cluster.recording_backend import RecordingBackend
@@ -105,7 +105,7 @@ def test_served_model_names(server):
 def test_chat_template_file_replaces_the_tokenizers(tmp_path, tokenizer):
     path = tmp_path / "t.jinja"
     path.write_text(TEMPLATE)
-    api = ApiConfig.from_settings({"chat_template": str(path)}, None)
+    api = ApiConfig.from_settings(ApiSettings(chat_template=str(path)), None)
     backend = RecordingBackend(build_tokenizer(), max_model_len=256)
     with serve_in_thread(create_app(backend, api=api)) as url:
         tokens = post(url, "/tokenize", {"messages": MESSAGES}).json()["tokens"]
@@ -114,7 +114,7 @@ def test_chat_template_file_replaces_the_tokenizers(tmp_path, tokenizer):
     assert tokens == expected
     assert backend.requests[-1].prompt_token_ids == expected
     with pytest.raises(ValueError, match="--chat-template"):
-        ApiConfig.from_settings({"chat_template": str(tmp_path / "missing.jinja")}, None)
+        ApiConfig.from_settings(ApiSettings(chat_template=str(tmp_path / "missing.jinja")), None)
 
 
 def _generation_config(tmp_path, **values):

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from cluster.cli.main import build_parser
-from cluster.cli.settings import pool_specs, resolve_settings
+from cluster.cli.settings import pool_specs, resolve_config
 from cluster.engines.placement import parse_ray_resources
 
 
@@ -36,7 +36,7 @@ def test_per_pool_resources_and_gpus_reach_pool_specs():
             "--decode-ray-resources", '{"tandem_decode": 0.5}',
         ]
     )  # fmt: skip
-    specs = {s.role: s for s in pool_specs(*resolve_settings(args))}
+    specs = {s.role: s for s in pool_specs(resolve_config(args))}
     assert specs["prefill"].num_gpus == 2 and specs["decode"].num_gpus == 1
     assert specs["prefill"].resources == {"tandem_prefill": 1.0}
     assert specs["decode"].resources == {"tandem_decode": 0.5}
@@ -45,8 +45,8 @@ def test_per_pool_resources_and_gpus_reach_pool_specs():
 def test_yaml_accepts_mappings_for_resources(tmp_path):
     cfg = tmp_path / "serve.yaml"
     cfg.write_text("colocated: 2\ncolocated_ray_resources: {tandem_colocated: 1}\n")
-    settings, per_role = resolve_settings(parse(["--config", str(cfg)]))
-    (spec,) = pool_specs(settings, per_role)
+    config = resolve_config(parse(["--config", str(cfg)]))
+    (spec,) = pool_specs(config)
     assert spec.role == "colocated" and spec.resources == {"tandem_colocated": 1.0}
 
 
@@ -106,14 +106,12 @@ def test_check_config_rejects_bad_config_with_exit_2(tmp_path, yaml_text, argv, 
     assert "Traceback" not in err
 
 
-def test_plain_settings_dicts_still_make_pool_specs():
-    """Tests and benchmarks build settings from SERVE_DEFAULTS without
-    resolve_settings: the per-pool keys fall back to the global ones."""
-    from cluster.cli.settings import SERVE_DEFAULTS
+def test_serve_config_from_keys_makes_pool_specs():
+    """Tests and benchmarks build the config from flat keys (serve_config):
+    the per-pool placement falls back to the global one."""
+    from cluster.cli.settings import serve_config
 
-    settings = dict(SERVE_DEFAULTS, model="tiny", num_gpus_per_engine=0)
-    per_role = {r: {} for r in ("prefill", "decode", "colocated")}
-    specs = pool_specs(settings, per_role)
+    specs = pool_specs(serve_config(model="tiny", num_gpus_per_engine=0))
     assert [(s.role, s.num_gpus, s.resources) for s in specs] == [
         ("prefill", 0, {}),
         ("decode", 0, {}),

@@ -17,7 +17,7 @@ import time
 import httpx
 import pytest
 
-from tests.chaos.harness import Workload, per_role, settings, verdict
+from tests.chaos.harness import Workload, serve_config, verdict
 from tests.chaos.service import engine, requests_on, reset_prefix_caches, stats, wait_ready
 from tests.cluster.test_kv_routing_service import RequestLog
 from wire.engine_protocol import EngineRequest, SamplingParams
@@ -37,7 +37,7 @@ def svc_refs():
 
     ray.init(include_dashboard=False, num_cpus=2, log_to_driver=False)
     try:
-        with ServiceThread(settings(f"drain-{os.getpid()}", admin_api_key=KEY), per_role()) as svc:
+        with ServiceThread(serve_config(f"drain-{os.getpid()}", admin_api_key=KEY)) as svc:
             ref = Workload(svc.base_url, "seeded", NUM_STREAMS, max_tokens=MAX_TOKENS)
             assert not any(ref.finish())
             assert all(r.done and r.error is None for r in ref.results), ref.results

@@ -6,13 +6,13 @@ import pytest
 
 from cluster.cli.main import build_parser
 from cluster.cli.serve import Service
-from cluster.cli.settings import resolve_settings
+from cluster.cli.settings import resolve_config
 from wire.auth import secret_fingerprint
 
 
 def settings_of(argv, monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    return resolve_settings(build_parser().parse_args(["serve", *argv]))[0]
+    return resolve_config(build_parser().parse_args(["serve", *argv]))
 
 
 @pytest.fixture
@@ -34,7 +34,7 @@ def test_needs_a_secret_the_next_gateway_holds_too(flag, monkeypatch):
         settings_of([flag, "--address", "127.0.0.1:6379"], monkeypatch)
     # without internal auth there is no secret to share
     s = settings_of([flag, "--address", "127.0.0.1:6379", "--no-internal-auth"], monkeypatch)
-    assert s[flag[2:].replace("-", "_")] is True
+    assert getattr(s.ray, flag[2:].replace("-", "_")) is True
 
 
 def test_attach_and_detach_together_is_refused(secret_file, monkeypatch):
@@ -56,15 +56,15 @@ def test_ray_address_from_the_environment_counts(secret_file, monkeypatch):
         ["serve", "--detach-engines", "--cluster-secret-file", secret_file]
     )
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")
-    assert resolve_settings(args)[0]["detach_engines"] is True
+    assert resolve_config(args).ray.detach_engines is True
 
 
 def test_who_stops_the_engines_at_exit(secret_file, monkeypatch):
     """A gateway stops the engines it started, not those meant to outlive it."""
     base = ["--address", "a:1", "--cluster-secret-file", secret_file]
-    assert Service(settings_of([], monkeypatch), {}).owns_engines
-    assert not Service(settings_of(["--detach-engines", *base], monkeypatch), {}).owns_engines
-    assert not Service(settings_of(["--attach", *base], monkeypatch), {}).owns_engines
+    assert Service(settings_of([], monkeypatch)).owns_engines
+    assert not Service(settings_of(["--detach-engines", *base], monkeypatch)).owns_engines
+    assert not Service(settings_of(["--attach", *base], monkeypatch)).owns_engines
 
 
 def test_secret_fingerprint_tells_secrets_apart_and_hides_them():

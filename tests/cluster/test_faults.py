@@ -22,8 +22,7 @@ import httpx
 import pytest
 
 from cluster.cli.serve import ServiceThread
-from cluster.cli.settings import SERVE_DEFAULTS
-from cluster.engines.placement import resolve_placement
+from cluster.cli.settings import serve_config
 from wire.engine_protocol import EngineRequest, SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -38,23 +37,19 @@ def svc():
     import ray
 
     ray.init(include_dashboard=False, num_cpus=2, log_to_driver=False)
-    settings = dict(
-        SERVE_DEFAULTS,
+    config = serve_config(
         ray_dashboard=False,
         model="tiny",
         colocated=1,
-        prefill=0,
-        decode=0,
         engine_dead_after_s=DEAD_AFTER_S,
         engine_call_timeout_s=1.0,
         # one engine: a dead one's streams end with an error here (the
         # --no-migration path); migration is tests/chaos/'s subject
         migration=False,
+        **ENGINE,
     )
-    per_role = {r: dict(ENGINE) for r in ("prefill", "decode", "colocated")}
-    resolve_placement(settings)
     try:
-        with ServiceThread(settings, per_role) as service:
+        with ServiceThread(config) as service:
             yield service
     finally:
         ray.shutdown()

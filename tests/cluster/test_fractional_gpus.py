@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 
 from cluster.cli.main import build_parser
-from cluster.cli.settings import pool_specs, resolve_settings
+from cluster.cli.settings import pool_specs, resolve_config
 from cluster.engines.placement import check_num_gpus, engine_actor_placement
 
 
 def specs_for(argv: list[str]) -> dict:
     args = build_parser().parse_args(["serve", *argv])
-    return {s.role: s for s in pool_specs(*resolve_settings(args))}
+    return {s.role: s for s in pool_specs(resolve_config(args))}
 
 
 def test_half_a_gpu_each_packs_prefill_and_decode_with_default_memory_shares():

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from cluster.cli.serve import ServiceThread
-from cluster.cli.settings import SERVE_DEFAULTS
+from cluster.cli.settings import serve_config
 from cluster.observability.logging_setup import make_handler
 from tests.cluster.service_helpers import client, wait_idle
 
@@ -29,12 +29,11 @@ def svc():
     import ray
 
     ray.init(include_dashboard=False, num_cpus=3, log_to_driver=False)
-    settings = dict(
-        SERVE_DEFAULTS, model="tiny", ray_dashboard=False, max_restarts=2, prefill=1, decode=2
+    config = serve_config(
+        model="tiny", ray_dashboard=False, max_restarts=2, prefill=1, decode=2, **ENGINE
     )
-    per_role = {r: dict(ENGINE) for r in ("prefill", "decode", "colocated")}
     try:
-        with ServiceThread(settings, per_role) as s:
+        with ServiceThread(config) as s:
             yield s
     finally:
         ray.shutdown()

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from cluster.cli.main import build_parser
-from cluster.cli.settings import pool_specs, resolve_settings
+from cluster.cli.settings import pool_specs, resolve_config
 from cluster.engines.pools import start_pools, stop_pools
 
 pytestmark = pytest.mark.slow
@@ -63,8 +63,8 @@ def test_engines_land_on_their_pools_nodes(two_groups):
             "--num-kv-blocks", "32", "--max-model-len", "256", "--torch-threads", "1",
         ]
     )  # fmt: skip
-    settings, per_role = resolve_settings(args)
-    handles = start_pools(pool_specs(settings, per_role), "tcp://127.0.0.1:1")
+    config = resolve_config(args)
+    handles = start_pools(pool_specs(config), "tcp://127.0.0.1:1")
     try:
         refs = {h.engine_id: h.actor.ready.remote() for h in handles}
         deadline = time.monotonic() + 240
@@ -92,7 +92,7 @@ def test_a_pool_whose_resource_no_node_has_is_not_placed(two_groups):
     args = build_parser().parse_args(
         ["serve", "--colocated", "1", "--colocated-ray-resources", '{"tandem_colocated": 1}']
     )
-    handles = start_pools(pool_specs(*resolve_settings(args)), "tcp://127.0.0.1:1")
+    handles = start_pools(pool_specs(resolve_config(args)), "tcp://127.0.0.1:1")
     try:
         ready, _ = ray.wait([handles[0].actor.ready.remote()], timeout=3)
         assert ready == []
@@ -116,7 +116,7 @@ def test_gpu_engines_placement_groups_land_on_their_pools_nodes(two_groups):
             "--decode-ray-resources", '{"tandem_decode": 1}',
         ]
     )  # fmt: skip
-    handles = start_pools(pool_specs(*resolve_settings(args)), "tcp://127.0.0.1:1")
+    handles = start_pools(pool_specs(resolve_config(args)), "tcp://127.0.0.1:1")
     try:
         for handle in handles:
             assert handle.placement_group.wait(timeout_seconds=60)
@@ -154,7 +154,7 @@ def test_half_gpu_engines_are_packed_two_per_gpu(two_groups):
             "--prefill-ray-resources", pinned, "--decode-ray-resources", pinned,
         ]
     )  # fmt: skip
-    specs = pool_specs(*resolve_settings(args))
+    specs = pool_specs(resolve_config(args))
     assert [s.config.gpu_memory_utilization for s in specs] == [0.45, 0.45]
     handles = start_pools(specs, "tcp://127.0.0.1:1")
     try:

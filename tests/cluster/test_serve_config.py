@@ -3,7 +3,7 @@
 import pytest
 
 from cluster.cli.main import build_parser
-from cluster.cli.settings import pool_specs, resolve_settings
+from cluster.cli.settings import pool_specs, resolve_config
 
 
 def parse(argv):
@@ -11,11 +11,11 @@ def parse(argv):
 
 
 def test_defaults_one_prefill_one_decode_smollm2():
-    settings, per_role = resolve_settings(parse([]))
-    specs = pool_specs(settings, per_role)
+    config = resolve_config(parse([]))
+    specs = pool_specs(config)
     assert [(s.role, s.num_engines) for s in specs] == [("prefill", 1), ("decode", 1)]
     assert all(s.config.model == "smollm2" and s.config.kv_connector == "nixl" for s in specs)
-    assert settings["port"] == 8000 and settings["host"] == "127.0.0.1"
+    assert config.server.port == 8000 and config.server.host == "127.0.0.1"
 
 
 def test_yaml_then_cli_then_per_pool(tmp_path):
@@ -35,9 +35,9 @@ def test_yaml_then_cli_then_per_pool(tmp_path):
             "--no-prefix-caching",
         ]
     )
-    settings, per_role = resolve_settings(args)
-    specs = {s.role: s for s in pool_specs(settings, per_role)}
-    assert settings["port"] == 9100  # CLI wins over YAML
+    config = resolve_config(args)
+    specs = {s.role: s for s in pool_specs(config)}
+    assert config.server.port == 9100  # CLI wins over YAML
     assert specs["prefill"].num_engines == 2 and specs["decode"].num_engines == 3
     assert specs["prefill"].config.max_num_batched_tokens == 8192
     assert specs["decode"].config.max_num_batched_tokens == 2048  # per pool only
@@ -47,8 +47,7 @@ def test_yaml_then_cli_then_per_pool(tmp_path):
 
 
 def test_colocated_replaces_pools():
-    settings, per_role = resolve_settings(parse(["--colocated", "2"]))
-    specs = pool_specs(settings, per_role)
+    specs = pool_specs(resolve_config(parse(["--colocated", "2"])))
     assert [(s.role, s.num_engines, s.config.kv_connector) for s in specs] == [
         ("colocated", 2, None)
     ]
@@ -58,21 +57,20 @@ def test_bad_settings_are_clear_errors(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("prefil: 2\n")
     with pytest.raises(ValueError, match="prefil"):
-        resolve_settings(parse(["--config", str(bad)]))
+        resolve_config(parse(["--config", str(bad)]))
     with pytest.raises(ValueError, match="decode"):
-        resolve_settings(parse(["--decode", "0"]))
+        resolve_config(parse(["--decode", "0"]))
     with pytest.raises(ValueError, match="block_size"):
-        pool_specs(*resolve_settings(parse(["--block-size", "0"])))
+        resolve_config(parse(["--block-size", "0"]))
 
 
 def test_prefix_caching_hash_algo_per_pool_and_named_when_bad():
-    settings, per_role = resolve_settings(parse(["--decode-prefix-caching-hash-algo", "xxhash128"]))
-    specs = {s.role: s for s in pool_specs(settings, per_role)}
+    config = resolve_config(parse(["--decode-prefix-caching-hash-algo", "xxhash128"]))
+    specs = {s.role: s for s in pool_specs(config)}
     assert specs["prefill"].config.prefix_caching_hash_algo == "sha256"  # the default
     assert specs["decode"].config.prefix_caching_hash_algo == "xxhash128"
     with pytest.raises(ValueError, match="prefix_caching_hash_algo"):
-        settings, per_role = resolve_settings(parse(["--prefix-caching-hash-algo", "md5"]))
-        pool_specs(settings, per_role)
+        resolve_config(parse(["--prefix-caching-hash-algo", "md5"]))
 
 
 def test_scheduling_flags_per_pool_and_named_when_bad():
@@ -92,7 +90,7 @@ def test_scheduling_flags_per_pool_and_named_when_bad():
             "1",
         ]
     )
-    specs = {s.role: s for s in pool_specs(*resolve_settings(args))}
+    specs = {s.role: s for s in pool_specs(resolve_config(args))}
     p, d = specs["prefill"].config, specs["decode"].config
     assert (p.policy, d.policy) == ("prefill-first", "priority")
     assert p.kv_admission_margin == d.kv_admission_margin == 0.1
@@ -104,4 +102,4 @@ def test_scheduling_flags_per_pool_and_named_when_bad():
         (["--max-long-partial-prefills", "1"], "long_prefill_token_threshold"),
     ):
         with pytest.raises(ValueError, match=field):
-            pool_specs(*resolve_settings(parse(argv)))
+            resolve_config(parse(argv))

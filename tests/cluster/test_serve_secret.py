@@ -4,7 +4,7 @@ import pytest
 
 from cluster.cli.main import build_parser
 from cluster.cli.serve import cmd_serve
-from cluster.cli.settings import cluster_secret, pool_specs, resolve_settings
+from cluster.cli.settings import cluster_secret, pool_specs, resolve_config
 
 
 def parse(argv):
@@ -12,10 +12,10 @@ def parse(argv):
 
 
 def test_default_is_a_fresh_random_secret_handed_to_every_engine():
-    settings, per_role = resolve_settings(parse([]))
-    a, b = cluster_secret(settings), cluster_secret(settings)
+    config = resolve_config(parse([]))
+    a, b = cluster_secret(config), cluster_secret(config)
     assert len(a) == 32 and a != b
-    specs = pool_specs(settings, per_role, a)
+    specs = pool_specs(config, a)
     assert [s.config.cluster_secret for s in specs] == [a, a]
     assert a.hex() not in repr(specs)
 
@@ -23,10 +23,9 @@ def test_default_is_a_fresh_random_secret_handed_to_every_engine():
 def test_secret_file_and_dev_mode(tmp_path):
     path = tmp_path / "secret"
     path.write_bytes(b"correct horse battery staple\n")
-    settings, _ = resolve_settings(parse(["--cluster-secret-file", str(path)]))
-    assert cluster_secret(settings) == b"correct horse battery staple"
-    settings, _ = resolve_settings(parse(["--no-internal-auth"]))
-    assert cluster_secret(settings) is None
+    config = resolve_config(parse(["--cluster-secret-file", str(path)]))
+    assert cluster_secret(config) == b"correct horse battery staple"
+    assert cluster_secret(resolve_config(parse(["--no-internal-auth"]))) is None
 
 
 def test_bad_secret_sources_fail_before_anything_starts(tmp_path, capsys):
@@ -38,4 +37,4 @@ def test_bad_secret_sources_fail_before_anything_starts(tmp_path, capsys):
     cfg = tmp_path / "serve.yaml"
     cfg.write_text("cluster_secret: hunter2hunter2hunter2\n")
     with pytest.raises(ValueError, match="use cluster_secret_file"):
-        resolve_settings(parse(["--config", str(cfg)]))
+        resolve_config(parse(["--config", str(cfg)]))

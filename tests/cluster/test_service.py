@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from cluster.cli.serve import ServiceThread
-from cluster.cli.settings import SERVE_DEFAULTS
+from cluster.cli.settings import serve_config
 from tests.cluster.service_helpers import client, disconnect_mid_stream, wait_idle
 from wire.engine_protocol import SamplingParams
 from workers.config import EngineConfig
@@ -25,14 +25,8 @@ ENGINE = {"num_kv_blocks": 256, "max_num_seqs": 64, "max_model_len": 1024}
 PROMPT = "The history of disaggregated serving"
 
 
-def _settings(**kw):
-    s = dict(SERVE_DEFAULTS, model="tiny", ray_dashboard=False, max_restarts=2)
-    s.update(kw)
-    return s
-
-
-def _per_role(**kw):
-    return {r: dict(ENGINE, **kw) for r in ("prefill", "decode", "colocated")}
+def _config(**kw):
+    return serve_config(model="tiny", ray_dashboard=False, max_restarts=2, **ENGINE, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -47,14 +41,14 @@ def ray_local():
 @pytest.fixture(scope="module")
 def disagg(ray_local):
     # migration_wait_s: a decode restart on a loaded 2-core box can take > 30 s
-    settings = _settings(prefill=1, decode=1, kv_lease_s=5.0, migration_wait_s=120.0)
-    with ServiceThread(settings, _per_role()) as svc:
+    config = _config(prefill=1, decode=1, kv_lease_s=5.0, migration_wait_s=120.0)
+    with ServiceThread(config) as svc:
         yield svc
 
 
 @pytest.fixture(scope="module")
 def colocated(ray_local):
-    with ServiceThread(_settings(colocated=1, prefill=0, decode=0), _per_role()) as svc:
+    with ServiceThread(_config(colocated=1)) as svc:
         yield svc
 
 

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from cluster.cli.serve import ServiceThread
-from cluster.cli.settings import SERVE_DEFAULTS
+from cluster.cli.settings import serve_config
 from tests.cluster.service_helpers import client, disconnect_mid_stream, wait_idle
 
 pytestmark = pytest.mark.slow
@@ -21,10 +21,16 @@ ENGINE = {"num_kv_blocks": 256, "max_model_len": 1024}
 PROMPT = "Parallel sampling forks one prefill into several choices"
 
 
-def _settings(**kw):
-    s = dict(SERVE_DEFAULTS, model="tiny", ray_dashboard=False, max_restarts=2)
-    s.update(kw)
-    return s
+def _config(**kw):
+    return serve_config(
+        model="tiny",
+        ray_dashboard=False,
+        max_restarts=2,
+        **ENGINE,
+        max_num_seqs=64,
+        colocated_engine={"max_num_seqs": 2, "policy": "priority"},
+        **kw,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -33,11 +39,9 @@ def services():
 
     ray.init(include_dashboard=False, num_cpus=2, log_to_driver=False)
     try:
-        per_role = {r: dict(ENGINE, max_num_seqs=64) for r in ("prefill", "decode")}
-        per_role["colocated"] = dict(ENGINE, max_num_seqs=2, policy="priority")
         with (
-            ServiceThread(_settings(prefill=1, decode=1, kv_lease_s=5.0), per_role) as disagg,
-            ServiceThread(_settings(colocated=1, prefill=0, decode=0), per_role) as colocated,
+            ServiceThread(_config(prefill=1, decode=1, kv_lease_s=5.0)) as disagg,
+            ServiceThread(_config(colocated=1)) as colocated,
         ):
             yield disagg, colocated
     finally:

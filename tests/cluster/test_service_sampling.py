@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from cluster.cli.serve import ServiceThread
-from cluster.cli.settings import SERVE_DEFAULTS
+from cluster.cli.settings import serve_config
 from tests.cluster.service_helpers import client, wait_idle
 
 pytestmark = pytest.mark.slow
@@ -19,9 +19,8 @@ PROMPT = "The history of disaggregated serving, and of serving again"
 
 
 def _service(**kw) -> ServiceThread:
-    settings = dict(SERVE_DEFAULTS, model="tiny", ray_dashboard=False, max_restarts=1, **kw)
-    per_role = {r: dict(ENGINE) for r in ("prefill", "decode", "colocated")}
-    return ServiceThread(settings, per_role)
+    config = serve_config(model="tiny", ray_dashboard=False, max_restarts=1, **ENGINE, **kw)
+    return ServiceThread(config)
 
 
 @pytest.fixture(scope="module")

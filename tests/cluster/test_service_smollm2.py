@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from cluster.cli.serve import ServiceThread
-from cluster.cli.settings import SERVE_DEFAULTS
+from cluster.cli.settings import serve_config
 from tests.cluster.service_helpers import client, wait_idle
 from wire.engine_protocol import SamplingParams
 from workers.config import EngineConfig
@@ -30,11 +30,10 @@ def service():
     import ray
 
     ray.init(include_dashboard=False, num_cpus=2, log_to_driver=False)
-    settings = dict(SERVE_DEFAULTS, ray_dashboard=False, prefill=1, decode=1, kv_lease_s=5.0)
-    per_role = {r: dict(ENGINE) for r in ("prefill", "decode", "colocated")}
+    config = serve_config(ray_dashboard=False, prefill=1, decode=1, kv_lease_s=5.0, **ENGINE)
     try:
-        assert settings["model"] == "smollm2"  # the default
-        with ServiceThread(settings, per_role) as svc:
+        assert config.model == "smollm2"  # the default
+        with ServiceThread(config) as svc:
             yield svc
     finally:
         ray.shutdown()

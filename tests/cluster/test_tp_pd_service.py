@@ -24,7 +24,7 @@ import time
 import pytest
 
 from cluster.cli.serve import ServiceThread
-from cluster.cli.settings import SERVE_DEFAULTS
+from cluster.cli.settings import serve_config
 from tests.cluster.service_helpers import client, wait_idle
 from tests.cluster.test_service import ray_local  # noqa: F401 - the module's local Ray
 from wire.engine_protocol import SamplingParams
@@ -50,13 +50,17 @@ PAIRINGS = [(2, 1), (1, 2), (2, 2)]
 @pytest.mark.usefixtures("ray_local")
 @pytest.mark.parametrize(("p_tp", "d_tp"), PAIRINGS)
 def test_serve_across_tp_sizes_equals_generate(reference, p_tp, d_tp):
-    settings = dict(SERVE_DEFAULTS, model="tiny", ray_dashboard=False, prefill=1, decode=1)
-    per_role = {
-        "prefill": dict(ENGINE, tensor_parallel_size=p_tp, kv_layout="head_major"),
-        "decode": dict(ENGINE, tensor_parallel_size=d_tp, kv_layout="head_major"),
-        "colocated": dict(ENGINE),
-    }
-    with ServiceThread(settings, per_role) as svc:
+    config = serve_config(
+        model="tiny",
+        ray_dashboard=False,
+        prefill=1,
+        decode=1,
+        kv_layout="head_major",
+        **ENGINE,
+        prefill_engine={"tensor_parallel_size": p_tp},
+        decode_engine={"tensor_parallel_size": d_tp},
+    )
+    with ServiceThread(config) as svc:
         for prompt, expected in zip(PROMPTS, reference):
             r = client(svc).completions.create(
                 model="tiny",

@@ -18,7 +18,7 @@ import time
 import pytest
 
 from cluster.cli.serve import ServiceThread
-from cluster.cli.settings import SERVE_DEFAULTS
+from cluster.cli.settings import serve_config
 from tests.cluster.service_helpers import client, wait_idle
 from tests.cluster.test_service import ray_local  # noqa: F401 - the module's local Ray
 from tests.cluster.test_tp_placement import bundle_in_use
@@ -68,17 +68,15 @@ def test_tp_worker_is_a_ray_actor_in_bundle_one_and_fails_with_its_engine():
     sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     (expected,) = [r.text for r in llm.generate([PROMPT], sp)]
 
-    settings = dict(
-        SERVE_DEFAULTS,
+    config = serve_config(
         model="tiny",
         ray_dashboard=False,
         colocated=1,
-        prefill=0,
-        decode=0,
         migration_wait_s=RESTART_TIMEOUT_S,  # the request in flight waits for the restart
+        **ENGINE,
+        tensor_parallel_size=2,
     )
-    per_role = {r: dict(ENGINE, tensor_parallel_size=2) for r in ("prefill", "decode", "colocated")}
-    with ServiceThread(settings, per_role) as svc:
+    with ServiceThread(config) as svc:
         e = svc.service.backend.engines["colocated-0"]
         (worker,) = e.state.info["tp_worker_actors"]
         pg_id = worker["placement_group_id"]

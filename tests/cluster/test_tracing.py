@@ -26,7 +26,7 @@ from cluster.gateway.app import create_app, serve_in_thread
 from cluster.gateway.null_backend import NullBackend
 from cluster.observability.logging_setup import make_handler
 from cluster.observability.tracing.otel import OtelTracer
-from cluster.observability.tracing.settings import check_settings, traces_url
+from cluster.observability.tracing.settings import ObservabilityConfig, traces_url
 from workers.checkpoints.tiny import build_tokenizer
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -238,14 +238,14 @@ def test_request_log_lines_carry_the_request_id(tokenizer, log_format):
 
 
 def test_settings_are_checked():
-    check_settings({"log_format": "json", "otlp_traces_endpoint": "http://otel:4318"})
+    ObservabilityConfig(log_format="json", otlp_traces_endpoint="http://otel:4318")
     assert traces_url("http://otel:4318") == "http://otel:4318/v1/traces"
     assert traces_url("https://otel:4318/custom/path") == "https://otel:4318/custom/path"
     with pytest.raises(ValueError, match="log_format"):
-        check_settings({"log_format": "xml"})
+        ObservabilityConfig(log_format="xml")
     for bad in ("otel:4318", "grpc://otel:4317", "http://", 5):
         with pytest.raises(ValueError, match="otlp_traces_endpoint"):
-            check_settings({"otlp_traces_endpoint": bad})
+            ObservabilityConfig(otlp_traces_endpoint=bad)
 
 
 def test_tracing_off_imports_no_sdk():
@@ -253,9 +253,9 @@ def test_tracing_off_imports_no_sdk():
         "import sys\n"
         "from cluster.gateway.app import create_app\n"
         "from cluster.gateway.null_backend import NullBackend\n"
-        "from cluster.observability.tracing.settings import make_tracer\n"
+        "from cluster.observability.tracing.settings import ObservabilityConfig, make_tracer\n"
         "from workers.checkpoints.tiny import build_tokenizer\n"
-        "assert make_tracer({'otlp_traces_endpoint': None}) is None\n"
+        "assert make_tracer(ObservabilityConfig()) is None\n"
         "create_app(NullBackend(build_tokenizer()))\n"
         "print(sorted(m for m in sys.modules if m.startswith('opentelemetry.sdk')))\n"
     )

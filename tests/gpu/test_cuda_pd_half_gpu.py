@@ -29,12 +29,12 @@ NUM_NEW = 8
 
 def _serve_configs(path: str) -> dict:
     from cluster.cli.main import build_parser
-    from cluster.cli.settings import pool_specs, resolve_settings
+    from cluster.cli.settings import pool_specs, resolve_config
 
     argv = ["serve", "--model", path, "--prefill", "1", "--decode", "1"]
     argv += ["--num-gpus-per-engine", "0.5", "--device", "cuda", "--dtype", "float32"]
     argv += ["--max-num-batched-tokens", "64", "--max-num-seqs", "8"]
-    specs = {s.role: s for s in pool_specs(*resolve_settings(build_parser().parse_args(argv)))}
+    specs = {s.role: s for s in pool_specs(resolve_config(build_parser().parse_args(argv)))}
     assert {role: s.num_gpus for role, s in specs.items()} == {"prefill": 0.5, "decode": 0.5}
     return {"P": specs["prefill"].config, "D": specs["decode"].config}
 

@@ -234,12 +234,11 @@ def test_config_validation_names_the_field():
 
 def test_serve_flags_turn_events_on_only_for_kv_aware(tmp_path):
     from cluster.cli.main import build_parser
-    from cluster.cli.settings import pool_specs, resolve_settings
-    from cluster.routing.settings import routing_config
+    from cluster.cli.settings import pool_specs, resolve_config
 
     def specs(argv):
         args = build_parser().parse_args(["serve", *argv])
-        return {s.role: s.config for s in pool_specs(*resolve_settings(args))}
+        return {s.role: s.config for s in pool_specs(resolve_config(args))}
 
     assert not any(c.kv_events for c in specs([]).values())  # 1P + 1D: least-load
     assert all(c.kv_events for c in specs(["--decode", "2"]).values())  # auto: kv-aware
@@ -248,13 +247,12 @@ def test_serve_flags_turn_events_on_only_for_kv_aware(tmp_path):
         c.kv_events for c in specs(["--colocated", "4", "--router", "round-robin"]).values()
     )
     args = build_parser().parse_args(["serve", "--router-load-weight", "0.5"])
-    settings, _ = resolve_settings(args)
-    assert settings["router_load_weight"] == 0.5
+    assert resolve_config(args).routing.load_weight == 0.5
     args = build_parser().parse_args(["serve", "--router-busy-threshold", "0.8"])
-    assert routing_config(resolve_settings(args)[0]).busy_threshold == 0.8
+    assert resolve_config(args).routing.busy_threshold == 0.8
     bad = tmp_path / "bad.yaml"
     bad.write_text("router: fastest\n")
     with pytest.raises(ValueError, match="router must be one of"):
-        resolve_settings(build_parser().parse_args(["serve", "--config", str(bad)]))
+        resolve_config(build_parser().parse_args(["serve", "--config", str(bad)]))
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--router", "fastest"])

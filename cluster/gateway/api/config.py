@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any
 
 from cluster.gateway.api.generation_defaults import GenerationDefaults, load_generation_defaults
 from cluster.gateway.protocol import ProtocolError
+from wire.config_fields import option
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,16 +32,13 @@ class ApiConfig:
             raise ValueError(f"--served-model-name: repeated names in {self.served_model_names}")
 
     @classmethod
-    def from_settings(cls, settings: dict[str, Any], model_path: str | None) -> ApiConfig:
-        """From serve settings (``served_model_name``, ``chat_template``,
-        ``generation_config``); ``model_path``: the checkpoint directory that
-        ``generation_config: auto`` reads. ValueError names the flag."""
-        names = settings.get("served_model_name") or ()
-        if isinstance(names, str):
-            names = (names,)
+    def from_settings(cls, settings: ApiSettings, model_path: str | None) -> ApiConfig:
+        """From the serve configuration's API section; ``model_path``: the
+        checkpoint directory that ``generation_config: auto`` reads. ValueError
+        names the flag."""
         template = None
-        if settings.get("chat_template"):
-            path = os.path.expanduser(settings["chat_template"])
+        if settings.chat_template:
+            path = os.path.expanduser(settings.chat_template)
             try:
                 with open(path, encoding="utf-8") as f:
                     template = f.read()
@@ -49,8 +46,36 @@ class ApiConfig:
                 raise ValueError(f"--chat-template: cannot read {path}: {exc}") from None
             if not template.strip():
                 raise ValueError(f"--chat-template: {path} is empty")
-        mode = settings.get("generation_config") or "auto"
-        return cls(tuple(names), template, load_generation_defaults(mode, model_path))
+        defaults = load_generation_defaults(settings.generation_config, model_path)
+        return cls(tuple(settings.served_model_name), template, defaults)
+
+
+@dataclasses.dataclass(frozen=True)
+class ApiSettings:
+    """What ``ApiConfig`` is made from: a section of the serve configuration
+    (files are read, and checkpoint defaults loaded, when the gateway starts)."""
+
+    served_model_name: tuple[str, ...] = option(
+        (),
+        default_text="--model",
+        help="model names clients may send (the first is reported)",
+    )
+    chat_template: str | None = option(
+        None, help="Jinja chat template file (replaces the tokenizer's)"
+    )
+    generation_config: str = option(
+        "auto",
+        help="sampling defaults: 'auto' (the checkpoint's generation_config.json), "
+        "'vllm' (ignore it) or a directory holding one",
+    )
+
+    def __post_init__(self) -> None:
+        names = self.served_model_name
+        if isinstance(names, str):
+            object.__setattr__(self, "served_model_name", (names,))
+        ApiConfig(tuple(self.served_model_name))  # ValueError naming --served-model-name
+        if not self.generation_config:
+            object.__setattr__(self, "generation_config", "auto")
 
 
 class ServedModels:

@@ -17,25 +17,36 @@ import math
 from starlette.requests import Request
 
 from cluster.gateway.protocol import ProtocolError
+from wire.config_fields import option
 
 MIB = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True)
 class GatewayLimits:
-    """The gateway's limits (``tandem serve`` flags of the same names).
+    """The gateway's limits: a section of the serve configuration
+    (``cluster/cli/config/``), flags and YAML keys of the same names."""
 
-    ``max_num_requests`` 0 means no cap; ``request_timeout_s`` 0 means no
-    deadline. ``tokenizer_workers`` threads tokenize prompts and render chat
-    templates (the Rust tokenizer releases the GIL while it encodes).
-    """
-
-    max_request_body_mb: float = 8.0
-    max_num_requests: int = 0
-    request_timeout_s: float = 600.0
-    tokenizer_workers: int = 2
-    retry_after_s: int = 1
-    max_logprobs: int = 20  # cap of logprobs / top_logprobs (vLLM's default)
+    max_request_body_mb: float = option(
+        8.0, help="larger request bodies get 413, before anything is parsed"
+    )
+    max_num_requests: int = option(
+        0, default_text="0 (no cap)", help="concurrent requests; more get 503 + Retry-After"
+    )
+    request_timeout_s: float = option(
+        600.0,
+        default_text="600 (0 = none)",
+        help="per-request deadline: aborted on the engines, 504 / error event",
+    )
+    # threads that tokenize prompts and render chat templates (the Rust tokenizer
+    # releases the GIL while it encodes)
+    tokenizer_workers: int = option(2, help="threads that tokenize prompts")
+    retry_after_s: int = option(1, help="the Retry-After of a 503 past --max-num-requests")
+    max_logprobs: int = option(20, help="cap of logprobs / top_logprobs per token")
+    max_queued_outputs: int = option(
+        512,
+        help="undelivered outputs of one stream before it is cut (a client not reading)",
+    )
 
     def __post_init__(self) -> None:
         for name in ("max_request_body_mb", "request_timeout_s"):
@@ -44,12 +55,19 @@ class GatewayLimits:
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         if self.max_request_body_mb == 0:
             raise ValueError("max_request_body_mb must be > 0")
-        for name in ("max_num_requests", "tokenizer_workers", "retry_after_s", "max_logprobs"):
+        for name in (
+            "max_num_requests",
+            "tokenizer_workers",
+            "retry_after_s",
+            "max_logprobs",
+            "max_queued_outputs",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
-        if self.tokenizer_workers < 1:
-            raise ValueError(f"tokenizer_workers must be >= 1, got {self.tokenizer_workers}")
+        for name in ("tokenizer_workers", "max_queued_outputs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
     @property
     def max_request_body_bytes(self) -> int:

@@ -1,14 +1,15 @@
-"""``--otlp-traces-endpoint`` and ``--log-format``: checked with the other
-serve settings, turned into a tracer only when tracing is on (the
+"""``--otlp-traces-endpoint`` and ``--log-format``: the observability section
+of the serve configuration, turned into a tracer only when tracing is on (the
 OpenTelemetry SDK is imported then and never otherwise)."""
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from cluster.observability.logging_setup import LOG_FORMATS
 from cluster.observability.tracing.observer import Tracer
+from wire.config_fields import option
 
 
 def traces_url(endpoint: str) -> str:
@@ -25,21 +26,37 @@ def traces_url(endpoint: str) -> str:
     return endpoint
 
 
-def check_settings(settings: dict[str, Any]) -> None:
-    """ValueError naming ``log_format`` or ``otlp_traces_endpoint``."""
-    log_format = settings.get("log_format", "text")
-    if log_format not in LOG_FORMATS:
-        raise ValueError(f"log_format must be one of {', '.join(LOG_FORMATS)}, got {log_format!r}")
-    endpoint = settings.get("otlp_traces_endpoint")
-    if endpoint is not None:
-        if not isinstance(endpoint, str):
-            raise ValueError(f"otlp_traces_endpoint must be a URL string, got {endpoint!r}")
-        traces_url(endpoint)
+@dataclass(frozen=True)
+class ObservabilityConfig:
+    """Logs and traces (ValueError naming ``log_format`` or ``otlp_traces_endpoint``)."""
+
+    log_format: str = option(
+        "text",
+        choices=LOG_FORMATS,
+        help="gateway and engine logs: text or one JSON object a line",
+    )
+    otlp_traces_endpoint: str | None = option(
+        None,
+        default_text="off",
+        help="export one OpenTelemetry trace per request over OTLP/HTTP to this URL "
+        "(http://collector:4318 gets /v1/traces)",
+    )
+
+    def __post_init__(self) -> None:
+        if self.log_format not in LOG_FORMATS:
+            raise ValueError(
+                f"log_format must be one of {', '.join(LOG_FORMATS)}, got {self.log_format!r}"
+            )
+        endpoint = self.otlp_traces_endpoint
+        if endpoint is not None:
+            if not isinstance(endpoint, str):
+                raise ValueError(f"otlp_traces_endpoint must be a URL string, got {endpoint!r}")
+            traces_url(endpoint)
 
 
-def make_tracer(settings: dict[str, Any]) -> Tracer | None:
+def make_tracer(config: ObservabilityConfig) -> Tracer | None:
     """An ``OtelTracer`` exporting to ``otlp_traces_endpoint``; None when unset."""
-    endpoint = settings.get("otlp_traces_endpoint")
+    endpoint = config.otlp_traces_endpoint
     if not endpoint:
         return None
     from cluster.observability.tracing.otel import OtelTracer
