@@ -5,7 +5,7 @@
 
 Prints: source files over 500 lines, the largest classes (lines), import cycles between the
 project's modules (strongly connected components of the module import graph, every import
-statement counted, also those inside functions), upward imports (a lower layer importing a
+statement counted, also those inside functions, except those under ``if TYPE_CHECKING:``), upward imports (a lower layer importing a
 higher one: the layer order is ``wire < scheduler, kernels < kvtransfer < workers < cluster``),
 the number of options ``tandem serve --help`` lists, and the README's line count. Nothing
 of the project is imported or run except ``tandem serve --help`` in a child process.
@@ -51,7 +51,17 @@ def imports_of(path: Path, module: str, known: set[str]) -> set[str]:
     tree = ast.parse(path.read_text(), str(path))
     is_package = path.name == "__init__.py"
     found = set()
+    # imports under ``if TYPE_CHECKING:`` never run: annotations only, not an edge
+    typing_only = {
+        id(inner)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for stmt in node.body
+        for inner in ast.walk(stmt)
+    }
     for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         names: list[str] = []
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]

@@ -2,6 +2,8 @@
 
 ``create_connector(KVTransferConfig(...))`` returns ``(scheduler_side,
 worker_side)``; see ``base.py`` for the contract of each half.
+
+May import ``scheduler`` (types), ``wire`` and NIXL/UCX; never ``workers`` or ``cluster``.
 """
 
 from kvtransfer.base import KVConnectorSchedulerSide, KVConnectorWorkerSide

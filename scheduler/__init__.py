@@ -2,6 +2,9 @@
 
 The messages it takes and gives to the gateway (``EngineRequest``,
 ``EngineOutputs``, ...) are the engine protocol's, ``wire/engine_protocol.py``.
+
+May import ``wire`` only (and msgspec, numpy, xxhash): never torch, ``kernels``,
+``kvtransfer`` (its connector is duck-typed), ``workers`` or ``cluster``.
 """
 
 from scheduler.config import SchedulerConfig
