@@ -5,7 +5,8 @@
 
 Prints: source files over 500 lines, the largest classes (lines), import cycles between the
 project's modules (strongly connected components of the module import graph, every import
-statement counted, also those inside functions, except those under ``if TYPE_CHECKING:``), upward imports (a lower layer importing a
+statement counted, also those inside functions, except those under ``if TYPE_CHECKING:``;
+``tests/unit/test_import_layers.py`` asserts on the same graph), upward imports (a lower layer importing a
 higher one: the layer order is ``wire < scheduler, kernels < kvtransfer < workers < cluster``),
 the number of options ``tandem serve --help`` lists, and the README's line count. Nothing
 of the project is imported or run except ``tandem serve --help`` in a child process.
@@ -21,124 +22,101 @@ import subprocess
 import sys
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("wire", "scheduler", "kernels", "kvtransfer", "workers", "cluster")
 # a package may import those of a lower or equal rank only
 RANK = {"wire": 0, "scheduler": 1, "kernels": 1, "kvtransfer": 2, "workers": 3, "cluster": 4}
 
 
-def _prefix(root: Path) -> str:
-    """The packages' import prefix: "" for top-level packages, "tandem." when installed under
-    one namespace (a ``tandem`` folder or ``package-dir`` mapping holding them)."""
-    return "tandem." if (root / "tandem" / "__init__.py").exists() else ""
-
-
-def source_files(root: Path) -> dict[str, Path]:
+def source_files(root: Path = ROOT) -> dict[str, Path]:
     """Module name -> path for every .py file of the project's packages."""
-    modules = {}
-    base = root / "tandem" if _prefix(root) else root
+    out = {}
     for package in PACKAGES:
-        for path in sorted((base / package).rglob("*.py")):
-            rel = path.relative_to(base).with_suffix("")
-            parts = list(rel.parts)
-            if parts[-1] == "__init__":
-                parts = parts[:-1]
-            modules[".".join(parts)] = path
-    return modules
+        for path in sorted((root / package).rglob("*.py")):
+            name = ".".join(path.relative_to(root).with_suffix("").parts)
+            out[name.removesuffix(".__init__")] = path
+    return out
 
 
-def imports_of(path: Path, module: str, known: set[str]) -> set[str]:
-    """Project modules ``module`` imports (the longest known prefix of each name)."""
-    tree = ast.parse(path.read_text(), str(path))
-    is_package = path.name == "__init__.py"
-    found = set()
-    # imports under ``if TYPE_CHECKING:`` never run: annotations only, not an edge
-    typing_only = {
-        id(inner)
-        for node in ast.walk(tree)
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-        for stmt in node.body
-        for inner in ast.walk(stmt)
-    }
-    for node in ast.walk(tree):
-        if id(node) in typing_only:
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imported_names(tree: ast.AST, package: str) -> list[tuple[str, str | None]]:
+    """``(module, name)`` per imported name: ``import a.b`` -> ``("a.b", None)``,
+    ``from a import b`` -> ``("a", "b")`` (``b`` a submodule or an attribute)."""
+    names: list[tuple[str, str | None]] = []
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            stack.extend(node.orelse)
             continue
-        names: list[str] = []
         if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
+            names += [(a.name, None) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
             if node.level:
-                base = module.split(".")
-                base = base if is_package else base[:-1]
-                base = base[: len(base) - (node.level - 1)]
-                stem = ".".join(base + ([node.module] if node.module else []))
-            else:
-                stem = node.module or ""
-            names = [stem] + [f"{stem}.{a.name}" for a in node.names]
-        for name in names:
-            name = name.removeprefix("tandem.")
-            while name and name not in known:
-                name = name.rpartition(".")[0]
-            if name and name != module:
-                found.add(name)
-    return found
+                parts = package.split(".")
+                parts = parts[: len(parts) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            names += [(base, a.name) for a in node.names]
+        stack.extend(ast.iter_child_nodes(node))
+    return names
+
+
+def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    """module -> project modules it imports. ``from pkg import submodule``
+    counts as the submodule (the package's ``__init__`` is not the point)."""
+    modules = source_files(root)
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for module, path in modules.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        for base, name in _imported_names(ast.parse(path.read_text()), package):
+            target = f"{base}.{name}" if name and f"{base}.{name}" in modules else base
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if target and target != module:
+                graph[module].add(target)
+    return graph
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    """Strongly connected components with more than one module (Tarjan)."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
     on_stack: set[str] = set()
     out: list[list[str]] = []
-    counter = 0
-    for start in sorted(graph):
-        if start in index:
-            continue
-        work = [(start, iter(sorted(graph[start])))]
-        index[start] = low[start] = counter
-        counter += 1
-        stack.append(start)
-        on_stack.add(start)
-        while work:
-            node, children = work[-1]
-            child = next(children, None)
-            if child is not None:
-                if child not in index:
-                    index[child] = low[child] = counter
-                    counter += 1
-                    stack.append(child)
-                    on_stack.add(child)
-                    work.append((child, iter(sorted(graph.get(child, ())))))
-                elif child in on_stack:
-                    low[node] = min(low[node], index[child])
-                continue
-            work.pop()
-            if work:
-                parent = work[-1][0]
-                low[parent] = min(low[parent], low[node])
-            if low[node] == index[node]:
-                component = []
-                while True:
-                    member = stack.pop()
-                    on_stack.discard(member)
-                    component.append(member)
-                    if member == node:
-                        break
-                if len(component) > 1:
-                    out.append(sorted(component))
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
     return out
-
-
-def import_graph(root: Path) -> dict[str, set[str]]:
-    modules = source_files(root)
-    known = set(modules)
-    graph = {}
-    for module, path in modules.items():
-        deps = imports_of(path, module, known)
-        # a module importing its own package's __init__ (or vice versa) is not a cycle of
-        # design: the package is the module's container
-        graph[module] = {d for d in deps if not module.startswith(d + ".")}
-    return graph
 
 
 def upward_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
@@ -163,8 +141,6 @@ def largest_classes(root: Path, top: int) -> list[tuple[int, str]]:
 def serve_option_count(root: Path) -> int | None:
     env = dict(os.environ, PYTHONPATH=str(root))
     cmd = [sys.executable, "-m", "cluster", "serve", "--help"]
-    if _prefix(root):
-        cmd = [sys.executable, "-m", "tandem.cluster", "serve", "--help"]
     done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=120)
     if done.returncode != 0:
         return None

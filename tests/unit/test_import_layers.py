@@ -5,18 +5,14 @@
     (the Backend interface, cluster.gateway.backend, is imported from below)
     cluster  ->  workers  ->  kvtransfer, kernels  ->  scheduler, wire
 
-Read from the source with ``ast`` (nothing is imported): every ``import``,
+Read from the source with ``ast`` by ``benchmarks/structure.py`` (nothing is imported): every ``import``,
 also those inside functions (a lazy import that closes a circle is still a
 circle), except under ``if TYPE_CHECKING:``.
 """
 
 from __future__ import annotations
 
-import ast
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("cluster", "scheduler", "kernels", "wire", "kvtransfer", "workers")
+from benchmarks.structure import cycles, import_graph, source_files
 
 # what each cluster package may import from the other cluster packages
 # (a name allows that module or package and everything under it)
@@ -30,102 +26,12 @@ CLUSTER_ALLOWED = {
 }
 
 
-def _modules() -> dict[str, Path]:
-    out = {}
-    for package in PACKAGES:
-        for path in (ROOT / package).rglob("*.py"):
-            name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
-            out[name.removesuffix(".__init__")] = path
-    return out
-
-
-def _is_type_checking(node: ast.If) -> bool:
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
-def _imported_names(tree: ast.AST, package: str) -> list[tuple[str, str | None]]:
-    """``(module, name)`` per imported name: ``import a.b`` -> ``("a.b", None)``,
-    ``from a import b`` -> ``("a", "b")`` (``b`` a submodule or an attribute)."""
-    names: list[tuple[str, str | None]] = []
-    stack = [tree]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, ast.If) and _is_type_checking(node):
-            stack.extend(node.orelse)
-            continue
-        if isinstance(node, ast.Import):
-            names += [(a.name, None) for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parts = package.split(".")
-                parts = parts[: len(parts) - node.level + 1]
-                base = ".".join(parts + ([base] if base else []))
-            names += [(base, a.name) for a in node.names]
-        stack.extend(ast.iter_child_nodes(node))
-    return names
-
-
-def import_graph() -> dict[str, set[str]]:
-    """module -> project modules it imports. ``from pkg import submodule``
-    counts as the submodule (the package's ``__init__`` is not the point)."""
-    modules = _modules()
-    graph: dict[str, set[str]] = {m: set() for m in modules}
-    for module, path in modules.items():
-        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-        for base, name in _imported_names(ast.parse(path.read_text()), package):
-            target = f"{base}.{name}" if name and f"{base}.{name}" in modules else base
-            while target and target not in modules:
-                target = target.rpartition(".")[0]
-            if target and target != module:
-                graph[module].add(target)
-    return graph
-
-
-def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Strongly connected components with more than one module (Tarjan)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    out: list[list[str]] = []
-
-    def visit(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on_stack.add(v)
-        for w in graph[v]:
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on_stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            component = []
-            while True:
-                w = stack.pop()
-                on_stack.discard(w)
-                component.append(w)
-                if w == v:
-                    break
-            if len(component) > 1:
-                out.append(sorted(component))
-
-    for v in sorted(graph):
-        if v not in index:
-            visit(v)
-    return out
-
-
 def _under(name: str, prefix: str) -> bool:
     return name == prefix or name.startswith(prefix + ".")
 
 
 def test_no_import_cycles():
-    assert _cycles(import_graph()) == []
+    assert cycles(import_graph()) == []
 
 
 def test_lower_layers_never_import_cluster():
@@ -157,7 +63,7 @@ def test_every_cluster_module_has_a_package():
     # a module added beside the packages would escape the rules above
     flat = [
         m
-        for m in _modules()
+        for m in source_files()
         if m.count(".") == 1 and _under(m, "cluster") and m not in CLUSTER_ALLOWED
     ]
     assert sorted(flat) == ["cluster.__main__"]
