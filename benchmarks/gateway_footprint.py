@@ -7,7 +7,8 @@ is loaded (issue #24: the gateway must not import torch).
 Each run is a fresh interpreter that imports the gateway's HTTP app and the Ray backend (the
 modules ``tandem serve`` loads in the gateway process), builds the FastAPI app over a
 ``NullBackend``, and reports wall seconds for that, its peak RSS (``ru_maxrss``) and whether
-``torch`` is in ``sys.modules``. The tokenizer is the built-in ``tiny`` model's, loaded the
+``torch`` is loaded. Like ``tandem serve``, it first bars torch where the checkout has
+``cluster.gateway.torch_free`` (the old layout has none). The tokenizer is the built-in ``tiny`` model's, loaded the
 way the gateway loads a model's (``AutoTokenizer.from_pretrained``). The gateway's RSS while serving (idle and after N requests)
 comes from ``benchmarks/soak.py`` (``--num-requests 1000``), which samples it in the serving
 process. Medians of ``--runs``.
@@ -32,6 +33,11 @@ CHILD = r"""
 import importlib, json, resource, sys, time
 app_mod, backend_mod, null_mod, tokenizer_dir = sys.argv[1:5]
 start = time.perf_counter()
+try:  # what `tandem serve` does first in its process, where the checkout has it
+    from cluster.gateway.torch_free import bar_torch
+    bar_torch()
+except ImportError:
+    pass
 app = importlib.import_module(app_mod)
 importlib.import_module(backend_mod)
 null = importlib.import_module(null_mod)
@@ -43,7 +49,7 @@ print(json.dumps({
     "import_s": imported,
     "app_s": built,
     "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-    "torch": "torch" in sys.modules,
+    "torch": sys.modules.get("torch") is not None,
     "modules": len(sys.modules),
 }))
 """

@@ -98,7 +98,11 @@ def _rss_bytes(pid: int) -> int:
 
 
 def _service_main(conn: Any, config: SoakConfig) -> None:
-    """Child process: start the service, answer ``sample`` / ``settle`` / ``stop``."""
+    """Child process: start the service, answer ``sample`` / ``settle`` / ``stop``. Like
+    ``tandem serve``, the gateway process bars torch (``cluster/gateway/torch_free.py``)."""
+    from cluster.gateway.torch_free import bar_torch
+
+    bar_torch()
     import ray
 
     from cluster.cli.serve import ServiceThread
