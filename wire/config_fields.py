@@ -169,15 +169,22 @@ def coerce(value: Any, hint: Any, name: str, parse: Callable[[str], Any] | None 
         items = [coerce(v, item, name) for v in value]
         return tuple(items) if origin is tuple else items
     if origin is dict or base is dict:
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{name}: not valid JSON ({exc.msg}): {value!r}") from None
+        value = json_text(value, name)
         if not isinstance(value, dict):
             raise ValueError(f"{name} must be a mapping, got {value!r}")
         return dict(value)
     return value
+
+
+def json_text(value: Any, name: str) -> Any:
+    """``value`` parsed as JSON when it is a string (a flag's text), else as given;
+    ``ValueError`` naming ``name`` for bad JSON."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{name}: not valid JSON ({exc.msg}): {value!r}") from None
 
 
 def format_default(value: Any, meta: OptionMeta | None = None) -> str:

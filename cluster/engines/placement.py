@@ -39,12 +39,11 @@ GPU per rank): 3 GPUs, or half a GPU, for 2 ranks is refused.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass
 from typing import Any
 
-from wire.config_fields import option
+from wire.config_fields import json_text, option
 
 ROLES = ("prefill", "decode", "colocated")
 # Ray takes these through num_cpus / num_gpus / memory, never in ``resources``.
@@ -59,11 +58,7 @@ def parse_ray_resources(value: Any, field: str) -> dict[str, float]:
     """
     if value is None or value == "":
         return {}
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{field}: not valid JSON ({exc.msg}): {value!r}") from None
+    value = json_text(value, field)
     if not isinstance(value, dict):
         raise ValueError(f'{field}: expected a JSON object like {{"tandem_prefill": 1}}')
     out: dict[str, float] = {}
