@@ -37,7 +37,7 @@ format: $(STAMP)
 
 # docs/configuration.md's reference, generated from the configuration's fields
 reference: $(STAMP)
-	$(BIN)/python -m cluster.cli.config.reference
+	$(BIN)/python -m tandem.cluster.cli.config.reference
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/scheduler_step.py

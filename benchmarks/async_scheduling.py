@@ -69,8 +69,8 @@ class Bench:
 
     def __init__(self, path: str, batch: int, prompt_len: int, output_len: int, overlap: bool,
                  args: argparse.Namespace) -> None:  # fmt: skip
-        from workers.config import EngineConfig
-        from workers.engine.core import EngineCore
+        from tandem.workers.config import EngineConfig
+        from tandem.workers.engine.core import EngineCore
 
         self.engine = EngineCore(
             EngineConfig(
@@ -93,7 +93,7 @@ class Bench:
 
     def run(self, prompts: list[list[int]]) -> tuple[list[list[int]], float, float, float]:
         """(tokens, mean decode turn s, mean loop-thread host s per decode turn, total s)."""
-        from wire.engine_protocol import EngineRequest, SamplingParams
+        from tandem.wire.engine_protocol import EngineRequest, SamplingParams
 
         engine, batch = self.engine, self.batch
         sp = SamplingParams(max_tokens=self.output_len, temperature=0.0, ignore_eos=True)

@@ -27,9 +27,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._machine import machine  # noqa: E402
-from wire.engine_protocol import EngineRequest, SamplingParams  # noqa: E402
-from workers.config import EngineConfig  # noqa: E402
-from workers.engine.core import EngineCore  # noqa: E402
+from tandem.wire.engine_protocol import EngineRequest, SamplingParams  # noqa: E402
+from tandem.workers.config import EngineConfig  # noqa: E402
+from tandem.workers.engine.core import EngineCore  # noqa: E402
 
 
 def _sync(engine: EngineCore) -> None:

@@ -25,10 +25,10 @@ LONG_PROMPTS_PER_S = 2.0
 def measure(disaggregated: bool, ckpt: str) -> tuple[list[float], int]:
     """Token gaps (ms) of 4 decode streams while 1536-token prompts arrive
     (LONG_PROMPTS_PER_S): prefilled on P and handed to D, or prefilled on D itself."""
-    from kvtransfer.handoff import decode_request, prefill_request
+    from tandem.kvtransfer.handoff import decode_request, prefill_request
+    from tandem.wire.engine_protocol import EngineRequest, SamplingParams
+    from tandem.workers.config import EngineConfig
     from tests.e2e.engine_proc import Harness
-    from wire.engine_protocol import EngineRequest, SamplingParams
-    from workers.config import EngineConfig
 
     h = Harness()
     try:

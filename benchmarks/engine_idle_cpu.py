@@ -44,10 +44,10 @@ def main() -> None:
     os.environ["UCX_TLS"] = "tcp"  # inherited by the engine processes
 
     from benchmarks._machine import machine
-    from kvtransfer.handoff import decode_request, prefill_request
+    from tandem.kvtransfer.handoff import decode_request, prefill_request
+    from tandem.wire.engine_protocol import EngineRequest, SamplingParams
+    from tandem.workers.config import EngineConfig
     from tests.e2e.engine_proc import Harness
-    from wire.engine_protocol import EngineRequest, SamplingParams
-    from workers.config import EngineConfig
 
     h = Harness()
     rows = []

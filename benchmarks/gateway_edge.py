@@ -27,11 +27,11 @@ import httpx
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._machine import machine  # noqa: E402
-from cluster.gateway.app import create_app, serve_in_thread  # noqa: E402
-from cluster.gateway.edge.tokenizer_pool import TokenizerPool  # noqa: E402
-from cluster.gateway.null_backend import NullBackend  # noqa: E402
-from workers.checkpoints.tiny import build_tokenizer  # noqa: E402
-from workers.text.tokenizer import encode_prompt  # noqa: E402
+from tandem.cluster.gateway.app import create_app, serve_in_thread  # noqa: E402
+from tandem.cluster.gateway.edge.tokenizer_pool import TokenizerPool  # noqa: E402
+from tandem.cluster.gateway.null_backend import NullBackend  # noqa: E402
+from tandem.workers.checkpoints.tiny import build_tokenizer  # noqa: E402
+from tandem.workers.text.tokenizer import encode_prompt  # noqa: E402
 
 NUM_TOKENS = 40
 

@@ -23,7 +23,11 @@ import statistics
 import subprocess
 import sys
 
-# (app module, backend module, null backend module) per layout: today's first
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import checkout  # noqa: E402  (benchmarks/checkout.py)
+
+# (app module, backend module, null backend module) per layout, without the ``tandem.``
+# prefix that checkouts with setup.py install under: today's first
 LAYOUTS = (
     ("cluster.gateway.app", "cluster.disagg.ray_backend", "cluster.gateway.null_backend"),
     ("cluster.gateway", "cluster.ray_backend", "cluster.null_backend"),
@@ -33,11 +37,12 @@ CHILD = r"""
 import importlib, json, resource, sys, time
 app_mod, backend_mod, null_mod, tokenizer_dir = sys.argv[1:5]
 start = time.perf_counter()
-try:  # what `tandem serve` does first in its process, where the checkout has it
-    from cluster.gateway.torch_free import bar_torch
-    bar_torch()
-except ImportError:
-    pass
+for torch_free in ("tandem.cluster.gateway.torch_free", "cluster.gateway.torch_free"):
+    try:  # what `tandem serve` does first in its process, where the checkout has it
+        importlib.import_module(torch_free).bar_torch()
+        break
+    except ImportError:
+        pass
 app = importlib.import_module(app_mod)
 importlib.import_module(backend_mod)
 null = importlib.import_module(null_mod)
@@ -62,7 +67,7 @@ def layout_of(root: str) -> tuple[str, str, str]:
             or os.path.exists(os.path.join(root, *m.split("."), "__init__.py"))
             for m in layout
         ):
-            return layout
+            return tuple(checkout.module(root, m) for m in layout)
     raise SystemExit(f"no known gateway layout under {root}")
 
 
@@ -73,13 +78,14 @@ def main() -> int:
     args = p.parse_args()
     root = os.path.abspath(args.root)
     layout = layout_of(root)
-    env = dict(os.environ, PYTHONPATH=root)
+    env = checkout.python_env(root)
     tokenizer_dir = (
         subprocess.run(  # the built-in tiny model's directory (written once)
             [
                 sys.executable,
                 "-c",
-                "try:\n from workers.checkpoints.tiny import ensure_tiny_model as e\n"
+                f"try:\n from {checkout.module(root, 'workers')}.checkpoints.tiny import "
+                "ensure_tiny_model as e\n"
                 "except ImportError:\n from workers.tiny import ensure_tiny_model as e\nprint(e())",
             ],
             cwd=root,

@@ -128,8 +128,8 @@ def workload_rows(path: str, args: argparse.Namespace) -> list[tuple[str, str, s
 def _engine(
     path: str, max_num_seqs: int, max_tokens_per_step: int, args, async_scheduling=False
 ) -> object:
-    from workers.config import EngineConfig
-    from workers.engine.core import EngineCore
+    from tandem.workers.config import EngineConfig
+    from tandem.workers.engine.core import EngineCore
 
     return EngineCore(
         EngineConfig(
@@ -157,7 +157,7 @@ def decode_rows(
     path: str, args: argparse.Namespace, hbm_tb_s: float, async_scheduling: bool = False
 ) -> list[tuple]:
     """Decode step time per batch; ``async_scheduling``: with the overlapped loop."""
-    from wire.engine_protocol import EngineRequest, SamplingParams
+    from tandem.wire.engine_protocol import EngineRequest, SamplingParams
 
     batches = [int(b) for b in args.decode_batches.split(",")]
     engine = _engine(path, max(batches), 8192, args, async_scheduling)
@@ -202,7 +202,7 @@ def decode_rows(
 
 
 def prefill_rows(path: str, args: argparse.Namespace) -> list[tuple]:
-    from wire.engine_protocol import EngineRequest, SamplingParams
+    from tandem.wire.engine_protocol import EngineRequest, SamplingParams
 
     length, count = args.prefill_len, args.prefill_prompts
     engine = _engine(path, count, length * count, args)
@@ -240,8 +240,8 @@ def compile_rows(path: str, args: argparse.Namespace) -> list[tuple]:
     """torch.compile vs eager (``--compile-model``): decode step at batch 64 (graphs replay
     either forward) and one prefill of ``--prefill-len`` tokens, with the compile time."""
     from benchmarks.compile_model import decode_step_ms, prefill_ms
-    from workers.config import EngineConfig
-    from workers.engine.core import EngineCore
+    from tandem.workers.config import EngineConfig
+    from tandem.workers.engine.core import EngineCore
 
     rows, batch = [], 64
     for mode in ("off", "on"):

@@ -234,8 +234,8 @@ def measure(
     byte-exact."""
     import numpy as np
 
-    from kvtransfer.ucx.env import ucx_env_defaults
-    from wire.auth import generate_secret
+    from tandem.kvtransfer.ucx.env import ucx_env_defaults
+    from tandem.wire.auth import generate_secret
 
     for layout in layouts:
         if layout not in LAYOUTS:
@@ -261,7 +261,7 @@ def measure(
         settings = {k: os.environ.get(k, "") for k in ucx_env_defaults(device)}
         transport = None
         if probe:
-            from kvtransfer.ucx.probe import run_probe
+            from tandem.kvtransfer.ucx.probe import run_probe
 
             memory = "VRAM" if device.startswith("cuda") else "DRAM"
             index = pair.kv.device.index
@@ -294,7 +294,7 @@ def transport_text(report: ReadReport) -> tuple[str, str]:
 
 
 def format_table(report: ReadReport) -> str:
-    from kvtransfer.nixl_agent import nixl_version
+    from tandem.kvtransfer.nixl_agent import nixl_version
 
     memory = "VRAM" if report.device.startswith("cuda") else "DRAM"
     transport, warning = transport_text(report)

@@ -53,8 +53,8 @@ def _prompt(n: int, seed: int, vocab_size: int = ONE_B_CONFIG["vocab_size"]) -> 
 
 
 def _engine(path: str, mode: str, shapes: list[tuple[int, int]], args) -> object:
-    from workers.config import EngineConfig
-    from workers.engine.core import EngineCore
+    from tandem.workers.config import EngineConfig
+    from tandem.workers.engine.core import EngineCore
 
     return EngineCore(
         EngineConfig(
@@ -77,7 +77,7 @@ def _sync(engine) -> None:
 
 def step_ms(engine, decodes: int, chunk: int, args) -> float:
     """Mean wall ms of ``args.steps`` steps of ``decodes`` decodes + a ``chunk``-token chunk."""
-    from wire.engine_protocol import EngineRequest, SamplingParams
+    from tandem.wire.engine_protocol import EngineRequest, SamplingParams
 
     num_steps = args.steps
     # One engine serves every shape, its budget the largest D + C: a step must not fill the

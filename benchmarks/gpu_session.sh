@@ -48,7 +48,9 @@ elif ! python3 -c "import msgspec, zmq, nixl" 2>/dev/null; then
     echo "no $setup and msgspec/zmq/nixl missing: copy /work/shared/gpu to ./gpu" | tee -a "$summary"
     exit 1
 fi
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# the checkout's folders as the tandem.* packages, without installing (benchmarks/checkout.py)
+PYTHONPATH="$(python3 benchmarks/checkout.py)${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH
 
 # stage NAME TIMEOUT_S LOG COMMAND...: run with a deadline, log, record status and time
 stage() {

@@ -34,11 +34,11 @@ def run(requests: int, concurrency: int, num_kv_blocks: int, seed: int) -> list[
     """Per wave, ``(blocks read, descriptors)`` of each request's READ."""
     import numpy as np
 
-    from kvtransfer.handoff import decode_request, prefill_request
+    from tandem.kvtransfer.handoff import decode_request, prefill_request
+    from tandem.wire.engine_protocol import EngineRequest, SamplingParams
+    from tandem.workers.config import EngineConfig
     from tests.e2e.engine_proc import Harness
     from tests.workers.hf_checkpoints import make_checkpoint
-    from wire.engine_protocol import EngineRequest, SamplingParams
-    from workers.config import EngineConfig
 
     rng = np.random.default_rng(seed)
     waves: list[list[tuple]] = []

@@ -98,7 +98,7 @@ class ReadPair:
     ) -> None:
         import torch
 
-        from kvtransfer import KVTransferConfig, create_connector
+        from tandem.kvtransfer import KVTransferConfig, create_connector
         from tests.kvtransfer.prefill_process import PrefillProcess
 
         self.device = device
@@ -140,9 +140,9 @@ class ReadPair:
     def pull_many(self, loads: list[tuple[str, dict, list[int]]]) -> None:
         """``(request_id, params, block_ids)`` loads started in one engine
         step (one connector metadata); returns once all are received."""
-        from scheduler.messages import KVConnectorOutput
-        from scheduler.request import Request, RequestStatus
-        from wire.engine_protocol import SamplingParams
+        from tandem.scheduler.messages import KVConnectorOutput
+        from tandem.scheduler.request import Request, RequestStatus
+        from tandem.wire.engine_protocol import SamplingParams
 
         requests = []
         for request_id, params, block_ids in loads:
@@ -173,7 +173,7 @@ class ReadPair:
     def descriptors(self, block_ids: list[int], remote_block_ids: list[int]):
         """The descriptors the connector posts for this whole-block load
         (``tp_plan.read_descriptors``, absolute addresses)."""
-        from kvtransfer.tp_plan import BlockGeometry, HeadRead, read_descriptors
+        from tandem.kvtransfer.tp_plan import BlockGeometry, HeadRead, read_descriptors
 
         peer = self._peer()
         shard, layout = self.worker.shard, self.worker.layout
@@ -233,7 +233,7 @@ class ReadPair:
 def timed_copy_s(dst, src, block_ids: list[int], src_block_ids: list[int], device: str) -> float:
     """Seconds to copy blocks ``src[src_block_ids[i]]`` into ``dst[block_ids[i]]``
     with ``Tensor.copy_``, one copy per run, on ``device`` (synchronised)."""
-    from kvtransfer.nixl_agent import split_block_runs
+    from tandem.kvtransfer.nixl_agent import split_block_runs
 
     sync(device)
     start = time.perf_counter()

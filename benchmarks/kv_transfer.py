@@ -140,10 +140,10 @@ def setup_cost_us(device: str, iters: int = 200) -> dict[str, tuple[float, float
     Two agents in this process, one-head 512-byte blocks."""
     import torch
 
-    from kvtransfer.compat import BLOCKS_FIRST
-    from kvtransfer.nixl_agent import NixlAgent, _rows, make_agent_name
-    from kvtransfer.prepped_blocks import count_runs, sorted_block_pairs
-    from kvtransfer.tp_plan import BlockGeometry, HeadRead, read_descriptors, shard_for
+    from tandem.kvtransfer.compat import BLOCKS_FIRST
+    from tandem.kvtransfer.nixl_agent import NixlAgent, _rows, make_agent_name
+    from tandem.kvtransfer.prepped_blocks import count_runs, sorted_block_pairs
+    from tandem.kvtransfer.tp_plan import BlockGeometry, HeadRead, read_descriptors, shard_for
 
     geometry = BlockGeometry(BLOCKS_FIRST, 1, 1, 64, 4)  # 512 bytes per block
     shard = shard_for(1, 1, 0)
@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
     import torch
 
-    from wire.auth import generate_secret
+    from tandem.wire.auth import generate_secret
 
     config = {
         "cluster_secret": generate_secret(),  # CURVE on the side channel, as served
@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         pair.close()
 
-    from kvtransfer.nixl_agent import nixl_version
+    from tandem.kvtransfer.nixl_agent import nixl_version
 
     memory = "VRAM" if args.device.startswith("cuda") else "DRAM"
     print(

@@ -37,8 +37,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._machine import machine  # noqa: E402
-from cluster.cli.serve import ServiceThread  # noqa: E402
-from cluster.cli.settings import serve_config  # noqa: E402
+from tandem.cluster.cli.serve import ServiceThread  # noqa: E402
+from tandem.cluster.cli.settings import serve_config  # noqa: E402
 from tests.chaos.harness import Tally, Workload, verdict  # noqa: E402
 from tests.chaos.service import requests_on, reset_prefix_caches  # noqa: E402
 

@@ -61,11 +61,11 @@ Tokens = list[list[int]]
 def model_path(name: str, tmp_dir: str) -> str:
     """Directory of ``tiny``, ``smollm2`` or the random ``medium`` (written once to tmp_dir)."""
     if name == "tiny":
-        from workers.checkpoints.tiny import ensure_tiny_model
+        from tandem.workers.checkpoints.tiny import ensure_tiny_model
 
         return ensure_tiny_model()
     if name == "smollm2":  # the GGUF's converted fp32 directory: both sides load the same weights
-        from workers.checkpoints.loader import resolve_model_path
+        from tandem.workers.checkpoints.loader import resolve_model_path
 
         return resolve_model_path("smollm2")
     if name != "medium":
@@ -91,9 +91,9 @@ def _device_dtype(args: argparse.Namespace) -> tuple[str, str]:
 
 
 def run_tandem(path: str, args: argparse.Namespace) -> Callable[[Tokens, int], Tokens]:
-    from wire.engine_protocol import SamplingParams
-    from workers.config import EngineConfig
-    from workers.engine.llm import LLM
+    from tandem.wire.engine_protocol import SamplingParams
+    from tandem.workers.config import EngineConfig
+    from tandem.workers.engine.llm import LLM
 
     blocks_per_seq = -(-(args.prompt_len + args.output_len) // 16)
     device, dtype = _device_dtype(args)

@@ -29,9 +29,9 @@ import msgspec
 import torch
 
 from benchmarks._machine import machine
-from wire.engine_protocol import EngineRequest, SamplingParams
-from workers.config import EngineConfig
-from workers.engine.core import EngineCore
+from tandem.wire.engine_protocol import EngineRequest, SamplingParams
+from tandem.workers.config import EngineConfig
+from tandem.workers.engine.core import EngineCore
 
 
 def run_once(engine: EngineCore, requests: list[EngineRequest]) -> tuple[int, float, dict]:

@@ -31,8 +31,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kernels import AttentionMetadata, prefill_attention  # noqa: E402
-from kernels.dispatch import paged_attention, write_kv_cache  # noqa: E402
+from tandem.kernels import AttentionMetadata, prefill_attention  # noqa: E402
+from tandem.kernels.dispatch import paged_attention, write_kv_cache  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 64, 16
 SEED = 0

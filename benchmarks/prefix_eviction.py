@@ -28,9 +28,9 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._machine import machine  # noqa: E402
-from scheduler import Request, Scheduler, SchedulerConfig  # noqa: E402
-from scheduler.messages import ModelRunnerOutput  # noqa: E402
-from wire.engine_protocol import SamplingParams  # noqa: E402
+from tandem.scheduler import Request, Scheduler, SchedulerConfig  # noqa: E402
+from tandem.scheduler.messages import ModelRunnerOutput  # noqa: E402
+from tandem.wire.engine_protocol import SamplingParams  # noqa: E402
 
 BLOCK_SIZE = 16
 NUM_PREFIXES = 100

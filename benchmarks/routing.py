@@ -47,9 +47,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._machine import machine  # noqa: E402
 from benchmarks.serve_interference import MODEL, make_checkpoint  # noqa: E402
-from cluster.cli.serve import ServiceThread  # noqa: E402
-from cluster.cli.settings import ServeConfig, serve_config  # noqa: E402
-from cluster.cli.trace_replay import SynthConfig, oracle_hit_tokens, synthesize  # noqa: E402
+from tandem.cluster.cli.serve import ServiceThread  # noqa: E402
+from tandem.cluster.cli.settings import ServeConfig, serve_config  # noqa: E402
+from tandem.cluster.cli.trace_replay import SynthConfig, oracle_hit_tokens, synthesize  # noqa: E402
 
 # 8192 blocks (128k tokens, 256 MiB) per engine: the trace's working set
 # fits a pool, so the oracle (nothing evicted) is a fair bar for routing.
@@ -71,7 +71,7 @@ VOCAB = 256  # the byte tokenizer's plain bytes
 
 def _bench(url: str, trace: str, time_scale: float, block_tokens: int) -> dict:
     args = [
-        sys.executable, "-m", "cluster", "bench", "--url", url, "--json", "--seed", "0",
+        sys.executable, "-m", "tandem.cluster", "bench", "--url", url, "--json", "--seed", "0",
         "--trace", trace, "--time-scale", str(time_scale),
         "--trace-block-tokens", str(block_tokens), "--vocab-size", str(VOCAB),
         "--request-timeout-s", "600",
@@ -85,7 +85,7 @@ def _bench(url: str, trace: str, time_scale: float, block_tokens: int) -> dict:
 def _warmup(url: str) -> None:
     """Handshakes and first allocations; random prompts share no block with the trace."""
     args = [
-        sys.executable, "-m", "cluster", "bench", "--url", url, "--json", "--seed", "99",
+        sys.executable, "-m", "tandem.cluster", "bench", "--url", url, "--json", "--seed", "99",
         "--num-requests", "8", "--concurrency", "4", "--input-len", "40",
         "--output-len", "4", "--vocab-size", str(VOCAB),
     ]  # fmt: skip

@@ -20,10 +20,10 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._machine import machine  # noqa: E402
-from scheduler import Request, Scheduler, SchedulerConfig  # noqa: E402
-from scheduler.block_hash import HASH_ALGOS  # noqa: E402
-from scheduler.messages import ModelRunnerOutput  # noqa: E402
-from wire.engine_protocol import SamplingParams  # noqa: E402
+from tandem.scheduler import Request, Scheduler, SchedulerConfig  # noqa: E402
+from tandem.scheduler.block_hash import HASH_ALGOS  # noqa: E402
+from tandem.scheduler.messages import ModelRunnerOutput  # noqa: E402
+from tandem.wire.engine_protocol import SamplingParams  # noqa: E402
 
 WORKLOADS = [(64, 128, 128), (256, 128, 128), (1024, 32, 64)]
 BLOCK_SIZE = 16

@@ -117,10 +117,10 @@ def serve(kind: str, port: int, otlp_endpoint: str | None = None) -> None:
     elif kind == "sink":
         app = sink_app()
     else:
-        from cluster.gateway.app import create_app
-        from cluster.gateway.null_backend import NullBackend
-        from cluster.observability.logging_setup import make_handler
-        from cluster.observability.tracing.settings import ObservabilityConfig, make_tracer
+        from tandem.cluster.gateway.app import create_app
+        from tandem.cluster.gateway.null_backend import NullBackend
+        from tandem.cluster.observability.logging_setup import make_handler
+        from tandem.cluster.observability.tracing.settings import ObservabilityConfig, make_tracer
 
         root = logging.getLogger()  # as `tandem serve`: INFO, one line per request
         root.addHandler(make_handler("text", open(os.devnull, "w")))  # noqa: SIM115
@@ -174,7 +174,7 @@ def cpu_seconds(pid: int) -> float:
 
 
 def measure(url: str, pid: int, concurrency: int, output_len: int, num_rounds: int) -> dict:
-    from cluster.cli.bench import BenchConfig, run_benchmark
+    from tandem.cluster.cli.bench import BenchConfig, run_benchmark
 
     config = BenchConfig(
         url,

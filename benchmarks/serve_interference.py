@@ -28,8 +28,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._machine import machine  # noqa: E402
-from cluster.cli.serve import ServiceThread  # noqa: E402
-from cluster.cli.settings import serve_config  # noqa: E402
+from tandem.cluster.cli.serve import ServiceThread  # noqa: E402
+from tandem.cluster.cli.settings import serve_config  # noqa: E402
 
 ENGINE = {
     "num_kv_blocks": 512,
@@ -63,7 +63,7 @@ WARMUP = (
 
 def _bench(url: str, seed: int, spec: dict) -> subprocess.Popen:
     """`tandem bench` in its own process (the gateway's process stays the gateway's)."""
-    args = [sys.executable, "-m", "cluster", "bench", "--url", url, "--seed", str(seed), "--json"]
+    args = [sys.executable, "-m", "tandem.cluster", "bench", "--url", url, "--seed", str(seed), "--json"]
     for key, value in spec.items():
         args += ["--" + key.replace("_", "-"), str(value)]
     return subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
@@ -87,7 +87,7 @@ def make_checkpoint(out_dir: str) -> str:
     import torch
     import transformers
 
-    from workers.checkpoints.tiny import ensure_tiny_model
+    from tandem.workers.checkpoints.tiny import ensure_tiny_model
 
     tiny = ensure_tiny_model()
     torch.manual_seed(0)

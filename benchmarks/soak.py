@@ -100,13 +100,13 @@ def _rss_bytes(pid: int) -> int:
 def _service_main(conn: Any, config: SoakConfig) -> None:
     """Child process: start the service, answer ``sample`` / ``settle`` / ``stop``. Like
     ``tandem serve``, the gateway process bars torch (``cluster/gateway/torch_free.py``)."""
-    from cluster.gateway.torch_free import bar_torch
+    from tandem.cluster.gateway.torch_free import bar_torch
 
     bar_torch()
     import ray
 
-    from cluster.cli.serve import ServiceThread
-    from cluster.cli.settings import serve_config
+    from tandem.cluster.cli.serve import ServiceThread
+    from tandem.cluster.cli.settings import serve_config
 
     ray.init(include_dashboard=False, num_cpus=2, log_to_driver=False)
     serve = serve_config(

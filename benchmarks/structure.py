@@ -22,6 +22,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import checkout  # noqa: E402  (benchmarks/checkout.py)
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("wire", "scheduler", "kernels", "kvtransfer", "workers", "cluster")
 # a package may import those of a lower or equal rank only
@@ -68,6 +71,27 @@ def _imported_names(tree: ast.AST, package: str) -> list[tuple[str, str | None]]
     return names
 
 
+def _short(name: str) -> str:
+    """Installed, the packages are ``tandem.cluster``, ...: the graph names them short."""
+    return name.removeprefix("tandem.")
+
+
+def bare_imports(root: Path = ROOT, extra: tuple[str, ...] = ()) -> list[tuple[str, str]]:
+    """``(file, imported module)`` for every import of a project package by its bare
+    top-level name (``import cluster``) instead of ``tandem.cluster``: installed, the bare
+    name is not there (and from a checkout it would load the module a second time).
+    ``extra`` adds folders (e.g. ``tests``, ``benchmarks``) to the files read."""
+    files = list(source_files(root).values())
+    for folder in extra:
+        files += sorted((root / folder).rglob("*.py"))
+    bad = []
+    for path in files:
+        for base, _ in _imported_names(ast.parse(path.read_text()), ""):
+            if base.split(".")[0] in PACKAGES:
+                bad.append((str(path.relative_to(root)), base))
+    return bad
+
+
 def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
     """module -> project modules it imports. ``from pkg import submodule``
     counts as the submodule (the package's ``__init__`` is not the point)."""
@@ -76,6 +100,7 @@ def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
     for module, path in modules.items():
         package = module if path.name == "__init__.py" else module.rpartition(".")[0]
         for base, name in _imported_names(ast.parse(path.read_text()), package):
+            base = _short(base)
             target = f"{base}.{name}" if name and f"{base}.{name}" in modules else base
             while target and target not in modules:
                 target = target.rpartition(".")[0]
@@ -139,9 +164,10 @@ def largest_classes(root: Path, top: int) -> list[tuple[int, str]]:
 
 
 def serve_option_count(root: Path) -> int | None:
-    env = dict(os.environ, PYTHONPATH=str(root))
-    cmd = [sys.executable, "-m", "cluster", "serve", "--help"]
-    done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    cmd = [sys.executable, "-m", checkout.module(root, "cluster"), "serve", "--help"]
+    done = subprocess.run(
+        cmd, cwd=root, env=checkout.python_env(root), capture_output=True, text=True, timeout=120
+    )
     if done.returncode != 0:
         return None
     # every option line of argparse's help starts with two spaces and a dash

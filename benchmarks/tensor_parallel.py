@@ -45,9 +45,9 @@ def _decode_steps(tp: int, args: argparse.Namespace) -> dict[str, float]:
     with TP > 1, of rank 0's broadcast / reply wait / collective times."""
     import torch
 
-    from wire.engine_protocol import EngineRequest, SamplingParams
-    from workers.config import EngineConfig
-    from workers.engine.llm import LLM
+    from tandem.wire.engine_protocol import EngineRequest, SamplingParams
+    from tandem.workers.config import EngineConfig
+    from tandem.workers.engine.llm import LLM
 
     cfg = EngineConfig(
         model=args.model,
@@ -128,7 +128,7 @@ def _lm_head_us(batch: int, hidden: int, vocab: int, tp: int, repeat: int = 200)
 def _bare_peer(rank: int, size: int, port: int, shape: tuple, repeat: int) -> None:
     import torch
 
-    from workers.parallel.group import TPGroup, make_store
+    from tandem.workers.parallel.group import TPGroup, make_store
 
     torch.set_num_threads(1)
     group = TPGroup.connect(make_store(rank, size, "127.0.0.1", port, 60), rank, size, "cpu", 60)
@@ -142,7 +142,7 @@ def _bare_all_reduce_us(tp: int, shape: tuple, repeat: int = 500) -> float:
     doing nothing else (the collective's own cost, without compute skew)."""
     import torch
 
-    from workers.parallel.group import TPGroup, make_store
+    from tandem.workers.parallel.group import TPGroup, make_store
 
     store = make_store(0, tp, "127.0.0.1", 0, 60)
     ctx = torch.multiprocessing.get_context("spawn")

@@ -63,8 +63,8 @@ def _pick_blocks(rng, num_blocks: int, num_runs: int, limit: int) -> list[int]:
 
 def _pull(d, scheduler, engine_id: str, request_id: str, params: dict, blocks: list[int]):
     """Every D rank loads its part; returns each rank's load record."""
-    from scheduler.request import Request, RequestStatus
-    from wire.engine_protocol import SamplingParams
+    from tandem.scheduler.request import Request, RequestStatus
+    from tandem.wire.engine_protocol import SamplingParams
 
     num_tokens = params["num_tokens"]
     req = Request(request_id, [0] * (num_tokens + 1), SamplingParams(), kv_transfer_params=params)
@@ -79,7 +79,7 @@ def _pull(d, scheduler, engine_id: str, request_id: str, params: dict, blocks: l
         if out.invalid_block_ids or request_id not in out.finished_recving:
             raise RuntimeError(f"rank {rank.rank}: load of {request_id} failed: {out}")
         records.extend(r for r in recs if r[0] == request_id)
-    from scheduler.messages import KVConnectorOutput
+    from tandem.scheduler.messages import KVConnectorOutput
 
     scheduler.update_connector_output(KVConnectorOutput(finished_recving=[request_id]))
     req.status = RequestStatus.FINISHED_STOPPED
@@ -93,8 +93,8 @@ def _measure(pairings: list[tuple[int, int]], args: argparse.Namespace) -> list[
     change of machine load hits them alike."""
     import numpy as np
 
-    from kvtransfer import KVTransferConfig
-    from kvtransfer.nixl_scheduler import NixlSchedulerSide
+    from tandem.kvtransfer import KVTransferConfig
+    from tandem.kvtransfer.nixl_scheduler import NixlSchedulerSide
     from tests.kvtransfer.tp_rank_process import EngineGroup, RankSpec
 
     max_blocks = int(max(args.sizes_mib) / BLOCK_MIB)

@@ -32,8 +32,8 @@ import msgspec  # noqa: E402
 import zmq  # noqa: E402
 
 from benchmarks._machine import machine  # noqa: E402
-from wire.auth import PlaneAuth, generate_secret  # noqa: E402
-from wire.engine_protocol import (  # noqa: E402
+from tandem.wire.auth import PlaneAuth, generate_secret  # noqa: E402
+from tandem.wire.engine_protocol import (  # noqa: E402
     GATEWAY_OUTPUT,
     EngineOutput,
     EngineOutputs,

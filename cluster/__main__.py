@@ -1,5 +1,5 @@
 import sys
 
-from cluster.cli.main import main
+from tandem.cluster.cli.main import main
 
 sys.exit(main())

@@ -5,7 +5,7 @@ split (``prefill_attention.py``). May import torch and triton only: never ``sche
 ``kvtransfer``, ``workers`` or ``cluster``.
 """
 
-from kernels.dispatch import paged_attention, write_kv_cache
-from kernels.metadata import AttentionMetadata
+from tandem.kernels.dispatch import paged_attention, write_kv_cache
+from tandem.kernels.metadata import AttentionMetadata
 
 __all__ = ["AttentionMetadata", "paged_attention", "write_kv_cache"]

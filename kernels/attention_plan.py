@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels.metadata import AttentionMetadata
+from tandem.kernels.metadata import AttentionMetadata
 
 SHORT_QUERY_LEN = 64  # longer queries get an SDPA call of their own
 MAX_PADDING = 1.5  # a group may compute at most this many scores per useful score

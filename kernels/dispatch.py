@@ -16,8 +16,8 @@ import os
 
 import torch
 
-from kernels import fused_reference, reference
-from kernels.metadata import AttentionMetadata
+from tandem.kernels import fused_reference, reference
+from tandem.kernels.metadata import AttentionMetadata
 
 
 def _use_triton(tensor: torch.Tensor) -> bool:
@@ -37,7 +37,7 @@ def write_kv_cache(
     ``slot_mapping[t] = block * block_size + offset``; -1 skips token ``t``.
     """
     if _use_triton(key):
-        from kernels import triton_cache
+        from tandem.kernels import triton_cache
 
         triton_cache.write_kv_cache(key, value, layer_cache, slot_mapping)
     else:
@@ -55,7 +55,7 @@ def paged_attention(
     ``query``'s dtype.
     """
     if _use_triton(query):
-        from kernels import triton_attention
+        from tandem.kernels import triton_attention
 
         return triton_attention.paged_attention(query, layer_cache, meta, scale)
     return reference.paged_attention(query, layer_cache, meta, scale)
@@ -64,7 +64,7 @@ def paged_attention(
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of ``x`` ``[..., N]`` over its last dim (see ``kernels.fused_reference``)."""
     if _use_triton(x):
-        from kernels import triton_norm
+        from tandem.kernels import triton_norm
 
         return triton_norm.rms_norm(x, weight, eps)
     return fused_reference.rms_norm(x, weight, eps)
@@ -75,7 +75,7 @@ def add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(x + residual), x + residual)`` for ``[T, N]`` tensors; new tensors."""
     if _use_triton(x):
-        from kernels import triton_norm
+        from tandem.kernels import triton_norm
 
         return triton_norm.add_rms_norm(x, residual, weight, eps)
     return fused_reference.add_rms_norm(x, residual, weight, eps)
@@ -93,7 +93,7 @@ def rope_write_kv(
     ``value`` ``[T, Hkv, D]`` to ``layer_cache`` at ``slot_mapping`` (-1 skips), return the
     rotated ``qk`` as a new tensor. ``cos``/``sin``: ``[T, 1, D / 2]`` in ``qk``'s dtype."""
     if _use_triton(qk):
-        from kernels import triton_rope_cache
+        from tandem.kernels import triton_rope_cache
 
         return triton_rope_cache.rope_write_kv(qk, value, cos, sin, layer_cache, slot_mapping)
     return fused_reference.rope_write_kv(qk, value, cos, sin, layer_cache, slot_mapping)
@@ -103,7 +103,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` of ``gate_up`` ``[T, 2 I]``; the CPU path reuses ``gate_up``'s
     memory, so the caller must not read ``gate_up`` afterwards."""
     if _use_triton(gate_up):
-        from kernels import triton_activation
+        from tandem.kernels import triton_activation
 
         return triton_activation.silu_and_mul(gate_up)
     return fused_reference.silu_and_mul(gate_up)

@@ -39,8 +39,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kernels.dispatch import paged_attention
-from kernels.metadata import AttentionMetadata, host_to_device
+from tandem.kernels.dispatch import paged_attention
+from tandem.kernels.metadata import AttentionMetadata, host_to_device
 
 logger = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.attention_plan import Group, LongQuery, get_plan
-from kernels.metadata import AttentionMetadata
+from tandem.kernels.attention_plan import Group, LongQuery, get_plan
+from tandem.kernels.metadata import AttentionMetadata
 
 
 def write_kv_cache(

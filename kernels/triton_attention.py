@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.metadata import AttentionMetadata
+from tandem.kernels.metadata import AttentionMetadata
 
 _LOG2E = 1.4426950408889634
 

@@ -6,10 +6,10 @@ worker_side)``; see ``base.py`` for the contract of each half.
 May import ``scheduler`` (types), ``wire`` and NIXL/UCX; never ``workers`` or ``cluster``.
 """
 
-from kvtransfer.base import KVConnectorSchedulerSide, KVConnectorWorkerSide
-from kvtransfer.config import KVTransferConfig
-from kvtransfer.params import KVTransferParams
-from kvtransfer.registry import available_connectors, create_connector, register_connector
+from tandem.kvtransfer.base import KVConnectorSchedulerSide, KVConnectorWorkerSide
+from tandem.kvtransfer.config import KVTransferConfig
+from tandem.kvtransfer.params import KVTransferParams
+from tandem.kvtransfer.registry import available_connectors, create_connector, register_connector
 
 __all__ = [
     "KVConnectorSchedulerSide",

@@ -30,8 +30,8 @@ import abc
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from scheduler.messages import KVConnectorOutput, SchedulerOutput
-    from scheduler.request import Request
+    from tandem.scheduler.messages import KVConnectorOutput, SchedulerOutput
+    from tandem.scheduler.request import Request
 
 
 class KVConnectorSchedulerSide(abc.ABC):

@@ -10,8 +10,8 @@ from __future__ import annotations
 import dataclasses
 import socket
 
-from kvtransfer.compat import KV_LAYOUTS
-from kvtransfer.ucx.env import device_type
+from tandem.kvtransfer.compat import KV_LAYOUTS
+from tandem.kvtransfer.ucx.env import device_type
 
 ROLES = ("prefill", "decode", "both")
 LOAD_FAILURE_POLICIES = ("recompute", "fail")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import msgspec
 
-from wire.engine_protocol import EngineOutput, EngineRequest
+from tandem.wire.engine_protocol import EngineOutput, EngineRequest
 
 
 def prefill_request(request: EngineRequest) -> EngineRequest:

@@ -24,9 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from kvtransfer.prepped_blocks import PreppedBlocks, count_runs, sorted_block_pairs
-from kvtransfer.side_channel import RegionInfo
-from kvtransfer.tp_plan import Descriptors
+from tandem.kvtransfer.prepped_blocks import PreppedBlocks, count_runs, sorted_block_pairs
+from tandem.kvtransfer.side_channel import RegionInfo
+from tandem.kvtransfer.tp_plan import Descriptors
 
 XferHandle = Any
 

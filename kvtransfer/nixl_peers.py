@@ -20,13 +20,13 @@ from typing import Any
 
 import zmq
 
-from kvtransfer.compat import KVLayout, RankLayout, compat_hash, describe_mismatch
-from kvtransfer.nixl_agent import NixlAgent
-from kvtransfer.nixl_meta import PeerAddr
-from kvtransfer.side_channel import HandshakeError, RegionInfo, fetch_handshake
-from kvtransfer.tp_plan import shard_for
-from wire.auth import PlaneAuth
-from wire.frames import FrameCounters
+from tandem.kvtransfer.compat import KVLayout, RankLayout, compat_hash, describe_mismatch
+from tandem.kvtransfer.nixl_agent import NixlAgent
+from tandem.kvtransfer.nixl_meta import PeerAddr
+from tandem.kvtransfer.side_channel import HandshakeError, RegionInfo, fetch_handshake
+from tandem.kvtransfer.tp_plan import shard_for
+from tandem.wire.auth import PlaneAuth
+from tandem.wire.frames import FrameCounters
 
 logger = logging.getLogger(__name__)
 

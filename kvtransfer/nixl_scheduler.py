@@ -35,9 +35,9 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from kvtransfer.base import KVConnectorSchedulerSide
-from kvtransfer.config import KVTransferConfig
-from kvtransfer.nixl_meta import (
+from tandem.kvtransfer.base import KVConnectorSchedulerSide
+from tandem.kvtransfer.config import KVTransferConfig
+from tandem.kvtransfer.nixl_meta import (
     NOTIF_DONE,
     NOTIF_RENEW,
     LoadSpec,
@@ -46,13 +46,13 @@ from kvtransfer.nixl_meta import (
     PeerAddr,
     SendSpec,
 )
-from kvtransfer.params import KVTransferParams
-from kvtransfer.prefill_registry import PrefillRegistry
-from scheduler.request import RequestStatus
+from tandem.kvtransfer.params import KVTransferParams
+from tandem.kvtransfer.prefill_registry import PrefillRegistry
+from tandem.scheduler.request import RequestStatus
 
 if TYPE_CHECKING:
-    from scheduler.messages import KVConnectorOutput, SchedulerOutput
-    from scheduler.request import Request
+    from tandem.scheduler.messages import KVConnectorOutput, SchedulerOutput
+    from tandem.scheduler.request import Request
 
 logger = logging.getLogger(__name__)
 

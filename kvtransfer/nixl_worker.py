@@ -48,12 +48,12 @@ from typing import Any
 
 import zmq
 
-from kvtransfer.base import KVConnectorWorkerSide
-from kvtransfer.compat import STORAGE_ORDER, KVLayout, RankLayout, compat_hash
-from kvtransfer.config import KVTransferConfig
-from kvtransfer.fault_injection import ReadFaults
-from kvtransfer.nixl_agent import NixlAgent, make_agent_name
-from kvtransfer.nixl_meta import (
+from tandem.kvtransfer.base import KVConnectorWorkerSide
+from tandem.kvtransfer.compat import STORAGE_ORDER, KVLayout, RankLayout, compat_hash
+from tandem.kvtransfer.config import KVTransferConfig
+from tandem.kvtransfer.fault_injection import ReadFaults
+from tandem.kvtransfer.nixl_agent import NixlAgent, make_agent_name
+from tandem.kvtransfer.nixl_meta import (
     NOTIF_DONE,
     NOTIF_RENEW,
     LoadSpec,
@@ -64,21 +64,27 @@ from kvtransfer.nixl_meta import (
     decode_notif,
     encode_notif,
 )
-from kvtransfer.nixl_peers import Peer, PeerTable
-from kvtransfer.progress_poller import ProgressPoller
-from kvtransfer.side_channel import (
+from tandem.kvtransfer.nixl_peers import Peer, PeerTable
+from tandem.kvtransfer.progress_poller import ProgressPoller
+from tandem.kvtransfer.side_channel import (
     HandshakeInfo,
     Notification,
     NotificationSender,
     RegionInfo,
     SideChannelServer,
 )
-from kvtransfer.tp_plan import BlockGeometry, HeadRead, plan_rank_reads, read_descriptors, shard_for
-from kvtransfer.ucx.env import apply_ucx_env
-from kvtransfer.ucx.probe import TransportProbe
-from kvtransfer.ucx.proto_info import TransportReport
-from wire.auth import PlaneAuth
-from wire.frames import FrameCounters
+from tandem.kvtransfer.tp_plan import (
+    BlockGeometry,
+    HeadRead,
+    plan_rank_reads,
+    read_descriptors,
+    shard_for,
+)
+from tandem.kvtransfer.ucx.env import apply_ucx_env
+from tandem.kvtransfer.ucx.probe import TransportProbe
+from tandem.kvtransfer.ucx.proto_info import TransportReport
+from tandem.wire.auth import PlaneAuth
+from tandem.wire.frames import FrameCounters
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import msgspec
 
-from kvtransfer.nixl_meta import PeerAddr
+from tandem.kvtransfer.nixl_meta import PeerAddr
 
 
 class PrefillEndpoint(msgspec.Struct, array_like=True, frozen=True):

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtransfer.side_channel import RegionInfo
+from tandem.kvtransfer.side_channel import RegionInfo
 
 
 def block_rows(region: RegionInfo) -> np.ndarray:

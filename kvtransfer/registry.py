@@ -10,14 +10,14 @@ import dataclasses
 import importlib
 from collections.abc import Callable
 
-from kvtransfer.base import KVConnectorSchedulerSide, KVConnectorWorkerSide
-from kvtransfer.config import KVTransferConfig
+from tandem.kvtransfer.base import KVConnectorSchedulerSide, KVConnectorWorkerSide
+from tandem.kvtransfer.config import KVTransferConfig
 
 ConnectorPair = tuple[KVConnectorSchedulerSide, KVConnectorWorkerSide]
 ConnectorFactory = Callable[[KVTransferConfig], ConnectorPair]
 
 # name -> "module:function"
-_REGISTRY: dict[str, str] = {"nixl": "kvtransfer.registry:create_nixl_connector"}
+_REGISTRY: dict[str, str] = {"nixl": "tandem.kvtransfer.registry:create_nixl_connector"}
 
 
 def register_connector(name: str, factory_path: str) -> None:
@@ -44,8 +44,8 @@ def create_connector(config: KVTransferConfig) -> ConnectorPair:
 def create_nixl_connector(config: KVTransferConfig) -> ConnectorPair:
     """The worker side binds the side channel (``side_channel_port=0`` picks a
     port; the cluster reads it back from ``worker.side_channel_port``)."""
-    from kvtransfer.nixl_scheduler import NixlSchedulerSide
-    from kvtransfer.nixl_worker import NixlWorkerSide
+    from tandem.kvtransfer.nixl_scheduler import NixlSchedulerSide
+    from tandem.kvtransfer.nixl_worker import NixlWorkerSide
 
     worker = NixlWorkerSide(config)
     port = worker.side_channel_port

@@ -36,10 +36,10 @@ import threading
 import msgspec
 import zmq
 
-from kvtransfer.compat import CONNECTOR_VERSION, KVLayout, RankLayout
-from kvtransfer.nixl_meta import NotifKey
-from wire.auth import PlaneAuth
-from wire.frames import (
+from tandem.kvtransfer.compat import CONNECTOR_VERSION, KVLayout, RankLayout
+from tandem.kvtransfer.nixl_meta import NotifKey
+from tandem.wire.auth import PlaneAuth
+from tandem.wire.frames import (
     HARD_LIMIT_FACTOR,
     FrameCounters,
     MalformedFrame,

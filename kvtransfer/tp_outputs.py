@@ -18,7 +18,7 @@ Used by the engine's rank-0 side after collecting every rank's step output.
 
 from __future__ import annotations
 
-from scheduler.messages import KVConnectorOutput
+from tandem.scheduler.messages import KVConnectorOutput
 
 
 class ConnectorOutputMerger:

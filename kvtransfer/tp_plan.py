@@ -39,7 +39,7 @@ import dataclasses
 
 import numpy as np
 
-from kvtransfer.compat import BLOCKS_FIRST, HEAD_MAJOR, KV_LAYOUTS, RankLayout
+from tandem.kvtransfer.compat import BLOCKS_FIRST, HEAD_MAJOR, KV_LAYOUTS, RankLayout
 
 
 def shard_for(num_kv_heads: int, tp_size: int, rank: int) -> RankLayout:

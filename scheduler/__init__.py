@@ -7,10 +7,10 @@ May import ``wire`` only (and msgspec, numpy, xxhash): never torch, ``kernels``,
 ``kvtransfer`` (its connector is duck-typed), ``workers`` or ``cluster``.
 """
 
-from scheduler.config import SchedulerConfig
-from scheduler.messages import ModelRunnerOutput, SchedulerOutput
-from scheduler.request import Request, RequestStatus
-from scheduler.scheduler import Scheduler
+from tandem.scheduler.config import SchedulerConfig
+from tandem.scheduler.messages import ModelRunnerOutput, SchedulerOutput
+from tandem.scheduler.request import Request, RequestStatus
+from tandem.scheduler.scheduler import Scheduler
 
 __all__ = [
     "ModelRunnerOutput",

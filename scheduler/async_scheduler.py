@@ -25,11 +25,11 @@ from __future__ import annotations
 
 from collections import deque
 
-from scheduler.messages import ModelRunnerOutput, SchedulerOutput
-from scheduler.placeholders import samples_this_step
-from scheduler.request import Request
-from scheduler.scheduler import Scheduler
-from wire.engine_protocol import EngineOutputs
+from tandem.scheduler.messages import ModelRunnerOutput, SchedulerOutput
+from tandem.scheduler.placeholders import samples_this_step
+from tandem.scheduler.request import Request
+from tandem.scheduler.scheduler import Scheduler
+from tandem.wire.engine_protocol import EngineOutputs
 
 
 class _StepRecord:

@@ -37,7 +37,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterable, Sequence
 
-from scheduler.block_hash import BlockHash
+from tandem.scheduler.block_hash import BlockHash
 
 
 class KVBlock:

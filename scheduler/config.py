@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from scheduler.block_hash import get_block_hasher
-from scheduler.policies import check_fields
+from tandem.scheduler.block_hash import get_block_hasher
+from tandem.scheduler.policies import check_fields
 
 
 @dataclass

@@ -33,8 +33,8 @@ from __future__ import annotations
 
 import msgspec
 
-from scheduler.kv_cache_manager import KVCacheManager
-from scheduler.request import Request, RequestStatus
+from tandem.scheduler.kv_cache_manager import KVCacheManager
+from tandem.scheduler.request import Request, RequestStatus
 
 MAX_N = 128  # children per request
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import msgspec
 
-from scheduler.block_hash import BlockHash
+from tandem.scheduler.block_hash import BlockHash
 
 
 class BlockStored(msgspec.Struct, tag=True, array_like=True):

@@ -15,7 +15,7 @@ is applied, and the token step N+1 then produced for the request is dropped.
 
 from __future__ import annotations
 
-from scheduler.request import Request
+from tandem.scheduler.request import Request
 
 
 def at_output_limit(req: Request, max_model_len: int) -> bool:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from scheduler.request import Request
+from tandem.scheduler.request import Request
 
 POLICIES = ("fcfs", "priority", "prefill-first")
 

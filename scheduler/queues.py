@@ -11,7 +11,7 @@ import heapq
 from collections import deque
 from collections.abc import Iterable, Iterator
 
-from scheduler.request import Request
+from tandem.scheduler.request import Request
 
 
 class FCFSQueue:

@@ -208,7 +208,7 @@ async def run_benchmark(config: BenchConfig) -> dict[str, Any]:
     ) as session:
         model, vocab_size = await _server_info(session, config)
         if config.trace is not None:
-            from cluster.cli.trace_replay import trace_workload
+            from tandem.cluster.cli.trace_replay import trace_workload
 
             prompts, output_lens, offsets_s = trace_workload(
                 config.trace, vocab_size, config.seed, config.time_scale, config.trace_block_tokens

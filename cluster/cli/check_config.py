@@ -20,8 +20,8 @@ import json
 import sys
 from typing import Any, TextIO
 
-from cluster.cli.config.keys import flatten, tree
-from cluster.cli.settings import ServeConfig, pool_specs, resolve_config
+from tandem.cluster.cli.config.keys import flatten, tree
+from tandem.cluster.cli.settings import ServeConfig, pool_specs, resolve_config
 
 
 def resolved_config(config: ServeConfig) -> dict:

@@ -11,9 +11,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from cluster.cli.config.load import resolve_config, serve_config
-from cluster.cli.config.tree import ServeConfig
-from cluster.engines.placement import ROLES
+from tandem.cluster.cli.config.load import resolve_config, serve_config
+from tandem.cluster.cli.config.tree import ServeConfig
+from tandem.cluster.engines.placement import ROLES
 
 __all__ = [
     "ServeConfig",
@@ -31,7 +31,7 @@ logger = logging.getLogger("tandem.serve")
 def cluster_secret(config: ServeConfig) -> bytes | None:
     """The internal planes' secret: read from ``cluster_secret_file``, else
     generated for this run; None only with ``internal_auth`` off."""
-    from wire.auth import generate_secret, read_secret_file
+    from tandem.wire.auth import generate_secret, read_secret_file
 
     security = config.security
     if not security.internal_auth:
@@ -44,7 +44,7 @@ def cluster_secret(config: ServeConfig) -> bytes | None:
 
 def pool_specs(config: ServeConfig, secret: bytes | None = None):
     """One ``PoolSpec`` per pool that runs (ValueError naming the field)."""
-    from cluster.engines.pools import PoolSpec
+    from tandem.cluster.engines.pools import PoolSpec
 
     specs = []
     for role in config.roles():
@@ -71,6 +71,6 @@ def with_pool_counts(config: ServeConfig, counts: dict[str, int]) -> ServeConfig
 
 def api_config(config: ServeConfig, model_path: str | None):
     """The gateway's ``ApiConfig`` (ValueError names the flag)."""
-    from cluster.gateway.api.config import ApiConfig
+    from tandem.cluster.gateway.api.config import ApiConfig
 
     return ApiConfig.from_settings(config.api, model_path)

@@ -21,7 +21,7 @@ multiplies the trace's clock (0.1 replays ten times faster).
 ``synthesize`` writes a Mooncake-format trace with the shapes that make
 prefix-aware routing matter: multi-turn sessions (turn t repeats turn t-1's
 blocks, then adds the answer and a new question), a few shared system
-prompts, and documents chosen by a Zipf law. ``python -m cluster.cli.trace_replay
+prompts, and documents chosen by a Zipf law. ``python -m tandem.cluster.cli.trace_replay
 --out trace.jsonl`` runs it.
 """
 
@@ -248,7 +248,8 @@ def oracle_hit_tokens(rows: list[dict], block_tokens: int) -> int:
 def main(argv: list[str] | None = None) -> int:
     d = SynthConfig()
     p = argparse.ArgumentParser(
-        prog="python -m cluster.cli.trace_replay", description="write a synthetic Mooncake trace"
+        prog="python -m tandem.cluster.cli.trace_replay",
+        description="write a synthetic Mooncake trace",
     )
     p.add_argument("--out", required=True)
     p.add_argument("--num-sessions", type=int, default=d.num_sessions)

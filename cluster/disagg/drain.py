@@ -15,11 +15,11 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from cluster.disagg.data_plane import DataPlane
-from cluster.disagg.engine import Engine
-from cluster.disagg.membership import Membership
-from cluster.disagg.migration import REASON_DRAIN
-from scheduler.engine_stats import STATS_DECODER
+from tandem.cluster.disagg.data_plane import DataPlane
+from tandem.cluster.disagg.engine import Engine
+from tandem.cluster.disagg.membership import Membership
+from tandem.cluster.disagg.migration import REASON_DRAIN
+from tandem.scheduler.engine_stats import STATS_DECODER
 
 # an engine whose stats show none of these holds no request (drain: idle)
 BUSY_STATS = (

@@ -13,11 +13,11 @@ import time
 
 import zmq.asyncio
 
-from cluster.engines.health import EngineHealth
-from cluster.engines.pools import EngineHandle
-from cluster.gateway.backend import ErrorEvent
-from cluster.routing.router import EngineState
-from scheduler.engine_stats import EngineStats
+from tandem.cluster.engines.health import EngineHealth
+from tandem.cluster.engines.pools import EngineHandle
+from tandem.cluster.gateway.backend import ErrorEvent
+from tandem.cluster.routing.router import EngineState
+from tandem.scheduler.engine_stats import EngineStats
 
 
 class Engine:

@@ -37,9 +37,9 @@ from dataclasses import dataclass
 
 import msgspec
 
-from cluster.disagg.engine import Engine
-from cluster.routing.router import Router
-from wire.engine_protocol import EngineOutput, EngineRequest
+from tandem.cluster.disagg.engine import Engine
+from tandem.cluster.routing.router import Router
+from tandem.wire.engine_protocol import EngineOutput, EngineRequest
 
 logger = logging.getLogger(__name__)
 

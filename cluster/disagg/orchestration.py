@@ -29,14 +29,14 @@ from collections.abc import AsyncIterator
 
 import zmq
 
-from cluster.disagg.data_plane import DataPlane, EngineFailed
-from cluster.disagg.engine import Engine
-from cluster.disagg.migration import EngineLost, Migrator, StreamLedger
-from cluster.gateway.backend import BackendUnavailable
-from cluster.routing.cluster_routing import ClusterRouting, PromptHashes
-from cluster.routing.policy import Choice
-from kvtransfer.handoff import decode_request, prefill_request
-from wire.engine_protocol import EngineOutput, EngineRequest, FinishReason
+from tandem.cluster.disagg.data_plane import DataPlane, EngineFailed
+from tandem.cluster.disagg.engine import Engine
+from tandem.cluster.disagg.migration import EngineLost, Migrator, StreamLedger
+from tandem.cluster.gateway.backend import BackendUnavailable
+from tandem.cluster.routing.cluster_routing import ClusterRouting, PromptHashes
+from tandem.cluster.routing.policy import Choice
+from tandem.kvtransfer.handoff import decode_request, prefill_request
+from tandem.wire.engine_protocol import EngineOutput, EngineRequest, FinishReason
 
 logger = logging.getLogger(__name__)
 

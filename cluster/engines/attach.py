@@ -33,7 +33,7 @@ import logging
 import sys
 from typing import Any
 
-from cluster.engines.pools import DEFAULT_NAMESPACE, EngineHandle, stop_pools
+from tandem.cluster.engines.pools import DEFAULT_NAMESPACE, EngineHandle, stop_pools
 
 logger = logging.getLogger("tandem.attach")
 

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from wire.config_fields import option
+from tandem.wire.config_fields import option
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from wire.config_fields import json_text, option
+from tandem.wire.config_fields import json_text, option
 
 ROLES = ("prefill", "decode", "colocated")
 # Ray takes these through num_cpus / num_gpus / memory, never in ``resources``.
@@ -101,7 +101,7 @@ def gpu_share(num_gpus: float, overrides: dict[str, Any], role: str) -> dict[str
     engine section's value only when it is not the field's default."""
     if not 0 < num_gpus < 1:
         return overrides
-    from workers.config import EngineConfig
+    from tandem.workers.config import EngineConfig
 
     default = EngineConfig.__dataclass_fields__["gpu_memory_utilization"].default
     util = overrides.get("gpu_memory_utilization")
@@ -160,7 +160,7 @@ class PoolConfig:
             )
         if isinstance(self.num_engines, bool) or not isinstance(self.num_engines, int):
             raise ValueError(f"{self.role} must be an integer, got {self.num_engines!r}")
-        from workers.config import EngineConfig, engine_fields
+        from tandem.workers.config import EngineConfig, engine_fields
 
         if not isinstance(self.engine, dict):
             raise ValueError(f"{self.role}_engine must be a mapping, got {self.engine!r}")
@@ -261,8 +261,8 @@ def check_pools_split_model(model_path: str, specs: list[Any]) -> None:
     sizes = {s.role: s.config.tensor_parallel_size for s in specs}
     if all(n == 1 for n in sizes.values()):
         return
-    from workers.checkpoints.hf_config import load_config
-    from workers.parallel.plan import check_tensor_parallel
+    from tandem.workers.checkpoints.hf_config import load_config
+    from tandem.workers.parallel.plan import check_tensor_parallel
 
     config = load_config(model_path)
     for role, n in sizes.items():

@@ -29,9 +29,9 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from cluster.engines.placement import engine_group_placement
-from wire.config_fields import option
-from workers.config import EngineConfig
+from tandem.cluster.engines.placement import engine_group_placement
+from tandem.wire.config_fields import option
+from tandem.workers.config import EngineConfig
 
 
 @dataclass
@@ -131,7 +131,7 @@ def start_pools(
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from cluster.engines.actor import EngineActor
+    from tandem.cluster.engines.actor import EngineActor
 
     check_names_free(specs, namespace)
     remote_cls = ray.remote(EngineActor)

@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from wire.engine_protocol import Logprobs
+from tandem.wire.engine_protocol import Logprobs
 
 _LOGPROB_FLOOR = -9999.0  # JSON has no -inf; clients expect a number
 

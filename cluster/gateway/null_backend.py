@@ -18,9 +18,14 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from cluster.gateway.backend import Backend, BackendMetrics, BackendUnavailable, EngineMetrics
-from scheduler.engine_stats import EngineStats, HistogramSnapshot, KVTransferStats
-from wire.engine_protocol import (
+from tandem.cluster.gateway.backend import (
+    Backend,
+    BackendMetrics,
+    BackendUnavailable,
+    EngineMetrics,
+)
+from tandem.scheduler.engine_stats import EngineStats, HistogramSnapshot, KVTransferStats
+from tandem.wire.engine_protocol import (
     EngineOutput,
     EngineRequest,
     FinishReason,
@@ -72,8 +77,8 @@ class NullBackend(Backend):
     @classmethod
     def tiny(cls, **kwargs: Any) -> NullBackend:
         """A NullBackend with the built-in tiny model's tokenizer."""
-        from workers.checkpoints.tiny import ensure_tiny_model
-        from workers.text.tokenizer import load_tokenizer
+        from tandem.workers.checkpoints.tiny import ensure_tiny_model
+        from tandem.workers.text.tokenizer import load_tokenizer
 
         return cls(load_tokenizer(ensure_tiny_model()), **kwargs)
 

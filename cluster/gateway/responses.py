@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING, Any
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from cluster.gateway import formatting, protocol
-from cluster.gateway.backend import BackendUnavailable
-from cluster.gateway.edge import sampling as edge_sampling
-from wire.engine_protocol import Logprobs
+from tandem.cluster.gateway import formatting, protocol
+from tandem.cluster.gateway.backend import BackendUnavailable
+from tandem.cluster.gateway.edge import sampling as edge_sampling
+from tandem.wire.engine_protocol import Logprobs
 
 if TYPE_CHECKING:
-    from cluster.gateway.generation import Gateway, Job, Step
+    from tandem.cluster.gateway.generation import Gateway, Job, Step
 
 logger = logging.getLogger(__name__)
 

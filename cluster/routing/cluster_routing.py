@@ -18,16 +18,16 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from cluster.routing.hit_error import HitErrorHistogram
-from cluster.routing.index import PrefixIndex
-from cluster.routing.policy import Choice, Plan, RoutingConfig, RoutingPolicy
-from cluster.routing.route_log import RouteNotes
-from cluster.routing.router import Router
-from cluster.routing.subscriber import KVEventSubscriber
-from scheduler.block_hash import hash_request_blocks
-from scheduler.kv_events import KVSnapshot
-from wire.engine_protocol import EngineRequest
-from wire.frames import FrameCounters
+from tandem.cluster.routing.hit_error import HitErrorHistogram
+from tandem.cluster.routing.index import PrefixIndex
+from tandem.cluster.routing.policy import Choice, Plan, RoutingConfig, RoutingPolicy
+from tandem.cluster.routing.route_log import RouteNotes
+from tandem.cluster.routing.router import Router
+from tandem.cluster.routing.subscriber import KVEventSubscriber
+from tandem.scheduler.block_hash import hash_request_blocks
+from tandem.scheduler.kv_events import KVSnapshot
+from tandem.wire.engine_protocol import EngineRequest
+from tandem.wire.frames import FrameCounters
 
 
 class PromptHashes:

@@ -5,7 +5,7 @@ output, in tokens. Positive: the router expected more than the engine had
 
 from __future__ import annotations
 
-from scheduler.engine_stats import Histogram, HistogramSnapshot
+from tandem.scheduler.engine_stats import Histogram, HistogramSnapshot
 
 # symmetric buckets in tokens around 0 (exact prediction)
 ERROR_BOUNDS_TOKENS = (-1024.0, -256.0, -64.0, -16.0, -1.0, 0.0, 16.0, 64.0, 256.0, 1024.0)

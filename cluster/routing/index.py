@@ -27,7 +27,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from scheduler.kv_events import (
+from tandem.scheduler.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

@@ -13,8 +13,8 @@ from collections.abc import Iterator
 
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 
-from cluster.gateway.backend import BackendMetrics
-from scheduler.engine_stats import prometheus_buckets
+from tandem.cluster.gateway.backend import BackendMetrics
+from tandem.scheduler.engine_stats import prometheus_buckets
 
 
 def router_families(snapshot: BackendMetrics, prefix: str) -> Iterator[Metric]:

@@ -58,9 +58,9 @@ import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from cluster.routing.index import PrefixIndex
-from cluster.routing.router import EngineState, Router, load
-from wire.config_fields import option
+from tandem.cluster.routing.index import PrefixIndex
+from tandem.cluster.routing.router import EngineState, Router, load
+from tandem.wire.config_fields import option
 
 ROUTER_POLICIES = ("round-robin", "least-load", "kv-aware")
 

@@ -19,9 +19,9 @@ from collections.abc import Awaitable, Callable
 import zmq
 import zmq.asyncio
 
-from cluster.routing.index import PrefixIndex
-from scheduler.kv_events import KVEventBatch, KVSnapshot
-from wire.frames import FrameCounters, FrameSpec, MalformedFrame, MiB, peer_address
+from tandem.cluster.routing.index import PrefixIndex
+from tandem.scheduler.kv_events import KVEventBatch, KVSnapshot
+from tandem.wire.frames import FrameCounters, FrameSpec, MalformedFrame, MiB, peer_address
 
 logger = logging.getLogger(__name__)
 

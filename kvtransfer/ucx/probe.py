@@ -7,8 +7,8 @@ processes of this host, with the engine's environment (the settings of
 ``env.py`` included) and the KV cache's memory type, the reader with
 ``UCX_PROTO_INFO=y``; its tables say what UCX picked (``proto_info.py``)::
 
-    engine ──(thread)── python -m kvtransfer.ucx.probe         UCX_PROTO_INFO=y
-                           └── python -m kvtransfer.ucx.probe --serve
+    engine ──(thread)── python -m tandem.kvtransfer.ucx.probe         UCX_PROTO_INFO=y
+                           └── python -m tandem.kvtransfer.ucx.probe --serve
                                registers 1 MiB (DRAM / VRAM of the same GPU),
                                prints its agent metadata, progresses until
                                its stdin closes
@@ -31,14 +31,13 @@ import threading
 import time
 from typing import Any
 
-from kvtransfer.ucx.proto_info import TransportReport, parse_proto_info, transport_report
+from tandem.kvtransfer.ucx.proto_info import TransportReport, parse_proto_info, transport_report
 
 logger = logging.getLogger(__name__)
 
 PROBE_BYTES = 1 << 20
 RESULT_TAG = "TANDEM_UCX_PROBE"
 TARGET_TAG = "TANDEM_UCX_TARGET"
-_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _buffer(memory: str, device_id: int, fill: int) -> tuple[Any, int]:
@@ -102,7 +101,7 @@ def initiate(memory: str, device_id: int, timeout_s: float) -> dict[str, Any]:
     """The reader: start the target, READ its buffer, compare the bytes."""
     env = {k: v for k, v in os.environ.items() if k != "UCX_PROTO_INFO"}
     target = subprocess.Popen(
-        [sys.executable, "-m", "kvtransfer.ucx.probe", "--serve", "--memory", memory]
+        [sys.executable, "-m", "tandem.kvtransfer.ucx.probe", "--serve", "--memory", memory]
         + ["--device-id", str(device_id)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
@@ -148,10 +147,9 @@ def initiate(memory: str, device_id: int, timeout_s: float) -> dict[str, Any]:
 def run_probe(memory: str, device_id: int = 0, timeout_s: float = 60.0) -> TransportReport:
     """Run the probe processes and report what UCX picked (blocking)."""
     env = dict(os.environ, UCX_PROTO_INFO="y")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH")) if p)
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "kvtransfer.ucx.probe", "--memory", memory]
+            [sys.executable, "-m", "tandem.kvtransfer.ucx.probe", "--memory", memory]
             + ["--device-id", str(device_id), "--timeout-s", str(timeout_s)],
             env=env,
             capture_output=True,

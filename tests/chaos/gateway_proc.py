@@ -11,11 +11,11 @@ import time
 
 import httpx
 
-from cluster.engines.actor import free_port
+from tandem.cluster.engines.actor import free_port
 
 
 class GatewayProcess:
-    """``python -m cluster serve ARGS --port <free>``; output to ``log_path``."""
+    """``python -m tandem.cluster serve ARGS --port <free>``; output to ``log_path``."""
 
     def __init__(self, args: list[str], log_path: str, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
@@ -23,7 +23,7 @@ class GatewayProcess:
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed by wait()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "cluster", "serve", *args, "--port", str(self.port)],
+            [sys.executable, "-m", "tandem.cluster", "serve", *args, "--port", str(self.port)],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env=env,

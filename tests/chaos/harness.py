@@ -33,7 +33,7 @@ ENGINE = {"num_kv_blocks": 512, "max_num_seqs": 32, "max_model_len": 1024}
 
 def serve_config(namespace: str, **kw):
     """1 prefill + 2 decode engines of the tiny model (``kw``: more serve keys)."""
-    from cluster.cli.settings import serve_config
+    from tandem.cluster.cli.settings import serve_config
 
     settings = dict(
         model="tiny",

@@ -9,8 +9,8 @@ import os
 import tempfile
 import time
 
-from cluster.cli.serve import ServiceThread
-from kvtransfer.fault_injection import ENV_READ_FAIL_FILE
+from tandem.cluster.cli.serve import ServiceThread
+from tandem.kvtransfer.fault_injection import ENV_READ_FAIL_FILE
 from tests.chaos.harness import WORKLOADS, Workload, serve_config
 from tests.cluster.service_helpers import BUSY_FIELDS
 
@@ -76,7 +76,7 @@ def wait_ready(svc, engine_id: str, deadline_s: float = 120.0, new_epoch_after: 
 def stats(handle):
     import ray
 
-    from scheduler.engine_stats import STATS_DECODER
+    from tandem.scheduler.engine_stats import STATS_DECODER
 
     return STATS_DECODER.decode(ray.get(handle.actor.stats.remote(), timeout=30))
 

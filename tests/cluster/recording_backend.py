@@ -3,8 +3,8 @@ tests that check what reaches the engines."""
 
 from __future__ import annotations
 
-from cluster.gateway.null_backend import NullBackend
-from wire.engine_protocol import EngineRequest
+from tandem.cluster.gateway.null_backend import NullBackend
+from tandem.wire.engine_protocol import EngineRequest
 
 
 class RecordingBackend(NullBackend):

@@ -59,8 +59,8 @@ def tiny_pd_service(disagg_min_tokens: int = 32, tracer: Any = None) -> Iterator
     remote path; ``tracer`` as ``ServiceThread``'s. Ray is shut down on exit."""
     import ray
 
-    from cluster.cli.serve import ServiceThread
-    from cluster.cli.settings import serve_config
+    from tandem.cluster.cli.serve import ServiceThread
+    from tandem.cluster.cli.settings import serve_config
 
     config = serve_config(
         model="tiny",

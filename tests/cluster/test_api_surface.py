@@ -10,12 +10,12 @@ import httpx
 import openai
 import pytest
 
-from cluster.gateway.api.config import ApiConfig, ApiSettings
-from cluster.gateway.api.generation_defaults import load_generation_defaults
-from cluster.gateway.app import create_app, serve_in_thread
+from tandem.cluster.gateway.api.config import ApiConfig, ApiSettings
+from tandem.cluster.gateway.api.generation_defaults import load_generation_defaults
+from tandem.cluster.gateway.app import create_app, serve_in_thread
+from tandem.workers.checkpoints.tiny import build_tokenizer
+from tandem.workers.text.tokenizer import apply_chat_template, encode_prompt
 from tests.cluster.recording_backend import RecordingBackend
-from workers.checkpoints.tiny import build_tokenizer
-from workers.text.tokenizer import apply_chat_template, encode_prompt
 
 MESSAGES = [{"role": "user", "content": "Hello there, tandem!"}]
 TEMPLATE = "{% for m in messages %}[[{{ m['role'] }}]] {{ m['content'] }}\n{% endfor %}"

@@ -9,11 +9,11 @@ import time
 
 import pytest
 
-from cluster.cli import bench
-from cluster.cli.bench import BenchConfig
-from cluster.gateway.app import create_app, serve_in_thread
-from cluster.gateway.null_backend import NullBackend
-from workers.checkpoints.tiny import build_tokenizer
+from tandem.cluster.cli import bench
+from tandem.cluster.cli.bench import BenchConfig
+from tandem.cluster.gateway.app import create_app, serve_in_thread
+from tandem.cluster.gateway.null_backend import NullBackend
+from tandem.workers.checkpoints.tiny import build_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -6,15 +6,15 @@ import sys
 
 import pytest
 
-from cluster.cli.main import build_parser
-from cluster.cli.settings import pool_specs, resolve_config
-from cluster.engines.placement import parse_ray_resources
+from tandem.cluster.cli.main import build_parser
+from tandem.cluster.cli.settings import pool_specs, resolve_config
+from tandem.cluster.engines.placement import parse_ray_resources
 
 
 def run_check(argv, tmp_path=None):
     """The real CLI in a subprocess: (exit code, stdout, stderr)."""
     proc = subprocess.run(
-        [sys.executable, "-m", "cluster", "serve", *argv, "--check-config"],
+        [sys.executable, "-m", "tandem.cluster", "serve", *argv, "--check-config"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -109,7 +109,7 @@ def test_check_config_rejects_bad_config_with_exit_2(tmp_path, yaml_text, argv, 
 def test_serve_config_from_keys_makes_pool_specs():
     """Tests and benchmarks build the config from flat keys (serve_config):
     the per-pool placement falls back to the global one."""
-    from cluster.cli.settings import serve_config
+    from tandem.cluster.cli.settings import serve_config
 
     specs = pool_specs(serve_config(model="tiny", num_gpus_per_engine=0))
     assert [(s.role, s.num_gpus, s.resources) for s in specs] == [

@@ -11,11 +11,11 @@ import logging
 import pytest
 import yaml
 
-from cluster.cli.check_config import resolved_config
-from cluster.cli.config.keys import all_settings, by_key, defaults, flatten, get
-from cluster.cli.main import build_parser
-from cluster.cli.settings import ServeConfig, pool_specs, resolve_config, serve_config
-from cluster.engines.placement import ROLES
+from tandem.cluster.cli.check_config import resolved_config
+from tandem.cluster.cli.config.keys import all_settings, by_key, defaults, flatten, get
+from tandem.cluster.cli.main import build_parser
+from tandem.cluster.cli.settings import ServeConfig, pool_specs, resolve_config, serve_config
+from tandem.cluster.engines.placement import ROLES
 
 ROLE_NAMES = ROLES  # prefill, decode, colocated
 

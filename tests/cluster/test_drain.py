@@ -17,10 +17,10 @@ import time
 import httpx
 import pytest
 
+from tandem.wire.engine_protocol import EngineRequest, SamplingParams
 from tests.chaos.harness import Workload, serve_config, verdict
 from tests.chaos.service import engine, requests_on, reset_prefix_caches, stats, wait_ready
 from tests.cluster.test_kv_routing_service import RequestLog
-from wire.engine_protocol import EngineRequest, SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -33,7 +33,7 @@ MAX_TOKENS = 256  # streams still run when the drain lands (the CLI starts a pro
 def svc_refs():
     import ray
 
-    from cluster.cli.serve import ServiceThread
+    from tandem.cluster.cli.serve import ServiceThread
 
     ray.init(include_dashboard=False, num_cpus=2, log_to_driver=False)
     try:
@@ -67,7 +67,7 @@ def admin(svc, path: str, body: dict, key: str | None = KEY) -> httpx.Response:
 def tandem_drain(svc, *args: str, key: str = KEY) -> subprocess.CompletedProcess:
     env = dict(os.environ, TANDEM_ADMIN_API_KEY=key)
     return subprocess.run(
-        [sys.executable, "-m", "cluster", "drain", *args, "--url", svc.base_url],
+        [sys.executable, "-m", "tandem.cluster", "drain", *args, "--url", svc.base_url],
         env=env,
         capture_output=True,
         text=True,

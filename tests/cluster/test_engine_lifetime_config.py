@@ -4,10 +4,10 @@ secret fingerprint an adopting gateway checks."""
 
 import pytest
 
-from cluster.cli.main import build_parser
-from cluster.cli.serve import Service
-from cluster.cli.settings import resolve_config
-from wire.auth import secret_fingerprint
+from tandem.cluster.cli.main import build_parser
+from tandem.cluster.cli.serve import Service
+from tandem.cluster.cli.settings import resolve_config
+from tandem.wire.auth import secret_fingerprint
 
 
 def settings_of(argv, monkeypatch):

@@ -21,9 +21,9 @@ import time
 import httpx
 import pytest
 
-from cluster.cli.serve import ServiceThread
-from cluster.cli.settings import serve_config
-from wire.engine_protocol import EngineRequest, SamplingParams
+from tandem.cluster.cli.serve import ServiceThread
+from tandem.cluster.cli.settings import serve_config
+from tandem.wire.engine_protocol import EngineRequest, SamplingParams
 
 pytestmark = pytest.mark.slow
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.cli.main import build_parser
-from cluster.cli.settings import pool_specs, resolve_config
-from cluster.engines.placement import check_num_gpus, engine_actor_placement
+from tandem.cluster.cli.main import build_parser
+from tandem.cluster.cli.settings import pool_specs, resolve_config
+from tandem.cluster.engines.placement import check_num_gpus, engine_actor_placement
 
 
 def specs_for(argv: list[str]) -> dict:

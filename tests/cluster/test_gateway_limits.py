@@ -19,10 +19,10 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from cluster.gateway.app import create_app, serve_in_thread
-from cluster.gateway.edge.limits import GatewayLimits
-from cluster.gateway.null_backend import NullBackend
-from workers.checkpoints.tiny import build_tokenizer
+from tandem.cluster.gateway.app import create_app, serve_in_thread
+from tandem.cluster.gateway.edge.limits import GatewayLimits
+from tandem.cluster.gateway.null_backend import NullBackend
+from tandem.workers.checkpoints.tiny import build_tokenizer
 
 DEADLINE_S = 10.0
 

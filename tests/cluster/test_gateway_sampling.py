@@ -12,10 +12,10 @@ import httpx
 import openai
 import pytest
 
-from cluster.gateway.app import create_app, serve_in_thread
-from cluster.gateway.edge.limits import GatewayLimits
+from tandem.cluster.gateway.app import create_app, serve_in_thread
+from tandem.cluster.gateway.edge.limits import GatewayLimits
+from tandem.workers.checkpoints.tiny import build_tokenizer
 from tests.cluster.recording_backend import RecordingBackend
-from workers.checkpoints.tiny import build_tokenizer
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 

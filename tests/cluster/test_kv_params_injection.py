@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import httpx
 
-from cluster.gateway.app import create_app, serve_in_thread
-from cluster.gateway.null_backend import NullBackend
-from workers.checkpoints.tiny import build_tokenizer
+from tandem.cluster.gateway.app import create_app, serve_in_thread
+from tandem.cluster.gateway.null_backend import NullBackend
+from tandem.workers.checkpoints.tiny import build_tokenizer
 
 FORGED = {
     "do_remote_prefill": True,

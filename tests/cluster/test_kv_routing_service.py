@@ -11,9 +11,9 @@ import time
 import httpx
 import pytest
 
-from cluster.cli.serve import ServiceThread
-from cluster.cli.settings import serve_config
-from cluster.observability.logging_setup import make_handler
+from tandem.cluster.cli.serve import ServiceThread
+from tandem.cluster.cli.settings import serve_config
+from tandem.cluster.observability.logging_setup import make_handler
 from tests.cluster.service_helpers import client, wait_idle
 
 pytestmark = pytest.mark.slow

@@ -16,22 +16,22 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from cluster.disagg.migration import MigrationPolicy
-from cluster.disagg.ray_backend import RayBackend
-from cluster.engines.actor import free_port
-from cluster.engines.pools import EngineHandle
-from cluster.routing.policy import RoutingConfig
-from scheduler.block_hash import hash_request_blocks
-from scheduler.engine_stats import EngineStats
-from scheduler.kv_events import KVSnapshot
-from wire.engine_protocol import (
+from tandem.cluster.disagg.migration import MigrationPolicy
+from tandem.cluster.disagg.ray_backend import RayBackend
+from tandem.cluster.engines.actor import free_port
+from tandem.cluster.engines.pools import EngineHandle
+from tandem.cluster.routing.policy import RoutingConfig
+from tandem.scheduler.block_hash import hash_request_blocks
+from tandem.scheduler.engine_stats import EngineStats
+from tandem.scheduler.kv_events import KVSnapshot
+from tandem.wire.engine_protocol import (
     EngineOutput,
     EngineOutputs,
     EngineRequest,
     FinishReason,
     SamplingParams,
 )
-from wire.frames import decode
+from tandem.wire.frames import decode
 
 PROMPT = [1, 5, 9, 14]
 ENGINE_IDS = ("colocated-0", "colocated-1")

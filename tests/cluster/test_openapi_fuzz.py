@@ -19,10 +19,10 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 from schemathesis.specs.openapi import checks as openapi_checks
 
-from cluster.gateway.api.config import ApiConfig
-from cluster.gateway.app import create_app, serve_in_thread
-from cluster.gateway.null_backend import NullBackend
-from workers.checkpoints.tiny import build_tokenizer
+from tandem.cluster.gateway.api.config import ApiConfig
+from tandem.cluster.gateway.app import create_app, serve_in_thread
+from tandem.cluster.gateway.null_backend import NullBackend
+from tandem.workers.checkpoints.tiny import build_tokenizer
 
 MAX_EXAMPLES = 40  # per operation and generation mode
 

@@ -12,11 +12,11 @@ import msgspec
 import zmq
 from prometheus_client import CollectorRegistry
 
-from cluster.disagg.ray_backend import RayBackend
-from cluster.engines.actor import free_port
-from cluster.observability.metrics import EngineMetricsCollector, render
-from wire.auth import PlaneAuth, generate_secret
-from wire.engine_protocol import (
+from tandem.cluster.disagg.ray_backend import RayBackend
+from tandem.cluster.engines.actor import free_port
+from tandem.cluster.observability.metrics import EngineMetricsCollector, render
+from tandem.wire.auth import PlaneAuth, generate_secret
+from tandem.wire.engine_protocol import (
     GATEWAY_OUTPUT,
     EngineOutput,
     EngineOutputs,
@@ -99,11 +99,11 @@ def test_engine_stats_are_validated_like_frames():
     dropped (the last good stats stay) and counted as socket engine_stats."""
     from types import SimpleNamespace
 
-    from cluster.disagg.engine import Engine
-    from cluster.engines.health import EngineHealth
-    from cluster.routing.router import EngineState
-    from scheduler.engine_stats import EngineStats
-    from wire.engine_protocol import SchedulerStats
+    from tandem.cluster.disagg.engine import Engine
+    from tandem.cluster.engines.health import EngineHealth
+    from tandem.cluster.routing.router import EngineState
+    from tandem.scheduler.engine_stats import EngineStats
+    from tandem.wire.engine_protocol import SchedulerStats
 
     backend = RayBackend([], tokenizer=None, model_name="m", output_addr="tcp://127.0.0.1:1")
     try:

@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from cluster.cli.main import build_parser
-from cluster.cli.settings import pool_specs, resolve_config
-from cluster.engines.pools import start_pools, stop_pools
+from tandem.cluster.cli.main import build_parser
+from tandem.cluster.cli.settings import pool_specs, resolve_config
+from tandem.cluster.engines.pools import start_pools, stop_pools
 
 pytestmark = pytest.mark.slow
 
@@ -143,7 +143,7 @@ def test_half_gpu_engines_are_packed_two_per_gpu(two_groups):
     )
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from cluster.engines.placement import engine_actor_placement
+    from tandem.cluster.engines.placement import engine_actor_placement
 
     node_of_pool, _ = two_groups
     pinned = '{"tandem_decode": 1}'

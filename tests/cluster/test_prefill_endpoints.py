@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-from cluster.engines.prefill_endpoints import prefill_endpoints, push_prefill_endpoints
-from cluster.routing.router import EngineState
+from tandem.cluster.engines.prefill_endpoints import prefill_endpoints, push_prefill_endpoints
+from tandem.cluster.routing.router import EngineState
 
 
 def engine(engine_id: str, role: str, epoch: int, kv_address=None):

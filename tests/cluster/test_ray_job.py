@@ -1,5 +1,6 @@
-"""`ray start --head` + `ray job submit --working-dir . -- python -m cluster serve`
-on loopback: the service comes up from the working dir and answers."""
+"""`ray start --head` + `ray job submit -- python -m tandem.cluster serve` on loopback:
+the job's Python has Tandem installed (as every node's must), and the service comes up
+and answers."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import time
 import httpx
 import pytest
 
-from cluster.engines.actor import free_port
+from tandem.cluster.engines.actor import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -126,8 +127,6 @@ def test_ray_job_submit_serves_completions():
             "job",
             "submit",
             f"--address={dash_url}",
-            "--working-dir",
-            ".",
             "--no-wait",
             "--",
             "python",

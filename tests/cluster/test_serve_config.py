@@ -2,8 +2,8 @@
 
 import pytest
 
-from cluster.cli.main import build_parser
-from cluster.cli.settings import pool_specs, resolve_config
+from tandem.cluster.cli.main import build_parser
+from tandem.cluster.cli.settings import pool_specs, resolve_config
 
 
 def parse(argv):

@@ -2,9 +2,9 @@
 
 import pytest
 
-from cluster.cli.main import build_parser
-from cluster.cli.serve import cmd_serve
-from cluster.cli.settings import cluster_secret, pool_specs, resolve_config
+from tandem.cluster.cli.main import build_parser
+from tandem.cluster.cli.serve import cmd_serve
+from tandem.cluster.cli.settings import cluster_secret, pool_specs, resolve_config
 
 
 def parse(argv):

@@ -12,12 +12,12 @@ import httpx
 import openai
 import pytest
 
-from cluster.cli.serve import ServiceThread
-from cluster.cli.settings import serve_config
+from tandem.cluster.cli.serve import ServiceThread
+from tandem.cluster.cli.settings import serve_config
+from tandem.wire.engine_protocol import SamplingParams
+from tandem.workers.config import EngineConfig
+from tandem.workers.engine.llm import LLM
 from tests.cluster.service_helpers import client, disconnect_mid_stream, wait_idle
-from wire.engine_protocol import SamplingParams
-from workers.config import EngineConfig
-from workers.engine.llm import LLM
 
 pytestmark = pytest.mark.slow
 
@@ -315,9 +315,9 @@ def test_internal_planes_refuse_outsiders_and_survive_malformed_frames(disagg):
     import msgspec
     import zmq
 
-    from kvtransfer.side_channel import HandshakeError, fetch_handshake
-    from wire.auth import PlaneAuth
-    from wire.engine_protocol import EngineAbort
+    from tandem.kvtransfer.side_channel import HandshakeError, fetch_handshake
+    from tandem.wire.auth import PlaneAuth
+    from tandem.wire.engine_protocol import EngineAbort
 
     backend = disagg.service.backend
     assert disagg.service.cluster_secret is not None  # auth is on by default

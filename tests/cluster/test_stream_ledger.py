@@ -8,10 +8,10 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from cluster.disagg.migration import MigrationPolicy, StreamLedger
-from wire.engine_protocol import EngineOutput, EngineRequest, SamplingParams
-from workers.config import EngineConfig
-from workers.engine.core import EngineCore
+from tandem.cluster.disagg.migration import MigrationPolicy, StreamLedger
+from tandem.wire.engine_protocol import EngineOutput, EngineRequest, SamplingParams
+from tandem.workers.config import EngineConfig
+from tandem.workers.engine.core import EngineCore
 
 PROMPT = [5, 17, 99, 3, 42, 42, 8, 61, 7, 120, 33]
 PARAMS = SamplingParams(

@@ -7,8 +7,12 @@ import time
 
 import pytest
 
-from cluster.engines.placement import CPU_RANK_SHARE, check_pool_parallel, engine_group_placement
-from workers.config import EngineConfig
+from tandem.cluster.engines.placement import (
+    CPU_RANK_SHARE,
+    check_pool_parallel,
+    engine_group_placement,
+)
+from tandem.workers.config import EngineConfig
 
 
 def test_gpu_engine_gets_one_bundle_per_rank():

@@ -17,15 +17,15 @@ import time
 
 import pytest
 
-from cluster.cli.serve import ServiceThread
-from cluster.cli.settings import serve_config
+from tandem.cluster.cli.serve import ServiceThread
+from tandem.cluster.cli.settings import serve_config
+from tandem.wire.engine_protocol import SamplingParams
+from tandem.workers.config import EngineConfig
+from tandem.workers.engine.llm import LLM
+from tandem.workers.parallel.ray_workers import ACTOR_PREFIX
 from tests.cluster.service_helpers import client, wait_idle
 from tests.cluster.test_service import ray_local  # noqa: F401 - the module's local Ray
 from tests.cluster.test_tp_placement import bundle_in_use
-from wire.engine_protocol import SamplingParams
-from workers.config import EngineConfig
-from workers.engine.llm import LLM
-from workers.parallel.ray_workers import ACTOR_PREFIX
 
 pytestmark = pytest.mark.slow
 

@@ -22,12 +22,12 @@ import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from cluster.gateway.app import create_app, serve_in_thread
-from cluster.gateway.null_backend import NullBackend
-from cluster.observability.logging_setup import make_handler
-from cluster.observability.tracing.otel import OtelTracer
-from cluster.observability.tracing.settings import ObservabilityConfig, traces_url
-from workers.checkpoints.tiny import build_tokenizer
+from tandem.cluster.gateway.app import create_app, serve_in_thread
+from tandem.cluster.gateway.null_backend import NullBackend
+from tandem.cluster.observability.logging_setup import make_handler
+from tandem.cluster.observability.tracing.otel import OtelTracer
+from tandem.cluster.observability.tracing.settings import ObservabilityConfig, traces_url
+from tandem.workers.checkpoints.tiny import build_tokenizer
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_ID = "00f067aa0ba902b7"
@@ -216,7 +216,7 @@ def test_request_log_lines_carry_the_request_id(tokenizer, log_format):
             while "request finished" not in stream.getvalue():
                 assert time.monotonic() < deadline
                 time.sleep(0.01)
-            logging.getLogger("cluster.gateway.app").warning("outside any request")
+            logging.getLogger("tandem.cluster.gateway.app").warning("outside any request")
     finally:
         logger.removeHandler(handler)
         logger.setLevel(old_level)
@@ -251,10 +251,10 @@ def test_settings_are_checked():
 def test_tracing_off_imports_no_sdk():
     code = (
         "import sys\n"
-        "from cluster.gateway.app import create_app\n"
-        "from cluster.gateway.null_backend import NullBackend\n"
-        "from cluster.observability.tracing.settings import ObservabilityConfig, make_tracer\n"
-        "from workers.checkpoints.tiny import build_tokenizer\n"
+        "from tandem.cluster.gateway.app import create_app\n"
+        "from tandem.cluster.gateway.null_backend import NullBackend\n"
+        "from tandem.cluster.observability.tracing.settings import ObservabilityConfig, make_tracer\n"
+        "from tandem.workers.checkpoints.tiny import build_tokenizer\n"
         "assert make_tracer(ObservabilityConfig()) is None\n"
         "create_app(NullBackend(build_tokenizer()))\n"
         "print(sorted(m for m in sys.modules if m.startswith('opentelemetry.sdk')))\n"

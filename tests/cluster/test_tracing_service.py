@@ -13,8 +13,8 @@ import httpx
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from cluster.observability.logging_setup import make_handler
-from cluster.observability.tracing.otel import OtelTracer
+from tandem.cluster.observability.logging_setup import make_handler
+from tandem.cluster.observability.tracing.otel import OtelTracer
 from tests.cluster.service_helpers import client, tiny_pd_service, wait_idle
 
 pytestmark = pytest.mark.slow

@@ -16,10 +16,10 @@ from typing import Any
 import msgspec
 import zmq
 
-from cluster.engines.actor import free_port
-from scheduler.engine_stats import EngineStats
-from wire.auth import PlaneAuth, generate_secret
-from wire.engine_protocol import (
+from tandem.cluster.engines.actor import free_port
+from tandem.scheduler.engine_stats import EngineStats
+from tandem.wire.auth import PlaneAuth, generate_secret
+from tandem.wire.engine_protocol import (
     EngineAbort,
     EngineOutput,
     EngineOutputs,
@@ -27,7 +27,7 @@ from wire.engine_protocol import (
     UtilityCall,
     UtilityResult,
 )
-from workers.config import EngineConfig
+from tandem.workers.config import EngineConfig
 
 _NEW = object()
 
@@ -40,8 +40,8 @@ def _engine_main(config: EngineConfig, input_addr: str, output_addr: str) -> Non
     import torch
 
     torch.set_num_threads(1)
-    from workers.engine.core import EngineCore
-    from workers.engine.service import EngineService
+    from tandem.workers.engine.core import EngineCore
+    from tandem.workers.engine.service import EngineService
 
     EngineService(EngineCore(config)).serve_zmq(input_addr, output_addr)
 

@@ -13,13 +13,13 @@ import msgspec
 import pytest
 import zmq
 
-from kvtransfer.side_channel import HandshakeError, Notification, fetch_handshake
+from tandem.kvtransfer.side_channel import HandshakeError, Notification, fetch_handshake
+from tandem.wire.auth import PlaneAuth, generate_secret
+from tandem.wire.engine_protocol import EngineAbort, EngineRequest, FinishReason, SamplingParams
+from tandem.workers.config import EngineConfig
+from tandem.workers.engine.llm import LLM
 from tests.e2e.engine_proc import Harness
 from tests.e2e.test_pd_engines import handoff
-from wire.auth import PlaneAuth, generate_secret
-from wire.engine_protocol import EngineAbort, EngineRequest, FinishReason, SamplingParams
-from workers.config import EngineConfig
-from workers.engine.llm import LLM
 
 pytestmark = pytest.mark.slow
 

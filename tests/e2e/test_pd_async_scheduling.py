@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtransfer.handoff import decode_request, prefill_request
+from tandem.kvtransfer.handoff import decode_request, prefill_request
+from tandem.wire.engine_protocol import EngineRequest, FinishReason, SamplingParams
+from tandem.workers.config import EngineConfig
 from tests.e2e.engine_proc import Harness
 from tests.workers.test_async_scheduling import run
-from wire.engine_protocol import EngineRequest, FinishReason, SamplingParams
-from workers.config import EngineConfig
 
 pytestmark = pytest.mark.slow
 

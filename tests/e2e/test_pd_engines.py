@@ -9,12 +9,12 @@ import msgspec
 import pytest
 import torch
 
-from kvtransfer.handoff import decode_request, prefill_request
+from tandem.kvtransfer.handoff import decode_request, prefill_request
+from tandem.wire.engine_protocol import NOT_REACHED, EngineRequest, FinishReason, SamplingParams
+from tandem.workers.config import EngineConfig
+from tandem.workers.engine.llm import LLM
 from tests.e2e.engine_proc import Harness
 from tests.workers.hf_checkpoints import load_hf_model
-from wire.engine_protocol import NOT_REACHED, EngineRequest, FinishReason, SamplingParams
-from workers.config import EngineConfig
-from workers.engine.llm import LLM
 
 pytestmark = pytest.mark.slow
 

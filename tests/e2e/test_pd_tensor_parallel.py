@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tandem.wire.engine_protocol import EngineRequest, FinishReason, SamplingParams
+from tandem.workers.config import EngineConfig
+from tandem.workers.engine.llm import LLM
 from tests.e2e import test_pd_engines
 from tests.e2e.engine_proc import Harness
 from tests.e2e.test_pd_engines import handoff, kv_bytes
-from wire.engine_protocol import EngineRequest, FinishReason, SamplingParams
-from workers.config import EngineConfig
-from workers.engine.llm import LLM
 
 pytestmark = pytest.mark.slow
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 
+from tandem.wire.engine_protocol import EngineRequest, SamplingParams
+from tandem.workers.engine.core import EngineCore
 from tests.gpu.test_cuda_engine import _config, _syncs_of_one_step
 from tests.workers.test_async_scheduling import _prompts, _req, run, same_outputs
-from wire.engine_protocol import EngineRequest, SamplingParams
-from workers.engine.core import EngineCore
 
 pytestmark = pytest.mark.gpu
 

@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch
 
-from workers.graphs.runner import CudaGraphBackend
+from tandem.workers.graphs.runner import CudaGraphBackend
 
 pytestmark = pytest.mark.gpu
 

@@ -11,6 +11,10 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+from tandem.wire.engine_protocol import SamplingParams
+from tandem.workers.checkpoints.loader import load_model
+from tandem.workers.compile.model import compile_model
+from tandem.workers.engine.llm import LLM
 from tests.gpu.memory_share import (
     assert_inside_share,
     device_before,
@@ -21,10 +25,6 @@ from tests.gpu.test_cuda_engine import _config
 from tests.workers.hf_checkpoints import load_hf_model
 from tests.workers.mixed_steps import BLOCK_SIZE, last_step_hidden, new_kv_cache
 from tests.workers.test_engine import hf_greedy, prompts_for
-from wire.engine_protocol import SamplingParams
-from workers.checkpoints.loader import load_model
-from workers.compile.model import compile_model
-from workers.engine.llm import LLM
 
 pytestmark = pytest.mark.gpu
 

@@ -12,11 +12,11 @@ import warnings
 import pytest
 import torch
 
+from tandem.wire.engine_protocol import EngineRequest, SamplingParams
+from tandem.workers.config import EngineConfig
+from tandem.workers.engine.llm import LLM
 from tests.workers.hf_checkpoints import load_hf_model
 from tests.workers.test_engine import hf_greedy, prompts_for
-from wire.engine_protocol import EngineRequest, SamplingParams
-from workers.config import EngineConfig
-from workers.engine.llm import LLM
 
 pytestmark = pytest.mark.gpu
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers.graphs.static_inputs import StaticDecodeInputs
-from workers.graphs.token_inputs import StaticTokenInputs
+from tandem.workers.graphs.static_inputs import StaticDecodeInputs
+from tandem.workers.graphs.token_inputs import StaticTokenInputs
 
 pytestmark = pytest.mark.gpu
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import fused_reference, reference
+from tandem.kernels import fused_reference, reference
 from tests.kernels.cases import make_case, write_oracle
 
 pytestmark = pytest.mark.gpu
@@ -20,7 +20,7 @@ MIXED = [(9, 9), (13, 1), (20, 6), (1, 1), (21, 1), (5, 2), (300, 1), (130, 70)]
 
 
 def test_kernels_are_compiled_not_interpreted():
-    from kernels import triton_activation, triton_attention, triton_norm, triton_rope_cache
+    from tandem.kernels import triton_activation, triton_attention, triton_norm, triton_rope_cache
 
     for kernel in (
         triton_attention._paged_attention_kernel,
@@ -48,7 +48,7 @@ def _close(actual, expected, tol):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_write_kv_cache_bit_exact(dtype):
-    from kernels import dispatch
+    from tandem.kernels import dispatch
 
     case = _cuda_case(dtype)
     case.meta.slot_mapping[[0, 7]] = -1
@@ -61,7 +61,7 @@ def test_write_kv_cache_bit_exact(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads,head_dim", [((8, 2), 64), ((4, 4), 128), ((6, 1), 80)])
 def test_paged_attention(dtype, heads, head_dim):
-    from kernels import dispatch
+    from tandem.kernels import dispatch
 
     case = _cuda_case(dtype, heads, head_dim)
     write_oracle(case)
@@ -78,7 +78,7 @@ def _randn(*shape, dtype, seed=0):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hidden", [2048, 896, 64])
 def test_rms_norm_and_add(dtype, hidden):
-    from kernels import dispatch
+    from tandem.kernels import dispatch
 
     x, residual = _randn(33, hidden, dtype=dtype) * 3, _randn(33, hidden, dtype=dtype, seed=1)
     weight = _randn(hidden, dtype=dtype, seed=2)
@@ -114,7 +114,7 @@ def test_rope_write_kv(dtype):
     expected = fused_reference.rope_write_kv(
         qk, value, cos, sin, expected_cache[:, 1], case.meta.slot_mapping
     )
-    from kernels import triton_rope_cache
+    from tandem.kernels import triton_rope_cache
 
     out = triton_rope_cache.rope_write_kv(
         qk, value, cos, sin, case.layer_cache, case.meta.slot_mapping
@@ -127,7 +127,7 @@ def test_rope_write_kv(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("intermediate", [8192, 4864, 100])
 def test_silu_and_mul(dtype, intermediate):
-    from kernels import dispatch
+    from tandem.kernels import dispatch
 
     gate_up = _randn(17, 2 * intermediate, dtype=dtype) * 4
     out = dispatch.silu_and_mul(gate_up)

@@ -13,11 +13,11 @@ import time
 import pytest
 import torch
 
+from tandem.wire.engine_protocol import SamplingParams
 from tests.e2e.engine_proc import Harness
 from tests.e2e.test_pd_engines import handoff
 from tests.workers.hf_checkpoints import load_hf_model, make_checkpoint
 from tests.workers.test_engine import hf_greedy
-from wire.engine_protocol import SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
@@ -28,8 +28,8 @@ NUM_NEW = 8
 
 
 def _serve_configs(path: str) -> dict:
-    from cluster.cli.main import build_parser
-    from cluster.cli.settings import pool_specs, resolve_config
+    from tandem.cluster.cli.main import build_parser
+    from tandem.cluster.cli.settings import pool_specs, resolve_config
 
     argv = ["serve", "--model", path, "--prefill", "1", "--decode", "1"]
     argv += ["--num-gpus-per-engine", "0.5", "--device", "cuda", "--dtype", "float32"]

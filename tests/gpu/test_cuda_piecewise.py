@@ -10,7 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import AttentionMetadata
+from tandem.kernels import AttentionMetadata
+from tandem.wire.engine_protocol import SamplingParams
+from tandem.workers.config import EngineConfig
+from tandem.workers.engine.llm import LLM
 from tests.gpu.memory_share import (
     MIB,
     assert_inside_share,
@@ -19,9 +22,6 @@ from tests.gpu.memory_share import (
     share_checkpoint,
 )
 from tests.gpu.test_cuda_engine import _config as engine_config
-from wire.engine_protocol import SamplingParams
-from workers.config import EngineConfig
-from workers.engine.llm import LLM
 
 pytestmark = pytest.mark.gpu
 

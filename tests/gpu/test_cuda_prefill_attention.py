@@ -9,15 +9,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import AttentionMetadata, prefill_attention, reference
+from tandem.kernels import AttentionMetadata, prefill_attention, reference
+from tandem.wire.engine_protocol import SamplingParams
+from tandem.workers.checkpoints.loader import load_model
+from tandem.workers.engine.llm import LLM
 from tests.gpu.test_cuda_engine import _config
 from tests.kernels.cases import make_case, write_oracle
 from tests.workers.hf_checkpoints import load_hf_model
 from tests.workers.mixed_steps import last_step_hidden, new_kv_cache
 from tests.workers.test_engine import hf_greedy, prompts_for
-from wire.engine_protocol import SamplingParams
-from workers.checkpoints.loader import load_model
-from workers.engine.llm import LLM
 
 pytestmark = pytest.mark.gpu
 

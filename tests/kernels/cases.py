@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import AttentionMetadata
+from tandem.kernels import AttentionMetadata
 
 NUM_LAYERS = 3
 LAYER = 1  # the layer under test; its view of the blocks-first cache is non-contiguous

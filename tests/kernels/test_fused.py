@@ -10,7 +10,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of the Tri
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from kernels import dispatch, fused_reference  # noqa: E402
+from tandem.kernels import dispatch, fused_reference  # noqa: E402
 from tests.kernels.cases import make_case  # noqa: E402
 
 HALF = [torch.float16, torch.bfloat16]
@@ -36,7 +36,7 @@ def _close(actual: torch.Tensor, expected: torch.Tensor) -> None:
 
 
 def test_fused_kernels_run_interpreted():
-    from kernels import triton_activation, triton_norm, triton_rope_cache
+    from tandem.kernels import triton_activation, triton_norm, triton_rope_cache
 
     for kernel in (
         triton_norm._rms_norm_kernel,

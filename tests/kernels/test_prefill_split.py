@@ -11,7 +11,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of the Tri
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from kernels import prefill_attention, reference  # noqa: E402
+from tandem.kernels import prefill_attention, reference  # noqa: E402
 from tests.kernels.cases import attention_oracle, make_case, write_oracle  # noqa: E402
 
 # (seq_len, query_len): fresh prompts of lengths 9, 1, 5, 5 (two of one length, not adjacent),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import AttentionMetadata, paged_attention, reference, write_kv_cache
+from tandem.kernels import AttentionMetadata, paged_attention, reference, write_kv_cache
 from tests.kernels.cases import attention_oracle, make_case, write_oracle
 
 MIXED = [(9, 9), (13, 1), (20, 6), (1, 1), (37, 37), (17, 1), (5, 2)]  # prefill/decode/chunk

@@ -9,7 +9,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of the Tri
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from kernels import dispatch, reference  # noqa: E402
+from tandem.kernels import dispatch, reference  # noqa: E402
 from tests.kernels.cases import make_case, write_oracle  # noqa: E402
 
 MIXED = [(9, 9), (13, 1), (20, 6), (1, 1), (21, 1), (5, 2)]  # prefill/decode/chunk, ragged
@@ -22,7 +22,7 @@ def force_triton(monkeypatch):
 
 
 def test_interpreter_is_active():
-    from kernels import triton_attention
+    from tandem.kernels import triton_attention
 
     assert type(triton_attention._paged_attention_kernel).__name__ == "InterpretedFunction"
 

@@ -38,11 +38,11 @@ from dataclasses import dataclass
 from typing import Any
 
 KERNEL_MODULES = (
-    "kernels.triton_attention",
-    "kernels.triton_cache",
-    "kernels.triton_norm",
-    "kernels.triton_rope_cache",
-    "kernels.triton_activation",
+    "tandem.kernels.triton_attention",
+    "tandem.kernels.triton_cache",
+    "tandem.kernels.triton_norm",
+    "tandem.kernels.triton_rope_cache",
+    "tandem.kernels.triton_activation",
 )
 # (arch, warp size, opt-in shared memory per block in bytes) of the targets checked
 SM90 = (90, 32, 232448)  # H100 / H200
@@ -216,7 +216,7 @@ def compile_for(launch: Launch, arch: tuple[int, int, int] = SM90) -> Compiled:
 def _model(arch: str, fields: dict[str, Any], dtype: Any) -> Any:
     import transformers
 
-    from workers.models import MODEL_REGISTRY
+    from tandem.workers.models import MODEL_REGISTRY
 
     model_type = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}.get(arch, "qwen3")
     config_cls = transformers.AutoConfig.for_model(model_type).__class__
@@ -236,9 +236,9 @@ def record_model_launches(
     would make them. Needs ``TANDEM_FORCE_TRITON=1`` (``_start`` sets it)."""
     import torch
 
-    from kernels import AttentionMetadata
-    from workers.graphs.static_inputs import StaticDecodeInputs
-    from workers.runner.kv_cache import allocate_kv_cache
+    from tandem.kernels import AttentionMetadata
+    from tandem.workers.graphs.static_inputs import StaticDecodeInputs
+    from tandem.workers.runner.kv_cache import allocate_kv_cache
 
     arch, fields = SHAPES[shape]
     cpu = torch.device("cpu")
@@ -270,8 +270,8 @@ def _start() -> str | None:
     """Prepare this process to compile (not interpret); why it cannot, or None."""
     os.environ.pop("TRITON_INTERPRET", None)
     os.environ["TANDEM_FORCE_TRITON"] = "1"
-    if "triton" in sys.modules and "kernels.triton_attention" in sys.modules:
-        kernel = sys.modules["kernels.triton_attention"]._paged_attention_kernel
+    if "triton" in sys.modules and "tandem.kernels.triton_attention" in sys.modules:
+        kernel = sys.modules["tandem.kernels.triton_attention"]._paged_attention_kernel
         if type(kernel).__name__ != "JITFunction":
             raise RuntimeError("the kernels were imported interpreted: run in a fresh process")
     return aot_unavailable()
@@ -312,7 +312,7 @@ CI_CASES: dict[str, tuple[str, tuple[str, ...], tuple[str, ...], tuple[str, ...]
 def _kv_write_launches() -> list[Launch]:
     import torch
 
-    from kernels import triton_cache
+    from tandem.kernels import triton_cache
 
     with recording() as recorded:
         for dtype in (torch.float32, torch.bfloat16, torch.float16):

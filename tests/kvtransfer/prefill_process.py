@@ -34,7 +34,9 @@ def _context() -> mp.context.BaseContext:
     clean server process (no NIXL/UCX state of the parent, like ``spawn``)
     but skips the multi-second torch import, which dominates on 2 cores."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "kvtransfer.nixl_worker", "scheduler.request"])
+    ctx.set_forkserver_preload(
+        ["torch", "tandem.kvtransfer.nixl_worker", "tandem.scheduler.request"]
+    )
     return ctx
 
 
@@ -62,8 +64,8 @@ def finish_prefill(scheduler, request_id: str, num_prompt: int, block_ids: list[
     """A prefill engine's scheduler side sees ``request_id`` finish its prefill
     (the prompt computed, one token sampled): ``(kv_transfer_params, the step's
     connector metadata)``."""
-    from scheduler.request import Request, RequestStatus
-    from wire.engine_protocol import SamplingParams
+    from tandem.scheduler.request import Request, RequestStatus
+    from tandem.wire.engine_protocol import SamplingParams
 
     req = Request(
         request_id,
@@ -89,8 +91,8 @@ def run_prefill(
     import os
 
     os.environ.update(env or {})  # before NIXL reads UCX's settings
-    from kvtransfer import KVTransferConfig, create_connector
-    from scheduler.messages import KVConnectorOutput
+    from tandem.kvtransfer import KVTransferConfig, create_connector
+    from tandem.scheduler.messages import KVConnectorOutput
 
     scheduler, worker = create_connector(KVTransferConfig(role="prefill", **config_kwargs))
     kv = kv_content(shape, seed).to(config_kwargs.get("device", "cpu"))  # VRAM with "cuda"

@@ -1,9 +1,9 @@
 import numpy as np
 import pytest
 
-from kvtransfer.compat import BLOCKS_FIRST
-from kvtransfer.nixl_agent import split_block_runs
-from kvtransfer.tp_plan import BlockGeometry, HeadRead, read_descriptors, shard_for
+from tandem.kvtransfer.compat import BLOCKS_FIRST
+from tandem.kvtransfer.nixl_agent import split_block_runs
+from tandem.kvtransfer.tp_plan import BlockGeometry, HeadRead, read_descriptors, shard_for
 
 
 def test_runs_split_where_either_side_breaks():

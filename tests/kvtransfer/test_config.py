@@ -2,8 +2,8 @@ import dataclasses
 
 import pytest
 
-from kvtransfer.compat import KVLayout, compat_hash, describe_mismatch
-from kvtransfer.config import KVTransferConfig
+from tandem.kvtransfer.compat import KVLayout, compat_hash, describe_mismatch
+from tandem.kvtransfer.config import KVTransferConfig
 
 
 def test_defaults_valid():
@@ -77,7 +77,7 @@ def test_config_is_frozen():
 
 
 def test_registry_rejects_unknown_connector():
-    from kvtransfer import available_connectors, create_connector
+    from tandem.kvtransfer import available_connectors, create_connector
 
     assert "nixl" in available_connectors()
     with pytest.raises(ValueError, match=r"unknown KV connector 'nope'.*nixl"):

@@ -17,8 +17,8 @@ import itertools
 import numpy as np
 import pytest
 
-from kvtransfer.compat import BLOCKS_FIRST, HEAD_MAJOR, KV_LAYOUTS, STORAGE_ORDER, RankLayout
-from kvtransfer.tp_plan import BlockGeometry, plan_rank_reads, read_descriptors, shard_for
+from tandem.kvtransfer.compat import BLOCKS_FIRST, HEAD_MAJOR, KV_LAYOUTS, STORAGE_ORDER, RankLayout
+from tandem.kvtransfer.tp_plan import BlockGeometry, plan_rank_reads, read_descriptors, shard_for
 
 L, BS, D = 2, 3, 2  # layers, block size, head dim
 ELEM = 4  # float32

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import pytest
 
-from kvtransfer.config import KVTransferConfig
-from kvtransfer.nixl_scheduler import NixlSchedulerSide
-from kvtransfer.nixl_worker import NixlWorkerSide
-from scheduler.request import Request, RequestStatus
-from wire.engine_protocol import SamplingParams
+from tandem.kvtransfer.config import KVTransferConfig
+from tandem.kvtransfer.nixl_scheduler import NixlSchedulerSide
+from tandem.kvtransfer.nixl_worker import NixlWorkerSide
+from tandem.scheduler.request import Request, RequestStatus
+from tandem.wire.engine_protocol import SamplingParams
 
 BS = 4
 LEASE_S = 10.0

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtransfer import KVTransferConfig, create_connector
+from tandem.kvtransfer import KVTransferConfig, create_connector
+from tandem.wire.auth import generate_secret
 from tests.kvtransfer.prefill_process import kv_content
 from tests.kvtransfer.test_nixl_connector import (
     COMMON,
@@ -17,7 +18,6 @@ from tests.kvtransfer.test_nixl_connector import (
     prefill,
     pull,
 )
-from wire.auth import generate_secret
 
 pytestmark = pytest.mark.slow
 

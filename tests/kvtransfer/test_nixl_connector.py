@@ -13,12 +13,12 @@ import time
 import pytest
 import torch
 
-from kvtransfer import KVTransferConfig, create_connector
-from kvtransfer.nixl_meta import LoadSpec, NixlConnectorMetadata, PeerAddr
-from scheduler.messages import KVConnectorOutput
-from scheduler.request import Request, RequestStatus
+from tandem.kvtransfer import KVTransferConfig, create_connector
+from tandem.kvtransfer.nixl_meta import LoadSpec, NixlConnectorMetadata, PeerAddr
+from tandem.scheduler.messages import KVConnectorOutput
+from tandem.scheduler.request import Request, RequestStatus
+from tandem.wire.engine_protocol import SamplingParams
 from tests.kvtransfer.prefill_process import PrefillProcess, kv_content
-from wire.engine_protocol import SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -137,7 +137,7 @@ def test_incompatible_peer_is_refused(decode, caplog):
     _, worker, d_kv = decode
     with prefill(shape=(32, 2, 2, BS, 2, 16)) as p:  # head_dim 16 vs our 8
         params = p.finish("r1", 8, [1, 2])
-        with caplog.at_level(logging.WARNING, logger="kvtransfer"):
+        with caplog.at_level(logging.WARNING, logger="tandem.kvtransfer"):
             num_external, errors = pull(decode, "r1", params, 8, [5, 6])
         assert (num_external, errors) == (8, {5, 6})
         assert "incompatible KV blocks: head_dim: local=8 remote=16" in caplog.text
@@ -155,7 +155,7 @@ def test_restarted_prefill_is_rehandshaked_and_read_fresh(decode, caplog):
         assert pull(decode, "a", params, 12, [0, 1, 2]) == (12, set())
         assert_blocks(d_kv, kv_content(P_SHAPE, seed=1), zip([0, 1, 2], blocks), [])
     # P1 is gone: reading from it fails cleanly (peer gone), nothing hangs
-    with caplog.at_level(logging.WARNING, logger="kvtransfer"):
+    with caplog.at_level(logging.WARNING, logger="tandem.kvtransfer"):
         assert pull(decode, "b", stale_params, 12, [6, 7, 8]) == (12, {6, 7, 8})
     with prefill(epoch=2, seed=2) as p2:
         params = p2.finish("c", 12, blocks)
@@ -165,7 +165,7 @@ def test_restarted_prefill_is_rehandshaked_and_read_fresh(decode, caplog):
         assert not torch.equal(kv_content(P_SHAPE, seed=1)[3], kv_content(P_SHAPE, seed=2)[3])
         # params naming the old epoch are refused without touching the network
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="kvtransfer"):
+        with caplog.at_level(logging.WARNING, logger="tandem.kvtransfer"):
             assert pull(
                 decode, "d", stale_params | {"remote_request_id": "d"}, 12, [9, 10, 11]
             ) == (

@@ -4,12 +4,12 @@ import time
 
 import pytest
 
-from kvtransfer.config import KVTransferConfig
-from kvtransfer.nixl_meta import LoadSpec, NotifySpec, PeerAddr, SendSpec
-from kvtransfer.nixl_scheduler import NixlSchedulerSide
-from scheduler.messages import KVConnectorOutput, SchedulerOutput
-from scheduler.request import Request, RequestStatus
-from wire.engine_protocol import SamplingParams
+from tandem.kvtransfer.config import KVTransferConfig
+from tandem.kvtransfer.nixl_meta import LoadSpec, NotifySpec, PeerAddr, SendSpec
+from tandem.kvtransfer.nixl_scheduler import NixlSchedulerSide
+from tandem.scheduler.messages import KVConnectorOutput, SchedulerOutput
+from tandem.scheduler.request import Request, RequestStatus
+from tandem.wire.engine_protocol import SamplingParams
 
 BS = 4
 PEER = PeerAddr("p0", 3, "10.0.0.1", 5555)

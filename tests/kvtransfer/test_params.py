@@ -2,7 +2,7 @@ import re
 
 import pytest
 
-from kvtransfer.params import KVTransferParams
+from tandem.kvtransfer.params import KVTransferParams
 
 FULL = {
     "do_remote_prefill": True,

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from kvtransfer.compat import BLOCKS_FIRST
-from kvtransfer.prepped_blocks import PreppedBlocks, count_runs, sorted_block_pairs
-from kvtransfer.side_channel import RegionInfo
-from kvtransfer.tp_plan import BlockGeometry, HeadRead, read_descriptors, shard_for
+from tandem.kvtransfer.compat import BLOCKS_FIRST
+from tandem.kvtransfer.prepped_blocks import PreppedBlocks, count_runs, sorted_block_pairs
+from tandem.kvtransfer.side_channel import RegionInfo
+from tandem.kvtransfer.tp_plan import BlockGeometry, HeadRead, read_descriptors, shard_for
 from tests.kvtransfer.prefill_process import PrefillProcess, kv_content
 from tests.kvtransfer.test_progress_while_blocked import COMMON, P_SHAPE, Decode
 
@@ -139,7 +139,7 @@ def test_fragmented_and_contiguous_reads_are_byte_exact_in_the_fewest_descriptor
 def test_a_peer_list_that_fails_at_the_handshake_is_prepared_at_the_first_read(caplog):
     """add_peer never fails for want of the prepared list (it would leave the
     peer's agent added but unknown to the table): the first READ prepares it."""
-    from kvtransfer.nixl_agent import NixlAgent, make_agent_name
+    from tandem.kvtransfer.nixl_agent import NixlAgent, make_agent_name
 
     target = NixlAgent(make_agent_name("prep-fail-p", 0), progress_thread=True)
     reader = NixlAgent(make_agent_name("prep-fail-d", 0), prepped_reads=True)
@@ -158,7 +158,7 @@ def test_a_peer_list_that_fails_at_the_handshake_is_prepared_at_the_first_read(c
             return real_prepare(name, region)
 
         prepped.prepare_peer = failing_once
-        with caplog.at_level("WARNING", logger="kvtransfer.nixl_agent"):
+        with caplog.at_level("WARNING", logger="tandem.kvtransfer.nixl_agent"):
             peer = reader.add_peer(target.metadata, p_region)
         assert "injected prep failure" in caplog.text
         handle, state, num_descs = reader.start_block_read(peer, p_region, [5, 6, 1], [10, 11, 2])

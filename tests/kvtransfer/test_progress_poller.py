@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from kvtransfer.progress_poller import ProgressPoller
+from tandem.kvtransfer.progress_poller import ProgressPoller
 
 
 def wait_for(predicate, timeout_s: float = 10.0) -> None:
@@ -57,7 +57,7 @@ def test_interval_must_be_positive():
 
 @pytest.mark.parametrize("value", [-0.001, 2.0, "fast"])
 def test_config_names_a_bad_poll_interval(value):
-    from kvtransfer.config import KVTransferConfig
+    from tandem.kvtransfer.config import KVTransferConfig
 
     with pytest.raises(ValueError, match=r"KVTransferConfig\.nixl_progress_poll_interval_s"):
         KVTransferConfig(nixl_progress_poll_interval_s=value)

@@ -17,11 +17,11 @@ import time
 import pytest
 import torch
 
-from kvtransfer import KVTransferConfig, create_connector
-from scheduler.messages import KVConnectorOutput
-from scheduler.request import Request, RequestStatus
+from tandem.kvtransfer import KVTransferConfig, create_connector
+from tandem.scheduler.messages import KVConnectorOutput
+from tandem.scheduler.request import Request, RequestStatus
+from tandem.wire.engine_protocol import SamplingParams
 from tests.kvtransfer.prefill_process import PrefillProcess, kv_content
-from wire.engine_protocol import SamplingParams
 
 pytestmark = pytest.mark.slow
 

@@ -18,10 +18,10 @@ import time
 import pytest
 import torch
 
-from kvtransfer import KVTransferConfig, create_connector
-from scheduler.request import Request
+from tandem.kvtransfer import KVTransferConfig, create_connector
+from tandem.scheduler.request import Request
+from tandem.wire.engine_protocol import SamplingParams
 from tests.kvtransfer.prefill_process import PrefillProcess, kv_content
-from wire.engine_protocol import SamplingParams
 
 pytestmark = pytest.mark.slow
 

@@ -5,9 +5,9 @@ import time
 import pytest
 import zmq
 
-from kvtransfer.compat import KVLayout
-from kvtransfer.nixl_meta import NotifKey
-from kvtransfer.side_channel import (
+from tandem.kvtransfer.compat import KVLayout
+from tandem.kvtransfer.nixl_meta import NotifKey
+from tandem.kvtransfer.side_channel import (
     HandshakeError,
     HandshakeInfo,
     Notification,

@@ -9,8 +9,8 @@ import msgspec
 import pytest
 import zmq
 
-from kvtransfer.nixl_meta import NotifKey
-from kvtransfer.side_channel import (
+from tandem.kvtransfer.nixl_meta import NotifKey
+from tandem.kvtransfer.side_channel import (
     MAX_REQUEST_BYTES,
     HandshakeError,
     HandshakeRequest,
@@ -19,9 +19,9 @@ from kvtransfer.side_channel import (
     SideChannelServer,
     fetch_handshake,
 )
+from tandem.wire.auth import PlaneAuth, generate_secret
+from tandem.wire.frames import FrameCounters
 from tests.kvtransfer.test_side_channel import INFO
-from wire.auth import PlaneAuth, generate_secret
-from wire.frames import FrameCounters
 
 SECRET = generate_secret()
 

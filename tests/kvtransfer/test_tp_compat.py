@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from kvtransfer import KVTransferConfig
-from kvtransfer.compat import HEAD_MAJOR, KVLayout, RankLayout, compat_hash
-from kvtransfer.nixl_meta import NotifKey, PeerAddr, decode_notif, encode_notif
-from kvtransfer.prefill_registry import PrefillRegistry
-from kvtransfer.tp_outputs import ConnectorOutputMerger
-from scheduler.messages import KVConnectorOutput
-from wire.engine_protocol import SamplingParams
+from tandem.kvtransfer import KVTransferConfig
+from tandem.kvtransfer.compat import HEAD_MAJOR, KVLayout, RankLayout, compat_hash
+from tandem.kvtransfer.nixl_meta import NotifKey, PeerAddr, decode_notif, encode_notif
+from tandem.kvtransfer.prefill_registry import PrefillRegistry
+from tandem.kvtransfer.tp_outputs import ConnectorOutputMerger
+from tandem.scheduler.messages import KVConnectorOutput
+from tandem.wire.engine_protocol import SamplingParams
 
 
 def test_hash_covers_the_model_not_the_tp_size():
@@ -103,8 +103,8 @@ def test_a_tp_prefill_engine_tells_its_other_ranks_what_it_freed():
     """Only the lead rank reports a send done; the scheduler side passes the
     engine's frees on in the next step's metadata (finished_sends), so the
     other ranks stop tracking the send. One rank: nobody to tell."""
-    from kvtransfer.nixl_scheduler import NixlSchedulerSide
-    from scheduler.request import Request, RequestStatus
+    from tandem.kvtransfer.nixl_scheduler import NixlSchedulerSide
+    from tandem.scheduler.request import Request, RequestStatus
 
     for tp_size, expected in ((2, ["r1"]), (1, [])):
         config = KVTransferConfig(role="prefill", block_size=4, tp_size=tp_size, num_kv_heads=2)

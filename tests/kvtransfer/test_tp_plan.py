@@ -13,8 +13,8 @@ import itertools
 import numpy as np
 import pytest
 
-from kvtransfer.compat import BLOCKS_FIRST, HEAD_MAJOR, KV_LAYOUTS, RankLayout
-from kvtransfer.tp_plan import (
+from tandem.kvtransfer.compat import BLOCKS_FIRST, HEAD_MAJOR, KV_LAYOUTS, RankLayout
+from tandem.kvtransfer.tp_plan import (
     BlockGeometry,
     HeadRead,
     coalesce,

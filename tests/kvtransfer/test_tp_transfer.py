@@ -23,12 +23,13 @@ import itertools
 import numpy as np
 import pytest
 
-from kvtransfer import KVTransferConfig
-from kvtransfer.compat import BLOCKS_FIRST, HEAD_MAJOR
-from kvtransfer.nixl_scheduler import NixlSchedulerSide
-from kvtransfer.tp_outputs import ConnectorOutputMerger
-from kvtransfer.tp_plan import shard_for
-from scheduler.request import Request, RequestStatus
+from tandem.kvtransfer import KVTransferConfig
+from tandem.kvtransfer.compat import BLOCKS_FIRST, HEAD_MAJOR
+from tandem.kvtransfer.nixl_scheduler import NixlSchedulerSide
+from tandem.kvtransfer.tp_outputs import ConnectorOutputMerger
+from tandem.kvtransfer.tp_plan import shard_for
+from tandem.scheduler.request import Request, RequestStatus
+from tandem.wire.engine_protocol import SamplingParams
 from tests.kvtransfer.tp_rank_process import (
     BLOCK_SIZE,
     NUM_LAYERS,
@@ -37,7 +38,6 @@ from tests.kvtransfer.tp_rank_process import (
     model_kv,
     shard_block_bytes,
 )
-from wire.engine_protocol import SamplingParams
 
 pytestmark = pytest.mark.slow
 

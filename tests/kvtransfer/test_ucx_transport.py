@@ -13,9 +13,9 @@ import logging
 import pytest
 import torch
 
-from kvtransfer import KVTransferConfig, create_connector
-from kvtransfer.ucx.env import apply_ucx_env, ucx_env_defaults
-from kvtransfer.ucx.proto_info import parse_proto_info, stats_fields, transport_report
+from tandem.kvtransfer import KVTransferConfig, create_connector
+from tandem.kvtransfer.ucx.env import apply_ucx_env, ucx_env_defaults
+from tandem.kvtransfer.ucx.proto_info import parse_proto_info, stats_fields, transport_report
 
 CPU_CMA = """\
 [1795455843.494600] [vm:30477:0]   +----------+--------------------+-------------------------+
@@ -174,7 +174,7 @@ def test_cpu_connector_reports_its_real_transport(caplog):
         KVTransferConfig(role="decode", engine_id="probe-d", transport_probe="on", block_size=4)
     )
     try:
-        with caplog.at_level(logging.INFO, logger="kvtransfer.ucx.probe"):
+        with caplog.at_level(logging.INFO, logger="tandem.kvtransfer.ucx.probe"):
             worker.register_kv_caches(torch.zeros((8, 2, 2, 4, 2, 8)))
             report = worker._transport_probe.wait(120.0)
         assert report is not None and report == worker.transport_report()
@@ -190,9 +190,9 @@ def test_cpu_connector_reports_its_real_transport(caplog):
 
 
 def test_metrics_expose_the_transport_and_the_slow_fallback():
-    from cluster.gateway.backend import EngineMetrics
-    from cluster.observability.metrics import _kv_families
-    from scheduler.engine_stats import EngineStats, KVTransferStats
+    from tandem.cluster.gateway.backend import EngineMetrics
+    from tandem.cluster.observability.metrics import _kv_families
+    from tandem.scheduler.engine_stats import EngineStats, KVTransferStats
 
     report = transport_report(parse_proto_info(GPU_DEFAULT_TCP), "VRAM", worker="D")
     engines = [

@@ -60,7 +60,7 @@ def model_kv(num_kv_heads: int, seed: int, spec: RankSpec | None = None) -> np.n
 
 def shard_block_bytes(full: np.ndarray, head_start: int, num_heads: int, layout: str) -> np.ndarray:
     """Per block, the bytes a rank holding those heads stores (storage order)."""
-    from kvtransfer.compat import STORAGE_ORDER
+    from tandem.kvtransfer.compat import STORAGE_ORDER
 
     part = full[:, :, :, :, head_start : head_start + num_heads, :]
     part = np.ascontiguousarray(part.transpose(STORAGE_ORDER[layout]))
@@ -70,9 +70,9 @@ def shard_block_bytes(full: np.ndarray, head_start: int, num_heads: int, layout:
 def _build(spec: RankSpec, rank: int):
     import torch
 
-    from kvtransfer import KVTransferConfig, create_connector
-    from kvtransfer.nixl_worker import NixlWorkerSide
-    from workers.runner.kv_cache import allocate_kv_cache
+    from tandem.kvtransfer import KVTransferConfig, create_connector
+    from tandem.kvtransfer.nixl_worker import NixlWorkerSide
+    from tandem.workers.runner.kv_cache import allocate_kv_cache
 
     config = KVTransferConfig(
         role=spec.role,
@@ -91,7 +91,7 @@ def _build(spec: RankSpec, rank: int):
         scheduler, worker = create_connector(config)
     else:
         worker = NixlWorkerSide(config)
-    from kvtransfer.tp_plan import shard_for
+    from tandem.kvtransfer.tp_plan import shard_for
 
     shard = shard_for(spec.num_kv_heads, spec.tp_size, rank)
     kv = allocate_kv_cache(
@@ -115,8 +115,8 @@ def _build(spec: RankSpec, rank: int):
 
 
 def run_rank(conn, specs: list[RankSpec], rank: int) -> None:
-    from kvtransfer.compat import STORAGE_ORDER
-    from scheduler.messages import KVConnectorOutput
+    from tandem.kvtransfer.compat import STORAGE_ORDER
+    from tandem.scheduler.messages import KVConnectorOutput
 
     engines: dict[str, Any] = {s.engine_id: (s, *_build(s, rank)) for s in specs}
     conn.send(("ready", {e: w.side_channel_port for e, (_, _, w, _) in engines.items()}))

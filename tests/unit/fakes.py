@@ -3,8 +3,8 @@ and a scripted connector. No torch."""
 
 from __future__ import annotations
 
-from scheduler.messages import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
-from scheduler.request import Request
+from tandem.scheduler.messages import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
+from tandem.scheduler.request import Request
 
 
 class FakeRunner:

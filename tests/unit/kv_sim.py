@@ -3,10 +3,10 @@ pool, prefix cache, KV events) driven by ``FakeRunner``."""
 
 from __future__ import annotations
 
-from scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
-from scheduler.kv_events import KVEventBatch, KVEventRecorder, KVSnapshot
+from tandem.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
+from tandem.scheduler.kv_events import KVEventBatch, KVEventRecorder, KVSnapshot
+from tandem.wire.engine_protocol import EngineOutput, SamplingParams
 from tests.unit.fakes import FakeRunner
-from wire.engine_protocol import EngineOutput, SamplingParams
 
 
 class SimEngine:

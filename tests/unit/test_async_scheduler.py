@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from scheduler import Request, RequestStatus, SchedulerConfig
-from scheduler.async_scheduler import AsyncScheduler
-from scheduler.messages import ModelRunnerOutput, SchedulerOutput
-from wire.engine_protocol import FinishReason, SamplingParams
+from tandem.scheduler import Request, RequestStatus, SchedulerConfig
+from tandem.scheduler.async_scheduler import AsyncScheduler
+from tandem.scheduler.messages import ModelRunnerOutput, SchedulerOutput
+from tandem.wire.engine_protocol import FinishReason, SamplingParams
 
 
 def make(**kw) -> AsyncScheduler:

@@ -11,17 +11,17 @@ import sys
 import pytest
 import xxhash
 
-from scheduler import Request, Scheduler, SchedulerConfig
-from scheduler.block_hash import (
+from tandem.scheduler import Request, Scheduler, SchedulerConfig
+from tandem.scheduler.block_hash import (
     HASH_ALGOS,
     encode_block,
     get_block_hasher,
     hash_block_tokens,
     hash_request_blocks,
 )
-from scheduler.kv_cache_manager import KVCacheManager
+from tandem.scheduler.kv_cache_manager import KVCacheManager
+from tandem.wire.engine_protocol import SamplingParams
 from tests.unit.fakes import FakeRunner, step
-from wire.engine_protocol import SamplingParams
 
 # msgpack of [nil, [1, 2, 3, 200, 70000], ["t1"]], written out by hand:
 # 0x93 array(3) | 0xc0 nil | 0x95 array(5) 01 02 03, 0xcc c8 (uint8 200),
@@ -73,7 +73,7 @@ def test_chaining_extension_and_salts(algo):
 
 def test_sha256_is_the_same_in_every_process():
     code = (
-        "from scheduler.block_hash import hash_request_blocks as h;"
+        "from tandem.scheduler.block_hash import hash_request_blocks as h;"
         "print(b''.join(h(list(range(64)), 16, cache_salt='tenant')).hex())"
     )
     outs = set()

@@ -1,9 +1,9 @@
 import pytest
 
-from scheduler.block_pool import BlockPool, FreeBlockQueue, KVBlock
-from scheduler.kv_cache_manager import KVCacheManager
-from scheduler.request import Request
-from wire.engine_protocol import SamplingParams
+from tandem.scheduler.block_pool import BlockPool, FreeBlockQueue, KVBlock
+from tandem.scheduler.kv_cache_manager import KVCacheManager
+from tandem.scheduler.request import Request
+from tandem.wire.engine_protocol import SamplingParams
 
 
 def req(rid, tokens, salt=None):

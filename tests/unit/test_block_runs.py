@@ -2,10 +2,10 @@
 
 import random
 
-from scheduler.block_pool import BlockPool
-from scheduler.kv_cache_manager import KVCacheManager
-from scheduler.request import Request
-from wire.engine_protocol import SamplingParams
+from tandem.scheduler.block_pool import BlockPool
+from tandem.scheduler.kv_cache_manager import KVCacheManager
+from tandem.scheduler.request import Request
+from tandem.wire.engine_protocol import SamplingParams
 
 
 def ids(blocks):

@@ -4,13 +4,13 @@ rendering, so a field's help, default or flag cannot change without it."""
 
 import argparse
 
-from cluster.cli.config.reference import PAGE, reference, render
-from cluster.cli.main import build_parser
+from tandem.cluster.cli.config.reference import PAGE, reference, render
+from tandem.cluster.cli.main import build_parser
 
 
 def test_committed_reference_is_fresh():
     page = PAGE.read_text()
-    assert render(page) == page, "stale: run python -m cluster.cli.config.reference"
+    assert render(page) == page, "stale: run python -m tandem.cluster.cli.config.reference"
 
 
 def test_reference_names_every_flag_of_serve_help():

@@ -13,8 +13,8 @@ import sys
 import zmq
 import zmq.asyncio
 
-from cluster.engines.actor import free_port
-from cluster.engines.death_watch import DisconnectWatch, confirm_exit, process_gone
+from tandem.cluster.engines.actor import free_port
+from tandem.cluster.engines.death_watch import DisconnectWatch, confirm_exit, process_gone
 
 PEER = """
 import sys, zmq

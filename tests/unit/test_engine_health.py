@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.engines.health import EngineHealth, Liveness
+from tandem.cluster.engines.health import EngineHealth, Liveness
 
 
 class Clock:

@@ -3,11 +3,11 @@ sharing its full blocks, the partial block copied; exact block ids and counts.""
 
 import pytest
 
-from scheduler import Request, RequestStatus
-from scheduler.fork import child_request_id
+from tandem.scheduler import Request, RequestStatus
+from tandem.scheduler.fork import child_request_id
+from tandem.wire.engine_protocol import SamplingParams
 from tests.unit.fakes import FakeRunner, step
 from tests.unit.test_scheduler import make, run_to_end
-from wire.engine_protocol import SamplingParams
 
 
 def add_n(s, rid, num_prompt, n, first_token=10, **sp):

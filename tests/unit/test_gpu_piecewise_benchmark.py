@@ -29,8 +29,8 @@ def test_every_timed_step_has_exactly_d_plus_c_tokens_on_one_engine():
     budget with prompt tokens: "step had 512 tokens, not 1+15")."""
     from argparse import Namespace
 
-    from workers.config import EngineConfig
-    from workers.engine.core import EngineCore
+    from tandem.workers.config import EngineConfig
+    from tandem.workers.engine.core import EngineCore
 
     shapes = [(1, 15), (4, 28), (3, 0)]
     engine = EngineCore(

@@ -7,12 +7,14 @@
 
 Read from the source with ``ast`` by ``benchmarks/structure.py`` (nothing is imported): every ``import``,
 also those inside functions (a lazy import that closes a circle is still a
-circle), except under ``if TYPE_CHECKING:``.
+circle), except under ``if TYPE_CHECKING:``. Installed, the folders are
+``tandem.cluster``, ``tandem.scheduler``, ...; the graph names modules without the
+``tandem.`` prefix.
 """
 
 from __future__ import annotations
 
-from benchmarks.structure import cycles, import_graph, source_files
+from benchmarks.structure import bare_imports, cycles, import_graph, source_files
 
 # what each cluster package may import from the other cluster packages
 # (a name allows that module or package and everything under it)
@@ -76,3 +78,10 @@ def test_the_graph_sees_imports():
     assert "cluster.cli.settings" in graph["cluster.cli.check_config"]
     assert "cluster.engines.actor" in graph["cluster.engines.pools"]  # inside a function
     assert "cluster.cli.bench" in graph["cluster.cli.main"]  # from cluster.cli import bench
+
+
+def test_every_import_goes_through_the_tandem_namespace():
+    """``from scheduler import ...`` would work from a checkout's root (pytest puts it on
+    ``sys.path``) and fail installed, or load a second copy of the module: every import
+    of ours, in the packages, the tests and the benchmarks, says ``tandem.``."""
+    assert bare_imports(extra=("tests", "benchmarks")) == []

@@ -7,12 +7,12 @@ import asyncio
 import zmq
 import zmq.asyncio
 
-from cluster.routing.index import PrefixIndex
-from cluster.routing.subscriber import KVEventSubscriber
+from tandem.cluster.routing.index import PrefixIndex
+from tandem.cluster.routing.subscriber import KVEventSubscriber
+from tandem.wire.auth import PlaneAuth, generate_secret
+from tandem.wire.frames import FrameCounters
+from tandem.workers.engine.kv_events_publisher import KVEventPublisher
 from tests.unit.kv_sim import SimEngine
-from wire.auth import PlaneAuth, generate_secret
-from wire.frames import FrameCounters
-from workers.engine.kv_events_publisher import KVEventPublisher
 
 
 async def _until(cond, timeout_s=20.0):

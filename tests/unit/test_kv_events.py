@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from cluster.routing.index import PrefixIndex
-from scheduler.kv_events import BlockRemoved, BlockStored, KVEventBatch
+from tandem.cluster.routing.index import PrefixIndex
+from tandem.scheduler.kv_events import BlockRemoved, BlockStored, KVEventBatch
 from tests.unit.kv_sim import SimEngine
 
 

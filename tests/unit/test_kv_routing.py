@@ -5,12 +5,12 @@ import random
 
 import pytest
 
-from cluster.routing.cluster_routing import PromptHashes
-from cluster.routing.index import PrefixIndex
-from cluster.routing.policy import RoutingConfig, RoutingPolicy
-from cluster.routing.router import Router
+from tandem.cluster.routing.cluster_routing import PromptHashes
+from tandem.cluster.routing.index import PrefixIndex
+from tandem.cluster.routing.policy import RoutingConfig, RoutingPolicy
+from tandem.cluster.routing.router import Router
+from tandem.wire.engine_protocol import EngineRequest, SamplingParams
 from tests.unit.kv_sim import SimEngine
-from wire.engine_protocol import EngineRequest, SamplingParams
 
 BLOCK = 4
 
@@ -233,8 +233,8 @@ def test_config_validation_names_the_field():
 
 
 def test_serve_flags_turn_events_on_only_for_kv_aware(tmp_path):
-    from cluster.cli.main import build_parser
-    from cluster.cli.settings import pool_specs, resolve_config
+    from tandem.cluster.cli.main import build_parser
+    from tandem.cluster.cli.settings import pool_specs, resolve_config
 
     def specs(argv):
         args = build_parser().parse_args(["serve", *argv])

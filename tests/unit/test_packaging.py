@@ -10,6 +10,8 @@ from pathlib import Path
 
 import tomllib
 
+from benchmarks.checkout import FOLDERS
+
 
 def _run(code: str) -> str:
     return subprocess.run(
@@ -19,22 +21,26 @@ def _run(code: str) -> str:
 
 def test_scheduler_does_not_import_torch():
     assert (
-        _run("import sys, scheduler, scheduler.scheduler; print('torch' in sys.modules)") == "False"
+        _run("import sys, tandem.scheduler.scheduler; print('torch' in sys.modules)") == "False"
     )
 
 
 def test_kvtransfer_interface_does_not_import_torch():
-    out = _run("import sys, kvtransfer.base, kvtransfer.params; print('torch' in sys.modules)")
+    out = _run("import sys, tandem.kvtransfer.base, tandem.kvtransfer.params; print('torch' in sys.modules)")
     assert out == "False"
 
 
 def test_transformers_ignores_our_kernels_package():
     # transformers probes for the unrelated PyPI package `kernels` (hub kernels);
-    # our top-level `kernels` must not be mistaken for it, and both must work.
+    # ours is `tandem.kernels`, so no top-level `kernels` of ours exists to be
+    # mistaken for it, and both work.
     code = (
-        "import kernels, transformers, torch\n"
+        "import importlib.util, transformers, torch\n"
+        "import tandem.kernels as kernels\n"
         "from transformers.utils.import_utils import is_kernels_available\n"
-        "from kernels import paged_attention\n"
+        "from tandem.kernels import paged_attention\n"
+        "assert importlib.util.find_spec('kernels') is None or 'tandem' not in "
+        "importlib.util.find_spec('kernels').origin\n"
         "cfg = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,"
         " num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)\n"
         "m = transformers.LlamaForCausalLM(cfg).eval()\n"
@@ -48,13 +54,9 @@ def test_transformers_ignores_our_kernels_package():
 
 ROOT = Path(__file__).resolve().parents[2]
 # the packages this project ships (pyproject's setuptools include list)
-RUNTIME_PACKAGES = {
-    pattern.rstrip("*")
-    for pattern in tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
-        "packages"
-    ]["find"]["include"]
-}
-OUR_PACKAGES = RUNTIME_PACKAGES | {"benchmarks", "tests"}
+# the folders this project ships, each installed as ``tandem.<folder>`` (setup.py)
+RUNTIME_PACKAGES = set(FOLDERS)
+OUR_PACKAGES = RUNTIME_PACKAGES | {"tandem", "benchmarks", "tests"}
 
 # How each floor in pyproject.toml was verified. "pin": the version CI
 # installs (requirements-cpu.txt), the only one the suite runs against.

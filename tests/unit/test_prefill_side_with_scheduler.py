@@ -1,12 +1,12 @@
 """The real NIXL scheduler side inside a real Scheduler (no worker, no NIXL):
 what a prefill engine hands to the decode engine."""
 
-from kvtransfer.config import KVTransferConfig
-from kvtransfer.nixl_scheduler import NixlSchedulerSide
-from scheduler import Request, Scheduler, SchedulerConfig
-from scheduler.messages import KVConnectorOutput
+from tandem.kvtransfer.config import KVTransferConfig
+from tandem.kvtransfer.nixl_scheduler import NixlSchedulerSide
+from tandem.scheduler import Request, Scheduler, SchedulerConfig
+from tandem.scheduler.messages import KVConnectorOutput
+from tandem.wire.engine_protocol import FinishReason, SamplingParams
 from tests.unit.fakes import FakeRunner, step
-from wire.engine_protocol import FinishReason, SamplingParams
 
 
 def make():

@@ -1,6 +1,6 @@
 """The router's notes for the finished-request line (cluster/routing/route_log.py)."""
 
-from cluster.routing.route_log import RouteNotes
+from tandem.cluster.routing.route_log import RouteNotes
 
 
 def test_notes_follow_the_plan_and_are_taken_once():

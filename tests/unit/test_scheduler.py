@@ -1,8 +1,8 @@
 import pytest
 
-from scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
+from tandem.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
+from tandem.wire.engine_protocol import FinishReason, SamplingParams
 from tests.unit.fakes import FakeRunner, step
-from wire.engine_protocol import FinishReason, SamplingParams
 
 
 def make(**kw):

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler import SchedulerConfig
+from tandem.scheduler import SchedulerConfig
 from tests.unit.fakes import FakeRunner, step
 from tests.unit.test_scheduler import add, make, run_to_end
 

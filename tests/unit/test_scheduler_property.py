@@ -3,10 +3,10 @@
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
-from scheduler.messages import KVConnectorOutput
+from tandem.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
+from tandem.scheduler.messages import KVConnectorOutput
+from tandem.wire.engine_protocol import SamplingParams
 from tests.unit.fakes import FakeConnector, FakeRunner
-from wire.engine_protocol import SamplingParams
 
 request_st = st.fixed_dictionaries(
     {

@@ -1,9 +1,9 @@
 """Connector hooks: remote KV loads (decode side) and held blocks (prefill side)."""
 
-from scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
-from scheduler.messages import KVConnectorOutput
+from tandem.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
+from tandem.scheduler.messages import KVConnectorOutput
+from tandem.wire.engine_protocol import FinishReason, SamplingParams
 from tests.unit.fakes import FakeConnector, FakeRunner, step
-from wire.engine_protocol import FinishReason, SamplingParams
 
 
 def make(policy="recompute", **kw):

@@ -16,7 +16,7 @@ INNER_TESTS = """
 import logging
 import threading
 
-from cluster.observability.logging_setup import configure_logging
+from tandem.cluster.observability.logging_setup import configure_logging
 
 
 def test_a_cli_configures_logging(capsys):

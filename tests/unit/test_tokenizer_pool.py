@@ -8,10 +8,10 @@ import threading
 
 import pytest
 
-from cluster.gateway.edge.tokenizer_pool import TokenizerPool, chat_text_len
-from cluster.gateway.protocol import ProtocolError
-from workers.checkpoints.tiny import build_tokenizer
-from workers.text.tokenizer import apply_chat_template, encode_prompt
+from tandem.cluster.gateway.edge.tokenizer_pool import TokenizerPool, chat_text_len
+from tandem.cluster.gateway.protocol import ProtocolError
+from tandem.workers.checkpoints.tiny import build_tokenizer
+from tandem.workers.text.tokenizer import apply_chat_template, encode_prompt
 
 
 class RecordingTokenizer:

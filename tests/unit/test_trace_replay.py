@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from cluster.cli.trace_replay import (
+from tandem.cluster.cli.trace_replay import (
     SynthConfig,
     load_trace,
     oracle_hit_tokens,
@@ -103,7 +103,7 @@ def test_synthetic_trace_shapes_and_oracle():
 
 def test_synthesized_prompts_share_exactly_the_shared_blocks():
     rows = synthesize(SynthConfig(num_sessions=4, block_tokens=4, seed=1))
-    from cluster.cli.trace_replay import TraceRequest
+    from tandem.cluster.cli.trace_replay import TraceRequest
 
     reqs = [TraceRequest(0, r["input_length"], 1, r["hash_ids"]) for r in rows]
     prompts = [synthesize_prompt(r, i, 50000, 0, 4) for i, r in enumerate(reqs)]

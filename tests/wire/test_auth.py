@@ -6,8 +6,8 @@ import time
 import pytest
 import zmq
 
-from wire.auth import CurveKeys, PlaneAuth, generate_secret, read_secret_file
-from workers.config import EngineConfig
+from tandem.wire.auth import CurveKeys, PlaneAuth, generate_secret, read_secret_file
+from tandem.workers.config import EngineConfig
 
 SECRET = b"s" * 32
 

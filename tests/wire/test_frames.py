@@ -6,8 +6,8 @@ import msgspec
 import pytest
 import zmq
 
-from wire.engine_protocol import EngineAbort, EngineRequest, SamplingParams
-from wire.frames import FrameCounters, FrameSpec, MalformedFrame, peer_address
+from tandem.wire.engine_protocol import EngineAbort, EngineRequest, SamplingParams
+from tandem.wire.frames import FrameCounters, FrameSpec, MalformedFrame, peer_address
 
 SPEC = FrameSpec("test_socket", {b"R": EngineRequest, b"A": EngineAbort}, max_frame_bytes=1024)
 REQ = EngineRequest("r1", [1, 2, 3], SamplingParams(max_tokens=2))
@@ -44,7 +44,7 @@ def test_malformed_messages_raise_with_reason(frames, reason):
 
 def test_counters_count_every_drop_and_log_at_most_once_per_interval(caplog):
     counters = FrameCounters(log_interval_s=3600)
-    with caplog.at_level(logging.WARNING, logger="wire.frames"):
+    with caplog.at_level(logging.WARNING, logger="tandem.wire.frames"):
         for _ in range(5):
             counters.record("engine_input", "tcp://10.0.0.9:4242", MalformedFrame("not msgpack"))
         counters.record("gateway_output", "unknown", "expected 2 frames")

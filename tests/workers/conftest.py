@@ -24,6 +24,6 @@ def make_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., s
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """The built-in tiny checkpoint, written into a test-private cache dir."""
-    from workers.checkpoints.tiny import ensure_tiny_model
+    from tandem.workers.checkpoints.tiny import ensure_tiny_model
 
     return ensure_tiny_model(str(tmp_path_factory.getbasetemp() / "tandem-cache"))

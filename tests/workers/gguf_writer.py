@@ -60,7 +60,7 @@ def write_gguf_from_hf(
     import gguf
     from safetensors.torch import load_file
 
-    from workers.checkpoints.tiny import _byte_to_char
+    from tandem.workers.checkpoints.tiny import _byte_to_char
 
     cfg = json.loads((Path(hf_dir) / "config.json").read_text())
     arch = cfg["model_type"]

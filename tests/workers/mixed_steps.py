@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import AttentionMetadata
+from tandem.kernels import AttentionMetadata
 
 BLOCK_SIZE = 16
 # (sequence, seq_len, query_len) per step; every block id below 32

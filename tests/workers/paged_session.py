@@ -10,7 +10,7 @@ import random
 
 import torch
 
-from kernels import AttentionMetadata
+from tandem.kernels import AttentionMetadata
 
 
 class PagedSession:

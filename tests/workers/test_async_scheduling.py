@@ -14,14 +14,14 @@ import threading
 import pytest
 import torch
 
+from tandem.wire.engine_protocol import EngineOutput, EngineRequest, FinishReason, SamplingParams
+from tandem.workers.config import EngineConfig, add_engine_arguments, engine_overrides
+from tandem.workers.engine.core import EngineCore
+from tandem.workers.engine.llm import LLM
+from tandem.workers.runner.async_step import StepStream
 from tests.workers import hf_checkpoints
 from tests.workers import test_piecewise_graphs as piecewise_tests
 from tests.workers.test_decode_graphs import PROMPTS, _with_graphs
-from wire.engine_protocol import EngineOutput, EngineRequest, FinishReason, SamplingParams
-from workers.config import EngineConfig, add_engine_arguments, engine_overrides
-from workers.engine.core import EngineCore
-from workers.engine.llm import LLM
-from workers.runner.async_step import StepStream
 
 Key = tuple[str, int]  # (request id, choice index)
 

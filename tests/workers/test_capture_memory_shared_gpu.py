@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers.graphs import runner
+from tandem.workers.graphs import runner
 
 GIB = 2**30
 

@@ -11,19 +11,19 @@ import argparse
 import pytest
 import torch
 
-from kernels import AttentionMetadata
+from tandem.kernels import AttentionMetadata
+from tandem.wire.engine_protocol import SamplingParams
+from tandem.workers.checkpoints.loader import load_model
+from tandem.workers.compile.attention_op import step_context
+from tandem.workers.compile.model import compile_before_sizing, compile_model, use_compile
+from tandem.workers.config import EngineConfig, add_engine_arguments, engine_overrides
+from tandem.workers.engine.llm import LLM
+from tandem.workers.graphs.memory import profile_forward
+from tandem.workers.runner.attention import attention
+from tandem.workers.runner.kv_cache import allocate_kv_cache
 from tests.workers.hf_checkpoints import load_hf_model
 from tests.workers.mixed_steps import BLOCK_SIZE, last_step_hidden, new_kv_cache
 from tests.workers.test_engine import hf_greedy
-from wire.engine_protocol import SamplingParams
-from workers.checkpoints.loader import load_model
-from workers.compile.attention_op import step_context
-from workers.compile.model import compile_before_sizing, compile_model, use_compile
-from workers.config import EngineConfig, add_engine_arguments, engine_overrides
-from workers.engine.llm import LLM
-from workers.graphs.memory import profile_forward
-from workers.runner.attention import attention
-from workers.runner.kv_cache import allocate_kv_cache
 
 NUM_NEW = 6
 GREEDY = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import torch
 
+from tandem.workers.checkpoints.hf_config import load_config
+from tandem.workers.checkpoints.loader import load_model
 from tests.workers.hf_checkpoints import hf_logits, load_hf_model
 from tests.workers.paged_session import PagedSession
-from workers.checkpoints.hf_config import load_config
-from workers.checkpoints.loader import load_model
 
 TOKENS = [5, 17, 42, 99, 3, 250, 7, 64, 128, 11, 2, 33]
 

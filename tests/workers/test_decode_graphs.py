@@ -18,15 +18,15 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from torch.overrides import TorchFunctionMode  # noqa: E402
 
-from kernels import AttentionMetadata  # noqa: E402
+from tandem.kernels import AttentionMetadata  # noqa: E402
+from tandem.wire.engine_protocol import SamplingParams  # noqa: E402
+from tandem.workers.config import EngineConfig, add_engine_arguments, engine_overrides  # noqa: E402
+from tandem.workers.engine.llm import LLM  # noqa: E402
+from tandem.workers.graphs.build import build_step_graphs  # noqa: E402
+from tandem.workers.graphs.runner import DecodeGraphRunner, EagerBackend  # noqa: E402
+from tandem.workers.graphs.sizes import bucket_for, capture_sizes, parse_cuda_graph_sizes  # noqa: E402
+from tandem.workers.graphs.static_inputs import StaticDecodeInputs  # noqa: E402
 from tests.workers import hf_checkpoints  # noqa: E402
-from wire.engine_protocol import SamplingParams  # noqa: E402
-from workers.config import EngineConfig, add_engine_arguments, engine_overrides  # noqa: E402
-from workers.engine.llm import LLM  # noqa: E402
-from workers.graphs.build import build_step_graphs  # noqa: E402
-from workers.graphs.runner import DecodeGraphRunner, EagerBackend  # noqa: E402
-from workers.graphs.sizes import bucket_for, capture_sizes, parse_cuda_graph_sizes  # noqa: E402
-from workers.graphs.static_inputs import StaticDecodeInputs  # noqa: E402
 
 
 def test_default_buckets_follow_vllm_and_end_at_max_num_seqs():
@@ -85,7 +85,7 @@ def test_captures_use_a_capture_mode_this_torch_accepts():
     work must not invalidate them); torch.cuda.graph must take the argument and the value."""
     import inspect
 
-    from workers.graphs.runner import CAPTURE_ERROR_MODE
+    from tandem.workers.graphs.runner import CAPTURE_ERROR_MODE
 
     assert CAPTURE_ERROR_MODE == "thread_local"
     params = inspect.signature(torch.cuda.graph.__init__).parameters
@@ -129,8 +129,8 @@ def test_stale_table_columns_past_a_rows_blocks_are_never_read(triton, monkeypat
     """fill copies only the step's corner of the block table; both attention paths must
     read nothing past a row's ceil(seq_len / block_size) blocks, padded rows included:
     the stale columns are poisoned with an out-of-range block id."""
-    from kernels import paged_attention
-    from workers.runner.kv_cache import allocate_kv_cache
+    from tandem.kernels import paged_attention
+    from tandem.workers.runner.kv_cache import allocate_kv_cache
 
     monkeypatch.setenv("TANDEM_FORCE_TRITON", "1" if triton else "0")
     torch.manual_seed(0)
@@ -256,7 +256,7 @@ def test_replayed_decode_step_reads_the_device_once(triton_checkpoint, logprobs)
     llm = _llm(triton_checkpoint)
     graphs = _with_graphs(llm, [1, 2, 4])
     engine = llm.engine
-    from wire.engine_protocol import EngineRequest
+    from tandem.wire.engine_protocol import EngineRequest
 
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(PROMPTS[:3]):

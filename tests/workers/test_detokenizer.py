@@ -14,8 +14,8 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from workers.text.detokenizer import IncrementalDetokenizer, _whole_token_text
-from workers.text.tokenizer import (
+from tandem.workers.text.detokenizer import IncrementalDetokenizer, _whole_token_text
+from tandem.workers.text.tokenizer import (
     FALLBACK_CHAT_TEMPLATE,
     apply_chat_template,
     encode_prompt,

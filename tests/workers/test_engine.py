@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tandem.wire.engine_protocol import SamplingParams
+from tandem.workers.config import EngineConfig
+from tandem.workers.engine.llm import LLM
 from tests.workers.hf_checkpoints import load_hf_model
-from wire.engine_protocol import SamplingParams
-from workers.config import EngineConfig
-from workers.engine.llm import LLM
 
 NUM_NEW = 8
 
@@ -123,7 +123,7 @@ def test_logprobs_match_transformers(make_checkpoint):
     sp = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=4)
     llm = LLM(EngineConfig(model=path, num_kv_blocks=32))
     rid_outputs = []
-    from wire.engine_protocol import EngineRequest
+    from tandem.wire.engine_protocol import EngineRequest
 
     llm.engine.add_request(EngineRequest("lp", prompt, sp))
     while llm.engine.has_work():
@@ -153,7 +153,7 @@ def test_cli_generate_json_matches_llm(tiny_model_dir):
             [
                 sys.executable,
                 "-m",
-                "cluster",
+                "tandem.cluster",
                 "generate",
                 "--model",
                 tiny_model_dir,

@@ -9,16 +9,16 @@ import time
 import pytest
 import torch
 
-from kernels import AttentionMetadata
+from tandem.kernels import AttentionMetadata
+from tandem.wire.engine_protocol import SamplingParams
+from tandem.workers.config import EngineConfig
+from tandem.workers.engine.llm import LLM
+from tandem.workers.runner import model_runner
+from tandem.workers.runner.attention import SplitAttention, attention
+from tandem.workers.runner.dense_decode import DenseDecodeKV
+from tandem.workers.sampling.sampler import argmax_rows
 from tests.workers.hf_checkpoints import load_hf_model
 from tests.workers.test_engine import hf_greedy
-from wire.engine_protocol import SamplingParams
-from workers.config import EngineConfig
-from workers.engine.llm import LLM
-from workers.runner import model_runner
-from workers.runner.attention import SplitAttention, attention
-from workers.runner.dense_decode import DenseDecodeKV
-from workers.sampling.sampler import argmax_rows
 
 NUM_LAYERS, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 2, 4, 2, 8, 4, 128
 

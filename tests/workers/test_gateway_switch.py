@@ -13,6 +13,7 @@ import msgspec
 import pytest
 import zmq
 
+from tandem.wire.engine_protocol import EngineOutputs, EngineRequest, FinishReason, SamplingParams
 from tests.workers.test_output_backpressure import (
     NUM_REQUESTS,
     in_loop,
@@ -20,7 +21,6 @@ from tests.workers.test_output_backpressure import (
     wait_blocked,
 )
 from tests.workers.test_output_backpressure import served as served  # noqa: PLC0414 - fixture
-from wire.engine_protocol import EngineOutputs, EngineRequest, FinishReason, SamplingParams
 
 pytestmark = pytest.mark.slow  # an engine loop on real sockets
 

@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cluster.cli.main import main as tandem_main
-from workers.checkpoints import builtin
-from workers.checkpoints.gguf_convert import ensure_converted
-from workers.checkpoints.gguf_file import GGUFError
+from tandem.cluster.cli.main import main as tandem_main
+from tandem.workers.checkpoints import builtin
+from tandem.workers.checkpoints.gguf_convert import ensure_converted
+from tandem.workers.checkpoints.gguf_file import GGUFError
 
 
 @pytest.fixture

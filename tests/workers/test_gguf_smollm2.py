@@ -14,13 +14,13 @@ import os
 import pytest
 import torch
 
-from cluster.cli.main import main as tandem_main
-from wire.engine_protocol import SamplingParams
-from workers.checkpoints.builtin import builtin_gguf_path
-from workers.config import EngineConfig
-from workers.engine.llm import LLM
-from workers.text.detokenizer import IncrementalDetokenizer
-from workers.text.tokenizer import apply_chat_template, encode_prompt
+from tandem.cluster.cli.main import main as tandem_main
+from tandem.wire.engine_protocol import SamplingParams
+from tandem.workers.checkpoints.builtin import builtin_gguf_path
+from tandem.workers.config import EngineConfig
+from tandem.workers.engine.llm import LLM
+from tandem.workers.text.detokenizer import IncrementalDetokenizer
+from tandem.workers.text.tokenizer import apply_chat_template, encode_prompt
 
 # transformers converts the GGUF (tokenizer, weights) in ~15 s of the module's time
 pytestmark = pytest.mark.slow
@@ -144,7 +144,7 @@ def test_utf8_and_spaces_across_token_boundaries(llm):
 
 def test_cli_gguf_file_and_directory_equal_builtin(llm, gguf_path, tmp_path, capsys):
     """``--model file.gguf`` gives smollm2's tokens; ``dir/`` holding it is the same model."""
-    from workers.checkpoints.loader import resolve_model_path
+    from tandem.workers.checkpoints.loader import resolve_model_path
 
     folder = tmp_path / "m"
     folder.mkdir()

@@ -10,12 +10,12 @@ import os
 import pytest
 import torch
 
+from tandem.wire.engine_protocol import SamplingParams
+from tandem.workers.checkpoints.gguf_convert import ensure_converted
+from tandem.workers.checkpoints.loader import load_model
+from tandem.workers.config import EngineConfig
+from tandem.workers.engine.llm import LLM
 from tests.workers.gguf_writer import write_gguf_from_hf
-from wire.engine_protocol import SamplingParams
-from workers.checkpoints.gguf_convert import ensure_converted
-from workers.checkpoints.loader import load_model
-from workers.config import EngineConfig
-from workers.engine.llm import LLM
 
 QUANTIZED = ["F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
 K_QUANTS = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]  # gguf cannot encode these: random blocks
@@ -66,7 +66,7 @@ def test_dequantized_weights_equal_transformers(
     qtype, make_checkpoint, tmp_path, cache, monkeypatch
 ):
     # rows are dequantized in chunks; 7 rows per chunk makes every matrix several chunks
-    monkeypatch.setattr("workers.checkpoints.gguf_file._ROWS_PER_CHUNK", 7)
+    monkeypatch.setattr("tandem.workers.checkpoints.gguf_file._ROWS_PER_CHUNK", 7)
     path = str(tmp_path / f"llama-{qtype}.gguf")
     write_gguf_from_hf(make_checkpoint("llama", seed=2), path, qtype)
     assert_bitwise_equal(our_weights(path), transformers_weights(path))

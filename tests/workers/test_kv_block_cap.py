@@ -8,7 +8,7 @@ import logging
 
 import torch
 
-from workers.runner.kv_cache import (
+from tandem.workers.runner.kv_cache import (
     MAX_AUTO_KV_BLOCKS,
     bytes_per_block,
     gpu_kv_budget_bytes,
@@ -43,7 +43,7 @@ def test_a_tiny_model_on_a_large_gpu_gets_the_capped_count(caplog):
     # the tests' tiny llama (tests/workers/hf_checkpoints.py): 2 layers, 2 KV heads of 16, fp32
     tiny = bytes_per_block(2, 16, 2, 16, torch.float32)
     assert _budget() // tiny > 8 * MAX_AUTO_KV_BLOCKS  # ~8.7M blocks uncapped
-    with caplog.at_level(logging.INFO, logger="workers.runner.kv_cache"):
+    with caplog.at_level(logging.INFO, logger="tandem.workers.runner.kv_cache"):
         assert _blocks(tiny) == MAX_AUTO_KV_BLOCKS
     assert "capped" in caplog.text
 

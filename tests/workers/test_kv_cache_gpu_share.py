@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers.runner.kv_cache import gpu_kv_budget_bytes, num_blocks_for
+from tandem.workers.runner.kv_cache import gpu_kv_budget_bytes, num_blocks_for
 
 GIB = 2**30
 CUDA = torch.device("cuda", 0)  # a device object only: nothing touches CUDA

@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tandem.workers.config import EngineConfig
+from tandem.workers.engine.llm import LLM
+from tandem.workers.runner.kv_cache import allocate_kv_cache
 from tests.workers.hf_checkpoints import load_hf_model
 from tests.workers.test_engine import GREEDY, hf_greedy, prompts_for
-from workers.config import EngineConfig
-from workers.engine.llm import LLM
-from workers.runner.kv_cache import allocate_kv_cache
 
 
 def test_allocate_layouts_share_the_logical_shape():

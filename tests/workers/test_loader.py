@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from workers.checkpoints import loader
-from workers.checkpoints.loader import load_model, resolve_dtype, resolve_model_path
+from tandem.workers.checkpoints import loader
+from tandem.workers.checkpoints.loader import load_model, resolve_dtype, resolve_model_path
 
 
 def _params(model: torch.nn.Module) -> dict[str, torch.Tensor]:

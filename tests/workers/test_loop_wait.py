@@ -1,7 +1,7 @@
 """The engine loop's wait policy (workers/engine/loop_wait.py): no busy polling while
 only transfers are pending, no added wait while computing or after input."""
 
-from workers.engine.loop_wait import IDLE_WAIT_MS, MAX_PENDING_WAIT_MS, LoopWait
+from tandem.workers.engine.loop_wait import IDLE_WAIT_MS, MAX_PENDING_WAIT_MS, LoopWait
 
 
 def test_computing_never_waits():

@@ -12,11 +12,11 @@ import random
 import pytest
 import torch
 
+from tandem.workers.checkpoints.loader import load_model
+from tandem.workers.models import MODEL_REGISTRY, get_model_class
+from tandem.workers.models.rope import inverse_frequencies, rope_settings
 from tests.workers.hf_checkpoints import ARCH_PRESETS, hf_logits, load_hf_model, make_config
 from tests.workers.paged_session import PagedSession
-from workers.checkpoints.loader import load_model
-from workers.models import MODEL_REGISTRY, get_model_class
-from workers.models.rope import inverse_frequencies, rope_settings
 
 ATOL = 1e-4
 PROMPT_LEN = 23

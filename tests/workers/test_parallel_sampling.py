@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from wire.engine_protocol import EngineRequest, SamplingParams
-from workers.config import EngineConfig
-from workers.engine.core import EngineCore
+from tandem.wire.engine_protocol import EngineRequest, SamplingParams
+from tandem.workers.config import EngineConfig
+from tandem.workers.engine.core import EngineCore
 
 BLOCK = 16
 BASE = dict(block_size=BLOCK, max_num_batched_tokens=64, num_kv_blocks=96, max_model_len=512)

@@ -18,17 +18,17 @@ os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of the Tri
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from kernels import AttentionMetadata  # noqa: E402
+from tandem.kernels import AttentionMetadata  # noqa: E402
+from tandem.wire.engine_protocol import SamplingParams  # noqa: E402
+from tandem.workers.config import EngineConfig, add_engine_arguments, engine_overrides  # noqa: E402
+from tandem.workers.engine.llm import LLM  # noqa: E402
+from tandem.workers.graphs.build import build_step_graphs, make_step_graphs  # noqa: E402
+from tandem.workers.graphs.piecewise import PiecewiseGraphRunner  # noqa: E402
+from tandem.workers.graphs.runner import EagerBackend  # noqa: E402
+from tandem.workers.graphs.sizes import piecewise_sizes  # noqa: E402
+from tandem.workers.graphs.token_inputs import StaticTokenInputs  # noqa: E402
 from tests.workers import hf_checkpoints  # noqa: E402
 from tests.workers.test_decode_graphs import _llm  # noqa: E402  (block 4, budget 16, paged)
-from wire.engine_protocol import SamplingParams  # noqa: E402
-from workers.config import EngineConfig, add_engine_arguments, engine_overrides  # noqa: E402
-from workers.engine.llm import LLM  # noqa: E402
-from workers.graphs.build import build_step_graphs, make_step_graphs  # noqa: E402
-from workers.graphs.piecewise import PiecewiseGraphRunner  # noqa: E402
-from workers.graphs.runner import EagerBackend  # noqa: E402
-from workers.graphs.sizes import piecewise_sizes  # noqa: E402
-from workers.graphs.token_inputs import StaticTokenInputs  # noqa: E402
 
 # ---- flags and sizes -------------------------------------------------------------------
 
@@ -271,7 +271,7 @@ def test_the_triton_path_gives_the_eager_tokens(one_layer_llama, monkeypatch):
 def test_sdpa_prefills_attend_over_the_pieces_k_and_v(two_layer_llama):
     # --prefill-attention sdpa: fresh prompts attend over the step's own K/V, which the
     # pieces hand to attention through the static qkv buffer
-    from kernels.prefill_attention import NUM_CALLS
+    from tandem.kernels.prefill_attention import NUM_CALLS
 
     def llm_sdpa() -> LLM:
         return LLM(_llm(two_layer_llama).engine.config.replace(prefill_attention="sdpa"))
@@ -289,8 +289,8 @@ def test_sdpa_prefills_attend_over_the_pieces_k_and_v(two_layer_llama):
 
 
 def test_a_piecewise_mixed_step_reads_the_device_once(one_layer_llama, monkeypatch):
+    from tandem.wire.engine_protocol import EngineRequest
     from tests.workers.test_decode_graphs import _CountHostReads
-    from wire.engine_protocol import EngineRequest
 
     monkeypatch.setenv("TANDEM_FORCE_TRITON", "1")  # the kernels CUDA runs, interpreted
     llm = _llm(one_layer_llama)
@@ -326,8 +326,8 @@ def _launches_outside_pieces(path: str) -> Counter:
     from torch.utils._python_dispatch import TorchDispatchMode
     from triton.runtime import interpreter
 
+    from tandem.wire.engine_protocol import EngineRequest
     from tests.workers.test_triton_path import _NO_LAUNCH
-    from wire.engine_protocol import EngineRequest
 
     llm = _llm(path)
     runner = _with_graphs(llm, "piecewise", [16]).piecewise

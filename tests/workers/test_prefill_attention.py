@@ -13,7 +13,11 @@ os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of the Tri
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from kernels import prefill_attention  # noqa: E402
+from tandem.kernels import prefill_attention  # noqa: E402
+from tandem.wire.engine_protocol import SamplingParams  # noqa: E402
+from tandem.workers.checkpoints.loader import load_model  # noqa: E402
+from tandem.workers.config import EngineConfig, add_engine_arguments, engine_overrides  # noqa: E402
+from tandem.workers.engine.llm import LLM  # noqa: E402
 from tests.workers.hf_checkpoints import load_hf_model  # noqa: E402
 from tests.workers.mixed_steps import (  # noqa: E402
     SMALL_STEPS,
@@ -22,10 +26,6 @@ from tests.workers.mixed_steps import (  # noqa: E402
     new_kv_cache,
 )
 from tests.workers.test_engine import hf_greedy  # noqa: E402
-from wire.engine_protocol import SamplingParams  # noqa: E402
-from workers.checkpoints.loader import load_model  # noqa: E402
-from workers.config import EngineConfig, add_engine_arguments, engine_overrides  # noqa: E402
-from workers.engine.llm import LLM  # noqa: E402
 
 NUM_NEW = 3
 

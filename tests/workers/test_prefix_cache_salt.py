@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.block_hash import HASH_ALGOS
-from wire.engine_protocol import SamplingParams
-from workers.config import EngineConfig
-from workers.engine.llm import LLM
+from tandem.scheduler.block_hash import HASH_ALGOS
+from tandem.wire.engine_protocol import SamplingParams
+from tandem.workers.config import EngineConfig
+from tandem.workers.engine.llm import LLM
 
 PROMPT = list(range(40, 90))  # 50 tokens: 3 full blocks of 16 + 2 tokens
 

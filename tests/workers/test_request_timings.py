@@ -7,7 +7,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from wire.engine_protocol import (
+from tandem.wire.engine_protocol import (
     GATEWAY_OUTPUT,
     NOT_REACHED,
     EngineOutput,
@@ -16,9 +16,9 @@ from wire.engine_protocol import (
     RequestTimings,
     SamplingParams,
 )
-from wire.frames import MalformedFrame
-from workers.config import EngineConfig
-from workers.engine.core import EngineCore
+from tandem.wire.frames import MalformedFrame
+from tandem.workers.config import EngineConfig
+from tandem.workers.engine.core import EngineCore
 
 
 def run_until_final(core: EngineCore, request_ids: set[str]) -> dict[str, list[EngineOutput]]:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from wire.engine_protocol import SamplingParams
-from workers.sampling.sampler import Sampler, mix_seed, uniform_for
+from tandem.wire.engine_protocol import SamplingParams
+from tandem.workers.sampling.sampler import Sampler, mix_seed, uniform_for
 
 
 def _sample(sampler, logits, params, positions=None, counts=None, eos=None):

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from wire.engine_protocol import SamplingParams
-from workers.sampling import sampler
+from tandem.wire.engine_protocol import SamplingParams
+from tandem.workers.sampling import sampler
 
 
 def test_top_p_whole_sort_cuts_like_the_candidates_search():

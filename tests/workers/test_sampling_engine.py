@@ -7,10 +7,10 @@ import msgspec
 import pytest
 import torch
 
-from kvtransfer.handoff import decode_request, prefill_request
-from wire.engine_protocol import EngineOutput, EngineRequest, SamplingParams
-from workers.config import EngineConfig
-from workers.engine.llm import LLM
+from tandem.kvtransfer.handoff import decode_request, prefill_request
+from tandem.wire.engine_protocol import EngineOutput, EngineRequest, SamplingParams
+from tandem.workers.config import EngineConfig
+from tandem.workers.engine.llm import LLM
 
 PROMPT = [256, *range(40, 90), 72, 101, 108, 108, 111, 40, 41, 42]
 FEATURES = [

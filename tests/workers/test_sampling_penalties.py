@@ -10,10 +10,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from wire.engine_protocol import SamplingParams
-from workers.sampling.penalties import apply_min_p, banned_last_tokens
-from workers.sampling.sampler import Sampler
-from workers.sampling.state import SamplingExtras
+from tandem.wire.engine_protocol import SamplingParams
+from tandem.workers.sampling.penalties import apply_min_p, banned_last_tokens
+from tandem.workers.sampling.sampler import Sampler
+from tandem.workers.sampling.state import SamplingExtras
 
 
 def reference_logits(

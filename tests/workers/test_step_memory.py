@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tandem.workers.checkpoints.loader import load_model
+from tandem.workers.config import EngineConfig
+from tandem.workers.graphs.memory import StepMemory, profile_forward, profile_step_memory
+from tandem.workers.runner.kv_cache import allocate_kv_cache, gpu_kv_budget_bytes, num_blocks_for
 from tests.workers import hf_checkpoints
-from workers.checkpoints.loader import load_model
-from workers.config import EngineConfig
-from workers.graphs.memory import StepMemory, profile_forward, profile_step_memory
-from workers.runner.kv_cache import allocate_kv_cache, gpu_kv_budget_bytes, num_blocks_for
 
 GIB, MIB = 2**30, 2**20
 CUDA = torch.device("cuda", 0)  # a device object only: nothing touches CUDA

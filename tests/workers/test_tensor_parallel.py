@@ -11,16 +11,16 @@ import time
 import pytest
 import torch
 
+from tandem.wire.engine_protocol import EngineRequest, SamplingParams
+from tandem.workers.checkpoints.loader import iter_safetensors, safetensors_files
+from tandem.workers.config import EngineConfig
+from tandem.workers.engine.llm import LLM
+from tandem.workers.parallel.loading import ZEROS_OFF_RANK0, iter_rank_weights, shard_for
+from tandem.workers.parallel.messages import WorkerFailed
+from tandem.workers.parallel.plan import make_plan
+from tandem.workers.parallel.worker import FAULT_EXIT_AT_STEP, FAULT_RAISE_AT_STEP
 from tests.workers.hf_checkpoints import load_hf_model, make_config
 from tests.workers.test_engine import hf_greedy
-from wire.engine_protocol import EngineRequest, SamplingParams
-from workers.checkpoints.loader import iter_safetensors, safetensors_files
-from workers.config import EngineConfig
-from workers.engine.llm import LLM
-from workers.parallel.loading import ZEROS_OFF_RANK0, iter_rank_weights, shard_for
-from workers.parallel.messages import WorkerFailed
-from workers.parallel.plan import make_plan
-from workers.parallel.worker import FAULT_EXIT_AT_STEP, FAULT_RAISE_AT_STEP
 
 NUM_NEW = 6
 GREEDY = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
@@ -107,7 +107,7 @@ def test_rank_slices_rebuild_every_weight(make_checkpoint):
 
 
 def test_flags():
-    from cluster.cli.main import build_parser
+    from tandem.cluster.cli.main import build_parser
 
     args = build_parser().parse_args(["generate", "--model", "tiny", "-tp", "2", "--prompt", "x"])
     assert args.tensor_parallel_size == 2
@@ -257,7 +257,7 @@ def test_tp_step_timeout_must_be_positive():
 
 
 def test_pool_gpus_must_cover_the_tensor_parallel_size():
-    from cluster.engines.placement import check_pool_parallel
+    from tandem.cluster.engines.placement import check_pool_parallel
 
     with pytest.raises(ValueError, match="decode_num_gpus_per_engine"):
         check_pool_parallel("decode", EngineConfig(tensor_parallel_size=2), num_gpus=1)
@@ -266,8 +266,8 @@ def test_pool_gpus_must_cover_the_tensor_parallel_size():
 
 
 def test_serve_refuses_a_pool_size_that_does_not_split_the_model(tiny_model_dir):
-    from cluster.engines.placement import check_pools_split_model
-    from cluster.engines.pools import PoolSpec
+    from tandem.cluster.engines.placement import check_pools_split_model
+    from tandem.cluster.engines.pools import PoolSpec
 
     specs = [
         PoolSpec("prefill", 1, EngineConfig(tensor_parallel_size=2)),

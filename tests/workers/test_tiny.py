@@ -12,10 +12,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tandem.workers.checkpoints import tiny
+from tandem.workers.checkpoints.loader import load_model
 from tests.workers.hf_checkpoints import hf_logits, load_hf_model
 from tests.workers.paged_session import PagedSession
-from workers.checkpoints import tiny
-from workers.checkpoints.loader import load_model
 
 
 @pytest.fixture(scope="module")

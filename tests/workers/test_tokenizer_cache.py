@@ -7,8 +7,8 @@ from __future__ import annotations
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from workers.checkpoints.tiny import build_tokenizer, ensure_tiny_model
-from workers.text.tokenizer import drop_whole_text_cache, load_tokenizer
+from tandem.workers.checkpoints.tiny import build_tokenizer, ensure_tiny_model
+from tandem.workers.text.tokenizer import drop_whole_text_cache, load_tokenizer
 
 PROMPTS = ["hello world", "the river and the city " * 20, "été, 東京", ""]
 

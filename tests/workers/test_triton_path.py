@@ -13,11 +13,11 @@ os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of the Tri
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from tandem.wire.engine_protocol import EngineRequest, SamplingParams  # noqa: E402
+from tandem.workers.config import EngineConfig  # noqa: E402
+from tandem.workers.engine.llm import LLM  # noqa: E402
 from tests.workers.hf_checkpoints import load_hf_model  # noqa: E402
 from tests.workers.test_engine import hf_greedy  # noqa: E402
-from wire.engine_protocol import EngineRequest, SamplingParams  # noqa: E402
-from workers.config import EngineConfig  # noqa: E402
-from workers.engine.llm import LLM  # noqa: E402
 
 NUM_NEW = 3
 
@@ -40,7 +40,7 @@ def test_triton_path_tokens_equal_cpu_path_and_transformers(make_checkpoint, mon
 
     cpu_tokens = run()
     monkeypatch.setenv("TANDEM_FORCE_TRITON", "1")
-    from kernels import triton_norm
+    from tandem.kernels import triton_norm
 
     assert type(triton_norm._rms_norm_kernel).__name__ == "InterpretedFunction"
     triton_tokens = run()

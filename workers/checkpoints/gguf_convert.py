@@ -46,14 +46,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from workers.checkpoints.gguf_file import (
+from tandem.workers.checkpoints.gguf_file import (
     GGUFError,
     iter_hf_tensors,
     metadata,
     open_gguf,
     tensor_shapes,
 )
-from workers.checkpoints.safetensors_stream import write_safetensors_streaming
+from tandem.workers.checkpoints.safetensors_stream import write_safetensors_streaming
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ def ensure_converted(gguf_path: str, cache_dir: str | None = None) -> str:
     ``ValueError`` naming the file and the cause) for one we cannot load;
     then nothing is left in the cache.
     """
-    from workers.checkpoints.tiny import default_cache_dir
+    from tandem.workers.checkpoints.tiny import default_cache_dir
 
     source = os.path.abspath(os.path.expanduser(gguf_path))
     if not os.path.isfile(source):
@@ -120,7 +120,7 @@ def file_sha256(path: str) -> str:
 def _write_checkpoint(reader: Any, source: str, out_dir: str) -> None:
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-    from workers.models import architecture_for_model_type
+    from tandem.workers.models import architecture_for_model_type
 
     folder, name = os.path.split(source)
     try:

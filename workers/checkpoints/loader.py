@@ -32,8 +32,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from workers.checkpoints.hf_config import load_config
-from workers.models import get_model_class
+from tandem.workers.checkpoints.hf_config import load_config
+from tandem.workers.models import get_model_class
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -56,11 +56,11 @@ def resolve_model_path(model: str, *, cache_dir: str | None = None) -> str:
     as do unreadable GGUF files and missing built-in packages (one line naming
     the file or package and the cause).
     """
-    from workers.checkpoints.builtin import BUILTIN_MODELS, builtin_gguf_path
-    from workers.checkpoints.gguf_convert import ensure_converted
+    from tandem.workers.checkpoints.builtin import BUILTIN_MODELS, builtin_gguf_path
+    from tandem.workers.checkpoints.gguf_convert import ensure_converted
 
     if model == "tiny":
-        from workers.checkpoints.tiny import ensure_tiny_model
+        from tandem.workers.checkpoints.tiny import ensure_tiny_model
 
         return ensure_tiny_model()
     if model in BUILTIN_MODELS:

@@ -6,7 +6,7 @@
 ``resolve_model_path`` (``workers/checkpoints/loader.py``) may build the ``tiny`` checkpoint
 or convert a GGUF file, which needs torch. The gateway process bars torch
 (``cluster.gateway.torch_free``), so there it runs in a child interpreter
-(``python -m workers.checkpoints.resolve MODEL``) that prints the directory, or the error,
+(``python -m tandem.workers.checkpoints.resolve MODEL``) that prints the directory, or the error,
 which is raised here as the same exception class with the same message. Where torch may be
 imported (engines, tests, ``tandem generate``) it runs in-process.
 """
@@ -14,7 +14,6 @@ imported (engines, tests, ``tandem generate``) it runs in-process.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -32,18 +31,14 @@ def resolve_model_dir(model: str, *, timeout_s: float = 1800.0) -> str:
     when torch may be imported, else in a child interpreter. A GGUF conversion or a hub
     download can take minutes on first use, hence the long deadline."""
     if not torch_barred():
-        from workers.checkpoints.loader import resolve_model_path
+        from tandem.workers.checkpoints.loader import resolve_model_path
 
         return resolve_model_path(model)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     done = subprocess.run(
-        [sys.executable, "-m", "workers.checkpoints.resolve", model],
+        [sys.executable, "-m", "tandem.workers.checkpoints.resolve", model],
         capture_output=True,
         text=True,
         timeout=timeout_s,
-        env=env,
     )
     lines = done.stdout.strip().splitlines()
     try:

@@ -1,4 +1,4 @@
-"""``python -m workers.checkpoints.resolve MODEL``: print ``{"path": DIR}`` (or ``{"error":
+"""``python -m tandem.workers.checkpoints.resolve MODEL``: print ``{"path": DIR}`` (or ``{"error":
 ..., "type": ...}`` and exit 2) as one JSON line. ``model_dir.resolve_model_dir`` runs it for a
 process that bars torch (the gateway)."""
 
@@ -10,9 +10,9 @@ import sys
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
-        print(json.dumps({"error": "usage: python -m workers.checkpoints.resolve MODEL"}))
+        print(json.dumps({"error": "usage: python -m tandem.workers.checkpoints.resolve MODEL"}))
         return 2
-    from workers.checkpoints.loader import resolve_model_path
+    from tandem.workers.checkpoints.loader import resolve_model_path
 
     try:
         path = resolve_model_path(argv[0])

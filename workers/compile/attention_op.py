@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
-from kernels import dispatch, fused_reference
-from workers.runner import attention as attention_module
-from workers.runner.attention import StepMetadata
+from tandem.kernels import dispatch, fused_reference
+from tandem.workers.runner import attention as attention_module
+from tandem.workers.runner.attention import StepMetadata
 
 _step = threading.local()
 

@@ -35,10 +35,10 @@ from typing import Any
 
 import torch
 
-from kernels import AttentionMetadata
-from workers.compile.attention_op import COMPILED_STEP, step_context
-from workers.config import COMPILE_MODEL_MODES
-from workers.runner.kv_cache import allocate_model_kv_cache
+from tandem.kernels import AttentionMetadata
+from tandem.workers.compile.attention_op import COMPILED_STEP, step_context
+from tandem.workers.config import COMPILE_MODEL_MODES
+from tandem.workers.runner.kv_cache import allocate_model_kv_cache
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ import threading
 
 import msgspec
 
-from scheduler.kv_events import KVEventBatch
+from tandem.scheduler.kv_events import KVEventBatch
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ class KVEventPublisher:
     ) -> None:
         import zmq
 
-        from wire.auth import PlaneAuth
+        from tandem.wire.auth import PlaneAuth
 
         if max_queued_batches < 1:
             raise ValueError(f"kv_events_queue_batches must be >= 1, got {max_queued_batches}")

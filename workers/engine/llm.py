@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from wire.engine_protocol import EngineRequest, SamplingParams
-from workers.config import EngineConfig
-from workers.engine.core import EngineCore
-from workers.parallel.messages import WorkerFailed
-from workers.text.detokenizer import IncrementalDetokenizer
-from workers.text.tokenizer import encode_prompt, load_tokenizer
+from tandem.wire.engine_protocol import EngineRequest, SamplingParams
+from tandem.workers.config import EngineConfig
+from tandem.workers.engine.core import EngineCore
+from tandem.workers.parallel.messages import WorkerFailed
+from tandem.workers.text.detokenizer import IncrementalDetokenizer
+from tandem.workers.text.tokenizer import encode_prompt, load_tokenizer
 
 
 @dataclass

@@ -16,8 +16,8 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from scheduler.messages import SchedulerOutput
-from wire.engine_protocol import NOT_REACHED, EngineOutput, RequestTimings
+from tandem.scheduler.messages import SchedulerOutput
+from tandem.wire.engine_protocol import NOT_REACHED, EngineOutput, RequestTimings
 
 
 class _Marks:

@@ -22,8 +22,8 @@ from typing import Any
 
 import msgspec
 
-from scheduler.engine_stats import EngineStats, WireStats
-from wire.engine_protocol import (
+from tandem.scheduler.engine_stats import EngineStats, WireStats
+from tandem.wire.engine_protocol import (
     ENGINE_INPUT,
     HEARTBEAT_INTERVAL_S,
     EngineHeartbeat,
@@ -33,9 +33,9 @@ from wire.engine_protocol import (
     UtilityCall,
     UtilityResult,
 )
-from wire.frames import FrameCounters, MalformedFrame, peer_address
-from workers.engine.core import EngineCore
-from workers.engine.loop_wait import LoopWait
+from tandem.wire.frames import FrameCounters, MalformedFrame, peer_address
+from tandem.workers.engine.core import EngineCore
+from tandem.workers.engine.loop_wait import LoopWait
 
 logger = logging.getLogger(__name__)
 
@@ -76,8 +76,8 @@ class EngineService:
         input, and after ``output_stall_timeout_s`` it cuts every stream."""
         import zmq
 
-        from wire.auth import PlaneAuth
-        from workers.engine.output_sender import OutputSender
+        from tandem.wire.auth import PlaneAuth
+        from tandem.workers.engine.output_sender import OutputSender
 
         engine = self.engine
         ctx = zmq.Context()

@@ -14,16 +14,21 @@ from typing import Any
 
 import torch
 
-from kernels.prefill_attention import use_sdpa_prefills
-from workers.graphs.piecewise import PiecewiseGraphRunner
-from workers.graphs.runner import (
+from tandem.kernels.prefill_attention import use_sdpa_prefills
+from tandem.workers.graphs.piecewise import PiecewiseGraphRunner
+from tandem.workers.graphs.runner import (
     CudaGraphBackend,
     DecodeGraphRunner,
     GraphBackend,
     graphs_allowed,
     timed_capture,
 )
-from workers.graphs.sizes import capture_sizes, piecewise_sizes, uses_full_decode, uses_piecewise
+from tandem.workers.graphs.sizes import (
+    capture_sizes,
+    piecewise_sizes,
+    uses_full_decode,
+    uses_piecewise,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -46,13 +46,13 @@ from typing import Any
 
 import torch
 
-from kernels import AttentionMetadata
-from kernels.prefill_attention import use_sdpa_prefills
-from wire.engine_protocol import SamplingParams
-from workers.graphs.build import GRAPH_BYTES_SLACK, capture_step_graphs
-from workers.graphs.runner import CudaGraphBackend, graphs_allowed
-from workers.runner.kv_cache import allocate_model_kv_cache
-from workers.sampling.sampler import Sampler
+from tandem.kernels import AttentionMetadata
+from tandem.kernels.prefill_attention import use_sdpa_prefills
+from tandem.wire.engine_protocol import SamplingParams
+from tandem.workers.graphs.build import GRAPH_BYTES_SLACK, capture_step_graphs
+from tandem.workers.graphs.runner import CudaGraphBackend, graphs_allowed
+from tandem.workers.runner.kv_cache import allocate_model_kv_cache
+from tandem.workers.sampling.sampler import Sampler
 
 logger = logging.getLogger(__name__)
 

@@ -45,10 +45,10 @@ from typing import Any
 
 import torch
 
-from kernels import AttentionMetadata
-from workers.graphs.runner import CaptureReport, GraphBackend, timed_capture
-from workers.graphs.sizes import bucket_for
-from workers.graphs.token_inputs import StaticTokenInputs
+from tandem.kernels import AttentionMetadata
+from tandem.workers.graphs.runner import CaptureReport, GraphBackend, timed_capture
+from tandem.workers.graphs.sizes import bucket_for
+from tandem.workers.graphs.token_inputs import StaticTokenInputs
 
 logger = logging.getLogger(__name__)
 

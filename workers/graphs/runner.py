@@ -29,8 +29,8 @@ from typing import Any, Protocol
 
 import torch
 
-from workers.graphs.sizes import bucket_for
-from workers.graphs.static_inputs import StaticDecodeInputs
+from tandem.workers.graphs.sizes import bucket_for
+from tandem.workers.graphs.static_inputs import StaticDecodeInputs
 
 logger = logging.getLogger(__name__)
 

@@ -37,8 +37,8 @@ import itertools
 import numpy as np
 import torch
 
-from kernels import AttentionMetadata
-from workers.graphs.copy_guard import CopyGuard
+from tandem.kernels import AttentionMetadata
+from tandem.workers.graphs.copy_guard import CopyGuard
 
 
 class StaticDecodeInputs:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from workers.graphs.copy_guard import CopyGuard
+from tandem.workers.graphs.copy_guard import CopyGuard
 
 
 class StaticTokenInputs:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from workers.models.llama import LlamaForCausalLM, MistralForCausalLM
-from workers.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
+from tandem.workers.models.llama import LlamaForCausalLM, MistralForCausalLM
+from tandem.workers.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,

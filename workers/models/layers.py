@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import dispatch
+from tandem.kernels import dispatch
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:

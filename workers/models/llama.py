@@ -41,10 +41,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.compile.attention_op import attend, rope_write_kv
-from workers.models.layers import Embedding, Linear, RMSNorm, SiluMLP
-from workers.models.rope import RotaryEmbedding
-from workers.runner.attention import StepMetadata
+from tandem.workers.compile.attention_op import attend, rope_write_kv
+from tandem.workers.models.layers import Embedding, Linear, RMSNorm, SiluMLP
+from tandem.workers.models.rope import RotaryEmbedding
+from tandem.workers.runner.attention import StepMetadata
 
 # Checkpoint entries that are not weights (old HF checkpoints saved them).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from workers.models.llama import LlamaForCausalLM
+from tandem.workers.models.llama import LlamaForCausalLM
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

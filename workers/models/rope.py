@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kernels import fused_reference
+from tandem.kernels import fused_reference
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 

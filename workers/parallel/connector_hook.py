@@ -23,12 +23,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from workers.config import EngineConfig
+from tandem.workers.config import EngineConfig
 
 
 def kv_transfer_config(config: EngineConfig, hf_config: Any, rank: int = 0) -> Any:
     """The ``KVTransferConfig`` of rank ``rank`` of an engine (0: the engine core's)."""
-    from kvtransfer.config import KVTransferConfig
+    from tandem.kvtransfer.config import KVTransferConfig
 
     c = config
     tp = c.tensor_parallel_size
@@ -62,7 +62,7 @@ def make_rank_connector(config: EngineConfig, hf_config: Any, rank: int) -> Any:
     (The pair's scheduler side is plain state, unused here: the engine core's plans.)"""
     if not config.kv_connector:
         return None
-    from kvtransfer.registry import create_connector
+    from tandem.kvtransfer.registry import create_connector
 
     _, worker = create_connector(kv_transfer_config(config, hf_config, rank))
     return worker

@@ -46,12 +46,12 @@ from typing import Any
 import msgspec
 import torch
 
-from kvtransfer.tp_outputs import ConnectorOutputMerger
-from scheduler.messages import ModelRunnerOutput, SchedulerOutput
-from workers.config import EngineConfig
-from workers.parallel.group import TPGroup, make_store
-from workers.parallel.heartbeat import HeartbeatBook
-from workers.parallel.messages import (
+from tandem.kvtransfer.tp_outputs import ConnectorOutputMerger
+from tandem.scheduler.messages import ModelRunnerOutput, SchedulerOutput
+from tandem.workers.config import EngineConfig
+from tandem.workers.parallel.group import TPGroup, make_store
+from tandem.workers.parallel.heartbeat import HeartbeatBook
+from tandem.workers.parallel.messages import (
     CMD_KV_STATS,
     CMD_RELEASE_IDLE,
     CMD_STEP,
@@ -91,9 +91,9 @@ class TPExecutor:
     def __init__(self, config: EngineConfig, model_path: str) -> None:
         import zmq
 
-        from workers.checkpoints.hf_config import load_config
-        from workers.parallel.loading import load_rank_model
-        from workers.parallel.plan import make_plan
+        from tandem.workers.checkpoints.hf_config import load_config
+        from tandem.workers.parallel.loading import load_rank_model
+        from tandem.workers.parallel.plan import make_plan
 
         self.size = config.tensor_parallel_size
         self.step_timeout_s = config.tp_step_timeout_s
@@ -420,7 +420,7 @@ class ProcessLauncher:
         self._ctx = worker_context()
 
     def start(self, spec: WorkerSpec) -> Any:
-        from workers.parallel.worker import run_worker
+        from tandem.workers.parallel.worker import run_worker
 
         proc = self._ctx.Process(target=run_worker, args=(spec,), name=f"tp-rank-{spec.rank}")
         proc.daemon = True
@@ -430,7 +430,7 @@ class ProcessLauncher:
 
 def pick_launcher(config: EngineConfig, tp_size: int) -> Any:
     """Ray worker actors inside a Ray engine actor, else local processes."""
-    from workers.parallel.ray_workers import ray_launcher
+    from tandem.workers.parallel.ray_workers import ray_launcher
 
     return ray_launcher(config, tp_size) or ProcessLauncher()
 
@@ -440,5 +440,7 @@ def worker_context() -> Any:
     once per engine-core process: each start skips those seconds of imports
     (a fork of the server, which runs no threads, unlike this process)."""
     ctx = torch.multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "workers.parallel.worker", "workers.runner.model_runner"])
+    ctx.set_forkserver_preload(
+        ["torch", "tandem.workers.parallel.worker", "tandem.workers.runner.model_runner"]
+    )
     return ctx

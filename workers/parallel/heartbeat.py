@@ -24,7 +24,7 @@ from typing import Any
 
 import msgspec
 
-from workers.parallel.messages import REPLY_HEARTBEAT, WorkerReply
+from tandem.workers.parallel.messages import REPLY_HEARTBEAT, WorkerReply
 
 MAX_INTERVAL_S = 1.0
 

@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.models.layers import Embedding, Linear
-from workers.parallel.group import TPGroup
-from workers.parallel.plan import TPPlan
+from tandem.workers.models.layers import Embedding, Linear
+from tandem.workers.parallel.group import TPGroup
+from tandem.workers.parallel.plan import TPPlan
 
 
 class RowParallelLinear(Linear):

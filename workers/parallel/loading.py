@@ -28,8 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from workers.parallel.group import TPGroup
-from workers.parallel.plan import TPPlan, rank_config
+from tandem.workers.parallel.group import TPGroup
+from tandem.workers.parallel.plan import TPPlan, rank_config
 
 
 @dataclass(frozen=True)
@@ -110,9 +110,9 @@ def load_rank_model(
     """Build rank ``plan.rank``'s model from the HF directory ``path`` (whose
     ``load_config`` is ``config``: rank 0 reads it once and hands it to the
     workers, sparing each the transformers import) and fill it from its slices."""
-    from workers.checkpoints.loader import resolve_dtype, safetensors_files
-    from workers.models import get_model_class
-    from workers.parallel.layers import shard_model
+    from tandem.workers.checkpoints.loader import resolve_dtype, safetensors_files
+    from tandem.workers.models import get_model_class
+    from tandem.workers.parallel.layers import shard_model
 
     if not os.path.isdir(path):
         raise FileNotFoundError(f"model directory {path!r} does not exist")

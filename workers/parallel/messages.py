@@ -13,8 +13,8 @@ from typing import Any
 
 import msgspec
 
-from scheduler.messages import KVConnectorOutput, SchedulerOutput
-from workers.config import EngineConfig
+from tandem.scheduler.messages import KVConnectorOutput, SchedulerOutput
+from tandem.workers.config import EngineConfig
 
 CMD_STEP = 0
 CMD_STOP = 1

@@ -82,7 +82,7 @@ class TPPlan:
 def make_plan(config: Any, tp_size: int, rank: int) -> TPPlan:
     """This rank's plan for an HF config; ``ValueError`` naming the field that
     ``tensor_parallel_size`` does not divide (see module docstring)."""
-    from workers.models.llama import head_dim_of
+    from tandem.workers.models.llama import head_dim_of
 
     check_tensor_parallel(config, tp_size)
     if not 0 <= rank < tp_size:

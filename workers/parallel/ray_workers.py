@@ -29,7 +29,7 @@ import os
 import sys
 from typing import Any
 
-from workers.parallel.messages import WorkerSpec
+from tandem.workers.parallel.messages import WorkerSpec
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class TPWorkerActor:
         }
 
     def run(self, spec: WorkerSpec) -> None:
-        from workers.parallel.worker import run_worker
+        from tandem.workers.parallel.worker import run_worker
 
         run_worker(spec)  # ends the process (os._exit) when the worker stops
 

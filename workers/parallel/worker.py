@@ -28,8 +28,8 @@ from typing import Any
 import msgspec
 import torch
 
-from workers.parallel.heartbeat import HeartbeatSender, heartbeat_interval_s
-from workers.parallel.messages import (
+from tandem.workers.parallel.heartbeat import HeartbeatSender, heartbeat_interval_s
+from tandem.workers.parallel.messages import (
     CMD_KV_STATS,
     CMD_RELEASE_IDLE,
     CMD_STOP,
@@ -60,7 +60,7 @@ def rank_device(device: str, rank: int) -> torch.device:
 
 def kv_blocks_for_model(config: Any, model: Any, device: torch.device) -> int:
     """KV blocks this rank's budget holds for its model shard (``num_blocks_for``)."""
-    from workers.runner.kv_cache import bytes_per_block, num_blocks_for
+    from tandem.workers.runner.kv_cache import bytes_per_block, num_blocks_for
 
     dtype = next(model.parameters()).dtype
     block_bytes = bytes_per_block(
@@ -119,13 +119,13 @@ def run_worker(spec: WorkerSpec) -> None:
 
 
 def _build_rank(spec: WorkerSpec) -> tuple[Any, Any]:
-    from workers.checkpoints.hf_config import end_token_ids
-    from workers.parallel.connector_hook import make_rank_connector
-    from workers.parallel.group import TPGroup, make_store
-    from workers.parallel.loading import load_rank_model
-    from workers.parallel.plan import make_plan
-    from workers.runner.kv_cache import allocate_model_kv_cache
-    from workers.runner.model_runner import ModelRunner
+    from tandem.workers.checkpoints.hf_config import end_token_ids
+    from tandem.workers.parallel.connector_hook import make_rank_connector
+    from tandem.workers.parallel.group import TPGroup, make_store
+    from tandem.workers.parallel.loading import load_rank_model
+    from tandem.workers.parallel.plan import make_plan
+    from tandem.workers.runner.kv_cache import allocate_model_kv_cache
+    from tandem.workers.runner.model_runner import ModelRunner
 
     config = spec.config
     if config.torch_threads > 0:

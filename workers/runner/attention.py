@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import AttentionMetadata, write_kv_cache
-from kernels.prefill_attention import attend as paged_or_sdpa
-from workers.runner.dense_decode import DenseDecodeStep
+from tandem.kernels import AttentionMetadata, write_kv_cache
+from tandem.kernels.prefill_attention import attend as paged_or_sdpa
+from tandem.workers.runner.dense_decode import DenseDecodeStep
 
 
 @dataclass

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from kvtransfer.compat import BLOCKS_FIRST, KV_LAYOUTS, STORAGE_ORDER
+from tandem.kvtransfer.compat import BLOCKS_FIRST, KV_LAYOUTS, STORAGE_ORDER
 
 logger = logging.getLogger(__name__)
 

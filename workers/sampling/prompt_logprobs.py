@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from wire.engine_protocol import Logprobs
-from workers.sampling.sampler import _top_logprobs
+from tandem.wire.engine_protocol import Logprobs
+from tandem.workers.sampling.sampler import _top_logprobs
 
 ROWS_PER_PIECE = 256
 

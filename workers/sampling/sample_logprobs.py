@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.metadata import list_to_device
-from wire.engine_protocol import Logprobs, SamplingParams
+from tandem.kernels.metadata import list_to_device
+from tandem.wire.engine_protocol import Logprobs, SamplingParams
 
 
 def top_on_device(

@@ -23,9 +23,9 @@ import dataclasses
 
 import torch
 
-from kernels.metadata import list_to_device
-from wire.engine_protocol import SamplingParams
-from workers.sampling.penalties import apply_penalties, banned_last_tokens
+from tandem.kernels.metadata import list_to_device
+from tandem.wire.engine_protocol import SamplingParams
+from tandem.workers.sampling.penalties import apply_penalties, banned_last_tokens
 
 
 def uses_extras(params: SamplingParams) -> bool:

@@ -3,6 +3,6 @@ by key (``keys.py``), the command line generated from it (``args.py``), YAML
 and flags resolved onto it (``load.py``) and the reference page
 (``reference.py``)."""
 
-from cluster.cli.config.tree import SECTION_TITLES, SecurityConfig, ServeConfig, ServerConfig
+from tandem.cluster.cli.config.tree import SECTION_TITLES, SecurityConfig, ServeConfig, ServerConfig
 
 __all__ = ["SECTION_TITLES", "SecurityConfig", "ServeConfig", "ServerConfig"]

@@ -11,11 +11,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from cluster.cli.config.keys import all_settings, defaults, get
-from cluster.cli.config.load import pool_dest
-from cluster.engines.placement import ROLES
-from wire.config_fields import add_option, hints, key_of, meta_of
-from workers.config import HIDDEN_POOL_FLAGS, EngineConfig, engine_fields, main_flags
+from tandem.cluster.cli.config.keys import all_settings, defaults, get
+from tandem.cluster.cli.config.load import pool_dest
+from tandem.cluster.engines.placement import ROLES
+from tandem.wire.config_fields import add_option, hints, key_of, meta_of
+from tandem.workers.config import HIDDEN_POOL_FLAGS, EngineConfig, engine_fields, main_flags
 
 POOL_GROUP = "Per-pool engine settings"
 

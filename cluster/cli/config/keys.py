@@ -21,10 +21,10 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
-from cluster.cli.config.tree import SECTION_TITLES, ServeConfig
-from cluster.engines.placement import ROLES
-from wire.config_fields import OptionMeta, coerce, hints, key_of, meta_of
-from workers.config import ENGINE_SECTIONS, EngineConfig
+from tandem.cluster.cli.config.tree import SECTION_TITLES, ServeConfig
+from tandem.cluster.engines.placement import ROLES
+from tandem.wire.config_fields import OptionMeta, coerce, hints, key_of, meta_of
+from tandem.workers.config import ENGINE_SECTIONS, EngineConfig
 
 Path = tuple[str, ...]
 

@@ -24,7 +24,7 @@ import dataclasses
 import logging
 from typing import Any
 
-from cluster.cli.config.keys import (
+from tandem.cluster.cli.config.keys import (
     Path,
     all_settings,
     build,
@@ -33,10 +33,10 @@ from cluster.cli.config.keys import (
     pool_engine_path,
     section_names,
 )
-from cluster.cli.config.tree import ServeConfig
-from cluster.engines.placement import ROLES
-from wire.config_fields import hints, meta_of
-from workers.config import EngineConfig, engine_fields, main_flags
+from tandem.cluster.cli.config.tree import ServeConfig
+from tandem.cluster.engines.placement import ROLES
+from tandem.wire.config_fields import hints, meta_of
+from tandem.workers.config import EngineConfig, engine_fields, main_flags
 
 logger = logging.getLogger("tandem.config")
 

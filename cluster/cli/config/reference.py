@@ -3,8 +3,8 @@ table per section (flags, YAML key, tree path, type, default, per pool, help),
 written into docs/configuration.md between two markers; the rest of the page
 is hand-written and kept.
 
-    python -m cluster.cli.config.reference            # rewrite the page
-    python -m cluster.cli.config.reference --check    # exit 1 if it is stale
+    python -m tandem.cluster.cli.config.reference            # rewrite the page
+    python -m tandem.cluster.cli.config.reference --check    # exit 1 if it is stale
 
 tests/unit/test_config_reference.py fails when the committed page is stale.
 """
@@ -15,11 +15,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from cluster.cli.config.keys import Setting, all_settings, defaults, get
-from wire.config_fields import flags_of, format_default, type_name
-from workers.config import HIDDEN_POOL_FLAGS, main_flags
+from tandem.cluster.cli.config.keys import Setting, all_settings, defaults, get
+from tandem.wire.config_fields import flags_of, format_default, type_name
+from tandem.workers.config import HIDDEN_POOL_FLAGS, main_flags
 
-BEGIN = "<!-- BEGIN generated reference: python -m cluster.cli.config.reference -->"
+BEGIN = "<!-- BEGIN generated reference: python -m tandem.cluster.cli.config.reference -->"
 END = "<!-- END generated reference -->"
 PAGE = Path(__file__).resolve().parents[3] / "docs" / "configuration.md"
 
@@ -65,7 +65,7 @@ def reference() -> str:
         "",
         "Generated from the fields of `ServeConfig` (`cluster/cli/config/tree.py`) and",
         "`EngineConfig` (`workers/config.py`); edit their help there, then run",
-        "`python -m cluster.cli.config.reference`. Columns: the flag(s); the flat YAML",
+        "`python -m tandem.cluster.cli.config.reference`. Columns: the flag(s); the flat YAML",
         "key; the same setting's place in the tree (a YAML section mapping, and what",
         "`--check-config` prints under `config`); its type; its default; whether a pool",
         "may set its own (`--prefill-X`, `--decode-X`, `--colocated-X`, or the key under",
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     new = render(page)
     if args.check:
         if new != page:
-            print(f"{args.page} is stale: run python -m cluster.cli.config.reference")
+            print(f"{args.page} is stale: run python -m tandem.cluster.cli.config.reference")
             return 1
         return 0
     if new != page:

@@ -13,9 +13,12 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from cluster.gateway.api.generation_defaults import GenerationDefaults, load_generation_defaults
-from cluster.gateway.protocol import ProtocolError
-from wire.config_fields import option
+from tandem.cluster.gateway.api.generation_defaults import (
+    GenerationDefaults,
+    load_generation_defaults,
+)
+from tandem.cluster.gateway.protocol import ProtocolError
+from tandem.wire.config_fields import option
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,7 +22,7 @@ from typing import Any
 
 import msgspec
 
-from wire.engine_protocol import SamplingParams
+from tandem.wire.engine_protocol import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -22,11 +22,11 @@ import msgspec
 from fastapi import FastAPI, Request
 from starlette.responses import Response
 
-from cluster.gateway import protocol
-from cluster.gateway.edge.limits import read_body
-from cluster.gateway.edge.tokenizer_pool import chat_text_len
-from cluster.gateway.protocol import ProtocolError
-from workers.text.tokenizer import apply_chat_template
+from tandem.cluster.gateway import protocol
+from tandem.cluster.gateway.edge.limits import read_body
+from tandem.cluster.gateway.edge.tokenizer_pool import chat_text_len
+from tandem.cluster.gateway.protocol import ProtocolError
+from tandem.workers.text.tokenizer import apply_chat_template
 
 
 class TokenizeCompletionRequest(msgspec.Struct, kw_only=True):

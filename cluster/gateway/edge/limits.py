@@ -16,8 +16,8 @@ import math
 
 from starlette.requests import Request
 
-from cluster.gateway.protocol import ProtocolError
-from wire.config_fields import option
+from tandem.cluster.gateway.protocol import ProtocolError
+from tandem.wire.config_fields import option
 
 MIB = 1 << 20
 

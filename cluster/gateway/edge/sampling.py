@@ -18,8 +18,8 @@ from typing import Any
 
 import msgspec
 
-from cluster.gateway.protocol import ProtocolError
-from wire.engine_protocol import Logprobs, SamplingParams
+from tandem.cluster.gateway.protocol import ProtocolError
+from tandem.wire.engine_protocol import Logprobs, SamplingParams
 
 
 def check_num_logprobs(value: int | None, param: str, max_logprobs: int) -> None:

@@ -20,8 +20,8 @@ from collections.abc import Callable
 
 import msgspec
 
-from cluster.observability.metrics import GatewayMetrics, PathHistogram
-from scheduler.engine_stats import HistogramSnapshot, quantile
+from tandem.cluster.observability.metrics import GatewayMetrics, PathHistogram
+from tandem.scheduler.engine_stats import HistogramSnapshot, quantile
 
 logger = logging.getLogger(__name__)
 

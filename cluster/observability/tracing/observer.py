@@ -7,8 +7,8 @@ from __future__ import annotations
 import logging
 from typing import Protocol
 
-from cluster.observability.tracing.phase_metrics import RequestPhaseMetrics
-from cluster.observability.tracing.record import RequestRecord
+from tandem.cluster.observability.tracing.phase_metrics import RequestPhaseMetrics
+from tandem.cluster.observability.tracing.record import RequestRecord
 
 request_logger = logging.getLogger("tandem.request")
 

@@ -34,7 +34,7 @@ from opentelemetry.sdk.trace.export import (
 from opentelemetry.trace import SpanKind
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from cluster.observability.tracing.record import EngineLeg, RequestRecord
+from tandem.cluster.observability.tracing.record import EngineLeg, RequestRecord
 
 SERVICE_NAME = "tandem"
 

@@ -19,8 +19,8 @@ from collections.abc import Iterator
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
-from cluster.observability.metrics import PREFIX, LoopHistogram, PathHistogram
-from cluster.observability.tracing.record import Phases
+from tandem.cluster.observability.metrics import PREFIX, LoopHistogram, PathHistogram
+from tandem.cluster.observability.tracing.record import Phases
 
 PHASE_BUCKETS_S = (
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2,

@@ -20,7 +20,7 @@ import contextvars
 import dataclasses
 import time
 
-from wire.engine_protocol import NOT_REACHED, RequestTimings
+from tandem.wire.engine_protocol import NOT_REACHED, RequestTimings
 
 # The caller's W3C ``traceparent`` header; the HTTP route sets it only when
 # tracing is on, the gateway copies it into the request's record.

@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from cluster.observability.logging_setup import LOG_FORMATS
-from cluster.observability.tracing.observer import Tracer
-from wire.config_fields import option
+from tandem.cluster.observability.logging_setup import LOG_FORMATS
+from tandem.cluster.observability.tracing.observer import Tracer
+from tandem.wire.config_fields import option
 
 
 def traces_url(endpoint: str) -> str:
@@ -59,6 +59,6 @@ def make_tracer(config: ObservabilityConfig) -> Tracer | None:
     endpoint = config.otlp_traces_endpoint
     if not endpoint:
         return None
-    from cluster.observability.tracing.otel import OtelTracer
+    from tandem.cluster.observability.tracing.otel import OtelTracer
 
     return OtelTracer(traces_url(endpoint))
