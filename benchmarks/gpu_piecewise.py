@@ -85,15 +85,25 @@ def step_ms(engine, decodes: int, chunk: int, args) -> float:
     # partial prefill of at most C tokens a step (the scheduler's partial-prefill limits).
     sched = engine.scheduler.config
     sched.long_prefill_token_threshold, sched.max_num_partial_prefills = 0, 0
-    params = SamplingParams(max_tokens=num_steps * 2 + 64, temperature=0.0, ignore_eos=True)
+    # The first prompts decode while the last still prefill: every decode must outlive all
+    # the prompts' prefill steps, the settling and the timed steps (a shorter max_tokens let
+    # the first decodes finish before the last began, and the loop below never settled).
+    budget = engine.scheduler.config.max_num_batched_tokens
+    prefill_steps = math.ceil(decodes * args.prompt_len / budget)
+    params = SamplingParams(
+        max_tokens=prefill_steps + num_steps * 2 + 64, temperature=0.0, ignore_eos=True
+    )
     ids = [f"d{decodes}-{chunk}-{i}" for i in range(decodes)]
     for i, rid in enumerate(ids):
         engine.add_request(
             EngineRequest(rid, _prompt(args.prompt_len, i, engine.model.vocab_size), params)
         )
-    settled = 0
+    settled, steps_left = 0, prefill_steps + 64
     while decodes and settled < 3:  # every sequence decodes
+        if steps_left == 0:
+            raise RuntimeError(f"{decodes} decodes never ran together in one step")
         engine.step()
+        steps_left -= 1
         settled = settled + 1 if engine.last_step_num_tokens == decodes else 0
     if chunk:
         # prompts of a whole number of chunks, one after another (max_num_seqs = D + 1): every

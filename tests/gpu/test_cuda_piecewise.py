@@ -106,10 +106,11 @@ def test_engine_memory_stays_inside_its_share(make_checkpoint):
     engine = llm.engine
     profiled = engine.step_memory
     assert profiled.activation_bytes > 0 and profiled.graph_bytes > 0
-    # the profiling capture measured what the real one took (within allocation granularity)
-    assert (
-        abs(engine.graphs.num_bytes - profiled.graph_bytes) <= 8 * MIB + profiled.graph_bytes // 10
-    )
+    # The KV budget left room for the real capture (within allocation granularity) ...
+    assert engine.graphs.num_bytes <= profiled.graph_bytes + 8 * MIB
+    # ... and the profile over-counts by little: in this mode it measured 52-54 MiB against a
+    # real 30-33 MiB on an H100 and an H200 (docs/gpu.md), KV memory a few blocks' worth.
+    assert profiled.graph_bytes - engine.graphs.num_bytes <= 32 * MIB
     llm.generate(prompt_token_ids=full_budget_prompts(), sampling_params=GREEDY)
     assert_inside_share(engine, before, share)
     engine.check_integrity()

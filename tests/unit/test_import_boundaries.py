@@ -44,3 +44,28 @@ def test_engine_package_inits_import_nothing():
         ["workers"]
         + [f"workers.{p}" for p in ("engine", "runner", "sampling", "checkpoints", "text")]
     )
+
+
+def test_serve_configuration_builds_without_the_web_and_ray_stack():
+    """The typed serve configuration (flags -> per-pool engine configs) imports none of
+    the gateway's web stack, Ray or the metrics libraries: GPU images that carry only the
+    engine's dependencies build engine configs through it (tests/gpu/test_cuda_pd_half_gpu.py)."""
+    code = (
+        "import importlib.abc, sys\n"
+        "BLOCK = {'starlette', 'fastapi', 'ray', 'uvicorn', 'httpx', 'aiohttp',\n"
+        "         'prometheus_client', 'opentelemetry', 'yaml'}\n"
+        "class Block(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        "        if name.split('.')[0] in BLOCK:\n"
+        "            raise ModuleNotFoundError(f'blocked {name}')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "from tandem.cluster.cli.main import build_parser\n"
+        "from tandem.cluster.cli.settings import pool_specs, resolve_config\n"
+        "argv = ['serve', '--model', 'tiny', '--prefill', '1', '--decode', '1',\n"
+        "        '--num-gpus-per-engine', '0.5', '--device', 'cuda']\n"
+        "specs = pool_specs(resolve_config(build_parser().parse_args(argv)))\n"
+        "print(sorted((s.role, s.num_gpus) for s in specs))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "[('decode', 0.5), ('prefill', 0.5)]"

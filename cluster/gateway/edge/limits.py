@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-
-from starlette.requests import Request
+from typing import TYPE_CHECKING
 
 from tandem.cluster.gateway.protocol import ProtocolError
 from tandem.wire.config_fields import option
+
+if TYPE_CHECKING:  # the serve configuration imports GatewayLimits without the web stack
+    from starlette.requests import Request
 
 MIB = 1 << 20
 

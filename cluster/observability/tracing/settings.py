@@ -5,11 +5,14 @@ OpenTelemetry SDK is imported then and never otherwise)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from tandem.cluster.observability.logging_setup import LOG_FORMATS
-from tandem.cluster.observability.tracing.observer import Tracer
 from tandem.wire.config_fields import option
+
+if TYPE_CHECKING:  # the serve configuration imports this without the metrics stack
+    from tandem.cluster.observability.tracing.observer import Tracer
 
 
 def traces_url(endpoint: str) -> str:
