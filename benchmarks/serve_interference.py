@@ -63,7 +63,17 @@ WARMUP = (
 
 def _bench(url: str, seed: int, spec: dict) -> subprocess.Popen:
     """`tandem bench` in its own process (the gateway's process stays the gateway's)."""
-    args = [sys.executable, "-m", "tandem.cluster", "bench", "--url", url, "--seed", str(seed), "--json"]
+    args = [
+        sys.executable,
+        "-m",
+        "tandem.cluster",
+        "bench",
+        "--url",
+        url,
+        "--seed",
+        str(seed),
+        "--json",
+    ]
     for key, value in spec.items():
         args += ["--" + key.replace("_", "-"), str(value)]
     return subprocess.Popen(args, stdout=subprocess.PIPE, text=True)

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+
 def loaded_after(imports: str) -> list[str]:
     """Our modules (``tandem.`` dropped) and torch / numpy loaded by ``import <imports>``."""
     code = (

@@ -20,13 +20,13 @@ def _run(code: str) -> str:
 
 
 def test_scheduler_does_not_import_torch():
-    assert (
-        _run("import sys, tandem.scheduler.scheduler; print('torch' in sys.modules)") == "False"
-    )
+    assert _run("import sys, tandem.scheduler.scheduler; print('torch' in sys.modules)") == "False"
 
 
 def test_kvtransfer_interface_does_not_import_torch():
-    out = _run("import sys, tandem.kvtransfer.base, tandem.kvtransfer.params; print('torch' in sys.modules)")
+    out = _run(
+        "import sys, tandem.kvtransfer.base, tandem.kvtransfer.params; print('torch' in sys.modules)"
+    )
     assert out == "False"
 
 

@@ -20,9 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def run_barred(code: str, timeout_s: float = 180.0) -> dict:
     """Run ``code`` after ``bar_torch()`` in a fresh interpreter; it prints one JSON line."""
-    prologue = (
-        "import json, sys\nfrom tandem.cluster.gateway.torch_free import bar_torch\nassert bar_torch()\n"
-    )
+    prologue = "import json, sys\nfrom tandem.cluster.gateway.torch_free import bar_torch\nassert bar_torch()\n"
     done = subprocess.run(
         [sys.executable, "-c", prologue + code],
         cwd=ROOT,
