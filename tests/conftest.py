@@ -9,6 +9,18 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 
+def pytest_configure(config):
+    """Under pytest-xdist (``make test`` runs two worker processes) each worker gets its own
+    Ray temp dir: a Ray started by a test then never finds, joins or cleans up the other
+    worker's (``ray.init()`` looks for a running cluster under the temp dir), and their
+    session folders and sockets never collide."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker:
+        base = os.environ.get("RAY_TMPDIR", "/tmp")
+        os.environ["RAY_TMPDIR"] = os.path.join(base, f"ray-{worker}")
+        os.makedirs(os.environ["RAY_TMPDIR"], exist_ok=True)
+
+
 def pytest_collection_modifyitems(config, items):
     """``gpu``-marked tests skip when (and only when) torch sees no CUDA device; the reason
     shows in the summary (``-ra``). On a GPU machine they run, and a failure fails."""
