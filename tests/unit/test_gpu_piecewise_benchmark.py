@@ -48,3 +48,30 @@ def test_every_timed_step_has_exactly_d_plus_c_tokens_on_one_engine():
         assert gpu_piecewise.step_ms(engine, decodes, chunk, args) > 0
     assert engine.scheduler.config.long_prefill_token_threshold == 0
     engine.check_integrity()
+
+
+def test_many_decodes_with_long_prompts_settle_before_the_first_finishes():
+    """On the H100, 64 decodes of 512-token prompts on a 256-token budget took 128 prefill
+    steps, more than ``--quick``'s old ``max_tokens`` (84): the first decodes finished before
+    the last began, no step ever held all 64, and the settle loop spun until the device's
+    deadline (no 64+192 row). On CUDA the engine runs the overlapped loop (the default
+    there), as here; the same shape and budget on the tiny model."""
+    from argparse import Namespace
+
+    from tandem.workers.config import EngineConfig
+    from tandem.workers.engine.core import EngineCore
+
+    engine = EngineCore(
+        EngineConfig(
+            model="tiny",
+            max_num_seqs=65,
+            max_num_batched_tokens=256,
+            max_model_len=4096,  # one long prompt covers every timed chunk, as on the GPU
+            num_kv_blocks=4096,
+            enable_prefix_caching=False,
+            async_scheduling=True,
+        )
+    )
+    args = Namespace(steps=10, prompt_len=512)
+    assert gpu_piecewise.step_ms(engine, 64, 192, args) > 0
+    engine.check_integrity()
