@@ -131,7 +131,7 @@ def test_ray_job_submit_serves_completions():
             "--",
             "python",
             "-m",
-            "cluster",
+            "tandem.cluster",
             "serve",
             "--model",
             "tiny",
