@@ -86,10 +86,34 @@ def bare_imports(root: Path = ROOT, extra: tuple[str, ...] = ()) -> list[tuple[s
         files += sorted((root / folder).rglob("*.py"))
     bad = []
     for path in files:
-        for base, _ in _imported_names(ast.parse(path.read_text()), ""):
+        tree = ast.parse(path.read_text())
+        for base, _ in _imported_names(tree, ""):
             if base.split(".")[0] in PACKAGES:
                 bad.append((str(path.relative_to(root)), base))
+        bad += [(str(path.relative_to(root)), f"-m {m}") for m in _dash_m_modules(tree)]
     return bad
+
+
+def _dash_m_modules(tree: ast.AST) -> list[str]:
+    """Project modules a command line in the code runs bare: ``[..., "-m", "cluster", ...]``."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.List | ast.Tuple):
+            items = node.elts
+        elif isinstance(node, ast.Call):
+            items = node.args
+        else:
+            continue
+        for a, b in zip(items, items[1:], strict=False):
+            if (
+                isinstance(a, ast.Constant)
+                and a.value == "-m"
+                and isinstance(b, ast.Constant)
+                and isinstance(b.value, str)
+                and b.value.split(".")[0] in PACKAGES
+            ):
+                found.append(b.value)
+    return found
 
 
 def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
