@@ -61,8 +61,9 @@ class RayBackend(Backend):
         stream is cut (a client that does not read). ``routing``: router
         policy and weights (``cluster/routing``; default: kv-aware when a
         pool has more than one engine). ``gateway_session``: this gateway's
-        session (``cluster/engines/attach.py``); an engine serving an older
-        one is adopted at its first probe."""
+        session (``cluster/engines/attach.py``): the return address of its
+        requests; an engine that does not serve it yet is joined at its
+        first probe."""
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.eos_token_id = getattr(tokenizer, "eos_token_id", None)
@@ -91,6 +92,7 @@ class RayBackend(Backend):
             max_queued_outputs=max_queued_outputs,
             reader_restart_delay_s=reader_restart_delay_s,
             on_disconnect=lambda eid, epoch: self.members.on_disconnect(eid, epoch),
+            gateway_session=gateway_session,
         )
         self.members = Membership(
             self.engines,
@@ -134,6 +136,7 @@ class RayBackend(Backend):
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await self.members.leave_all()  # engines that serve on drop this gateway's requests
         self.plane.close_sockets()
         self.routing.close()
         self.plane.terminate()
