@@ -305,6 +305,13 @@ class EngineConfig:
         per_pool=True,
         help="cut streams when the gateway reads nothing this long",
     )
+    profile_dir: str | None = option(
+        None,
+        section="output",
+        default_text="off (POST /start_profile answers 400)",
+        help="directory for the engines' torch profiler traces (POST /start_profile, "
+        "/stop_profile)",
+    )
     gateway_lost_after_s: float = option(
         10.0,
         section="output",

@@ -138,11 +138,13 @@ class Service:
 async def _serve(config: ServeConfig) -> None:
     import uvicorn
 
+    from cluster.cli.gateways import gateway_index, reuse_port_socket
     from cluster.gateway.app import create_app
     from cluster.observability.tracing.settings import make_tracer
 
     svc = Service(config)
     tracer = make_tracer(config.observability)
+    index = gateway_index()
     try:
         await svc.start()
         config = svc.config  # --attach: the pools found
@@ -153,6 +155,7 @@ async def _serve(config: ServeConfig) -> None:
             api=api_config(config, svc.model_path),
             tracer=tracer,
             admin_api_key=config.security.admin_api_key,
+            gateway_index=index,
         )
         host, port = config.server.host, config.server.port
         server = uvicorn.Server(
@@ -160,6 +163,11 @@ async def _serve(config: ServeConfig) -> None:
                 app, host=host, port=port, log_level="warning", access_log=False, lifespan="off"
             )
         )
+        if index is not None:  # one of --api-server-count's gateways (cluster/cli/gateways.py)
+            sock = reuse_port_socket(host, port)
+            print(f"tandem: gateway {index} serving (pid {os.getpid()})", flush=True)
+            await server.serve(sockets=[sock])
+            return
         base = f"http://{host}:{port}"
         pools = ", ".join(f"{n} {r}" for r, n in config.pools.sizes().items() if n)
         print(f"tandem: serving {config.model!r} with {pools}", flush=True)
@@ -208,6 +216,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     from cluster.engines.attach import AttachError
 
+    if config.server.api_server_count > 1:
+        from cluster.cli.gateways import serve_gateways
+
+        return serve_gateways(config, sys.argv[1:])
     try:
         asyncio.run(_serve(config))
     except KeyboardInterrupt:

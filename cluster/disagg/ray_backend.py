@@ -179,6 +179,33 @@ class RayBackend(Backend):
     def undrain(self, engine_id: str) -> dict[str, Any]:
         return drain.undrain(self.engines, engine_id)
 
+    async def reset_prefix_cache(self) -> dict[str, bool]:
+        return await self._call_every("reset_prefix_cache")
+
+    async def profile(self, start: bool) -> dict[str, Any]:
+        answers = await self._call_every("start_profile" if start else "stop_profile", 120.0)
+        return answers
+
+    async def _call_every(self, method: str, timeout_s: float | None = None) -> dict[str, Any]:
+        """``method`` on every engine that runs, at once; an engine's
+        ValueError is raised (naming it), any other failure answers False."""
+        engines = [e for e in self.engines.values() if e.state.epoch and not e.health.actor_dead]
+
+        async def one(e: Engine) -> Any:
+            ref = getattr(e.handle.actor, method).remote()
+            return await asyncio.wait_for(_await_ref(ref), timeout_s or self.members.call_timeout_s)
+
+        answers = await asyncio.gather(*(one(e) for e in engines), return_exceptions=True)
+        out: dict[str, Any] = {}
+        for e, answer in zip(engines, answers, strict=True):
+            if isinstance(answer, BaseException):
+                cause = getattr(answer, "cause", answer)
+                if isinstance(cause, ValueError):
+                    raise ValueError(str(cause)) from None
+                answer = False
+            out[e.state.engine_id] = answer
+        return out
+
     def metrics_snapshot(self) -> BackendMetrics:
         engines = []
         for eid, e in self.engines.items():

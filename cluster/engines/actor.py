@@ -153,7 +153,18 @@ class EngineActor:
         return self.service.call_in_loop(self.engine.kv_events_snapshot)
 
     def reset_prefix_cache(self) -> bool:
-        return self.service.call_in_loop(self.engine.scheduler.reset_prefix_cache)
+        """Drop every cached block no request uses (KV events tell the
+        routers); False if blocks were in use (those stay)."""
+        return self.service.call_in_loop(self.engine.reset_prefix_cache)
+
+    def start_profile(self) -> bool:
+        """Begin a torch profiler trace (``workers/engine/profiling.py``);
+        ValueError when the engine has no ``profile_dir``."""
+        return self.service.call_in_loop(self.service.profiler.start)
+
+    def stop_profile(self) -> str | None:
+        """End the trace; the path of the file written."""
+        return self.service.call_in_loop(self.service.profiler.stop, timeout_s=120.0)
 
     def shutdown(self) -> None:
         self.service.shutdown()

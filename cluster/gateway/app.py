@@ -76,6 +76,7 @@ def create_app(
     api: ApiConfig | None = None,
     tracer: Tracer | None = None,
     admin_api_key: str | None = None,
+    gateway_index: int | None = None,
 ) -> FastAPI:
     """The gateway app. ``api_key`` (if set) is required on ``/v1/*``,
     ``/tokenize``, ``/detokenize`` and ``/cluster/state`` (``cluster/observability/dashboard/``)
@@ -85,7 +86,9 @@ def create_app(
     (``cluster.gateway.edge.limits``; defaults when None). ``api``: served model
     names, chat template, generation defaults (``cluster.gateway.api.config``). ``tracer``: exports each
     finished request's spans (``cluster.observability.tracing.otel.OtelTracer``); None = off.
-    ``admin_api_key`` opens ``/admin/*`` (``cluster.gateway.api.admin``: drain an engine)."""
+    ``admin_api_key`` opens ``/admin/*`` (``cluster.gateway.api.admin``: drain an engine).
+    ``gateway_index``: this gateway's index among ``--api-server-count``'s
+    (``/health`` names it, so a client can tell which one answered)."""
     limits = limits or GatewayLimits()
     api = api or ApiConfig()
     if api.chat_template is not None:
@@ -186,15 +189,17 @@ def create_app(
         )
         return JSONResponse(schema)
 
+    who = {} if gateway_index is None else {"gateway": gateway_index}
+
     @app.get("/health")
     async def health() -> Response:
         ready, reason = backend.is_ready()
         if ready:
             degraded = backend.degraded()  # serving, with an engine down or drained
             if degraded:
-                return JSONResponse({"status": "degraded", "reason": degraded})
-            return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
+                return JSONResponse({"status": "degraded", "reason": degraded, **who})
+            return JSONResponse({"status": "ok", **who})
+        return JSONResponse({"status": "unavailable", "reason": reason, **who}, status_code=503)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -39,6 +39,7 @@ from wire.engine_protocol import (
 from wire.frames import FrameCounters, MalformedFrame, peer_address
 from workers.engine.core import EngineCore
 from workers.engine.loop_wait import LoopWait
+from workers.engine.profiling import EngineProfiler
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,9 @@ class EngineService:
         self.num_unroutable = 0  # requests naming a gateway that had not joined
         self.num_gateways_lost = 0  # gateways dropped because they were gone
         self.num_gateway_requests_aborted = 0  # requests of dropped gateways
+        self.profiler = EngineProfiler(
+            self.config.profile_dir, self.config.engine_id, self.config.epoch, self.config.device
+        )
         # what a UtilityCall may call, by name (each runs on the loop thread)
         self._utilities: dict[str, Callable[..., Any]] = {
             "check_integrity": engine.check_integrity,
@@ -185,6 +189,8 @@ class EngineService:
         finally:
             self._loop_running = False
             self._run_control()
+            if self.profiler.running:
+                self.profiler.stop()
             inp.close()
             outs.close_all()
             auth.close()
