@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -141,6 +142,7 @@ def serve_gateways(config: Any, argv: list[str]) -> int:
 
     from cluster.cli.settings import cluster_secret, pool_specs
     from cluster.engines.pools import start_pools, stop_pools
+    from cluster.observability.gateway_peers import SHARE_DIR_ENV
 
     started_ray = False
     if config.ray.address or os.environ.get("RAY_ADDRESS"):
@@ -151,16 +153,20 @@ def serve_gateways(config: Any, argv: list[str]) -> int:
     address = ray.get_runtime_context().gcs_address
     secret = cluster_secret(config)
     secret_file = config.security.cluster_secret_file
-    tmp_dir = None
+    tmp_dir = tempfile.mkdtemp(prefix="tandem-gw-")
+    share_dir = os.path.join(tmp_dir, "figures")  # gateway_peers.py: cluster-wide figures
+    os.mkdir(share_dir, 0o700)
+    own_secret_file = None
     if secret is not None and not secret_file:  # the gateways must hold the engines' secret
-        tmp_dir = tempfile.mkdtemp(prefix="tandem-gw-")
-        secret_file = os.path.join(tmp_dir, "cluster-secret")
+        secret_file = own_secret_file = os.path.join(tmp_dir, "cluster-secret")
         fd = os.open(secret_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.write(secret.hex().encode())
     handles = []
     supervisor = GatewaySupervisor(
-        gateway_argv(argv, address, secret_file), config.server.api_server_count, dict(os.environ)
+        gateway_argv(argv, address, secret_file),
+        config.server.api_server_count,
+        {**os.environ, SHARE_DIR_ENV: share_dir},
     )
 
     def on_signal(signum: int, frame: Any) -> None:
@@ -189,12 +195,10 @@ def serve_gateways(config: Any, argv: list[str]) -> int:
         supervisor.stop()
         if handles and not config.ray.detach_engines:
             stop_pools(handles)
-        if tmp_dir is not None:
-            if not config.ray.detach_engines:
-                os.unlink(secret_file)
-                os.rmdir(tmp_dir)
-            else:
-                print(f"tandem: the engines' secret stays in {secret_file}", flush=True)
+        if own_secret_file is not None and config.ray.detach_engines:
+            print(f"tandem: the engines' secret stays in {own_secret_file}", flush=True)
+        else:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
         if started_ray:
             ray.shutdown()
         print("tandem: stopped", flush=True)

@@ -140,6 +140,7 @@ async def _serve(config: ServeConfig) -> None:
 
     from cluster.cli.gateways import gateway_index, reuse_port_socket
     from cluster.gateway.app import create_app
+    from cluster.observability.gateway_peers import SHARE_DIR_ENV
     from cluster.observability.tracing.settings import make_tracer
 
     svc = Service(config)
@@ -156,6 +157,7 @@ async def _serve(config: ServeConfig) -> None:
             tracer=tracer,
             admin_api_key=config.security.admin_api_key,
             gateway_index=index,
+            share_dir=os.environ.get(SHARE_DIR_ENV) if index is not None else None,
         )
         host, port = config.server.host, config.server.port
         server = uvicorn.Server(
@@ -164,6 +166,8 @@ async def _serve(config: ServeConfig) -> None:
             )
         )
         if index is not None:  # one of --api-server-count's gateways (cluster/cli/gateways.py)
+            if app.state.peers is not None:
+                app.state.peers.ensure_started()
             sock = reuse_port_socket(host, port)
             print(f"tandem: gateway {index} serving (pid {os.getpid()})", flush=True)
             await server.serve(sockets=[sock])

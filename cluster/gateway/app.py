@@ -46,6 +46,7 @@ from cluster.gateway.generation import Gateway
 from cluster.gateway.protocol import ChatCompletionRequest, CompletionRequest, ProtocolError
 from cluster.gateway.responses import SERVER_SEND
 from cluster.observability import dashboard
+from cluster.observability.gateway_peers import GatewayPeers
 from cluster.observability.metrics import EngineMetricsCollector, GatewayMetrics, render
 from cluster.observability.tracing.observer import Tracer
 from cluster.observability.tracing.record import TRACEPARENT
@@ -77,6 +78,7 @@ def create_app(
     tracer: Tracer | None = None,
     admin_api_key: str | None = None,
     gateway_index: int | None = None,
+    share_dir: str | None = None,
 ) -> FastAPI:
     """The gateway app. ``api_key`` (if set) is required on ``/v1/*``,
     ``/tokenize``, ``/detokenize`` and ``/cluster/state`` (``cluster/observability/dashboard/``)
@@ -88,15 +90,23 @@ def create_app(
     finished request's spans (``cluster.observability.tracing.otel.OtelTracer``); None = off.
     ``admin_api_key`` opens ``/admin/*`` (``cluster.gateway.api.admin``: drain an engine).
     ``gateway_index``: this gateway's index among ``--api-server-count``'s
-    (``/health`` names it, so a client can tell which one answered)."""
+    (``/health`` names it, so a client can tell which one answered);
+    with ``share_dir`` the gateways share their figures there, and
+    ``/metrics`` and ``/cluster/state`` answer for all of them
+    (``cluster/observability/gateway_peers.py``)."""
     limits = limits or GatewayLimits()
     api = api or ApiConfig()
     if api.chat_template is not None:
         backend.tokenizer.chat_template = api.chat_template  # the gateway renders chats
     registry = CollectorRegistry()
     gateway = Gateway(backend, GatewayMetrics(), limits, api, tracer=tracer)
-    registry.register(gateway.metrics)
-    registry.register(gateway.observer.metrics)
+    peers = None
+    if share_dir is not None and gateway_index is not None:
+        peers = GatewayPeers(share_dir, gateway_index, gateway.metrics, (gateway.observer.metrics,))
+        registry.register(peers)  # every gateway's own figures, labelled gateway="i"
+    else:
+        registry.register(gateway.metrics)
+        registry.register(gateway.observer.metrics)
     registry.register(EngineMetricsCollector(backend))
     app = _GatewayApp(title="tandem", docs_url=None, redoc_url=None, openapi_url=None, **_NO_OTEL)
     app.state.gateway = gateway
@@ -204,9 +214,12 @@ def create_app(
     @app.get("/metrics")
     async def metrics() -> Response:
         rolling.ensure_started()
+        if peers is not None:
+            peers.ensure_started()
         return Response(render(registry), media_type=CONTENT_TYPE_LATEST)
 
-    rolling = dashboard.install(app, backend, gateway.metrics, check_api_key)
+    rolling = dashboard.install(app, backend, gateway.metrics, check_api_key, peers)
+    app.state.peers = peers
 
     add_admin_routes(app, backend, admin_api_key)
     return app

@@ -50,6 +50,30 @@ def wait_log(proc: GatewayProcess, pattern: str, count: int, deadline_s: float =
         time.sleep(0.25)
 
 
+def wait_cluster_counters(url: str, finished: int, deadline_s: float = 60.0) -> dict:
+    """Until every gateway (fresh connections: the kernel picks one)
+    answers ``/cluster/state`` with ``finished`` requests cluster-wide,
+    nothing in flight, and three gateway rows that sum to the totals."""
+    end = time.monotonic() + deadline_s
+    while True:
+        answers = {}
+        for _ in range(30):
+            body = httpx.get(url + "/cluster/state", timeout=10).json()
+            health = httpx.get(url + "/health", timeout=10).json()
+            answers[health["gateway"]] = body
+        ok = len(answers) == 3 and all(
+            b["counters"]["finished"] == {"length": finished}
+            and b["counters"]["requests_in_flight"] == 0
+            and len(b["gateways"]) == 3
+            and sum(r["finished"].get("length", 0) for r in b["gateways"]) == finished
+            for b in answers.values()
+        )
+        if ok:
+            return answers
+        assert time.monotonic() < end, {g: b["counters"] for g, b in answers.items()}
+        time.sleep(0.5)
+
+
 def identical(w: Workload, ref: Workload) -> int:
     return sum(verdict(r, x, False) == "identical" for r, x in zip(w.results, ref.results))
 
@@ -107,6 +131,14 @@ def test_three_gateways_one_fleet_one_dies_and_comes_back(tmp_path, monkeypatch)
             assert not any(w.finish())
             assert identical(w, ref) == len(ref.results), [r for r in w.results]
         assert settle_engines(handles) == 0
+        # every gateway answers with the cluster's counters; /metrics labels each gateway's
+        answers = wait_cluster_counters(fleet.url, 32)
+        per_gateway = {r["index"]: r["finished"]["length"] for r in answers[0]["gateways"]}
+        assert all(n > 0 for n in per_gateway.values()), per_gateway  # spread over all three
+        text = httpx.get(fleet.url + "/metrics", timeout=10).text
+        for g, n in per_gateway.items():
+            line = f'tandem:request_success_total{{finished_reason="length",gateway="{g}"}} {n}.0'
+            assert line in text, text
 
         # SIGKILL gateway 1 with long streams in flight on every gateway
         long = Workload(fleet.url, "greedy", num_streams=12, max_tokens=LONG_TOKENS)
