@@ -1,9 +1,10 @@
 """Several gateways over one engine fleet (``tandem serve --api-server-count
-3``, ``cluster/cli/gateways.py``) over 1 prefill + 1 decode engine (tiny).
+N``, N = 2 and 3, ``cluster/cli/gateways.py``) over 1 prefill + 1 decode
+engine (tiny).
 
 A fourth gateway joins the same engines on its own port (``--attach``) and
 gives the single-gateway reference. Through the shared port the kernel
-spreads connections over all three gateways (``/health`` names the one that
+spreads connections over all N gateways (``/health`` names the one that
 answered); every stream is token-identical to the reference and the engines
 idle with 0 blocks and pass check_integrity(). One gateway is SIGKILLed with
 long streams in flight: the streams on the others complete identical, its
@@ -50,10 +51,11 @@ def wait_log(proc: GatewayProcess, pattern: str, count: int, deadline_s: float =
         time.sleep(0.25)
 
 
-def wait_cluster_counters(url: str, finished: int, deadline_s: float = 60.0) -> dict:
-    """Until every gateway (fresh connections: the kernel picks one)
-    answers ``/cluster/state`` with ``finished`` requests cluster-wide,
-    nothing in flight, and three gateway rows that sum to the totals."""
+def wait_cluster_counters(url: str, n: int, finished: int, deadline_s: float = 60.0) -> dict:
+    """Until every one of the ``n`` gateways (fresh connections: the kernel
+    picks one) answers ``/cluster/state`` with ``finished`` requests
+    cluster-wide, nothing in flight, and ``n`` gateway rows that sum to the
+    totals."""
     end = time.monotonic() + deadline_s
     while True:
         answers = {}
@@ -61,10 +63,10 @@ def wait_cluster_counters(url: str, finished: int, deadline_s: float = 60.0) -> 
             body = httpx.get(url + "/cluster/state", timeout=10).json()
             health = httpx.get(url + "/health", timeout=10).json()
             answers[health["gateway"]] = body
-        ok = len(answers) == 3 and all(
+        ok = len(answers) == n and all(
             b["counters"]["finished"] == {"length": finished}
             and b["counters"]["requests_in_flight"] == 0
-            and len(b["gateways"]) == 3
+            and len(b["gateways"]) == n
             and sum(r["finished"].get("length", 0) for r in b["gateways"]) == finished
             for b in answers.values()
         )
@@ -78,7 +80,8 @@ def identical(w: Workload, ref: Workload) -> int:
     return sum(verdict(r, x, False) == "identical" for r, x in zip(w.results, ref.results))
 
 
-def test_three_gateways_one_fleet_one_dies_and_comes_back(tmp_path, monkeypatch):
+@pytest.mark.parametrize("n", [2, 3])
+def test_gateways_over_one_fleet_one_dies_and_comes_back(n, tmp_path, monkeypatch):
     import ray
 
     monkeypatch.setenv("TANDEM_HOST", "127.0.0.1")
@@ -101,43 +104,43 @@ def test_three_gateways_one_fleet_one_dies_and_comes_back(tmp_path, monkeypatch)
     procs: list[GatewayProcess] = []
     try:
         fleet = GatewayProcess(
-            [*common, "--prefill", "1", "--decode", "1", "--api-server-count", "3", *engine],
+            [*common, "--prefill", "1", "--decode", "1", "--api-server-count", str(n), *engine],
             str(tmp_path / "fleet.log"),
             env,
         )
         procs.append(fleet)
-        wait_log(fleet, r"gateway \d serving", 3)
+        wait_log(fleet, r"gateway \d serving", n)
         pids = dict(
             (int(i), int(p))
             for i, p in re.findall(r"gateway (\d) started \(pid (\d+)\)", fleet.log())
         )
-        assert sorted(pids) == [0, 1, 2]
+        assert sorted(pids) == list(range(n))
         fleet.wait_healthy(60)
         single = GatewayProcess([*common, "--attach"], str(tmp_path / "single.log"), env)
         procs.append(single)
         assert single.wait_healthy(180)["status"] == "ok"
         handles = find_engines(namespace)
         assert sorted(h.engine_id for h in handles) == ["decode-0", "prefill-0"]
-        assert all(len(ray.get(h.actor.ready.remote())["gateways"]) == 4 for h in handles)
+        assert all(len(ray.get(h.actor.ready.remote())["gateways"]) == n + 1 for h in handles)
 
         refs = {w: Workload(single.url, w) for w in ("greedy", "seeded")}
         long_ref = Workload(single.url, "greedy", num_streams=12, max_tokens=LONG_TOKENS)
         for w in [*refs.values(), long_ref]:
             assert not any(w.finish())
 
-        assert gateways_seen(fleet.url) == {0, 1, 2}  # connections spread over all three
+        assert gateways_seen(fleet.url) == set(range(n))  # connections spread over all
         for name, ref in refs.items():
             w = Workload(fleet.url, name)
             assert not any(w.finish())
             assert identical(w, ref) == len(ref.results), [r for r in w.results]
         assert settle_engines(handles) == 0
         # every gateway answers with the cluster's counters; /metrics labels each gateway's
-        answers = wait_cluster_counters(fleet.url, 32)
+        answers = wait_cluster_counters(fleet.url, n, 32)
         per_gateway = {r["index"]: r["finished"]["length"] for r in answers[0]["gateways"]}
-        assert all(n > 0 for n in per_gateway.values()), per_gateway  # spread over all three
+        assert all(k > 0 for k in per_gateway.values()), per_gateway  # spread over all
         text = httpx.get(fleet.url + "/metrics", timeout=10).text
-        for g, n in per_gateway.items():
-            line = f'tandem:request_success_total{{finished_reason="length",gateway="{g}"}} {n}.0'
+        for g, k in per_gateway.items():
+            line = f'tandem:request_success_total{{finished_reason="length",gateway="{g}"}} {k}.0'
             assert line in text, text
 
         # SIGKILL gateway 1 with long streams in flight on every gateway
@@ -147,7 +150,7 @@ def test_three_gateways_one_fleet_one_dies_and_comes_back(tmp_path, monkeypatch)
         assert not any(long.finish())
         broken = [r for r in long.results if not r.done]
         completed = [r for r in long.results if r.done]
-        assert broken and completed, long.results  # 12 connections over 3 gateways
+        assert broken and completed, long.results  # 12 connections over n gateways
         for r in completed:
             assert verdict(r, long_ref.results[r.index], False) == "identical", r
         for r in broken:
@@ -158,7 +161,7 @@ def test_three_gateways_one_fleet_one_dies_and_comes_back(tmp_path, monkeypatch)
         # the supervisor starts it again: it joins and serves beside the others
         wait_log(fleet, r"gateway 1 serving", 2)
         end = time.monotonic() + 60
-        while gateways_seen(fleet.url, 30) != {0, 1, 2}:
+        while gateways_seen(fleet.url, 30) != set(range(n)):
             assert time.monotonic() < end, "the restarted gateway does not serve"
         w = Workload(fleet.url, "greedy")
         assert not any(w.finish())

@@ -165,6 +165,14 @@ def test_outputs_go_to_their_own_gateway_and_a_dead_gateway_loses_only_its_strea
     while service.num_unroutable == 0:
         assert time.monotonic() < deadline
         time.sleep(0.05)
+    # a gateway that takes a gone one's address replaces it (its requests aborted)
+    c.send("z-2", prompts(1)[0], LONG)
+    c.read(lambda: len(c.tokens.get("z-2", [])) >= 1)
+    assert in_loop(service, lambda: service.join_gateway(c.out_addr, 55))
+    assert service.gateway_sessions == (11, 55)
+    assert in_loop(service, service.check_integrity)
+    in_loop(service, lambda: service.leave_gateway(55))
+    in_loop(service, lambda: service.join_gateway(c.out_addr, c.session))
     # a normal exit: leave aborts the leaving gateway's requests only
     c.send("z-1", prompts(1)[0], LONG)
     c.read(lambda: len(c.tokens.get("z-1", [])) >= 1)

@@ -328,7 +328,12 @@ class EngineService:
     def join_gateway(self, output_addr: str, session: int) -> bool:
         """Loop thread only (``call_in_loop``): gateway ``session`` serves
         from this engine too; its requests' outputs go to ``output_addr``.
-        The other gateways keep their requests. False if it had joined."""
+        The other gateways keep their requests. False if it had joined.
+        A gone gateway whose address the new one reuses (a port freed and
+        taken again) is dropped first: its connection would look alive."""
+        for link in list(self._output.links.values()):
+            if link.addr == output_addr and link.session != session:
+                self.drop_gateway(link.session, "a new gateway took its address")
         return self._output.add(session, output_addr)
 
     def leave_gateway(self, session: int) -> int:
