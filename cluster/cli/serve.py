@@ -243,7 +243,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if config.server.api_server_count > 1:
         from cluster.cli.gateways import serve_gateways
 
-        return serve_gateways(config, sys.argv[1:])
+        try:
+            return serve_gateways(config, sys.argv[1:])
+        except ValueError as exc:  # e.g. engine names taken in --ray-namespace
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     try:
         run_event_loop(_serve(config))
     except KeyboardInterrupt:

@@ -29,7 +29,7 @@ from tests.chaos.service import settle_engines, stats
 
 pytestmark = pytest.mark.slow
 
-LONG_TOKENS = 300
+LONG_TOKENS = 900  # still running on the engines when the dead gateway is dropped (2 s)
 
 
 def gateways_seen(url: str, tries: int = 60) -> set[int]:
