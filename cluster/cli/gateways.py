@@ -158,10 +158,12 @@ def serve_gateways(config: Any, argv: list[str]) -> int:
     os.mkdir(share_dir, 0o700)
     own_secret_file = None
     if secret is not None and not secret_file:  # the gateways must hold the engines' secret
+        # as text: read_secret_file strips whitespace, which raw bytes may end with
+        secret = secret.hex().encode()
         secret_file = own_secret_file = os.path.join(tmp_dir, "cluster-secret")
         fd = os.open(secret_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as f:
-            f.write(secret.hex().encode())
+            f.write(secret)
     handles = []
     supervisor = GatewaySupervisor(
         gateway_argv(argv, address, secret_file),

@@ -119,13 +119,14 @@ class Service:
     async def stop(self) -> None:
         import ray
 
+        from cluster.cli.gateways import gateway_index
         from cluster.engines.pools import stop_pools
 
         if self.backend is not None:
             await self.backend.close()
         if self.handles and self.owns_engines:
             stop_pools(self.handles)
-        elif self.handles:
+        elif self.handles and gateway_index() is None:  # else the supervisor owns them
             logger.warning(
                 "leaving %d engines running in Ray namespace %r (tandem stop-engines stops them)",
                 len(self.handles),

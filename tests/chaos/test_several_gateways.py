@@ -181,3 +181,28 @@ def test_gateways_over_one_fleet_one_dies_and_comes_back(n, tmp_path, monkeypatc
         left = find_engines(namespace)
         ray.shutdown()
     assert left == []
+
+
+def test_api_server_count_on_its_own_local_ray_with_a_generated_secret(tmp_path):
+    """No --address and no secret file: the command starts Ray, the engines
+    and two gateways that join that Ray with the secret it generated."""
+    env = {k: v for k, v in gateway_env().items() if k != "RAY_ADDRESS"}
+    env["TANDEM_HOST"] = "127.0.0.1"
+    fleet = GatewayProcess(
+        ["--model", "tiny", "--colocated", "1", "--api-server-count", "2", "--no-ray-dashboard"],
+        str(tmp_path / "fleet.log"),
+        env,
+    )
+    try:
+        wait_log(fleet, r"gateway \d serving", 2)
+        fleet.wait_healthy(120)
+        assert gateways_seen(fleet.url) == {0, 1}
+        body = {"model": "tiny", "prompt": "hello", "max_tokens": 5, "temperature": 0.0}
+        r = httpx.post(fleet.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5, r.text
+        assert fleet.stop() == 0, fleet.log()
+        log = fleet.log()
+        assert log.count("tandem: stopped") == 3 and "exited with" not in log, log
+        assert "leaving" not in log  # the command stopped the engines it started
+    finally:
+        fleet.crash()

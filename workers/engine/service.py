@@ -367,7 +367,8 @@ class EngineService:
         outs.close(session)
         self.num_gateways_lost += why != "it left" and why != "replaced"
         self.num_gateway_requests_aborted += len(owned)
-        logger.warning(
+        logger.log(
+            logging.INFO if why == "it left" else logging.WARNING,
             "engine %s: gateway %d dropped (%s): %d requests aborted",
             self.config.engine_id,
             session,
