@@ -75,8 +75,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=6)
     parser.add_argument("--profile", action="store_true", help="cProfile one run, top 25")
     args = parser.parse_args()
-    from cluster.gateway.app import create_app
-    from cluster.gateway.null_backend import NullBackend
+    from tandem.cluster.gateway.app import create_app
+    from tandem.cluster.gateway.null_backend import NullBackend
 
     app = create_app(NullBackend.tiny())
     body = json.dumps(

@@ -124,10 +124,10 @@ def serve(
     elif kind == "sink":
         app = sink_app()
     else:
-        from cluster.gateway.app import create_app
-        from cluster.gateway.null_backend import NullBackend
-        from cluster.observability.logging_setup import make_handler
-        from cluster.observability.tracing.settings import ObservabilityConfig, make_tracer
+        from tandem.cluster.gateway.app import create_app
+        from tandem.cluster.gateway.null_backend import NullBackend
+        from tandem.cluster.observability.logging_setup import make_handler
+        from tandem.cluster.observability.tracing.settings import ObservabilityConfig, make_tracer
 
         root = logging.getLogger()  # as `tandem serve`: INFO, one line per request
         root.addHandler(make_handler("text", open(os.devnull, "w")))  # noqa: SIM115
@@ -138,7 +138,7 @@ def serve(
         uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
         return
     # one of N processes on one port (SO_REUSEPORT), as tandem serve --api-server-count N
-    from cluster.cli.gateways import reuse_port_socket
+    from tandem.cluster.cli.gateways import reuse_port_socket
 
     sock = reuse_port_socket("127.0.0.1", port)
     server = uvicorn.Server(
@@ -153,7 +153,7 @@ def serve(
             f.write("ready")
         await task
 
-    from cluster.cli.serve import run_event_loop
+    from tandem.cluster.cli.serve import run_event_loop
 
     run_event_loop(run())
 
@@ -225,7 +225,7 @@ def cpu_seconds(pid: int) -> float:
 def measure(
     url: str, pid: int | list[int], concurrency: int, output_len: int, num_rounds: int
 ) -> dict:
-    from cluster.cli.bench import BenchConfig, run_benchmark
+    from tandem.cluster.cli.bench import BenchConfig, run_benchmark
 
     config = BenchConfig(
         url,
@@ -346,7 +346,7 @@ def main() -> int:
 
 def main_counts(args: argparse.Namespace) -> int:
     """bare and gateway, each as N processes on one port, for each N."""
-    from cluster.cli.serve import server_stack
+    from tandem.cluster.cli.serve import server_stack
 
     runs: dict[tuple[str, int, int], list[dict]] = {}
     for count in args.api_server_count:

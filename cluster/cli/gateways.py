@@ -71,7 +71,7 @@ def gateway_argv(argv: list[str], address: str, secret_file: str | None) -> list
     args += ["--address", address]
     if secret_file:
         args += ["--cluster-secret-file", secret_file]
-    return [sys.executable, "-m", "cluster", *args]
+    return [sys.executable, "-m", "tandem.cluster", *args]
 
 
 class GatewaySupervisor:
@@ -140,9 +140,9 @@ def serve_gateways(config: Any, argv: list[str]) -> int:
     ``--api-server-count`` gateway processes; returns at SIGINT/SIGTERM."""
     import ray
 
-    from cluster.cli.settings import cluster_secret, pool_specs
-    from cluster.engines.pools import start_pools, stop_pools
-    from cluster.observability.gateway_peers import SHARE_DIR_ENV
+    from tandem.cluster.cli.settings import cluster_secret, pool_specs
+    from tandem.cluster.engines.pools import start_pools, stop_pools
+    from tandem.cluster.observability.gateway_peers import SHARE_DIR_ENV
 
     started_ray = False
     if config.ray.address or os.environ.get("RAY_ADDRESS"):

@@ -21,8 +21,8 @@ import sys
 import time
 from typing import Any
 
-from cluster.cli.config.args import add_serve_arguments
-from cluster.cli.settings import (
+from tandem.cluster.cli.config.args import add_serve_arguments
+from tandem.cluster.cli.settings import (
     ServeConfig,
     api_config,
     cluster_secret,
@@ -30,7 +30,7 @@ from cluster.cli.settings import (
     resolve_config,
     with_pool_counts,
 )
-from cluster.engines.placement import check_pools_split_model
+from tandem.cluster.engines.placement import check_pools_split_model
 
 logger = logging.getLogger("tandem.serve")
 
@@ -62,11 +62,11 @@ class Service:
     async def start(self) -> None:
         import ray
 
-        from cluster.disagg.ray_backend import RayBackend
-        from cluster.engines.actor import free_port, node_ip
-        from cluster.engines.pools import start_pools
-        from workers.checkpoints.model_dir import resolve_model_dir
-        from workers.text.tokenizer import load_tokenizer
+        from tandem.cluster.disagg.ray_backend import RayBackend
+        from tandem.cluster.engines.actor import free_port, node_ip
+        from tandem.cluster.engines.pools import start_pools
+        from tandem.workers.checkpoints.model_dir import resolve_model_dir
+        from tandem.workers.text.tokenizer import load_tokenizer
 
         config = self.config
         if not ray.is_initialized():
@@ -87,8 +87,8 @@ class Service:
         namespace = config.ray.ray_namespace
         session = time.time_ns()  # newer than any gateway before (cluster/engines/attach.py)
         if config.ray.attach:
-            from cluster.engines.attach import adopt_engines, pool_counts
-            from wire.auth import secret_fingerprint
+            from tandem.cluster.engines.attach import adopt_engines, pool_counts
+            from tandem.wire.auth import secret_fingerprint
 
             self.handles = adopt_engines(namespace, config.model, secret_fingerprint(secret))
             self.config = config = with_pool_counts(config, pool_counts(self.handles))
@@ -119,8 +119,8 @@ class Service:
     async def stop(self) -> None:
         import ray
 
-        from cluster.cli.gateways import gateway_index
-        from cluster.engines.pools import stop_pools
+        from tandem.cluster.cli.gateways import gateway_index
+        from tandem.cluster.engines.pools import stop_pools
 
         if self.backend is not None:
             await self.backend.close()
@@ -139,10 +139,10 @@ class Service:
 async def _serve(config: ServeConfig) -> None:
     import uvicorn
 
-    from cluster.cli.gateways import gateway_index, reuse_port_socket
-    from cluster.gateway.app import create_app
-    from cluster.observability.gateway_peers import SHARE_DIR_ENV
-    from cluster.observability.tracing.settings import make_tracer
+    from tandem.cluster.cli.gateways import gateway_index, reuse_port_socket
+    from tandem.cluster.gateway.app import create_app
+    from tandem.cluster.observability.gateway_peers import SHARE_DIR_ENV
+    from tandem.cluster.observability.tracing.settings import make_tracer
 
     svc = Service(config)
     tracer = make_tracer(config.observability)
@@ -211,21 +211,21 @@ def server_stack() -> str:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from cluster.gateway.torch_free import bar_torch
+    from tandem.cluster.gateway.torch_free import bar_torch
 
     bar_torch()  # this process is the gateway: no torch in it (cluster/gateway/torch_free.py)
     if args.check_config:
-        from cluster.cli.check_config import check_config
+        from tandem.cluster.cli.check_config import check_config
 
         return check_config(args)
-    from cluster.observability.logging_setup import configure_logging
+    from tandem.cluster.observability.logging_setup import configure_logging
 
     configure_logging(getattr(args, "log_format", None) or "text")
     try:
         config = resolve_config(args)  # validates every section and pool engine
         configure_logging(config.observability.log_format)  # the YAML may name it
         specs = pool_specs(config)
-        from workers.checkpoints.model_dir import resolve_model_dir
+        from tandem.workers.checkpoints.model_dir import resolve_model_dir
 
         # bad model: one line, exit 2 (GGUF: convert once, in a child process)
         model_path = resolve_model_dir(config.model)
@@ -233,16 +233,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         check_pools_split_model(model_path, specs)
         security = config.security
         if security.internal_auth and security.cluster_secret_file:
-            from wire.auth import read_secret_file
+            from tandem.wire.auth import read_secret_file
 
             read_secret_file(security.cluster_secret_file)  # a bad file fails before Ray starts
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    from cluster.engines.attach import AttachError
+    from tandem.cluster.engines.attach import AttachError
 
     if config.server.api_server_count > 1:
-        from cluster.cli.gateways import serve_gateways
+        from tandem.cluster.cli.gateways import serve_gateways
 
         try:
             return serve_gateways(config, sys.argv[1:])
@@ -281,7 +281,7 @@ class ServiceThread:
         import socket
         import threading
 
-        from cluster.observability.tracing.settings import make_tracer
+        from tandem.cluster.observability.tracing.settings import make_tracer
 
         self.service = Service(config)
         self.tracer = tracer if tracer is not None else make_tracer(config.observability)
@@ -300,7 +300,7 @@ class ServiceThread:
     def __enter__(self) -> ServiceThread:
         import uvicorn
 
-        from cluster.gateway.app import create_app
+        from tandem.cluster.gateway.app import create_app
 
         self._thread.start()
         try:

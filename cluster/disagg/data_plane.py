@@ -37,12 +37,12 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from cluster.disagg.engine import Engine, ErrorLog
-from cluster.engines.death_watch import DisconnectWatch
-from cluster.gateway.backend import BackendUnavailable
-from wire.auth import PlaneAuth
-from wire.engine_protocol import GATEWAY_OUTPUT, EngineAbort
-from wire.frames import FrameCounters, MalformedFrame, peer_address
+from tandem.cluster.disagg.engine import Engine, ErrorLog
+from tandem.cluster.engines.death_watch import DisconnectWatch
+from tandem.cluster.gateway.backend import BackendUnavailable
+from tandem.wire.auth import PlaneAuth
+from tandem.wire.engine_protocol import GATEWAY_OUTPUT, EngineAbort
+from tandem.wire.frames import FrameCounters, MalformedFrame, peer_address
 
 logger = logging.getLogger(__name__)
 

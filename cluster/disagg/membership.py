@@ -30,15 +30,15 @@ import asyncio
 import logging
 from typing import Any
 
-from cluster.disagg.data_plane import DataPlane
-from cluster.disagg.engine import Engine, ErrorLog
-from cluster.disagg.migration import REASON_DEAD, REASON_RESTARTED
-from cluster.engines.death_watch import confirm_exit, process_gone
-from cluster.engines.health import Liveness
-from cluster.engines.prefill_endpoints import push_prefill_endpoints
-from cluster.routing.cluster_routing import ClusterRouting
-from scheduler.engine_stats import STATS_DECODER, EngineStats
-from wire.frames import FrameCounters, MalformedFrame, decode
+from tandem.cluster.disagg.data_plane import DataPlane
+from tandem.cluster.disagg.engine import Engine, ErrorLog
+from tandem.cluster.disagg.migration import REASON_DEAD, REASON_RESTARTED
+from tandem.cluster.engines.death_watch import confirm_exit, process_gone
+from tandem.cluster.engines.health import Liveness
+from tandem.cluster.engines.prefill_endpoints import push_prefill_endpoints
+from tandem.cluster.routing.cluster_routing import ClusterRouting
+from tandem.scheduler.engine_stats import STATS_DECODER, EngineStats
+from tandem.wire.frames import FrameCounters, MalformedFrame, decode
 
 logger = logging.getLogger(__name__)
 

@@ -17,21 +17,21 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
-from cluster.disagg import drain
-from cluster.disagg.data_plane import DataPlane
-from cluster.disagg.engine import Engine, ErrorLog
-from cluster.disagg.membership import Membership, ray_node_id
-from cluster.disagg.migration import MigrationPolicy, Migrator
-from cluster.disagg.orchestration import Orchestrator
-from cluster.engines.health import EngineHealth
-from cluster.engines.pools import EngineHandle
-from cluster.gateway.backend import Backend, BackendMetrics, EngineMetrics
-from cluster.routing.cluster_routing import ClusterRouting
-from cluster.routing.policy import RoutingConfig
-from cluster.routing.router import Router
-from scheduler.engine_stats import STATS_DECODER, EngineStats
-from scheduler.fork import child_request_id
-from wire.engine_protocol import EngineOutput, EngineRequest
+from tandem.cluster.disagg import drain
+from tandem.cluster.disagg.data_plane import DataPlane
+from tandem.cluster.disagg.engine import Engine, ErrorLog
+from tandem.cluster.disagg.membership import Membership, ray_node_id
+from tandem.cluster.disagg.migration import MigrationPolicy, Migrator
+from tandem.cluster.disagg.orchestration import Orchestrator
+from tandem.cluster.engines.health import EngineHealth
+from tandem.cluster.engines.pools import EngineHandle
+from tandem.cluster.gateway.backend import Backend, BackendMetrics, EngineMetrics
+from tandem.cluster.routing.cluster_routing import ClusterRouting
+from tandem.cluster.routing.policy import RoutingConfig
+from tandem.cluster.routing.router import Router
+from tandem.scheduler.engine_stats import STATS_DECODER, EngineStats
+from tandem.scheduler.fork import child_request_id
+from tandem.wire.engine_protocol import EngineOutput, EngineRequest
 
 
 class RayBackend(Backend):

@@ -25,8 +25,8 @@ from typing import Any
 
 import msgspec
 
-from wire.auth import secret_fingerprint
-from workers.config import EngineConfig
+from tandem.wire.auth import secret_fingerprint
+from tandem.workers.config import EngineConfig
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -50,9 +50,9 @@ class EngineActor:
     """Plain class; ``cluster.engines.pools`` wraps it with ``ray.remote``."""
 
     def __init__(self, config: EngineConfig, output_addr: str, gateway_session: int = 0) -> None:
-        from cluster.observability.logging_setup import configure_logging
-        from workers.engine.core import EngineCore
-        from workers.engine.service import EngineService
+        from tandem.cluster.observability.logging_setup import configure_logging
+        from tandem.workers.engine.core import EngineCore
+        from tandem.workers.engine.service import EngineService
 
         configure_logging(config.log_format)  # Ray forwards these lines to the driver
         self.epoch = time.time_ns()

@@ -35,21 +35,21 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
-from cluster.gateway import protocol
-from cluster.gateway.api.admin import add_admin_routes
-from cluster.gateway.api.config import ApiConfig
-from cluster.gateway.api.openapi import openapi_schema
-from cluster.gateway.api.tokenize import add_tokenize_routes
-from cluster.gateway.backend import Backend
-from cluster.gateway.edge.limits import GatewayLimits, read_body
-from cluster.gateway.generation import Gateway
-from cluster.gateway.protocol import ChatCompletionRequest, CompletionRequest, ProtocolError
-from cluster.gateway.responses import SERVER_SEND
-from cluster.observability import dashboard
-from cluster.observability.gateway_peers import GatewayPeers
-from cluster.observability.metrics import EngineMetricsCollector, GatewayMetrics, render
-from cluster.observability.tracing.observer import Tracer
-from cluster.observability.tracing.record import TRACEPARENT
+from tandem.cluster.gateway import protocol
+from tandem.cluster.gateway.api.admin import add_admin_routes
+from tandem.cluster.gateway.api.config import ApiConfig
+from tandem.cluster.gateway.api.openapi import openapi_schema
+from tandem.cluster.gateway.api.tokenize import add_tokenize_routes
+from tandem.cluster.gateway.backend import Backend
+from tandem.cluster.gateway.edge.limits import GatewayLimits, read_body
+from tandem.cluster.gateway.generation import Gateway
+from tandem.cluster.gateway.protocol import ChatCompletionRequest, CompletionRequest, ProtocolError
+from tandem.cluster.gateway.responses import SERVER_SEND
+from tandem.cluster.observability import dashboard
+from tandem.cluster.observability.gateway_peers import GatewayPeers
+from tandem.cluster.observability.metrics import EngineMetricsCollector, GatewayMetrics, render
+from tandem.cluster.observability.tracing.observer import Tracer
+from tandem.cluster.observability.tracing.record import TRACEPARENT
 
 logger = logging.getLogger(__name__)
 

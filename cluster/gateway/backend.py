@@ -19,8 +19,8 @@ from typing import Any
 
 import msgspec
 
-from scheduler.engine_stats import EngineStats, HistogramSnapshot
-from wire.engine_protocol import EngineOutput, EngineRequest
+from tandem.scheduler.engine_stats import EngineStats, HistogramSnapshot
+from tandem.wire.engine_protocol import EngineOutput, EngineRequest
 
 
 class BackendUnavailable(Exception):

@@ -28,12 +28,12 @@ import time
 import httpx
 import pytest
 
-from cluster.engines.attach import AttachError, adopt_engines, find_engines, stop_engines
+from tandem.cluster.engines.attach import AttachError, adopt_engines, find_engines, stop_engines
 from tests.chaos.gateway_proc import GatewayProcess, gateway_env
 from tests.chaos.harness import ENGINE, WORKLOADS, Tally, Workload, print_row, verdict
 from tests.chaos.service import settle_engines, stats
 from tests.cluster.service_helpers import BUSY_FIELDS
-from wire.auth import secret_fingerprint
+from tandem.wire.auth import secret_fingerprint
 
 pytestmark = pytest.mark.slow
 
@@ -207,7 +207,7 @@ def test_gateway_restart_engines_keep_running_new_gateway_adopts_them(tmp_path, 
             g.crash()
         try:
             stop = subprocess.run(
-                [sys.executable, "-m", "cluster", "stop-engines"]
+                [sys.executable, "-m", "tandem.cluster", "stop-engines"]
                 + ["--address", address, "--ray-namespace", namespace],
                 env=env,
                 capture_output=True,

@@ -22,7 +22,7 @@ import time
 import httpx
 import pytest
 
-from cluster.engines.attach import find_engines, stop_engines
+from tandem.cluster.engines.attach import find_engines, stop_engines
 from tests.chaos.gateway_proc import GatewayProcess, gateway_env
 from tests.chaos.harness import ENGINE, Workload, verdict
 from tests.chaos.service import settle_engines, stats

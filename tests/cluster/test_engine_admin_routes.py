@@ -33,7 +33,7 @@ def cached_tokens(url: str) -> int:
 def test_reset_prefix_cache_and_profile_routes(tmp_path):
     import ray
 
-    from cluster.cli.serve import ServiceThread
+    from tandem.cluster.cli.serve import ServiceThread
 
     traces = tmp_path / "traces"
     config = serve_config(
@@ -79,9 +79,9 @@ def test_reset_prefix_cache_and_profile_routes(tmp_path):
 
 
 def test_routes_refuse_without_admin_key_and_without_profile_dir():
-    from cluster.gateway.app import create_app, serve_in_thread
-    from cluster.gateway.null_backend import NullBackend
-    from workers.checkpoints.tiny import build_tokenizer
+    from tandem.cluster.gateway.app import create_app, serve_in_thread
+    from tandem.cluster.gateway.null_backend import NullBackend
+    from tandem.workers.checkpoints.tiny import build_tokenizer
 
     tok = build_tokenizer()
     with serve_in_thread(create_app(NullBackend(tok))) as url:  # no admin key: 403

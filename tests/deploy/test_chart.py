@@ -215,7 +215,7 @@ def check_config(objects: list[dict], tmp_path: Path, api_key: str | None = None
     config_path.write_text(serve_cm["data"]["serve.yaml"])
     argv = serve_argv(cluster, config_path, api_key)
     proc = subprocess.run(
-        [sys.executable, "-m", "cluster", "serve", *argv, "--check-config"],
+        [sys.executable, "-m", "tandem.cluster", "serve", *argv, "--check-config"],
         capture_output=True,
         text=True,
         timeout=120,

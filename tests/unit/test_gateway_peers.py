@@ -9,8 +9,8 @@ import time
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from cluster.observability.gateway_peers import GatewayPeers, cluster_counters
-from cluster.observability.metrics import GatewayMetrics
+from tandem.cluster.observability.gateway_peers import GatewayPeers, cluster_counters
+from tandem.cluster.observability.metrics import GatewayMetrics
 
 
 def gateway(tmp_path, index: int, finished: int, in_flight: int) -> GatewayPeers:

@@ -17,17 +17,17 @@ import msgspec
 import pytest
 import zmq
 
-from cluster.engines.actor import free_port
-from wire.engine_protocol import (
+from tandem.cluster.engines.actor import free_port
+from tandem.wire.engine_protocol import (
     EngineHeartbeat,
     EngineOutputs,
     EngineRequest,
     FinishReason,
     SamplingParams,
 )
-from workers.config import EngineConfig
-from workers.engine.core import EngineCore
-from workers.engine.service import EngineService
+from tandem.workers.config import EngineConfig
+from tandem.workers.engine.core import EngineCore
+from tandem.workers.engine.service import EngineService
 
 pytestmark = pytest.mark.slow  # an engine loop on real sockets
 _IDS = itertools.count()

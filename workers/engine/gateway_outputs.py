@@ -39,7 +39,7 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from workers.engine.output_sender import OutputSender
+from tandem.workers.engine.output_sender import OutputSender
 
 logger = logging.getLogger(__name__)
 _monitor_ids = itertools.count()

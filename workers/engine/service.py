@@ -24,8 +24,8 @@ from typing import Any
 
 import msgspec
 
-from scheduler.engine_stats import EngineStats, WireStats
-from wire.engine_protocol import (
+from tandem.scheduler.engine_stats import EngineStats, WireStats
+from tandem.wire.engine_protocol import (
     ENGINE_INPUT,
     HEARTBEAT_INTERVAL_S,
     EngineHeartbeat,
@@ -36,10 +36,10 @@ from wire.engine_protocol import (
     UtilityCall,
     UtilityResult,
 )
-from wire.frames import FrameCounters, MalformedFrame, peer_address
-from workers.engine.core import EngineCore
-from workers.engine.loop_wait import LoopWait
-from workers.engine.profiling import EngineProfiler
+from tandem.wire.frames import FrameCounters, MalformedFrame, peer_address
+from tandem.workers.engine.core import EngineCore
+from tandem.workers.engine.loop_wait import LoopWait
+from tandem.workers.engine.profiling import EngineProfiler
 
 logger = logging.getLogger(__name__)
 
@@ -99,8 +99,8 @@ class EngineService:
         streams; a gateway that is gone is dropped with its requests."""
         import zmq
 
-        from wire.auth import PlaneAuth
-        from workers.engine.gateway_outputs import GatewayOutputs
+        from tandem.wire.auth import PlaneAuth
+        from tandem.workers.engine.gateway_outputs import GatewayOutputs
 
         engine = self.engine
         ctx = zmq.Context()

@@ -31,16 +31,16 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from cluster.disagg.migration import MigrationPolicy
-from cluster.engines.health import HealthConfig
-from cluster.engines.placement import ROLES, PoolsConfig, check_pool_parallel, gpu_share
-from cluster.engines.pools import RayConfig
-from cluster.gateway.api.config import ApiSettings
-from cluster.gateway.edge.limits import GatewayLimits
-from cluster.observability.tracing.settings import ObservabilityConfig
-from cluster.routing.policy import RoutingConfig
-from wire.config_fields import OptionMeta, describe, option
-from workers.config import EngineConfig
+from tandem.cluster.disagg.migration import MigrationPolicy
+from tandem.cluster.engines.health import HealthConfig
+from tandem.cluster.engines.placement import ROLES, PoolsConfig, check_pool_parallel, gpu_share
+from tandem.cluster.engines.pools import RayConfig
+from tandem.cluster.gateway.api.config import ApiSettings
+from tandem.cluster.gateway.edge.limits import GatewayLimits
+from tandem.cluster.observability.tracing.settings import ObservabilityConfig
+from tandem.cluster.routing.policy import RoutingConfig
+from tandem.wire.config_fields import OptionMeta, describe, option
+from tandem.workers.config import EngineConfig
 
 
 @dataclass(frozen=True)

@@ -30,8 +30,8 @@ import msgspec
 from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse
 
-from cluster.gateway.backend import Backend
-from cluster.gateway.protocol import ProtocolError
+from tandem.cluster.gateway.backend import Backend
+from tandem.cluster.gateway.protocol import ProtocolError
 
 MAX_ADMIN_BODY_BYTES = 4096
 

@@ -18,10 +18,10 @@ from typing import Any
 import msgspec
 from fastapi import FastAPI, Request, Response
 
-from cluster.gateway.backend import Backend
-from cluster.observability.dashboard.rolling import RollingStats
-from cluster.observability.dashboard.state import cluster_state
-from cluster.observability.metrics import GatewayMetrics
+from tandem.cluster.gateway.backend import Backend
+from tandem.cluster.observability.dashboard.rolling import RollingStats
+from tandem.cluster.observability.dashboard.state import cluster_state
+from tandem.cluster.observability.metrics import GatewayMetrics
 
 _PAGE = resources.files(__package__).joinpath("page.html")
 

@@ -13,10 +13,10 @@ from typing import Any
 
 import msgspec
 
-from cluster.gateway.backend import Backend, EngineMetrics
-from cluster.observability.dashboard.rolling import RollingStats, WindowStats
-from cluster.observability.gateway_peers import cluster_counters
-from cluster.observability.metrics import GatewayMetrics
+from tandem.cluster.gateway.backend import Backend, EngineMetrics
+from tandem.cluster.observability.dashboard.rolling import RollingStats, WindowStats
+from tandem.cluster.observability.gateway_peers import cluster_counters
+from tandem.cluster.observability.metrics import GatewayMetrics
 
 MAX_RECENT_ERRORS = 20
 
