@@ -13,7 +13,12 @@ per finished request, written to /dev/null). The client is
 GIL. Also reported: the server's CPU time per output token (from
 /proc/<pid>/stat), which does not depend on the client keeping up.
 
+``--api-server-count 1 2 4``: each server runs as N processes on one port
+(SO_REUSEPORT, as ``tandem serve --api-server-count N``), bare and gateway
+alike; CPU per token is summed over the N processes.
+
 Run: python benchmarks/serve_gateway.py [--output-len 128] [--concurrency 64 256] [--tracing]
+                                        [--api-server-count 1 2 4]
 """
 
 from __future__ import annotations
@@ -107,7 +112,9 @@ def sink_app():
     return app
 
 
-def serve(kind: str, port: int, otlp_endpoint: str | None = None) -> None:
+def serve(
+    kind: str, port: int, otlp_endpoint: str | None = None, ready_file: str | None = None
+) -> None:
     import logging
 
     import uvicorn
@@ -127,7 +134,28 @@ def serve(kind: str, port: int, otlp_endpoint: str | None = None) -> None:
         root.setLevel(logging.INFO)
         tracer = make_tracer(ObservabilityConfig(otlp_traces_endpoint=otlp_endpoint))
         app = create_app(NullBackend.tiny(), tracer=tracer)
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+    if ready_file is None:
+        uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+        return
+    # one of N processes on one port (SO_REUSEPORT), as tandem serve --api-server-count N
+    from tandem.cluster.cli.gateways import reuse_port_socket
+
+    sock = reuse_port_socket("127.0.0.1", port)
+    server = uvicorn.Server(
+        uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
+    )
+
+    async def run() -> None:
+        task = asyncio.create_task(server.serve(sockets=[sock]))
+        while not server.started:
+            await asyncio.sleep(0.01)
+        with open(ready_file, "w") as f:
+            f.write("ready")
+        await task
+
+    from tandem.cluster.cli.serve import run_event_loop
+
+    run_event_loop(run())
 
 
 # ---- driver ----------------------------------------------------------------------------
@@ -137,6 +165,27 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def start_servers(kind: str, count: int) -> tuple[list[subprocess.Popen], str]:
+    """``count`` processes of ``kind`` on one port (SO_REUSEPORT), all listening."""
+    import tempfile
+
+    port = free_port()
+    ready_dir = tempfile.mkdtemp(prefix="serve-gateway-")
+    procs = []
+    for i in range(count):
+        ready = os.path.join(ready_dir, str(i))
+        argv = [sys.executable, os.path.abspath(__file__), "--serve", kind, "--port", str(port)]
+        procs.append(subprocess.Popen([*argv, "--ready-file", ready]))
+    deadline_s = time.monotonic() + START_TIMEOUT_S
+    while len(os.listdir(ready_dir)) < count:
+        if any(p.poll() is not None for p in procs) or time.monotonic() > deadline_s:
+            for p in procs:
+                stop_server(p)
+            raise RuntimeError(f"{kind} servers did not start")
+        time.sleep(0.1)
+    return procs, f"http://127.0.0.1:{port}"
 
 
 def start_server(kind: str, otlp_endpoint: str | None = None) -> tuple[subprocess.Popen, str]:
@@ -173,7 +222,9 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
-def measure(url: str, pid: int, concurrency: int, output_len: int, num_rounds: int) -> dict:
+def measure(
+    url: str, pid: int | list[int], concurrency: int, output_len: int, num_rounds: int
+) -> dict:
     from tandem.cluster.cli.bench import BenchConfig, run_benchmark
 
     config = BenchConfig(
@@ -193,10 +244,11 @@ def measure(url: str, pid: int, concurrency: int, output_len: int, num_rounds: i
         output_len=8,
         seed=SEED + 1,
     )
+    pids = pid if isinstance(pid, list) else [pid]
     asyncio.run(run_benchmark(warmup))
-    cpu_before_s = cpu_seconds(pid)
+    cpu_before_s = sum(cpu_seconds(p) for p in pids)
     summary = asyncio.run(run_benchmark(config))
-    cpu_s = cpu_seconds(pid) - cpu_before_s
+    cpu_s = sum(cpu_seconds(p) for p in pids) - cpu_before_s
     if summary["num_failed"]:
         raise RuntimeError(f"{summary['num_failed']} requests failed: {summary['errors']}")
     return {
@@ -218,6 +270,13 @@ def main() -> int:
     )
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--otlp-endpoint", help=argparse.SUPPRESS)
+    parser.add_argument("--ready-file", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--api-server-count",
+        type=int,
+        nargs="+",
+        help="run each server as N processes on one port (SO_REUSEPORT) for each N given",
+    )
     parser.add_argument(
         "--tracing",
         action="store_true",
@@ -229,8 +288,10 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3, help="runs per server; median kept")
     args = parser.parse_args()
     if args.serve:
-        serve(args.serve, args.port, args.otlp_endpoint)
+        serve(args.serve, args.port, args.otlp_endpoint, args.ready_file)
         return 0
+    if args.api_server_count:
+        return main_counts(args)
 
     # Both servers up at once; runs alternate bare/gateway so that load from
     # other processes on the machine hits both alike; the median run is kept.
@@ -279,6 +340,55 @@ def main() -> int:
                 f"| {gateway['tok_s'] / bare['tok_s']:>5.2f} | {bare['cpu_us_per_tok']:>15.1f} "
                 f"| {gateway['cpu_us_per_tok']:>18.1f} | {gateway['ttft_p50_ms']:>19.1f} |"
                 + (f" {kind}" if args.tracing else "")
+            )
+    return 0
+
+
+def main_counts(args: argparse.Namespace) -> int:
+    """bare and gateway, each as N processes on one port, for each N."""
+    from tandem.cluster.cli.serve import server_stack
+
+    runs: dict[tuple[str, int, int], list[dict]] = {}
+    for count in args.api_server_count:
+        servers = {}
+        try:
+            for kind in ("bare", "gateway"):
+                servers[kind] = start_servers(kind, count)
+            for concurrency in args.concurrency:
+                for _ in range(args.repeats):
+                    for kind, (procs, url) in servers.items():
+                        pids = [p.pid for p in procs]
+                        run = measure(url, pids, concurrency, args.output_len, args.num_rounds)
+                        runs.setdefault((kind, count, concurrency), []).append(run)
+        finally:
+            for procs, _ in servers.values():
+                for p in procs:
+                    stop_server(p)
+    results = {key: median_run(key_runs) for key, key_runs in runs.items()}
+    print("serve_gateway: N gateway processes (NullBackend) vs N bare uvicorn SSE processes")
+    print(f"machine: {machine()}")
+    print(
+        f"workload: input {INPUT_LEN} / output {args.output_len} tokens, 1 token per SSE event, "
+        f"{args.num_rounds} x concurrency requests, median of {args.repeats} alternating runs, "
+        "N processes on one port (SO_REUSEPORT), client aiohttp in one other process; "
+        "CPU summed over the N processes"
+    )
+    print(f"server stack: {server_stack()}")
+    header = (
+        "| gateways | streams | bare tok/s | gateway tok/s | ratio | gateway vs 1 gateway "
+        "| bare CPU us/tok | gateway CPU us/tok |"
+    )
+    print(header)
+    print("|" + "|".join("-" * len(c) for c in header.split("|")[1:-1]) + "|")
+    first = args.api_server_count[0]
+    for count in args.api_server_count:
+        for concurrency in args.concurrency:
+            bare, gw = results["bare", count, concurrency], results["gateway", count, concurrency]
+            one = results["gateway", first, concurrency]
+            print(
+                f"| {count:>8} | {concurrency:>7} | {bare['tok_s']:>10.0f} | {gw['tok_s']:>13.0f} "
+                f"| {gw['tok_s'] / bare['tok_s']:>5.2f} | {gw['tok_s'] / one['tok_s']:>20.2f} "
+                f"| {bare['cpu_us_per_tok']:>15.1f} | {gw['cpu_us_per_tok']:>18.1f} |"
             )
     return 0
 

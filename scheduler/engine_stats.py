@@ -139,6 +139,9 @@ class EngineStats(msgspec.Struct, forbid_unknown_fields=True):
     output_backlog_messages: int = 0
     output_deferred_total: int = 0
     num_streams_cut: int = 0  # cut by the engine's output stall timeout
+    num_gateways: int = 0  # gateways joined (workers/engine/gateway_outputs.py)
+    num_gateways_lost: int = 0  # dropped because their connection stayed down
+    num_gateway_requests_aborted: int = 0  # requests of dropped gateways
 
 
 # Decodes (and validates) an engine's stats payload; callers go through

@@ -141,6 +141,10 @@ class EngineRequest(_Wire):
     kv_transfer_params: dict[str, Any] | None = None
     # Parallel sampling: n choices from one prefill (scheduler/fork.py).
     n: int = 1
+    # The return address: the session of the gateway whose output socket gets
+    # this request's outputs (workers/engine/gateway_outputs.py). 0 = the
+    # engine's default gateway (a single-gateway caller).
+    gateway: int = 0
 
 
 class EngineAbort(_Wire):

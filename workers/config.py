@@ -305,6 +305,19 @@ class EngineConfig:
         per_pool=True,
         help="cut streams when the gateway reads nothing this long",
     )
+    profile_dir: str | None = option(
+        None,
+        section="output",
+        default_text="off (POST /start_profile answers 400)",
+        help="directory for the engines' torch profiler traces (POST /start_profile, "
+        "/stop_profile)",
+    )
+    gateway_lost_after_s: float = option(
+        10.0,
+        section="output",
+        per_pool=True,
+        help="drop a gateway (aborting its requests) whose output connection is down this long",
+    )
     # KV events for KV-aware routing: on when the router needs them; ZMQ PUB on
     # kv_host:kv_events_port, at most kv_events_queue_batches batches waiting
     kv_events: bool = option(
@@ -345,6 +358,8 @@ class EngineConfig:
         for name in ("output_hwm_messages", "output_backlog_messages", "kv_events_queue_batches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.gateway_lost_after_s > 0:
+            raise ValueError(f"gateway_lost_after_s must be > 0, got {self.gateway_lost_after_s}")
         if not self.output_stall_timeout_s > 0:
             raise ValueError(
                 f"output_stall_timeout_s must be > 0, got {self.output_stall_timeout_s}"

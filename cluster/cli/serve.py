@@ -119,13 +119,14 @@ class Service:
     async def stop(self) -> None:
         import ray
 
+        from tandem.cluster.cli.gateways import gateway_index
         from tandem.cluster.engines.pools import stop_pools
 
         if self.backend is not None:
             await self.backend.close()
         if self.handles and self.owns_engines:
             stop_pools(self.handles)
-        elif self.handles:
+        elif self.handles and gateway_index() is None:  # else the supervisor owns them
             logger.warning(
                 "leaving %d engines running in Ray namespace %r (tandem stop-engines stops them)",
                 len(self.handles),
@@ -138,11 +139,14 @@ class Service:
 async def _serve(config: ServeConfig) -> None:
     import uvicorn
 
+    from tandem.cluster.cli.gateways import gateway_index, reuse_port_socket
     from tandem.cluster.gateway.app import create_app
+    from tandem.cluster.observability.gateway_peers import SHARE_DIR_ENV
     from tandem.cluster.observability.tracing.settings import make_tracer
 
     svc = Service(config)
     tracer = make_tracer(config.observability)
+    index = gateway_index()
     try:
         await svc.start()
         config = svc.config  # --attach: the pools found
@@ -153,6 +157,8 @@ async def _serve(config: ServeConfig) -> None:
             api=api_config(config, svc.model_path),
             tracer=tracer,
             admin_api_key=config.security.admin_api_key,
+            gateway_index=index,
+            share_dir=os.environ.get(SHARE_DIR_ENV) if index is not None else None,
         )
         host, port = config.server.host, config.server.port
         server = uvicorn.Server(
@@ -160,6 +166,13 @@ async def _serve(config: ServeConfig) -> None:
                 app, host=host, port=port, log_level="warning", access_log=False, lifespan="off"
             )
         )
+        if index is not None:  # one of --api-server-count's gateways (cluster/cli/gateways.py)
+            if app.state.peers is not None:
+                app.state.peers.ensure_started()
+            sock = reuse_port_socket(host, port)
+            print(f"tandem: gateway {index} serving (pid {os.getpid()})", flush=True)
+            await server.serve(sockets=[sock])
+            return
         base = f"http://{host}:{port}"
         pools = ", ".join(f"{n} {r}" for r, n in config.pools.sizes().items() if n)
         print(f"tandem: serving {config.model!r} with {pools}", flush=True)
@@ -175,6 +188,26 @@ async def _serve(config: ServeConfig) -> None:
         if tracer is not None:
             tracer.shutdown()  # flush the last spans
         print("tandem: stopped", flush=True)
+
+
+def run_event_loop(coro: Any) -> Any:
+    """Run the gateway's event loop: on uvloop when it is installed (the
+    ``fast`` extra: with httptools, which uvicorn then picks itself, about a
+    third less CPU per streamed token), else asyncio's own."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+def server_stack() -> str:
+    """The HTTP stack ``tandem serve`` runs on (benchmarks print it)."""
+    import importlib.util
+
+    http = "httptools" if importlib.util.find_spec("httptools") else "h11"
+    loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
+    return f"uvicorn {http} + {loop}"
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -208,8 +241,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     from tandem.cluster.engines.attach import AttachError
 
+    if config.server.api_server_count > 1:
+        from tandem.cluster.cli.gateways import serve_gateways
+
+        try:
+            return serve_gateways(config, sys.argv[1:])
+        except ValueError as exc:  # e.g. engine names taken in --ray-namespace
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     try:
-        asyncio.run(_serve(config))
+        run_event_loop(_serve(config))
     except KeyboardInterrupt:
         pass
     except AttachError as exc:  # --attach found nothing it may adopt

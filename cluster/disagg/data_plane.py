@@ -69,9 +69,13 @@ class DataPlane:
         max_queued_outputs: int,
         reader_restart_delay_s: float,
         on_disconnect: Callable[[str, int], None],
+        gateway_session: int = 0,
     ) -> None:
         """``on_disconnect(engine_id, epoch)``: an engine's input connection
-        dropped (``cluster/engines/death_watch.py``)."""
+        dropped (``cluster/engines/death_watch.py``). ``gateway_session``:
+        this gateway's, the return address stamped on every request
+        (``EngineRequest.gateway``: engines serve several gateways)."""
+        self.gateway_session = gateway_session
         self.engines = engines
         self.errors = errors
         self.output_addr = output_addr
@@ -131,6 +135,8 @@ class DataPlane:
         """Raises BackendUnavailable (not connected) or ``zmq.Again`` (its queue is full)."""
         if e.socket is None:
             raise BackendUnavailable(f"engine {e.state.engine_id} is not connected")
+        if kind == b"R" and msg.gateway != self.gateway_session:
+            msg = msgspec.structs.replace(msg, gateway=self.gateway_session)
         e.socket.send_multipart([kind, self._enc.encode(msg)], flags=zmq.NOBLOCK)
 
     def send_abort(self, e: Engine, request_ids: list[str]) -> None:

@@ -14,7 +14,7 @@ orphans, aborted on it if the same incarnation comes back. A restarted one
 
     probe (every health_interval_s):  ready() over Ray
       new epoch        -> connect its input socket (DataPlane), streams of the old one migrate
-      older gateway    -> adopt it (cluster/engines/attach.py); newer -> stop using it
+      not serving us   -> join it (cluster/engines/attach.py); the other gateways stay
       DEAD             -> fail its requests, keep them as orphans
       ALIVE            -> abort orphans, refresh stats (the router's load)
     then: push the prefill registry (cluster/engines/prefill_endpoints.py);
@@ -67,7 +67,7 @@ class Membership:
         self.max_model_len = 0  # known once engines report ready
         self.num_engine_restarts = 0
         self.num_orphans_aborted = 0  # requests aborted on an engine that came back
-        self.num_adopted_aborts = 0  # requests of earlier gateways aborted on adoption
+        self.num_joins = 0  # engines this gateway joined (started by another)
         self.death_confirm_window_s = 1.0
         self.confirming: set[asyncio.Task] = set()  # fast death verdicts in progress
         self.node_id: str | None = None  # this process's Ray node
@@ -125,10 +125,8 @@ class Membership:
         cause = "no heartbeat"
         try:
             info = await self.call(e, "ready")
-            if info.get("gateway_session", self.gateway_session) != self.gateway_session:
-                info = await self._adopt(e, info)
-                if info is None:
-                    return  # a newer gateway serves it
+            if self.gateway_session not in info.get("gateways", (self.gateway_session,)):
+                info = await self._join(e, info)
         except TimeoutError:
             pass  # paused, starved or busy: the heartbeat decides
         except Exception as exc:  # noqa: BLE001 - the actor died or is restarting
@@ -159,36 +157,37 @@ class Membership:
                 logger.debug("engine %s stats: %r", eid, exc)
         e.state.ready = not e.unregistered and not e.draining  # see _register_prefill_engines
 
-    async def _adopt(self, e: Engine, info: dict[str, Any]) -> dict[str, Any] | None:
-        """``e`` answers to another gateway session (``cluster/engines/attach.py``).
-        An older one (this gateway adopts engines left running, or Ray
-        restarted a detached engine with its first gateway's arguments):
-        attach it here; it aborts the old session's requests. A newer one:
-        another gateway took it over; this one stops using it (its streams
-        end with an error) and returns None."""
+    async def _join(self, e: Engine, info: dict[str, Any]) -> dict[str, Any]:
+        """``e`` does not serve this gateway (yet): join it
+        (``cluster/engines/attach.py``); the other gateways it serves keep
+        their requests. If this gateway had been using that incarnation,
+        the engine dropped it (its connection was down too long) and
+        aborted its requests there: they end with an error first."""
         eid = e.state.engine_id
-        if info["gateway_session"] < self.gateway_session:
-            ref = e.handle.actor.attach.remote(self.plane.output_addr, self.gateway_session)
-            try:
-                info = await asyncio.wait_for(_await_ref(ref), self.call_timeout_s)
-            except asyncio.TimeoutError:
-                raise TimeoutError(f"attach took over {self.call_timeout_s} s") from None
-            if info["num_aborted"]:
-                self.num_adopted_aborts += info["num_aborted"]
-                logger.warning(
-                    "adopted %s: aborted %d requests of an earlier gateway",
-                    eid,
-                    info["num_aborted"],
-                )
-            if info["gateway_session"] == self.gateway_session:
-                return info
-        if e.state.ready or e.requests:
-            logger.error("engine %s is served by a newer gateway; not using it", eid)
-            self.errors.add(eid, "taken over by a newer gateway", e)
-            e.state.ready = False
-            self.plane.fail_requests(e, f"engine {eid} was taken over by another gateway")
-        e.answered = False
-        return None
+        if info["epoch"] == e.state.epoch and (e.state.ready or e.requests):
+            logger.error("engine %s dropped this gateway; joining it again", eid)
+            self.errors.add(eid, "dropped this gateway (connection down); rejoined", e)
+            self.plane.fail_requests(e, f"engine {eid} dropped this gateway's requests")
+        ref = e.handle.actor.join.remote(self.plane.output_addr, self.gateway_session)
+        try:
+            info = await asyncio.wait_for(_await_ref(ref), self.call_timeout_s)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"join took over {self.call_timeout_s} s") from None
+        self.num_joins += 1
+        logger.info("joined engine %s (it serves %d gateways)", eid, len(info["gateways"]))
+        return info
+
+    async def leave_all(self, timeout_s: float = 2.0) -> None:
+        """A normal exit: every engine aborts this gateway's requests and
+        stops sending to it (best effort: one that does not answer drops it
+        when the connection stays down)."""
+
+        async def leave(e: Engine) -> None:
+            ref = e.handle.actor.leave.remote(self.gateway_session)
+            await asyncio.wait_for(_await_ref(ref), timeout_s)
+
+        engines = [e for e in self.engines.values() if e.state.epoch]
+        await asyncio.gather(*(leave(e) for e in engines), return_exceptions=True)
 
     def declare_dead(self, e: Engine, cause: str) -> None:
         """The verdict: ``e``'s requests fail (decode streams migrate) and stay

@@ -61,8 +61,9 @@ class RayBackend(Backend):
         stream is cut (a client that does not read). ``routing``: router
         policy and weights (``cluster/routing``; default: kv-aware when a
         pool has more than one engine). ``gateway_session``: this gateway's
-        session (``cluster/engines/attach.py``); an engine serving an older
-        one is adopted at its first probe."""
+        session (``cluster/engines/attach.py``): the return address of its
+        requests; an engine that does not serve it yet is joined at its
+        first probe."""
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.eos_token_id = getattr(tokenizer, "eos_token_id", None)
@@ -91,6 +92,7 @@ class RayBackend(Backend):
             max_queued_outputs=max_queued_outputs,
             reader_restart_delay_s=reader_restart_delay_s,
             on_disconnect=lambda eid, epoch: self.members.on_disconnect(eid, epoch),
+            gateway_session=gateway_session,
         )
         self.members = Membership(
             self.engines,
@@ -134,6 +136,7 @@ class RayBackend(Backend):
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await self.members.leave_all()  # engines that serve on drop this gateway's requests
         self.plane.close_sockets()
         self.routing.close()
         self.plane.terminate()
@@ -175,6 +178,33 @@ class RayBackend(Backend):
 
     def undrain(self, engine_id: str) -> dict[str, Any]:
         return drain.undrain(self.engines, engine_id)
+
+    async def reset_prefix_cache(self) -> dict[str, bool]:
+        return await self._call_every("reset_prefix_cache")
+
+    async def profile(self, start: bool) -> dict[str, Any]:
+        answers = await self._call_every("start_profile" if start else "stop_profile", 120.0)
+        return answers
+
+    async def _call_every(self, method: str, timeout_s: float | None = None) -> dict[str, Any]:
+        """``method`` on every engine that runs, at once; an engine's
+        ValueError is raised (naming it), any other failure answers False."""
+        engines = [e for e in self.engines.values() if e.state.epoch and not e.health.actor_dead]
+
+        async def one(e: Engine) -> Any:
+            ref = getattr(e.handle.actor, method).remote()
+            return await asyncio.wait_for(_await_ref(ref), timeout_s or self.members.call_timeout_s)
+
+        answers = await asyncio.gather(*(one(e) for e in engines), return_exceptions=True)
+        out: dict[str, Any] = {}
+        for e, answer in zip(engines, answers, strict=True):
+            if isinstance(answer, BaseException):
+                cause = getattr(answer, "cause", answer)
+                if isinstance(cause, ValueError):
+                    raise ValueError(str(cause)) from None
+                answer = False
+            out[e.state.engine_id] = answer
+        return out
 
     def metrics_snapshot(self) -> BackendMetrics:
         engines = []

@@ -7,11 +7,12 @@ epoch), ``stats``, ``check_integrity``, ``set_prefill_endpoints``,
 restart by Ray after a crash) gets a new epoch, so peers and the router never
 reuse state of a previous incarnation.
 
-Gateway sessions (``cluster/engines/attach.py``): the gateway that serves this
-engine is named by its session (a ``time_ns`` taken at its start). An
-engine that outlives its gateway (a detached actor) is adopted by the next
-one with ``attach``: the newer session wins, the old session's requests are
-aborted and outputs go to the new gateway.
+Gateway sessions (``cluster/engines/attach.py``): each gateway is named by
+its session (a ``time_ns`` taken at its start). The engine starts with one
+gateway (or none: ``--api-server-count``'s supervisor) and any number
+``join``; each request names its gateway, which alone gets its outputs
+(``workers/engine/gateway_outputs.py``). A gateway that is gone is dropped
+by the engine with its requests; ``leave`` does the same at a normal exit.
 """
 
 from __future__ import annotations
@@ -72,12 +73,16 @@ class EngineActor:
 
     def _serve(self, output_addr: str) -> None:
         try:
-            self.service.serve_zmq(self.input_addr, output_addr)
+            self.service.serve_zmq(
+                self.input_addr, output_addr, gateway_session=self.gateway_session
+            )
         except BaseException:  # a dead loop must not leave a live-looking actor
             os._exit(1)
 
     def ready(self) -> dict[str, Any]:
         import ray
+
+        self.service.started.wait(30)  # its gateways are registered
 
         kv = self.engine.kv_transfer_address()
         return {
@@ -104,23 +109,31 @@ class EngineActor:
             "node_id": ray.get_runtime_context().get_node_id(),
             "model": self.config.model,
             "gateway_session": self.gateway_session,
+            "gateways": list(self.service.gateway_sessions),  # a snapshot, any thread
             "secret_fingerprint": secret_fingerprint(self.config.cluster_secret),
         }
 
-    def attach(self, output_addr: str, gateway_session: int) -> dict[str, Any]:
-        """A gateway with session ``gateway_session`` adopts this engine. An
-        older session than the one serving now is refused (the answer names
-        the newer one). A newer one takes over: every request in flight (the
-        previous gateway's) is aborted and outputs go to ``output_addr``.
-        Returns ``ready()``'s answer plus ``num_aborted``."""
+    def join(self, output_addr: str, gateway_session: int) -> dict[str, Any]:
+        """Gateway ``gateway_session`` serves from this engine too (several
+        gateways over one fleet; ``cluster/engines/attach.py``): outputs of
+        the requests it sends go to ``output_addr``; the other gateways keep
+        theirs. Returns ``ready()``'s answer plus ``num_aborted`` (0: joining
+        aborts nothing; a gateway that is gone is dropped by the engine)."""
         with self._attach_lock:
-            num_aborted = 0
-            if gateway_session > self.gateway_session:
-                num_aborted = self.service.call_in_loop(
-                    lambda: self.service.switch_gateway(output_addr)
-                )
-                self.gateway_session = gateway_session
-            return {**self.ready(), "num_aborted": num_aborted}
+            self.service.call_in_loop(
+                lambda: self.service.join_gateway(output_addr, gateway_session)
+            )
+            self.gateway_session = max(self.gateway_session, gateway_session)
+            return {**self.ready(), "num_aborted": 0}
+
+    # the name of the single-gateway adoption (``tandem serve --attach``)
+    attach = join
+
+    def leave(self, gateway_session: int) -> int:
+        """Gateway ``gateway_session`` exits normally: its requests are
+        aborted here and it gets no more outputs. Returns how many."""
+        with self._attach_lock:
+            return self.service.call_in_loop(lambda: self.service.leave_gateway(gateway_session))
 
     def stats(self) -> bytes:
         """The engine's ``EngineStats``, msgpack-encoded: the gateway decodes
@@ -128,7 +141,7 @@ class EngineActor:
         return msgspec.msgpack.encode(self.service.call_in_loop(self.service.stats))
 
     def check_integrity(self) -> bool:
-        return self.service.call_in_loop(self.engine.check_integrity)
+        return self.service.call_in_loop(self.service.check_integrity)
 
     def set_prefill_endpoints(self, endpoints: list[list[Any]]) -> bool:
         """Control call from the cluster: the registered prefill engines'
@@ -140,7 +153,18 @@ class EngineActor:
         return self.service.call_in_loop(self.engine.kv_events_snapshot)
 
     def reset_prefix_cache(self) -> bool:
-        return self.service.call_in_loop(self.engine.scheduler.reset_prefix_cache)
+        """Drop every cached block no request uses (KV events tell the
+        routers); False if blocks were in use (those stay)."""
+        return self.service.call_in_loop(self.engine.reset_prefix_cache)
+
+    def start_profile(self) -> bool:
+        """Begin a torch profiler trace (``workers/engine/profiling.py``);
+        ValueError when the engine has no ``profile_dir``."""
+        return self.service.call_in_loop(self.service.profiler.start)
+
+    def stop_profile(self) -> str | None:
+        """End the trace; the path of the file written."""
+        return self.service.call_in_loop(self.service.profiler.stop, timeout_s=120.0)
 
     def shutdown(self) -> None:
         self.service.shutdown()

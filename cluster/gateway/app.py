@@ -46,6 +46,7 @@ from tandem.cluster.gateway.generation import Gateway
 from tandem.cluster.gateway.protocol import ChatCompletionRequest, CompletionRequest, ProtocolError
 from tandem.cluster.gateway.responses import SERVER_SEND
 from tandem.cluster.observability import dashboard
+from tandem.cluster.observability.gateway_peers import GatewayPeers
 from tandem.cluster.observability.metrics import EngineMetricsCollector, GatewayMetrics, render
 from tandem.cluster.observability.tracing.observer import Tracer
 from tandem.cluster.observability.tracing.record import TRACEPARENT
@@ -76,6 +77,8 @@ def create_app(
     api: ApiConfig | None = None,
     tracer: Tracer | None = None,
     admin_api_key: str | None = None,
+    gateway_index: int | None = None,
+    share_dir: str | None = None,
 ) -> FastAPI:
     """The gateway app. ``api_key`` (if set) is required on ``/v1/*``,
     ``/tokenize``, ``/detokenize`` and ``/cluster/state`` (``cluster/observability/dashboard/``)
@@ -85,15 +88,25 @@ def create_app(
     (``cluster.gateway.edge.limits``; defaults when None). ``api``: served model
     names, chat template, generation defaults (``cluster.gateway.api.config``). ``tracer``: exports each
     finished request's spans (``cluster.observability.tracing.otel.OtelTracer``); None = off.
-    ``admin_api_key`` opens ``/admin/*`` (``cluster.gateway.api.admin``: drain an engine)."""
+    ``admin_api_key`` opens ``/admin/*`` (``cluster.gateway.api.admin``: drain an engine).
+    ``gateway_index``: this gateway's index among ``--api-server-count``'s
+    (``/health`` names it, so a client can tell which one answered);
+    with ``share_dir`` the gateways share their figures there, and
+    ``/metrics`` and ``/cluster/state`` answer for all of them
+    (``cluster/observability/gateway_peers.py``)."""
     limits = limits or GatewayLimits()
     api = api or ApiConfig()
     if api.chat_template is not None:
         backend.tokenizer.chat_template = api.chat_template  # the gateway renders chats
     registry = CollectorRegistry()
     gateway = Gateway(backend, GatewayMetrics(), limits, api, tracer=tracer)
-    registry.register(gateway.metrics)
-    registry.register(gateway.observer.metrics)
+    peers = None
+    if share_dir is not None and gateway_index is not None:
+        peers = GatewayPeers(share_dir, gateway_index, gateway.metrics, (gateway.observer.metrics,))
+        registry.register(peers)  # every gateway's own figures, labelled gateway="i"
+    else:
+        registry.register(gateway.metrics)
+        registry.register(gateway.observer.metrics)
     registry.register(EngineMetricsCollector(backend))
     app = _GatewayApp(title="tandem", docs_url=None, redoc_url=None, openapi_url=None, **_NO_OTEL)
     app.state.gateway = gateway
@@ -186,22 +199,27 @@ def create_app(
         )
         return JSONResponse(schema)
 
+    who = {} if gateway_index is None else {"gateway": gateway_index}
+
     @app.get("/health")
     async def health() -> Response:
         ready, reason = backend.is_ready()
         if ready:
             degraded = backend.degraded()  # serving, with an engine down or drained
             if degraded:
-                return JSONResponse({"status": "degraded", "reason": degraded})
-            return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
+                return JSONResponse({"status": "degraded", "reason": degraded, **who})
+            return JSONResponse({"status": "ok", **who})
+        return JSONResponse({"status": "unavailable", "reason": reason, **who}, status_code=503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
         rolling.ensure_started()
+        if peers is not None:
+            peers.ensure_started()
         return Response(render(registry), media_type=CONTENT_TYPE_LATEST)
 
-    rolling = dashboard.install(app, backend, gateway.metrics, check_api_key)
+    rolling = dashboard.install(app, backend, gateway.metrics, check_api_key, peers)
+    app.state.peers = peers
 
     add_admin_routes(app, backend, admin_api_key)
     return app

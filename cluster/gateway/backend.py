@@ -163,6 +163,16 @@ class Backend(abc.ABC):
         """Let a drained engine take new work again."""
         raise ValueError("engine_id: this backend has no engines to drain")
 
+    async def reset_prefix_cache(self) -> dict[str, bool]:
+        """Every engine drops its unused cached blocks; per engine whether it
+        did (admin API)."""
+        return {}
+
+    async def profile(self, start: bool) -> dict[str, Any]:
+        """Start (``start``) or stop every engine's profiler trace; per engine
+        True / the trace's path. ValueError when profiling is off."""
+        raise ValueError("profile_dir: this backend has no engines to profile")
+
     @abc.abstractmethod
     def metrics_snapshot(self) -> BackendMetrics:
         """Current engine metrics; called at each ``/metrics`` scrape. Must

@@ -290,18 +290,21 @@ class Gateway:
         outcome = "abort"  # until a final output says otherwise
         last_token_s = 0.0
         path = "local"  # "remote" once the first token came from a prefill engine
+        itl = None  # the path's inter-token histogram, once the path is known
+        perf_counter, make_step = time.perf_counter, self._step  # per token: locals
         try:
             async for output in outputs:
-                now_s = time.perf_counter()
+                now_s = perf_counter()
                 if output.timings is not None:
                     record.add_timings(output.timings, now_s)
                 if output.new_token_ids:
                     if last_token_s:
-                        metrics.inter_token_latency.observe(now_s - last_token_s, path)
+                        itl.observe(now_s - last_token_s)
                     else:
                         # P's first token carries the KV handoff (Backend.generate)
                         path = "remote" if output.kv_transfer_params else "local"
                         metrics.time_to_first_token.observe(now_s - job.arrival_s, path)
+                        itl = metrics.inter_token_latency.by_path[path]
                         record.first_token_s = now_s
                         # The first output's prefix hit is the request's: under P/D
                         # it is P's (tokens not computed); D's local hits only save
@@ -315,7 +318,7 @@ class Gateway:
                     return
                 if output.index not in open_choices:
                     continue  # a choice that a stop string ended
-                step = self._step(job, detokenizers[output.index], output)
+                step = make_step(job, detokenizers[output.index], output)
                 step.index = output.index
                 if step.finish_reason is not None:
                     open_choices.discard(output.index)
@@ -357,6 +360,15 @@ class Gateway:
     def _step(self, job: Job, detokenizer: IncrementalDetokenizer, output: EngineOutput) -> Step:
         token_ids = output.new_token_ids
         finish = output.finish_reason
+        if (
+            finish is None
+            and not job.stop
+            and output.new_logprobs is None
+            and output.prompt_logprobs is None
+            and job.echo_text is None
+        ):  # the common token: its text only (no stop string can match without stops)
+            job.num_output_tokens += len(token_ids)
+            return Step(detokenizer.update(token_ids) if token_ids else "")
         # EOS / stop token: counted, not shown (Backend.generate contract).
         text_ids = token_ids[:-1] if finish is FinishReason.STOP and token_ids else token_ids
         if job.stop:

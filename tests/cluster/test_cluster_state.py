@@ -30,7 +30,7 @@ from tandem.workers.checkpoints.tiny import build_tokenizer
 
 STATE_KEYS = {
     "time_s", "model", "ready", "not_ready_reason", "pools", "engines", "window", "series",
-    "counters", "recent_errors",
+    "counters", "recent_errors", "gateways",
 }  # fmt: skip
 ENGINE_KEYS = {
     "id", "role", "epoch", "state", "ready", "running", "waiting", "waiting_for_remote_kv",
@@ -134,6 +134,7 @@ def test_cluster_state_shape_and_values_move(tokenizer):
         assert before.headers["content-type"] == "application/json"
         state = before.json()
         assert set(state) == STATE_KEYS
+        assert state["gateways"] == []  # one gateway: no per-gateway rows
         assert state["model"] == backend.model_name and state["ready"] is True
         (engine,) = state["engines"]
         assert set(engine) == ENGINE_KEYS

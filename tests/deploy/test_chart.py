@@ -67,7 +67,11 @@ COLOCATED_ONLY = {
 }
 EXPOSED = {  # API key from a chart-made Secret, Ingress, ServiceMonitor, hub model, JSON logs, OTLP
     "apiKey": {"value": "k8s-test-key"},
-    "serve": {"logFormat": "json", "otlpTracesEndpoint": "http://otel-collector.monitoring:4318"},
+    "serve": {
+        "logFormat": "json",
+        "otlpTracesEndpoint": "http://otel-collector.monitoring:4318",
+        "apiServerCount": 3,  # three gateway processes in the head pod, one port
+    },
     "ingress": {"enabled": True, "className": "nginx", "host": "llm.example.com"},
     "serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
     "model": {"source": "hub", "name": "org/some-model", "hubTokenSecret": {"name": "hf"}},
@@ -265,12 +269,14 @@ def test_serve_command_passes_check_config_and_gpus_match(scenario, tmp_path):
         assert pools["colocated"]["engine"]["block_size"] == 32
         assert resolved["serve"]["model"] == "/models"
     if scenario == "apikey-ingress-servicemonitor":
+        assert resolved["serve"]["api_server_count"] == 3
         assert resolved["serve"]["api_key"] == "<set>"
         assert resolved["serve"]["model"] == "org/some-model"
         assert resolved["serve"]["log_format"] == "json"
         assert resolved["serve"]["otlp_traces_endpoint"] == "http://otel-collector.monitoring:4318"
         assert {p["engine"]["log_format"] for p in pools.values()} == {"json"}
     else:
+        assert resolved["serve"]["api_server_count"] == 1
         assert resolved["serve"]["log_format"] == "text"
         assert resolved["serve"]["otlp_traces_endpoint"] is None
 
@@ -337,6 +343,7 @@ def test_pdb_per_worker_group_and_dashboards_for_grafana():
         ({"pools": {"decode": {"enginesPerPod": 0}}}, "/pools/decode/enginesPerPod"),
         ({"model": {"source": "s3"}}, "/model/source"),
         ({"serve": {"loadFailurePolicy": "retry"}}, "/serve/loadFailurePolicy"),
+        ({"serve": {"apiServerCount": 0}}, "/serve/apiServerCount"),
         ({"pools": {"decode": {"engine": {"max_num_seq": 4}}}}, "max_num_seq"),
     ],
 )

@@ -46,6 +46,7 @@ SAMPLES = {
         cache_salt="s",
         kv_transfer_params={"do_remote_decode": True},
         n=2,
+        gateway=1764000000123456789,
     ),
     "request_defaults": EngineRequest("r2", [9], SamplingParams()),
     "abort": EngineAbort(["a", "b"]),
@@ -77,14 +78,17 @@ SAMPLES = {
 }
 
 # msgspec.msgpack.encode of SAMPLES, taken from the messages' previous homes
-# (scheduler/messages.py, workers/engine_core.py) before they moved here.
+# (scheduler/messages.py, workers/engine_core.py) before they moved here;
+# EngineRequest.gateway appended deliberately (array_like encodes every
+# field: a message without it decodes to gateway=0, the default gateway).
 GOLDEN_HEX = {
-    "request": "98a2723193010203dc00110500cb3fe000000000000003cb3ff0000000000000079102c201cb"
+    "request": "99a2723193010203dc00110500cb3fe000000000000003cb3ff0000000000000079102c201cb"
     "0000000000000000cb0000000000000000cb3ff0000000000000cb00000000000000008105cbbff8000000"
-    "000000919204050200cb3ff800000000000002a17381b0646f5f72656d6f74655f6465636f6465c302",
-    "request_defaults": "98a272329109dc00111000cb3ff000000000000000cb3ff0000000000000c090c2c0cb"
+    "000000919204050200cb3ff800000000000002a17381b0646f5f72656d6f74655f6465636f6465c302"
+    "cf187afca76f25cd15",  # + gateway (issue #29: the return address of several gateways)
+    "request_defaults": "99a272329109dc00111000cb3ff000000000000000cb3ff0000000000000c090c2c0cb"
     "0000000000000000cb0000000000000000cb3ff0000000000000cb0000000000000000c090ffc0cb000000"
-    "000000000000c0c001",
+    "000000000000c0c00100",
     "abort": "9192a161a162",
     "utility_call": "9303a573746174739201a178",
     "utility_result": "930381a16b01c0",

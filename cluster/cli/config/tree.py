@@ -49,10 +49,17 @@ class ServerConfig:
 
     host: str = option("127.0.0.1", help="gateway host")
     port: int = option(8000, help="gateway port")
+    api_server_count: int = option(
+        1,
+        help="gateway processes on --port (SO_REUSEPORT) over the same engines; above 1 "
+        "this process starts the engines and the gateways and restarts a gateway that dies",
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if self.api_server_count < 1:
+            raise ValueError(f"api_server_count must be >= 1, got {self.api_server_count}")
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,17 @@
     POST /admin/drain    {"engine_id": "decode-0"}   -> 200 {"engine_id", "draining",
                                                           "migrated", "idle"}
     POST /admin/undrain  {"engine_id": "decode-0"}   -> 200 {"engine_id", "draining"}
+    POST /reset_prefix_cache                        -> 200 {"reset": bool, "engines": {id: bool}}
+    POST /start_profile                             -> 200 {"engines": {id: bool}}
+    POST /stop_profile                              -> 200 {"engines": {id: trace path}}
+
+The last three are vLLM's routes of the same names (benchmark clients such as
+aiperf's ``--reset-kv-cache`` call them). ``/reset_prefix_cache`` makes
+every engine drop the cached blocks no request uses (an engine with blocks
+in use answers false and keeps its cache); the profile routes write torch
+profiler traces per engine into ``--profile-dir`` (off without it: 400).
+On several gateways (``--api-server-count``) any one of them acts on every
+engine.
 
 Both need ``Authorization: Bearer <admin key>`` (``--admin-api-key``; the API
 key of ``/v1/*`` does not open them). Without an admin key configured the
@@ -32,7 +43,7 @@ class DrainRequest(msgspec.Struct, forbid_unknown_fields=True):
 def add_admin_routes(app: FastAPI, backend: Backend, admin_api_key: str | None) -> None:
     expected = f"Bearer {admin_api_key}".encode() if admin_api_key else None
 
-    async def parse(request: Request) -> DrainRequest:
+    def check_admin(request: Request) -> None:
         if expected is None:
             raise ProtocolError(
                 "The admin API is off; start the server with --admin-api-key.",
@@ -47,6 +58,9 @@ def add_admin_routes(app: FastAPI, backend: Backend, admin_api_key: str | None) 
                 type="authentication_error",
                 code="invalid_api_key",
             )
+
+    async def parse(request: Request) -> DrainRequest:
+        check_admin(request)
         body = await request.body()
         if len(body) > MAX_ADMIN_BODY_BYTES:
             raise ProtocolError(f"admin request body over {MAX_ADMIN_BODY_BYTES} bytes")
@@ -70,3 +84,25 @@ def add_admin_routes(app: FastAPI, backend: Backend, admin_api_key: str | None) 
             return JSONResponse(backend.undrain(req.engine_id))
         except ValueError as exc:
             raise ProtocolError(str(exc), param="engine_id") from None
+
+    @app.post("/reset_prefix_cache", include_in_schema=False)
+    async def reset_prefix_cache(request: Request) -> JSONResponse:
+        check_admin(request)
+        engines = await backend.reset_prefix_cache()
+        return JSONResponse({"reset": all(engines.values()), "engines": engines})
+
+    async def profile(request: Request, start: bool) -> JSONResponse:
+        check_admin(request)
+        try:
+            engines = await backend.profile(start)
+        except ValueError as exc:
+            raise ProtocolError(str(exc), param="profile_dir") from None
+        return JSONResponse({"engines": engines})
+
+    @app.post("/start_profile", include_in_schema=False)
+    async def start_profile(request: Request) -> JSONResponse:
+        return await profile(request, True)
+
+    @app.post("/stop_profile", include_in_schema=False)
+    async def stop_profile(request: Request) -> JSONResponse:
+        return await profile(request, False)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from importlib import resources
+from typing import Any
 
 import msgspec
 from fastapi import FastAPI, Request, Response
@@ -30,6 +31,7 @@ def install(
     backend: Backend,
     metrics: GatewayMetrics,
     check_api_key: Callable[[Request], None],
+    peers: Any = None,
 ) -> RollingStats:
     """Add the two routes to ``app``. The rolling sampler starts now if a
     loop runs, else with the first request to either route or ``/metrics``
@@ -43,7 +45,9 @@ def install(
     async def state(request: Request) -> Response:
         check_api_key(request)
         rolling.ensure_started()
-        body = encoder.encode(cluster_state(backend, metrics, rolling))
+        if peers is not None:
+            peers.ensure_started()
+        body = encoder.encode(cluster_state(backend, metrics, rolling, peers))
         return Response(body, media_type="application/json", headers=_NO_STORE)
 
     @app.get("/dashboard")

@@ -9,11 +9,13 @@ The structs below are the documented schema (README, "Operators").
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import msgspec
 
 from tandem.cluster.gateway.backend import Backend, EngineMetrics
 from tandem.cluster.observability.dashboard.rolling import RollingStats, WindowStats
+from tandem.cluster.observability.gateway_peers import cluster_counters
 from tandem.cluster.observability.metrics import GatewayMetrics
 
 MAX_RECENT_ERRORS = 20
@@ -73,11 +75,17 @@ class ClusterState(msgspec.Struct):
     engines: list[EngineRow]
     window: WindowStats | None  # the whole rolling window (``window_s``)
     series: list[WindowStats]  # one point per sampling interval, oldest first
-    counters: Counters
+    counters: Counters  # every gateway's, summed (several gateways: gateway_peers.py)
     recent_errors: list[ErrorRow]  # newest first
+    # several gateways: each one's counters ("index", "pid", "live", ...); else empty
+    gateways: list[dict] = []
 
 
-def cluster_state(backend: Backend, metrics: GatewayMetrics, rolling: RollingStats) -> ClusterState:
+def cluster_state(
+    backend: Backend, metrics: GatewayMetrics, rolling: RollingStats, peers: Any = None
+) -> ClusterState:
+    """``peers``: a ``GatewayPeers`` when several gateways serve (their
+    counters summed, and listed per gateway)."""
     snapshot = backend.metrics_snapshot()
     engines = [_engine(e) for e in snapshot.engines]
     pools = []
@@ -96,6 +104,17 @@ def cluster_state(backend: Backend, metrics: GatewayMetrics, rolling: RollingSta
     errors += [ErrorRow(t, f"request {rid}", msg) for t, rid, msg in metrics.recent_failures]
     errors.sort(key=lambda e: e.time_s, reverse=True)
     ready, reason = backend.is_ready()
+    gateways: list[dict] = []
+    in_flight = metrics.num_requests_in_flight
+    finished, rejected = dict(metrics.num_finished), dict(metrics.num_rejected)
+    if peers is not None:
+        gateways = peers.gateway_rows()
+        total = cluster_counters(gateways)
+        in_flight, finished, rejected = (
+            total["requests_in_flight"],
+            total["finished"],
+            total["rejected"],
+        )
     return ClusterState(
         time_s=time.time(),
         model=backend.model_name,
@@ -106,15 +125,16 @@ def cluster_state(backend: Backend, metrics: GatewayMetrics, rolling: RollingSta
         window=rolling.window(),
         series=rolling.series(),
         counters=Counters(
-            requests_in_flight=metrics.num_requests_in_flight,
-            finished=dict(metrics.num_finished),
-            rejected=dict(metrics.num_rejected),
+            requests_in_flight=in_flight,
+            finished=finished,
+            rejected=rejected,
             streams_cut=snapshot.num_streams_cut,
             orphans_aborted=snapshot.num_orphans_aborted,
             reader_restarts=snapshot.num_reader_restarts,
             engine_restarts=snapshot.num_engine_restarts,
         ),
         recent_errors=errors[:MAX_RECENT_ERRORS],
+        gateways=gateways,
     )
 
 

@@ -96,6 +96,7 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
   "max_request_body_mb" $s.maxRequestBodyMb
   "max_num_requests" $s.maxNumRequests
   "request_timeout_s" $s.requestTimeoutS
+  "api_server_count" (int $s.apiServerCount)
   "num_gpus_per_engine" 0
 -}}
 {{- range $k, $v := $s.engine }}{{ $_ := set $cfg $k $v }}{{ end -}}

@@ -1,0 +1,109 @@
+"""The gateway's own CPU per streamed token, without HTTP or sockets.
+
+Drives the gateway's ASGI app (``create_app(NullBackend)``) in-process: 64
+concurrent streaming completions of 128 tokens each, one token per SSE
+event, with a ``send`` that only counts the body events (no h11, no socket
+write). What is left is our per-token Python (``Gateway.run``, ``_step``,
+the detokenizer, the SSE delta, the metrics) plus the null backend and the
+event loop. ``benchmarks/serve_gateway.py`` measures the whole server.
+
+Run: python benchmarks/gateway_token_path.py [--repeats 6] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks._machine import machine  # noqa: E402
+
+NUM_STREAMS, NUM_TOKENS, ROUNDS = 64, 128, 4
+
+
+def scope(body: bytes) -> dict:
+    return {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+        "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+        "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 2),
+        "headers": [(b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode())],
+    }  # fmt: skip
+
+
+async def stream(app, body: bytes, counts: list[int]) -> None:
+    sent = False
+    never = asyncio.Event()
+
+    async def receive() -> dict:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await never.wait()  # the client never disconnects
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        if message["type"] == "http.response.body":
+            counts[0] += 1
+
+    await app(scope(body), receive, send)
+
+
+def run_once(app, body: bytes, rounds: int) -> float:
+    """CPU microseconds per token over ``rounds`` x NUM_STREAMS streams."""
+    counts = [0]
+
+    async def main() -> None:
+        for _ in range(rounds):
+            await asyncio.gather(*(stream(app, body, counts) for _ in range(NUM_STREAMS)))
+
+    start = time.process_time()
+    asyncio.run(main())
+    return (time.process_time() - start) / (rounds * NUM_STREAMS * NUM_TOKENS) * 1e6
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=6)
+    parser.add_argument("--profile", action="store_true", help="cProfile one run, top 25")
+    args = parser.parse_args()
+    from tandem.cluster.gateway.app import create_app
+    from tandem.cluster.gateway.null_backend import NullBackend
+
+    app = create_app(NullBackend.tiny())
+    body = json.dumps(
+        {"model": "tiny", "prompt": list(range(5, 37)), "max_tokens": NUM_TOKENS,
+         "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+    ).encode()  # fmt: skip
+    run_once(app, body, 1)  # warm-up: caches, imports
+    if args.profile:
+        import cProfile
+        import pstats
+
+        with cProfile.Profile() as prof:
+            run_once(app, body, ROUNDS)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+        return 0
+    runs = [run_once(app, body, ROUNDS) for _ in range(args.repeats)]
+    print("gateway_token_path: the gateway's own CPU per token (ASGI in-process, no HTTP)")
+    print(f"machine: {machine()}")
+    print(
+        f"workload: {NUM_STREAMS} streams x {NUM_TOKENS} tokens x {ROUNDS} rounds, "
+        f"null backend, {args.repeats} runs"
+    )
+    print("| median CPU us/token | min | max |")
+    print("|---:|---:|---:|")
+    print(f"| {statistics.median(runs):.2f} | {min(runs):.2f} | {max(runs):.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

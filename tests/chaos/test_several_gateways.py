@@ -1,0 +1,208 @@
+"""Several gateways over one engine fleet (``tandem serve --api-server-count
+N``, N = 2 and 3, ``cluster/cli/gateways.py``) over 1 prefill + 1 decode
+engine (tiny).
+
+A fourth gateway joins the same engines on its own port (``--attach``) and
+gives the single-gateway reference. Through the shared port the kernel
+spreads connections over all N gateways (``/health`` names the one that
+answered); every stream is token-identical to the reference and the engines
+idle with 0 blocks and pass check_integrity(). One gateway is SIGKILLed with
+long streams in flight: the streams on the others complete identical, its
+own break, the engines drop it with its requests (0 blocks held), and the
+supervisor starts it again: the new one joins and serves, the others are
+undisturbed."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+
+import httpx
+import pytest
+
+from tandem.cluster.engines.attach import find_engines, stop_engines
+from tests.chaos.gateway_proc import GatewayProcess, gateway_env
+from tests.chaos.harness import ENGINE, Workload, verdict
+from tests.chaos.service import settle_engines, stats
+
+pytestmark = pytest.mark.slow
+
+LONG_TOKENS = 900  # still running on the engines when the dead gateway is dropped (2 s)
+
+
+def gateways_seen(url: str, tries: int = 60) -> set[int]:
+    seen = set()
+    for _ in range(tries):  # a new connection each time: the kernel picks a gateway
+        body = httpx.get(url + "/health", timeout=10).json()
+        seen.add(body.get("gateway"))
+    return seen
+
+
+def wait_log(proc: GatewayProcess, pattern: str, count: int, deadline_s: float = 300.0) -> list:
+    end = time.monotonic() + deadline_s
+    while True:
+        found = re.findall(pattern, proc.log())
+        if len(found) >= count:
+            return found
+        assert proc.proc.poll() is None, proc.log()
+        assert time.monotonic() < end, f"{pattern!r} x{count} not in:\n{proc.log()}"
+        time.sleep(0.25)
+
+
+def wait_cluster_counters(url: str, n: int, finished: int, deadline_s: float = 60.0) -> dict:
+    """Until every one of the ``n`` gateways (fresh connections: the kernel
+    picks one) answers ``/cluster/state`` with ``finished`` requests
+    cluster-wide, nothing in flight, and ``n`` gateway rows that sum to the
+    totals."""
+    end = time.monotonic() + deadline_s
+    while True:
+        answers = {}
+        for _ in range(30):
+            body = httpx.get(url + "/cluster/state", timeout=10).json()
+            health = httpx.get(url + "/health", timeout=10).json()
+            answers[health["gateway"]] = body
+        ok = len(answers) == n and all(
+            b["counters"]["finished"] == {"length": finished}
+            and b["counters"]["requests_in_flight"] == 0
+            and len(b["gateways"]) == n
+            and sum(r["finished"].get("length", 0) for r in b["gateways"]) == finished
+            for b in answers.values()
+        )
+        if ok:
+            return answers
+        assert time.monotonic() < end, {g: b["counters"] for g, b in answers.items()}
+        time.sleep(0.5)
+
+
+def identical(w: Workload, ref: Workload) -> int:
+    return sum(verdict(r, x, False) == "identical" for r, x in zip(w.results, ref.results))
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_gateways_over_one_fleet_one_dies_and_comes_back(n, tmp_path, monkeypatch):
+    import ray
+
+    monkeypatch.setenv("TANDEM_HOST", "127.0.0.1")
+    ray.init(include_dashboard=False, num_cpus=2, log_to_driver=False, _node_ip_address="127.0.0.1")
+    address = ray.get_runtime_context().gcs_address
+    namespace = f"several-gw-{os.getpid()}"
+    secret = tmp_path / "secret"
+    secret.write_bytes(os.urandom(32).hex().encode())
+    common = [
+        "--model", "tiny", "--address", address, "--ray-namespace", namespace,
+        "--cluster-secret-file", str(secret), "--kv-lease-s", "10",
+    ]  # fmt: skip
+    engine = [
+        "--num-kv-blocks", str(ENGINE["num_kv_blocks"]),
+        "--max-num-seqs", str(ENGINE["max_num_seqs"]),
+        "--max-model-len", str(ENGINE["max_model_len"]),
+        "--gateway-lost-after-s", "2",
+    ]  # fmt: skip
+    env = gateway_env()
+    procs: list[GatewayProcess] = []
+    try:
+        fleet = GatewayProcess(
+            [*common, "--prefill", "1", "--decode", "1", "--api-server-count", str(n), *engine],
+            str(tmp_path / "fleet.log"),
+            env,
+        )
+        procs.append(fleet)
+        wait_log(fleet, r"gateway \d serving", n)
+        pids = dict(
+            (int(i), int(p))
+            for i, p in re.findall(r"gateway (\d) started \(pid (\d+)\)", fleet.log())
+        )
+        assert sorted(pids) == list(range(n))
+        fleet.wait_healthy(60)
+        single = GatewayProcess([*common, "--attach"], str(tmp_path / "single.log"), env)
+        procs.append(single)
+        assert single.wait_healthy(180)["status"] == "ok"
+        handles = find_engines(namespace)
+        assert sorted(h.engine_id for h in handles) == ["decode-0", "prefill-0"]
+        assert all(len(ray.get(h.actor.ready.remote())["gateways"]) == n + 1 for h in handles)
+
+        refs = {w: Workload(single.url, w) for w in ("greedy", "seeded")}
+        long_ref = Workload(single.url, "greedy", num_streams=12, max_tokens=LONG_TOKENS)
+        for w in [*refs.values(), long_ref]:
+            assert not any(w.finish())
+
+        assert gateways_seen(fleet.url) == set(range(n))  # connections spread over all
+        for name, ref in refs.items():
+            w = Workload(fleet.url, name)
+            assert not any(w.finish())
+            assert identical(w, ref) == len(ref.results), [r for r in w.results]
+        assert settle_engines(handles) == 0
+        # every gateway answers with the cluster's counters; /metrics labels each gateway's
+        answers = wait_cluster_counters(fleet.url, n, 32)
+        per_gateway = {r["index"]: r["finished"]["length"] for r in answers[0]["gateways"]}
+        assert all(k > 0 for k in per_gateway.values()), per_gateway  # spread over all
+        text = httpx.get(fleet.url + "/metrics", timeout=10).text
+        for g, k in per_gateway.items():
+            line = f'tandem:request_success_total{{finished_reason="length",gateway="{g}"}} {k}.0'
+            assert line in text, text
+
+        # SIGKILL gateway 1 with long streams in flight on every gateway
+        long = Workload(fleet.url, "greedy", num_streams=12, max_tokens=LONG_TOKENS)
+        long.wait_tokens(4)
+        os.kill(pids[1], signal.SIGKILL)
+        assert not any(long.finish())
+        broken = [r for r in long.results if not r.done]
+        completed = [r for r in long.results if r.done]
+        assert broken and completed, long.results  # 12 connections over n gateways
+        for r in completed:
+            assert verdict(r, long_ref.results[r.index], False) == "identical", r
+        for r in broken:
+            assert r.exception or r.error, r
+        assert settle_engines(handles) == 0  # the dead gateway's requests were aborted
+        assert sum(stats(h).num_gateway_requests_aborted for h in handles) > 0
+
+        # the supervisor starts it again: it joins and serves beside the others
+        wait_log(fleet, r"gateway 1 serving", 2)
+        end = time.monotonic() + 60
+        while gateways_seen(fleet.url, 30) != set(range(n)):
+            assert time.monotonic() < end, "the restarted gateway does not serve"
+        w = Workload(fleet.url, "greedy")
+        assert not any(w.finish())
+        assert identical(w, refs["greedy"]) == len(w.results)
+        assert settle_engines(handles) == 0
+
+        assert single.stop() == 0, single.log()  # it leaves; the fleet serves on
+        w = Workload(fleet.url, "seeded", num_streams=4)
+        assert not any(w.finish())
+        assert identical(w, refs["seeded"]) == 4
+        assert fleet.stop() == 0, fleet.log()
+        assert "tandem: stopped" in fleet.log()
+    finally:
+        for p in procs:
+            p.crash()
+        stop_engines(namespace)
+        left = find_engines(namespace)
+        ray.shutdown()
+    assert left == []
+
+
+def test_api_server_count_on_its_own_local_ray_with_a_generated_secret(tmp_path):
+    """No --address and no secret file: the command starts Ray, the engines
+    and two gateways that join that Ray with the secret it generated."""
+    env = {k: v for k, v in gateway_env().items() if k != "RAY_ADDRESS"}
+    env["TANDEM_HOST"] = "127.0.0.1"
+    fleet = GatewayProcess(
+        ["--model", "tiny", "--colocated", "1", "--api-server-count", "2", "--no-ray-dashboard"],
+        str(tmp_path / "fleet.log"),
+        env,
+    )
+    try:
+        wait_log(fleet, r"gateway \d serving", 2)
+        fleet.wait_healthy(120)
+        assert gateways_seen(fleet.url) == {0, 1}
+        body = {"model": "tiny", "prompt": "hello", "max_tokens": 5, "temperature": 0.0}
+        r = httpx.post(fleet.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5, r.text
+        assert fleet.stop() == 0, fleet.log()
+        log = fleet.log()
+        assert log.count("tandem: stopped") == 3 and "exited with" not in log, log
+        assert "leaving" not in log  # the command stopped the engines it started
+    finally:
+        fleet.crash()
