@@ -43,9 +43,12 @@ def load_workload(args: argparse.Namespace) -> list[Any]:
     from cluster.planner.simulator import SimRequest
 
     if args.trace is not None:
-        prompts, outs, offsets = trace_workload(
-            args.trace, VOCAB_SIZE, args.seed, args.time_scale, args.trace_block_tokens
-        )
+        try:
+            prompts, outs, offsets = trace_workload(
+                args.trace, VOCAB_SIZE, args.seed, args.time_scale, args.trace_block_tokens
+            )
+        except OSError as exc:
+            raise ValueError(f"--trace {args.trace}: {exc.strerror}") from None
     else:
         if args.request_rate is None or args.request_rate <= 0:
             raise ValueError("--request-rate must be > 0")
