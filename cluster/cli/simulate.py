@@ -22,8 +22,12 @@ def _add_workload(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", help="performance profile JSON (tandem profile writes one)")
     p.add_argument("--trace", help="Mooncake JSONL or Azure CSV trace (as tandem bench --trace)")
     p.add_argument("--time-scale", type=float, default=1.0, help="trace clock x this")
-    p.add_argument("--trace-block-tokens", type=int, default=512,
-                   help="prompt tokens per trace hash id (Mooncake: 512)")
+    p.add_argument(
+        "--trace-block-tokens",
+        type=int,
+        default=512,
+        help="prompt tokens per trace hash id (Mooncake: 512)",
+    )
     p.add_argument("--num-requests", type=int, default=200, help="without --trace")
     p.add_argument("--request-rate", type=float, default=4.0, help="requests/s, without --trace")
     p.add_argument("--input-len", type=int, default=512, help="without --trace")
@@ -31,8 +35,12 @@ def _add_workload(p: argparse.ArgumentParser) -> None:
     p.add_argument("--range-ratio", type=float, default=0.0, help="without --trace")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ttft-slo-ms", type=float, default=None)
-    p.add_argument("--itl-slo-ms", type=float, default=None,
-                   help="SLO on each request's mean inter-token time (TPOT)")
+    p.add_argument(
+        "--itl-slo-ms",
+        type=float,
+        default=None,
+        help="SLO on each request's mean inter-token time (TPOT)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -53,9 +61,13 @@ def load_workload(args: argparse.Namespace) -> list[Any]:
         if args.request_rate is None or args.request_rate <= 0:
             raise ValueError("--request-rate must be > 0")
         cfg = bench.BenchConfig(
-            url="", num_requests=args.num_requests, request_rate=args.request_rate,
-            input_len=args.input_len, output_len=args.output_len,
-            range_ratio=args.range_ratio, seed=args.seed,
+            url="",
+            num_requests=args.num_requests,
+            request_rate=args.request_rate,
+            input_len=args.input_len,
+            output_len=args.output_len,
+            range_ratio=args.range_ratio,
+            seed=args.seed,
         )
         cfg.validate()
         prompts, outs, offsets = bench.build_workload(cfg, VOCAB_SIZE)
@@ -110,8 +122,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     try:
         _check_slos(args, required=True)
         if args.max_engines < 2:
-            raise ValueError(f"--max-engines must be >= 2 (one prefill, one decode), got "
-                             f"{args.max_engines}")
+            raise ValueError(
+                f"--max-engines must be >= 2 (one prefill, one decode), got {args.max_engines}"
+            )
         profile = _profile(args)
         workload = load_workload(args)
         rows = [
@@ -165,7 +178,9 @@ def format_summary(s: dict[str, Any]) -> str:
     ]
     for key, name in (("ttft_ms", "TTFT"), ("itl_ms", "ITL")):
         v = s[key]
-        lines.append(f"  {name:6} " + " ".join(f"{v[k]:10.2f}" for k in ("mean", "p50", "p90", "p99")))
+        lines.append(
+            f"  {name:6} " + " ".join(f"{v[k]:10.2f}" for k in ("mean", "p50", "p90", "p99"))
+        )
     return "\n".join(lines)
 
 
@@ -179,7 +194,9 @@ def format_plan(rows: list[dict[str, Any]]) -> str:
             f" {r['ttft_ms']['p90']:10.1f} {r['itl_ms']['p90']:9.2f}"
         )
     b = rows[0]
-    lines.append(f"best: {b['prefill']}P{b['decode']}D ({b['goodput_per_engine']:.3f} req/s per engine)")
+    lines.append(
+        f"best: {b['prefill']}P{b['decode']}D ({b['goodput_per_engine']:.3f} req/s per engine)"
+    )
     return "\n".join(lines)
 
 
@@ -188,10 +205,18 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--model", default="tiny")
     p.add_argument("--out", required=True, help="profile JSON to write")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per point (fastest kept)")
-    p.add_argument("--transfer-bytes-per-s", type=float, default=1.0e9,
-                   help="P->D KV handoff bandwidth (not measured here)")
-    p.add_argument("--transfer-latency-ms", type=float, default=2.0,
-                   help="P->D KV handoff fixed latency (not measured here)")
+    p.add_argument(
+        "--transfer-bytes-per-s",
+        type=float,
+        default=1.0e9,
+        help="P->D KV handoff bandwidth (not measured here)",
+    )
+    p.add_argument(
+        "--transfer-latency-ms",
+        type=float,
+        default=2.0,
+        help="P->D KV handoff fixed latency (not measured here)",
+    )
     p.set_defaults(func=cmd_profile)
 
     s = sub.add_parser("simulate", help="replay a workload through simulated xPyD engines")

@@ -106,8 +106,10 @@ def measure(
                 for _ in range(b):
                     t.add(per, repeats + 2)
                 t.step_s()  # the prefill step(s), then the first decode step
-                while any(r.num_computed_tokens < r.num_prompt_tokens
-                          for r in engine.scheduler.running + list(engine.scheduler.waiting)):
+                while any(
+                    r.num_computed_tokens < r.num_prompt_tokens
+                    for r in engine.scheduler.running + list(engine.scheduler.waiting)
+                ):
                     t.step_s()
                 row.append(min(t.step_s() for _ in range(repeats)))
                 t.drain()

@@ -72,7 +72,9 @@ class _SimConnector:
         if num_external:
             self.sim.transfer_done(done_s, self.engine, rid, recving=True)
         # the prefill engine frees its copy when the read ends
-        self.sim.transfer_done(done_s, params["sim_prefill_engine"], params["sim_prefill_id"], False)
+        self.sim.transfer_done(
+            done_s, params["sim_prefill_engine"], params["sim_prefill_id"], False
+        )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
         return None
@@ -196,8 +198,13 @@ class Simulator:
     def _admit_prefill(self, i: int, req: SimRequest, records: list[_Record]) -> None:
         e = min(self.prefill, key=lambda x: (x.prompt_tokens_left(), x.index))
         sp = SamplingParams(max_tokens=1, ignore_eos=True)
-        r = Request(f"p{i}", req.prompt, sp, arrival_time=req.arrival_s,
-                    kv_transfer_params={"sim_hold": True})
+        r = Request(
+            f"p{i}",
+            req.prompt,
+            sp,
+            arrival_time=req.arrival_s,
+            kv_transfer_params={"sim_hold": True},
+        )
         try:
             e.sched.add_request(r)
         except ValueError as exc:
@@ -206,8 +213,13 @@ class Simulator:
     def _admit_decode(self, i: int, prefill_engine: int, prompt: list[int], out_len: int) -> None:
         e = min(self.decode, key=lambda x: (x.num_unfinished(), x.index))
         sp = SamplingParams(max_tokens=out_len, ignore_eos=True)
-        r = Request(f"d{i}", prompt, sp, arrival_time=self.now_s,
-                    kv_transfer_params={"sim_prefill_engine": prefill_engine, "sim_prefill_id": f"p{i}"})
+        r = Request(
+            f"d{i}",
+            prompt,
+            sp,
+            arrival_time=self.now_s,
+            kv_transfer_params={"sim_prefill_engine": prefill_engine, "sim_prefill_id": f"p{i}"},
+        )
         e.sched.add_request(r)  # the prefill engine accepted the same prompt
 
     def _start_step(self, e: _Engine, t: float) -> None:
@@ -230,11 +242,14 @@ class Simulator:
         reqs = e.sched.requests
         rids = list(so.num_scheduled_tokens)
         sampled = [
-            [SAMPLED_TOKEN] if rid in reqs and reqs[rid].num_computed_tokens >= reqs[rid].num_tokens
+            [SAMPLED_TOKEN]
+            if rid in reqs and reqs[rid].num_computed_tokens >= reqs[rid].num_tokens
             else []
             for rid in rids
         ]
-        outs = e.sched.update_from_output(so, ModelRunnerOutput(req_ids=rids, sampled_token_ids=sampled))
+        outs = e.sched.update_from_output(
+            so, ModelRunnerOutput(req_ids=rids, sampled_token_ids=sampled)
+        )
         for out in outs.outputs:
             i = int(out.request_id[1:])
             if out.request_id[0] == "p":

@@ -63,9 +63,7 @@ def prefill_ttft_p90_s(load: Load, profile: Profile, engines: int) -> float:
     return wait + s + profile.handoff_s(p - 1) + profile.decode_s(1, p)
 
 
-def decode_itl_p90_s(
-    load: Load, profile: Profile, engines: int, max_num_seqs: int = 256
-) -> float:
+def decode_itl_p90_s(load: Load, profile: Profile, engines: int, max_num_seqs: int = 256) -> float:
     ctx = load.prompt_tokens + load.output_tokens / 2.0
     per_engine = load.rate / engines * load.output_tokens  # tokens/s each engine must emit
     c = 1.0
@@ -118,11 +116,17 @@ def required(
     seqs = max_num_seqs or int(profile.scheduler.get("max_num_seqs", 256))
     pre = _fewest(
         lambda n: prefill_ttft_p90_s(load, profile, n),
-        ttft_slo_ms / 1000.0, min_engines[0], max_engines[0], "TTFT",
+        ttft_slo_ms / 1000.0,
+        min_engines[0],
+        max_engines[0],
+        "TTFT",
     )
     dec = _fewest(
         lambda n: decode_itl_p90_s(load, profile, n, seqs),
-        itl_slo_ms / 1000.0, min_engines[1], max_engines[1], "ITL",
+        itl_slo_ms / 1000.0,
+        min_engines[1],
+        max_engines[1],
+        "ITL",
     )
     return pre, dec
 

@@ -29,8 +29,9 @@ def profile(**transfer) -> Profile:
         decode_batch_sizes=[1, 64],
         decode_context_tokens=[16, 65536],
         decode_time_s=[[0.005, 0.008], [0.01, 0.03]],
-        transfer=TransferCost(**{"bytes_per_s": 1e9, "latency_s": 0.002,
-                                 "kv_bytes_per_token": 4096, **transfer}),
+        transfer=TransferCost(
+            **{"bytes_per_s": 1e9, "latency_s": 0.002, "kv_bytes_per_token": 4096, **transfer}
+        ),
         scheduler=dict(SCHED),
     )
 
@@ -67,8 +68,11 @@ def _workload(seed: int, n: int = 120) -> list[SimRequest]:
     t, out = 0.0, []
     for _ in range(n):
         t += rng.expovariate(6.0)
-        out.append(SimRequest(t, [rng.randrange(500) for _ in range(rng.randint(50, 900))],
-                              rng.randint(5, 120)))
+        out.append(
+            SimRequest(
+                t, [rng.randrange(500) for _ in range(rng.randint(50, 900))], rng.randint(5, 120)
+            )
+        )
     return out
 
 
@@ -168,9 +172,24 @@ def test_simulate_a_mooncake_trace_twice_gives_the_same_json(capsys, profile_fil
     trace = tmp_path / "t.jsonl"
     rows = synthesize(SynthConfig(num_sessions=6, session_rate_per_s=2.0, seed=4))
     trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    args = ["simulate", "--profile", profile_file, "--trace", str(trace), "--prefill", "2",
-            "--decode", "1", "--trace-block-tokens", "64", "--ttft-slo-ms", "500",
-            "--itl-slo-ms", "20", "--json"]
+    args = [
+        "simulate",
+        "--profile",
+        profile_file,
+        "--trace",
+        str(trace),
+        "--prefill",
+        "2",
+        "--decode",
+        "1",
+        "--trace-block-tokens",
+        "64",
+        "--ttft-slo-ms",
+        "500",
+        "--itl-slo-ms",
+        "20",
+        "--json",
+    ]
     assert main(args) == 0
     first = json.loads(capsys.readouterr().out)
     assert main(args) == 0
@@ -190,8 +209,22 @@ def test_simulate_an_azure_trace(capsys, profile_file, tmp_path):
 
 
 def test_plan_searches_every_split(capsys, profile_file):
-    args = ["plan", "--profile", profile_file, "--ttft-slo-ms", "300", "--itl-slo-ms", "20",
-            "--max-engines", "3", "--num-requests", "60", "--request-rate", "5", "--json"]
+    args = [
+        "plan",
+        "--profile",
+        profile_file,
+        "--ttft-slo-ms",
+        "300",
+        "--itl-slo-ms",
+        "20",
+        "--max-engines",
+        "3",
+        "--num-requests",
+        "60",
+        "--request-rate",
+        "5",
+        "--json",
+    ]
     assert main(args) == 0
     out = json.loads(capsys.readouterr().out)
     assert sorted((r["prefill"], r["decode"]) for r in out["splits"]) == [(1, 1), (1, 2), (2, 1)]

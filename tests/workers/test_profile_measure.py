@@ -12,8 +12,9 @@ from cluster.planner.simulator import SimRequest, Simulator
 
 
 def test_measure_tiny_gives_a_profile_the_simulator_runs():
-    p = measure("tiny", repeats=1, prefill_tokens=[16, 64], batch_sizes=[1, 2],
-                context_tokens=[32, 64])
+    p = measure(
+        "tiny", repeats=1, prefill_tokens=[16, 64], batch_sizes=[1, 2], context_tokens=[32, 64]
+    )
     assert p.prefill_tokens == [16, 64] and len(p.prefill_time_s) == 2
     assert [len(r) for r in p.decode_time_s] == [2, 2]
     assert all(t > 0 for t in p.prefill_time_s + [x for r in p.decode_time_s for x in r])
@@ -32,8 +33,7 @@ def test_profile_command_writes_json(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(m, "DECODE_BATCH_SIZES", [1])
     monkeypatch.setattr(m, "DECODE_CONTEXT_TOKENS", [32])
     out = tmp_path / "tiny.json"
-    assert main(["profile", "--out", str(out), "--repeats", "1",
-                 "--transfer-latency-ms", "3"]) == 0
+    assert main(["profile", "--out", str(out), "--repeats", "1", "--transfer-latency-ms", "3"]) == 0
     assert json.loads(out.read_text())["format"] == "tandem-profile/1"
     assert load_profile(str(out)).transfer.latency_s == 0.003
     assert main(["profile", "--out", str(out), "--transfer-bytes-per-s", "0"]) == 2
