@@ -19,7 +19,9 @@ JSON, ``format: "tandem-profile/1"``::
 Costs between measured points are linear (bilinear on the decode grid).
 Below the first point a cost is the first point's; past the last point the
 last segment's slope goes on (a step twice as big as any measured costs
-about twice as much, never less than the last point). The handoff of a
+about twice as much, never less than the last point). Past the decode grid
+each axis adds its own edge slope to the grid's edge value (no slope below
+0), so growing batch and context together costs their sum, not a product. The handoff of a
 prompt of ``n`` tokens takes ``latency_s + n * kv_bytes_per_token /
 bytes_per_s``. ``scheduler`` holds the engine limits the profile was
 measured under; the simulator's schedulers use them.
@@ -91,9 +93,25 @@ class Profile:
     def prefill_s(self, batch_tokens: int) -> float:
         return interp(self.prefill_tokens, self.prefill_time_s, batch_tokens)
 
-    def decode_s(self, batch_size: int, context_tokens: int) -> float:
-        rows = [interp(self.decode_context_tokens, r, context_tokens) for r in self.decode_time_s]
-        return interp(self.decode_batch_sizes, rows, batch_size)
+    def decode_s(self, batch_size: float, context_tokens: float) -> float:
+        bs, cs = self.decode_batch_sizes, self.decode_context_tokens
+        b = min(max(batch_size, bs[0]), bs[-1])
+        c = min(max(context_tokens, cs[0]), cs[-1])
+        t = self._grid(b, c)
+        # past the grid, each axis adds its own edge slope: no cross term, so a
+        # batch twice as big with twice the context is not four times as slow
+        if batch_size > bs[-1] and len(bs) > 1:
+            slope = (self._grid(bs[-1], c) - self._grid(bs[-2], c)) / (bs[-1] - bs[-2])
+            t += max(0.0, slope) * (batch_size - bs[-1])
+        if context_tokens > cs[-1] and len(cs) > 1:
+            slope = (self._grid(b, cs[-1]) - self._grid(b, cs[-2])) / (cs[-1] - cs[-2])
+            t += max(0.0, slope) * (context_tokens - cs[-1])
+        return t
+
+    def _grid(self, b: float, c: float) -> float:
+        """Bilinear inside the decode grid (``b``, ``c`` within its range)."""
+        rows = [interp(self.decode_context_tokens, r, c) for r in self.decode_time_s]
+        return interp(self.decode_batch_sizes, rows, b)
 
     def handoff_s(self, num_tokens: int) -> float:
         return self.transfer.seconds(num_tokens)

@@ -230,3 +230,12 @@ def test_plan_searches_every_split(capsys, profile_file):
     assert sorted((r["prefill"], r["decode"]) for r in out["splits"]) == [(1, 1), (1, 2), (2, 1)]
     best = max(r["goodput_per_engine"] for r in out["splits"])
     assert out["best"]["goodput_per_engine"] == best
+
+
+def test_decode_extrapolation_adds_the_axes_slopes_without_a_cross_term():
+    p = profile()  # corners: (1,16) 0.005, (1,65536) 0.008, (64,16) 0.01, (64,65536) 0.03
+    slope_b = (0.03 - 0.008) / 63  # per request, at the context edge
+    slope_c = (0.03 - 0.01) / (65536 - 16)  # per context token, at the batch edge
+    got = p.decode_s(128, 131072)
+    assert got == pytest.approx(0.03 + 64 * slope_b + (131072 - 65536) * slope_c)
+    assert p.decode_s(0.5, 1) == pytest.approx(0.005)  # below the grid: its corner
