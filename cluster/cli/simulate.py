@@ -136,11 +136,45 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     rows.sort(key=lambda r: (-r["goodput_per_engine"], r["prefill"] + r["decode"], r["prefill"]))
+    model = sla_estimate(workload, profile, args)
     if args.json:
-        print(json.dumps({"best": rows[0], "splits": rows}, indent=2))
+        print(json.dumps({"best": rows[0], "splits": rows, "sla_model": model}, indent=2))
     else:
         print(format_plan(rows))
+        print(
+            f"SLA model (mean rate {model['rate']:.3f} req/s, prompt {model['prompt_tokens']:.0f}, "
+            f"output {model['output_tokens']:.0f} tokens): {model['prefill']}P{model['decode']}D "
+            f"(TTFT p90 {model['ttft_p90_ms']:.1f} ms, ITL p90 {model['itl_p90_ms']:.2f} ms"
+            + ("" if model["feasible"] else ", over an SLO at --max-engines")
+            + ")"
+        )
     return 0
+
+
+def sla_estimate(workload: list[Any], profile: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """What cluster/planner/sla.py's arithmetic asks for at the workload's
+    mean rate and lengths (each pool capped so that P + D <= --max-engines)."""
+    from cluster.planner.sla import Load, required
+
+    n = len(workload)
+    span = max(r.arrival_s for r in workload) - min(r.arrival_s for r in workload)
+    load = Load(
+        rate=(n - 1) / span if n > 1 and span > 0 else 0.0,
+        prompt_tokens=sum(len(r.prompt) for r in workload) / n,
+        output_tokens=sum(r.output_len for r in workload) / n,
+    )
+    k = args.max_engines - 1
+    pre, dec = required(load, profile, args.ttft_slo_ms, args.itl_slo_ms, max_engines=(k, k))
+    return {
+        "rate": load.rate,
+        "prompt_tokens": load.prompt_tokens,
+        "output_tokens": load.output_tokens,
+        "prefill": pre.engines,
+        "decode": dec.engines,
+        "ttft_p90_ms": pre.p90_ms,
+        "itl_p90_ms": dec.p90_ms,
+        "feasible": pre.feasible and dec.feasible and pre.engines + dec.engines <= args.max_engines,
+    }
 
 
 def cmd_profile(args: argparse.Namespace) -> int:

@@ -230,6 +230,9 @@ def test_plan_searches_every_split(capsys, profile_file):
     assert sorted((r["prefill"], r["decode"]) for r in out["splits"]) == [(1, 1), (1, 2), (2, 1)]
     best = max(r["goodput_per_engine"] for r in out["splits"])
     assert out["best"]["goodput_per_engine"] == best
+    model = out["sla_model"]
+    assert model["prefill"] >= 1 and model["decode"] >= 1
+    assert model["output_tokens"] > 0 and model["rate"] > 0
 
 
 def test_decode_extrapolation_adds_the_axes_slopes_without_a_cross_term():
