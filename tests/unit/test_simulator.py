@@ -242,3 +242,13 @@ def test_decode_extrapolation_adds_the_axes_slopes_without_a_cross_term():
     got = p.decode_s(128, 131072)
     assert got == pytest.approx(0.03 + 64 * slope_b + (131072 - 65536) * slope_c)
     assert p.decode_s(0.5, 1) == pytest.approx(0.005)  # below the grid: its corner
+
+
+def test_the_seed_picks_the_synthetic_workload(capsys, profile_file):
+    def run(seed):
+        args = ["simulate", "--profile", profile_file, "--num-requests", "40", "--seed", seed]
+        assert main([*args, "--range-ratio", "0.5", "--json"]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    assert run("1") == run("1")
+    assert run("1")["ttft_ms"] != run("2")["ttft_ms"]
