@@ -8,8 +8,8 @@ import json
 import logging
 import sys
 
-from cluster.cli.config.tree import ServeConfig
-from workers.config import EngineConfig, add_engine_arguments, engine_overrides
+from tandem.cluster.cli.config.tree import ServeConfig
+from tandem.workers.config import EngineConfig, add_engine_arguments, engine_overrides
 
 # engine settings of the KV connector and KV events: tandem generate's one
 # in-process engine has neither
@@ -33,12 +33,12 @@ def _parse_ids(text: str) -> list[int]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from wire.engine_protocol import SamplingParams
-    from workers.engine.llm import LLM
+    from tandem.wire.engine_protocol import SamplingParams
+    from tandem.workers.engine.llm import LLM
 
     # say where a GGUF model's converted copy is (first start: how long it took)
     logging.basicConfig(format="%(message)s", stream=sys.stderr)
-    logging.getLogger("workers.checkpoints").setLevel(logging.INFO)
+    logging.getLogger("tandem.workers.checkpoints").setLevel(logging.INFO)
     if not args.prompt and not args.prompt_token_ids:
         print("error: give at least one --prompt or --prompt-token-ids", file=sys.stderr)
         return 2
@@ -105,25 +105,25 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     try:
-        from cluster.cli.serve import add_serve_parser
+        from tandem.cluster.cli.serve import add_serve_parser
 
         add_serve_parser(sub)
     except ImportError:
         pass
     try:
-        from cluster.cli.drain import add_drain_parser
+        from tandem.cluster.cli.drain import add_drain_parser
 
         add_drain_parser(sub)
     except ImportError:
         pass
     try:
-        from cluster.engines.attach import add_stop_engines_parser
+        from tandem.cluster.engines.attach import add_stop_engines_parser
 
         add_stop_engines_parser(sub)
     except ImportError:
         pass
     try:
-        from cluster.cli import bench
+        from tandem.cluster.cli import bench
 
         b = sub.add_parser("bench", help="load generator against a running gateway")
         bench.add_arguments(b)
@@ -131,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     except (ImportError, AttributeError):
         pass
     try:
-        from cluster.cli.simulate import add_parsers
+        from tandem.cluster.cli.simulate import add_parsers
 
         add_parsers(sub)  # profile, simulate, plan
     except ImportError:

@@ -3,7 +3,7 @@ cluster/planner/ (profile, simulator, xPyD search).
 
 The workload is what ``tandem bench`` would send: a trace (``--trace``,
 Mooncake JSONL or Azure CSV, read by cluster/cli/trace_replay.py, a
-synthetic Mooncake trace from ``python -m cluster.cli.trace_replay``
+synthetic Mooncake trace from ``python -m tandem.cluster.cli.trace_replay``
 included) or, without one, ``--num-requests`` random prompts of
 ``--input-len``/``--output-len`` tokens arriving at ``--request-rate``
 (Poisson), seeded by ``--seed``."""
@@ -46,9 +46,9 @@ def _add_workload(p: argparse.ArgumentParser) -> None:
 
 def load_workload(args: argparse.Namespace) -> list[Any]:
     """``SimRequest``s of the trace or the synthetic workload; ValueError naming the flag."""
-    from cluster.cli import bench
-    from cluster.cli.trace_replay import trace_workload
-    from cluster.planner.simulator import SimRequest
+    from tandem.cluster.cli import bench
+    from tandem.cluster.cli.trace_replay import trace_workload
+    from tandem.cluster.planner.simulator import SimRequest
 
     if args.trace is not None:
         try:
@@ -85,7 +85,7 @@ def _check_slos(args: argparse.Namespace, required: bool) -> None:
 
 
 def _profile(args: argparse.Namespace):
-    from cluster.planner.profile import load_profile
+    from tandem.cluster.planner.profile import load_profile
 
     if not args.profile:
         raise ValueError("--profile is required (tandem profile --out FILE writes one)")
@@ -93,8 +93,8 @@ def _profile(args: argparse.Namespace):
 
 
 def simulate_one(profile, workload, prefill: int, decode: int, args) -> dict[str, Any]:
-    from cluster.planner.metrics import summarize
-    from cluster.planner.simulator import Simulator
+    from tandem.cluster.planner.metrics import summarize
+    from tandem.cluster.planner.simulator import Simulator
 
     records = Simulator(profile, prefill, decode).run(workload)
     s = summarize(records, args.ttft_slo_ms, args.itl_slo_ms)
@@ -154,7 +154,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def sla_estimate(workload: list[Any], profile: Any, args: argparse.Namespace) -> dict[str, Any]:
     """What cluster/planner/sla.py's arithmetic asks for at the workload's
     mean rate and lengths (each pool capped so that P + D <= --max-engines)."""
-    from cluster.planner.sla import Load, required
+    from tandem.cluster.planner.sla import Load, required
 
     n = len(workload)
     span = max(r.arrival_s for r in workload) - min(r.arrival_s for r in workload)
@@ -178,8 +178,8 @@ def sla_estimate(workload: list[Any], profile: Any, args: argparse.Namespace) ->
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from cluster.planner.measure import measure
-    from cluster.planner.profile import save_profile
+    from tandem.cluster.planner.measure import measure
+    from tandem.cluster.planner.profile import save_profile
 
     try:
         if args.transfer_bytes_per_s <= 0:

@@ -20,8 +20,8 @@ import datetime
 import time
 from typing import Any
 
-from cluster.planner.profile import Profile, TransferCost
-from wire.engine_protocol import EngineRequest, SamplingParams
+from tandem.cluster.planner.profile import Profile, TransferCost
+from tandem.wire.engine_protocol import EngineRequest, SamplingParams
 
 PREFILL_TOKENS = [16, 64, 128, 256, 512]
 DECODE_BATCH_SIZES = [1, 4, 16]
@@ -73,8 +73,8 @@ def measure(
     transfer_latency_s: float = 0.002,
     engine_overrides: dict[str, Any] | None = None,
 ) -> Profile:
-    from workers.config import EngineConfig
-    from workers.engine.core import EngineCore
+    from tandem.workers.config import EngineConfig
+    from tandem.workers.engine.core import EngineCore
 
     prefill_tokens = prefill_tokens or PREFILL_TOKENS
     batch_sizes = batch_sizes or DECODE_BATCH_SIZES

@@ -25,12 +25,12 @@ import heapq
 from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.planner.profile import Profile
-from scheduler.config import SchedulerConfig
-from scheduler.messages import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
-from scheduler.request import Request, RequestStatus
-from scheduler.scheduler import Scheduler
-from wire.engine_protocol import SamplingParams
+from tandem.cluster.planner.profile import Profile
+from tandem.scheduler.config import SchedulerConfig
+from tandem.scheduler.messages import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
+from tandem.scheduler.request import Request, RequestStatus
+from tandem.scheduler.scheduler import Scheduler
+from tandem.wire.engine_protocol import SamplingParams
 
 SAMPLED_TOKEN = 1
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from cluster.planner.profile import Profile
+from tandem.cluster.planner.profile import Profile
 
 
 @dataclass(frozen=True)

@@ -7,11 +7,11 @@ import json
 
 import pytest
 
-from cluster.cli.main import main
-from cluster.cli.trace_replay import SynthConfig, synthesize
-from cluster.planner.metrics import summarize
-from cluster.planner.profile import Profile, TransferCost, interp, load_profile, save_profile
-from cluster.planner.simulator import SimRequest, Simulator
+from tandem.cluster.cli.main import main
+from tandem.cluster.cli.trace_replay import SynthConfig, synthesize
+from tandem.cluster.planner.metrics import summarize
+from tandem.cluster.planner.profile import Profile, TransferCost, interp, load_profile, save_profile
+from tandem.cluster.planner.simulator import SimRequest, Simulator
 
 SCHED = {
     "block_size": 16,

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from cluster.planner.profile import Profile, TransferCost
-from cluster.planner.sla import Load, decide, decode_itl_p90_s, prefill_ttft_p90_s, required
+from tandem.cluster.planner.profile import Profile, TransferCost
+from tandem.cluster.planner.sla import Load, decide, decode_itl_p90_s, prefill_ttft_p90_s, required
 
 
 def profile() -> Profile:

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import json
 
-from cluster.cli.main import main
-from cluster.planner.measure import measure
-from cluster.planner.profile import load_profile
-from cluster.planner.simulator import SimRequest, Simulator
+from tandem.cluster.cli.main import main
+from tandem.cluster.planner.measure import measure
+from tandem.cluster.planner.profile import load_profile
+from tandem.cluster.planner.simulator import SimRequest, Simulator
 
 
 def test_measure_tiny_gives_a_profile_the_simulator_runs():
@@ -26,7 +26,7 @@ def test_measure_tiny_gives_a_profile_the_simulator_runs():
 
 
 def test_profile_command_writes_json(tmp_path, monkeypatch, capsys):
-    import cluster.planner.measure as m
+    import tandem.cluster.planner.measure as m
 
     # the command's own grid takes ~1 min: a small one here, the same code path
     monkeypatch.setattr(m, "PREFILL_TOKENS", [16])
