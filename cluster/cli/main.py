@@ -1,5 +1,5 @@
 """The ``tandem`` command: ``generate`` (offline), ``serve``, ``drain``,
-``stop-engines``, ``bench``."""
+``stop-engines``, ``bench``, ``profile``, ``simulate``, ``plan``."""
 
 from __future__ import annotations
 
@@ -129,6 +129,12 @@ def build_parser() -> argparse.ArgumentParser:
         bench.add_arguments(b)
         b.set_defaults(func=lambda a: bench.run_from_args(a))
     except (ImportError, AttributeError):
+        pass
+    try:
+        from tandem.cluster.cli.simulate import add_parsers
+
+        add_parsers(sub)  # profile, simulate, plan
+    except ImportError:
         pass
     return parser
 

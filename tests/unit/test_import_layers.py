@@ -25,6 +25,7 @@ CLUSTER_ALLOWED = {
     "cluster.engines": {"cluster.observability.logging_setup"},
     "cluster.routing": {"cluster.gateway.backend"},
     "cluster.observability": {"cluster.gateway.backend", "cluster.routing.metrics"},
+    "cluster.planner": set(),  # the simulator and planner arithmetic: scheduler/ and wire/ only
 }
 
 

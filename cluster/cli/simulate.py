@@ -1,0 +1,265 @@
+"""``tandem profile``, ``tandem simulate`` and ``tandem plan``: the CLI of
+cluster/planner/ (profile, simulator, xPyD search).
+
+The workload is what ``tandem bench`` would send: a trace (``--trace``,
+Mooncake JSONL or Azure CSV, read by cluster/cli/trace_replay.py, a
+synthetic Mooncake trace from ``python -m tandem.cluster.cli.trace_replay``
+included) or, without one, ``--num-requests`` random prompts of
+``--input-len``/``--output-len`` tokens arriving at ``--request-rate``
+(Poisson), seeded by ``--seed``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+VOCAB_SIZE = 32000  # prompts are token ids for the schedulers' prefix cache only
+
+
+def _add_workload(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--profile", help="performance profile JSON (tandem profile writes one)")
+    p.add_argument("--trace", help="Mooncake JSONL or Azure CSV trace (as tandem bench --trace)")
+    p.add_argument("--time-scale", type=float, default=1.0, help="trace clock x this")
+    p.add_argument(
+        "--trace-block-tokens",
+        type=int,
+        default=512,
+        help="prompt tokens per trace hash id (Mooncake: 512)",
+    )
+    p.add_argument("--num-requests", type=int, default=200, help="without --trace")
+    p.add_argument("--request-rate", type=float, default=4.0, help="requests/s, without --trace")
+    p.add_argument("--input-len", type=int, default=512, help="without --trace")
+    p.add_argument("--output-len", type=int, default=128, help="without --trace")
+    p.add_argument("--range-ratio", type=float, default=0.0, help="without --trace")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ttft-slo-ms", type=float, default=None)
+    p.add_argument(
+        "--itl-slo-ms",
+        type=float,
+        default=None,
+        help="SLO on each request's mean inter-token time (TPOT)",
+    )
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def load_workload(args: argparse.Namespace) -> list[Any]:
+    """``SimRequest``s of the trace or the synthetic workload; ValueError naming the flag."""
+    from tandem.cluster.cli import bench
+    from tandem.cluster.cli.trace_replay import trace_workload
+    from tandem.cluster.planner.simulator import SimRequest
+
+    if args.trace is not None:
+        try:
+            prompts, outs, offsets = trace_workload(
+                args.trace, VOCAB_SIZE, args.seed, args.time_scale, args.trace_block_tokens
+            )
+        except OSError as exc:
+            raise ValueError(f"--trace {args.trace}: {exc.strerror}") from None
+    else:
+        if args.request_rate is None or args.request_rate <= 0:
+            raise ValueError("--request-rate must be > 0")
+        cfg = bench.BenchConfig(
+            url="",
+            num_requests=args.num_requests,
+            request_rate=args.request_rate,
+            input_len=args.input_len,
+            output_len=args.output_len,
+            range_ratio=args.range_ratio,
+            seed=args.seed,
+        )
+        cfg.validate()
+        prompts, outs, offsets = bench.build_workload(cfg, VOCAB_SIZE)
+    return [SimRequest(t, p, o) for p, o, t in zip(prompts, outs, offsets)]
+
+
+def _check_slos(args: argparse.Namespace, required: bool) -> None:
+    for name in ("ttft_slo_ms", "itl_slo_ms"):
+        flag = "--" + name.replace("_", "-")
+        v = getattr(args, name)
+        if v is None and required:
+            raise ValueError(f"{flag} is required")
+        if v is not None and not v > 0:
+            raise ValueError(f"{flag} must be > 0, got {v}")
+
+
+def _profile(args: argparse.Namespace):
+    from tandem.cluster.planner.profile import load_profile
+
+    if not args.profile:
+        raise ValueError("--profile is required (tandem profile --out FILE writes one)")
+    return load_profile(args.profile)
+
+
+def simulate_one(profile, workload, prefill: int, decode: int, args) -> dict[str, Any]:
+    from tandem.cluster.planner.metrics import summarize
+    from tandem.cluster.planner.simulator import Simulator
+
+    records = Simulator(profile, prefill, decode).run(workload)
+    s = summarize(records, args.ttft_slo_ms, args.itl_slo_ms)
+    s.update(prefill=prefill, decode=decode, goodput_per_engine=s["goodput"] / (prefill + decode))
+    return s
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    try:
+        _check_slos(args, required=False)
+        if args.prefill < 1:
+            raise ValueError(f"--prefill must be >= 1, got {args.prefill}")
+        if args.decode < 1:
+            raise ValueError(f"--decode must be >= 1, got {args.decode}")
+        profile = _profile(args)
+        s = simulate_one(profile, load_workload(args), args.prefill, args.decode, args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(s, indent=2) if args.json else format_summary(s))
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    try:
+        _check_slos(args, required=True)
+        if args.max_engines < 2:
+            raise ValueError(
+                f"--max-engines must be >= 2 (one prefill, one decode), got {args.max_engines}"
+            )
+        profile = _profile(args)
+        workload = load_workload(args)
+        rows = [
+            simulate_one(profile, workload, p, d, args)
+            for p in range(1, args.max_engines)
+            for d in range(1, args.max_engines - p + 1)
+        ]
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    rows.sort(key=lambda r: (-r["goodput_per_engine"], r["prefill"] + r["decode"], r["prefill"]))
+    model = sla_estimate(workload, profile, args)
+    if args.json:
+        print(json.dumps({"best": rows[0], "splits": rows, "sla_model": model}, indent=2))
+    else:
+        print(format_plan(rows))
+        print(
+            f"SLA model (mean rate {model['rate']:.3f} req/s, prompt {model['prompt_tokens']:.0f}, "
+            f"output {model['output_tokens']:.0f} tokens): {model['prefill']}P{model['decode']}D "
+            f"(TTFT p90 {model['ttft_p90_ms']:.1f} ms, ITL p90 {model['itl_p90_ms']:.2f} ms"
+            + ("" if model["feasible"] else ", over an SLO at --max-engines")
+            + ")"
+        )
+    return 0
+
+
+def sla_estimate(workload: list[Any], profile: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """What cluster/planner/sla.py's arithmetic asks for at the workload's
+    mean rate and lengths (each pool capped so that P + D <= --max-engines)."""
+    from tandem.cluster.planner.sla import Load, required
+
+    n = len(workload)
+    span = max(r.arrival_s for r in workload) - min(r.arrival_s for r in workload)
+    load = Load(
+        rate=(n - 1) / span if n > 1 and span > 0 else 0.0,
+        prompt_tokens=sum(len(r.prompt) for r in workload) / n,
+        output_tokens=sum(r.output_len for r in workload) / n,
+    )
+    k = args.max_engines - 1
+    pre, dec = required(load, profile, args.ttft_slo_ms, args.itl_slo_ms, max_engines=(k, k))
+    return {
+        "rate": load.rate,
+        "prompt_tokens": load.prompt_tokens,
+        "output_tokens": load.output_tokens,
+        "prefill": pre.engines,
+        "decode": dec.engines,
+        "ttft_p90_ms": pre.p90_ms,
+        "itl_p90_ms": dec.p90_ms,
+        "feasible": pre.feasible and dec.feasible and pre.engines + dec.engines <= args.max_engines,
+    }
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from tandem.cluster.planner.measure import measure
+    from tandem.cluster.planner.profile import save_profile
+
+    try:
+        if args.transfer_bytes_per_s <= 0:
+            raise ValueError("--transfer-bytes-per-s must be > 0")
+        if args.transfer_latency_ms < 0:
+            raise ValueError("--transfer-latency-ms must be >= 0")
+        profile = measure(
+            model=args.model,
+            repeats=args.repeats,
+            transfer_bytes_per_s=args.transfer_bytes_per_s,
+            transfer_latency_s=args.transfer_latency_ms / 1000.0,
+        )
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    save_profile(profile, args.out)
+    print(f"wrote {args.out}")
+    return 0
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    lines = [
+        f"{s['prefill']}P{s['decode']}D: {s['num_completed']}/{s['num_requests']} requests "
+        f"in {s['duration_s']:.2f} s (simulated)",
+        f"  request throughput  {s['request_throughput']:.3f} req/s",
+        f"  output throughput   {s['output_token_throughput']:.1f} tok/s",
+        f"  goodput             {s['goodput']:.3f} req/s ({s['num_good']} good; "
+        f"TTFT SLO {s['ttft_slo_ms']} ms, ITL SLO {s['itl_slo_ms']} ms)",
+        f"  {'':6} {'mean':>10} {'p50':>10} {'p90':>10} {'p99':>10}",
+    ]
+    for key, name in (("ttft_ms", "TTFT"), ("itl_ms", "ITL")):
+        v = s[key]
+        lines.append(
+            f"  {name:6} " + " ".join(f"{v[k]:10.2f}" for k in ("mean", "p50", "p90", "p99"))
+        )
+    return "\n".join(lines)
+
+
+def format_plan(rows: list[dict[str, Any]]) -> str:
+    head = f"{'split':>6} {'goodput/eng':>12} {'goodput':>9} {'TTFT p90':>10} {'ITL p90':>9}"
+    lines = [head]
+    for r in rows:
+        lines.append(
+            f"{r['prefill']}P{r['decode']}D".rjust(6)
+            + f" {r['goodput_per_engine']:12.3f} {r['goodput']:9.3f}"
+            f" {r['ttft_ms']['p90']:10.1f} {r['itl_ms']['p90']:9.2f}"
+        )
+    b = rows[0]
+    lines.append(
+        f"best: {b['prefill']}P{b['decode']}D ({b['goodput_per_engine']:.3f} req/s per engine)"
+    )
+    return "\n".join(lines)
+
+
+def add_parsers(sub: Any) -> None:
+    p = sub.add_parser("profile", help="measure an engine's performance profile (JSON)")
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--out", required=True, help="profile JSON to write")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per point (fastest kept)")
+    p.add_argument(
+        "--transfer-bytes-per-s",
+        type=float,
+        default=1.0e9,
+        help="P->D KV handoff bandwidth (not measured here)",
+    )
+    p.add_argument(
+        "--transfer-latency-ms",
+        type=float,
+        default=2.0,
+        help="P->D KV handoff fixed latency (not measured here)",
+    )
+    p.set_defaults(func=cmd_profile)
+
+    s = sub.add_parser("simulate", help="replay a workload through simulated xPyD engines")
+    s.add_argument("--prefill", type=int, default=1, help="prefill engines")
+    s.add_argument("--decode", type=int, default=1, help="decode engines")
+    _add_workload(s)
+    s.set_defaults(func=cmd_simulate)
+
+    q = sub.add_parser("plan", help="simulate every xPyD split up to --max-engines")
+    q.add_argument("--max-engines", type=int, default=4, help="P + D at most")
+    _add_workload(q)
+    q.set_defaults(func=cmd_plan)

@@ -1,0 +1,264 @@
+"""A discrete-event simulator of an xPyD deployment that runs the real
+``scheduler.Scheduler`` (one per engine) on a virtual clock.
+
+Each engine loops like ``EngineCore.step``: ``schedule()``, then
+``update_from_output()`` with a fake ``ModelRunnerOutput``. A step's length
+comes from the profile (profile.py): a step in which every scheduled request
+computes one token is a decode step, ``decode_s(batch size, context tokens
+the batch attends to)``; any other step costs ``prefill_s(scheduled tokens)``.
+The runner's sampled token is a constant (``ignore_eos``: a request stops at
+its trace length). Disaggregation is modelled as Tandem runs it: the prefill
+engine computes the prompt with ``max_tokens=1`` and keeps the blocks
+(``held_for_send``); the decode engine, chosen least-loaded when the prefill
+ends, admits the request with ``num_tokens - 1`` tokens to load
+(``WAITING_FOR_REMOTE_KVS``), and the read finishes ``handoff_s(tokens)``
+after its blocks were allocated: then the decode engine computes the last
+prompt token (its first output) and the prefill engine frees its copy.
+Arrivals go to the prefill engine with the fewest prompt tokens left to
+compute. Nothing depends on wall time or hash order: a workload gives one
+result.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from typing import Any
+
+from tandem.cluster.planner.profile import Profile
+from tandem.scheduler.config import SchedulerConfig
+from tandem.scheduler.messages import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
+from tandem.scheduler.request import Request, RequestStatus
+from tandem.scheduler.scheduler import Scheduler
+from tandem.wire.engine_protocol import SamplingParams
+
+SAMPLED_TOKEN = 1
+
+
+@dataclass
+class SimRequest:
+    arrival_s: float
+    prompt: list[int]
+    output_len: int
+
+
+@dataclass
+class _Record:
+    arrival_s: float
+    output_len: int
+    token_times: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+class _SimConnector:
+    """The scheduler-side KV connector seam, on the virtual clock."""
+
+    def __init__(self, sim: Simulator, engine: int) -> None:
+        self.sim, self.engine = sim, engine
+
+    def get_num_new_matched_tokens(self, request: Request, num_local: int) -> tuple[int, bool]:
+        params = request.kv_transfer_params or {}
+        if "sim_prefill_engine" not in params:
+            return 0, False
+        n = request.num_tokens - 1 - num_local
+        return (n, True) if n > 0 else (0, False)
+
+    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external: int):
+        params = request.kv_transfer_params or {}
+        if "sim_prefill_engine" not in params:
+            return
+        done_s = self.sim.now_s + (self.sim.profile.handoff_s(num_external) if num_external else 0)
+        rid = request.request_id
+        if num_external:
+            self.sim.transfer_done(done_s, self.engine, rid, recving=True)
+        # the prefill engine frees its copy when the read ends
+        self.sim.transfer_done(
+            done_s, params["sim_prefill_engine"], params["sim_prefill_id"], False
+        )
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
+        return None
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, Any]:
+        hold = (request.kv_transfer_params or {}).get("sim_hold")
+        if hold and request.status == RequestStatus.FINISHED_LENGTH_CAPPED:
+            return True, {"sim_prefill_engine": self.engine, "sim_prefill_id": request.request_id}
+        return False, None
+
+    def cancel_send(self, request_id: str) -> None:
+        pass
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        pass
+
+    def has_pending_work(self) -> bool:
+        return False
+
+
+class _Engine:
+    def __init__(self, sim: Simulator, index: int, config: SchedulerConfig) -> None:
+        self.index = index
+        self.sched = Scheduler(config, _SimConnector(sim, index), engine_id=f"sim-{index}")
+        self.busy_until: float | None = None
+        self.step: SchedulerOutput | None = None
+        self.recving: list[str] = []
+        self.sending: list[str] = []
+
+    def deliver_transfers(self) -> None:
+        if not (self.recving or self.sending):
+            return
+        kv = KVConnectorOutput(finished_recving=self.recving, finished_sending=self.sending)
+        self.recving, self.sending = [], []
+        self.sched.update_from_output(SchedulerOutput(), ModelRunnerOutput(kv_connector_output=kv))
+
+    def prompt_tokens_left(self) -> int:
+        return sum(
+            max(0, r.num_prompt_tokens - r.num_computed_tokens)
+            for r in self.sched.requests.values()
+            if not r.is_finished
+        )
+
+    def num_unfinished(self) -> int:
+        s = self.sched
+        return len(s.running) + len(s.waiting) + len(s.waiting_for_remote)
+
+
+class Simulator:
+    """``Simulator(profile, num_prefill, num_decode).run(requests)`` -> ``SimResult``."""
+
+    def __init__(
+        self,
+        profile: Profile,
+        num_prefill: int,
+        num_decode: int,
+        scheduler_overrides: dict[str, Any] | None = None,
+    ) -> None:
+        if num_prefill < 1:
+            raise ValueError(f"--prefill must be >= 1, got {num_prefill}")
+        if num_decode < 1:
+            raise ValueError(f"--decode must be >= 1, got {num_decode}")
+        self.profile = profile
+        fields = {"prefix_caching_hash_algo": "builtin", **profile.scheduler}
+        fields.update(scheduler_overrides or {})
+        try:
+            config = SchedulerConfig(**fields)
+        except TypeError as exc:
+            raise ValueError(f"profile: scheduler: {exc}") from None
+        self.config = config
+        self.prefill = [_Engine(self, i, config) for i in range(num_prefill)]
+        self.decode = [_Engine(self, num_prefill + i, config) for i in range(num_decode)]
+        self.engines = self.prefill + self.decode
+        self.now_s = 0.0
+        self._transfers: list[tuple[float, int, int, str, bool]] = []
+        self._seq = 0
+
+    def transfer_done(self, at_s: float, engine: int, rid: str, recving: bool) -> None:
+        self._seq += 1
+        heapq.heappush(self._transfers, (at_s, self._seq, engine, rid, recving))
+
+    def run(self, requests: list[SimRequest]) -> list[_Record]:
+        order = sorted(range(len(requests)), key=lambda i: (requests[i].arrival_s, i))
+        records = [_Record(r.arrival_s, r.output_len) for r in requests]
+        live: dict[str, int] = {}
+        next_arrival = 0
+        inf = float("inf")
+        while True:
+            t = min(
+                requests[order[next_arrival]].arrival_s if next_arrival < len(order) else inf,
+                min((e.busy_until for e in self.engines if e.busy_until is not None), default=inf),
+                self._transfers[0][0] if self._transfers else inf,
+            )
+            if t == inf:
+                break
+            self.now_s = t
+            for e in self.engines:  # 1. steps that end now
+                if e.busy_until is not None and e.busy_until <= t:
+                    self._finish_step(e, t, records, live)
+            while self._transfers and self._transfers[0][0] <= t:  # 2. handoffs that end now
+                _, _, idx, rid, recving = heapq.heappop(self._transfers)
+                (self.engines[idx].recving if recving else self.engines[idx].sending).append(rid)
+            while next_arrival < len(order) and requests[order[next_arrival]].arrival_s <= t:
+                i = order[next_arrival]  # 3. arrivals
+                next_arrival += 1
+                self._admit_prefill(i, requests[i], records)
+            for e in self.engines:  # 4. idle engines start a step
+                if e.busy_until is None:
+                    e.deliver_transfers()
+                    self._start_step(e, t)
+        stuck = [rid for rid in live if not records[live[rid]].error]
+        stuck += [e.sched.engine_id for e in self.engines if e.sched.has_unfinished_requests()]
+        if stuck:
+            raise RuntimeError(f"simulation stalled with work left: {stuck[:5]}")
+        for e in self.engines:
+            e.sched.check_integrity()  # nothing leaked: every block free, nothing tracked
+        return records
+
+    # ---- steps -------------------------------------------------------------------
+
+    def _admit_prefill(self, i: int, req: SimRequest, records: list[_Record]) -> None:
+        e = min(self.prefill, key=lambda x: (x.prompt_tokens_left(), x.index))
+        sp = SamplingParams(max_tokens=1, ignore_eos=True)
+        r = Request(
+            f"p{i}",
+            req.prompt,
+            sp,
+            arrival_time=req.arrival_s,
+            kv_transfer_params={"sim_hold": True},
+        )
+        try:
+            e.sched.add_request(r)
+        except ValueError as exc:
+            records[i].error = str(exc)
+
+    def _admit_decode(self, i: int, prefill_engine: int, prompt: list[int], out_len: int) -> None:
+        e = min(self.decode, key=lambda x: (x.num_unfinished(), x.index))
+        sp = SamplingParams(max_tokens=out_len, ignore_eos=True)
+        r = Request(
+            f"d{i}",
+            prompt,
+            sp,
+            arrival_time=self.now_s,
+            kv_transfer_params={"sim_prefill_engine": prefill_engine, "sim_prefill_id": f"p{i}"},
+        )
+        e.sched.add_request(r)  # the prefill engine accepted the same prompt
+
+    def _start_step(self, e: _Engine, t: float) -> None:
+        if not e.sched.has_unfinished_requests():
+            return
+        so = e.sched.schedule()
+        if so.total_num_scheduled_tokens == 0:
+            return  # waiting for blocks or a handoff: an event wakes it
+        e.step, e.busy_until = so, t + self.step_cost(e.sched, so)
+
+    def step_cost(self, sched: Scheduler, so: SchedulerOutput) -> float:
+        counts = so.num_scheduled_tokens
+        if all(n == 1 for n in counts.values()):
+            context = sum(sched.requests[rid].num_computed_tokens for rid in counts)
+            return self.profile.decode_s(len(counts), context)
+        return self.profile.prefill_s(so.total_num_scheduled_tokens)
+
+    def _finish_step(self, e: _Engine, t: float, records: list[_Record], live: dict) -> None:
+        so, e.step, e.busy_until = e.step, None, None
+        reqs = e.sched.requests
+        rids = list(so.num_scheduled_tokens)
+        sampled = [
+            [SAMPLED_TOKEN]
+            if rid in reqs and reqs[rid].num_computed_tokens >= reqs[rid].num_tokens
+            else []
+            for rid in rids
+        ]
+        outs = e.sched.update_from_output(
+            so, ModelRunnerOutput(req_ids=rids, sampled_token_ids=sampled)
+        )
+        for out in outs.outputs:
+            i = int(out.request_id[1:])
+            if out.request_id[0] == "p":
+                if out.finish_reason is not None:
+                    req = reqs.get(out.request_id)
+                    prompt = req.prompt_token_ids if req is not None else []
+                    live[f"d{i}"] = i
+                    self._admit_decode(i, e.index, prompt, records[i].output_len)
+            else:
+                records[i].token_times.extend([t] * len(out.new_token_ids))
+                if out.finish_reason is not None:
+                    live.pop(out.request_id, None)

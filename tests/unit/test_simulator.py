@@ -1,0 +1,254 @@
+"""cluster/planner/simulator.py: the real schedulers on a virtual clock."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from tandem.cluster.cli.main import main
+from tandem.cluster.cli.trace_replay import SynthConfig, synthesize
+from tandem.cluster.planner.metrics import summarize
+from tandem.cluster.planner.profile import Profile, TransferCost, interp, load_profile, save_profile
+from tandem.cluster.planner.simulator import SimRequest, Simulator
+
+SCHED = {
+    "block_size": 16,
+    "num_kv_blocks": 4096,
+    "max_num_batched_tokens": 2048,
+    "max_num_seqs": 64,
+    "max_model_len": 8192,
+}
+
+
+def profile(**transfer) -> Profile:
+    return Profile(
+        prefill_tokens=[16, 1024, 4096],
+        prefill_time_s=[0.01, 0.2, 0.9],
+        decode_batch_sizes=[1, 64],
+        decode_context_tokens=[16, 65536],
+        decode_time_s=[[0.005, 0.008], [0.01, 0.03]],
+        transfer=TransferCost(
+            **{"bytes_per_s": 1e9, "latency_s": 0.002, "kv_bytes_per_token": 4096, **transfer}
+        ),
+        scheduler=dict(SCHED),
+    )
+
+
+def test_interpolation_is_piecewise_linear_and_extends_the_last_slope():
+    xs, ys = [10, 20, 40], [1.0, 2.0, 4.0]
+    assert interp(xs, ys, 5) == 1.0  # below the first point: the first value
+    assert interp(xs, ys, 15) == pytest.approx(1.5)
+    assert interp(xs, ys, 30) == pytest.approx(3.0)
+    assert interp(xs, ys, 80) == pytest.approx(8.0)  # the last slope goes on
+    p = profile()
+    # bilinear on the decode grid: the middle of the square is the mean of its corners
+    mid = p.decode_s(32.5, (16 + 65536) / 2)
+    assert mid == pytest.approx((0.005 + 0.008 + 0.01 + 0.03) / 4)
+
+
+def test_single_request_ttft_is_prefill_plus_handoff_plus_one_decode_step():
+    p = profile()
+    prompt = list(range(100, 400))  # 300 tokens
+    [rec] = Simulator(p, 1, 1).run([SimRequest(0.5, prompt, 4)])
+    ttft = rec.token_times[0] - rec.arrival_s
+    # the decode engine loads all but the last prompt token and computes that one
+    assert ttft == pytest.approx(p.prefill_s(300) + p.handoff_s(299) + p.decode_s(1, 300))
+    assert p.handoff_s(299) == pytest.approx(0.002 + 299 * 4096 / 1e9)
+    itls = [b - a for a, b in zip(rec.token_times, rec.token_times[1:])]
+    assert itls == pytest.approx([p.decode_s(1, 301 + k) for k in range(3)])
+    assert len(rec.token_times) == 4
+
+
+def _workload(seed: int, n: int = 120) -> list[SimRequest]:
+    import random
+
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(6.0)
+        out.append(
+            SimRequest(
+                t, [rng.randrange(500) for _ in range(rng.randint(50, 900))], rng.randint(5, 120)
+            )
+        )
+    return out
+
+
+def test_same_workload_same_result_and_nothing_leaks():
+    a = summarize(Simulator(profile(), 2, 2).run(_workload(3)), 400, 20)
+    b = summarize(Simulator(profile(), 2, 2).run(_workload(3)), 400, 20)
+    assert a == b
+    assert a["num_completed"] == 120
+    # run() ends with check_integrity() on every scheduler: no block or request left
+
+
+def test_more_prefill_engines_shorten_the_prompt_queue():
+    w = _workload(1, 200)
+    one = summarize(Simulator(profile(), 1, 1).run(copy.deepcopy(w)))
+    two = summarize(Simulator(profile(), 2, 1).run(copy.deepcopy(w)))
+    assert two["ttft_ms"]["p90"] < one["ttft_ms"]["p90"]
+
+
+def test_a_slow_handoff_costs_ttft_and_holds_prefill_blocks_until_read():
+    w = [SimRequest(0.0, list(range(1000)), 3)]
+    fast = Simulator(profile(), 1, 1).run(copy.deepcopy(w))[0]
+    slow = Simulator(profile(bytes_per_s=1e6), 1, 1).run(copy.deepcopy(w))[0]
+    assert (slow.token_times[0] - fast.token_times[0]) == pytest.approx(999 * 4096 * (1e-6 - 1e-9))
+
+
+def test_a_prompt_longer_than_the_model_fails_that_request_only():
+    w = [SimRequest(0.0, [1] * 9000, 3), SimRequest(0.0, [2] * 20, 3)]
+    recs = Simulator(profile(), 1, 1).run(w)
+    assert "max_model_len" in recs[0].error and not recs[1].error
+    s = summarize(recs)
+    assert (s["num_completed"], s["num_failed"]) == (1, 1)
+
+
+def test_goodput_counts_requests_meeting_both_slos():
+    recs = Simulator(profile(), 1, 1).run([SimRequest(0.0, [1] * 100, 5)])
+    ttft_ms = (recs[0].token_times[0] - recs[0].arrival_s) * 1000
+    assert summarize(recs, ttft_ms + 1, 100)["num_good"] == 1
+    assert summarize(recs, ttft_ms - 1, 100)["num_good"] == 0
+    assert summarize(recs, ttft_ms + 1, 1)["num_good"] == 0
+
+
+def test_bad_profiles_name_the_field(tmp_path):
+    good = profile().to_json()
+    for path, value, field in [
+        (("prefill", "time_s"), [0.1], "prefill.time_s"),
+        (("decode", "batch_sizes"), [4, 1], "decode.batch_sizes"),
+        (("transfer", "bytes_per_s"), 0, "transfer.bytes_per_s"),
+    ]:
+        bad = copy.deepcopy(good)
+        bad[path[0]][path[1]] = value
+        f = tmp_path / "p.json"
+        f.write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+            load_profile(str(f))
+    f = tmp_path / "p.json"
+    save_profile(profile(), str(f))
+    assert load_profile(str(f)).to_json() == good
+
+
+# ---- CLI ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def profile_file(tmp_path):
+    f = tmp_path / "profile.json"
+    save_profile(profile(), str(f))
+    return str(f)
+
+
+def test_simulate_without_profile_names_the_flag(capsys):
+    assert main(["simulate", "--prefill", "1", "--decode", "1"]) == 2
+    assert "--profile" in capsys.readouterr().err
+
+
+def test_simulate_bad_input_names_the_flag(capsys, profile_file, tmp_path):
+    assert main(["simulate", "--profile", str(tmp_path / "none.json")]) == 2
+    assert "--profile" in capsys.readouterr().err
+    assert main(["simulate", "--profile", profile_file, "--decode", "0"]) == 2
+    assert "--decode" in capsys.readouterr().err
+    assert main(["simulate", "--profile", profile_file, "--itl-slo-ms", "-1"]) == 2
+    assert "--itl-slo-ms" in capsys.readouterr().err
+    assert main(["simulate", "--profile", profile_file, "--trace", str(tmp_path / "x.jsonl")]) == 2
+    assert "x.jsonl" in capsys.readouterr().err
+
+
+def test_plan_requires_slos_and_engines(capsys, profile_file):
+    assert main(["plan", "--profile", profile_file, "--itl-slo-ms", "20"]) == 2
+    assert "--ttft-slo-ms" in capsys.readouterr().err
+    args = ["plan", "--profile", profile_file, "--ttft-slo-ms", "300", "--itl-slo-ms", "20"]
+    assert main([*args, "--max-engines", "1"]) == 2
+    assert "--max-engines" in capsys.readouterr().err
+    assert main(["plan", "--ttft-slo-ms", "300", "--itl-slo-ms", "20"]) == 2
+    assert "--profile" in capsys.readouterr().err
+
+
+def test_simulate_a_mooncake_trace_twice_gives_the_same_json(capsys, profile_file, tmp_path):
+    trace = tmp_path / "t.jsonl"
+    rows = synthesize(SynthConfig(num_sessions=6, session_rate_per_s=2.0, seed=4))
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = [
+        "simulate",
+        "--profile",
+        profile_file,
+        "--trace",
+        str(trace),
+        "--prefill",
+        "2",
+        "--decode",
+        "1",
+        "--trace-block-tokens",
+        "64",
+        "--ttft-slo-ms",
+        "500",
+        "--itl-slo-ms",
+        "20",
+        "--json",
+    ]
+    assert main(args) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert main(args) == 0
+    assert json.loads(capsys.readouterr().out) == first
+    assert first["num_completed"] == len(rows)
+
+
+def test_simulate_an_azure_trace(capsys, profile_file, tmp_path):
+    trace = tmp_path / "t.csv"
+    trace.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "2023-11-16 18:15:46.6805900,374,44\n"
+        "2023-11-16 18:15:46.9805900,120,10\n"
+    )
+    assert main(["simulate", "--profile", profile_file, "--trace", str(trace), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["num_completed"] == 2
+
+
+def test_plan_searches_every_split(capsys, profile_file):
+    args = [
+        "plan",
+        "--profile",
+        profile_file,
+        "--ttft-slo-ms",
+        "300",
+        "--itl-slo-ms",
+        "20",
+        "--max-engines",
+        "3",
+        "--num-requests",
+        "60",
+        "--request-rate",
+        "5",
+        "--json",
+    ]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert sorted((r["prefill"], r["decode"]) for r in out["splits"]) == [(1, 1), (1, 2), (2, 1)]
+    best = max(r["goodput_per_engine"] for r in out["splits"])
+    assert out["best"]["goodput_per_engine"] == best
+    model = out["sla_model"]
+    assert model["prefill"] >= 1 and model["decode"] >= 1
+    assert model["output_tokens"] > 0 and model["rate"] > 0
+
+
+def test_decode_extrapolation_adds_the_axes_slopes_without_a_cross_term():
+    p = profile()  # corners: (1,16) 0.005, (1,65536) 0.008, (64,16) 0.01, (64,65536) 0.03
+    slope_b = (0.03 - 0.008) / 63  # per request, at the context edge
+    slope_c = (0.03 - 0.01) / (65536 - 16)  # per context token, at the batch edge
+    got = p.decode_s(128, 131072)
+    assert got == pytest.approx(0.03 + 64 * slope_b + (131072 - 65536) * slope_c)
+    assert p.decode_s(0.5, 1) == pytest.approx(0.005)  # below the grid: its corner
+
+
+def test_the_seed_picks_the_synthetic_workload(capsys, profile_file):
+    def run(seed):
+        args = ["simulate", "--profile", profile_file, "--num-requests", "40", "--seed", seed]
+        assert main([*args, "--range-ratio", "0.5", "--json"]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    assert run("1") == run("1")
+    assert run("1")["ttft_ms"] != run("2")["ttft_ms"]
