@@ -117,6 +117,19 @@ class WireStats(msgspec.Struct, forbid_unknown_fields=True):
     auth_failures: dict[str, int] = {}
 
 
+class StructuredOutputStats(msgspec.Struct, forbid_unknown_fields=True):
+    """Structured outputs of one engine (``workers/structured/manager.py``); counters
+    are cumulative since the engine started."""
+
+    backend: str = ""
+    constrained_requests_total: int = 0  # requests that carried a constraint
+    cache_hits_total: int = 0  # compiles answered by the grammar cache (or one in flight)
+    cache_misses_total: int = 0
+    compile_failures_total: int = 0  # invalid for this tokenizer, or past the deadline
+    compile_seconds: HistogramSnapshot | None = None  # one grammar's compile
+    mask_seconds: HistogramSnapshot | None = None  # one step's bitmask fill (all its rows)
+
+
 class EngineStats(msgspec.Struct, forbid_unknown_fields=True):
     """One engine at one moment (its loop thread, between steps).
 
@@ -139,6 +152,7 @@ class EngineStats(msgspec.Struct, forbid_unknown_fields=True):
     output_backlog_messages: int = 0
     output_deferred_total: int = 0
     num_streams_cut: int = 0  # cut by the engine's output stall timeout
+    structured: StructuredOutputStats | None = None  # once a constrained request came
 
 
 # Decodes (and validates) an engine's stats payload; callers go through

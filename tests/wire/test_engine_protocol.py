@@ -21,6 +21,7 @@ from wire.engine_protocol import (
     RequestTimings,
     SamplingParams,
     SchedulerStats,
+    StructuredOutputsParams,
     UtilityCall,
     UtilityResult,
 )
@@ -48,6 +49,9 @@ SAMPLES = {
         n=2,
     ),
     "request_defaults": EngineRequest("r2", [9], SamplingParams()),
+    "request_structured": EngineRequest(
+        "r3", [9], SamplingParams(structured_outputs=StructuredOutputsParams("regex", "[ab]+"))
+    ),
     "abort": EngineAbort(["a", "b"]),
     "utility_call": UtilityCall(3, "stats", [1, "x"]),
     "utility_result": UtilityResult(3, {"k": 1}),
@@ -77,14 +81,18 @@ SAMPLES = {
 }
 
 # msgspec.msgpack.encode of SAMPLES, taken from the messages' previous homes
-# (scheduler/messages.py, workers/engine_core.py) before they moved here.
+# (scheduler/messages.py, workers/engine_core.py) before they moved here; the
+# requests' SamplingParams grew an 18th element, structured_outputs (issue #27).
 GOLDEN_HEX = {
-    "request": "98a2723193010203dc00110500cb3fe000000000000003cb3ff0000000000000079102c201cb"
+    "request": "98a2723193010203dc00120500cb3fe000000000000003cb3ff0000000000000079102c201cb"
     "0000000000000000cb0000000000000000cb3ff0000000000000cb00000000000000008105cbbff8000000"
-    "000000919204050200cb3ff800000000000002a17381b0646f5f72656d6f74655f6465636f6465c302",
-    "request_defaults": "98a272329109dc00111000cb3ff000000000000000cb3ff0000000000000c090c2c0cb"
-    "0000000000000000cb0000000000000000cb3ff0000000000000cb0000000000000000c090ffc0cb000000"
-    "000000000000c0c001",
+    "000000919204050200c0cb3ff800000000000002a17381b0646f5f72656d6f74655f6465636f6465c302",
+    "request_defaults": "98a272329109dc00121000cb3ff000000000000000cb3ff0000000000000c090c2c0cb"
+    "0000000000000000cb0000000000000000cb3ff0000000000000cb0000000000000000c090ffc0c0cb0000"
+    "00000000000000c0c001",
+    "request_structured": "98a272339109dc00121000cb3ff000000000000000cb3ff0000000000000c090c2"
+    "c0cb0000000000000000cb0000000000000000cb3ff0000000000000cb0000000000000000c090ffc092a5"
+    "7265676578a55b61625d2bcb000000000000000000c0c001",
     "abort": "9192a161a162",
     "utility_call": "9303a573746174739201a178",
     "utility_result": "930381a16b01c0",
