@@ -28,7 +28,10 @@ SCHEMAS: dict[str, dict] = {
     },
     "const": {
         "type": "object",
-        "properties": {"kind": {"const": "point"}, "x": {"type": "integer", "minimum": -9, "maximum": 9}},
+        "properties": {
+            "kind": {"const": "point"},
+            "x": {"type": "integer", "minimum": -9, "maximum": 9},
+        },
         "required": ["kind", "x"],
         "additionalProperties": False,
     },
@@ -87,7 +90,10 @@ SCHEMAS: dict[str, dict] = {
         "properties": {
             "user": {
                 "type": "object",
-                "properties": {"name": _NAME, "id": {"type": "integer", "minimum": 1, "maximum": 999}},
+                "properties": {
+                    "name": _NAME,
+                    "id": {"type": "integer", "minimum": 1, "maximum": 999},
+                },
                 "required": ["name", "id"],
                 "additionalProperties": False,
             }
@@ -124,7 +130,10 @@ SCHEMAS: dict[str, dict] = {
                 "maxItems": 2,
                 "items": {
                     "type": "object",
-                    "properties": {"sku": _NAME, "qty": {"type": "integer", "minimum": 1, "maximum": 9}},
+                    "properties": {
+                        "sku": _NAME,
+                        "qty": {"type": "integer", "minimum": 1, "maximum": 9},
+                    },
                     "required": ["sku", "qty"],
                     "additionalProperties": False,
                 },
@@ -151,7 +160,9 @@ SCHEMAS: dict[str, dict] = {
     },
     "one_of_types": {
         "type": "object",
-        "properties": {"v": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 9}, {"type": "boolean"}]}},
+        "properties": {
+            "v": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 9}, {"type": "boolean"}]}
+        },
         "required": ["v"],
         "additionalProperties": False,
     },
@@ -176,7 +187,12 @@ SCHEMAS: dict[str, dict] = {
         "type": "object",
         "definitions": {"tag": {"type": "string", "enum": ["x", "y", "z"]}},
         "properties": {
-            "tags": {"type": "array", "items": {"$ref": "#/definitions/tag"}, "minItems": 1, "maxItems": 2}
+            "tags": {
+                "type": "array",
+                "items": {"$ref": "#/definitions/tag"},
+                "minItems": 1,
+                "maxItems": 2,
+            }
         },
         "required": ["tags"],
         "additionalProperties": False,

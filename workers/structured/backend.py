@@ -14,8 +14,8 @@ matcher through draft tokens and roll the rejected ones back.
 
 llguidance is what the engine runs (docs/architecture.md, "Structured outputs", says why:
 its Python package does not import torch, so the gateway validates with the very library
-the engines compile with, and its masks were the cheaper on our tokenizers). xgrammar is
-kept for ``benchmarks/structured_outputs.py``'s comparison only; it imports torch.
+the engines compile with, and it compiles far faster). xgrammar, measured against it, has
+the same interface in ``benchmarks/structured_xgrammar.py`` (benchmark only; it imports torch).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import numpy as np
 from wire.engine_protocol import StructuredOutputsParams
 from workers.structured import spec as specs
 
-BACKENDS = ("llguidance", "xgrammar")
+BACKENDS = ("llguidance",)
 
 
 def bitmask_width(vocab_size: int) -> int:
@@ -51,14 +51,17 @@ class GrammarBackend(Protocol):
 
 
 class _LLGuidanceMatcher:
-    __slots__ = ("_m",)
+    __slots__ = ("_m", "_eos")
 
-    def __init__(self, matcher: Any) -> None:
+    def __init__(self, matcher: Any, eos_token_ids: frozenset[int]) -> None:
         self._m = matcher
+        self._eos = eos_token_ids
 
     def advance(self, tokens: list[int]) -> int:
-        num = self._m.try_consume_tokens(tokens)
-        return num if num >= 0 else 0
+        num = max(0, self._m.try_consume_tokens(tokens))
+        if num < len(tokens) and tokens[num] in self._eos and self._m.is_stopped():
+            num += 1  # EOS after the grammar ended: accepted (and the last one)
+        return num
 
     def rollback(self, num_tokens: int) -> None:
         if num_tokens and not self._m.rollback(num_tokens):
@@ -85,6 +88,7 @@ class LLGuidanceBackend:
         import llguidance.hf
 
         self.vocab_size = vocab_size
+        self._eos = frozenset(eos_token_ids)
         self._tokenizer = llguidance.hf.from_tokenizer(
             tokenizer, n_vocab=vocab_size, eos_token=list(eos_token_ids)
         )
@@ -98,77 +102,7 @@ class LLGuidanceBackend:
         return matcher
 
     def matcher(self, compiled: Any) -> Matcher:
-        return _LLGuidanceMatcher(compiled.deep_copy())
-
-
-class _XGrammarMatcher:
-    __slots__ = ("_m", "_torch")
-
-    def __init__(self, matcher: Any) -> None:
-        import torch
-
-        self._m = matcher
-        self._torch = torch
-
-    def advance(self, tokens: list[int]) -> int:
-        for num, token in enumerate(tokens):
-            if not self._m.accept_token(token):
-                return num
-        return len(tokens)
-
-    def rollback(self, num_tokens: int) -> None:
-        if num_tokens:
-            self._m.rollback(num_tokens)
-
-    def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
-        self._m.fill_next_token_bitmask(self._torch.from_numpy(bitmask), row)
-
-    def is_terminated(self) -> bool:
-        return self._m.is_terminated()
-
-    def error(self) -> str | None:
-        return None
-
-
-class XGrammarBackend:
-    """xgrammar (imports torch): for the benchmark's comparison."""
-
-    name = "xgrammar"
-
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> None:
-        import xgrammar
-
-        self._xgr = xgrammar
-        self.vocab_size = vocab_size
-        info = xgrammar.TokenizerInfo.from_huggingface(
-            tokenizer, vocab_size=vocab_size, stop_token_ids=list(eos_token_ids)
-        )
-        # its own cache off: the compile pool's cache is the one measured and used
-        self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-
-    def compile(self, spec: StructuredOutputsParams) -> Any:
-        c, kind = self._compiler, spec.kind
-        if kind == "json":
-            return c.compile_json_schema(spec.text, any_whitespace=False)
-        if kind == "json_object":
-            return c.compile_json_schema(specs.ANY_JSON_OBJECT, any_whitespace=False)
-        if kind == "regex":
-            return c.compile_regex(spec.text)
-        if kind == "choice":
-            choices = specs.choice_list(spec.text)
-            return c.compile_grammar(
-                "root ::= " + " | ".join(self._quote(x) for x in choices)
-            )
-        return c.compile_grammar(spec.text)
-
-    @staticmethod
-    def _quote(text: str) -> str:
-        import json
-
-        return json.dumps(text)
-
-    def matcher(self, compiled: Any) -> Matcher:
-        return _XGrammarMatcher(self._xgr.GrammarMatcher(compiled))
+        return _LLGuidanceMatcher(compiled.deep_copy(), self._eos)
 
 
 def make_backend(
@@ -176,6 +110,6 @@ def make_backend(
 ) -> GrammarBackend:
     if name == "llguidance":
         return LLGuidanceBackend(tokenizer, vocab_size, eos_token_ids)
-    if name == "xgrammar":
-        return XGrammarBackend(tokenizer, vocab_size, eos_token_ids)
-    raise ValueError(f"structured_outputs_backend must be one of {', '.join(BACKENDS)}, got {name!r}")
+    raise ValueError(
+        f"structured_outputs_backend must be one of {', '.join(BACKENDS)}, got {name!r}"
+    )

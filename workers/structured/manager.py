@@ -183,7 +183,8 @@ class StructuredOutputManager:
         self.matchers[req.request_id] = matcher
 
     def matcher_for(self, req: Request) -> Matcher:
-        """The request's matcher; a fork child's is built on first use from the cache."""
+        """The request's matcher; a fork child's is built from the cached grammar (the
+        scheduler asks when it creates the children)."""
         matcher = self.matchers.get(req.request_id)
         if matcher is None:
             cache = self._cache_now()
@@ -208,7 +209,7 @@ class StructuredOutputManager:
 
     def accept(self, req: Request, tokens: list[int]) -> int:
         """Advance the request's matcher by its new tokens; how many it accepted."""
-        return self.matcher_for(req).advance(tokens)
+        return self.matchers[req.request_id].advance(tokens)
 
     def is_terminated(self, req: Request) -> bool:
         matcher = self.matchers.get(req.request_id)
@@ -220,6 +221,11 @@ class StructuredOutputManager:
             self._forget_submission(req)
 
     # ---- state ----------------------------------------------------------------------
+
+    @property
+    def active(self) -> bool:
+        """Has a constrained request come (stats are reported from then on)?"""
+        return self.stats.constrained_requests_total > 0
 
     def make_stats(self) -> StructuredOutputStats:
         while self._done_times:
@@ -234,3 +240,18 @@ class StructuredOutputManager:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def structured_manager(
+    model_path: str, vocab_size: int, eos_token_ids: list[int | None], backend: str = "llguidance"
+) -> StructuredOutputManager:
+    """The engine's manager; the tokenizer is loaded on the first compile (pool thread)."""
+    eos = [t for t in eos_token_ids if t is not None]
+
+    def make() -> GrammarBackend:
+        from workers.structured.backend import make_backend
+        from workers.text.tokenizer import load_tokenizer
+
+        return make_backend(backend, load_tokenizer(model_path), vocab_size, eos)
+
+    return StructuredOutputManager(make, backend, vocab_size)

@@ -29,7 +29,9 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
     if kind == "json":
         return llguidance.LLMatcher.grammar_from_json_schema(text, defaults=_JSON_OPTIONS)
     if kind == "json_object":
-        return llguidance.LLMatcher.grammar_from_json_schema(ANY_JSON_OBJECT, defaults=_JSON_OPTIONS)
+        return llguidance.LLMatcher.grammar_from_json_schema(
+            ANY_JSON_OBJECT, defaults=_JSON_OPTIONS
+        )
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(text)
     if kind == "choice":

@@ -1,0 +1,104 @@
+"""The scheduler's side of structured outputs (grammar-constrained requests).
+
+    add_request ──> WAITING_FOR_FSM ──(grammar compiled)──> WAITING ──> RUNNING ...
+                         │ invalid for this engine, or past the compile deadline
+                         └──> FINISHED_ERROR (an error output; never a hang)
+
+The grammar work itself is the engine's ``workers.structured.manager.StructuredOutputManager``
+(``Scheduler.structured``, duck-typed: this package imports no grammar library). While a
+request's grammar compiles on the manager's pool, it holds no blocks and other requests run.
+
+Each step, every constrained request that samples gets one bitmask row
+(``SchedulerOutput.grammar_bitmask``, filled after scheduling: its tokens are all known) and
+the sampler masks its logits (``workers/sampling/grammar_mask.py``); unconstrained steps carry
+none. When the step's tokens come back, the request's matcher advances by them: a grammar that
+has ended stops the request (``FINISHED_STOPPED``), a token the matcher refuses (impossible
+unless the mask was wrong) ends it in error. The overlapped loop does not schedule a
+constrained request while its token is in flight: its next mask needs that token.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from scheduler.messages import GrammarBitmask
+from scheduler.placeholders import samples_this_step
+from scheduler.request import Request, RequestStatus
+from wire.engine_protocol import EngineOutput
+
+if TYPE_CHECKING:
+    from scheduler.scheduler import Scheduler
+
+
+def wait_for_grammar(sched: Scheduler, req: Request) -> None:
+    if sched.structured is None:
+        raise ValueError("structured_outputs is not available on this engine")
+    req.status = RequestStatus.WAITING_FOR_FSM
+    sched.requests[req.request_id] = req
+    sched.waiting_for_fsm[req.request_id] = req
+    sched.structured.submit(req)
+
+
+def admit_ready(sched: Scheduler) -> None:
+    """Queue every request whose grammar is ready; end those whose compile failed."""
+    for rid, req in list(sched.waiting_for_fsm.items()):
+        try:
+            ready = sched.structured.poll(req)
+        except ValueError as exc:
+            del sched.waiting_for_fsm[rid]
+            sched.requests.pop(rid, None)
+            sched.structured.remove(req)
+            req.status = RequestStatus.FINISHED_ERROR
+            req.error = str(exc)
+            sched.pending_outputs.append(
+                EngineOutput(
+                    request_id=rid, finish_reason=req.status.finish_reason, error=req.error
+                )
+            )
+            continue
+        if ready:
+            del sched.waiting_for_fsm[rid]
+            del sched.requests[rid]
+            sched._admit(req)
+
+
+def forget(sched: Scheduler, req: Request) -> None:
+    """A request finished (aborted) while its grammar compiled."""
+    sched.waiting_for_fsm.pop(req.request_id, None)
+    sched.requests.pop(req.request_id, None)
+    sched.structured.remove(req)
+
+
+def bitmask(sched: Scheduler, num_scheduled: dict[str, int]) -> GrammarBitmask | None:
+    """The rows of this step's constrained requests that sample (after scheduling)."""
+    requests = sched.requests
+    reqs = [
+        req
+        for rid in num_scheduled
+        if (req := requests[rid]).sampling_params.structured_outputs is not None
+        and samples_this_step(req)
+    ]
+    if not reqs:
+        return None
+    return GrammarBitmask([r.request_id for r in reqs], sched.structured.bitmask(reqs))
+
+
+def advance(
+    sched: Scheduler, req: Request, tokens: list[int], status: RequestStatus | None
+) -> RequestStatus | None:
+    """Move the request's matcher over its new tokens; the request's new status."""
+    if sched.structured.accept(req, tokens) != len(tokens):
+        req.error = "structured_outputs: a sampled token does not match the grammar"
+        return RequestStatus.FINISHED_ERROR
+    if status is None and sched.structured.is_terminated(req):
+        return RequestStatus.FINISHED_STOPPED  # the grammar has ended
+    return status
+
+
+def check_integrity(sched: Scheduler) -> None:
+    for rid, req in sched.waiting_for_fsm.items():
+        assert sched.requests.get(rid) is req, f"{rid} waits for its grammar untracked"
+        assert req.status == RequestStatus.WAITING_FOR_FSM, req
+        assert not sched.kv.req_blocks.get(rid), f"{rid} holds blocks while its grammar compiles"
+    if sched.structured is not None:
+        sched.structured.check_integrity(set(sched.requests))

@@ -1,0 +1,77 @@
+"""Structured outputs in the sampler: the grammar's token bitmask applied to logits rows.
+
+    bitmask  int32 [R, ceil(V / 32)]   row r: the allowed tokens of logits row rows[r]
+    logits   [N, V]                    rows[r] gets -inf wherever its bit is 0
+
+The bitmask is filled on the host by the requests' grammar matchers
+(``scheduler/structured_grammar.py``) and travels in ``SchedulerOutput.grammar_bitmask``;
+``GrammarRows.from_step`` lines it up with the step's sampled rows. The sampler calls
+``apply_grammar_mask`` first, before the min_tokens mask, penalties and temperature, and
+only when some row is constrained: an unconstrained batch pays nothing. The unpacking is
+elementwise tensor work on the logits' device (no host round trip).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+from kernels.metadata import host_to_device, list_to_device
+
+
+@dataclasses.dataclass(slots=True)
+class GrammarRows:
+    rows: list[int]  # logits rows that are constrained
+    bitmask: np.ndarray  # int32 [len(rows), words]
+
+    @classmethod
+    def from_step(cls, grammar, sampled_req_ids: list[str]) -> GrammarRows | None:
+        """``grammar``: a ``scheduler.messages.GrammarBitmask`` (or None)."""
+        if grammar is None or not grammar.req_ids:
+            return None
+        row_of = {rid: row for row, rid in enumerate(sampled_req_ids)}
+        words = np.frombuffer(bytearray(grammar.bitmask), dtype=np.int32).reshape(
+            len(grammar.req_ids), -1
+        )
+        rows, keep = [], []
+        for k, rid in enumerate(grammar.req_ids):
+            row = row_of.get(rid)
+            if row is not None:
+                rows.append(row)
+                keep.append(k)
+        if not rows:
+            return None
+        return cls(rows, np.ascontiguousarray(words[keep]) if len(keep) != len(words) else words)
+
+
+_BITS = {}
+
+
+def _bit_positions(device: torch.device) -> torch.Tensor:
+    bits = _BITS.get(device)
+    if bits is None:
+        bits = _BITS[device] = torch.arange(32, dtype=torch.int32, device=device)
+    return bits
+
+
+def apply_grammar_mask(logits: torch.Tensor, grammar: GrammarRows) -> torch.Tensor:
+    """``logits`` ([N, V] float) with every token a constrained row's grammar forbids at
+    -inf; a new tensor (the raw logits stay for logprobs)."""
+    device = logits.device
+    vocab_size = logits.shape[1]
+    words = host_to_device(torch.from_numpy(grammar.bitmask), device)
+    allowed = ((words.unsqueeze(-1) >> _bit_positions(device)) & 1).bool()
+    allowed = allowed.flatten(1)
+    if allowed.shape[1] < vocab_size:  # tokens past the bitmask: never allowed
+        pad = torch.zeros((allowed.shape[0], vocab_size - allowed.shape[1]), dtype=torch.bool,
+                          device=device)  # fmt: skip
+        allowed = torch.cat((allowed, pad), dim=1)
+    allowed = allowed[:, :vocab_size]
+    masked = logits.clone()
+    if grammar.rows == list(range(logits.shape[0])):
+        return masked.masked_fill_(~allowed, float("-inf"))
+    rows = list_to_device(grammar.rows, device)
+    masked.index_copy_(0, rows, masked.index_select(0, rows).masked_fill_(~allowed, float("-inf")))
+    return masked
