@@ -152,7 +152,7 @@ class EngineStats(msgspec.Struct, forbid_unknown_fields=True):
     output_backlog_messages: int = 0
     output_deferred_total: int = 0
     num_streams_cut: int = 0  # cut by the engine's output stall timeout
-    structured: StructuredOutputStats | None = None  # once a constrained request came
+    structured: StructuredOutputStats | None = None  # workers/structured/manager.py
 
 
 # Decodes (and validates) an engine's stats payload; callers go through

@@ -11,9 +11,10 @@ request's grammar compiles on the manager's pool, it holds no blocks and other r
 Each step, every constrained request that samples gets one bitmask row
 (``SchedulerOutput.grammar_bitmask``, filled after scheduling: its tokens are all known) and
 the sampler masks its logits (``workers/sampling/grammar_mask.py``); unconstrained steps carry
-none. When the step's tokens come back, the request's matcher advances by them: a grammar that
-has ended stops the request (``FINISHED_STOPPED``), a token the matcher refuses (impossible
-unless the mask was wrong) ends it in error. The overlapped loop does not schedule a
+none. When the step's tokens come back, the request's matcher advances by them. A grammar that
+has ended allows only EOS next, so the request ends on EOS like any other (the gateway drops a
+final EOS from the text, never a grammar's last token); with ``ignore_eos`` the accepted EOS
+ends it. A token the matcher refuses (impossible unless the mask was wrong) ends it in error. The overlapped loop does not schedule a
 constrained request while its token is in flight: its next mask needs that token.
 """
 
@@ -91,7 +92,10 @@ def advance(
         req.error = "structured_outputs: a sampled token does not match the grammar"
         return RequestStatus.FINISHED_ERROR
     if status is None and sched.structured.is_terminated(req):
-        return RequestStatus.FINISHED_STOPPED  # the grammar has ended
+        # the grammar took its end token although EOS does not stop the request (ignore_eos)
+        last = tokens[-1]
+        if last == req.eos_token_id or last in req.sampling_params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
     return status
 
 

@@ -191,7 +191,7 @@ class EngineCore:
             num_transfers_in_flight=kv.loads_in_flight if kv is not None else 0,
             kv_transfer=kv,
             wire=self.wire_stats(),
-            structured=self.structured.make_stats() if self.structured.active else None,
+            structured=self.structured.make_stats(),
         )
 
     def wire_stats(self) -> WireStats:

@@ -222,11 +222,6 @@ class StructuredOutputManager:
 
     # ---- state ----------------------------------------------------------------------
 
-    @property
-    def active(self) -> bool:
-        """Has a constrained request come (stats are reported from then on)?"""
-        return self.stats.constrained_requests_total > 0
-
     def make_stats(self) -> StructuredOutputStats:
         while self._done_times:
             self._compile_seconds.observe(self._done_times.pop())
