@@ -8,12 +8,13 @@ schema set of ``benchmarks/structured_schemas.py`` (22 JSON schemas): compile ti
 cold (a fresh compile) and cached (the compile pool's cache hit,
 ``workers/structured/manager.py``), and the mask cost: the time to fill one bitmask row
 per matcher, averaged over a walk of each schema's greedy-valid path (the matcher advances
-by the lowest allowed token each step, so every backend walks the same path).
+by the lowest allowed token each step, so every backend walks the same path); then the
+sampler's share, ``apply_grammar_mask`` on [batch, vocab] logits with every row constrained.
 
-``engine``: one in-process engine (``EngineCore``, greedy, ignore_eos) at batch 1/32/128 with
-none / half / all requests constrained by a JSON schema that never ends within the run
-(an array of up to 10,000 small integers): median step time over the decode steps, the
-bitmask-filling time per step, and output tokens per second.
+``engine`` (``benchmarks/structured_engine.py``): one in-process engine (greedy, ignore_eos) at
+batch 1/32/128 with none / half / all requests constrained by a JSON schema that cannot end
+within the run: median decode step, bitmask fill per step, output tokens per second; the three
+shares interleaved over several rounds (medians), so a change in the machine's load hits each.
 """
 
 from __future__ import annotations
@@ -98,6 +99,29 @@ def compile_part(models: list[str], backends: list[str], repeats: int) -> None:
             )
 
 
+def apply_part(batches: list[int], vocab_sizes: list[int], repeats: int = 20) -> None:
+    """The sampler's share: ``apply_grammar_mask`` on [batch, V] float32 logits, every row
+    constrained (median of ``repeats``)."""
+    import torch
+
+    from workers.sampling.grammar_mask import GrammarRows, apply_grammar_mask
+
+    print("| vocab | batch | apply_grammar_mask ms |")
+    print("|---|---|---|")
+    for vocab in vocab_sizes:
+        for batch in batches:
+            logits = torch.randn(batch, vocab)
+            rng = np.random.default_rng(0)
+            bits = rng.integers(-(2**31), 2**31, (batch, bitmask_width(vocab)), dtype=np.int64)
+            rows = GrammarRows(list(range(batch)), bits.astype(np.int32))
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                apply_grammar_mask(logits, rows)
+                times.append(time.perf_counter() - t0)
+            print(f"| {vocab} | {batch} | {statistics.median(times) * 1e3:.2f} |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--part", choices=("compile", "engine"), default="compile")
@@ -106,14 +130,16 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--model", default="tiny")
     p.add_argument("--batches", nargs="+", type=int, default=[1, 32, 128])
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args()
     if args.part == "compile":
         compile_part(args.models, args.backends, args.repeats)
+        apply_part(args.batches, [262, 49152])
     else:
         from benchmarks.structured_engine import engine_part
 
-        engine_part(args.model, args.batches, args.steps)
+        engine_part(args.model, args.batches, args.steps, args.rounds)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ matcher interface advances by token lists and rolls back. ``check_integrity()`` 
 
 from __future__ import annotations
 
+import json
 import threading
 
 import numpy as np
@@ -68,6 +69,9 @@ REGEX = StructuredOutputsParams("regex", "(ab){3}")
 
 
 def test_waits_for_its_grammar_while_others_run(llm):
+    """A flood of distinct schemas compiling does not hold back an unconstrained request: it
+    runs to its end while every constrained one waits in WAITING_FOR_FSM (no timing asserted:
+    the compiles are held until it finished)."""
     engine = llm.engine
     gate = threading.Event()
     saved = engine.structured
@@ -75,6 +79,18 @@ def test_waits_for_its_grammar_while_others_run(llm):
         gated(llm, gate)
         engine.add_request(EngineRequest("c", [1, 2, 3], SamplingParams(max_tokens=16, temperature=0,
                                                                        structured_outputs=REGEX)))  # fmt: skip
+        flood = [f"flood-{i}" for i in range(30)]
+        for i, rid in enumerate(flood):
+            schema = {
+                "type": "object",
+                "properties": {f"k{i}": {"type": "integer"}},
+                "required": [f"k{i}"],
+            }
+            sp = SamplingParams(
+                max_tokens=12,
+                structured_outputs=StructuredOutputsParams("json", json.dumps(schema)),
+            )
+            engine.add_request(EngineRequest(rid, [1, 2], sp))
         engine.add_request(
             EngineRequest("u", [4, 5, 6], SamplingParams(max_tokens=4, temperature=0))
         )
@@ -87,12 +103,13 @@ def test_waits_for_its_grammar_while_others_run(llm):
                 break
         assert "c" not in outputs  # still compiling; the unconstrained request finished
         assert engine.scheduler.requests["c"].status == RequestStatus.WAITING_FOR_FSM
-        assert engine.stats().scheduler.num_waiting_reqs == 1
+        assert engine.stats().scheduler.num_waiting_reqs == 31
         engine.scheduler.check_integrity(idle=False)
         gate.set()
         rest: dict = {}
         drain(engine, rest)
         assert rest["c"]["finish"] == "stop"
+        assert all(rest[rid]["finish"] in ("stop", "length") for rid in flood)
         assert llm.tokenizer.decode(rest["c"]["tokens"], skip_special_tokens=True) == "ababab"
         engine.check_integrity()
     finally:
@@ -182,3 +199,33 @@ def test_matcher_advances_by_token_lists_and_rolls_back(llm):
     assert allowed(1) == [a]
     assert matcher.advance([a, b, a, b, llm.engine.eos_token_id]) == 5
     assert matcher.is_terminated()
+
+
+def test_grammar_mask_rows_against_a_bit_by_bit_reference():
+    import torch
+
+    from scheduler.messages import GrammarBitmask
+    from workers.sampling.grammar_mask import GrammarRows, allowed_tokens, apply_grammar_mask
+
+    vocab = 300  # not a multiple of 32: the last word's high bits are past the vocabulary
+    rng = np.random.default_rng(1)
+    words = rng.integers(-(2**31), 2**31, (3, bitmask_width(vocab)), dtype=np.int64).astype(
+        np.int32
+    )
+    ref = torch.tensor(
+        [[bool(words[r, t // 32] >> (t % 32) & 1) for t in range(vocab)] for r in range(3)]
+    )
+    assert torch.equal(allowed_tokens(words, vocab, torch.device("cpu")), ref)
+    padded = allowed_tokens(words[:, :5], vocab, torch.device("cpu"))  # a model vocab past the mask
+    assert not padded[:, 160:].any() and torch.equal(padded[:, :160], ref[:, :160])
+    # rows "b", "c", "d" sample; the step's bitmask names c, d and one that did not sample
+    step = GrammarBitmask(["c", "x", "d"], words.tobytes())
+    rows = GrammarRows.from_step(step, ["b", "c", "d"])
+    assert rows.rows == [1, 2]
+    logits = torch.randn(3, vocab)
+    masked = apply_grammar_mask(logits, rows)
+    assert torch.equal(masked[0], logits[0])
+    for row, k in ((1, 0), (2, 2)):
+        assert torch.equal(torch.isinf(masked[row]), ~ref[k])
+        assert torch.equal(masked[row][ref[k]], logits[row][ref[k]])
+    assert GrammarRows.from_step(None, ["a"]) is None

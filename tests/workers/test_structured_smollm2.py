@@ -170,3 +170,37 @@ def test_overlapped_loop_equals_synchronous(llm):
                                   sampling_params=params)  # fmt: skip
         overlapped.engine.check_integrity()
     assert [r.token_ids for r in got] == want
+
+
+def test_migrated_constrained_stream_stays_valid_and_identical(llm):
+    """A stream cut after a few tokens and resubmitted as the gateway's migration does
+    (``StreamLedger.resubmission``: prompt + sent tokens) rebuilds its matcher from the spec and
+    the sent tokens, and ends exactly as the uninterrupted stream."""
+    from cluster.disagg.migration import StreamLedger
+
+    schema = SCHEMAS["array_of_objects"]
+    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, seed=21,
+                        structured_outputs=spec("json", json.dumps(schema)))  # fmt: skip
+    ids = chat_ids(llm, "An order as JSON, please.")
+    (whole,) = llm.generate(prompt_token_ids=[ids], sampling_params=sp)
+    engine = llm.engine
+    request = EngineRequest("migrating", ids, sp)
+    ledger = StreamLedger(request)
+    assert engine.add_request(request) is None
+    while len(ledger.sent_token_ids) < 6:
+        for o in engine.step().outputs:
+            ledger.record(o)
+    engine.abort(["migrating"])  # the engine is lost
+    while engine.has_work():
+        engine.step()
+    engine.check_integrity()
+    moved = ledger.resubmission()
+    assert moved.sampling_params.structured_outputs == sp.structured_outputs
+    msgspec_moved = moved  # what travels: the spec as text, never a matcher
+    assert engine.add_request(msgspec_moved) is None
+    while engine.has_work():
+        for o in engine.step().outputs:
+            ledger.record(o)
+    engine.check_integrity()
+    assert ledger.sent_token_ids == whole.token_ids
+    jsonschema.validate(json.loads(whole.text), schema)
