@@ -278,3 +278,36 @@ def test_hermes_parser_keeps_content_and_reads_calls():
     parser = HermesParser()
     assert parser.feed("a <tool_call>{broken")[0] == "a "
     assert parser.finish()[0] == "<tool_call>{broken" and not parser.calls
+
+
+def test_auto_tool_choice_reads_hermes_calls(http):
+    """--enable-auto-tool-choice --tool-call-parser hermes: the model's (here the NullBackend's)
+    text with <tool_call> markup comes back as content plus OpenAI tool calls, streamed or not."""
+    tok = build_tokenizer()
+    text = (
+        'Checking.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    )
+    ids = list(tok.encode(text, add_special_tokens=False)) + [tok.eos_token_id]
+    backend = NullBackend(tok, max_model_len=512, output_token_ids=ids)
+    api = ApiConfig(enable_auto_tool_choice=True, tool_call_parser="hermes")
+    with serve_in_thread(create_app(backend, api=api)) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, http_client=http)
+        r = client.chat.completions.create(
+            model="tiny", messages=MESSAGES, tools=[WEATHER], max_tokens=200
+        )
+        message = r.choices[0].message
+        assert message.content == "Checking." and r.choices[0].finish_reason == "tool_calls"
+        (call,) = message.tool_calls
+        assert (call.function.name, json.loads(call.function.arguments)) == (
+            "get_weather",
+            {"city": "Oslo"},
+        )
+        stream = client.chat.completions.create(
+            model="tiny", messages=MESSAGES, tools=[WEATHER], max_tokens=200, stream=True
+        )
+        chunks = [c.choices[0] for c in stream if c.choices]
+        content = "".join(c.delta.content or "" for c in chunks)
+        calls = [tc for c in chunks for tc in c.delta.tool_calls or ()]
+        assert content == "Checking." and chunks[-1].finish_reason == "tool_calls"
+        assert calls[0].function.name == "get_weather" and calls[0].id
+        assert json.loads("".join(tc.function.arguments or "" for tc in calls)) == {"city": "Oslo"}
