@@ -114,6 +114,7 @@ def test_waits_for_its_grammar_while_others_run(llm):
         engine.check_integrity()
     finally:
         gate.set()
+        engine.structured.shutdown()
         engine.structured = engine.scheduler.structured = saved
 
 
@@ -133,6 +134,7 @@ def test_compile_deadline_ends_the_request_in_error(llm):
         engine.check_integrity()
     finally:
         gate.set()
+        engine.structured.shutdown()
         engine.structured = engine.scheduler.structured = saved
 
 
@@ -150,6 +152,7 @@ def test_abort_while_waiting_for_the_grammar(llm):
         assert not engine.has_work()
     finally:
         gate.set()
+        engine.structured.shutdown()
         engine.structured = engine.scheduler.structured = saved
 
 
