@@ -232,3 +232,18 @@ def test_grammar_mask_rows_against_a_bit_by_bit_reference():
         assert torch.equal(torch.isinf(masked[row]), ~ref[k])
         assert torch.equal(masked[row][ref[k]], logits[row][ref[k]])
     assert GrammarRows.from_step(None, ["a"]) is None
+
+
+def test_min_tokens_with_a_grammar(llm):
+    """min_tokens holds EOS back while the grammar can go on; a grammar that has ended still
+    ends (never an empty mask)."""
+    engine = llm.engine
+    go_on = SamplingParams(max_tokens=20, min_tokens=6, temperature=0,
+                           structured_outputs=StructuredOutputsParams("regex", "[ab]+"))  # fmt: skip
+    ended = SamplingParams(max_tokens=20, min_tokens=12, temperature=0, structured_outputs=REGEX)
+    a, b = llm.generate(prompt_token_ids=[[1, 2, 3], [1, 2, 3]], sampling_params=[go_on, ended])
+    engine.check_integrity()
+    assert a.finish_reason in ("stop", "length") and a.error is None
+    assert len(a.token_ids) >= 6 and set(a.text) <= {"a", "b"}
+    assert (b.finish_reason, b.text, b.error) == ("stop", "ababab", None)
+    assert b.token_ids[-1] == engine.eos_token_id and len(b.token_ids) == 7

@@ -158,7 +158,14 @@ class Sampler:
             raise ValueError(f"{len(params)} params for {num_rows} logits rows")
         raw_logits = logits.float()
 
-        masked = raw_logits if grammar is None else apply_grammar_mask(raw_logits, grammar)
+        masked = raw_logits
+        if grammar is not None:
+            masked = apply_grammar_mask(raw_logits, grammar)
+            # constrained rows: their bitmask already holds stop tokens back for min_tokens
+            # (unless the grammar allows nothing else), so no second mask can empty a row
+            output_counts = list(output_counts)
+            for row in grammar.rows:
+                output_counts[row] = max(output_counts[row], params[row].min_tokens)
         masked = _mask_min_tokens(masked, params, output_counts, eos_token_ids)
         if extras is not None:
             masked = extras.apply(masked)

@@ -204,6 +204,9 @@ class StructuredOutputManager:
         bitmask = np.zeros((len(reqs), self.width), dtype=np.int32)
         for row, req in enumerate(reqs):
             self.matcher_for(req).fill_bitmask(bitmask, row)
+            sp = req.sampling_params
+            if req.num_output_tokens < sp.min_tokens:
+                _hold_back_stops(bitmask[row], [req.eos_token_id, *sp.stop_token_ids])
         self._mask_seconds.observe(time.perf_counter() - start)
         return bitmask.tobytes()
 
@@ -235,6 +238,19 @@ class StructuredOutputManager:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _hold_back_stops(row: np.ndarray, stop_ids: list[int | None]) -> None:
+    """``min_tokens`` for a constrained row: clear its stop tokens' bits unless nothing else
+    is allowed (a grammar that has ended still ends; the sampler does not mask stop tokens of
+    constrained rows, ``workers/sampling/sampler.py``)."""
+    saved = row.copy()
+    words = row.view(np.uint32)
+    for token in stop_ids:
+        if token is not None and 0 <= token < 32 * len(words):
+            words[token // 32] &= np.uint32(~(1 << (token % 32)) & 0xFFFFFFFF)
+    if not row.any():
+        row[:] = saved
 
 
 def structured_manager(
