@@ -54,6 +54,9 @@ class Scheduler:
         self.waiting_for_remote: dict[str, Request] = {}
         # constrained requests whose grammar is still compiling (structured_grammar.py)
         self.waiting_for_fsm: dict[str, Request] = {}
+        # overlapped loop: constrained requests of the step just scheduled whose mask waits
+        # for their token in flight (structured_grammar.take_deferred_bitmask)
+        self.grammar_deferred: list[Request] = []
         self.held_for_send: dict[str, Request] = {}  # finished; blocks kept for a peer
         # Running requests the model runner has not seen yet (remote KV just
         # landed): their first scheduled step sends NewRequestData.
@@ -196,13 +199,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = len(req.all_token_ids) + req.num_output_placeholders - req.num_computed_tokens
-            if req.num_output_placeholders and (
-                at_output_limit(req, cfg.max_model_len)
-                or req.sampling_params.structured_outputs is not None
-            ):
-                # its in-flight token is its last: never schedule past max_tokens; or it
-                # is constrained: its next mask needs the in-flight token
-                i += 1
+            if req.num_output_placeholders and at_output_limit(req, cfg.max_model_len):
+                i += 1  # its in-flight token is its last: never schedule past max_tokens
                 continue
             if req.n > 1 and req.parent_id is None:
                 num_new -= 1  # a fork parent stops before the last prompt token

@@ -14,8 +14,13 @@ the sampler masks its logits (``workers/sampling/grammar_mask.py``); unconstrain
 none. When the step's tokens come back, the request's matcher advances by them. A grammar that
 has ended allows only EOS next, so the request ends on EOS like any other (the gateway drops a
 final EOS from the text, never a grammar's last token); with ``ignore_eos`` the accepted EOS
-ends it. A token the matcher refuses (impossible unless the mask was wrong) ends it in error. The overlapped loop does not schedule a
-constrained request while its token is in flight: its next mask needs that token.
+ends it. A token the matcher refuses (impossible unless the mask was wrong) ends it in error.
+
+The overlapped loop schedules step N+1 before N's tokens are known. A constrained request's
+mask needs its token from N, so a step with such a row defers every row
+(``Scheduler.grammar_deferred``). The loop then applies N before it launches N+1
+(``workers/runner/async_step.OverlappedLoop``) and fills the rows with ``take_deferred_bitmask``.
+Such steps lose the overlap; steps without a constrained row keep it.
 """
 
 from __future__ import annotations
@@ -71,7 +76,9 @@ def forget(sched: Scheduler, req: Request) -> None:
 
 
 def bitmask(sched: Scheduler, num_scheduled: dict[str, int]) -> GrammarBitmask | None:
-    """The rows of this step's constrained requests that sample (after scheduling)."""
+    """The rows of this step's constrained requests that sample (after scheduling). When one
+    of them has its previous token still in flight (the overlapped loop), every row waits for
+    ``take_deferred_bitmask``: the loop applies the step in flight first."""
     requests = sched.requests
     reqs = [
         req
@@ -81,7 +88,18 @@ def bitmask(sched: Scheduler, num_scheduled: dict[str, int]) -> GrammarBitmask |
     ]
     if not reqs:
         return None
+    if any(req.num_output_placeholders for req in reqs):
+        sched.grammar_deferred = reqs
+        return None
     return GrammarBitmask([r.request_id for r in reqs], sched.structured.bitmask(reqs))
+
+
+def take_deferred_bitmask(sched: Scheduler) -> GrammarBitmask:
+    """The deferred rows, once the step in flight was applied (its tokens advanced the
+    matchers). A request that finished meanwhile gets no row: the loop drops its token."""
+    reqs, sched.grammar_deferred = sched.grammar_deferred, []
+    live = [r for r in reqs if not r.is_finished and r.request_id in sched.structured.matchers]
+    return GrammarBitmask([r.request_id for r in live], sched.structured.bitmask(live))
 
 
 def advance(

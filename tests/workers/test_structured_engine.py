@@ -247,3 +247,27 @@ def test_min_tokens_with_a_grammar(llm):
     assert len(a.token_ids) >= 6 and set(a.text) <= {"a", "b"}
     assert (b.finish_reason, b.text, b.error) == ("stop", "ababab", None)
     assert b.token_ids[-1] == engine.eos_token_id and len(b.token_ids) == 7
+
+
+def test_overlapped_loop_constrains_every_step(tiny_model_dir):
+    """--async-scheduling: a constrained request decodes on every step (its mask waits for the
+    token in flight: the loop applies that step first) and gives the synchronous tokens."""
+    prompts = [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    params = [
+        SamplingParams(max_tokens=12, temperature=0.8, seed=1, structured_outputs=StructuredOutputsParams("regex", "[a-c]{4,9}")),
+        SamplingParams(max_tokens=12, temperature=0.8, seed=2, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=0, structured_outputs=REGEX),
+    ]  # fmt: skip
+    results = {}
+    for overlap in (False, True):
+        with LLM(
+            model=tiny_model_dir, num_kv_blocks=64, max_model_len=256, async_scheduling=overlap
+        ) as llm:
+            assert (llm.engine.overlap is not None) == overlap
+            outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+            llm.engine.check_integrity()
+            results[overlap] = [(r.token_ids, r.finish_reason) for r in outs]
+            steps = llm.engine.num_steps
+    assert results[True] == results[False]
+    assert results[True][2][1] == "stop" and len(results[True][2][0]) == 7  # ababab + EOS
+    assert steps <= 12 + 4  # every step decodes the constrained rows too (no every-other step)
