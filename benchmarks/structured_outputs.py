@@ -38,7 +38,9 @@ def _pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-def compile_part(models: list[str], backends: list[str], repeats: int) -> None:
+def compile_part(models: list[str], backends: list[str], repeats: int) -> dict[int, np.ndarray]:
+    """Prints the table; returns, per vocabulary size, the llguidance mask rows of the walk
+    (real masks for ``apply_part``)."""
     from workers.checkpoints.model_dir import resolve_model_dir
     from workers.text.tokenizer import load_tokenizer
 
@@ -49,6 +51,7 @@ def compile_part(models: list[str], backends: list[str], repeats: int) -> None:
         "| cached p99 us | mask fill us/row |"
     )
     print("|---|---|---|---|---|---|---|---|")
+    walked: dict[int, np.ndarray] = {}
     for model in models:
         tok = load_tokenizer(resolve_model_dir(model))
         vocab = len(tok)
@@ -74,6 +77,7 @@ def compile_part(models: list[str], backends: list[str], repeats: int) -> None:
                     cached.append(time.perf_counter() - t0)
             cache = GrammarCache(backend, max_entries=64)
             bitmask = np.zeros((1, bitmask_width(vocab)), dtype=np.int32)
+            rows = []
             for spec in specs:
                 m = backend.matcher(cache.get_or_compile(spec))
                 for _ in range(40):
@@ -83,6 +87,7 @@ def compile_part(models: list[str], backends: list[str], repeats: int) -> None:
                     t0 = time.perf_counter()
                     m.fill_bitmask(bitmask, 0)
                     fills.append(time.perf_counter() - t0)
+                    rows.append(bitmask[0].copy())
                     allowed = np.flatnonzero(
                         np.unpackbits(bitmask[0].view(np.uint8), bitorder="little")
                     )
@@ -97,30 +102,38 @@ def compile_part(models: list[str], backends: list[str], repeats: int) -> None:
                 f"{_pct(cold, 0.99) * 1e3:.2f} | {_pct(cached, 0.5) * 1e6:.1f} | "
                 f"{_pct(cached, 0.99) * 1e6:.1f} | {statistics.mean(fills) * 1e6:.1f} |"
             )
+            if name == "llguidance":
+                walked[vocab] = np.stack(rows)
+    return walked
 
 
-def apply_part(batches: list[int], vocab_sizes: list[int], repeats: int = 20) -> None:
+def apply_part(batches: list[int], walked: dict[int, np.ndarray], repeats: int = 20) -> None:
     """The sampler's share: ``apply_grammar_mask`` on [batch, V] float32 logits, every row
-    constrained (median of ``repeats``)."""
+    constrained, with the real masks of the schema walk (cycled) and with random 50% masks
+    (the worst case for its branch); median of ``repeats``."""
     import torch
 
     from workers.sampling.grammar_mask import GrammarRows, apply_grammar_mask
 
     torch.set_num_threads(1)  # as the tests' engines run on this 2-core box
-    print("| vocab | batch | apply_grammar_mask ms |")
-    print("|---|---|---|")
-    for vocab in vocab_sizes:
+    print("| vocab | batch | walk masks ms | random masks ms |")
+    print("|---|---|---|---|")
+    for vocab, real in walked.items():
         for batch in batches:
             logits = torch.randn(batch, vocab)
             rng = np.random.default_rng(0)
-            bits = rng.integers(-(2**31), 2**31, (batch, bitmask_width(vocab)), dtype=np.int64)
-            rows = GrammarRows(list(range(batch)), bits.astype(np.int32))
-            times = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                apply_grammar_mask(logits, rows)
-                times.append(time.perf_counter() - t0)
-            print(f"| {vocab} | {batch} | {statistics.median(times) * 1e3:.2f} |")
+            noise = rng.integers(-(2**31), 2**31, (batch, real.shape[1]), dtype=np.int64)
+            cycled = np.ascontiguousarray(real[np.arange(batch) % len(real)])
+            cells = []
+            for bits in (cycled, noise.astype(np.int32)):
+                rows = GrammarRows(list(range(batch)), bits)
+                times = []
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    apply_grammar_mask(logits, rows)
+                    times.append(time.perf_counter() - t0)
+                cells.append(f"{statistics.median(times) * 1e3:.2f}")
+            print(f"| {vocab} | {batch} | {cells[0]} | {cells[1]} |")
 
 
 def main() -> None:
@@ -135,8 +148,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args()
     if args.part == "compile":
-        compile_part(args.models, args.backends, args.repeats)
-        apply_part(args.batches, [262, 49152])
+        apply_part(args.batches, compile_part(args.models, args.backends, args.repeats))
     else:
         from benchmarks.structured_engine import engine_part
 
