@@ -75,7 +75,7 @@ def run(engine: EngineCore, batch: int, share: float, steps: int, tag: str) -> d
 
 
 def engine_part(model: str, batches: list[int], steps: int, rounds: int = 3) -> None:
-    torch.set_num_threads(2)
+    torch.set_num_threads(1)  # two OpenMP threads stall on this shared 2-core box
     max_seqs = max(batches)
     config = EngineConfig(
         model=model,
@@ -83,7 +83,7 @@ def engine_part(model: str, batches: list[int], steps: int, rounds: int = 3) -> 
         max_num_seqs=max_seqs,
         max_num_batched_tokens=max(2048, max_seqs * PROMPT_LEN),
         max_model_len=256,
-        torch_threads=2,
+        torch_threads=1,
     )
     engine = EngineCore(config)
     run(engine, 2, 1.0, 2, "warmup")  # the tokenizer vocabulary and the grammar, once
