@@ -271,3 +271,10 @@ def test_overlapped_loop_constrains_every_step(tiny_model_dir):
     assert results[True] == results[False]
     assert results[True][2][1] == "stop" and len(results[True][2][0]) == 7  # ababab + EOS
     assert steps <= 12 + 4  # every step decodes the constrained rows too (no every-other step)
+
+
+def test_compile_timeout_flag_is_checked():
+    from workers.config import EngineConfig
+
+    with pytest.raises(ValueError, match="structured_outputs_compile_timeout_s"):
+        EngineConfig(structured_outputs_compile_timeout_s=0)

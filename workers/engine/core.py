@@ -57,7 +57,10 @@ class EngineCore:
         overlap = config.uses_async_scheduling() and self.tp is None
         scheduler_cls = AsyncScheduler if overlap else Scheduler
         self.structured = structured_manager(
-            self.model_path, self.model.vocab_size, [self.eos_token_id, *self.extra_eos_ids]
+            self.model_path,
+            self.model.vocab_size,
+            [self.eos_token_id, *self.extra_eos_ids],
+            compile_timeout_s=config.structured_outputs_compile_timeout_s,
         )
         self.scheduler = scheduler_cls(
             self.sched_config, self.connector_scheduler, config.engine_id, self.structured

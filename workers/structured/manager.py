@@ -254,7 +254,11 @@ def _hold_back_stops(row: np.ndarray, stop_ids: list[int | None]) -> None:
 
 
 def structured_manager(
-    model_path: str, vocab_size: int, eos_token_ids: list[int | None], backend: str = "llguidance"
+    model_path: str,
+    vocab_size: int,
+    eos_token_ids: list[int | None],
+    backend: str = "llguidance",
+    compile_timeout_s: float = 30.0,
 ) -> StructuredOutputManager:
     """The engine's manager; the tokenizer is loaded on the first compile (pool thread)."""
     eos = [t for t in eos_token_ids if t is not None]
@@ -265,4 +269,4 @@ def structured_manager(
 
         return make_backend(backend, load_tokenizer(model_path), vocab_size, eos)
 
-    return StructuredOutputManager(make, backend, vocab_size)
+    return StructuredOutputManager(make, backend, vocab_size, compile_timeout_s=compile_timeout_s)
