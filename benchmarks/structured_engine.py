@@ -17,9 +17,9 @@ import time
 import torch
 
 from benchmarks._machine import machine
-from wire.engine_protocol import EngineRequest, SamplingParams, StructuredOutputsParams
-from workers.config import EngineConfig
-from workers.engine.core import EngineCore
+from tandem.wire.engine_protocol import EngineRequest, SamplingParams, StructuredOutputsParams
+from tandem.workers.config import EngineConfig
+from tandem.workers.engine.core import EngineCore
 
 ENDLESS = StructuredOutputsParams(
     "json", json.dumps({"type": "array", "items": {"type": "integer"}, "minItems": 5000})

@@ -28,9 +28,9 @@ import numpy as np
 
 from benchmarks._machine import machine
 from benchmarks.structured_schemas import SCHEMAS
-from wire.engine_protocol import StructuredOutputsParams
-from workers.structured.backend import bitmask_width, make_backend
-from workers.structured.manager import GrammarCache
+from tandem.wire.engine_protocol import StructuredOutputsParams
+from tandem.workers.structured.backend import bitmask_width, make_backend
+from tandem.workers.structured.manager import GrammarCache
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -41,8 +41,8 @@ def _pct(values: list[float], q: float) -> float:
 def compile_part(models: list[str], backends: list[str], repeats: int) -> dict[int, np.ndarray]:
     """Prints the table; returns, per vocabulary size, the llguidance mask rows of the walk
     (real masks for ``apply_part``)."""
-    from workers.checkpoints.model_dir import resolve_model_dir
-    from workers.text.tokenizer import load_tokenizer
+    from tandem.workers.checkpoints.model_dir import resolve_model_dir
+    from tandem.workers.text.tokenizer import load_tokenizer
 
     specs = [StructuredOutputsParams("json", json.dumps(s)) for s in SCHEMAS.values()]
     print(f"machine: {machine()}; {len(specs)} schemas")
@@ -113,7 +113,7 @@ def apply_part(batches: list[int], walked: dict[int, np.ndarray], repeats: int =
     (the worst case for its branch); median of ``repeats``."""
     import torch
 
-    from workers.sampling.grammar_mask import GrammarRows, apply_grammar_mask
+    from tandem.workers.sampling.grammar_mask import GrammarRows, apply_grammar_mask
 
     torch.set_num_threads(1)  # as the tests' engines run on this 2-core box
     print("| vocab | batch | walk masks ms | random masks ms |")

@@ -9,9 +9,9 @@ from typing import Any
 
 import numpy as np
 
-from wire.engine_protocol import StructuredOutputsParams
-from workers.structured import spec as specs
-from workers.structured.backend import Matcher
+from tandem.wire.engine_protocol import StructuredOutputsParams
+from tandem.workers.structured import spec as specs
+from tandem.workers.structured.backend import Matcher
 
 
 class _XGrammarMatcher:

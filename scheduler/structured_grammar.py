@@ -27,13 +27,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from scheduler.messages import GrammarBitmask
-from scheduler.placeholders import samples_this_step
-from scheduler.request import Request, RequestStatus
-from wire.engine_protocol import EngineOutput
+from tandem.scheduler.messages import GrammarBitmask
+from tandem.scheduler.placeholders import samples_this_step
+from tandem.scheduler.request import Request, RequestStatus
+from tandem.wire.engine_protocol import EngineOutput
 
 if TYPE_CHECKING:
-    from scheduler.scheduler import Scheduler
+    from tandem.scheduler.scheduler import Scheduler
 
 
 def wait_for_grammar(sched: Scheduler, req: Request) -> None:

@@ -25,24 +25,24 @@ from typing import Any
 import msgspec
 from starlette.responses import Response
 
-from cluster.gateway import formatting, protocol
-from cluster.gateway.api.config import ApiConfig, ServedModels
-from cluster.gateway.backend import Backend, BackendUnavailable
-from cluster.gateway.edge import sampling as edge_sampling
-from cluster.gateway.edge import structured as edge_structured
-from cluster.gateway.edge.limits import GatewayLimits, RequestSlots
-from cluster.gateway.edge.tokenizer_pool import TokenizerPool, chat_text_len
-from cluster.gateway.protocol import ChatCompletionRequest, CompletionRequest, ProtocolError
-from cluster.gateway.responses import GenerationResponse
-from cluster.gateway.tools.formatting import ToolChatFormatter
-from cluster.gateway.tools.request import plan_tools
-from cluster.observability.logging_setup import REQUEST_ID
-from cluster.observability.metrics import GatewayMetrics
-from cluster.observability.tracing.observer import RequestObserver, Tracer
-from cluster.observability.tracing.phase_metrics import RequestPhaseMetrics
-from cluster.observability.tracing.record import TRACEPARENT, RequestRecord
-from wire.engine_protocol import EngineOutput, EngineRequest, FinishReason, Logprobs, SamplingParams
-from workers.text.detokenizer import IncrementalDetokenizer
+from tandem.cluster.gateway import formatting, protocol
+from tandem.cluster.gateway.api.config import ApiConfig, ServedModels
+from tandem.cluster.gateway.backend import Backend, BackendUnavailable
+from tandem.cluster.gateway.edge import sampling as edge_sampling
+from tandem.cluster.gateway.edge import structured as edge_structured
+from tandem.cluster.gateway.edge.limits import GatewayLimits, RequestSlots
+from tandem.cluster.gateway.edge.tokenizer_pool import TokenizerPool, chat_text_len
+from tandem.cluster.gateway.protocol import ChatCompletionRequest, CompletionRequest, ProtocolError
+from tandem.cluster.gateway.responses import GenerationResponse
+from tandem.cluster.gateway.tools.formatting import ToolChatFormatter
+from tandem.cluster.gateway.tools.request import plan_tools
+from tandem.cluster.observability.logging_setup import REQUEST_ID
+from tandem.cluster.observability.metrics import GatewayMetrics
+from tandem.cluster.observability.tracing.observer import RequestObserver, Tracer
+from tandem.cluster.observability.tracing.phase_metrics import RequestPhaseMetrics
+from tandem.cluster.observability.tracing.record import TRACEPARENT, RequestRecord
+from tandem.wire.engine_protocol import EngineOutput, EngineRequest, FinishReason, Logprobs, SamplingParams
+from tandem.workers.text.detokenizer import IncrementalDetokenizer
 
 
 @dataclasses.dataclass(slots=True)

@@ -17,8 +17,8 @@ from typing import Any, ClassVar
 
 import msgspec
 
-from scheduler.fork import MAX_N
-from wire.engine_protocol import SamplingParams
+from tandem.scheduler.fork import MAX_N
+from tandem.wire.engine_protocol import SamplingParams
 
 
 class ProtocolError(Exception):

@@ -19,10 +19,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cluster.gateway.app import create_app, serve_in_thread
-from cluster.gateway.null_backend import NullBackend
-from workers.checkpoints.tiny import build_tokenizer
-from workers.text.tokenizer import apply_chat_template, encode_prompt
+from tandem.cluster.gateway.app import create_app, serve_in_thread
+from tandem.cluster.gateway.null_backend import NullBackend
+from tandem.workers.checkpoints.tiny import build_tokenizer
+from tandem.workers.text.tokenizer import apply_chat_template, encode_prompt
 
 MAX_MODEL_LEN = 256
 DEADLINE_S = 5.0

@@ -12,11 +12,11 @@ import httpx
 import openai
 import pytest
 
-from cluster.gateway.api.config import ApiConfig
-from cluster.gateway.app import create_app, serve_in_thread
-from cluster.gateway.null_backend import NullBackend
-from cluster.gateway.tools.parsers import HermesParser, RequiredParser
-from workers.checkpoints.tiny import build_tokenizer
+from tandem.cluster.gateway.api.config import ApiConfig
+from tandem.cluster.gateway.app import create_app, serve_in_thread
+from tandem.cluster.gateway.null_backend import NullBackend
+from tandem.cluster.gateway.tools.parsers import HermesParser, RequiredParser
+from tandem.workers.checkpoints.tiny import build_tokenizer
 
 C, CHAT = "/v1/completions", "/v1/chat/completions"
 MESSAGES = [{"role": "user", "content": "hi"}]

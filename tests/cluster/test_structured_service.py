@@ -20,13 +20,13 @@ import pydantic
 import pytest
 
 from benchmarks.structured_schemas import SCHEMAS
-from cluster.cli.serve import ServiceThread
-from cluster.cli.settings import serve_config
+from tandem.cluster.cli.serve import ServiceThread
+from tandem.cluster.cli.settings import serve_config
 from tests.cluster.service_helpers import client, wait_idle
-from wire.engine_protocol import SamplingParams, StructuredOutputsParams
-from workers.config import EngineConfig
-from workers.engine.llm import LLM
-from workers.text.tokenizer import apply_chat_template
+from tandem.wire.engine_protocol import SamplingParams, StructuredOutputsParams
+from tandem.workers.config import EngineConfig
+from tandem.workers.engine.llm import LLM
+from tandem.workers.text.tokenizer import apply_chat_template
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from workers.checkpoints.tiny import ensure_tiny_model
+from tandem.workers.checkpoints.tiny import ensure_tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -21,7 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def run_barred(code: str, timeout_s: float = 180.0) -> dict:
     """Run ``code`` after ``bar_torch()`` in a fresh interpreter; it prints one JSON line."""
     prologue = (
-        "import json, sys\nfrom cluster.gateway.torch_free import bar_torch\nassert bar_torch()\n"
+        "import json, sys\nfrom tandem.cluster.gateway.torch_free import bar_torch\nassert bar_torch()\n"
     )
     env = dict(os.environ, PYTHONPATH=ROOT)
     done = subprocess.run(
@@ -39,18 +39,18 @@ def run_barred(code: str, timeout_s: float = 180.0) -> dict:
 def test_the_gateway_builds_and_tokenizes_with_torch_barred():
     tiny = ensure_tiny_model()
     out = run_barred(
-        "import cluster.cli.serve, cluster.disagg.ray_backend, cluster.engines.pools\n"
-        "from cluster.gateway.app import create_app\n"
-        "from cluster.gateway.null_backend import NullBackend\n"
-        "from workers.text.detokenizer import IncrementalDetokenizer\n"
-        "from workers.text.tokenizer import apply_chat_template, load_tokenizer\n"
+        "import tandem.cluster.cli.serve, cluster.disagg.ray_backend, cluster.engines.pools\n"
+        "from tandem.cluster.gateway.app import create_app\n"
+        "from tandem.cluster.gateway.null_backend import NullBackend\n"
+        "from tandem.workers.text.detokenizer import IncrementalDetokenizer\n"
+        "from tandem.workers.text.tokenizer import apply_chat_template, load_tokenizer\n"
         f"tok = load_tokenizer({tiny!r})\n"
         "app = create_app(NullBackend(tok))\n"
         "ids = apply_chat_template(tok, [{'role': 'user', 'content': 'hi'}])\n"
         "print(json.dumps({'ids': ids, 'torch': sys.modules['torch'],\n"
         "                  'loaded': sorted(m for m in sys.modules if m.startswith('torch.'))}))\n"
     )
-    from workers.text.tokenizer import apply_chat_template, load_tokenizer
+    from tandem.workers.text.tokenizer import apply_chat_template, load_tokenizer
 
     assert out["torch"] is None and out["loaded"] == []
     # the same ids as with torch loaded (this process)
@@ -62,7 +62,7 @@ def test_the_gateway_builds_and_tokenizes_with_torch_barred():
 def test_a_model_directory_resolves_in_a_child_when_torch_is_barred(tmp_path):
     tiny = ensure_tiny_model()
     out = run_barred(
-        "from workers.checkpoints.model_dir import resolve_model_dir\n"
+        "from tandem.workers.checkpoints.model_dir import resolve_model_dir\n"
         "print(json.dumps({'path': resolve_model_dir('tiny'), 'torch': sys.modules['torch']}))\n"
     )
     assert out == {"path": tiny, "torch": None}
@@ -76,12 +76,12 @@ def test_a_model_directory_resolves_in_a_child_when_torch_is_barred(tmp_path):
     ],
 )
 def test_resolution_errors_keep_their_class_and_message(model, error, match):
-    from workers.checkpoints.loader import resolve_model_path
+    from tandem.workers.checkpoints.loader import resolve_model_path
 
     with pytest.raises(FileNotFoundError) as in_process:
         resolve_model_path(model)
     out = run_barred(
-        "from workers.checkpoints.model_dir import resolve_model_dir\n"
+        "from tandem.workers.checkpoints.model_dir import resolve_model_dir\n"
         "try:\n"
         f"    resolve_model_dir({model!r})\n"
         "except Exception as exc:\n"
@@ -92,7 +92,7 @@ def test_resolution_errors_keep_their_class_and_message(model, error, match):
 
 
 def test_bar_torch_declines_once_torch_is_loaded():
-    from cluster.gateway.torch_free import bar_torch
+    from tandem.cluster.gateway.torch_free import bar_torch
 
     assert "torch" in sys.modules and sys.modules["torch"] is not None
     assert bar_torch() is False
@@ -102,10 +102,10 @@ def test_bar_torch_declines_once_torch_is_loaded():
 def test_structured_output_validation_is_torch_free():
     """The gateway validates specs and tools with llguidance, torch barred (issue #27)."""
     out = run_barred(
-        "from cluster.gateway.edge import structured\n"
-        "from cluster.gateway.protocol import ProtocolError\n"
-        "from cluster.gateway.tools import formatting, request\n"
-        "from wire.engine_protocol import StructuredOutputsParams as S\n"
+        "from tandem.cluster.gateway.edge import structured\n"
+        "from tandem.cluster.gateway.protocol import ProtocolError\n"
+        "from tandem.cluster.gateway.tools import formatting, request\n"
+        "from tandem.wire.engine_protocol import StructuredOutputsParams as S\n"
         "structured.check(S('json', '{\"type\": \"object\"}'), 'x')\n"
         "try:\n"
         "    structured.check(S('regex', '[a-'), 'guided_regex')\n"

@@ -11,12 +11,12 @@ import threading
 import numpy as np
 import pytest
 
-from scheduler.request import RequestStatus
-from wire.engine_protocol import EngineRequest, SamplingParams, StructuredOutputsParams
-from workers.engine.llm import LLM
-from workers.structured.backend import bitmask_width, make_backend
-from workers.structured.manager import StructuredOutputManager
-from workers.text.tokenizer import load_tokenizer
+from tandem.scheduler.request import RequestStatus
+from tandem.wire.engine_protocol import EngineRequest, SamplingParams, StructuredOutputsParams
+from tandem.workers.engine.llm import LLM
+from tandem.workers.structured.backend import bitmask_width, make_backend
+from tandem.workers.structured.manager import StructuredOutputManager
+from tandem.workers.text.tokenizer import load_tokenizer
 
 
 class GatedBackend:
@@ -207,8 +207,8 @@ def test_matcher_advances_by_token_lists_and_rolls_back(llm):
 def test_grammar_mask_rows_against_a_bit_by_bit_reference():
     import torch
 
-    from scheduler.messages import GrammarBitmask
-    from workers.sampling.grammar_mask import GrammarRows, allowed_tokens, apply_grammar_mask
+    from tandem.scheduler.messages import GrammarBitmask
+    from tandem.workers.sampling.grammar_mask import GrammarRows, allowed_tokens, apply_grammar_mask
 
     vocab = 300  # not a multiple of 32: the last word's high bits are past the vocabulary
     rng = np.random.default_rng(1)
@@ -274,7 +274,7 @@ def test_overlapped_loop_constrains_every_step(tiny_model_dir):
 
 
 def test_compile_timeout_flag_is_checked():
-    from workers.config import EngineConfig
+    from tandem.workers.config import EngineConfig
 
     with pytest.raises(ValueError, match="structured_outputs_compile_timeout_s"):
         EngineConfig(structured_outputs_compile_timeout_s=0)

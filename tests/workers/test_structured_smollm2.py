@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from benchmarks.structured_schemas import SCHEMAS
-from wire.engine_protocol import EngineRequest, SamplingParams, StructuredOutputsParams
-from workers.config import EngineConfig
-from workers.engine.llm import LLM
-from workers.text.tokenizer import apply_chat_template
+from tandem.wire.engine_protocol import EngineRequest, SamplingParams, StructuredOutputsParams
+from tandem.workers.config import EngineConfig
+from tandem.workers.engine.llm import LLM
+from tandem.workers.text.tokenizer import apply_chat_template
 
 pytestmark = pytest.mark.slow
 
@@ -176,7 +176,7 @@ def test_migrated_constrained_stream_stays_valid_and_identical(llm):
     """A stream cut after a few tokens and resubmitted as the gateway's migration does
     (``StreamLedger.resubmission``: prompt + sent tokens) rebuilds its matcher from the spec and
     the sent tokens, and ends exactly as the uninterrupted stream."""
-    from cluster.disagg.migration import StreamLedger
+    from tandem.cluster.disagg.migration import StreamLedger
 
     schema = SCHEMAS["array_of_objects"]
     sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, seed=21,

@@ -32,12 +32,12 @@ from typing import Any
 
 import torch
 
-from scheduler.async_scheduler import AsyncScheduler
-from scheduler.messages import SchedulerOutput
-from scheduler.structured_grammar import take_deferred_bitmask
-from wire.engine_protocol import EngineOutputs
-from workers.runner.step_batch import StepPlan
-from workers.sampling.sample_logprobs import DeviceLogprobs
+from tandem.scheduler.async_scheduler import AsyncScheduler
+from tandem.scheduler.messages import SchedulerOutput
+from tandem.scheduler.structured_grammar import take_deferred_bitmask
+from tandem.wire.engine_protocol import EngineOutputs
+from tandem.workers.runner.step_batch import StepPlan
+from tandem.workers.sampling.sample_logprobs import DeviceLogprobs
 
 
 class StepResult:

@@ -18,7 +18,7 @@ import dataclasses
 import numpy as np
 import torch
 
-from kernels.metadata import host_to_device, list_to_device
+from tandem.kernels.metadata import host_to_device, list_to_device
 
 
 @dataclasses.dataclass(slots=True)

@@ -41,12 +41,12 @@ import random
 
 import torch
 
-from kernels.metadata import list_to_device
-from wire.engine_protocol import Logprobs, SamplingParams
-from workers.sampling.grammar_mask import GrammarRows, apply_grammar_mask
-from workers.sampling.penalties import apply_min_p
-from workers.sampling.sample_logprobs import DeviceLogprobs, finish_top, top_on_device
-from workers.sampling.state import BatchExtras
+from tandem.kernels.metadata import list_to_device
+from tandem.wire.engine_protocol import Logprobs, SamplingParams
+from tandem.workers.sampling.grammar_mask import GrammarRows, apply_grammar_mask
+from tandem.workers.sampling.penalties import apply_min_p
+from tandem.workers.sampling.sample_logprobs import DeviceLogprobs, finish_top, top_on_device
+from tandem.workers.sampling.state import BatchExtras
 
 # Below this temperature a row is sampled greedily: dividing by a tiny
 # temperature overflows float32 and argmax is the limit anyway.

@@ -24,8 +24,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from wire.engine_protocol import StructuredOutputsParams
-from workers.structured import spec as specs
+from tandem.wire.engine_protocol import StructuredOutputsParams
+from tandem.workers.structured import spec as specs
 
 BACKENDS = ("llguidance",)
 

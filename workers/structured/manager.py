@@ -30,10 +30,10 @@ from typing import Any
 
 import numpy as np
 
-from scheduler.engine_stats import Histogram, StructuredOutputStats
-from scheduler.request import Request
-from wire.engine_protocol import StructuredOutputsParams
-from workers.structured.backend import GrammarBackend, Matcher, bitmask_width
+from tandem.scheduler.engine_stats import Histogram, StructuredOutputStats
+from tandem.scheduler.request import Request
+from tandem.wire.engine_protocol import StructuredOutputsParams
+from tandem.workers.structured.backend import GrammarBackend, Matcher, bitmask_width
 
 _COMPILE_BOUNDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _MASK_BOUNDS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05)
@@ -264,8 +264,8 @@ def structured_manager(
     eos = [t for t in eos_token_ids if t is not None]
 
     def make() -> GrammarBackend:
-        from workers.structured.backend import make_backend
-        from workers.text.tokenizer import load_tokenizer
+        from tandem.workers.structured.backend import make_backend
+        from tandem.workers.text.tokenizer import load_tokenizer
 
         return make_backend(backend, load_tokenizer(model_path), vocab_size, eos)
 

@@ -15,7 +15,7 @@ import json
 
 import llguidance
 
-from wire.engine_protocol import StructuredOutputsParams
+from tandem.wire.engine_protocol import StructuredOutputsParams
 
 # JSON: fixed separators instead of any whitespace (module docstring)
 _JSON_OPTIONS = {"whitespace_flexible": False}

@@ -15,9 +15,9 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from cluster.gateway.api.generation_defaults import GenerationDefaults, load_generation_defaults
-from cluster.gateway.protocol import ProtocolError
-from wire.config_fields import option
+from tandem.cluster.gateway.api.generation_defaults import GenerationDefaults, load_generation_defaults
+from tandem.cluster.gateway.protocol import ProtocolError
+from tandem.wire.config_fields import option
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +101,7 @@ class ApiSettings:
 
 def check_tool_flags(enable_auto: bool, parser: str | None) -> None:
     """ValueError naming the flag."""
-    from cluster.gateway.tools.parsers import PARSERS
+    from tandem.cluster.gateway.tools.parsers import PARSERS
 
     if parser is not None and parser not in PARSERS:
         raise ValueError(f"--tool-call-parser must be one of {', '.join(PARSERS)}, got {parser!r}")

@@ -24,15 +24,15 @@ from typing import Any
 
 import msgspec
 
-from cluster.gateway.api.tokenize import (
+from tandem.cluster.gateway.api.tokenize import (
     DetokenizeRequest,
     DetokenizeResponse,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     TokenizeResponse,
 )
-from cluster.gateway.protocol import ChatCompletionRequest, CompletionRequest
-from scheduler.fork import MAX_N
+from tandem.cluster.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from tandem.scheduler.fork import MAX_N
 
 _NULL = {"type": "null"}
 

@@ -18,9 +18,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from cluster.gateway.protocol import ProtocolError
-from wire.engine_protocol import StructuredOutputsParams
-from workers.structured import spec as specs
+from tandem.cluster.gateway.protocol import ProtocolError
+from tandem.wire.engine_protocol import StructuredOutputsParams
+from tandem.workers.structured import spec as specs
 
 # vLLM's structured_outputs keys that pick the constraint, and the ones that tune it (accepted,
 # their defaults are ours: no free whitespace in JSON)

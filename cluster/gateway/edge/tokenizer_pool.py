@@ -22,8 +22,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from cluster.gateway.protocol import ProtocolError
-from workers.text.tokenizer import apply_chat_template, encode_prompt
+from tandem.cluster.gateway.protocol import ProtocolError
+from tandem.workers.text.tokenizer import apply_chat_template, encode_prompt
 
 # A normalizer (NFC, accent stripping) can shorten text; Unicode composition
 # shortens it by at most ~3x (Hangul jamo), so 4 keeps the bound safe.

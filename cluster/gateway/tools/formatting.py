@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from cluster.gateway.formatting import ChatFormatter, sse
-from cluster.gateway.tools.parsers import parser_for
-from wire.engine_protocol import Logprobs
+from tandem.cluster.gateway.formatting import ChatFormatter, sse
+from tandem.cluster.gateway.tools.parsers import parser_for
+from tandem.wire.engine_protocol import Logprobs
 
 
 class ToolChatFormatter(ChatFormatter):

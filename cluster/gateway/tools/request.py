@@ -20,9 +20,9 @@ import json
 import re
 from typing import Any
 
-from cluster.gateway.edge.structured import check
-from cluster.gateway.protocol import ProtocolError
-from wire.engine_protocol import StructuredOutputsParams
+from tandem.cluster.gateway.edge.structured import check
+from tandem.cluster.gateway.protocol import ProtocolError
+from tandem.wire.engine_protocol import StructuredOutputsParams
 
 _NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
