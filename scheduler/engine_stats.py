@@ -117,6 +117,19 @@ class WireStats(msgspec.Struct, forbid_unknown_fields=True):
     auth_failures: dict[str, int] = {}
 
 
+class StructuredOutputStats(msgspec.Struct, forbid_unknown_fields=True):
+    """Structured outputs of one engine (``workers/structured/manager.py``); counters
+    are cumulative since the engine started."""
+
+    backend: str = ""
+    constrained_requests_total: int = 0  # requests that carried a constraint
+    cache_hits_total: int = 0  # compiles answered by the grammar cache (or one in flight)
+    cache_misses_total: int = 0
+    compile_failures_total: int = 0  # invalid for this tokenizer, or past the deadline
+    compile_seconds: HistogramSnapshot | None = None  # one grammar's compile
+    mask_seconds: HistogramSnapshot | None = None  # one step's bitmask fill (all its rows)
+
+
 class EngineStats(msgspec.Struct, forbid_unknown_fields=True):
     """One engine at one moment (its loop thread, between steps).
 
@@ -142,6 +155,7 @@ class EngineStats(msgspec.Struct, forbid_unknown_fields=True):
     num_gateways: int = 0  # gateways joined (workers/engine/gateway_outputs.py)
     num_gateways_lost: int = 0  # dropped because their connection stayed down
     num_gateway_requests_aborted: int = 0  # requests of dropped gateways
+    structured: StructuredOutputStats | None = None  # workers/structured/manager.py
 
 
 # Decodes (and validates) an engine's stats payload; callers go through

@@ -48,6 +48,16 @@ class CachedRequestData(_Wire):
     new_token_ids: list[list[int]] = []
 
 
+class GrammarBitmask(_Wire):
+    """Token masks of a step's constrained requests that sample
+    (``scheduler/structured_grammar.py``): ``bitmask`` is int32 rows, row-major, one per
+    id of ``req_ids``, ``ceil(vocab / 32)`` words each; bit ``t % 32`` of word ``t // 32``
+    set = token ``t`` allowed."""
+
+    req_ids: list[str]
+    bitmask: bytes
+
+
 class SchedulerOutput(_Wire):
     scheduled_new_reqs: list[NewRequestData] = []
     scheduled_cached_reqs: CachedRequestData = msgspec.field(default_factory=CachedRequestData)
@@ -60,6 +70,8 @@ class SchedulerOutput(_Wire):
     # (src, dst) KV blocks to copy before this step's forward pass (a fork's
     # partial last block, scheduler/fork.py)
     copy_block_ids: list[tuple[int, int]] = []
+    # None when no request that samples this step is constrained (the common case)
+    grammar_bitmask: GrammarBitmask | None = None
 
 
 class KVConnectorOutput(_Wire):

@@ -19,6 +19,7 @@ class RequestStatus(enum.IntEnum):
     WAITING_FOR_REMOTE_KVS = 1
     RUNNING = 2
     PREEMPTED = 3
+    WAITING_FOR_FSM = 4  # its grammar compiles off the step (workers/structured/manager.py)
     # everything from here on is finished
     FINISHED_STOPPED = 10
     FINISHED_LENGTH_CAPPED = 11

@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-from tandem.scheduler import fork, policies
+from tandem.scheduler import fork, policies, structured_grammar
 from tandem.scheduler.config import SchedulerConfig
 from tandem.scheduler.kv_cache_manager import KVCacheManager, cdiv
 from tandem.scheduler.messages import (
@@ -38,9 +38,11 @@ class Scheduler:
         config: SchedulerConfig,
         connector=None,  # kvtransfer.base.KVConnectorSchedulerSide (duck-typed: no import)
         engine_id: str = "",
+        structured=None,  # workers.structured.manager.StructuredOutputManager (duck-typed)
     ) -> None:
         self.config = config
         self.connector = connector
+        self.structured = structured
         self.engine_id = engine_id
         self.kv = KVCacheManager(
             config.num_kv_blocks,
@@ -55,6 +57,11 @@ class Scheduler:
         )
         self.running: list[Request] = []
         self.waiting_for_remote: dict[str, Request] = {}
+        # constrained requests whose grammar is still compiling (structured_grammar.py)
+        self.waiting_for_fsm: dict[str, Request] = {}
+        # overlapped loop: constrained requests of the step just scheduled whose mask waits
+        # for their token in flight (structured_grammar.take_deferred_bitmask)
+        self.grammar_deferred: list[Request] = []
         self.held_for_send: dict[str, Request] = {}  # finished; blocks kept for a peer
         # Running requests the model runner has not seen yet (remote KV just
         # landed): their first scheduled step sends NewRequestData.
@@ -92,6 +99,13 @@ class Scheduler:
         if salt is not None and (not isinstance(salt, str) or not salt):
             raise ValueError(f"cache_salt must be a non-empty string when given, got {salt!r}")
         request.sampling_params.validate()
+        if request.sampling_params.structured_outputs is not None:
+            structured_grammar.wait_for_grammar(self, request)
+            return
+        self._admit(request)
+
+    def _admit(self, request: Request) -> None:
+        """Queue a validated request (whose grammar, if any, is ready)."""
         if fork.is_fork_parent(request) and request.num_prompt_tokens == 1:
             if fork.is_remote_decode(request):
                 raise ValueError("n > 1 needs a prompt of at least 2 tokens to prefill apart")
@@ -129,6 +143,9 @@ class Scheduler:
                 self.running.remove(req)
                 self.unseen_by_runner.discard(rid)
                 self.finished_req_ids.append(rid)
+            elif prev == RequestStatus.WAITING_FOR_FSM:
+                structured_grammar.forget(self, req)
+                continue
             elif prev == RequestStatus.WAITING_FOR_REMOTE_KVS:
                 # NIXL is writing into its blocks: free them when the read ends.
                 if self.connector is not None:
@@ -154,6 +171,8 @@ class Scheduler:
         return params
 
     def _release(self, req: Request) -> None:
+        if self.structured is not None:
+            self.structured.remove(req)
         self.kv.free(req)
         self.requests.pop(req.request_id, None)
         if req.n > 1:
@@ -173,6 +192,8 @@ class Scheduler:
         limits = policies.PrefillLimits(
             cfg.max_num_partial_prefills, cfg.max_long_partial_prefills, threshold
         )
+        if self.waiting_for_fsm:
+            structured_grammar.admit_ready(self)
         if cfg.policy == "priority" and self.waiting and self.running:
             self._preempt_for_arrival(preempted)
         num_arrival_preempted = len(preempted)
@@ -262,6 +283,8 @@ class Scheduler:
                 0, min(n, req.num_prompt_tokens - req.num_computed_tokens)
             )
             req.num_computed_tokens += n
+        if self.structured is not None and self.structured.matchers:
+            out.grammar_bitmask = structured_grammar.bitmask(self, num_scheduled)
         return out
 
     def _schedule_waiting(
@@ -445,6 +468,8 @@ class Scheduler:
                     status = self._check_stop(req, tok, cfg_max_len)
                     if status is not None:
                         break
+            if req.sampling_params.structured_outputs is not None:
+                status = structured_grammar.advance(self, req, new_tokens, status)
             self.num_generation_tokens += len(new_tokens)
             out = EngineOutput(request_id=rid, new_token_ids=new_tokens)
             if req.parent_id is not None:  # a fork child: the client's id and its choice
@@ -460,6 +485,7 @@ class Scheduler:
                 req.status = status
                 out.finish_reason = status.finish_reason
                 out.stop_reason = req.stop_reason
+                out.error = req.error
                 out.num_cached_tokens = max(req.num_cached_tokens, 0)
                 self.running.remove(req)
                 self.finished_req_ids.append(rid)
@@ -503,6 +529,8 @@ class Scheduler:
         if self.connector is not None:  # D: forget the parent's remote-load state
             self.connector.request_finished(parent, self.kv.get_block_ids(pid))
         self.requests.pop(pid)
+        if self.structured is not None:
+            self.structured.remove(parent)  # each child gets its own matcher
         children = fork.make_children(parent)
         num_slots = self.config.max_num_seqs - len(self.running) - len(self.waiting_for_remote)
         num_forked, copies = fork.fork_blocks(self.kv, parent, children, max(1, num_slots))
@@ -513,9 +541,12 @@ class Scheduler:
         """Track the children: the first ``num_forked`` hold the parent's KV and
         run; the rest start as new requests ahead of other waiting ones."""
         self.forks.add(parent.request_id, children)
+        constrained = parent.sampling_params.structured_outputs is not None
         for child in children:
             child.n = parent.n
             self.requests[child.request_id] = child
+            if constrained:
+                self.structured.matcher_for(child)  # from the cached grammar
         for child in children[:num_forked]:
             child.num_computed_tokens = parent.num_computed_tokens
             child.status = RequestStatus.RUNNING
@@ -594,7 +625,7 @@ class Scheduler:
     # ---- introspection -------------------------------------------------------------
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running or self.waiting or self.waiting_for_remote)
+        return bool(self.running or self.waiting or self.waiting_for_remote or self.waiting_for_fsm)
 
     def has_work(self) -> bool:
         """The engine loop must keep stepping: requests to run, or transfers to poll."""
@@ -608,7 +639,8 @@ class Scheduler:
 
     def get_request_counts(self) -> tuple[int, int]:
         """(running, waiting) — waiting includes requests waiting for remote KV."""
-        return len(self.running), len(self.waiting) + len(self.waiting_for_remote)
+        num_waiting = len(self.waiting) + len(self.waiting_for_remote) + len(self.waiting_for_fsm)
+        return len(self.running), num_waiting
 
     def num_blocks_held_for_transfer(self) -> int:
         return sum(len(self.kv.req_blocks.get(r, ())) for r in self.held_for_send)
@@ -616,7 +648,7 @@ class Scheduler:
     def make_stats(self) -> SchedulerStats:
         return SchedulerStats(
             num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting),
+            num_waiting_reqs=len(self.waiting) + len(self.waiting_for_fsm),
             num_waiting_for_remote_kvs=len(self.waiting_for_remote),
             kv_cache_usage=self.kv.usage(),
             num_blocks_held_for_transfer=self.num_blocks_held_for_transfer(),
@@ -638,6 +670,7 @@ class Scheduler:
             {r.request_id for r in self.running}
             | {r.request_id for r in self.waiting}
             | set(self.waiting_for_remote)
+            | set(self.waiting_for_fsm)
             | set(self.held_for_send)
         )
         assert tracked == set(self.requests), (
@@ -649,6 +682,7 @@ class Scheduler:
         for rid in self.kv.req_blocks:
             assert rid in self.requests, f"blocks held by unknown request {rid}"
         self.forks.check_integrity(self.requests)
+        structured_grammar.check_integrity(self)
         for rid, parent in self.fork_parents.items():
             assert self.requests.get(rid) is parent, f"fork parent {rid} is not tracked"
         if idle:

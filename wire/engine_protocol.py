@@ -44,6 +44,31 @@ class _Wire(msgspec.Struct, array_like=True, omit_defaults=True):
 # ---- gateway -> engine ---------------------------------------------------------
 
 
+# What a constrained request's output must match (``StructuredOutputsParams.kind``):
+# a JSON schema, any JSON object, a regular expression, one of a JSON list of strings,
+# or a grammar (Lark, or GBNF/EBNF as llama.cpp writes it).
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+class StructuredOutputsParams(_Wire):
+    """A request's output constraint as it travels: plain text, never a compiled object,
+    so any engine (prefill, decode, a migration's target) builds its own matcher from it
+    (``workers/structured/``). ``text``: the JSON schema's JSON, the regex, the JSON list
+    of choices, the grammar text; empty for ``json_object``."""
+
+    kind: str
+    text: str = ""
+
+    def validate(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise ValueError(
+                f"structured_outputs.kind must be one of {', '.join(STRUCTURED_KINDS)}, "
+                f"got {self.kind!r}"
+            )
+        if self.kind != "json_object" and not self.text:
+            raise ValueError(f"structured_outputs.text must not be empty for {self.kind!r}")
+
+
 class SamplingParams(_Wire):
     """Per-request sampling and stopping rules; validated by ``validate()``."""
 
@@ -72,6 +97,8 @@ class SamplingParams(_Wire):
     # alternatives (vLLM extra). The prompt is then computed, not read from
     # the prefix cache.
     prompt_logprobs: int | None = None
+    # The output must match this (workers/structured/); None: unconstrained.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -108,6 +135,8 @@ class SamplingParams(_Wire):
             raise ValueError(f"prompt_logprobs must be >= 0, got {self.prompt_logprobs!r}")
         if any(not word for word in self.bad_words_token_ids):
             raise ValueError("bad_words_token_ids must not contain an empty word")
+        if self.structured_outputs is not None:
+            self.structured_outputs.validate()
 
     @property
     def greedy(self) -> bool:

@@ -164,6 +164,12 @@ class EngineConfig:
         per_pool=True,
         help="fraction of KV blocks kept free when admitting requests",
     )
+    structured_outputs_compile_timeout_s: float = option(
+        30.0,
+        section="scheduler",
+        per_pool=True,
+        help="a constrained request whose grammar has not compiled by then ends in error",
+    )
     max_num_partial_prefills: int = option(
         0, section="scheduler", per_pool=True, help="requests in prefill per step (0 = no limit)"
     )
@@ -360,6 +366,11 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.gateway_lost_after_s > 0:
             raise ValueError(f"gateway_lost_after_s must be > 0, got {self.gateway_lost_after_s}")
+        if not self.structured_outputs_compile_timeout_s > 0:
+            raise ValueError(
+                "structured_outputs_compile_timeout_s must be > 0, "
+                f"got {self.structured_outputs_compile_timeout_s}"
+            )
         if not self.output_stall_timeout_s > 0:
             raise ValueError(
                 f"output_stall_timeout_s must be > 0, got {self.output_stall_timeout_s}"

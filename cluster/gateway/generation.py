@@ -29,10 +29,13 @@ from tandem.cluster.gateway import formatting, protocol
 from tandem.cluster.gateway.api.config import ApiConfig, ServedModels
 from tandem.cluster.gateway.backend import Backend, BackendUnavailable
 from tandem.cluster.gateway.edge import sampling as edge_sampling
+from tandem.cluster.gateway.edge import structured as edge_structured
 from tandem.cluster.gateway.edge.limits import GatewayLimits, RequestSlots
 from tandem.cluster.gateway.edge.tokenizer_pool import TokenizerPool, chat_text_len
 from tandem.cluster.gateway.protocol import ChatCompletionRequest, CompletionRequest, ProtocolError
 from tandem.cluster.gateway.responses import GenerationResponse
+from tandem.cluster.gateway.tools.formatting import ToolChatFormatter
+from tandem.cluster.gateway.tools.request import plan_tools
 from tandem.cluster.observability.logging_setup import REQUEST_ID
 from tandem.cluster.observability.metrics import GatewayMetrics
 from tandem.cluster.observability.tracing.observer import RequestObserver, Tracer
@@ -141,6 +144,9 @@ class Gateway:
             request_id, model, int(time.time()), req.logprobs, self.token_text
         )
         params = protocol.sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs)
+        spec, _ = edge_structured.request_spec(req)
+        if spec is not None:
+            params = msgspec.structs.replace(params, structured_outputs=spec)
         echo_text = None
         if req.echo:
             echo_text = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt_ids)
@@ -153,12 +159,23 @@ class Gateway:
         model = self.models.resolve(req.model)
         protocol.validate_common(req, model)
         protocol.check_chat_fields(req)
+        spec, spec_field = edge_structured.request_spec(req)
+        plan = plan_tools(req, self.api.enable_auto_tool_choice, self.api.tool_call_parser)
+        if plan is not None and plan.spec is not None:
+            if spec is not None:
+                raise ProtocolError(
+                    f"{spec_field} cannot be combined with tool_choice {plan.mode!r}.",
+                    param=spec_field,
+                )
+            spec = plan.spec
         num_logprobs = protocol.chat_logprobs(req)
         edge_sampling.check_num_logprobs(req.top_logprobs, "top_logprobs", self.limits.max_logprobs)
         num_chars = chat_text_len(req.messages)
         self.tokenizer_pool.check_text_len(num_chars, self.backend.max_model_len, "messages")
         try:
-            prompt_ids = await self.tokenizer_pool.chat(req.messages, req.add_generation_prompt)
+            prompt_ids = await self.tokenizer_pool.chat(
+                req.messages, req.add_generation_prompt, plan.template_tools if plan else None
+            )
         except ValueError as exc:
             raise ProtocolError(str(exc), param="messages") from None
         self._check_prompt_len(prompt_ids, param="messages")
@@ -170,10 +187,14 @@ class Gateway:
         else:
             self._check_total_len(prompt_ids, max_tokens, param)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        formatter = formatting.ChatFormatter(
-            request_id, model, int(time.time()), num_logprobs, self.token_text
-        )
+        args = (request_id, model, int(time.time()), num_logprobs, self.token_text)
+        if plan is not None and plan.mode != "none":
+            formatter = ToolChatFormatter(*args, plan=plan)
+        else:
+            formatter = formatting.ChatFormatter(*args)
         params = protocol.sampling_params(req, max_tokens=max_tokens, logprobs=num_logprobs)
+        if spec is not None:
+            params = msgspec.structs.replace(params, structured_outputs=spec)
         return self._response(req, prompt_ids, params, formatter, arrival_s)
 
     def _response(

@@ -89,6 +89,15 @@ class _CommonRequest(msgspec.Struct, kw_only=True):
     cache_salt: str | None = None
     # vLLM's scheduling priority: lower value first (--scheduling-policy priority)
     priority: int | None = 0
+    # output constraints (cluster/gateway/edge/structured.py): OpenAI's, vLLM's, vLLM's older
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None  # a JSON schema, as an object or its JSON text
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # accepted, ignored: the engines pick
+    guided_whitespace_pattern: str | None = None  # accepted, ignored
 
     def __post_init__(self) -> None:
         # Clients send explicit nulls for "not set"; give those fields their defaults.
@@ -123,8 +132,10 @@ class ChatCompletionRequest(_CommonRequest, kw_only=True):
     logprobs: bool | None = False
     top_logprobs: int | None = None
     add_generation_prompt: bool | None = True
+    # tool calling (cluster/gateway/tools/)
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
     _NULL_DEFAULTS = (
         *_CommonRequest._NULL_DEFAULTS,
@@ -250,12 +261,6 @@ def chat_logprobs(req: ChatCompletionRequest) -> int | None:
 
 
 def check_chat_fields(req: ChatCompletionRequest) -> None:
-    if req.tools:
-        raise ProtocolError("tools are not supported.", param="tools")
-    if req.response_format and req.response_format.get("type") not in (None, "text"):
-        raise ProtocolError(
-            "Only response_format type 'text' is supported.", param="response_format"
-        )
     check_max_tokens(req.max_tokens, "max_tokens")
     check_max_tokens(req.max_completion_tokens, "max_completion_tokens")
 

@@ -235,6 +235,7 @@ class EngineMetricsCollector(Collector):
         snapshot = self._backend.metrics_snapshot()
         yield from _engine_families(snapshot.engines)
         yield from _kv_families(snapshot.engines)
+        yield from _structured_families(snapshot.engines)
         yield counter_by(
             "disagg_decisions",
             "Router decisions: prefill on a remote engine or locally on decode.",
@@ -294,6 +295,41 @@ def _kv_families(engines: list[EngineMetrics]) -> Iterator[Metric]:
             transfer.add_metric([engine.engine_id, engine.role], prometheus_buckets(snap), snap.sum)
     yield transfer
     yield from _kv_transport_families(with_kv)
+
+
+# Structured outputs (workers/structured/manager.py): (name, help, field of StructuredOutputStats)
+_STRUCTURED_COUNTERS = (
+    ("structured_output_requests", "Requests with an output constraint.",
+     "constrained_requests_total"),
+    ("structured_output_cache_hits", "Grammar compiles answered by the cache (or one in flight).",
+     "cache_hits_total"),
+    ("structured_output_cache_misses", "Grammars compiled.", "cache_misses_total"),
+    ("structured_output_compile_failures", "Grammars refused or past the compile deadline.",
+     "compile_failures_total"),
+)  # fmt: skip
+_STRUCTURED_HISTOGRAMS = (
+    ("structured_output_compile_seconds", "Duration of one grammar compile.", "compile_seconds"),
+    ("structured_output_mask_seconds", "Filling one step's grammar bitmask rows.", "mask_seconds"),
+)
+
+
+def _structured_families(engines: list[EngineMetrics]) -> Iterator[Metric]:
+    """Every engine that reports them (all of this version's)."""
+    with_so = [(e, e.stats.structured) for e in engines if e.stats.structured is not None]
+    for name, help_text, field in _STRUCTURED_COUNTERS:
+        family = CounterMetricFamily(f"{PREFIX}{name}", help_text, labels=_LABELS)
+        for engine, so in with_so:
+            family.add_metric([engine.engine_id, engine.role], getattr(so, field))
+        yield family
+    for name, help_text, field in _STRUCTURED_HISTOGRAMS:
+        family = HistogramMetricFamily(f"{PREFIX}{name}", help_text, labels=_LABELS)
+        for engine, so in with_so:
+            snap = getattr(so, field)
+            if snap is not None:
+                family.add_metric(
+                    [engine.engine_id, engine.role], prometheus_buckets(snap), snap.sum
+                )
+        yield family
 
 
 def _kv_transport_families(with_kv: list) -> Iterator[Metric]:

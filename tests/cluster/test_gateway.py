@@ -370,7 +370,7 @@ BAD_REQUESTS = [
     (CHAT, {"messages": MESSAGES, "logprobs": 2}, "logprobs"),
     (CHAT, {"messages": MESSAGES, "logprobs": True, "top_logprobs": 50}, "top_logprobs"),
     (CHAT, {"messages": MESSAGES, "n": -1}, "n"),
-    (CHAT, {"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools"),
+    (CHAT, {"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools[0].function"),
     (CHAT, {"messages": [{"role": "user", "content": "x" * MAX_MODEL_LEN}]}, "messages"),
 ]
 

@@ -91,6 +91,7 @@ VERIFIED_FLOORS = {
     "opentelemetry-sdk": ("1.45", "pin"),
     "opentelemetry-exporter-otlp-proto-http": ("1.45", "pin"),
     "httpx": ("0.28.1", "pin"),
+    "llguidance": ("1.9.1", "pin"),
 }
 
 # API the code uses that older releases lack: (distribution, module, name,

@@ -93,3 +93,22 @@ def test_bar_torch_declines_once_torch_is_loaded():
     assert "torch" in sys.modules and sys.modules["torch"] is not None
     assert bar_torch() is False
     assert sys.modules["torch"] is not None  # this process keeps its torch
+
+
+def test_structured_output_validation_is_torch_free():
+    """The gateway validates specs and tools with llguidance, torch barred (issue #27)."""
+    out = run_barred(
+        "from tandem.cluster.gateway.edge import structured\n"
+        "from tandem.cluster.gateway.protocol import ProtocolError\n"
+        "from tandem.cluster.gateway.tools import formatting, request\n"
+        "from tandem.wire.engine_protocol import StructuredOutputsParams as S\n"
+        "structured.check(S('json', '{\"type\": \"object\"}'), 'x')\n"
+        "try:\n"
+        "    structured.check(S('regex', '[a-'), 'guided_regex')\n"
+        "    bad = None\n"
+        "except ProtocolError as exc:\n"
+        "    bad = exc.param\n"
+        "print(json.dumps({'bad': bad, 'torch': sys.modules['torch'],\n"
+        "                  'llguidance': 'llguidance' in sys.modules}))\n"
+    )
+    assert out == {"bad": "guided_regex", "torch": None, "llguidance": True}

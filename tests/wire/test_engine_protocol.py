@@ -21,6 +21,7 @@ from tandem.wire.engine_protocol import (
     RequestTimings,
     SamplingParams,
     SchedulerStats,
+    StructuredOutputsParams,
     UtilityCall,
     UtilityResult,
 )
@@ -49,6 +50,9 @@ SAMPLES = {
         gateway=1764000000123456789,
     ),
     "request_defaults": EngineRequest("r2", [9], SamplingParams()),
+    "request_structured": EngineRequest(
+        "r3", [9], SamplingParams(structured_outputs=StructuredOutputsParams("regex", "[ab]+"))
+    ),
     "abort": EngineAbort(["a", "b"]),
     "utility_call": UtilityCall(3, "stats", [1, "x"]),
     "utility_result": UtilityResult(3, {"k": 1}),
@@ -78,17 +82,21 @@ SAMPLES = {
 }
 
 # msgspec.msgpack.encode of SAMPLES, taken from the messages' previous homes
-# (scheduler/messages.py, workers/engine_core.py) before they moved here;
-# EngineRequest.gateway appended deliberately (array_like encodes every
-# field: a message without it decodes to gateway=0, the default gateway).
+# (scheduler/messages.py, workers/engine_core.py) before they moved here; the
+# requests' SamplingParams grew an 18th element, structured_outputs (issue #27), and
+# EngineRequest.gateway was appended (issue #29: array_like encodes every field, and a
+# message without it decodes to gateway=0, the default gateway).
 GOLDEN_HEX = {
-    "request": "99a2723193010203dc00110500cb3fe000000000000003cb3ff0000000000000079102c201cb"
-    "0000000000000000cb0000000000000000cb3ff0000000000000cb00000000000000008105cbbff8000000"
-    "000000919204050200cb3ff800000000000002a17381b0646f5f72656d6f74655f6465636f6465c302"
-    "cf187afca76f25cd15",  # + gateway (issue #29: the return address of several gateways)
-    "request_defaults": "99a272329109dc00111000cb3ff000000000000000cb3ff0000000000000c090c2c0cb"
-    "0000000000000000cb0000000000000000cb3ff0000000000000cb0000000000000000c090ffc0cb000000"
-    "000000000000c0c00100",
+    "request": "99a2723193010203dc00120500cb3fe000000000000003cb3ff00000000000000791"
+    "02c201cb0000000000000000cb0000000000000000cb3ff0000000000000cb00000000000000008105cbbf"
+    "f8000000000000919204050200c0cb3ff800000000000002a17381b0646f5f72656d6f74655f6465636f64"
+    "65c302cf187afca76f25cd15",  # + gateway (issue #29)
+    "request_defaults": "99a272329109dc00121000cb3ff000000000000000cb3ff000000000000"
+    "0c090c2c0cb0000000000000000cb0000000000000000cb3ff0000000000000cb0000000000000000c090f"
+    "fc0c0cb000000000000000000c0c00100",
+    "request_structured": "99a272339109dc00121000cb3ff000000000000000cb3ff0000000000"
+    "000c090c2c0cb0000000000000000cb0000000000000000cb3ff0000000000000cb0000000000000000c09"
+    "0ffc092a57265676578a55b61625d2bcb000000000000000000c0c00100",
     "abort": "9192a161a162",
     "utility_call": "9303a573746174739201a178",
     "utility_result": "930381a16b01c0",

@@ -30,6 +30,7 @@ from tandem.workers.engine.startup import (
     size_kv_cache,
 )
 from tandem.workers.runner.async_step import OverlappedLoop
+from tandem.workers.structured.manager import structured_manager
 
 
 class EngineCore:
@@ -55,8 +56,14 @@ class EngineCore:
         # overlapped loop (workers/runner/async_step.py); TP ranks step in lockstep: synchronous
         overlap = config.uses_async_scheduling() and self.tp is None
         scheduler_cls = AsyncScheduler if overlap else Scheduler
+        self.structured = structured_manager(
+            self.model_path,
+            self.model.vocab_size,
+            [self.eos_token_id, *self.extra_eos_ids],
+            compile_timeout_s=config.structured_outputs_compile_timeout_s,
+        )
         self.scheduler = scheduler_cls(
-            self.sched_config, self.connector_scheduler, config.engine_id
+            self.sched_config, self.connector_scheduler, config.engine_id, self.structured
         )
         self.kv_events: KVEventRecorder | None = None
         self.kv_publisher: KVEventPublisher | None = None
@@ -187,6 +194,7 @@ class EngineCore:
             num_transfers_in_flight=kv.loads_in_flight if kv is not None else 0,
             kv_transfer=kv,
             wire=self.wire_stats(),
+            structured=self.structured.make_stats(),
         )
 
     def wire_stats(self) -> WireStats:
@@ -258,6 +266,7 @@ class EngineCore:
 
     def stop_side_services(self) -> None:
         """The KV events publisher and the connector; from any thread."""
+        self.structured.shutdown()
         if self.kv_publisher is not None:
             self.kv_publisher.close()
         if self.connector_worker is not None:

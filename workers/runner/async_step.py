@@ -34,6 +34,7 @@ import torch
 
 from tandem.scheduler.async_scheduler import AsyncScheduler
 from tandem.scheduler.messages import SchedulerOutput
+from tandem.scheduler.structured_grammar import take_deferred_bitmask
 from tandem.wire.engine_protocol import EngineOutputs
 from tandem.workers.runner.step_batch import StepPlan
 from tandem.workers.sampling.sample_logprobs import DeviceLogprobs
@@ -143,9 +144,16 @@ class OverlappedLoop:
         sched, runner = self.scheduler, self.runner
         so = sched.schedule()
         prev = self.in_flight
-        handle = runner.launch(so, prev[1] if prev is not None else None)
         self.in_flight = None
         outputs = []
+        if sched.grammar_deferred:
+            # a constrained row's mask needs the token in flight: apply that step first
+            # (scheduler/structured_grammar.py); this step runs without the overlap
+            if prev is not None:
+                outputs += sched.update_from_output(prev[0], runner.finish(prev[1])).outputs
+                prev = None
+            so.grammar_bitmask = take_deferred_bitmask(sched)
+        handle = runner.launch(so, prev[1] if prev is not None else None)
         if prev is not None:
             outputs += sched.update_from_output(prev[0], runner.finish(prev[1])).outputs
         if so.total_num_scheduled_tokens == 0:

@@ -40,6 +40,7 @@ from tandem.workers.runner.attention import SplitAttention, StepMetadata
 from tandem.workers.runner.cpu_allocator import tune_malloc_for_inference
 from tandem.workers.runner.dense_decode import DenseDecodeKV, DenseDecodeStep
 from tandem.workers.runner.step_batch import PLACEHOLDER, Segment, StepPlan, flatten
+from tandem.workers.sampling.grammar_mask import GrammarRows
 from tandem.workers.sampling.prompt_logprobs import prompt_logprobs
 from tandem.workers.sampling.sample_logprobs import DeviceLogprobs
 from tandem.workers.sampling.sampler import Sampler
@@ -293,6 +294,9 @@ class ModelRunner:
         plan.output_counts = [len(st.token_ids) - st.num_prompt for st in sampled]
         plan.stream_keys = [st.stream_key for st in sampled]
         plan.wants_logprobs = any(p.logprobs is not None for p in plan.params)
+        if so.grammar_bitmask is not None:
+            sampled_ids = [plan.req_ids[i] for i in plan.sample_segments]
+            plan.grammar = GrammarRows.from_step(so.grammar_bitmask, sampled_ids)
         if self.extras.num_tracked:
             histories = [(st.token_ids, st.num_prompt) for st in sampled]
             plan.extras = self.extras.batch([plan.req_ids[i] for i in plan.sample_segments],
@@ -374,6 +378,7 @@ class ModelRunner:
             [self.eos_token_id] * len(plan.params),
             plan.extras,
             plan.stream_keys,
+            plan.grammar,
         )
         logprobs = DeviceLogprobs(raw_logits, plan.params, sampled) if plan.wants_logprobs else None
         return StepResult(sampled, logprobs)

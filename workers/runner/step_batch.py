@@ -19,6 +19,7 @@ two steps.
 from __future__ import annotations
 
 from tandem.wire.engine_protocol import Logprobs, SamplingParams
+from tandem.workers.sampling.grammar_mask import GrammarRows
 from tandem.workers.sampling.state import BatchExtras
 
 PLACEHOLDER = -1  # a token id not known on the host yet
@@ -68,6 +69,7 @@ class StepPlan:
         "copy_block_ids",
         "dense_release",
         "wants_logprobs",
+        "grammar",
     )
 
     def __init__(self) -> None:
@@ -83,6 +85,8 @@ class StepPlan:
         self.copy_block_ids: list[tuple[int, int]] = []
         self.dense_release: list[str] = []  # requests whose dense decode row goes
         self.wants_logprobs = False
+        # structured outputs: the bitmask rows of the constrained sampled rows
+        self.grammar: GrammarRows | None = None
 
 
 class FlatBatch:

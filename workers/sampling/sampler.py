@@ -43,6 +43,7 @@ import torch
 
 from tandem.kernels.metadata import list_to_device
 from tandem.wire.engine_protocol import Logprobs, SamplingParams
+from tandem.workers.sampling.grammar_mask import GrammarRows, apply_grammar_mask
 from tandem.workers.sampling.penalties import apply_min_p
 from tandem.workers.sampling.sample_logprobs import DeviceLogprobs, finish_top, top_on_device
 from tandem.workers.sampling.state import BatchExtras
@@ -102,6 +103,7 @@ class Sampler:
         eos_token_ids: list[int | None],
         extras: BatchExtras | None = None,
         stream_keys: list[int] | None = None,
+        grammar: GrammarRows | None = None,
     ) -> tuple[list[int], list[Logprobs | None] | None]:
         """Sample one token per row.
 
@@ -119,6 +121,8 @@ class Sampler:
                 temperature, before top-k/top-p.
             stream_keys: per row, the key unseeded rows draw with
                 (``stream_key``); None: the shared stream.
+            grammar: the structured-output bitmask of the constrained rows
+                (``workers/sampling/grammar_mask.py``), applied before anything else.
 
         Returns:
             ``(token_ids, logprobs)``. Greedy rows (temperature 0 or top_k 1)
@@ -129,7 +133,7 @@ class Sampler:
             report them; top entries sorted by logprob, ties by lower id.
         """
         token_ids, raw_logits = self.sample_on_device(
-            logits, params, positions, output_counts, eos_token_ids, extras, stream_keys
+            logits, params, positions, output_counts, eos_token_ids, extras, stream_keys, grammar
         )
         token_list = token_ids.tolist()
         return token_list, compute_logprobs(raw_logits, params, token_list)
@@ -143,6 +147,7 @@ class Sampler:
         eos_token_ids: list[int | None],
         extras: BatchExtras | None = None,
         stream_keys: list[int] | None = None,
+        grammar: GrammarRows | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``sample`` without reading anything back: ``(token ids [N] on the logits'
         device, the float raw logits for compute_logprobs)``."""
@@ -153,7 +158,15 @@ class Sampler:
             raise ValueError(f"{len(params)} params for {num_rows} logits rows")
         raw_logits = logits.float()
 
-        masked = _mask_min_tokens(raw_logits, params, output_counts, eos_token_ids)
+        masked = raw_logits
+        if grammar is not None:
+            masked = apply_grammar_mask(raw_logits, grammar)
+            # constrained rows: their bitmask already holds stop tokens back for min_tokens
+            # (unless the grammar allows nothing else), so no second mask can empty a row
+            output_counts = list(output_counts)
+            for row in grammar.rows:
+                output_counts[row] = max(output_counts[row], params[row].min_tokens)
+        masked = _mask_min_tokens(masked, params, output_counts, eos_token_ids)
         if extras is not None:
             masked = extras.apply(masked)
         token_ids = argmax_rows(masked)

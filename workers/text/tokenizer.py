@@ -71,6 +71,7 @@ def apply_chat_template(
     add_generation_prompt: bool = True,
     *,
     allow_fallback: bool = True,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     """Token ids of an OpenAI-style chat conversation.
 
@@ -94,6 +95,7 @@ def apply_chat_template(
             chat_template=template,
             add_generation_prompt=add_generation_prompt,
             tokenize=False,
+            **({"tools": tools} if tools else {}),
         )
     except Exception as exc:  # jinja2 errors (e.g. raise_exception in the template)
         raise ValueError(f"chat template rejected the messages: {exc}") from exc
@@ -116,6 +118,8 @@ def _normalize_message(index: int, message: Any) -> dict[str, Any]:
         raise ValueError(f"{where}.role is missing")
     if not isinstance(message["role"], str) or not message["role"]:
         raise ValueError(f"{where}.role must be a non-empty string")
+    if message.get("content") is None and message.get("tool_calls"):
+        return {**message, "content": ""}  # an assistant turn that only called tools
     if "content" not in message or message["content"] is None:
         raise ValueError(f"{where}.content is missing")
     content = message["content"]

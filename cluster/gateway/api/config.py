@@ -6,6 +6,8 @@
 --chat-template FILE                  Jinja template for chat requests (replaces
                                       the tokenizer's)
 --generation-config auto|vllm|DIR     sampling defaults (generation_defaults.py)
+--enable-auto-tool-choice             tool_choice "auto": the model may call tools
+--tool-call-parser NAME               how its tool calls are read (cluster/gateway/tools/)
 """
 
 from __future__ import annotations
@@ -26,8 +28,11 @@ class ApiConfig:
     served_model_names: tuple[str, ...] = ()  # empty: the backend's model name
     chat_template: str | None = None  # the template's text (read from --chat-template)
     generation_defaults: GenerationDefaults = dataclasses.field(default_factory=GenerationDefaults)
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
+        check_tool_flags(self.enable_auto_tool_choice, self.tool_call_parser)
         for name in self.served_model_names:
             if not isinstance(name, str) or not name:
                 raise ValueError(f"--served-model-name: names must be non-empty, got {name!r}")
@@ -50,7 +55,13 @@ class ApiConfig:
             if not template.strip():
                 raise ValueError(f"--chat-template: {path} is empty")
         defaults = load_generation_defaults(settings.generation_config, model_path)
-        return cls(tuple(settings.served_model_name), template, defaults)
+        return cls(
+            tuple(settings.served_model_name),
+            template,
+            defaults,
+            settings.enable_auto_tool_choice,
+            settings.tool_call_parser,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,13 +83,33 @@ class ApiSettings:
         "'vllm' (ignore it) or a directory holding one",
     )
 
+    enable_auto_tool_choice: bool = option(
+        False,
+        help='tool_choice "auto": the model may call the request\'s tools itself '
+        "(needs --tool-call-parser)",
+    )
+    tool_call_parser: str | None = option(
+        None, help='how tool calls are read in the model\'s text with tool_choice "auto": hermes'
+    )
+
     def __post_init__(self) -> None:
+        check_tool_flags(self.enable_auto_tool_choice, self.tool_call_parser)
         names = self.served_model_name
         if isinstance(names, str):
             object.__setattr__(self, "served_model_name", (names,))
         ApiConfig(tuple(self.served_model_name))  # ValueError naming --served-model-name
         if not self.generation_config:
             object.__setattr__(self, "generation_config", "auto")
+
+
+def check_tool_flags(enable_auto: bool, parser: str | None) -> None:
+    """ValueError naming the flag."""
+    from tandem.cluster.gateway.tools.parsers import PARSERS
+
+    if parser is not None and parser not in PARSERS:
+        raise ValueError(f"--tool-call-parser must be one of {', '.join(PARSERS)}, got {parser!r}")
+    if enable_auto and parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
 
 
 class ServedModels:

@@ -94,10 +94,9 @@ _RULES: dict[str, Any] = {
     # each word must have a non-space character (400 otherwise)
     "bad_words": _nullable({"type": "array", "items": _NONEMPTY}),
     "suffix": _nullable({"type": "string", "maxLength": 0}),
-    "tools": _nullable({"type": "array", "maxItems": 0}),
-    "response_format": _nullable(
-        {"type": "object", "properties": {"type": _nullable({"const": "text"})}}
-    ),
+    # checked by cluster/gateway/tools/request.py and cluster/gateway/edge/structured.py
+    "tools": _nullable({"type": "array", "items": {"type": "object"}}),
+    "response_format": _nullable({"type": "object"}),
     "stop": _nullable({"anyOf": [_NONEMPTY, {"type": "array", "items": _NONEMPTY}]}),
     "cache_salt": _nullable(_NONEMPTY),
     "stop_token_ids": _nullable({"type": "array", "items": "{TOKEN}"}),

@@ -17,6 +17,7 @@ normalizer may shorten it).
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -61,11 +62,18 @@ class TokenizerPool:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, encode_prompt, self.tokenizer, text)
 
-    async def chat(self, messages: list[Any], add_generation_prompt: bool) -> list[int]:
-        """``apply_chat_template`` on a worker; its ``ValueError`` propagates."""
+    async def chat(
+        self, messages: list[Any], add_generation_prompt: bool, tools: list[Any] | None = None
+    ) -> list[int]:
+        """``apply_chat_template`` on a worker (``tools``: rendered by templates that
+        know them); its ``ValueError`` propagates."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(
-            self._executor, apply_chat_template, self.tokenizer, messages, add_generation_prompt
+            self._executor,
+            functools.partial(apply_chat_template, tools=tools),
+            self.tokenizer,
+            messages,
+            add_generation_prompt,
         )
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:

@@ -1,0 +1,2 @@
+"""Structured outputs: grammar specs, the grammar backend, per-request matchers and the
+compile pool (docs/architecture.md, "Structured outputs")."""
