@@ -325,6 +325,9 @@ class Scheduler:
                 self.prefix_cache_hits += num_new_computed
                 if req.num_cached_tokens < 0:
                     req.num_cached_tokens = num_new_computed
+                    if num_external and not req.kv_transfer_params:
+                        # KV tiers (kvtransfer/tiers/): the engine's own hit, not a peer's
+                        req.num_cached_tokens += num_external
             block_ids = self.kv.get_block_ids(req.request_id)
             if connector is not None:
                 connector.update_state_after_alloc(req, block_ids, num_external)
@@ -558,7 +561,8 @@ class Scheduler:
         block_ids = self.kv.get_block_ids(req.request_id)
         bad = [i for i, b in enumerate(block_ids) if b in invalid]
         if bad:
-            if self.config.load_failure_policy == "fail":
+            tier_load = not req.kv_transfer_params  # KV tiers: a miss is always recomputed
+            if self.config.load_failure_policy == "fail" and not tier_load:
                 req.status = RequestStatus.FINISHED_ERROR
                 req.error = "remote KV load failed"
                 self._release(req)
@@ -572,6 +576,8 @@ class Scheduler:
                 return
             # Recompute from the first bad block on; earlier blocks are good.
             req.num_computed_tokens = min(req.num_computed_tokens, bad[0] * self.config.block_size)
+            if tier_load:
+                req.num_cached_tokens = min(req.num_cached_tokens, req.num_computed_tokens)
             self.kv.truncate_computed(req, req.num_computed_tokens)
         # The KV is in place: publish the filled blocks for prefix hits and
         # stop treating the request as remote (a later preemption recomputes).

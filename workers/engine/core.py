@@ -69,6 +69,9 @@ class EngineCore:
                 config.cluster_secret,
                 config.kv_events_queue_batches,
             )
+        attach = getattr(self.connector_scheduler, "attach", None)
+        if attach is not None:  # KV tiers (kvtransfer/tiers/) follow the pool's blocks
+            attach(self.scheduler.kv.pool)
         self.graphs, self.runner = build_runner(
             config, loaded, cache, self.connector_worker, overlap
         )
@@ -171,12 +174,18 @@ class EngineCore:
         if self.tp is not None:
             self.tp.check_integrity()
         self.request_clock.check_integrity(self.scheduler.requests)
+        tiers = getattr(self.connector_worker, "store", None)  # KV tiers (kvtransfer/tiers/)
+        if tiers is not None:
+            idle = not self.scheduler.requests
+            self.connector_scheduler.check_integrity(idle)
+            tiers.check_integrity(idle)
         return True
 
     def stats(self) -> EngineStats:
         """This engine now (``scheduler/engine_stats.py``); a service adds its
         sockets' counts (``EngineService.stats``). Loop thread only."""
-        kv = self._kv_stats() if self.connector_worker is not None else None
+        tiers = getattr(self.connector_worker, "store", None)  # KV tiers: own stats
+        kv = self._kv_stats() if self.connector_worker is not None and tiers is None else None
         return EngineStats(
             engine_id=self.config.engine_id,
             role=self.config.role,
