@@ -81,9 +81,10 @@ def check_tier_fields(cfg: Any) -> None:
         )
 
 
-def tier_config(cfg: Any, load_timeout_s: float | None = None) -> TierConfig:
-    """The ``TierConfig`` of an ``EngineConfig`` (checked already)."""
-    return TierConfig(
+def tier_config(cfg: Any) -> TierConfig:
+    """The ``TierConfig`` of an ``EngineConfig`` (checked already). The engine's test
+    hooks (``extra={"kv_tiers": {...}}``) may set the other fields."""
+    fields = dict(
         host_bytes=int((cfg.kv_offloading_size or 0) * GIB),
         disk_dir=cfg.kv_offloading_disk_dir,
         disk_bytes=int((cfg.kv_offloading_disk_size or 0) * GIB),
@@ -92,9 +93,10 @@ def tier_config(cfg: Any, load_timeout_s: float | None = None) -> TierConfig:
         hash_algo=cfg.prefix_caching_hash_algo,
         block_size=cfg.block_size,
         kv_layout=cfg.kv_layout,
-        load_timeout_s=load_timeout_s if load_timeout_s is not None else cfg.kv_load_timeout_s,
-        **{k: v for k, v in (cfg.extra or {}).get("kv_tiers", {}).items()},
+        load_timeout_s=cfg.kv_load_timeout_s,
     )
+    fields.update((cfg.extra or {}).get("kv_tiers", {}))
+    return TierConfig(**fields)
 
 
 def fingerprint(config: TierConfig, dtype: str, block_shape: tuple[int, ...]) -> dict[str, Any]:
