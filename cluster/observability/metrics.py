@@ -29,6 +29,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from cluster.gateway.backend import Backend, BackendMetrics, EngineMetrics
+from cluster.observability.kv_offload_metrics import offload_families
 from cluster.routing.metrics import router_families
 from scheduler.engine_stats import Histogram, prometheus_buckets
 
@@ -235,6 +236,7 @@ class EngineMetricsCollector(Collector):
         snapshot = self._backend.metrics_snapshot()
         yield from _engine_families(snapshot.engines)
         yield from _kv_families(snapshot.engines)
+        yield from offload_families(snapshot.engines)
         yield counter_by(
             "disagg_decisions",
             "Router decisions: prefill on a remote engine or locally on decode.",

@@ -32,7 +32,7 @@ import torch
 from kvtransfer.tiers.config import TierConfig, fingerprint
 from kvtransfer.tiers.disk import DiskFull, DiskTier, TierLoadError, checksum
 from kvtransfer.tiers.host import HostTier
-from scheduler.engine_stats import Histogram
+from scheduler.engine_stats import Histogram, KVOffloadStats, KVOffloadTierStats
 
 logger = logging.getLogger(__name__)
 
@@ -348,10 +348,47 @@ class TierStore:
             self._copy(self.kv[block_id], row)
             self.counters[f"{medium}_loaded_bytes"] += row.numel()
             self.counters[f"{medium}_hits"] += 1
-        self.load_seconds.observe(time.monotonic() - start)
+        with self.lock:
+            self.load_seconds.observe(time.monotonic() - start)
         return []
 
     # ---- operators -----------------------------------------------------------------------
+
+    FAILURES = {  # counter -> reason label of tandem:kv_offload_failures_total
+        "load_failures": "load",
+        "load_timeouts": "timeout",
+        "store_dropped": "store_dropped",
+        "store_cancelled": "store_cancelled",
+        "disk_full": "disk_full",
+        "disk_store_failures": "disk_write",
+        "failures": "internal",
+    }
+
+    def report(self, loads_in_flight: int) -> KVOffloadStats:
+        c = self.counters
+        with self.lock:
+            snapshot = self.load_seconds.snapshot()
+        tiers = [
+            KVOffloadTierStats(
+                medium=t.medium,
+                used_bytes=t.used_bytes,
+                capacity_bytes=t.capacity_bytes,
+                blocks=len(t.index),
+                stored_bytes_total=c.get(f"{t.medium}_stored_bytes", 0.0),
+                loaded_bytes_total=c.get(f"{t.medium}_loaded_bytes", 0.0),
+                hits_total=c.get(f"{t.medium}_hits", 0.0),
+                evictions_total=float(t.num_evictions),
+            )
+            for t in (self.host, self.disk)
+            if t is not None
+        ]
+        return KVOffloadStats(
+            tiers=tiers,
+            store_queue_depth=len(self._stores),
+            loads_in_flight=loads_in_flight,
+            failures_total={r: c.get(k, 0.0) for k, r in self.FAILURES.items()},
+            load_seconds=snapshot,
+        )
 
     def stats(self) -> dict[str, float]:
         out = dict(self.counters)

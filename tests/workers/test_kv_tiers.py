@@ -129,6 +129,7 @@ def test_multi_turn_cached_tokens_from_host_then_disk(tmp_path):
         assert cached[0] == 0 and cached[1] >= 48 and cached[2] >= 64, cached
         stats = tiers(llm).stats()
         assert stats["host_hits"] > 0 and "disk_hits" not in stats
+        check_operator_views(llm)
     # host too small for the conversation: the earlier turns come back from disk
     with tiered(
         "tiny", tmp_path, host_blocks=2, disk_blocks=128, num_kv_blocks=10, max_num_seqs=2
@@ -136,6 +137,34 @@ def test_multi_turn_cached_tokens_from_host_then_disk(tmp_path):
         cached = conversation(llm)
         assert cached[0] == 0 and cached[1] >= 48 and cached[2] >= 64, cached
         assert tiers(llm).stats()["disk_hits"] > 0
+
+
+def check_operator_views(llm: LLM) -> None:
+    """The engine's stats as the gateway decodes them -> tandem:kv_offload_* and the
+    /cluster/state row."""
+    import msgspec
+
+    from cluster.gateway.backend import EngineMetrics
+    from cluster.observability.dashboard.state import _engine
+    from cluster.observability.kv_offload_metrics import offload_families
+    from scheduler.engine_stats import STATS_DECODER
+
+    stats = STATS_DECODER.decode(msgspec.msgpack.encode(llm.engine.stats()))
+    metrics = EngineMetrics(stats=stats)
+    samples = {
+        (s.name, s.labels.get("medium") or s.labels.get("reason")): s.value
+        for family in offload_families([metrics])
+        for s in family.samples
+    }
+    raw = tiers(llm).stats()
+    assert samples[("tandem:kv_offload_hits_total", "host")] == raw["host_hits"]
+    assert samples[("tandem:kv_offload_stored_bytes_total", "host")] == raw["host_stored_bytes"]
+    assert samples[("tandem:kv_offload_used_bytes", "host")] == raw["host_used_bytes"]
+    assert samples[("tandem:kv_offload_load_seconds_count", None)] > 0
+    assert ("tandem:kv_offload_failures_total", "timeout") in samples
+    assert samples[("tandem:kv_offload_store_queue_depth", None)] == 0
+    (row,) = _engine(metrics).kv_tiers
+    assert row.medium == "host" and row.used_bytes == raw["host_used_bytes"] and row.hits > 0
 
 
 def test_tenants_stay_apart_in_the_tiers(tmp_path):

@@ -195,6 +195,9 @@ class EngineCore:
             scheduler=self.scheduler.make_stats(),
             num_transfers_in_flight=kv.loads_in_flight if kv is not None else 0,
             kv_transfer=kv,
+            kv_offload=(
+                tiers.report(len(self.connector_scheduler.loading)) if tiers is not None else None
+            ),
             wire=self.wire_stats(),
         )
 
