@@ -1,0 +1,311 @@
+"""KV tiers below the device cache (kvtransfer/tiers/): copy speed, a multi-turn
+trace, and what an idle tier costs a step.
+
+    python benchmarks/kv_tiers.py            (about 2-3 minutes on the 2-core CPU box)
+
+1. Store and load GB/s per tier through ``TierStore`` (the tier thread, checksums
+   included) next to its ceiling: one ``copy_`` of the same bytes in one process
+   (host), the disk's sequential read of one file of the same size with its pages
+   dropped from the page cache (disk; the tier's loads also read cold files).
+2. A multi-turn trace (``cluster/cli/trace_replay.synthesize``: sessions that grow
+   turn by turn over shared system prompts and documents) replayed one request at a
+   time through smollm2 fp32, with a device cache of about a quarter of the trace's
+   distinct blocks: hit rate, TTFT p50/p99 and prefill tokens computed for
+   device-only, +host, +host+disk, and +host storing on eviction instead of
+   write-through.
+3. Decode step time with the host tier on but idle against off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from cluster.cli.trace_replay import SynthConfig, TraceRequest, synthesize, synthesize_prompt  # noqa: E402
+from kvtransfer.tiers.config import TierConfig  # noqa: E402
+from kvtransfer.tiers.store import LoadJob, StoreJob, TierStore  # noqa: E402
+from wire.engine_protocol import EngineRequest, SamplingParams  # noqa: E402
+from workers.config import EngineConfig  # noqa: E402
+from workers.engine.core import EngineCore  # noqa: E402
+
+GIB = 1 << 30
+
+
+# ---- 1. copy speed ---------------------------------------------------------------------
+
+
+def _drop_cache(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _load_all(store: TierStore, keys: list[bytes], num_blocks: int) -> float:
+    store.pin(keys)
+    start = time.perf_counter()
+    step = 64
+    for i in range(0, len(keys), step):
+        part = keys[i : i + step]
+        store.submit_load(LoadJob(f"r{i}", part, [j % num_blocks for j in range(i, i + len(part))], 1e18))
+    done = 0
+    while done < len(range(0, len(keys), step)):
+        done += len(store.poll())
+        time.sleep(0.0005)
+    return time.perf_counter() - start
+
+
+def _pcie(src: torch.Tensor) -> tuple[float, float]:
+    """GB/s of one device->pinned and one pinned->device copy of ``src`` (CUDA)."""
+    host = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+    out = []
+    for dst, frm in ((host, src), (src, host)):
+        dst.copy_(frm)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        dst.copy_(frm)
+        torch.cuda.synchronize()
+        out.append(src.numel() / (time.perf_counter() - t) / 1e9)
+    return out[0], out[1]
+
+
+def copy_speed(
+    num_blocks: int, block_bytes: int, tmp: str, device: str = "cpu"
+) -> list[tuple[str, float, float, str]]:
+    layers = block_bytes // (2 * 16 * 8 * 64 * 2)
+    kv = torch.randn(num_blocks, layers, 2, 16, 8, 64).to(torch.bfloat16).to(device)
+    total = num_blocks * block_bytes
+    keys = [i.to_bytes(4, "little") * 8 for i in range(num_blocks)]
+    rows = []
+    # ceilings
+    src = kv.reshape(num_blocks, -1).view(torch.uint8)
+    if device == "cuda":
+        d2h, h2d = _pcie(src)
+        ceiling_host = h2d
+        ceiling_rows = d2h
+        src = src.cpu()
+    else:
+        dst = torch.empty_like(src)
+        dst.copy_(src)
+        t = time.perf_counter()
+        dst.copy_(src)
+        ceiling_host = total / (time.perf_counter() - t) / 1e9
+        srcn, dstn = src.numpy(), dst.numpy()
+        t = time.perf_counter()
+        for i in range(num_blocks):
+            dstn[i] = srcn[i]
+        ceiling_rows = total / (time.perf_counter() - t) / 1e9
+    big = Path(tmp) / "seq.bin"
+    with open(big, "wb") as f:
+        f.write(memoryview(src.numpy()))
+    _drop_cache(big)
+    buf = bytearray(1 << 20)
+    t = time.perf_counter()
+    with open(big, "rb", buffering=0) as f:
+        while f.readinto(buf):
+            pass
+    ceiling_disk = total / (time.perf_counter() - t) / 1e9
+    big.unlink()
+    for medium in ("host", "disk"):
+        cfg = TierConfig(
+            host_bytes=total if medium == "host" else 0,
+            disk_dir=tmp if medium == "disk" else None,
+            disk_bytes=2 * total if medium == "disk" else 0,
+            engine_id=f"bench-{medium}",
+            max_store_queue=num_blocks,
+        )
+        store = TierStore(cfg)
+        store.open(kv, (0, 1, 2, 3, 4, 5))
+        # steady state: the tier is full (its pages touched) and every store evicts
+        store.submit_stores([StoreJob(i, b"w" + k) for i, k in enumerate(keys)])
+        assert store.flush(300)
+        t = time.perf_counter()
+        store.submit_stores([StoreJob(i, k) for i, k in enumerate(keys)])
+        assert store.flush(300)
+        store_gbs = total / (time.perf_counter() - t) / 1e9
+        if medium == "disk":
+            for p in store.disk.root.rglob("*.kvb"):
+                _drop_cache(p)
+        load_gbs = total / _load_all(store, keys, num_blocks) / 1e9
+        store.check_integrity()
+        store.close()
+        ceiling = ceiling_host if medium == "host" else ceiling_disk
+        if medium == "disk":
+            what = "sequential read of one file, cold"
+        elif device == "cuda":
+            what = f"PCIe: one pinned->device copy_ of it all; device->pinned {ceiling_rows:.2f}"
+        else:
+            what = f"one copy_ of it all; {ceiling_rows:.2f} block by block"
+        rows.append((medium, store_gbs, load_gbs, f"{ceiling:.2f} ({what})"))
+    return rows
+
+
+# ---- 2. multi-turn trace ------------------------------------------------------------------
+
+
+def trace_prompts(vocab: int) -> list[tuple[list[int], int]]:
+    cfg = SynthConfig(
+        num_sessions=12,
+        turns_per_session=(3, 5),
+        num_system_prompts=2,
+        system_prompt_blocks=4,
+        num_documents=10,
+        document_blocks=8,
+        question_blocks=(1, 2),
+        answer_tokens=(8, 16),
+        block_tokens=16,
+        seed=1,
+    )
+    rows = synthesize(cfg)
+    out = []
+    for i, r in enumerate(rows):
+        req = TraceRequest(r["timestamp"] / 1000, r["input_length"], r["output_length"], r["hash_ids"])
+        out.append((synthesize_prompt(req, i, vocab, 0, 16), r["output_length"]))
+    return out
+
+
+def replay(engine: EngineCore, trace: list[tuple[list[int], int]], max_tokens: int) -> dict:
+    ttfts, computed, prompt_total, cached_total = [], 0, 0, 0
+    for i, (prompt, _) in enumerate(trace):
+        sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        start = time.perf_counter()
+        assert engine.add_request(EngineRequest(f"t{i}", prompt, sp)) is None
+        first, cached = None, 0
+        while engine.has_work():
+            for o in engine.step().outputs:
+                if o.new_token_ids and first is None:
+                    first = time.perf_counter() - start
+                    cached = o.num_cached_tokens
+        store = getattr(engine.connector_worker, "store", None)
+        if store is not None:
+            store.flush(60)  # between requests, as a think time would
+        ttfts.append(first)
+        prompt_total += len(prompt)
+        cached_total += cached
+        computed += len(prompt) - cached
+    engine.check_integrity()
+    ttfts.sort()
+    return {
+        "hit": cached_total / prompt_total,
+        "p50": statistics.median(ttfts),
+        "p99": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
+        "computed": computed,
+    }
+
+
+def trace_runs(tmp: str) -> tuple[list[tuple], int, int]:
+    base = dict(model="smollm2", dtype="float32", max_model_len=512, max_num_batched_tokens=512)
+    probe = EngineCore(EngineConfig(**base, num_kv_blocks=64))
+    vocab = probe.model.vocab_size
+    block_bytes = probe.kv_cache[0].numel() * probe.kv_cache.element_size()
+    probe.shutdown()
+    trace = trace_prompts(vocab)
+    distinct = len({tuple(p[: (k + 1) * 16]) for p, _ in trace for k in range(len(p) // 16)})
+    device_blocks = max(distinct // 4, 40)
+    host = device_blocks * block_bytes / GIB  # as large as the device cache
+    configs = [
+        ("device only", {}),
+        ("+host (write-through)", {"kv_offloading_size": 2 * host}),
+        ("+host (write on eviction)", {"kv_offloading_size": 2 * host,
+                                       "extra": {"kv_tiers": {"store_policy": "eviction"}}}),
+        ("+host+disk", {"kv_offloading_size": host, "kv_offloading_disk_dir": tmp,
+                        "kv_offloading_disk_size": 8 * host}),
+    ]  # fmt: skip
+    rows = []
+    for name, extra in configs:
+        engine = EngineCore(EngineConfig(**base, num_kv_blocks=device_blocks, **extra))
+        replay(engine, trace[:3], 1)  # warm-up (fresh prompts: ids t0.. are reused below)
+        engine.scheduler.reset_prefix_cache()
+        store = getattr(engine.connector_worker, "store", None)
+        r = replay(engine, trace, 2)
+        r["stored"] = store.stats().get("host_stored_bytes", 0) / 1e6 if store else 0.0
+        engine.shutdown()
+        rows.append((name, r))
+    return rows, device_blocks, distinct
+
+
+# ---- 3. idle tier step cost ---------------------------------------------------------------
+
+
+def step_cost(num_steps: int) -> list[tuple[str, float]]:
+    out = []
+    for name, extra in (("tiers off", {}), ("host tier on, idle", {"kv_offloading_size": 0.25})):
+        engine = EngineCore(
+            EngineConfig(model="smollm2", dtype="float32", num_kv_blocks=256, **extra)
+        )
+        sp = SamplingParams(max_tokens=num_steps + 20, temperature=0.0, ignore_eos=True)
+        for i in range(8):
+            engine.add_request(EngineRequest(f"d{i}", [(i * 31 + j) % 1000 + 1 for j in range(40)], sp))
+        for _ in range(10):  # prefill and warm-up
+            engine.step()
+        times = []
+        for _ in range(num_steps):
+            t = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t)
+        engine.abort([f"d{i}" for i in range(8)])
+        while engine.has_work():
+            engine.step()
+        engine.shutdown()
+        out.append((name, statistics.median(times) * 1000))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--blocks", type=int, default=512, help="blocks per copy test")
+    ap.add_argument("--block-kib", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--device", default="cpu", help="cpu | cuda (copy speeds only on cuda)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--parts", default="copy,trace,step")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    parts = args.parts.split(",")
+    if "copy" in parts:
+        with tempfile.TemporaryDirectory() as tmp:
+            rows = copy_speed(args.blocks, args.block_kib * 1024, tmp, args.device)
+        print(f"\n1. copies of {args.blocks} blocks of {args.block_kib} KiB on {args.device} (GB/s)")
+        print("| tier | store | load | ceiling |\n| --- | --- | --- | --- |")
+        for medium, s, ld, c in rows:
+            print(f"| {medium} | {s:.2f} | {ld:.2f} | {c} |")
+    if "trace" not in parts:
+        return 0
+    with tempfile.TemporaryDirectory() as tmp:
+        trace_rows, device_blocks, distinct = trace_runs(tmp)
+    print(
+        f"\n2. multi-turn trace, smollm2 fp32, device cache {device_blocks} blocks, "
+        f"{distinct} distinct blocks in the trace"
+    )
+    print("| tiers | hit rate | TTFT p50 (ms) | TTFT p99 (ms) | prefill tokens computed | MB stored to host |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for name, r in trace_rows:
+        print(
+            f"| {name} | {r['hit']:.1%} | {r['p50'] * 1000:.0f} | {r['p99'] * 1000:.0f} | "
+            f"{r['computed']} | {r['stored']:.0f} |"
+        )
+    if "step" not in parts:
+        return 0
+    steps = step_cost(args.steps)
+    print("\n3. decode step, 8 requests, smollm2 fp32 (median ms)")
+    print("| tiers | step |\n| --- | --- |")
+    for name, ms in steps:
+        print(f"| {name} | {ms:.2f} |")
+    off, on = steps[0][1], steps[1][1]
+    print(f"idle tier cost: {100 * (on - off) / off:+.1f}% of a step")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
