@@ -9,7 +9,7 @@ trace, and what an idle tier costs a step.
    dropped from the page cache (disk; the tier's loads also read cold files).
 2. A multi-turn trace (``cluster/cli/trace_replay.synthesize``: sessions that grow
    turn by turn over shared system prompts and documents) replayed one request at a
-   time through smollm2 fp32, with a device cache of about a quarter of the trace's
+   time through a model (``--model``, tiny by default) in fp32, with a device cache of about a quarter of the trace's
    distinct blocks: hit rate, TTFT p50/p99 and prefill tokens computed for
    device-only, +host, +host+disk, and +host storing on eviction instead of
    write-through.
@@ -204,8 +204,8 @@ def replay(engine: EngineCore, trace: list[tuple[list[int], int]], max_tokens: i
     }
 
 
-def trace_runs(tmp: str) -> tuple[list[tuple], int, int]:
-    base = dict(model="smollm2", dtype="float32", max_model_len=512, max_num_batched_tokens=512)
+def trace_runs(tmp: str, model: str) -> tuple[list[tuple], int, int]:
+    base = dict(model=model, dtype="float32", max_model_len=512, max_num_batched_tokens=512)
     probe = EngineCore(EngineConfig(**base, num_kv_blocks=64))
     vocab = probe.model.vocab_size
     block_bytes = probe.kv_cache[0].numel() * probe.kv_cache.element_size()
@@ -238,11 +238,11 @@ def trace_runs(tmp: str) -> tuple[list[tuple], int, int]:
 # ---- 3. idle tier step cost ---------------------------------------------------------------
 
 
-def step_cost(num_steps: int) -> list[tuple[str, float]]:
+def step_cost(num_steps: int, model: str) -> list[tuple[str, float]]:
     out = []
     for name, extra in (("tiers off", {}), ("host tier on, idle", {"kv_offloading_size": 0.25})):
         engine = EngineCore(
-            EngineConfig(model="smollm2", dtype="float32", num_kv_blocks=256, **extra)
+            EngineConfig(model=model, dtype="float32", num_kv_blocks=256, **extra)
         )
         sp = SamplingParams(max_tokens=num_steps + 20, temperature=0.0, ignore_eos=True)
         for i in range(8):
@@ -270,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu", help="cpu | cuda (copy speeds only on cuda)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--parts", default="copy,trace,step")
+    ap.add_argument("--model", default="tiny", help="trace and step model (tiny, smollm2, ...)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     parts = args.parts.split(",")
@@ -283,9 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     if "trace" not in parts:
         return 0
     with tempfile.TemporaryDirectory() as tmp:
-        trace_rows, device_blocks, distinct = trace_runs(tmp)
+        trace_rows, device_blocks, distinct = trace_runs(tmp, args.model)
     print(
-        f"\n2. multi-turn trace, smollm2 fp32, device cache {device_blocks} blocks, "
+        f"\n2. multi-turn trace, {args.model} fp32, device cache {device_blocks} blocks, "
         f"{distinct} distinct blocks in the trace"
     )
     print("| tiers | hit rate | TTFT p50 (ms) | TTFT p99 (ms) | prefill tokens computed | MB stored to host |")
@@ -297,8 +298,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     if "step" not in parts:
         return 0
-    steps = step_cost(args.steps)
-    print("\n3. decode step, 8 requests, smollm2 fp32 (median ms)")
+    steps = step_cost(args.steps, args.model)
+    print(f"\n3. decode step, 8 requests, {args.model} fp32 (median ms)")
     print("| tiers | step |\n| --- | --- |")
     for name, ms in steps:
         print(f"| {name} | {ms:.2f} |")

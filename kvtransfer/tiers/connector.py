@@ -96,6 +96,7 @@ class TierSchedulerSide(KVConnectorSchedulerSide):
         self.new_stores: list[StoreJob] = []
         self.evict_stores: list[StoreJob] = []
         self._new_loads: list[LoadJob] = []
+        self._landed: set[str] = set()  # loads reported this step (loads_from_own_tiers)
 
     def attach(self, pool: Any) -> None:
         """Follow ``pool``'s published and evicted blocks (call after the KV events
@@ -106,8 +107,9 @@ class TierSchedulerSide(KVConnectorSchedulerSide):
     def get_num_new_matched_tokens(self, request: Any, num_local_computed_tokens: int):
         rid = request.request_id
         self._matched.pop(rid, None)
-        if request.kv_transfer_params or self.store.kv is None:
-            return 0, False
+        params = request.kv_transfer_params
+        if (params and params.get("do_remote_prefill")) or self.store.kv is None:
+            return 0, False  # its KV comes from a prefill engine (kvtransfer/tiers/chain.py)
         if request.sampling_params.prompt_logprobs is not None and not request.num_output_tokens:
             return 0, False  # every prompt token's logits are computed
         bs = self.block_size
@@ -138,7 +140,14 @@ class TierSchedulerSide(KVConnectorSchedulerSide):
         self.loading[request.request_id] = job
         self._new_loads.append(job)
 
+    def loads_from_own_tiers(self, request: Any) -> bool:
+        """Is ``request``'s KV load (admitted, or landing now) from this engine's tiers?
+        The scheduler counts those tokens as cached and always recomputes a bad block."""
+        rid = request.request_id
+        return rid in self._matched or rid in self.loading or rid in self._landed
+
     def build_connector_meta(self, scheduler_output: Any) -> TierMeta:
+        self._landed.clear()
         meta = TierMeta(
             loads=self._new_loads, stores=self.new_stores, evict_stores=self.evict_stores
         )
@@ -154,7 +163,8 @@ class TierSchedulerSide(KVConnectorSchedulerSide):
 
     def update_connector_output(self, connector_output: Any) -> None:
         for rid in connector_output.finished_recving:
-            self.loading.pop(rid, None)
+            if self.loading.pop(rid, None) is not None:
+                self._landed.add(rid)
 
     def has_pending_work(self) -> bool:
         return bool(self.loading)

@@ -184,8 +184,10 @@ class EngineCore:
     def stats(self) -> EngineStats:
         """This engine now (``scheduler/engine_stats.py``); a service adds its
         sockets' counts (``EngineService.stats``). Loop thread only."""
-        tiers = getattr(self.connector_worker, "store", None)  # KV tiers: own stats
-        kv = self._kv_stats() if self.connector_worker is not None and tiers is None else None
+        w = self.connector_worker
+        tiers = getattr(w, "store", None)  # KV tiers (kvtransfer/tiers/): their own stats
+        peer = w if tiers is None else getattr(w, "peer", None)  # NIXL, also beside tiers
+        kv = self._kv_stats(peer) if peer is not None else None
         return EngineStats(
             engine_id=self.config.engine_id,
             role=self.config.role,
@@ -213,8 +215,7 @@ class EngineCore:
             auth_failures=dict(extra["auth_failures"]),
         )
 
-    def _kv_stats(self) -> KVTransferStats:
-        w = self.connector_worker
+    def _kv_stats(self, w: Any) -> KVTransferStats:
         raw = w.stats()
         if self.tp is not None:  # bytes and descriptors of every rank's reads
             raw = self.tp.sum_kv_stats(raw)
@@ -248,9 +249,10 @@ class EngineCore:
         return True
 
     def kv_transfer_address(self) -> tuple[str, int] | None:
-        if self.connector_worker is None or not self.connector_worker.side_channel_port:
+        port = getattr(self.connector_worker, "side_channel_port", None)  # none: KV tiers only
+        if not port:
             return None
-        return (self.config.kv_host, self.connector_worker.side_channel_port)
+        return (self.config.kv_host, port)
 
     def kv_rank_ports(self) -> list[int]:
         """Every tensor-parallel rank's side-channel port, rank 0's first
