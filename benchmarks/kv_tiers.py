@@ -181,12 +181,17 @@ def replay(engine: EngineCore, trace: list[tuple[list[int], int]], max_tokens: i
         sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         start = time.perf_counter()
         assert engine.add_request(EngineRequest(f"t{i}", prompt, sp)) is None
-        first, cached = None, 0
+        first, cached, wait_ms = None, 0, 0
         while engine.has_work():
             for o in engine.step().outputs:
                 if o.new_token_ids and first is None:
                     first = time.perf_counter() - start
                     cached = o.num_cached_tokens
+            # as the service loop waits (workers/engine/loop_wait.py): nothing computed
+            # while KV loads -> 1, 2, 4, 8 ms
+            wait_ms = 0 if engine.last_step_num_tokens else min(max(2 * wait_ms, 1), 8)
+            if wait_ms:
+                time.sleep(wait_ms / 1000)
         store = getattr(engine.connector_worker, "store", None)
         if store is not None:
             store.flush(60)  # between requests, as a think time would
@@ -204,13 +209,39 @@ def replay(engine: EngineCore, trace: list[tuple[list[int], int]], max_tokens: i
     }
 
 
-def trace_runs(tmp: str, model: str) -> tuple[list[tuple], int, int]:
+def _in_child(part: str, args: argparse.Namespace) -> list:
+    """Run one configuration in a fresh process: in one process, every engine after the
+    first stepped several times slower on the CPU box, tiers or not."""
+    import json
+    import subprocess
+
+    out = []
+    block_bytes = _block_bytes(args.model) if part == "trace" else 0
+    for index in range(len(TRACE_CONFIGS) if part == "trace" else 2):
+        cmd = [sys.executable, __file__, "--one", f"{part}:{index}:{block_bytes}",
+               "--model", args.model, "--steps", str(args.steps),
+               "--threads", str(args.threads)]  # fmt: skip
+        res = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        out.append(json.loads(res.stdout.strip().splitlines()[-1]))
+    return out
+
+
+TRACE_CONFIGS = ("device only", "+host (write-through)", "+host (write on eviction)", "+host+disk")
+
+
+def _block_bytes(model: str) -> int:
+    """Bytes of one fp32 KV block of ``model``, from its config (no engine: the first
+    engine of a process is the one measured)."""
+    from workers.engine.startup import load_engine_model
+
+    loaded = load_engine_model(EngineConfig(model=model, dtype="float32"))
+    m = loaded.model
+    return m.num_layers * 2 * 16 * m.num_kv_heads * m.head_dim * 4
+
+
+def trace_one(tmp: str, model: str, index: int, block_bytes: int) -> dict:
     base = dict(model=model, dtype="float32", max_model_len=512, max_num_batched_tokens=512)
-    probe = EngineCore(EngineConfig(**base, num_kv_blocks=64))
-    vocab = probe.model.vocab_size
-    block_bytes = probe.kv_cache[0].numel() * probe.kv_cache.element_size()
-    probe.shutdown()
-    trace = trace_prompts(vocab)
+    trace = trace_prompts(256)  # token ids every model here has
     distinct = len({tuple(p[: (k + 1) * 16]) for p, _ in trace for k in range(len(p) // 16)})
     device_blocks = max(distinct // 4, 40)
     host = device_blocks * block_bytes / GIB  # as large as the device cache
@@ -222,25 +253,24 @@ def trace_runs(tmp: str, model: str) -> tuple[list[tuple], int, int]:
         ("+host+disk", {"kv_offloading_size": host, "kv_offloading_disk_dir": tmp,
                         "kv_offloading_disk_size": 8 * host}),
     ]  # fmt: skip
-    rows = []
-    for name, extra in configs:
-        engine = EngineCore(EngineConfig(**base, num_kv_blocks=device_blocks, **extra))
-        replay(engine, trace[:3], 1)  # warm-up (fresh prompts: ids t0.. are reused below)
-        engine.scheduler.reset_prefix_cache()
-        store = getattr(engine.connector_worker, "store", None)
-        r = replay(engine, trace, 2)
-        r["stored"] = store.stats().get("host_stored_bytes", 0) / 1e6 if store else 0.0
-        engine.shutdown()
-        rows.append((name, r))
-    return rows, device_blocks, distinct
+    name, extra = configs[index]
+    engine = EngineCore(EngineConfig(**base, num_kv_blocks=device_blocks, **extra))
+    replay(engine, trace[:3], 1)  # warm-up (fresh prompts: ids t0.. are reused below)
+    engine.scheduler.reset_prefix_cache()
+    store = getattr(engine.connector_worker, "store", None)
+    r = replay(engine, trace, 2)
+    r["stored"] = store.stats().get("host_stored_bytes", 0) / 1e6 if store else 0.0
+    engine.shutdown()
+    return dict(r, name=name, device_blocks=device_blocks, distinct=distinct)
 
 
 # ---- 3. idle tier step cost ---------------------------------------------------------------
 
 
-def step_cost(num_steps: int, model: str) -> list[tuple[str, float]]:
-    out = []
-    for name, extra in (("tiers off", {}), ("host tier on, idle", {"kv_offloading_size": 0.25})):
+def step_one(num_steps: int, model: str, index: int) -> dict:
+    for name, extra in (
+        (("tiers off", {}), ("host tier on, idle", {"kv_offloading_size": 0.25}))[index],
+    ):
         engine = EngineCore(
             EngineConfig(model=model, dtype="float32", num_kv_blocks=256, **extra)
         )
@@ -258,8 +288,7 @@ def step_cost(num_steps: int, model: str) -> list[tuple[str, float]]:
         while engine.has_work():
             engine.step()
         engine.shutdown()
-        out.append((name, statistics.median(times) * 1000))
-    return out
+        return {"name": name, "ms": statistics.median(times) * 1000}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -271,8 +300,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--parts", default="copy,trace,step")
     ap.add_argument("--model", default="tiny", help="trace and step model (tiny, smollm2, ...)")
+    ap.add_argument("--one", help=argparse.SUPPRESS)  # PART:INDEX, in a child process
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.one:
+        import json
+
+        part, index, block_bytes = args.one.split(":")
+        if part == "trace":
+            with tempfile.TemporaryDirectory() as tmp:
+                print(json.dumps(trace_one(tmp, args.model, int(index), int(block_bytes))))
+        else:
+            print(json.dumps(step_one(args.steps, args.model, int(index))))
+        return 0
     parts = args.parts.split(",")
     if "copy" in parts:
         with tempfile.TemporaryDirectory() as tmp:
@@ -283,22 +323,23 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {medium} | {s:.2f} | {ld:.2f} | {c} |")
     if "trace" not in parts:
         return 0
-    with tempfile.TemporaryDirectory() as tmp:
-        trace_rows, device_blocks, distinct = trace_runs(tmp, args.model)
+    trace_rows = _in_child("trace", args)
+    device_blocks, distinct = trace_rows[0]["device_blocks"], trace_rows[0]["distinct"]
     print(
         f"\n2. multi-turn trace, {args.model} fp32, device cache {device_blocks} blocks, "
         f"{distinct} distinct blocks in the trace"
     )
     print("| tiers | hit rate | TTFT p50 (ms) | TTFT p99 (ms) | prefill tokens computed | MB stored to host |")
     print("| --- | --- | --- | --- | --- | --- |")
-    for name, r in trace_rows:
+    for r in trace_rows:
+        name = r["name"]
         print(
             f"| {name} | {r['hit']:.1%} | {r['p50'] * 1000:.0f} | {r['p99'] * 1000:.0f} | "
             f"{r['computed']} | {r['stored']:.0f} |"
         )
     if "step" not in parts:
         return 0
-    steps = step_cost(args.steps, args.model)
+    steps = [(r["name"], r["ms"]) for r in _in_child("step", args)]
     print(f"\n3. decode step, 8 requests, {args.model} fp32 (median ms)")
     print("| tiers | step |\n| --- | --- |")
     for name, ms in steps:
