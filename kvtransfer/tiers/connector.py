@@ -58,27 +58,27 @@ class TierPoolEvents:
         jobs = self.side.new_stores
         for h in block_hashes:
             if store.wants(h):
-                jobs.append(StoreJob(cached[h].block_id, h))
+                job = StoreJob(cached[h].block_id, h)
+                if store.register(job):  # pending from now: an eviction cancels it
+                    jobs.append(job)
 
     def removed(self, block_hash: bytes) -> None:
         if self.inner is not None:
             self.inner.removed(block_hash)
         if self.side.evict_mode:
             block_id = self.by_hash.pop(block_hash, None)
-            if block_id is not None and self.side.store.wants(block_hash):
-                self.side.evict_stores.append(StoreJob(block_id, block_hash))
+            store = self.side.store
+            if block_id is not None and store.wants(block_hash):
+                job = StoreJob(block_id, block_hash)
+                if store.register(job):
+                    self.side.evict_stores.append(job)
             return
-        self.side.store.cancel(block_hash)
-        for job in self.side.new_stores:  # published and evicted within one schedule
-            if job.key == block_hash:
-                job.cancelled = True
+        self.side.store.cancel(block_hash)  # its store, queued or not yet, is void
 
     def cleared(self) -> None:
         if self.inner is not None:
             self.inner.cleared()
         self.by_hash.clear()
-        for job in self.side.new_stores:
-            job.cancelled = True
         self.side.store.cancel_all()
 
     def __getattr__(self, name: str) -> Any:  # drain, snapshot, seq, ... of the recorder

@@ -149,31 +149,43 @@ class TierStore:
     def store_now(self, job: StoreJob) -> None:
         """Store on the caller's thread (store_policy "eviction": the block is about
         to be overwritten, so the copy cannot wait)."""
-        with self.lock:
-            if job.key in self.pending:
-                return
-            self.pending[job.key] = job
         self._store(job)
 
+    def register(self, job: StoreJob) -> bool:
+        """Track a store from the moment its block is published (before the step that
+        computes it has run), so an eviction in any later schedule cancels it. False:
+        a store of that key is already pending."""
+        with self.lock:
+            old = self.pending.get(job.key)
+            if old is not None and not old.cancelled:
+                return False
+            self.pending[job.key] = job  # a cancelled one finishes unseen
+            return True
+
+    def _forget(self, job: StoreJob) -> None:
+        """Under the lock: the job is done (or dropped)."""
+        if self.pending.get(job.key) is job:
+            del self.pending[job.key]
+
     def submit_stores(self, jobs: list[StoreJob]) -> None:
+        """Queue registered jobs whose blocks are computed now; beyond the queue's
+        bound they are dropped (counted), never waited for."""
         if not jobs:
             return
         with self.lock:
-            room = self.config.max_store_queue - len(self._stores)
-            for job in jobs[:room] if room > 0 else ():
-                if job.key in self.pending:
-                    continue
-                self.pending[job.key] = job
-                self._stores.append(job)
-            dropped = len(jobs) - max(room, 0)
-            if dropped > 0:
-                self.counters["store_dropped"] += dropped
+            room = max(self.config.max_store_queue - len(self._stores), 0)
+            self._stores.extend(jobs[:room])
+            for job in jobs[room:]:
+                self._forget(job)
+            if len(jobs) > room:
+                self.counters["store_dropped"] += len(jobs) - room
             self._wake.notify()
 
     def wants(self, key: bytes) -> bool:
         """Would a store of ``key`` add it to a tier? (No lock: a stale answer costs one
         skipped or one redundant store.)"""
-        if key in self.pending:
+        job = self.pending.get(key)
+        if job is not None and not job.cancelled:
             return False
         return (self.host is not None and key not in self.host) or (
             self.disk is not None and key not in self.disk and not self._disk_full()
@@ -257,6 +269,10 @@ class TierStore:
         host, disk, key = self.host, self.disk, job.key
         assert self.kv is not None
         with self.lock:
+            if job.cancelled:  # evicted before its copy began
+                self.counters["store_cancelled"] += 1
+                self._forget(job)
+                return
             slot = None
             if host is not None and key not in host and not job.cancelled:
                 slot = host.reserve()
@@ -266,7 +282,7 @@ class TierStore:
             )
         if slot is None and not want_disk:
             with self.lock:
-                self.pending.pop(key, None)
+                self._forget(job)
             return
         row = host.data[slot] if slot is not None else self._staging
         self._copy(row, self.kv[job.block_id])
@@ -285,12 +301,12 @@ class TierStore:
                 self.counters["store_cancelled"] += 1
                 if want_disk:
                     disk.commit(key, False)
-                self.pending.pop(key, None)
+                self._forget(job)
                 return
         if want_disk:
             self._store_disk(key, payload, check)
         with self.lock:
-            self.pending.pop(key, None)
+            self._forget(job)
 
     def _store_disk(self, key: bytes, payload: np.ndarray, check: int) -> None:
         disk = self.disk

@@ -98,6 +98,16 @@ def test_store_jobs_cancelled_or_over_the_queue_are_not_stored(tmp_path):
         assert stats["store_dropped"] == 1 and stats["host_blocks"] == 1
         assert b"d" in store.host and b"c" not in store.host
         store.check_integrity()
+        # published at one schedule, evicted at the next before the step's stores are
+        # queued (the overlapped loop): the eviction still voids the store
+        late = StoreJob(3, b"late")
+        assert store.register(late)
+        assert not store.register(StoreJob(4, b"late"))  # one pending store per key
+        store.cancel(b"late")
+        store.submit_stores([late])
+        assert store.flush(10)
+        assert b"late" not in store.host and store.stats()["store_cancelled"] == 2
+        assert not store.pending
         # a load of a key no tier holds reports every block bad and unpins it
         store.pin([b"d", b"zz"])
         store.submit_load(LoadJob("r", [b"d", b"zz"], [5, 6], 1e18))
