@@ -342,6 +342,11 @@ class TierStore:
     def _load_blocks(self, job: LoadJob) -> list[int]:
         host, disk = self.host, self.disk
         start = time.monotonic()
+        if disk is not None:
+            with self.lock:
+                cold = [k for k in job.keys if k in disk and (host is None or k not in host)]
+            if len(cold) > 1:
+                disk.prefetch(cold)
         for i, (key, block_id) in enumerate(zip(job.keys, job.block_ids, strict=True)):
             if job.cancelled or time.monotonic() > job.deadline:
                 self.counters["load_timeouts"] += 1
