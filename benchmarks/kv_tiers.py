@@ -58,7 +58,9 @@ def _load_all(store: TierStore, keys: list[bytes], num_blocks: int) -> float:
     step = 64
     for i in range(0, len(keys), step):
         part = keys[i : i + step]
-        store.submit_load(LoadJob(f"r{i}", part, [j % num_blocks for j in range(i, i + len(part))], 1e18))
+        store.submit_load(
+            LoadJob(f"r{i}", part, [j % num_blocks for j in range(i, i + len(part))], 1e18)
+        )
     done = 0
     while done < len(range(0, len(keys), step)):
         done += len(store.poll())
@@ -170,7 +172,9 @@ def trace_prompts(vocab: int) -> list[tuple[list[int], int]]:
     rows = synthesize(cfg)
     out = []
     for i, r in enumerate(rows):
-        req = TraceRequest(r["timestamp"] / 1000, r["input_length"], r["output_length"], r["hash_ids"])
+        req = TraceRequest(
+            r["timestamp"] / 1000, r["input_length"], r["output_length"], r["hash_ids"]
+        )
         out.append((synthesize_prompt(req, i, vocab, 0, 16), r["output_length"]))
     return out
 
@@ -344,7 +348,9 @@ def print_trace(trace_rows: list[dict], model: str) -> None:
         f"\n2. multi-turn trace, {model} fp32, device cache {device_blocks} blocks, "
         f"{distinct} distinct blocks in the trace"
     )
-    print("| tiers | hit rate | TTFT p50 (ms) | TTFT p99 (ms) | prefill tokens computed | MB stored to host |")
+    print(
+        "| tiers | hit rate | TTFT p50 (ms) | TTFT p99 (ms) | prefill tokens computed | MB stored to host |"
+    )
     print("| --- | --- | --- | --- | --- | --- |")
     for r in trace_rows:
         name = r["name"]
@@ -380,7 +386,9 @@ def main(argv: list[str] | None = None) -> int:
     if "copy" in parts:
         with tempfile.TemporaryDirectory() as tmp:
             rows = copy_speed(args.blocks, args.block_kib * 1024, tmp, args.device)
-        print(f"\n1. copies of {args.blocks} blocks of {args.block_kib} KiB on {args.device} (GB/s)")
+        print(
+            f"\n1. copies of {args.blocks} blocks of {args.block_kib} KiB on {args.device} (GB/s)"
+        )
         print("| tier | store | load | ceiling |\n| --- | --- | --- | --- |")
         for medium, s, ld, c in rows:
             print(f"| {medium} | {s:.2f} | {ld:.2f} | {c} |")
@@ -395,15 +403,20 @@ def main(argv: list[str] | None = None) -> int:
     if "step" not in parts:
         return 0
     runs = _in_child("step", args)
-    steps = [(n, min(r["ms"] for r in runs if r["name"] == n)) for n in dict.fromkeys(r["name"] for r in runs)]
+    steps = [
+        (n, min(r["ms"] for r in runs if r["name"] == n))
+        for n in dict.fromkeys(r["name"] for r in runs)
+    ]
     tier_us = min(r["tier_us"] for r in runs if r["name"] == steps[1][0])
     print(f"\n3. decode step, 8 requests, {args.model} fp32 (ms: best of 3 processes' medians)")
     print("| tiers | step |\n| --- | --- |")
     for name, ms in steps:
         print(f"| {name} | {ms:.2f} |")
     off, on = steps[0][1], steps[1][1]
-    print(f"idle tier cost: {100 * (on - off) / off:+.1f}% of a step; the tiers' own calls on "
-          f"the loop thread: {tier_us:.0f} us a step ({tier_us / 10 / off:.2f}% of the off step)")
+    print(
+        f"idle tier cost: {100 * (on - off) / off:+.1f}% of a step; the tiers' own calls on "
+        f"the loop thread: {tier_us:.0f} us a step ({tier_us / 10 / off:.2f}% of the off step)"
+    )
     return 0
 
 

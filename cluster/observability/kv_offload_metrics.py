@@ -44,14 +44,19 @@ def offload_families(engines: list[EngineMetrics]) -> Iterator[Metric]:
         family = family_type(PREFIX + name, help_text, labels=labels)
         for engine, off in with_tiers:
             for tier in off.tiers:
-                family.add_metric([engine.engine_id, engine.role, tier.medium], getattr(tier, field))
+                family.add_metric(
+                    [engine.engine_id, engine.role, tier.medium], getattr(tier, field)
+                )
         yield family
     queue = GaugeMetricFamily(
-        PREFIX + "store_queue_depth", "KV block stores waiting for the tier thread.",
+        PREFIX + "store_queue_depth",
+        "KV block stores waiting for the tier thread.",
         labels=["engine", "role"],
     )
     loads = GaugeMetricFamily(
-        PREFIX + "loads_in_flight", "Requests waiting for KV from a tier.", labels=["engine", "role"]
+        PREFIX + "loads_in_flight",
+        "Requests waiting for KV from a tier.",
+        labels=["engine", "role"],
     )
     failures = CounterMetricFamily(
         PREFIX + "failures",
@@ -60,7 +65,8 @@ def offload_families(engines: list[EngineMetrics]) -> Iterator[Metric]:
         labels=["engine", "role", "reason"],
     )
     seconds = HistogramMetricFamily(
-        PREFIX + "load_seconds", "Duration of one request's load from the KV tiers.",
+        PREFIX + "load_seconds",
+        "Duration of one request's load from the KV tiers.",
         labels=["engine", "role"],
     )
     for engine, off in with_tiers:

@@ -120,7 +120,9 @@ class ChainedWorkerSide(KVConnectorWorkerSide):
         return sending, recving | tier_recving
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self.peer.get_block_ids_with_load_errors() | self.tiers.get_block_ids_with_load_errors()
+        return (
+            self.peer.get_block_ids_with_load_errors() | self.tiers.get_block_ids_with_load_errors()
+        )
 
     def stats(self) -> dict[str, float]:
         return self.peer.stats()

@@ -100,7 +100,8 @@ class DiskTier:
                 ) from exc
             if found != self.fingerprint:
                 diff = sorted(
-                    k for k in set(found) | set(self.fingerprint)
+                    k
+                    for k in set(found) | set(self.fingerprint)
                     if found.get(k) != self.fingerprint.get(k)
                 )
                 raise ValueError(
@@ -236,7 +237,7 @@ class DiskTier:
         magic, version, key_len, length, check = _HEADER.unpack_from(head)
         if (magic, version, length) != (_MAGIC, _VERSION, self.block_bytes):
             raise TierLoadError("disk block file header is not ours")
-        if head[_HEADER.size:] != key or key_len != len(key):
+        if head[_HEADER.size :] != key or key_len != len(key):
             raise TierLoadError("disk block file holds another block")
         if checksum(out) != check:
             raise TierLoadError("disk block checksum mismatch")

@@ -101,7 +101,9 @@ class TierStore:
         if cfg.host_bytes:
             self.host = HostTier(cfg.host_bytes // block_bytes, block_bytes, cuda, self._pinned)
         if cfg.disk_dir:
-            fp = fingerprint(cfg, str(kv_cache.dtype).removeprefix("torch."), tuple(storage.shape[1:]))
+            fp = fingerprint(
+                cfg, str(kv_cache.dtype).removeprefix("torch."), tuple(storage.shape[1:])
+            )
             self.disk = DiskTier(
                 cfg.disk_dir, cfg.engine_id, cfg.disk_bytes, block_bytes, fp, self._pinned
             )
@@ -277,8 +279,11 @@ class TierStore:
             if host is not None and key not in host and not job.cancelled:
                 slot = host.reserve()
             want_disk = (
-                disk is not None and key not in disk and not self._disk_full()
-                and not job.cancelled and disk.reserve(key)
+                disk is not None
+                and key not in disk
+                and not self._disk_full()
+                and not job.cancelled
+                and disk.reserve(key)
             )
         if slot is None and not want_disk:
             with self.lock:
@@ -319,7 +324,9 @@ class TierStore:
             self.counters["disk_full"] += 1
             logger.warning(
                 "disk KV tier %s is full (%s): disk stores stop for %.0f s; service goes on",
-                disk.root, exc, DISK_FULL_RETRY_S,
+                disk.root,
+                exc,
+                DISK_FULL_RETRY_S,
             )
         except OSError as exc:
             self.counters["disk_store_failures"] += 1

@@ -32,7 +32,9 @@ def test_prefill_tier_hit_is_cached_tokens_and_decode_reads_it(ckpt):
     h = Harness()
     try:
         common = dict(BASE, model=ckpt, kv_connector="nixl", kv_lease_s=5.0)
-        h.start("P", EngineConfig(role="prefill", num_kv_blocks=20, kv_offloading_size=0.01, **common))
+        h.start(
+            "P", EngineConfig(role="prefill", num_kv_blocks=20, kv_offloading_size=0.01, **common)
+        )
         h.start("D", EngineConfig(role="decode", num_kv_blocks=64, **common))
         g = torch.Generator().manual_seed(3)
         prompt = torch.randint(3, 300, (70,), generator=g).tolist()

@@ -22,7 +22,10 @@ BB = 64  # bytes per block in these tests
     [
         (dict(kv_offloading_size=0), "--kv-offloading-size"),
         (dict(kv_offloading_size="1"), "--kv-offloading-size"),
-        (dict(kv_offloading_disk_size=-2.0, kv_offloading_disk_dir="/x"), "--kv-offloading-disk-size"),
+        (
+            dict(kv_offloading_disk_size=-2.0, kv_offloading_disk_dir="/x"),
+            "--kv-offloading-disk-size",
+        ),
         (dict(kv_offloading_disk_dir="/x"), "--kv-offloading-disk-size go together"),
         (dict(kv_offloading_disk_dir="", kv_offloading_disk_size=1), "--kv-offloading-disk-dir"),
         (dict(kv_offloading_size=1, enable_prefix_caching=False), "--no-prefix-caching"),

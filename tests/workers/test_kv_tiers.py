@@ -187,7 +187,9 @@ def test_disk_tier_survives_a_restart_and_checks_its_fingerprint(tmp_path):
     want = reference("tiny", prompts)
     kw = dict(host_blocks=0, disk_blocks=64, num_kv_blocks=32)
     with tiered("tiny", tmp_path, **kw) as llm:
-        assert [r.token_ids for r in llm.generate(prompt_token_ids=prompts, sampling_params=SP)] == want
+        assert [
+            r.token_ids for r in llm.generate(prompt_token_ids=prompts, sampling_params=SP)
+        ] == want
         settle(llm)
     with tiered("tiny", tmp_path, **kw) as llm:  # a fresh engine: empty device cache
         assert tiers(llm).disk.num_reindexed > 0
@@ -275,7 +277,11 @@ def test_late_and_aborted_loads_recompute_and_leak_nothing(tmp_path):
     prompt = list(range(30, 100))
     want = reference("tiny", [prompt])[0]
     llm = tiered(
-        "tiny", tmp_path, host_blocks=32, num_kv_blocks=6, extra={"kv_tiers": {"load_timeout_s": 0.0}}
+        "tiny",
+        tmp_path,
+        host_blocks=32,
+        num_kv_blocks=6,
+        extra={"kv_tiers": {"load_timeout_s": 0.0}},
     )
     try:
         llm.generate(prompt_token_ids=[prompt], sampling_params=SP)

@@ -151,8 +151,9 @@ def _engine(e: EngineMetrics) -> EngineRow:
         prefix_cache_queries=q.prefix_cache_queries,
         prefix_cache_hits=q.prefix_cache_hits,
         kv_tiers=[
-            TierRow(t.medium, t.used_bytes, t.capacity_bytes, t.blocks, t.hits_total,
-                    t.evictions_total)
+            TierRow(
+                t.medium, t.used_bytes, t.capacity_bytes, t.blocks, t.hits_total, t.evictions_total
+            )
             for t in (s.kv_offload.tiers if s.kv_offload is not None else ())
         ],
     )
