@@ -235,8 +235,13 @@ class TierStore:
                 self._busy += 1
             try:
                 if isinstance(job, LoadJob):
-                    bad = self._load(job)
-                    with self.lock:
+                    try:
+                        bad = self._load(job)
+                    except Exception:  # noqa: BLE001 - the request must still get its blocks
+                        logger.exception("KV tier load of request %s failed", job.req_id)
+                        self.counters["failures"] += 1
+                        bad = list(job.block_ids)  # all recomputed
+                    with self.lock:  # always: unpin and report, or the request would wait
                         for k in job.keys:
                             self.pins[k] -= 1
                             if not self.pins[k]:
@@ -290,9 +295,18 @@ class TierStore:
                 self._forget(job)
             return
         row = host.data[slot] if slot is not None else self._staging
-        self._copy(row, self.kv[job.block_id])
-        payload = row.numpy()
-        check = checksum(payload)
+        try:
+            self._copy(row, self.kv[job.block_id])
+            payload = row.numpy()
+            check = checksum(payload)
+        except BaseException:
+            with self.lock:  # give back what was reserved, then let _run log it
+                if slot is not None:
+                    host.release(slot)
+                if want_disk:
+                    disk.commit(key, False)
+                self._forget(job)
+            raise
         with self.lock:
             cancelled = job.cancelled  # the block was reused: the copy may be torn
             if slot is not None:

@@ -119,3 +119,23 @@ def test_store_jobs_cancelled_or_over_the_queue_are_not_stored(tmp_path):
         store.check_integrity()
     finally:
         store.close()
+
+
+def test_a_load_that_raises_still_reports_and_unpins(tmp_path):
+    store = _store(tmp_path)
+    try:
+        store.submit_stores([StoreJob(1, b"k")])
+        assert store.flush(10)
+
+        def broken(job):
+            raise RuntimeError("a bug in a load")
+
+        store._load_blocks = broken
+        store.pin([b"k"])
+        store.submit_load(LoadJob("r", [b"k"], [4], 1e18))
+        assert store.flush(10)
+        assert store.poll() == [("r", [4])]  # recomputed, never left waiting
+        assert store.stats()["failures"] == 1
+        store.check_integrity()
+    finally:
+        store.close()
