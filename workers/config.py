@@ -135,26 +135,17 @@ class EngineConfig:
     )
     # ---- KV offloading tiers below the device cache (kvtransfer/tiers/)
     kv_offloading_size: float | None = option(
-        None,
-        section="offload",
-        per_pool=True,
-        metavar="GiB",
+        None, section="offload", per_pool=True, metavar="GiB",
         help="host-memory KV tier of each engine in GiB (pinned on CUDA); unset: none",
-    )
+    )  # fmt: skip
     kv_offloading_disk_dir: str | None = option(
-        None,
-        section="offload",
-        per_pool=True,
-        metavar="DIR",
+        None, section="offload", per_pool=True, metavar="DIR",
         help="disk KV tier directory (one sub-directory per engine, kept across restarts)",
-    )
+    )  # fmt: skip
     kv_offloading_disk_size: float | None = option(
-        None,
-        section="offload",
-        per_pool=True,
-        metavar="GiB",
+        None, section="offload", per_pool=True, metavar="GiB",
         help="disk KV tier of each engine in GiB (with --kv-offloading-disk-dir)",
-    )
+    )  # fmt: skip
     # ---- scheduling (scheduler/policies.py)
     max_num_seqs: int = option(
         128, section="scheduler", per_pool=True, help="max running requests per engine"
