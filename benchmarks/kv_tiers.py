@@ -30,12 +30,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from cluster.cli.trace_replay import SynthConfig, TraceRequest, synthesize, synthesize_prompt  # noqa: E402
-from kvtransfer.tiers.config import TierConfig  # noqa: E402
-from kvtransfer.tiers.store import LoadJob, StoreJob, TierStore  # noqa: E402
-from wire.engine_protocol import EngineRequest, SamplingParams  # noqa: E402
-from workers.config import EngineConfig  # noqa: E402
-from workers.engine.core import EngineCore  # noqa: E402
+from tandem.cluster.cli.trace_replay import SynthConfig, TraceRequest, synthesize, synthesize_prompt  # noqa: E402
+from tandem.kvtransfer.tiers.config import TierConfig  # noqa: E402
+from tandem.kvtransfer.tiers.store import LoadJob, StoreJob, TierStore  # noqa: E402
+from tandem.wire.engine_protocol import EngineRequest, SamplingParams  # noqa: E402
+from tandem.workers.config import EngineConfig  # noqa: E402
+from tandem.workers.engine.core import EngineCore  # noqa: E402
 
 GIB = 1 << 30
 
@@ -238,7 +238,7 @@ TRACE_CONFIGS = ("device only", "+host (write-through)", "+host (write on evicti
 def _block_bytes(model: str) -> int:
     """Bytes of one fp32 KV block of ``model``, from its config (no engine: the first
     engine of a process is the one measured)."""
-    from workers.engine.startup import load_engine_model
+    from tandem.workers.engine.startup import load_engine_model
 
     loaded = load_engine_model(EngineConfig(model=model, dtype="float32"))
     m = loaded.model

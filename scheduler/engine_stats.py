@@ -20,7 +20,7 @@ import math
 
 import msgspec
 
-from wire.engine_protocol import SchedulerStats
+from tandem.wire.engine_protocol import SchedulerStats
 
 
 class HistogramSnapshot(msgspec.Struct, forbid_unknown_fields=True):

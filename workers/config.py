@@ -14,11 +14,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from kvtransfer.tiers.config import check_tier_fields
-from scheduler.block_hash import HASH_ALGOS, get_block_hasher
-from scheduler.policies import POLICIES, check_fields
-from wire.config_fields import add_option, flags_of, hints, key_of, meta_of, option
-from workers.graphs.sizes import (
+from tandem.kvtransfer.tiers.config import check_tier_fields
+from tandem.scheduler.block_hash import HASH_ALGOS, get_block_hasher
+from tandem.scheduler.policies import POLICIES, check_fields
+from tandem.wire.config_fields import add_option, flags_of, hints, key_of, meta_of, option
+from tandem.workers.graphs.sizes import (
     CUDA_GRAPH_MODES,
     DEFAULT_CUDA_GRAPH_MODE,
     capture_sizes,
@@ -417,7 +417,7 @@ class EngineConfig:
                 f"load_failure_policy must be recompute or fail, got {self.load_failure_policy!r}"
             )
 
-        from wire.auth import check_secret
+        from tandem.wire.auth import check_secret
 
         check_secret(self.cluster_secret, "EngineConfig.cluster_secret")
 

@@ -17,8 +17,8 @@ from prometheus_client.core import (
     Metric,
 )
 
-from cluster.gateway.backend import EngineMetrics
-from scheduler.engine_stats import prometheus_buckets
+from tandem.cluster.gateway.backend import EngineMetrics
+from tandem.scheduler.engine_stats import prometheus_buckets
 
 PREFIX = "tandem:kv_offload_"
 

@@ -17,8 +17,8 @@ from typing import Any
 
 import msgspec
 
-from kvtransfer.base import KVConnectorSchedulerSide, KVConnectorWorkerSide
-from kvtransfer.tiers.connector import TierSchedulerSide, TierWorkerSide
+from tandem.kvtransfer.base import KVConnectorSchedulerSide, KVConnectorWorkerSide
+from tandem.kvtransfer.tiers.connector import TierSchedulerSide, TierWorkerSide
 
 
 class ChainMeta(msgspec.Struct):

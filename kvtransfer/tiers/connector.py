@@ -22,10 +22,10 @@ from typing import Any
 
 import msgspec
 
-from kvtransfer.base import KVConnectorSchedulerSide, KVConnectorWorkerSide
-from kvtransfer.compat import STORAGE_ORDER
-from kvtransfer.tiers.config import TierConfig
-from kvtransfer.tiers.store import LoadJob, StoreJob, TierStore
+from tandem.kvtransfer.base import KVConnectorSchedulerSide, KVConnectorWorkerSide
+from tandem.kvtransfer.compat import STORAGE_ORDER
+from tandem.kvtransfer.tiers.config import TierConfig
+from tandem.kvtransfer.tiers.store import LoadJob, StoreJob, TierStore
 
 
 class TierMeta(msgspec.Struct):

@@ -29,10 +29,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvtransfer.tiers.config import TierConfig, fingerprint
-from kvtransfer.tiers.disk import DiskFull, DiskTier, TierLoadError, checksum
-from kvtransfer.tiers.host import HostTier
-from scheduler.engine_stats import Histogram, KVOffloadStats, KVOffloadTierStats
+from tandem.kvtransfer.tiers.config import TierConfig, fingerprint
+from tandem.kvtransfer.tiers.disk import DiskFull, DiskTier, TierLoadError, checksum
+from tandem.kvtransfer.tiers.host import HostTier
+from tandem.scheduler.engine_stats import Histogram, KVOffloadStats, KVOffloadTierStats
 
 logger = logging.getLogger(__name__)
 

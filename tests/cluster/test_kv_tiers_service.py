@@ -10,8 +10,8 @@ import time
 import httpx
 import pytest
 
-from cluster.cli.serve import ServiceThread
-from cluster.cli.settings import serve_config
+from tandem.cluster.cli.serve import ServiceThread
+from tandem.cluster.cli.settings import serve_config
 from tests.cluster.service_helpers import client, wait_idle
 
 pytestmark = pytest.mark.slow

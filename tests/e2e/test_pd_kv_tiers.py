@@ -13,8 +13,8 @@ import torch
 
 from tests.e2e.engine_proc import Harness
 from tests.e2e.test_pd_engines import handoff
-from wire.engine_protocol import EngineRequest, SamplingParams
-from workers.config import EngineConfig
+from tandem.wire.engine_protocol import EngineRequest, SamplingParams
+from tandem.workers.config import EngineConfig
 
 pytestmark = pytest.mark.slow
 

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from kvtransfer.tiers.config import TierConfig, fingerprint
-from kvtransfer.tiers.disk import DiskTier, TierLoadError, checksum
-from kvtransfer.tiers.host import HostTier
-from kvtransfer.tiers.store import LoadJob, StoreJob, TierStore
-from workers.config import EngineConfig
+from tandem.kvtransfer.tiers.config import TierConfig, fingerprint
+from tandem.kvtransfer.tiers.disk import DiskTier, TierLoadError, checksum
+from tandem.kvtransfer.tiers.host import HostTier
+from tandem.kvtransfer.tiers.store import LoadJob, StoreJob, TierStore
+from tandem.workers.config import EngineConfig
 
 BB = 64  # bytes per block in these tests
 

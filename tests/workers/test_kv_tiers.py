@@ -11,9 +11,9 @@ import os
 import pytest
 import torch
 
-from wire.engine_protocol import EngineRequest, SamplingParams
-from workers.config import EngineConfig
-from workers.engine.llm import LLM
+from tandem.wire.engine_protocol import EngineRequest, SamplingParams
+from tandem.workers.config import EngineConfig
+from tandem.workers.engine.llm import LLM
 
 SP = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 GIB = 1 << 30
@@ -144,10 +144,10 @@ def check_operator_views(llm: LLM) -> None:
     /cluster/state row."""
     import msgspec
 
-    from cluster.gateway.backend import EngineMetrics
-    from cluster.observability.dashboard.state import _engine
-    from cluster.observability.kv_offload_metrics import offload_families
-    from scheduler.engine_stats import STATS_DECODER
+    from tandem.cluster.gateway.backend import EngineMetrics
+    from tandem.cluster.observability.dashboard.state import _engine
+    from tandem.cluster.observability.kv_offload_metrics import offload_families
+    from tandem.scheduler.engine_stats import STATS_DECODER
 
     stats = STATS_DECODER.decode(msgspec.msgpack.encode(llm.engine.stats()))
     metrics = EngineMetrics(stats=stats)
