@@ -130,6 +130,29 @@ class StructuredOutputStats(msgspec.Struct, forbid_unknown_fields=True):
     mask_seconds: HistogramSnapshot | None = None  # one step's bitmask fill (all its rows)
 
 
+class KVOffloadTierStats(msgspec.Struct, forbid_unknown_fields=True):
+    """One KV tier below the device cache (``kvtransfer/tiers/``)."""
+
+    medium: str  # "host" | "disk"
+    used_bytes: int = 0
+    capacity_bytes: int = 0
+    blocks: int = 0
+    stored_bytes_total: float = 0.0
+    loaded_bytes_total: float = 0.0
+    hits_total: float = 0.0  # blocks loaded back from this tier
+    evictions_total: float = 0.0
+
+
+class KVOffloadStats(msgspec.Struct, forbid_unknown_fields=True):
+    """An engine's KV tiers: per tier, and what the tier thread did."""
+
+    tiers: list[KVOffloadTierStats] = []
+    store_queue_depth: int = 0
+    loads_in_flight: int = 0
+    failures_total: dict[str, float] = {}  # by reason: load, timeout, dropped, disk_full, ...
+    load_seconds: HistogramSnapshot | None = None  # one request's load from the tiers
+
+
 class EngineStats(msgspec.Struct, forbid_unknown_fields=True):
     """One engine at one moment (its loop thread, between steps).
 
@@ -156,6 +179,7 @@ class EngineStats(msgspec.Struct, forbid_unknown_fields=True):
     num_gateways_lost: int = 0  # dropped because their connection stayed down
     num_gateway_requests_aborted: int = 0  # requests of dropped gateways
     structured: StructuredOutputStats | None = None  # workers/structured/manager.py
+    kv_offload: KVOffloadStats | None = None  # engines with KV tiers
 
 
 # Decodes (and validates) an engine's stats payload; callers go through

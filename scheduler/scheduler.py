@@ -353,6 +353,8 @@ class Scheduler:
                 self.prefix_cache_hits += num_new_computed
                 if req.num_cached_tokens < 0:
                     req.num_cached_tokens = num_new_computed
+                    if num_external and self._own_tier_load(req):
+                        req.num_cached_tokens += num_external  # the engine's own hit
             block_ids = self.kv.get_block_ids(req.request_id)
             if connector is not None:
                 connector.update_state_after_alloc(req, block_ids, num_external)
@@ -594,7 +596,8 @@ class Scheduler:
         block_ids = self.kv.get_block_ids(req.request_id)
         bad = [i for i, b in enumerate(block_ids) if b in invalid]
         if bad:
-            if self.config.load_failure_policy == "fail":
+            tier_load = self._own_tier_load(req)  # always recomputed
+            if self.config.load_failure_policy == "fail" and not tier_load:
                 req.status = RequestStatus.FINISHED_ERROR
                 req.error = "remote KV load failed"
                 self._release(req)
@@ -608,6 +611,8 @@ class Scheduler:
                 return
             # Recompute from the first bad block on; earlier blocks are good.
             req.num_computed_tokens = min(req.num_computed_tokens, bad[0] * self.config.block_size)
+            if tier_load:
+                req.num_cached_tokens = min(req.num_cached_tokens, req.num_computed_tokens)
             self.kv.truncate_computed(req, req.num_computed_tokens)
         # The KV is in place: publish the filled blocks for prefix hits and
         # stop treating the request as remote (a later preemption recomputes).
@@ -621,6 +626,12 @@ class Scheduler:
             req.first_scheduled_time = time.time()
         self.running.append(req)
         self.unseen_by_runner.add(req.request_id)
+
+    def _own_tier_load(self, req: Request) -> bool:
+        """KV tiers (kvtransfer/tiers/): is req's load from this engine's own tiers
+        rather than a peer? Its tokens are cached tokens, its bad blocks recomputed."""
+        own = getattr(self.connector, "loads_from_own_tiers", None)
+        return own is not None and own(req)
 
     # ---- introspection -------------------------------------------------------------
 

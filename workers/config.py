@@ -14,6 +14,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from tandem.kvtransfer.tiers.config import check_tier_fields
 from tandem.scheduler.block_hash import HASH_ALGOS, get_block_hasher
 from tandem.scheduler.policies import POLICIES, check_fields
 from tandem.wire.config_fields import add_option, flags_of, hints, key_of, meta_of, option
@@ -39,6 +40,7 @@ ENGINE_SECTIONS = {
     "parallel": "Engine: tensor parallelism and threads",
     "graphs": "Engine: CUDA graphs, torch.compile, prefill attention",
     "kv_transfer": "Engine: KV transfer and KV events",
+    "offload": "Engine: KV offloading tiers (host memory, disk)",
     "output": "Engine: output backpressure",
     "identity": "Engine: set by the command",
     "hooks": "Engine: test hooks",
@@ -131,6 +133,19 @@ class EngineConfig:
         default_text="the runner's default",
         help="CPU dense decode KV copy in bytes (0 = off)",
     )
+    # ---- KV offloading tiers below the device cache (kvtransfer/tiers/)
+    kv_offloading_size: float | None = option(
+        None, section="offload", per_pool=True, metavar="GiB",
+        help="host-memory KV tier of each engine in GiB (pinned on CUDA); unset: none",
+    )  # fmt: skip
+    kv_offloading_disk_dir: str | None = option(
+        None, section="offload", per_pool=True, metavar="DIR",
+        help="disk KV tier directory (one sub-directory per engine, kept across restarts)",
+    )  # fmt: skip
+    kv_offloading_disk_size: float | None = option(
+        None, section="offload", per_pool=True, metavar="GiB",
+        help="disk KV tier of each engine in GiB (with --kv-offloading-disk-dir)",
+    )  # fmt: skip
     # ---- scheduling (scheduler/policies.py)
     max_num_seqs: int = option(
         128, section="scheduler", per_pool=True, help="max running requests per engine"
@@ -398,6 +413,7 @@ class EngineConfig:
         self.cuda_graph_mode = check_cuda_graph_mode(self.cuda_graph_mode)
         piecewise_sizes(self.max_num_batched_tokens, self.piecewise_graph_sizes)
         check_fields(self)  # policy, admission margin, partial prefill limits
+        check_tier_fields(self)  # --kv-offloading-*
         if self.prefill_attention not in PREFILL_ATTENTION_MODES:
             raise ValueError(
                 f"prefill_attention must be one of {', '.join(PREFILL_ATTENTION_MODES)}, "

@@ -29,6 +29,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from tandem.cluster.gateway.backend import Backend, BackendMetrics, EngineMetrics
+from tandem.cluster.observability.kv_offload_metrics import offload_families
 from tandem.cluster.routing.metrics import router_families
 from tandem.scheduler.engine_stats import Histogram, prometheus_buckets
 
@@ -236,6 +237,7 @@ class EngineMetricsCollector(Collector):
         yield from _engine_families(snapshot.engines)
         yield from _kv_families(snapshot.engines)
         yield from _structured_families(snapshot.engines)
+        yield from offload_families(snapshot.engines)
         yield counter_by(
             "disagg_decisions",
             "Router decisions: prefill on a remote engine or locally on decode.",

@@ -76,6 +76,9 @@ class EngineCore:
                 config.cluster_secret,
                 config.kv_events_queue_batches,
             )
+        attach = getattr(self.connector_scheduler, "attach", None)
+        if attach is not None:  # KV tiers (kvtransfer/tiers/) follow the pool's blocks
+            attach(self.scheduler.kv.pool)
         self.graphs, self.runner = build_runner(
             config, loaded, cache, self.connector_worker, overlap
         )
@@ -178,12 +181,20 @@ class EngineCore:
         if self.tp is not None:
             self.tp.check_integrity()
         self.request_clock.check_integrity(self.scheduler.requests)
+        tiers = getattr(self.connector_worker, "store", None)  # KV tiers (kvtransfer/tiers/)
+        if tiers is not None:
+            idle = not self.scheduler.requests
+            self.connector_scheduler.check_integrity(idle)
+            tiers.check_integrity(idle)
         return True
 
     def stats(self) -> EngineStats:
         """This engine now (``scheduler/engine_stats.py``); a service adds its
         sockets' counts (``EngineService.stats``). Loop thread only."""
-        kv = self._kv_stats() if self.connector_worker is not None else None
+        w = self.connector_worker
+        tiers = getattr(w, "store", None)  # KV tiers (kvtransfer/tiers/): their own stats
+        peer = w if tiers is None else getattr(w, "peer", None)  # NIXL, also beside tiers
+        kv = self._kv_stats(peer) if peer is not None else None
         return EngineStats(
             engine_id=self.config.engine_id,
             role=self.config.role,
@@ -193,6 +204,9 @@ class EngineCore:
             scheduler=self.scheduler.make_stats(),
             num_transfers_in_flight=kv.loads_in_flight if kv is not None else 0,
             kv_transfer=kv,
+            kv_offload=(
+                tiers.report(len(self.connector_scheduler.loading)) if tiers is not None else None
+            ),
             wire=self.wire_stats(),
             structured=self.structured.make_stats(),
         )
@@ -209,8 +223,7 @@ class EngineCore:
             auth_failures=dict(extra["auth_failures"]),
         )
 
-    def _kv_stats(self) -> KVTransferStats:
-        w = self.connector_worker
+    def _kv_stats(self, w: Any) -> KVTransferStats:
         raw = w.stats()
         if self.tp is not None:  # bytes and descriptors of every rank's reads
             raw = self.tp.sum_kv_stats(raw)
@@ -244,9 +257,10 @@ class EngineCore:
         return True
 
     def kv_transfer_address(self) -> tuple[str, int] | None:
-        if self.connector_worker is None or not self.connector_worker.side_channel_port:
+        port = getattr(self.connector_worker, "side_channel_port", None)  # none: KV tiers only
+        if not port:
             return None
-        return (self.config.kv_host, self.connector_worker.side_channel_port)
+        return (self.config.kv_host, port)
 
     def kv_rank_ports(self) -> list[int]:
         """Every tensor-parallel rank's side-channel port, rank 0's first

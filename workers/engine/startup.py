@@ -151,12 +151,23 @@ def scheduler_config(config: EngineConfig, num_blocks: int, max_model_len: int) 
 def make_connector(config: EngineConfig, hf_config: Any) -> tuple[Any, Any]:
     """``(scheduler side, worker side)`` of the configured KV connector, or
     ``(None, None)`` without one."""
+    tiers = None
+    if config.kv_offloading_size or config.kv_offloading_disk_size:  # kvtransfer/tiers/
+        from tandem.kvtransfer.tiers.config import tier_config
+        from tandem.kvtransfer.tiers.connector import create_tier_connector
+
+        tiers = create_tier_connector(tier_config(config))
     if not config.kv_connector:
-        return None, None
+        return tiers or (None, None)
     from tandem.kvtransfer.registry import create_connector
     from tandem.workers.parallel.connector_hook import kv_transfer_config
 
-    return create_connector(kv_transfer_config(config, hf_config))
+    peer = create_connector(kv_transfer_config(config, hf_config))
+    if tiers is None:
+        return peer
+    from tandem.kvtransfer.tiers.chain import ChainedSchedulerSide, ChainedWorkerSide
+
+    return ChainedSchedulerSide(peer[0], tiers[0]), ChainedWorkerSide(peer[1], tiers[1])
 
 
 def build_runner(

@@ -21,6 +21,15 @@ from tandem.cluster.observability.metrics import GatewayMetrics
 MAX_RECENT_ERRORS = 20
 
 
+class TierRow(msgspec.Struct):
+    medium: str  # "host" | "disk"
+    used_bytes: int
+    capacity_bytes: int
+    blocks: int
+    hits: float  # blocks loaded back
+    evictions: float
+
+
 class EngineRow(msgspec.Struct):
     id: str
     role: str
@@ -40,6 +49,8 @@ class EngineRow(msgspec.Struct):
     preemptions: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    # KV tiers below the device cache (kvtransfer/tiers/): one row per tier, none without
+    kv_tiers: list[TierRow] = []
 
 
 class PoolRow(msgspec.Struct):
@@ -159,4 +170,10 @@ def _engine(e: EngineMetrics) -> EngineRow:
         preemptions=q.num_preemptions,
         prefix_cache_queries=q.prefix_cache_queries,
         prefix_cache_hits=q.prefix_cache_hits,
+        kv_tiers=[
+            TierRow(
+                t.medium, t.used_bytes, t.capacity_bytes, t.blocks, t.hits_total, t.evictions_total
+            )
+            for t in (s.kv_offload.tiers if s.kv_offload is not None else ())
+        ],
     )

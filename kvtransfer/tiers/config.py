@@ -1,0 +1,116 @@
+"""The KV tiers' settings: ``--kv-offloading-size``, ``--kv-offloading-disk-dir``,
+``--kv-offloading-disk-size`` (vLLM's names), checked where the engine config is
+built so a bad value is a start-up error naming the flag.
+
+Standard library only: ``workers/config.py`` imports it for the check.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from typing import Any
+
+GIB = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class TierConfig:
+    """One engine's tiers, in bytes (0 = no such tier)."""
+
+    host_bytes: int = 0
+    disk_dir: str | None = None
+    disk_bytes: int = 0
+    engine_id: str = ""
+    model: str = ""  # the model the KV belongs to (part of the disk fingerprint)
+    hash_algo: str = "sha256"
+    block_size: int = 16
+    kv_layout: str = "blocks_first"
+    load_timeout_s: float = 30.0
+    # most block stores queued at once; more are dropped (counted), never waited for
+    max_store_queue: int = 4096
+    # "through": store each full block once it is computed (background);
+    # "eviction": store a block when the device cache evicts it (benchmarks only)
+    store_policy: str = "through"
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.host_bytes or self.disk_bytes)
+
+
+def _gib(value: Any, flag: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{flag} must be a number of GiB > 0, got {value!r}")
+    return float(value)
+
+
+def check_tier_fields(cfg: Any) -> None:
+    """ValueError naming the flag for a bad combination of the tier fields of an
+    ``EngineConfig`` (duck-typed)."""
+    host = cfg.kv_offloading_size
+    disk_dir = cfg.kv_offloading_disk_dir
+    disk = cfg.kv_offloading_disk_size
+    if host is not None:
+        _gib(host, "--kv-offloading-size")
+    if disk is not None:
+        _gib(disk, "--kv-offloading-disk-size")
+    if disk_dir is not None and (not isinstance(disk_dir, str) or not disk_dir):
+        raise ValueError(f"--kv-offloading-disk-dir must be a directory path, got {disk_dir!r}")
+    if (disk_dir is None) != (disk is None):
+        raise ValueError(
+            "--kv-offloading-disk-dir and --kv-offloading-disk-size go together: "
+            "set both or neither"
+        )
+    if host is None and disk is None:
+        return
+    if not cfg.enable_prefix_caching:
+        raise ValueError(
+            "--kv-offloading-size / --kv-offloading-disk-size need prefix caching "
+            "(drop --no-prefix-caching): tier blocks are found by their prefix hash"
+        )
+    if cfg.tensor_parallel_size > 1:
+        raise ValueError(
+            "--kv-offloading-size / --kv-offloading-disk-size need tensor_parallel_size 1 "
+            "(the tiers hold whole blocks of one KV cache)"
+        )
+    if disk_dir is not None and cfg.prefix_caching_hash_algo == "builtin":
+        raise ValueError(
+            "--kv-offloading-disk-dir needs a stable block hash: --prefix-caching-hash-algo "
+            "builtin is seeded per process (use sha256 or xxhash128)"
+        )
+
+
+def tier_config(cfg: Any) -> TierConfig:
+    """The ``TierConfig`` of an ``EngineConfig`` (checked already). The engine's test
+    hooks (``extra={"kv_tiers": {...}}``) may set the other fields."""
+    fields = dict(
+        host_bytes=int((cfg.kv_offloading_size or 0) * GIB),
+        disk_dir=cfg.kv_offloading_disk_dir,
+        disk_bytes=int((cfg.kv_offloading_disk_size or 0) * GIB),
+        engine_id=cfg.engine_id or "engine",
+        model=str(cfg.model),
+        hash_algo=cfg.prefix_caching_hash_algo,
+        block_size=cfg.block_size,
+        kv_layout=cfg.kv_layout,
+        load_timeout_s=cfg.kv_load_timeout_s,
+    )
+    fields.update((cfg.extra or {}).get("kv_tiers", {}))
+    return TierConfig(**fields)
+
+
+def fingerprint(config: TierConfig, dtype: str, block_shape: tuple[int, ...]) -> dict[str, Any]:
+    """What a disk tier's blocks depend on: another value makes them garbage."""
+    return {
+        "format": 1,
+        "model": config.model,
+        "dtype": dtype,
+        "kv_layout": config.kv_layout,
+        "block_shape": list(block_shape),
+        "block_size": config.block_size,
+        "hash_algo": config.hash_algo,
+    }
+
+
+def fingerprint_id(fp: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:16]

@@ -1,0 +1,216 @@
+"""The tiers as the engine's KV connector: lookups and loads ride the remote-KV path.
+
+    schedule()  device prefix hit h blocks; get_num_new_matched_tokens: the next n
+                blocks' hashes in host/disk -> (n * block_size, async)
+                update_state_after_alloc: pin the n keys, a LoadJob into the meta
+                the request waits in WAITING_FOR_REMOTE_KVS, other requests run
+    runner      start_load_kv(meta): loads to the tier thread; this step's stores wait
+                get_finished() (after the step ran): its stores to the tier thread;
+                finished loads -> finished_recving, their bad blocks -> load errors
+    scheduler   finished_recving: publish the loaded blocks, RUNNING; bad blocks
+                are recomputed from the first one (policy recompute, always)
+
+Stores are fed by the block pool's events: every block the prefix cache
+publishes (``stored``) becomes a store job once the step that computes it has
+run; a block the pool evicts (``removed``) cancels a store still pending for it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgspec
+
+from tandem.kvtransfer.base import KVConnectorSchedulerSide, KVConnectorWorkerSide
+from tandem.kvtransfer.compat import STORAGE_ORDER
+from tandem.kvtransfer.tiers.config import TierConfig
+from tandem.kvtransfer.tiers.store import LoadJob, StoreJob, TierStore
+
+
+class TierMeta(msgspec.Struct):
+    """One step's tier work (the runner reads ``loads`` to order loads after the
+    step in flight)."""
+
+    loads: list[Any] = []  # LoadJob
+    stores: list[Any] = []  # StoreJob: blocks this step computes
+    evict_stores: list[Any] = []  # StoreJob: store_policy "eviction", before the step
+
+
+class TierPoolEvents:
+    """Stands in the block pool's ``events`` slot, passing every call on to the KV
+    events recorder it wraps (None when routing has none)."""
+
+    def __init__(self, side: TierSchedulerSide, pool: Any, inner: Any) -> None:
+        self.side = side
+        self.pool = pool
+        self.inner = inner
+        self.by_hash: dict[bytes, int] = {}  # store_policy "eviction" only
+
+    def stored(self, block_hashes: list[bytes], parent: bytes | None) -> None:
+        if self.inner is not None:
+            self.inner.stored(block_hashes, parent)
+        store, cached = self.side.store, self.pool.cached
+        if self.side.evict_mode:
+            for h in block_hashes:
+                self.by_hash[h] = cached[h].block_id
+            return
+        jobs = self.side.new_stores
+        for h in block_hashes:
+            if store.wants(h):
+                job = StoreJob(cached[h].block_id, h)
+                if store.register(job):  # pending from now: an eviction cancels it
+                    jobs.append(job)
+
+    def removed(self, block_hash: bytes) -> None:
+        if self.inner is not None:
+            self.inner.removed(block_hash)
+        if self.side.evict_mode:
+            block_id = self.by_hash.pop(block_hash, None)
+            store = self.side.store
+            if block_id is not None and store.wants(block_hash):
+                job = StoreJob(block_id, block_hash)
+                if store.register(job):
+                    self.side.evict_stores.append(job)
+            return
+        self.side.store.cancel(block_hash)  # its store, queued or not yet, is void
+
+    def cleared(self) -> None:
+        if self.inner is not None:
+            self.inner.cleared()
+        self.by_hash.clear()
+        self.side.store.cancel_all()
+
+    def __getattr__(self, name: str) -> Any:  # drain, snapshot, seq, ... of the recorder
+        return getattr(self.inner, name)
+
+
+class TierSchedulerSide(KVConnectorSchedulerSide):
+    def __init__(self, store: TierStore, config: TierConfig) -> None:
+        self.store = store
+        self.block_size = config.block_size
+        self.load_timeout_s = config.load_timeout_s
+        self.evict_mode = config.store_policy == "eviction"
+        self._matched: dict[str, tuple[int, int]] = {}  # req -> (first block, count)
+        self.loading: dict[str, LoadJob] = {}
+        self.new_stores: list[StoreJob] = []
+        self.evict_stores: list[StoreJob] = []
+        self._new_loads: list[LoadJob] = []
+        self._landed: set[str] = set()  # loads reported this step (loads_from_own_tiers)
+
+    def attach(self, pool: Any) -> None:
+        """Follow ``pool``'s published and evicted blocks (call after the KV events
+        recorder, if any, is in place)."""
+        if not isinstance(pool.events, TierPoolEvents):
+            pool.events = TierPoolEvents(self, pool, pool.events)
+
+    def get_num_new_matched_tokens(self, request: Any, num_local_computed_tokens: int):
+        rid = request.request_id
+        self._matched.pop(rid, None)
+        params = request.kv_transfer_params
+        if (params and params.get("do_remote_prefill")) or self.store.kv is None:
+            return 0, False  # its KV comes from a prefill engine (kvtransfer/tiers/chain.py)
+        if request.sampling_params.prompt_logprobs is not None and not request.num_output_tokens:
+            return 0, False  # every prompt token's logits are computed
+        bs = self.block_size
+        max_blocks = (request.num_tokens - 1) // bs  # the last token is always computed
+        start = num_local_computed_tokens // bs
+        hashes = request.block_hashes
+        if start >= max_blocks or len(hashes) < max_blocks:
+            return 0, False
+        n = self.store.match(hashes[start:max_blocks])
+        if not n:
+            return 0, False
+        self._matched[rid] = (start, n)
+        return n * bs, True
+
+    def update_state_after_alloc(self, request: Any, block_ids: list[int], num_external: int):
+        matched = self._matched.pop(request.request_id, None)
+        if not num_external or matched is None:
+            return
+        start, n = matched
+        keys = list(request.block_hashes[start : start + n])
+        job = LoadJob(
+            request.request_id,
+            keys,
+            block_ids[start : start + n],
+            time.monotonic() + self.load_timeout_s,
+        )
+        self.store.pin(keys)
+        self.loading[request.request_id] = job
+        self._new_loads.append(job)
+
+    def loads_from_own_tiers(self, request: Any) -> bool:
+        """Is ``request``'s KV load (admitted, or landing now) from this engine's tiers?
+        The scheduler counts those tokens as cached and always recomputes a bad block."""
+        rid = request.request_id
+        return rid in self._matched or rid in self.loading or rid in self._landed
+
+    def build_connector_meta(self, scheduler_output: Any) -> TierMeta:
+        self._landed.clear()
+        meta = TierMeta(
+            loads=self._new_loads, stores=self.new_stores, evict_stores=self.evict_stores
+        )
+        self._new_loads, self.new_stores, self.evict_stores = [], [], []
+        return meta
+
+    def request_finished(self, request: Any, block_ids: list[int]):
+        self._matched.pop(request.request_id, None)
+        job = self.loading.get(request.request_id)
+        if job is not None:
+            job.cancelled = True  # aborted mid-load: stop copying; blocks freed when it ends
+        return False, None
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        for rid in connector_output.finished_recving:
+            if self.loading.pop(rid, None) is not None:
+                self._landed.add(rid)
+
+    def has_pending_work(self) -> bool:
+        return bool(self.loading)
+
+    def check_integrity(self, idle: bool = True) -> None:
+        if idle:
+            assert not self.loading, f"tier loads still tracked: {sorted(self.loading)}"
+
+
+class TierWorkerSide(KVConnectorWorkerSide):
+    def __init__(self, store: TierStore) -> None:
+        self.store = store
+        self._step_stores: list[list[StoreJob]] = []  # per launched step, oldest first
+        self._bad: set[int] = set()
+
+    def register_kv_caches(self, kv_cache: Any) -> None:
+        self.store.open(kv_cache, STORAGE_ORDER[self.store.config.kv_layout])
+
+    def start_load_kv(self, metadata: TierMeta) -> None:
+        store = self.store
+        for job in metadata.evict_stores:  # must be copied before this step reuses them
+            store.store_now(job)
+        for job in metadata.loads:
+            store.submit_load(job)
+        self._step_stores.append(metadata.stores)
+
+    def get_finished(self) -> tuple[set[str], set[str]]:
+        if self._step_stores:  # the oldest launched step has run: its blocks are computed
+            self.store.submit_stores(self._step_stores.pop(0))
+        done = set()
+        for rid, bad in self.store.poll():
+            done.add(rid)
+            self._bad.update(bad)
+        return set(), done
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        bad, self._bad = self._bad, set()
+        return bad
+
+    def stats(self) -> dict[str, float]:
+        return self.store.stats()
+
+    def shutdown(self) -> None:
+        self.store.close()
+
+
+def create_tier_connector(config: TierConfig) -> tuple[TierSchedulerSide, TierWorkerSide]:
+    store = TierStore(config)
+    return TierSchedulerSide(store, config), TierWorkerSide(store)

@@ -1,0 +1,251 @@
+"""The disk tier: one file per KV block under the engine's directory, its own LRU.
+
+    <--kv-offloading-disk-dir>/<engine id>/
+        fingerprint.json          model, dtype, layout, block shape, block size, hash algo
+        blocks/<2 hex>/<key hex>.kvb   header + the block's bytes
+
+    header  magic "TKVB", version, key length, payload length, xxh3-64 checksum, key
+
+A file is written to ``.tmp`` and renamed, so a reader sees a whole file or none;
+a file torn by a crash, flipped on disk or renamed fails its checksum (or key)
+at load: a miss, recomputed. At start the directory is re-indexed (files of the
+right size, oldest modification first as least recently used); a fingerprint
+that differs from the engine's is a start-up error naming the flag, since its
+blocks would be another model's KV.
+
+Not thread-safe by itself: ``TierStore`` changes the index under its lock and
+reads or writes a file outside it.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import struct
+from collections import OrderedDict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import xxhash
+
+logger = logging.getLogger(__name__)
+
+FLAG = "--kv-offloading-disk-dir"
+_HEADER = struct.Struct("<4sHHQQ")
+_MAGIC = b"TKVB"
+_VERSION = 1
+_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+def checksum(data: Any) -> int:
+    """xxh3-64 of a block's bytes (a numpy array or anything with the buffer protocol)."""
+    return xxhash.xxh3_64_intdigest(data)
+
+
+class DiskFull(OSError):
+    pass
+
+
+class TierLoadError(Exception):
+    """A block could not be read back whole: missing, torn, or its checksum differs."""
+
+
+class DiskTier:
+    medium = "disk"
+
+    def __init__(
+        self,
+        directory: str,
+        engine_id: str,
+        capacity_bytes: int,
+        block_bytes: int,
+        fingerprint: dict[str, Any],
+        is_pinned: Callable[[bytes], bool],
+    ) -> None:
+        self.root = Path(directory) / engine_id
+        self.block_bytes = block_bytes
+        self.file_bytes = 0  # set per key length on the first write / scan
+        self.capacity_bytes = capacity_bytes
+        self.fingerprint = fingerprint
+        self._is_pinned = is_pinned
+        self.index: OrderedDict[bytes, int] = OrderedDict()  # key -> file size
+        self.used_bytes = 0
+        self.writing: set[bytes] = set()
+        self.num_evictions = 0
+        self.num_reindexed = 0
+        self._open()
+
+    # ---- start-up ------------------------------------------------------------------
+
+    def _open(self) -> None:
+        try:
+            (self.root / "blocks").mkdir(parents=True, exist_ok=True)
+            probe = self.root / ".probe"
+            probe.write_bytes(b"ok")
+            probe.unlink()
+        except OSError as exc:
+            raise ValueError(f"{FLAG}: {self.root} is not a writable directory ({exc})") from exc
+        fp_path = self.root / "fingerprint.json"
+        if fp_path.exists():
+            try:
+                found = json.loads(fp_path.read_text())
+            except (OSError, ValueError) as exc:
+                raise ValueError(
+                    f"{FLAG}: {fp_path} is unreadable ({exc}); remove the directory or "
+                    "point the flag elsewhere"
+                ) from exc
+            if found != self.fingerprint:
+                diff = sorted(
+                    k
+                    for k in set(found) | set(self.fingerprint)
+                    if found.get(k) != self.fingerprint.get(k)
+                )
+                raise ValueError(
+                    f"{FLAG}: {self.root} holds KV blocks of another configuration "
+                    f"(differs in {', '.join(diff)}: {[found.get(k) for k in diff]} there, "
+                    f"{[self.fingerprint.get(k) for k in diff]} here); use another directory "
+                    "or remove it"
+                )
+        else:
+            fp_path.write_text(json.dumps(self.fingerprint, sort_keys=True))
+        self._reindex()
+
+    def _reindex(self) -> None:
+        found = []
+        for path in (self.root / "blocks").glob("*/*"):
+            if path.suffix == ".tmp":
+                path.unlink(missing_ok=True)  # a write cut short by a crash
+                continue
+            if path.suffix != ".kvb":
+                continue
+            try:
+                key = bytes.fromhex(path.stem)
+                st = path.stat()
+            except (ValueError, OSError):
+                continue
+            if st.st_size != _HEADER.size + len(key) + self.block_bytes:
+                path.unlink(missing_ok=True)
+                continue
+            found.append((st.st_mtime_ns, key, st.st_size))
+        for _, key, size in sorted(found):
+            self.index[key] = size
+            self.used_bytes += size
+        self.num_reindexed = len(self.index)
+        while self.used_bytes > self.capacity_bytes and self._evict_one():
+            pass
+        if self.index:
+            logger.info("disk KV tier %s: %d blocks re-indexed", self.root, len(self.index))
+
+    # ---- index (under TierStore's lock) ----------------------------------------------
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self.index
+
+    def path(self, key: bytes) -> Path:
+        h = key.hex()
+        return self.root / "blocks" / h[:2] / f"{h}.kvb"
+
+    def touch(self, key: bytes) -> None:
+        self.index.move_to_end(key)
+
+    def _evict_one(self) -> bool:
+        victim = next((k for k in self.index if not self._is_pinned(k)), None)
+        if victim is None:
+            return False
+        self.used_bytes -= self.index.pop(victim)
+        self.path(victim).unlink(missing_ok=True)
+        self.num_evictions += 1
+        return True
+
+    def reserve(self, key: bytes) -> bool:
+        """Make room for one more file (evicting least recently used ones); False when
+        the pinned files fill the tier."""
+        size = _HEADER.size + len(key) + self.block_bytes
+        while self.used_bytes + size > self.capacity_bytes:
+            if not self._evict_one():
+                return False
+        self.used_bytes += size
+        self.writing.add(key)
+        return True
+
+    def commit(self, key: bytes, ok: bool) -> None:
+        self.writing.discard(key)
+        size = _HEADER.size + len(key) + self.block_bytes
+        if ok and key not in self.index:
+            self.index[key] = size
+        else:
+            self.used_bytes -= size
+
+    def drop(self, key: bytes) -> None:
+        size = self.index.pop(key, None)
+        if size is not None:
+            self.used_bytes -= size
+            self.path(key).unlink(missing_ok=True)
+
+    # ---- files (outside the lock) -------------------------------------------------------
+
+    def write(self, key: bytes, payload: np.ndarray, check: int) -> None:
+        """Write one block's file; DiskFull when the file system is full."""
+        path = self.path(key)
+        tmp = path.with_suffix(".tmp")
+        header = _HEADER.pack(_MAGIC, _VERSION, len(key), payload.nbytes, check) + key
+        try:
+            path.parent.mkdir(exist_ok=True)
+            self._write_file(tmp, header, payload)
+            os.replace(tmp, path)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            if exc.errno in _FULL_ERRNOS:
+                raise DiskFull(exc.errno, str(exc)) from exc
+            raise
+
+    @staticmethod
+    def _write_file(path: Path, header: bytes, payload: np.ndarray) -> None:
+        with open(path, "wb") as f:
+            f.write(header)
+            f.write(memoryview(payload))
+
+    def prefetch(self, keys: list[bytes]) -> None:
+        """Ask the kernel to start reading these blocks' files now, all at once (a cold
+        load then overlaps its reads instead of waiting for each file in turn)."""
+        for key in keys:
+            try:
+                fd = os.open(self.path(key), os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            finally:
+                os.close(fd)
+
+    def read(self, key: bytes, out: np.ndarray) -> None:
+        """Read a block's bytes into ``out`` (uint8, block_bytes); TierLoadError when
+        the file is missing, of another key, torn or fails its checksum."""
+        try:
+            with open(self.path(key), "rb") as f:
+                head = f.read(_HEADER.size + len(key))
+                n = f.readinto(memoryview(out))
+                extra = f.read(1)
+        except OSError as exc:
+            raise TierLoadError(f"disk block unreadable: {exc}") from exc
+        if len(head) != _HEADER.size + len(key) or n != self.block_bytes or extra:
+            raise TierLoadError("disk block file has the wrong size")
+        magic, version, key_len, length, check = _HEADER.unpack_from(head)
+        if (magic, version, length) != (_MAGIC, _VERSION, self.block_bytes):
+            raise TierLoadError("disk block file header is not ours")
+        if head[_HEADER.size :] != key or key_len != len(key):
+            raise TierLoadError("disk block file holds another block")
+        if checksum(out) != check:
+            raise TierLoadError("disk block checksum mismatch")
+
+    def check_integrity(self) -> None:
+        total = sum(self.index.values())
+        pending = sum(_HEADER.size + len(k) + self.block_bytes for k in self.writing)
+        assert total + pending == self.used_bytes, (
+            f"disk tier accounting drift: {total}+{pending} != {self.used_bytes}"
+        )
+        assert self.used_bytes <= self.capacity_bytes, "disk tier over capacity"

@@ -1,0 +1,65 @@
+"""KV tiers on a prefill engine under P/D (kvtransfer/tiers/chain.py): a prompt the
+prefill engine evicted from its device cache comes back from its host tier instead
+of being computed, counts as cached tokens on P's first output, and the decode
+engine still reads it over real NIXL: tokens identical, both engines pass
+check_integrity."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from tandem.wire.engine_protocol import EngineRequest, SamplingParams
+from tandem.workers.config import EngineConfig
+from tests.e2e.engine_proc import Harness
+from tests.e2e.test_pd_engines import handoff
+
+pytestmark = pytest.mark.slow
+
+BASE = dict(block_size=16, max_num_batched_tokens=64, max_model_len=256)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    from tests.workers.hf_checkpoints import make_checkpoint
+
+    return make_checkpoint("llama", tmp_path_factory.mktemp("pd-tiers-llama"))
+
+
+def test_prefill_tier_hit_is_cached_tokens_and_decode_reads_it(ckpt):
+    h = Harness()
+    try:
+        common = dict(BASE, model=ckpt, kv_connector="nixl", kv_lease_s=5.0)
+        h.start(
+            "P", EngineConfig(role="prefill", num_kv_blocks=20, kv_offloading_size=0.01, **common)
+        )
+        h.start("D", EngineConfig(role="decode", num_kv_blocks=64, **common))
+        g = torch.Generator().manual_seed(3)
+        prompt = torch.randint(3, 300, (70,), generator=g).tolist()
+        sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        toks, first, _ = handoff(h, "a0", prompt, sp)
+        assert h.outputs["a0"][0][1].num_cached_tokens == 0
+        h.wait_idle("P"), h.wait_idle("D")
+        for i in range(2):  # other prompts push it out of P's 20-block device cache
+            filler = torch.randint(3, 300, (150,), generator=g).tolist()
+            h.send("P", EngineRequest(f"f{i}", filler, SamplingParams(max_tokens=2)))
+            h.wait_final(f"f{i}", "P")
+        end = time.monotonic() + 30
+        while True:
+            off = h.stats("P").kv_offload
+            if off.store_queue_depth == 0 and off.tiers[0].blocks >= 4:
+                break
+            assert time.monotonic() < end, off
+            time.sleep(0.05)
+        toks2, _, _ = handoff(h, "a1", prompt, sp)
+        assert toks2 == toks
+        p_first = next(o for eid, o in h.outputs["a1"] if eid == "P")
+        assert p_first.num_cached_tokens == 64  # 4 blocks from P's host tier
+        p = h.wait_idle("P")
+        assert p.kv_offload.tiers[0].hits_total >= 3  # (a block may still be on the device)
+        assert p.kv_transfer is not None  # the NIXL side still reports
+        h.wait_idle("D")
+    finally:
+        h.close()

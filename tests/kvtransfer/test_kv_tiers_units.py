@@ -1,0 +1,141 @@
+"""The KV tiers' parts on their own (kvtransfer/tiers/): flag checks naming the flag,
+the host tier's LRU and pins, the disk tier's accounting, re-index and file checks,
+and the store's cancelled and dropped jobs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tandem.kvtransfer.tiers.config import TierConfig, fingerprint
+from tandem.kvtransfer.tiers.disk import DiskTier, TierLoadError, checksum
+from tandem.kvtransfer.tiers.host import HostTier
+from tandem.kvtransfer.tiers.store import LoadJob, StoreJob, TierStore
+from tandem.workers.config import EngineConfig
+
+BB = 64  # bytes per block in these tests
+
+
+@pytest.mark.parametrize(
+    "kw,flag",
+    [
+        (dict(kv_offloading_size=0), "--kv-offloading-size"),
+        (dict(kv_offloading_size="1"), "--kv-offloading-size"),
+        (
+            dict(kv_offloading_disk_size=-2.0, kv_offloading_disk_dir="/x"),
+            "--kv-offloading-disk-size",
+        ),
+        (dict(kv_offloading_disk_dir="/x"), "--kv-offloading-disk-size go together"),
+        (dict(kv_offloading_disk_dir="", kv_offloading_disk_size=1), "--kv-offloading-disk-dir"),
+        (dict(kv_offloading_size=1, enable_prefix_caching=False), "--no-prefix-caching"),
+        (dict(kv_offloading_size=1, tensor_parallel_size=2), "tensor_parallel_size 1"),
+    ],
+)
+def test_bad_tier_flags_are_named(kw, flag):
+    with pytest.raises(ValueError, match=flag):
+        EngineConfig(**kw)
+
+
+def test_host_tier_lru_spares_pinned_keys():
+    pinned: set[bytes] = set()
+    host = HostTier(2, BB, False, lambda k: k in pinned)
+    for key in (b"a", b"b"):
+        host.commit(key, host.reserve(), 0)
+    host.touch(b"a")  # b is now the least recently used
+    pinned.add(b"b")
+    slot = host.reserve()  # evicts a: b is pinned
+    assert b"a" not in host and b"b" in host and host.num_evictions == 1
+    host.check_integrity()
+    pinned.add(b"x")
+    host.commit(b"x", slot, 0)
+    pinned.update((b"b", b"x"))
+    assert host.reserve() is None  # everything pinned: the store is skipped
+    host.drop(b"x")
+    host.check_integrity()
+    with pytest.raises(ValueError, match="--kv-offloading-size"):
+        HostTier(0, BB, False, lambda k: False)
+
+
+def _fp(**kw):
+    return fingerprint(TierConfig(**kw), "float32", (2, 2, 16, 1, 1))
+
+
+def test_disk_tier_accounting_reindex_and_file_checks(tmp_path):
+    size = 28 + 2 + BB  # header + key + payload
+    disk = DiskTier(str(tmp_path), "e0", 2 * size, BB, _fp(), lambda k: False)
+    data = {k: np.full(BB, i, dtype=np.uint8) for i, k in enumerate((b"k1", b"k2", b"k3"))}
+    for key, payload in data.items():
+        assert disk.reserve(key)
+        disk.write(key, payload, checksum(payload))
+        disk.commit(key, True)
+        disk.check_integrity()
+    assert list(disk.index) == [b"k2", b"k3"] and disk.num_evictions == 1  # k1 evicted
+    out = np.empty(BB, dtype=np.uint8)
+    disk.read(b"k3", out)
+    assert (out == 2).all()
+    disk.path(b"k3").rename(disk.path(b"k1"))  # a file under another block's name
+    with pytest.raises(TierLoadError, match="another block"):
+        disk.read(b"k1", out)
+    again = DiskTier(str(tmp_path), "e0", 2 * size, BB, _fp(), lambda k: False)
+    assert again.num_reindexed == 2 and set(again.index) == {b"k1", b"k2"}
+    again.check_integrity()
+    with pytest.raises(ValueError, match="--kv-offloading-disk-dir.*block_size"):
+        DiskTier(str(tmp_path), "e0", 2 * size, BB, _fp(block_size=32), lambda k: False)
+
+
+def _store(tmp_path, **kw) -> TierStore:
+    store = TierStore(TierConfig(host_bytes=8 * 256, engine_id="u", **kw))
+    store.open(torch.ones(8, 1, 2, 4, 2, 4), (0, 1, 2, 3, 4, 5))  # 256-byte blocks
+    return store
+
+
+def test_store_jobs_cancelled_or_over_the_queue_are_not_stored(tmp_path):
+    store = _store(tmp_path, max_store_queue=2)
+    try:
+        cancelled = StoreJob(0, b"c")
+        cancelled.cancelled = True  # the device block was reused before the copy
+        store.submit_stores([cancelled, StoreJob(1, b"d"), StoreJob(2, b"e")])
+        assert store.flush(10)
+        stats = store.stats()
+        assert stats["store_dropped"] == 1 and stats["host_blocks"] == 1
+        assert b"d" in store.host and b"c" not in store.host
+        store.check_integrity()
+        # published at one schedule, evicted at the next before the step's stores are
+        # queued (the overlapped loop): the eviction still voids the store
+        late = StoreJob(3, b"late")
+        assert store.register(late)
+        assert not store.register(StoreJob(4, b"late"))  # one pending store per key
+        store.cancel(b"late")
+        store.submit_stores([late])
+        assert store.flush(10)
+        assert b"late" not in store.host and store.stats()["store_cancelled"] == 2
+        assert not store.pending
+        # a load of a key no tier holds reports every block bad and unpins it
+        store.pin([b"d", b"zz"])
+        store.submit_load(LoadJob("r", [b"d", b"zz"], [5, 6], 1e18))
+        assert store.flush(10)
+        assert store.poll() == [("r", [6])]
+        store.check_integrity()
+    finally:
+        store.close()
+
+
+def test_a_load_that_raises_still_reports_and_unpins(tmp_path):
+    store = _store(tmp_path)
+    try:
+        store.submit_stores([StoreJob(1, b"k")])
+        assert store.flush(10)
+
+        def broken(job):
+            raise RuntimeError("a bug in a load")
+
+        store._load_blocks = broken
+        store.pin([b"k"])
+        store.submit_load(LoadJob("r", [b"k"], [4], 1e18))
+        assert store.flush(10)
+        assert store.poll() == [("r", [4])]  # recomputed, never left waiting
+        assert store.stats()["failures"] == 1
+        store.check_integrity()
+    finally:
+        store.close()

@@ -1,0 +1,309 @@
+"""KV tiers (kvtransfer/tiers/) in one engine: greedy fp32 tokens identical with the
+tiers on and off while prefixes are evicted to host and disk and loaded back (chunked
+prefill and preemption in the mix), multi-turn cached_tokens from host then disk,
+restart, corrupted blocks, a full disk, an unwritable directory, late and aborted
+loads. Every scenario ends with ``check_integrity()`` of the engine and every tier."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tandem.wire.engine_protocol import EngineRequest, SamplingParams
+from tandem.workers.config import EngineConfig
+from tandem.workers.engine.llm import LLM
+
+SP = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+GIB = 1 << 30
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def prompts_with_shared_prefixes(n: int = 6, length: int = 70, vocab: int = 200) -> list[list[int]]:
+    out = []
+    for i in range(n):
+        p = [(i * 7 + j * 3) % vocab + 5 for j in range(length)]
+        if i % 2:  # every other prompt continues its predecessor's first 3 blocks
+            p[:48] = out[-1][:48]
+        out.append(p)
+    return out
+
+
+def block_bytes(llm: LLM) -> int:
+    kv = llm.engine.kv_cache
+    return kv[0].numel() * kv.element_size()
+
+
+def tiers(llm: LLM):
+    return llm.engine.connector_worker.store
+
+
+def settle(llm: LLM) -> None:
+    assert tiers(llm).flush(30), "tier stores did not drain"
+    llm.engine.check_integrity()
+
+
+def reference(model: str, prompts, **kw) -> list[list[int]]:
+    with LLM(EngineConfig(model=model, dtype="float32", num_kv_blocks=256, **kw)) as ref:
+        out = [r.token_ids for r in ref.generate(prompt_token_ids=prompts, sampling_params=SP)]
+        ref.engine.check_integrity()
+    return out
+
+
+def tiered(model: str, tmp_path, host_blocks: int, disk_blocks: int = 0, **kw) -> LLM:
+    probe = LLM(EngineConfig(model=model, dtype="float32", num_kv_blocks=4))
+    bb = block_bytes(probe)
+    probe.close()
+    extra = {}
+    if disk_blocks:
+        extra = dict(
+            kv_offloading_disk_dir=str(tmp_path / "kv"),
+            kv_offloading_disk_size=(disk_blocks * (bb + 64)) / GIB,
+        )
+    cfg = dict(model=model, dtype="float32", **kw, **extra)
+    if host_blocks:
+        cfg["kv_offloading_size"] = host_blocks * bb / GIB
+    return LLM(EngineConfig(**cfg))
+
+
+@pytest.mark.parametrize(
+    "model,async_scheduling", [("tiny", False), ("tiny", True), ("smollm2", False)]
+)
+def test_tokens_identical_with_tiers_evicting_to_host_and_disk(model, async_scheduling, tmp_path):
+    prompts = prompts_with_shared_prefixes()
+    want = reference(model, prompts)
+    # a device cache of 14 blocks, 3 sequences of 5 blocks, 32-token chunks: prefixes are
+    # evicted between the rounds, requests preempt each other, prompts prefill in chunks
+    llm = tiered(
+        model,
+        tmp_path,
+        host_blocks=10,
+        disk_blocks=64,
+        num_kv_blocks=14,
+        max_num_seqs=3,
+        max_num_batched_tokens=32,
+        async_scheduling=async_scheduling,
+    )
+    try:
+        for _ in range(3):
+            got = llm.generate(prompt_token_ids=prompts, sampling_params=SP)
+            assert [r.token_ids for r in got] == want
+            settle(llm)
+        stats = tiers(llm).stats()
+        assert stats["host_hits"] > 0 and stats["disk_hits"] > 0, stats
+        assert stats.get("load_failures", 0) == 0
+        assert llm.engine.scheduler.num_preemptions > 0
+        assert llm.engine.scheduler.prefix_cache_hits > 0
+        # one prompt at a time: its whole prefix comes back from the tiers
+        for p, w in zip(prompts, want, strict=True):
+            (r,) = llm.generate(prompt_token_ids=[p], sampling_params=SP)
+            assert r.token_ids == w and r.num_cached_tokens == 64
+            settle(llm)
+    finally:
+        llm.close()
+
+
+def test_multi_turn_cached_tokens_from_host_then_disk(tmp_path):
+    def conversation(llm: LLM) -> list[int]:
+        turn, cached = list(range(10, 60)), []  # 50 tokens
+        for t in range(3):
+            (r,) = llm.generate(prompt_token_ids=[turn], sampling_params=SP)
+            cached.append(r.num_cached_tokens)
+            settle(llm)
+            # other traffic pushes the conversation out of the small device cache
+            llm.generate(prompt_token_ids=[[200 + t] * 60, [210 + t] * 60], sampling_params=SP)
+            settle(llm)
+            turn = turn + r.token_ids + [70 + t] * 20
+        return cached
+
+    with tiered("tiny", tmp_path, host_blocks=64, num_kv_blocks=10, max_num_seqs=2) as llm:
+        cached = conversation(llm)
+        assert cached[0] == 0 and cached[1] >= 48 and cached[2] >= 64, cached
+        stats = tiers(llm).stats()
+        assert stats["host_hits"] > 0 and "disk_hits" not in stats
+        check_operator_views(llm)
+    # host too small for the conversation: the earlier turns come back from disk
+    with tiered(
+        "tiny", tmp_path, host_blocks=2, disk_blocks=128, num_kv_blocks=10, max_num_seqs=2
+    ) as llm:
+        cached = conversation(llm)
+        assert cached[0] == 0 and cached[1] >= 48 and cached[2] >= 64, cached
+        assert tiers(llm).stats()["disk_hits"] > 0
+
+
+def check_operator_views(llm: LLM) -> None:
+    """The engine's stats as the gateway decodes them -> tandem:kv_offload_* and the
+    /cluster/state row."""
+    import msgspec
+
+    from tandem.cluster.gateway.backend import EngineMetrics
+    from tandem.cluster.observability.dashboard.state import _engine
+    from tandem.cluster.observability.kv_offload_metrics import offload_families
+    from tandem.scheduler.engine_stats import STATS_DECODER
+
+    stats = STATS_DECODER.decode(msgspec.msgpack.encode(llm.engine.stats()))
+    metrics = EngineMetrics(stats=stats)
+    samples = {
+        (s.name, s.labels.get("medium") or s.labels.get("reason")): s.value
+        for family in offload_families([metrics])
+        for s in family.samples
+    }
+    raw = tiers(llm).stats()
+    assert samples[("tandem:kv_offload_hits_total", "host")] == raw["host_hits"]
+    assert samples[("tandem:kv_offload_stored_bytes_total", "host")] == raw["host_stored_bytes"]
+    assert samples[("tandem:kv_offload_used_bytes", "host")] == raw["host_used_bytes"]
+    assert samples[("tandem:kv_offload_load_seconds_count", None)] > 0
+    assert ("tandem:kv_offload_failures_total", "timeout") in samples
+    assert samples[("tandem:kv_offload_store_queue_depth", None)] == 0
+    (row,) = _engine(metrics).kv_tiers
+    assert row.medium == "host" and row.used_bytes == raw["host_used_bytes"] and row.hits > 0
+
+
+def test_tenants_stay_apart_in_the_tiers(tmp_path):
+    prompt = list(range(20, 90))
+    with tiered("tiny", tmp_path, host_blocks=32, disk_blocks=32, num_kv_blocks=6) as llm:
+        (a,) = llm.generate(prompt_token_ids=[prompt], sampling_params=SP, cache_salt="a")
+        settle(llm)
+        llm.generate(prompt_token_ids=[[3] * 80], sampling_params=SP)  # evicts the device copy
+        settle(llm)
+        (b,) = llm.generate(prompt_token_ids=[prompt], sampling_params=SP, cache_salt="b")
+        assert b.num_cached_tokens == 0 and b.token_ids == a.token_ids
+        settle(llm)
+        (a2,) = llm.generate(prompt_token_ids=[prompt], sampling_params=SP, cache_salt="a")
+        assert a2.num_cached_tokens == 64 and a2.token_ids == a.token_ids
+        settle(llm)
+
+
+def test_disk_tier_survives_a_restart_and_checks_its_fingerprint(tmp_path):
+    prompts = prompts_with_shared_prefixes(4)
+    want = reference("tiny", prompts)
+    kw = dict(host_blocks=0, disk_blocks=64, num_kv_blocks=32)
+    with tiered("tiny", tmp_path, **kw) as llm:
+        assert [
+            r.token_ids for r in llm.generate(prompt_token_ids=prompts, sampling_params=SP)
+        ] == want
+        settle(llm)
+    with tiered("tiny", tmp_path, **kw) as llm:  # a fresh engine: empty device cache
+        assert tiers(llm).disk.num_reindexed > 0
+        got = llm.generate(prompt_token_ids=prompts, sampling_params=SP)
+        assert [r.token_ids for r in got] == want
+        assert all(r.num_cached_tokens == 64 for r in got)
+        settle(llm)
+    with pytest.raises(ValueError, match="--kv-offloading-disk-dir.*block_size"):
+        tiered("tiny", tmp_path, block_size=32, **kw)
+    (tmp_path / "kv" / "engine-0" / "fingerprint.json").write_text("{not json")
+    with pytest.raises(ValueError, match="--kv-offloading-disk-dir.*unreadable"):
+        tiered("tiny", tmp_path, **kw)
+
+
+def test_corrupted_blocks_are_misses_never_wrong_tokens(tmp_path):
+    prompts = prompts_with_shared_prefixes(4)
+    want = reference("tiny", prompts)
+    kw = dict(host_blocks=0, disk_blocks=64, num_kv_blocks=32)
+    with tiered("tiny", tmp_path, **kw) as llm:
+        llm.generate(prompt_token_ids=prompts, sampling_params=SP)
+        settle(llm)
+    files = sorted((tmp_path / "kv").rglob("*.kvb"))
+    assert files
+    os.truncate(files[0], files[0].stat().st_size - 100)  # torn
+    for f in files[1:]:  # a flipped byte each
+        data = bytearray(f.read_bytes())
+        data[-5] ^= 0xFF
+        f.write_bytes(bytes(data))
+    with tiered("tiny", tmp_path, **kw) as llm:
+        got = llm.generate(prompt_token_ids=prompts, sampling_params=SP)
+        assert [r.token_ids for r in got] == want
+        settle(llm)
+        stats = tiers(llm).stats()
+        # the torn file was dropped at re-index; flipped ones fail their checksum
+        assert tiers(llm).disk.num_reindexed == len(files) - 1
+        assert stats["load_failures"] > 0 and stats.get("disk_hits", 0) == 0, stats
+    # host tier: corrupt every stored slot; loads fail their checksum and recompute
+    with tiered("tiny", tmp_path, host_blocks=64, num_kv_blocks=8) as llm:
+        llm.generate(prompt_token_ids=prompts, sampling_params=SP)
+        settle(llm)
+        tiers(llm).host.data.bitwise_not_()
+        got = llm.generate(prompt_token_ids=prompts, sampling_params=SP)
+        assert [r.token_ids for r in got] == want
+        assert all(r.num_cached_tokens <= 48 for r in got)
+        settle(llm)
+        assert tiers(llm).stats()["load_failures"] > 0
+
+
+def test_disk_full_stops_stores_and_service_goes_on(tmp_path):
+    import errno
+
+    prompts = prompts_with_shared_prefixes(4)
+    want = reference("tiny", prompts)
+    with tiered("tiny", tmp_path, host_blocks=4, disk_blocks=64, num_kv_blocks=32) as llm:
+        disk = tiers(llm).disk
+
+        def full(path, header, payload):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+        disk._write_file = full
+        for _ in range(2):
+            got = llm.generate(prompt_token_ids=prompts, sampling_params=SP)
+            assert [r.token_ids for r in got] == want
+            settle(llm)
+        stats = tiers(llm).stats()
+        assert stats["disk_full"] == 1 and stats["disk_blocks"] == 0  # one warning, then off
+        assert stats["host_stored_blocks"] > 0
+        assert not list((tmp_path / "kv").rglob("*.tmp"))
+
+
+def test_unwritable_disk_dir_is_a_start_up_error(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    with pytest.raises(ValueError, match="--kv-offloading-disk-dir"):
+        LLM(
+            EngineConfig(
+                model="tiny",
+                kv_offloading_disk_dir=str(blocker / "kv"),
+                kv_offloading_disk_size=0.01,
+            )
+        )
+
+
+def test_late_and_aborted_loads_recompute_and_leak_nothing(tmp_path):
+    prompt = list(range(30, 100))
+    want = reference("tiny", [prompt])[0]
+    llm = tiered(
+        "tiny",
+        tmp_path,
+        host_blocks=32,
+        num_kv_blocks=6,
+        extra={"kv_tiers": {"load_timeout_s": 0.0}},
+    )
+    try:
+        llm.generate(prompt_token_ids=[prompt], sampling_params=SP)
+        settle(llm)
+        llm.generate(prompt_token_ids=[[4] * 80], sampling_params=SP)
+        settle(llm)
+        (r,) = llm.generate(prompt_token_ids=[prompt], sampling_params=SP)
+        assert r.token_ids == want and r.num_cached_tokens == 0  # every load was late
+        assert tiers(llm).stats()["load_timeouts"] > 0
+        settle(llm)
+        # abort a request while its load is queued
+        llm.generate(prompt_token_ids=[[5] * 80], sampling_params=SP)
+        settle(llm)
+        engine = llm.engine
+        assert engine.add_request(EngineRequest("abort-me", prompt, SP)) is None
+        engine.step()
+        assert "abort-me" in engine.scheduler.waiting_for_remote
+        engine.abort(["abort-me"])
+        for _ in range(1000):
+            if not engine.has_work():
+                break
+            engine.step()
+        settle(llm)
+    finally:
+        llm.close()
