@@ -60,6 +60,9 @@ class SchedulerOutput(_Wire):
     # (src, dst) KV blocks to copy before this step's forward pass (a fork's
     # partial last block, scheduler/fork.py)
     copy_block_ids: list[tuple[int, int]] = []
+    # req id -> drafts scheduled after its last token (speculative decoding,
+    # scheduler/spec/): the step computes them and samples each of their positions
+    scheduled_spec_decode_tokens: dict[str, list[int]] = {}
 
 
 class KVConnectorOutput(_Wire):

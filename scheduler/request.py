@@ -70,6 +70,7 @@ class Request:
         "parent_id",
         "sample_index",
         "num_output_placeholders",
+        "spec_token_ids",
     )
 
     def __init__(
@@ -115,6 +116,8 @@ class Request:
         # tokens sampled by steps still in flight (overlapped loop,
         # scheduler/async_scheduler.py): scheduled as if already known
         self.num_output_placeholders = 0
+        # drafts scheduled with this step, not yet verified (scheduler/spec/lookahead.py)
+        self.spec_token_ids: list[int] = []
 
     @classmethod
     def from_engine_request(cls, req: EngineRequest, eos_token_id: int | None) -> Request:

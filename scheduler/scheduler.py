@@ -24,6 +24,7 @@ from scheduler.messages import CachedRequestData, ModelRunnerOutput, NewRequestD
 from scheduler.placeholders import at_output_limit
 from scheduler.queues import create_queue
 from scheduler.request import Request, RequestStatus
+from scheduler.spec.lookahead import Lookahead
 from wire.engine_protocol import EngineOutput, EngineOutputs, SchedulerStats
 
 
@@ -61,6 +62,8 @@ class Scheduler:
         self.fork_parents: dict[str, Request] = {}
         self.forks = fork.ForkTable()
         self.pending_copies: list[tuple[int, int]] = []
+        # speculative decoding (scheduler/spec/): drafts as lookahead tokens
+        self.spec = Lookahead(config.speculative, self.kv) if config.speculative else None
         # cumulative stats
         self.num_preemptions = 0
         self.prefix_cache_queries = 0
@@ -194,6 +197,13 @@ class Scheduler:
             if threshold and num_new > threshold:
                 num_new = threshold
             num_new = min(num_new, budget)
+            if (
+                self.spec is not None
+                and num_new == 1
+                and req.num_computed_tokens == req.num_tokens - 1
+                and not req.num_output_placeholders
+            ):
+                num_new += len(self.spec.draft(req, budget - 1, cfg.max_model_len))
             while True:
                 new_block_ids = self.kv.allocate_slots(req, num_new)
                 if new_block_ids is not None:
@@ -233,6 +243,13 @@ class Scheduler:
         if len(preempted) == num_arrival_preempted:
             budget = self._schedule_waiting(budget, num_scheduled, new_reqs, limits)
 
+        spec_tokens = {}
+        if self.spec is not None:
+            requests = self.requests
+            for rid in num_scheduled:
+                drafts = requests[rid].spec_token_ids
+                if drafts:
+                    spec_tokens[rid] = drafts
         out = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached,
@@ -240,6 +257,7 @@ class Scheduler:
             total_num_scheduled_tokens=cfg.max_num_batched_tokens - budget,
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=preempted,
+            scheduled_spec_decode_tokens=spec_tokens,
         )
         self.finished_req_ids = []
         if self.pending_copies:
@@ -401,6 +419,7 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_output_placeholders = 0  # an in-flight token is dropped and recomputed
+        req.spec_token_ids = []  # its drafts are dropped with its blocks
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend(req)
@@ -427,6 +446,8 @@ class Scheduler:
             req = requests.get(rid)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # finished or preempted meanwhile
+            if req.spec_token_ids:
+                self.spec.accept(req, len(token_ids))  # rejected drafts' slots back
             status = None
             if len(token_ids) == 1:
                 req.all_token_ids.append(token_ids[0])
@@ -644,6 +665,13 @@ class Scheduler:
         for rid in self.kv.req_blocks:
             assert rid in self.requests, f"blocks held by unknown request {rid}"
         self.forks.check_integrity(self.requests)
+        if self.spec is not None:  # between steps: every draft verified, its slot back
+            for r in self.running:
+                assert not r.spec_token_ids, f"{r.request_id}: unverified drafts"
+                num_blocks = len(self.kv.req_blocks.get(r.request_id, ()))
+                assert num_blocks <= cdiv(r.num_computed_tokens, self.config.block_size), (
+                    f"{r.request_id}: {num_blocks} blocks for {r.num_computed_tokens} tokens"
+                )
         for rid, parent in self.fork_parents.items():
             assert self.requests.get(rid) is parent, f"fork parent {rid} is not tracked"
         if idle:

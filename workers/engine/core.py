@@ -52,8 +52,10 @@ class EngineCore:
         self.kv_cache = cache.kv_cache
         self.sched_config = scheduler_config(config, cache.num_blocks, cache.max_model_len)
         self.connector_scheduler, self.connector_worker = make_connector(config, self.hf_config)
-        # overlapped loop (workers/runner/async_step.py); TP ranks step in lockstep: synchronous
-        overlap = config.uses_async_scheduling() and self.tp is None
+        # overlapped loop (workers/runner/async_step.py); TP ranks step in lockstep: synchronous.
+        # Speculative decoding runs the synchronous loop too (workers/runner/spec_step.py).
+        self.speculating = config.speculative_config is not None
+        overlap = config.uses_async_scheduling() and self.tp is None and not self.speculating
         scheduler_cls = AsyncScheduler if overlap else Scheduler
         self.scheduler = scheduler_cls(
             self.sched_config, self.connector_scheduler, config.engine_id

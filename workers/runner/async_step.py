@@ -37,6 +37,7 @@ from scheduler.messages import SchedulerOutput
 from wire.engine_protocol import EngineOutputs
 from workers.runner.step_batch import StepPlan
 from workers.sampling.sample_logprobs import DeviceLogprobs
+from workers.sampling.spec_verify import SpecResult
 
 
 class StepResult:
@@ -49,13 +50,17 @@ class StepResult:
     only, not for the step queued behind it (a plain ``tolist`` would queue its copy after
     the next step's kernels), and the logprobs cost no second wait."""
 
-    __slots__ = ("sampled", "logprobs", "_host", "_ready")
+    __slots__ = ("sampled", "logprobs", "spec", "_host", "_ready")
 
     def __init__(
-        self, sampled: torch.Tensor | None = None, logprobs: DeviceLogprobs | None = None
+        self,
+        sampled: torch.Tensor | None = None,
+        logprobs: DeviceLogprobs | None = None,
+        spec: SpecResult | None = None,
     ) -> None:
         self.sampled = sampled
         self.logprobs = logprobs
+        self.spec = spec  # verified drafts, on the host (workers/runner/spec_step.py)
         self._host: torch.Tensor | None = None
         self._ready: Any = None  # torch.cuda.Event
         if sampled is not None and sampled.is_cuda:

@@ -39,6 +39,7 @@ from workers.runner.async_step import StepHandle, StepResult, StepStream
 from workers.runner.attention import SplitAttention, StepMetadata
 from workers.runner.cpu_allocator import tune_malloc_for_inference
 from workers.runner.dense_decode import DenseDecodeKV, DenseDecodeStep
+from workers.runner.spec_step import SpecPlan, apply_result, verify_step
 from workers.runner.step_batch import PLACEHOLDER, Segment, StepPlan, flatten
 from workers.sampling.prompt_logprobs import prompt_logprobs
 from workers.sampling.sample_logprobs import DeviceLogprobs
@@ -203,6 +204,8 @@ class ModelRunner:
                 out.logprobs = [
                     [logprobs[k]] if k >= 0 and logprobs[k] is not None else [] for k in slots
                 ]
+            if plan.spec is not None:
+                self._finish_spec(plan, result, out)
             for i in plan.sample_segments:
                 prompt = plan.segments[i].prompt
                 if prompt is not None:  # the prompt is done: its logprobs go out now
@@ -219,6 +222,18 @@ class ModelRunner:
                     invalid_block_ids=sorted(invalid),
                 )
         return out
+
+    def _finish_spec(self, plan: StepPlan, result: StepResult, out: ModelRunnerOutput) -> None:
+        """Speculative rows: their accepted tokens (and logprobs) into ``out``, and into
+        the runner's copy of each request (``workers/runner/spec_step.py``)."""
+        spec, verified = plan.spec, result.spec
+        apply_result(spec, verified, self.block_size)
+        if verified.logprobs is not None and out.logprobs is None:
+            out.logprobs = [[] for _ in plan.req_ids]
+        for k, i in enumerate(spec.segments):
+            out.sampled_token_ids[i] = verified.token_ids[k]
+            if verified.logprobs is not None:
+                out.logprobs[i] = verified.logprobs[k]
 
     def read_tokens(self, handle: StepHandle) -> list[int]:
         """A launched step's sampled tokens on the host (the step's one device->host
@@ -263,10 +278,26 @@ class ModelRunner:
             return
         bs = self.block_size
         sampled: list[_ReqState] = []
+        spec_tokens = so.scheduled_spec_decode_tokens
         for rid, n in so.num_scheduled_tokens.items():
             st = self.requests[rid]
             start = st.num_computed
             end = start + n
+            drafts = spec_tokens.get(rid) if spec_tokens else None
+            if drafts:  # last token + drafts, every position verified
+                assert prev is None and st.prompt_lps is None and end == len(st.token_ids) + len(
+                    drafts
+                ), rid
+                if plan.spec is None:
+                    plan.spec = SpecPlan()
+                plan.req_ids.append(rid)
+                plan.segments.append(
+                    Segment(rid, st.token_ids[start:] + drafts, start,
+                            st.block_ids[: -(-end // bs)], -1, None)
+                )  # fmt: skip
+                plan.spec.add(len(plan.segments) - 1, st, drafts, st.stream_key)
+                st.num_computed = end
+                continue
             pending_row = -1
             if st.pending is not None:  # its last token is still on the device
                 pending_handle, pending_row = st.pending
@@ -358,8 +389,12 @@ class ModelRunner:
                 first = flat.first_row[i]
                 rows = hidden[first : first + len(targets)]
                 collected.extend(prompt_logprobs(rows, self.model.compute_logits, targets, num_top))
+        spec = None
+        if plan.spec is not None:
+            spec = verify_step(plan.spec, hidden, flat.first_row, flat.last_row,
+                               self.model.compute_logits, self.eos_token_id)  # fmt: skip
         if not plan.sample_segments:
-            return StepResult()
+            return StepResult(spec=spec)
         sample_rows = [flat.last_row[i] for i in plan.sample_segments]
         if sample_rows == list(range(len(hidden))):
             last = hidden  # decode-only step: every row is sampled, in order
@@ -376,7 +411,7 @@ class ModelRunner:
             plan.stream_keys,
         )
         logprobs = DeviceLogprobs(raw_logits, plan.params, sampled) if plan.wants_logprobs else None
-        return StepResult(sampled, logprobs)
+        return StepResult(sampled, logprobs, spec)
 
     def _order_for_dense(self, segments: list[Segment]) -> tuple[list[int], DenseDecodeStep | None]:
         """Flat order (indices into ``segments``): decodes on the dense path first (by

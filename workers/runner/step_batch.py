@@ -68,6 +68,7 @@ class StepPlan:
         "copy_block_ids",
         "dense_release",
         "wants_logprobs",
+        "spec",
     )
 
     def __init__(self) -> None:
@@ -83,6 +84,8 @@ class StepPlan:
         self.copy_block_ids: list[tuple[int, int]] = []
         self.dense_release: list[str] = []  # requests whose dense decode row goes
         self.wants_logprobs = False
+        # requests with drafts (workers/runner/spec_step.py), outside sample_segments
+        self.spec = None
 
 
 class FlatBatch:

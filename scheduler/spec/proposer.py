@@ -1,0 +1,91 @@
+"""Proposers: who drafts the tokens a speculative step verifies.
+
+    Proposer.propose(token_ids, max_drafts) -> drafts (0 .. max_drafts tokens)
+
+The scheduler asks the proposer once per step for each request that may speculate
+(``can_speculate``), schedules the drafts as lookahead tokens after the request's last
+token, and the model runner verifies them in the step's one forward
+(``workers/runner/spec_step.py``). Every proposer goes through that one path; only where
+the drafts come from differs:
+
+- ``NgramProposer`` (here): prompt lookup, pure host code on the request's own tokens.
+- Seam for model-based proposers (a draft model, EAGLE heads, MTP layers): they need the
+  target's hidden states or a model of their own, so they run in the model runner right
+  after verification and hand their drafts back with the step's output; the scheduler
+  then stores them in ``Request.spec_token_ids`` exactly where ``NgramProposer``'s go,
+  and scheduling, KV slots, acceptance and the metrics stay the same.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+from scheduler.request import Request
+from scheduler.spec.config import SpeculativeConfig
+
+
+class Proposer(Protocol):
+    def propose(self, token_ids: list[int], max_drafts: int) -> list[int]:
+        """At most ``max_drafts`` tokens likely to follow ``token_ids`` (may be none)."""
+        ...
+
+
+class NgramProposer:
+    """Prompt lookup: the longest suffix of the tokens (``prompt_lookup_max`` down to
+    ``prompt_lookup_min`` tokens) that occurred before; the tokens that followed its most
+    recent earlier occurrence are the drafts.
+
+        tokens   ... a b c d e ... x a b c | <- suffix "a b c" seen before
+        drafts                               d e ...
+    """
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.min_n = config.prompt_lookup_min
+        self.max_n = config.prompt_lookup_max
+
+    def propose(self, token_ids: list[int], max_drafts: int) -> list[int]:
+        num_tokens = len(token_ids)
+        if max_drafts <= 0 or num_tokens <= self.min_n:
+            return []
+        tokens = np.asarray(token_ids, dtype=np.int64)
+        for n in range(min(self.max_n, num_tokens - 1), self.min_n - 1, -1):
+            suffix = tokens[-n:]
+            # windows starting at 0 .. num_tokens - n - 1: each has a token after it
+            windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)
+            hits = np.flatnonzero((windows == suffix).all(axis=1))
+            if hits.size:
+                start = int(hits[-1]) + n
+                return token_ids[start : start + max_drafts]
+        return []
+
+
+def make_proposer(config: SpeculativeConfig) -> Proposer:
+    if config.method == "ngram":
+        return NgramProposer(config)
+    raise ValueError(f"speculative_config.method {config.method!r} has no proposer")
+
+
+def can_speculate(request: Request) -> bool:
+    """May this request's steps carry drafts? The one place that says so.
+
+    Not for requests whose sampling depends on the tokens sampled before in the same
+    step: penalties, logit bias and bad words are applied from the runner's per-request
+    token counts, one position per step (``workers/sampling/state.py``); such requests
+    decode one token per step, with exactly the plain engine's output. Nor for a request
+    still collecting its prompt's logprobs, nor a fork parent (it never samples).
+    Structured outputs (#27) add their clause here.
+    """
+    sp = request.sampling_params
+    if request.n > 1 and request.parent_id is None:
+        return False
+    if sp.prompt_logprobs is not None and request.num_output_tokens == 0:
+        return False
+    return not (
+        sp.presence_penalty
+        or sp.frequency_penalty
+        or sp.repetition_penalty != 1.0
+        or sp.logit_bias
+        or sp.bad_words_token_ids
+    )
