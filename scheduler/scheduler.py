@@ -630,6 +630,12 @@ class Scheduler:
         return sum(len(self.kv.req_blocks.get(r, ())) for r in self.held_for_send)
 
     def make_stats(self) -> SchedulerStats:
+        stats = self._make_stats()
+        if self.spec is not None:
+            self.spec.stats.fill(stats)
+        return stats
+
+    def _make_stats(self) -> SchedulerStats:
         return SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),

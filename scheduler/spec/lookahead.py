@@ -20,6 +20,7 @@ from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.request import Request
 from scheduler.spec.config import SpeculativeConfig
 from scheduler.spec.proposer import can_speculate, make_proposer
+from wire.engine_protocol import SchedulerStats
 
 
 class SpecDecodeStats:
@@ -32,6 +33,12 @@ class SpecDecodeStats:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.accepted_per_pos = [0] * num_speculative_tokens  # draft j accepted
+
+    def fill(self, stats: SchedulerStats) -> None:
+        stats.spec_decode_num_drafts = self.num_drafts
+        stats.spec_decode_num_draft_tokens = self.num_draft_tokens
+        stats.spec_decode_num_accepted_tokens = self.num_accepted_tokens
+        stats.spec_decode_num_accepted_tokens_per_pos = list(self.accepted_per_pos)
 
 
 class Lookahead:

@@ -140,7 +140,9 @@ def test_stops_inside_an_accepted_run(where):
     plain, plain_reasons, _ = run([(prompt, sp, 1)], None, **config)
     # the oracle drafts the unconstrained continuation: past the stop point
     spec, reasons, engine = run(
-        [(prompt, sp, 1)], NGRAM, {tuple(prompt): out if where != "min_tokens" else plain[0][0]},
+        [(prompt, sp, 1)],
+        NGRAM,
+        {tuple(prompt): out if where != "min_tokens" else plain[0][0]},
         **config,
     )
     assert spec == plain and reasons == plain_reasons

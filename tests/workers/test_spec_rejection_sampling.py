@@ -46,8 +46,12 @@ def test_accepted_tokens_follow_the_target(params, drafts):
     num = 6000
     requests = []
     for i in range(num):
-        p = params if params.seed is None else SamplingParams(
-            temperature=params.temperature, top_p=params.top_p, seed=params.seed + i
+        p = (
+            params
+            if params.seed is None
+            else SamplingParams(
+                temperature=params.temperature, top_p=params.top_p, seed=params.seed + i
+            )
         )
         requests.append(SpecRequest(list(drafts), p, position=10, num_output=3, stream_key=i))
     result = verify(logits.repeat(num, 1), requests, eos_token_id=None)

@@ -285,8 +285,10 @@ class ModelRunner:
             end = start + n
             drafts = spec_tokens.get(rid) if spec_tokens else None
             if drafts:  # last token + drafts, every position verified
-                assert prev is None and st.prompt_lps is None and end == len(st.token_ids) + len(
-                    drafts
+                assert (
+                    prev is None
+                    and st.prompt_lps is None
+                    and end == len(st.token_ids) + len(drafts)
                 ), rid
                 if plan.spec is None:
                     plan.spec = SpecPlan()

@@ -38,6 +38,8 @@ class EngineRow(msgspec.Struct):
     preemptions: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    # speculative decoding: accepted / drafted tokens since start (-1: no drafts yet)
+    spec_acceptance: float = -1.0
 
 
 class PoolRow(msgspec.Struct):
@@ -139,4 +141,9 @@ def _engine(e: EngineMetrics) -> EngineRow:
         preemptions=q.num_preemptions,
         prefix_cache_queries=q.prefix_cache_queries,
         prefix_cache_hits=q.prefix_cache_hits,
+        spec_acceptance=(
+            q.spec_decode_num_accepted_tokens / q.spec_decode_num_draft_tokens
+            if q.spec_decode_num_draft_tokens
+            else -1.0
+        ),
     )
