@@ -71,6 +71,8 @@ class Request:
         "sample_index",
         "num_output_placeholders",
         "spec_token_ids",
+        "spec_k",
+        "spec_wait",
     )
 
     def __init__(
@@ -118,6 +120,10 @@ class Request:
         self.num_output_placeholders = 0
         # drafts scheduled with this step, not yet verified (scheduler/spec/lookahead.py)
         self.spec_token_ids: list[int] = []
+        # adaptive drafting: the request's own draft cap (-1: not set yet) and, while it
+        # is 0, the steps until a one-token probe
+        self.spec_k = -1
+        self.spec_wait = 0
 
     @classmethod
     def from_engine_request(cls, req: EngineRequest, eos_token_id: int | None) -> Request:

@@ -12,6 +12,15 @@ The drafts never enter ``all_token_ids`` before they are accepted, so prefix cac
 (which hashes known tokens only) and preemption (which recomputes known tokens) never see
 a rejected one. The step's tokens go through ``_check_stop`` one by one, so EOS, stop ids,
 ``max_tokens`` and ``max_model_len`` cut an accepted run where the plain engine stops.
+
+Adaptive drafting: a rejected draft costs a token of compute and gives nothing, so each
+request keeps its own cap on drafts (``Request.spec_k``, starting at K): a step whose
+drafts were all accepted raises it by one (up to K), a step that kept some sets it to the
+kept run plus one, a step that kept none halves it. At 0 the request stops drafting and
+probes with one draft every ``PROBE_STEPS`` steps; an accepted probe starts it again.
+Free text, where prompt lookup mostly guesses wrong, then decodes as the plain engine
+does; text that copies keeps its drafts. The cap changes only how many tokens are
+drafted, never which are accepted, so outputs are the same either way.
 """
 
 from __future__ import annotations
@@ -21,6 +30,9 @@ from scheduler.request import Request
 from scheduler.spec.config import SpeculativeConfig
 from scheduler.spec.proposer import can_speculate, make_proposer
 from wire.engine_protocol import SchedulerStats
+
+# steps a request whose draft cap fell to 0 waits before drafting one token again
+PROBE_STEPS = 16
 
 
 class SpecDecodeStats:
@@ -54,8 +66,15 @@ class Lookahead:
         the step never samples past ``max_tokens`` or ``max_model_len``, nor goes over
         the budget (``budget_left``: tokens left after its one). Sets
         ``req.spec_token_ids``."""
+        cap = self.k if req.spec_k < 0 else req.spec_k
+        if cap == 0:
+            req.spec_wait -= 1
+            if req.spec_wait > 0:
+                req.spec_token_ids = []
+                return req.spec_token_ids
+            cap = 1  # the probe
         limit = min(
-            self.k,
+            cap,
             budget_left,
             req.sampling_params.max_tokens - req.num_output_tokens - 1,
             max_model_len - req.num_tokens - 1,
@@ -76,6 +95,15 @@ class Lookahead:
         assert 0 <= num_rejected <= len(drafts), (req.request_id, num_sampled, drafts)
         req.num_computed_tokens -= num_rejected
         self.kv.free_tail(req, req.num_computed_tokens)
+        cap = self.k if req.spec_k < 0 else req.spec_k
+        if num_accepted == len(drafts):
+            req.spec_k = min(self.k, max(cap, num_accepted) + 1)
+        elif num_accepted:
+            req.spec_k = num_accepted + 1
+        else:
+            req.spec_k = cap // 2
+            if req.spec_k == 0:
+                req.spec_wait = PROBE_STEPS
         stats = self.stats
         stats.num_drafts += 1
         stats.num_draft_tokens += len(drafts)
