@@ -50,15 +50,25 @@ class NgramProposer:
         if max_drafts <= 0 or num_tokens <= self.min_n:
             return []
         tokens = np.asarray(token_ids, dtype=np.int64)
-        for n in range(min(self.max_n, num_tokens - 1), self.min_n - 1, -1):
-            suffix = tokens[-n:]
-            # windows starting at 0 .. num_tokens - n - 1: each has a token after it
-            windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)
-            hits = np.flatnonzero((windows == suffix).all(axis=1))
-            if hits.size:
-                start = int(hits[-1]) + n
-                return token_ids[start : start + max_drafts]
-        return []
+        # every earlier end of a match is an earlier occurrence of the last token
+        ends = np.flatnonzero(tokens[:-1] == tokens[-1])
+        if not ends.size:
+            return []
+        # how far back each occurrence matches the suffix, up to max_n
+        matched = np.ones(ends.size, dtype=np.int64)
+        alive = np.ones(ends.size, dtype=bool)
+        for m in range(1, min(self.max_n, num_tokens - 1)):
+            back = ends - m
+            alive &= back >= 0
+            alive[alive] = tokens[back[alive]] == tokens[-1 - m]
+            if not alive.any():
+                break
+            matched += alive
+        best = min(int(matched.max()), self.max_n)
+        if best < self.min_n:
+            return []
+        start = int(ends[np.flatnonzero(matched >= best)[-1]]) + 1
+        return token_ids[start : start + max_drafts]
 
 
 def make_proposer(config: SpeculativeConfig) -> Proposer:
