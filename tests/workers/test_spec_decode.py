@@ -231,3 +231,11 @@ def test_config_defaults_and_tp():
     assert EngineConfig(speculative_config={}).speculative_config is None
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         EngineConfig(speculative_config=NGRAM, tensor_parallel_size=2)
+
+
+def test_async_scheduling_runs_the_synchronous_loop():
+    requests = [(p, greedy(12), 1) for p in prompts()[:2]]
+    plain, _, _ = run(requests, None, async_scheduling=True)
+    spec, _, engine = run(requests, NGRAM, async_scheduling=True)
+    assert engine.overlap is None  # speculation: the synchronous loop, said in the log
+    assert spec == plain

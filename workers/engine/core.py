@@ -8,6 +8,7 @@ beyond the KV events publisher and the connector's side channel.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -30,6 +31,8 @@ from workers.engine.startup import (
     size_kv_cache,
 )
 from workers.runner.async_step import OverlappedLoop
+
+logger = logging.getLogger(__name__)
 
 
 class EngineCore:
@@ -56,6 +59,12 @@ class EngineCore:
         # Speculative decoding runs the synchronous loop too (workers/runner/spec_step.py).
         self.speculating = config.speculative_config is not None
         overlap = config.uses_async_scheduling() and self.tp is None and not self.speculating
+        if self.speculating and config.uses_async_scheduling():
+            logger.warning(
+                "engine %s: speculative_config runs the synchronous loop; async_scheduling "
+                "is off for this engine",
+                config.engine_id,
+            )
         scheduler_cls = AsyncScheduler if overlap else Scheduler
         self.scheduler = scheduler_cls(
             self.sched_config, self.connector_scheduler, config.engine_id
