@@ -9,8 +9,8 @@ the scheduler's diffs, and flattens a step into one batch:
     seq_lens     8                     10           5
     logits rows  a7 (if the chunk ends the prompt), b9, c4
 
-On CPU (fp32), single-token queries that get a dense decode row
-(``workers/runner/dense_decode.py``) come first, ordered by row, and the step's
+On CPU (fp32), single-token queries and verifications of drafts that get a dense decode
+row (``workers/runner/dense_decode.py``) come first, ordered by row, and the step's
 metadata is a ``workers.runner.attention.SplitAttention``; the rest keep the order
 above and go through the paged kernels.
 
@@ -350,7 +350,7 @@ class ModelRunner:
             self.kv_cache[list_to_device(dst, self.device, torch.long)] = self.kv_cache[src_t]
         if not plan.segments:
             return StepResult()
-        order, dense_step = self._order_for_dense(plan.segments)
+        order, dense_step = self._order_for_dense(plan.segments, plan.spec)
         flat = flatten(plan.segments, order)
         dev = self.device
         scatter = None
@@ -415,16 +415,23 @@ class ModelRunner:
         logprobs = DeviceLogprobs(raw_logits, plan.params, sampled) if plan.wants_logprobs else None
         return StepResult(sampled, logprobs, spec)
 
-    def _order_for_dense(self, segments: list[Segment]) -> tuple[list[int], DenseDecodeStep | None]:
-        """Flat order (indices into ``segments``): decodes on the dense path first (by
-        row), then the rest. Step stream only (it owns the dense rows)."""
+    def _order_for_dense(
+        self, segments: list[Segment], spec: SpecPlan | None
+    ) -> tuple[list[int], DenseDecodeStep | None]:
+        """Flat order (indices into ``segments``): decodes (and verifications of drafts) on
+        the dense path first (by row), then the rest. Step stream only (it owns the dense
+        rows)."""
         everything = list(range(len(segments)))
         if self.dense is None:
             return everything, None
         decodes, decode_segments = [], []
+        verified = set(spec.segments) if spec is not None else ()
         for i, seg in enumerate(segments):
             if seg.num_tokens == 1:
                 decodes.append((seg.req_id, seg.start, seg.block_ids))
+                decode_segments.append(i)
+            elif i in verified:
+                decodes.append((seg.req_id, seg.start, seg.block_ids, seg.num_tokens))
                 decode_segments.append(i)
             else:
                 self.dense.release(seg.req_id)  # its KV is being (re)computed: stale row
@@ -448,10 +455,13 @@ class ModelRunner:
             meta = AttentionMetadata.build(block_tables, seq_lens, query_lens, bs, dev)
             meta.sdpa_prefills = self.sdpa_prefills
             return meta
-        n = dense_step.num_tokens
-        dense_slots = [
-            table[pos // bs] * bs + pos % bs for table, pos in zip(block_tables[:n], positions)
-        ]
+        n = dense_step.num_segments  # the first n segments, dense_step.num_tokens tokens
+        dense_slots = []
+        token = 0
+        for table, num in zip(block_tables[:n], query_lens[:n]):
+            for pos in positions[token : token + num]:
+                dense_slots.append(table[pos // bs] * bs + pos % bs)
+            token += num
         paged = None
         slot_mapping = list_to_device(dense_slots, dev, torch.long)
         if len(block_tables) > n:
