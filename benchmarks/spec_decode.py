@@ -17,9 +17,12 @@ columns describe decoding only (after the first row the prompts are prefix-cache
 which shortens the untimed part):
 
     tok/s        output tokens / seconds from the moment every request has its first token
+    tok/cpu-s    the same tokens / this process's CPU seconds over that time: on a shared
+                 box other processes' load stretches wall time, much less CPU time, so
+                 this is the column to compare rows by (with one torch thread)
     ITL p50/p99  gap between two successive outputs of one request (an output may carry
                  several tokens when drafts are accepted), milliseconds
-    vs none      tok/s relative to the ``none`` row of the same batch and workload
+    vs none      tok/cpu-s relative to the ``none`` row of the same batch and workload
     accept/pos   fraction of steps with drafts whose draft j was accepted, j = 1..K
     same         the tokens equal the ``none`` row's (greedy: they must)
 
@@ -92,7 +95,7 @@ def encode(tokenizer, text: str) -> list[int]:
     return apply_chat_template(tokenizer, [{"role": "user", "content": text}])
 
 
-def run_row(engine, prompts, output_len, run) -> tuple[float, list[float], list[list[int]]]:
+def run_row(engine, prompts, output_len, run) -> tuple[float, float, list[float], list[list[int]]]:
     sp = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     ids = [f"{run}-{i}" for i in range(len(prompts))]
     for rid, p in zip(ids, prompts):
@@ -113,10 +116,11 @@ def run_row(engine, prompts, output_len, run) -> tuple[float, list[float], list[
             tokens[o.request_id].extend(o.new_token_ids)
             last[o.request_id] = now
         if start is None and all(tokens.values()):
-            start = now
+            start, cpu_start = now, time.process_time()
     seconds = time.perf_counter() - start
+    cpu_seconds = time.process_time() - cpu_start
     engine.check_integrity()
-    return num_decode / seconds, gaps, [tokens[r] for r in ids]
+    return num_decode / seconds, num_decode / max(cpu_seconds, 1e-9), gaps, [tokens[r] for r in ids]
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -150,7 +154,7 @@ def main() -> None:
     print(f"machine: {machine()}; torch threads {args.torch_threads}")
     print(f"smollm2 fp32 CPU, greedy, {args.output_len} output tokens per request\n")
     header = (
-        f"{'workload':8} {'batch':>5} {'method':8} {'tok/s':>8} {'vs none':>8} "
+        f"{'workload':8} {'batch':>5} {'method':8} {'tok/s':>8} {'tok/cpu-s':>9} {'vs none':>8} "
         f"{'ITL p50':>8} {'ITL p99':>8}  {'same':4}  accept/pos"
     )
     print(header)
@@ -168,6 +172,7 @@ def main() -> None:
             engine.scheduler.spec = None
             run_row(engine, prompts[:1], 2, f"warm{run_id}")
             rates = {name: [] for name, _ in methods}
+            cpu_rates = {name: [] for name, _ in methods}
             gaps = {name: [] for name, _ in methods}
             tokens, accept = {}, {}
             for _ in range(args.repeats):  # interleaved: the machine's load drifts
@@ -175,17 +180,20 @@ def main() -> None:
                     engine.scheduler.spec = spec
                     run_id += 1
                     before = _counts(spec)
-                    rate, row_gaps, tokens[name] = run_row(
+                    rate, cpu_rate, row_gaps, tokens[name] = run_row(
                         engine, prompts, args.output_len, f"r{run_id}"
                     )
                     rates[name].append(rate)
+                    cpu_rates[name].append(cpu_rate)
                     gaps[name] += row_gaps
                     accept[name] = _acceptance(spec, before)
-            base = statistics.median(rates["none"])
+            base = statistics.median(cpu_rates["none"])
             for name, _ in methods:
                 tps = statistics.median(rates[name])
+                cpu_tps = statistics.median(cpu_rates[name])
                 print(
-                    f"{workload:8} {batch:>5} {name:8} {tps:>8.1f} {tps / base:>7.2f}x "
+                    f"{workload:8} {batch:>5} {name:8} {tps:>8.1f} {cpu_tps:>9.1f} "
+                    f"{cpu_tps / base:>7.2f}x "
                     f"{percentile(gaps[name], 0.5) * 1e3:>8.1f} "
                     f"{percentile(gaps[name], 0.99) * 1e3:>8.1f}  "
                     f"{'yes' if tokens[name] == tokens['none'] else 'NO':4}  {accept[name]}",
