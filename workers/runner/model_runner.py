@@ -39,11 +39,12 @@ from workers.runner.async_step import StepHandle, StepResult, StepStream
 from workers.runner.attention import SplitAttention, StepMetadata
 from workers.runner.cpu_allocator import tune_malloc_for_inference
 from workers.runner.dense_decode import DenseDecodeKV, DenseDecodeStep
-from workers.runner.spec_step import SpecPlan, apply_result, verify_step
+from workers.runner.spec_step import SpecPlan, apply_result, verified_rows
 from workers.runner.step_batch import PLACEHOLDER, Segment, StepPlan, flatten
 from workers.sampling.prompt_logprobs import prompt_logprobs
 from workers.sampling.sample_logprobs import DeviceLogprobs
 from workers.sampling.sampler import Sampler
+from workers.sampling.spec_verify import verify
 from workers.sampling.state import SamplingExtras, uses_extras
 
 # CPU only: bytes the dense decode copy of the KV may use (see workers/runner/dense_decode.py).
@@ -391,18 +392,26 @@ class ModelRunner:
                 first = flat.first_row[i]
                 rows = hidden[first : first + len(targets)]
                 collected.extend(prompt_logprobs(rows, self.model.compute_logits, targets, num_top))
+        sample_rows = [flat.last_row[i] for i in plan.sample_segments]
         spec = None
         if plan.spec is not None:
-            spec = verify_step(plan.spec, hidden, flat.first_row, flat.last_row,
-                               self.model.compute_logits, self.eos_token_id)  # fmt: skip
-        if not plan.sample_segments:
-            return StepResult(spec=spec)
-        sample_rows = [flat.last_row[i] for i in plan.sample_segments]
-        if sample_rows == list(range(len(hidden))):
-            last = hidden  # decode-only step: every row is sampled, in order
+            # one pass over the LM head for the sampled and the verified rows
+            rows = sample_rows + verified_rows(plan.spec, flat.first_row, flat.last_row)
+            logits = self.model.compute_logits(
+                hidden.index_select(0, host_to_device(torch.tensor(rows), dev))
+            )
+            num = len(sample_rows)
+            spec = verify(logits[num:], plan.spec.requests, self.eos_token_id)
+            if not num:
+                return StepResult(spec=spec)
+            logits = logits[:num]
+        elif not plan.sample_segments:
+            return StepResult()
+        elif sample_rows == list(range(len(hidden))):
+            logits = self.model.compute_logits(hidden)  # decode-only: every row, in order
         else:
             last = hidden.index_select(0, host_to_device(torch.tensor(sample_rows), dev))
-        logits = self.model.compute_logits(last)
+            logits = self.model.compute_logits(last)
         sampled, raw_logits = self.sampler.sample_on_device(
             logits,
             plan.params,

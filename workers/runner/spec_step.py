@@ -5,7 +5,7 @@ segment, verify them after the forward, and apply the result to the runner's cop
                  paged attention path takes it as it takes a prefill chunk; the CPU
                  dense decode rows and CUDA's decode graphs take single tokens only, so
                  such a step runs the paged kernels eagerly, or CUDA's piecewise graphs)
-    logits       its 4 rows -> workers/sampling/spec_verify.verify
+    logits       its 4 rows (in the step's one LM-head pass) -> spec_verify.verify
     output       accepted drafts + the target's token: 1 .. 4 tokens
     after        runner state: tokens appended, computed = n + accepted, block table cut
                  to the computed tokens (the scheduler frees the same tail blocks,
@@ -18,13 +18,9 @@ is verified, which the overlapped loop's placeholders cannot express.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
-import torch
-
-from kernels.metadata import host_to_device
-from workers.sampling.spec_verify import SpecRequest, SpecResult, verify
+from workers.sampling.spec_verify import SpecRequest, SpecResult
 
 
 class SpecPlan:
@@ -49,21 +45,13 @@ class SpecPlan:
         )
 
 
-def verify_step(
-    spec: SpecPlan,
-    hidden: torch.Tensor,
-    first_row: list[int],
-    last_row: list[int],
-    compute_logits: Callable[[torch.Tensor], torch.Tensor],
-    eos_token_id: int | None,
-) -> SpecResult:
-    """Logits of every verified position (all rows of each draft segment), verified."""
+def verified_rows(spec: SpecPlan, first_row: list[int], last_row: list[int]) -> list[int]:
+    """Flat rows of every verified position: all rows of each draft segment, in order
+    (their logits go to ``workers/sampling/spec_verify.verify``)."""
     rows: list[int] = []
     for i in spec.segments:
         rows += range(first_row[i], last_row[i] + 1)
-    index = host_to_device(torch.tensor(rows, dtype=torch.long), hidden.device)
-    logits = compute_logits(hidden.index_select(0, index))
-    return verify(logits, spec.requests, eos_token_id)
+    return rows
 
 
 def apply_result(spec: SpecPlan, result: SpecResult, block_size: int) -> None:
