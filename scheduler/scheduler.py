@@ -177,6 +177,7 @@ class Scheduler:
         policies.order_running(cfg.policy, self.running)
 
         # 1. running requests, oldest first (prefill-first: prefills first)
+        spec = self.spec if self.spec is not None and self.spec.active(len(self.running)) else None
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -198,12 +199,12 @@ class Scheduler:
                 num_new = threshold
             num_new = min(num_new, budget)
             if (
-                self.spec is not None
+                spec is not None
                 and num_new == 1
                 and req.num_computed_tokens == req.num_tokens - 1
                 and not req.num_output_placeholders
             ):
-                num_new += len(self.spec.draft(req, budget - 1, cfg.max_model_len))
+                num_new += len(spec.draft(req, budget - 1, cfg.max_model_len))
             while True:
                 new_block_ids = self.kv.allocate_slots(req, num_new)
                 if new_block_ids is not None:

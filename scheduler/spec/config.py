@@ -18,7 +18,14 @@ METHODS = ("ngram",)
 # vLLM's names of the proposers Tandem does not have yet: refused with a clear error
 PLANNED_METHODS = ("draft_model", "eagle", "eagle3", "mtp", "medusa")
 MAX_SPECULATIVE_TOKENS = 16
-_FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")
+_FIELDS = (
+    "method",
+    "num_speculative_tokens",
+    "prompt_lookup_min",
+    "prompt_lookup_max",
+    "disable_by_batch_size",
+    "model",
+)
 _PREFIX = "speculative_config"
 
 
@@ -29,6 +36,10 @@ class SpeculativeConfig:
     # n-gram proposer: the longest / shortest suffix looked up in the earlier tokens
     prompt_lookup_min: int = 5
     prompt_lookup_max: int = 5
+    # vLLM's knob: no drafts in a step that starts with at least this many running
+    # requests (None: always draft). Where a step is compute-bound, drafts cost more
+    # than they save (docs/benchmarks.md: CPU, batch 32).
+    disable_by_batch_size: int | None = None
 
     @classmethod
     def from_dict(cls, value: Any) -> SpeculativeConfig | None:
@@ -89,7 +100,10 @@ class SpeculativeConfig:
             raise ValueError(
                 f"{_PREFIX}.prompt_lookup_max ({hi}) must be >= prompt_lookup_min ({lo})"
             )
-        return cls(method, k, lo, hi)
+        off = _int(value, "disable_by_batch_size", None)
+        if off is not None and off < 1:
+            raise ValueError(f"{_PREFIX}.disable_by_batch_size must be >= 1, got {off}")
+        return cls(method, k, lo, hi, off)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -97,6 +111,11 @@ class SpeculativeConfig:
             "num_speculative_tokens": self.num_speculative_tokens,
             "prompt_lookup_min": self.prompt_lookup_min,
             "prompt_lookup_max": self.prompt_lookup_max,
+            **(
+                {"disable_by_batch_size": self.disable_by_batch_size}
+                if self.disable_by_batch_size is not None
+                else {}
+            ),
         }
 
 

@@ -61,6 +61,11 @@ class Lookahead:
         self.kv = kv
         self.stats = SpecDecodeStats(self.k)
 
+    def active(self, num_running: int) -> bool:
+        """Do this step's requests draft? Not from ``disable_by_batch_size`` running on."""
+        off = self.config.disable_by_batch_size
+        return off is None or num_running < off
+
     def draft(self, req: Request, budget_left: int, max_model_len: int) -> list[int]:
         """Drafts for a decoding request about to be scheduled with one token, so that
         the step never samples past ``max_tokens`` or ``max_model_len``, nor goes over

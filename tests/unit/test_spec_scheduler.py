@@ -98,3 +98,24 @@ def test_drafts_never_pass_max_tokens():
     out = s.update_from_output(so, answer(so, {"a": [2, 1]}))
     assert out.outputs[0].finish_reason is not None and req.num_output_tokens == 3
     s.check_integrity()
+
+
+def test_disable_by_batch_size():
+    spec = SpeculativeConfig("ngram", K, 1, 2, disable_by_batch_size=2)
+    s = Scheduler(SchedulerConfig(num_kv_blocks=32, block_size=4, max_model_len=64,
+                                  speculative=spec))  # fmt: skip
+    prompt = [1, 2, 3, 1, 2, 3]
+    s.add_request(Request("a", prompt, SamplingParams(max_tokens=20)))
+    so = s.schedule()
+    s.update_from_output(so, answer(so, {"a": [1]}))
+    so = s.schedule()
+    assert so.scheduled_spec_decode_tokens  # one running request: drafts
+    s.update_from_output(so, answer(so, {"a": [2]}))
+    s.add_request(Request("b", prompt, SamplingParams(max_tokens=20)))
+    so = s.schedule()  # b's prefill joins
+    s.update_from_output(so, answer(so, {"a": [3], "b": [1]}))
+    so = s.schedule()
+    assert not so.scheduled_spec_decode_tokens  # two running: no drafts
+    assert so.num_scheduled_tokens == {"a": 1, "b": 1}
+    s.update_from_output(so, answer(so, {"a": [1], "b": [2]}))
+    s.check_integrity(idle=False)

@@ -214,6 +214,7 @@ def test_ngram_proposer():
         ({**NGRAM, "prompt_lookup_min": 0}, "prompt_lookup_min"),
         ({**NGRAM, "prompt_lookup_max": 0}, "prompt_lookup_max"),
         ({**NGRAM, "lookahead": 3}, "speculative_config.lookahead"),
+        ({**NGRAM, "disable_by_batch_size": 0}, "speculative_config.disable_by_batch_size"),
         ("{not json", "speculative_config"),
     ],
 )
