@@ -136,6 +136,9 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--torch-threads", type=int, default=2)
+    ap.add_argument(
+        "--disable-by-batch-size", type=int, default=None, help="the speculative config's field"
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.torch_threads)
     engine = EngineCore(
@@ -162,7 +165,7 @@ def main() -> None:
     kv = engine.scheduler.kv
     methods: list[tuple[str, Lookahead | None]] = [("none", None)]
     for k in (int(x) for x in args.ks.split(",")):
-        cfg = SpeculativeConfig("ngram", k, prompt_lookup_min=2, prompt_lookup_max=4)
+        cfg = SpeculativeConfig("ngram", k, 2, 4, disable_by_batch_size=args.disable_by_batch_size)
         methods.append((f"ngram{k}", Lookahead(cfg, kv)))
     run_id = 0
     for workload in args.workloads.split(","):
