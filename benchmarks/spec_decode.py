@@ -47,12 +47,12 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._machine import machine  # noqa: E402
-from scheduler.spec.config import SpeculativeConfig  # noqa: E402
-from scheduler.spec.lookahead import Lookahead  # noqa: E402
-from wire.engine_protocol import EngineRequest, SamplingParams  # noqa: E402
-from workers.config import EngineConfig  # noqa: E402
-from workers.engine.core import EngineCore  # noqa: E402
-from workers.text.tokenizer import apply_chat_template, load_tokenizer  # noqa: E402
+from tandem.scheduler.spec.config import SpeculativeConfig  # noqa: E402
+from tandem.scheduler.spec.lookahead import Lookahead  # noqa: E402
+from tandem.wire.engine_protocol import EngineRequest, SamplingParams  # noqa: E402
+from tandem.workers.config import EngineConfig  # noqa: E402
+from tandem.workers.engine.core import EngineCore  # noqa: E402
+from tandem.workers.text.tokenizer import apply_chat_template, load_tokenizer  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUESTIONS = [

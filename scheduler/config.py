@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from scheduler.block_hash import get_block_hasher
-from scheduler.policies import check_fields
-from scheduler.spec.config import SpeculativeConfig
+from tandem.scheduler.block_hash import get_block_hasher
+from tandem.scheduler.policies import check_fields
+from tandem.scheduler.spec.config import SpeculativeConfig
 
 
 @dataclass

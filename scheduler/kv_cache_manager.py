@@ -13,9 +13,9 @@ block is hashed once per request (``request.block_hashes`` only grows), with
 
 from __future__ import annotations
 
-from scheduler.block_hash import get_block_hasher, hash_request_blocks
-from scheduler.block_pool import BlockPool, KVBlock
-from scheduler.request import Request
+from tandem.scheduler.block_hash import get_block_hasher, hash_request_blocks
+from tandem.scheduler.block_pool import BlockPool, KVBlock
+from tandem.scheduler.request import Request
 
 
 def cdiv(a: int, b: int) -> int:

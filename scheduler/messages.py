@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-from wire.engine_protocol import Logprobs, SamplingParams
+from tandem.wire.engine_protocol import Logprobs, SamplingParams
 
 
 class _Wire(msgspec.Struct, array_like=True, omit_defaults=True):

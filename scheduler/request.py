@@ -11,7 +11,7 @@ import enum
 import time
 from typing import Any
 
-from wire.engine_protocol import EngineRequest, FinishReason, Logprobs, SamplingParams
+from tandem.wire.engine_protocol import EngineRequest, FinishReason, Logprobs, SamplingParams
 
 
 class RequestStatus(enum.IntEnum):

@@ -17,15 +17,15 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-from scheduler import fork, policies
-from scheduler.config import SchedulerConfig
-from scheduler.kv_cache_manager import KVCacheManager, cdiv
-from scheduler.messages import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
-from scheduler.placeholders import at_output_limit
-from scheduler.queues import create_queue
-from scheduler.request import Request, RequestStatus
-from scheduler.spec.lookahead import Lookahead
-from wire.engine_protocol import EngineOutput, EngineOutputs, SchedulerStats
+from tandem.scheduler import fork, policies
+from tandem.scheduler.config import SchedulerConfig
+from tandem.scheduler.kv_cache_manager import KVCacheManager, cdiv
+from tandem.scheduler.messages import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from tandem.scheduler.placeholders import at_output_limit
+from tandem.scheduler.queues import create_queue
+from tandem.scheduler.request import Request, RequestStatus
+from tandem.scheduler.spec.lookahead import Lookahead
+from tandem.wire.engine_protocol import EngineOutput, EngineOutputs, SchedulerStats
 
 
 class Scheduler:

@@ -34,7 +34,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from wire.frames import FrameSpec, MiB
+from tandem.wire.frames import FrameSpec, MiB
 
 
 class _Wire(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -14,11 +14,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from scheduler.block_hash import HASH_ALGOS, get_block_hasher
-from scheduler.policies import POLICIES, check_fields
-from scheduler.spec.config import SpeculativeConfig
-from wire.config_fields import add_option, flags_of, hints, key_of, meta_of, option
-from workers.graphs.sizes import (
+from tandem.scheduler.block_hash import HASH_ALGOS, get_block_hasher
+from tandem.scheduler.policies import POLICIES, check_fields
+from tandem.scheduler.spec.config import SpeculativeConfig
+from tandem.wire.config_fields import add_option, flags_of, hints, key_of, meta_of, option
+from tandem.workers.graphs.sizes import (
     CUDA_GRAPH_MODES,
     DEFAULT_CUDA_GRAPH_MODE,
     capture_sizes,
@@ -426,7 +426,7 @@ class EngineConfig:
         if spec is not None and self.tensor_parallel_size > 1:
             raise ValueError("speculative_config needs tensor_parallel_size 1")
 
-        from wire.auth import check_secret
+        from tandem.wire.auth import check_secret
 
         check_secret(self.cluster_secret, "EngineConfig.cluster_secret")
 

@@ -28,9 +28,9 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from cluster.gateway.backend import Backend, BackendMetrics, EngineMetrics
-from cluster.routing.metrics import router_families
-from scheduler.engine_stats import Histogram, prometheus_buckets
+from tandem.cluster.gateway.backend import Backend, BackendMetrics, EngineMetrics
+from tandem.cluster.routing.metrics import router_families
+from tandem.scheduler.engine_stats import Histogram, prometheus_buckets
 
 PREFIX = "tandem:"
 

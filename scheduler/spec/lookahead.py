@@ -25,11 +25,11 @@ drafted, never which are accepted, so outputs are the same either way.
 
 from __future__ import annotations
 
-from scheduler.kv_cache_manager import KVCacheManager
-from scheduler.request import Request
-from scheduler.spec.config import SpeculativeConfig
-from scheduler.spec.proposer import can_speculate, make_proposer
-from wire.engine_protocol import SchedulerStats
+from tandem.scheduler.kv_cache_manager import KVCacheManager
+from tandem.scheduler.request import Request
+from tandem.scheduler.spec.config import SpeculativeConfig
+from tandem.scheduler.spec.proposer import can_speculate, make_proposer
+from tandem.wire.engine_protocol import SchedulerStats
 
 # steps a request whose draft cap fell to 0 waits before drafting one token again
 PROBE_STEPS = 16

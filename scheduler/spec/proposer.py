@@ -22,8 +22,8 @@ from typing import Protocol
 
 import numpy as np
 
-from scheduler.request import Request
-from scheduler.spec.config import SpeculativeConfig
+from tandem.scheduler.request import Request
+from tandem.scheduler.spec.config import SpeculativeConfig
 
 
 class Proposer(Protocol):

@@ -12,11 +12,11 @@ import msgspec
 import openai
 import pytest
 
-from cluster.gateway.app import create_app, serve_in_thread
-from cluster.gateway.null_backend import NullBackend
-from cluster.observability.dashboard.rolling import RollingStats
-from cluster.observability.metrics import GatewayMetrics
-from scheduler.engine_stats import (
+from tandem.cluster.gateway.app import create_app, serve_in_thread
+from tandem.cluster.gateway.null_backend import NullBackend
+from tandem.cluster.observability.dashboard.rolling import RollingStats
+from tandem.cluster.observability.metrics import GatewayMetrics
+from tandem.scheduler.engine_stats import (
     STATS_DECODER,
     EngineStats,
     Histogram,
@@ -24,9 +24,9 @@ from scheduler.engine_stats import (
     KVTransferStats,
     quantile,
 )
-from wire.engine_protocol import SchedulerStats
-from wire.frames import MalformedFrame, decode
-from workers.checkpoints.tiny import build_tokenizer
+from tandem.wire.engine_protocol import SchedulerStats
+from tandem.wire.frames import MalformedFrame, decode
+from tandem.workers.checkpoints.tiny import build_tokenizer
 
 STATE_KEYS = {
     "time_s", "model", "ready", "not_ready_reason", "pools", "engines", "window", "series",

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
 
-from cluster.gateway.backend import BackendMetrics, EngineMetrics
-from cluster.observability.dashboard.state import _engine
-from cluster.observability.metrics import EngineMetricsCollector, render
-from scheduler.engine_stats import EngineStats
-from wire.engine_protocol import SchedulerStats
+from tandem.cluster.gateway.backend import BackendMetrics, EngineMetrics
+from tandem.cluster.observability.dashboard.state import _engine
+from tandem.cluster.observability.metrics import EngineMetricsCollector, render
+from tandem.scheduler.engine_stats import EngineStats
+from tandem.wire.engine_protocol import SchedulerStats
 
 
 class _Backend:

@@ -7,9 +7,9 @@ import pytest
 
 from tests.e2e.engine_proc import Harness
 from tests.e2e.test_pd_engines import BASE, handoff
-from wire.engine_protocol import SamplingParams
-from workers.config import EngineConfig
-from workers.engine.llm import LLM
+from tandem.wire.engine_protocol import SamplingParams
+from tandem.workers.config import EngineConfig
+from tandem.workers.engine.llm import LLM
 
 pytestmark = pytest.mark.slow
 

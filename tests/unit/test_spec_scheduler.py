@@ -3,13 +3,13 @@ model: drafts as lookahead tokens, their KV slots given back, adaptive draft cap
 
 from __future__ import annotations
 
-from scheduler.config import SchedulerConfig
-from scheduler.messages import ModelRunnerOutput
-from scheduler.request import Request
-from scheduler.scheduler import Scheduler
-from scheduler.spec.config import SpeculativeConfig
-from scheduler.spec.lookahead import PROBE_STEPS
-from wire.engine_protocol import SamplingParams
+from tandem.scheduler.config import SchedulerConfig
+from tandem.scheduler.messages import ModelRunnerOutput
+from tandem.scheduler.request import Request
+from tandem.scheduler.scheduler import Scheduler
+from tandem.scheduler.spec.config import SpeculativeConfig
+from tandem.scheduler.spec.lookahead import PROBE_STEPS
+from tandem.wire.engine_protocol import SamplingParams
 
 K = 4
 

@@ -8,7 +8,7 @@ import sys
 import msgspec
 import pytest
 
-from wire.engine_protocol import (
+from tandem.wire.engine_protocol import (
     ENGINE_INPUT,
     GATEWAY_OUTPUT,
     EngineAbort,

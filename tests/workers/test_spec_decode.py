@@ -12,11 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scheduler.spec.config import SpeculativeConfig
-from scheduler.spec.proposer import NgramProposer
-from wire.engine_protocol import EngineRequest, SamplingParams
-from workers.config import EngineConfig
-from workers.engine.core import EngineCore
+from tandem.scheduler.spec.config import SpeculativeConfig
+from tandem.scheduler.spec.proposer import NgramProposer
+from tandem.wire.engine_protocol import EngineRequest, SamplingParams
+from tandem.workers.config import EngineConfig
+from tandem.workers.engine.core import EngineCore
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
          "prompt_lookup_max": 3}  # fmt: skip

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from wire.engine_protocol import EngineRequest, SamplingParams
-from workers.config import EngineConfig
-from workers.engine.core import EngineCore
-from workers.text.tokenizer import apply_chat_template, load_tokenizer
+from tandem.wire.engine_protocol import EngineRequest, SamplingParams
+from tandem.workers.config import EngineConfig
+from tandem.workers.engine.core import EngineCore
+from tandem.workers.text.tokenizer import apply_chat_template, load_tokenizer
 
 pytestmark = pytest.mark.slow
 
@@ -57,7 +57,7 @@ def generate(spec, requests):
 
 
 def test_greedy_identical_on_smollm2():
-    from workers.checkpoints.loader import resolve_model_path
+    from tandem.workers.checkpoints.loader import resolve_model_path
 
     tokenizer = load_tokenizer(resolve_model_path("smollm2"))
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from wire.engine_protocol import SamplingParams
-from workers.sampling.spec_verify import SpecRequest, target_probs, verify
+from tandem.wire.engine_protocol import SamplingParams
+from tandem.workers.sampling.spec_verify import SpecRequest, target_probs, verify
 
 VOCAB = 8
 # chi-square critical values at p = 0.001 by degrees of freedom

@@ -14,23 +14,23 @@ from typing import Any
 
 import msgspec
 
-from kvtransfer.ucx.proto_info import stats_fields as transport_fields
-from scheduler import Request, RequestStatus, Scheduler
-from scheduler.async_scheduler import AsyncScheduler
-from scheduler.engine_stats import EngineStats, Histogram, KVTransferStats, WireStats
-from scheduler.kv_events import KVEventRecorder, KVSnapshot
-from wire.engine_protocol import EngineOutput, EngineOutputs, EngineRequest, FinishReason
-from workers.config import EngineConfig
-from workers.engine.kv_events_publisher import KVEventPublisher
-from workers.engine.request_clock import RequestClock
-from workers.engine.startup import (
+from tandem.kvtransfer.ucx.proto_info import stats_fields as transport_fields
+from tandem.scheduler import Request, RequestStatus, Scheduler
+from tandem.scheduler.async_scheduler import AsyncScheduler
+from tandem.scheduler.engine_stats import EngineStats, Histogram, KVTransferStats, WireStats
+from tandem.scheduler.kv_events import KVEventRecorder, KVSnapshot
+from tandem.wire.engine_protocol import EngineOutput, EngineOutputs, EngineRequest, FinishReason
+from tandem.workers.config import EngineConfig
+from tandem.workers.engine.kv_events_publisher import KVEventPublisher
+from tandem.workers.engine.request_clock import RequestClock
+from tandem.workers.engine.startup import (
     build_runner,
     load_engine_model,
     make_connector,
     scheduler_config,
     size_kv_cache,
 )
-from workers.runner.async_step import OverlappedLoop
+from tandem.workers.runner.async_step import OverlappedLoop
 
 logger = logging.getLogger(__name__)
 

@@ -23,15 +23,15 @@ from typing import Any
 
 import torch
 
-from scheduler import SchedulerConfig
-from workers.checkpoints.hf_config import end_token_ids
-from workers.checkpoints.loader import load_model, resolve_model_path
-from workers.compile.model import compile_before_sizing
-from workers.config import EngineConfig
-from workers.graphs.build import StepGraphs, build_step_graphs
-from workers.graphs.memory import StepMemory, profile_step_memory
-from workers.runner.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for
-from workers.runner.model_runner import ModelRunner
+from tandem.scheduler import SchedulerConfig
+from tandem.workers.checkpoints.hf_config import end_token_ids
+from tandem.workers.checkpoints.loader import load_model, resolve_model_path
+from tandem.workers.compile.model import compile_before_sizing
+from tandem.workers.config import EngineConfig
+from tandem.workers.graphs.build import StepGraphs, build_step_graphs
+from tandem.workers.graphs.memory import StepMemory, profile_step_memory
+from tandem.workers.runner.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for
+from tandem.workers.runner.model_runner import ModelRunner
 
 MAX_DEFAULT_MODEL_LEN = 4096
 
@@ -66,7 +66,7 @@ def load_engine_model(config: EngineConfig) -> LoadedModel:
     model_path = resolve_model_path(config.model)
     tp = None
     if config.tensor_parallel_size > 1:
-        from workers.parallel.executor import TPExecutor
+        from tandem.workers.parallel.executor import TPExecutor
 
         tp = TPExecutor(config, model_path)
         model, hf_config = tp.model, tp.hf_config
@@ -154,8 +154,8 @@ def make_connector(config: EngineConfig, hf_config: Any) -> tuple[Any, Any]:
     ``(None, None)`` without one."""
     if not config.kv_connector:
         return None, None
-    from kvtransfer.registry import create_connector
-    from workers.parallel.connector_hook import kv_transfer_config
+    from tandem.kvtransfer.registry import create_connector
+    from tandem.workers.parallel.connector_hook import kv_transfer_config
 
     return create_connector(kv_transfer_config(config, hf_config))
 

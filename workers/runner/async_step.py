@@ -32,12 +32,12 @@ from typing import Any
 
 import torch
 
-from scheduler.async_scheduler import AsyncScheduler
-from scheduler.messages import SchedulerOutput
-from wire.engine_protocol import EngineOutputs
-from workers.runner.step_batch import StepPlan
-from workers.sampling.sample_logprobs import DeviceLogprobs
-from workers.sampling.spec_verify import SpecResult
+from tandem.scheduler.async_scheduler import AsyncScheduler
+from tandem.scheduler.messages import SchedulerOutput
+from tandem.wire.engine_protocol import EngineOutputs
+from tandem.workers.runner.step_batch import StepPlan
+from tandem.workers.sampling.sample_logprobs import DeviceLogprobs
+from tandem.workers.sampling.spec_verify import SpecResult
 
 
 class StepResult:

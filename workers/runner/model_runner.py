@@ -28,24 +28,24 @@ from typing import Any
 
 import torch
 
-from kernels import AttentionMetadata
-from kernels.metadata import host_to_device, list_to_device
-from kernels.prefill_attention import use_sdpa_prefills
-from scheduler.messages import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
-from wire.engine_protocol import Logprobs, SamplingParams
-from workers.graphs.piecewise import PiecewiseGraphRunner
-from workers.graphs.runner import DecodeGraphRunner
-from workers.runner.async_step import StepHandle, StepResult, StepStream
-from workers.runner.attention import SplitAttention, StepMetadata
-from workers.runner.cpu_allocator import tune_malloc_for_inference
-from workers.runner.dense_decode import DenseDecodeKV, DenseDecodeStep
-from workers.runner.spec_step import SpecPlan, apply_result, verified_rows
-from workers.runner.step_batch import PLACEHOLDER, Segment, StepPlan, flatten
-from workers.sampling.prompt_logprobs import prompt_logprobs
-from workers.sampling.sample_logprobs import DeviceLogprobs
-from workers.sampling.sampler import Sampler
-from workers.sampling.spec_verify import verify
-from workers.sampling.state import SamplingExtras, uses_extras
+from tandem.kernels import AttentionMetadata
+from tandem.kernels.metadata import host_to_device, list_to_device
+from tandem.kernels.prefill_attention import use_sdpa_prefills
+from tandem.scheduler.messages import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
+from tandem.wire.engine_protocol import Logprobs, SamplingParams
+from tandem.workers.graphs.piecewise import PiecewiseGraphRunner
+from tandem.workers.graphs.runner import DecodeGraphRunner
+from tandem.workers.runner.async_step import StepHandle, StepResult, StepStream
+from tandem.workers.runner.attention import SplitAttention, StepMetadata
+from tandem.workers.runner.cpu_allocator import tune_malloc_for_inference
+from tandem.workers.runner.dense_decode import DenseDecodeKV, DenseDecodeStep
+from tandem.workers.runner.spec_step import SpecPlan, apply_result, verified_rows
+from tandem.workers.runner.step_batch import PLACEHOLDER, Segment, StepPlan, flatten
+from tandem.workers.sampling.prompt_logprobs import prompt_logprobs
+from tandem.workers.sampling.sample_logprobs import DeviceLogprobs
+from tandem.workers.sampling.sampler import Sampler
+from tandem.workers.sampling.spec_verify import verify
+from tandem.workers.sampling.state import SamplingExtras, uses_extras
 
 # CPU only: bytes the dense decode copy of the KV may use (see workers/runner/dense_decode.py).
 DEFAULT_DENSE_DECODE_BYTES = 1 << 30

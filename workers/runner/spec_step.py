@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from workers.sampling.spec_verify import SpecRequest, SpecResult
+from tandem.workers.sampling.spec_verify import SpecRequest, SpecResult
 
 
 class SpecPlan:

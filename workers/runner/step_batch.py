@@ -18,8 +18,8 @@ two steps.
 
 from __future__ import annotations
 
-from wire.engine_protocol import Logprobs, SamplingParams
-from workers.sampling.state import BatchExtras
+from tandem.wire.engine_protocol import Logprobs, SamplingParams
+from tandem.workers.sampling.state import BatchExtras
 
 PLACEHOLDER = -1  # a token id not known on the host yet
 

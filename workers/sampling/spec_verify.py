@@ -29,10 +29,10 @@ import dataclasses
 
 import torch
 
-from kernels.metadata import list_to_device
-from wire.engine_protocol import Logprobs, SamplingParams
-from workers.sampling.penalties import apply_min_p
-from workers.sampling.sampler import (
+from tandem.kernels.metadata import list_to_device
+from tandem.wire.engine_protocol import Logprobs, SamplingParams
+from tandem.workers.sampling.penalties import apply_min_p
+from tandem.workers.sampling.sampler import (
     _MIN_TEMPERATURE,
     _apply_top_k,
     _apply_top_p,

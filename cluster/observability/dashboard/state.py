@@ -12,9 +12,9 @@ import time
 
 import msgspec
 
-from cluster.gateway.backend import Backend, EngineMetrics
-from cluster.observability.dashboard.rolling import RollingStats, WindowStats
-from cluster.observability.metrics import GatewayMetrics
+from tandem.cluster.gateway.backend import Backend, EngineMetrics
+from tandem.cluster.observability.dashboard.rolling import RollingStats, WindowStats
+from tandem.cluster.observability.metrics import GatewayMetrics
 
 MAX_RECENT_ERRORS = 20
 
