@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from tandem.scheduler.block_hash import get_block_hasher
 from tandem.scheduler.policies import check_fields
+from tandem.scheduler.spec.config import SpeculativeConfig
 
 
 @dataclass
@@ -33,6 +34,8 @@ class SchedulerConfig:
     # What to do when a remote KV load fails: compute the KV locally, or
     # finish the request with FINISHED_ERROR.
     load_failure_policy: str = "recompute"
+    # Speculative decoding (scheduler/spec/): None = off.
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_kv_blocks", "block_size", "max_num_batched_tokens", "max_num_seqs"):

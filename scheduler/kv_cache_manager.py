@@ -179,6 +179,21 @@ class KVCacheManager:
         if blocks:
             self.pool.free_blocks(reversed(blocks))
 
+    def free_tail(self, request: Request, num_tokens: int) -> None:
+        """Give back the blocks past the first ``num_tokens`` tokens (the KV slots of
+        rejected drafts, ``scheduler/spec/lookahead.py``). None of them is hashed: only
+        known tokens are, and drafts are not known tokens."""
+        blocks = self.req_blocks.get(request.request_id)
+        if not blocks:
+            return
+        keep = cdiv(num_tokens, self.block_size)
+        if len(blocks) <= keep:
+            return
+        assert self.num_cached_blocks[request.request_id] <= keep, request
+        tail = blocks[keep:]
+        del blocks[keep:]
+        self.pool.free_blocks(reversed(tail))
+
     def truncate_computed(self, request: Request, num_tokens: int) -> None:
         """Forget hashes beyond ``num_tokens`` (after a failed remote load the
         blocks will be recomputed; none of them were published)."""

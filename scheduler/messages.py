@@ -72,6 +72,9 @@ class SchedulerOutput(_Wire):
     copy_block_ids: list[tuple[int, int]] = []
     # None when no request that samples this step is constrained (the common case)
     grammar_bitmask: GrammarBitmask | None = None
+    # req id -> drafts scheduled after its last token (speculative decoding,
+    # scheduler/spec/): the step computes them and samples each of their positions
+    scheduled_spec_decode_tokens: dict[str, list[int]] = {}
 
 
 class KVConnectorOutput(_Wire):

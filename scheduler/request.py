@@ -71,6 +71,9 @@ class Request:
         "parent_id",
         "sample_index",
         "num_output_placeholders",
+        "spec_token_ids",
+        "spec_k",
+        "spec_wait",
     )
 
     def __init__(
@@ -116,6 +119,12 @@ class Request:
         # tokens sampled by steps still in flight (overlapped loop,
         # scheduler/async_scheduler.py): scheduled as if already known
         self.num_output_placeholders = 0
+        # drafts scheduled with this step, not yet verified (scheduler/spec/lookahead.py)
+        self.spec_token_ids: list[int] = []
+        # adaptive drafting: the request's own draft cap (-1: not set yet) and, while it
+        # is 0, the steps until a one-token probe
+        self.spec_k = -1
+        self.spec_wait = 0
 
     @classmethod
     def from_engine_request(cls, req: EngineRequest, eos_token_id: int | None) -> Request:

@@ -29,6 +29,7 @@ from tandem.scheduler.messages import (
 from tandem.scheduler.placeholders import at_output_limit
 from tandem.scheduler.queues import create_queue
 from tandem.scheduler.request import Request, RequestStatus
+from tandem.scheduler.spec.lookahead import Lookahead
 from tandem.wire.engine_protocol import EngineOutput, EngineOutputs, SchedulerStats
 
 
@@ -73,6 +74,8 @@ class Scheduler:
         self.fork_parents: dict[str, Request] = {}
         self.forks = fork.ForkTable()
         self.pending_copies: list[tuple[int, int]] = []
+        # speculative decoding (scheduler/spec/): drafts as lookahead tokens
+        self.spec = Lookahead(config.speculative, self.kv) if config.speculative else None
         # cumulative stats
         self.num_preemptions = 0
         self.prefix_cache_queries = 0
@@ -200,6 +203,7 @@ class Scheduler:
         policies.order_running(cfg.policy, self.running)
 
         # 1. running requests, oldest first (prefill-first: prefills first)
+        spec = self.spec if self.spec is not None and self.spec.active(len(self.running)) else None
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -220,6 +224,13 @@ class Scheduler:
             if threshold and num_new > threshold:
                 num_new = threshold
             num_new = min(num_new, budget)
+            if (
+                spec is not None
+                and num_new == 1
+                and req.num_computed_tokens == req.num_tokens - 1
+                and not req.num_output_placeholders
+            ):
+                num_new += len(spec.draft(req, budget - 1, cfg.max_model_len))
             while True:
                 new_block_ids = self.kv.allocate_slots(req, num_new)
                 if new_block_ids is not None:
@@ -259,6 +270,13 @@ class Scheduler:
         if len(preempted) == num_arrival_preempted:
             budget = self._schedule_waiting(budget, num_scheduled, new_reqs, limits)
 
+        spec_tokens = {}
+        if self.spec is not None:
+            requests = self.requests
+            for rid in num_scheduled:
+                drafts = requests[rid].spec_token_ids
+                if drafts:
+                    spec_tokens[rid] = drafts
         out = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached,
@@ -266,6 +284,7 @@ class Scheduler:
             total_num_scheduled_tokens=cfg.max_num_batched_tokens - budget,
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=preempted,
+            scheduled_spec_decode_tokens=spec_tokens,
         )
         self.finished_req_ids = []
         if self.pending_copies:
@@ -431,6 +450,7 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_output_placeholders = 0  # an in-flight token is dropped and recomputed
+        req.spec_token_ids = []  # its drafts are dropped with its blocks
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend(req)
@@ -457,6 +477,8 @@ class Scheduler:
             req = requests.get(rid)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # finished or preempted meanwhile
+            if req.spec_token_ids:
+                self.spec.accept(req, len(token_ids))  # rejected drafts' slots back
             status = None
             if len(token_ids) == 1:
                 req.all_token_ids.append(token_ids[0])
@@ -657,6 +679,12 @@ class Scheduler:
         return sum(len(self.kv.req_blocks.get(r, ())) for r in self.held_for_send)
 
     def make_stats(self) -> SchedulerStats:
+        stats = self._make_stats()
+        if self.spec is not None:
+            self.spec.stats.fill(stats)
+        return stats
+
+    def _make_stats(self) -> SchedulerStats:
         return SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting) + len(self.waiting_for_fsm),
@@ -694,6 +722,13 @@ class Scheduler:
             assert rid in self.requests, f"blocks held by unknown request {rid}"
         self.forks.check_integrity(self.requests)
         structured_grammar.check_integrity(self)
+        if self.spec is not None:  # between steps: every draft verified, its slot back
+            for r in self.running:
+                assert not r.spec_token_ids, f"{r.request_id}: unverified drafts"
+                num_blocks = len(self.kv.req_blocks.get(r.request_id, ()))
+                assert num_blocks <= cdiv(r.num_computed_tokens, self.config.block_size), (
+                    f"{r.request_id}: {num_blocks} blocks for {r.num_computed_tokens} tokens"
+                )
         for rid, parent in self.fork_parents.items():
             assert self.requests.get(rid) is parent, f"fork parent {rid} is not tracked"
         if idle:

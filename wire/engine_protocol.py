@@ -281,6 +281,12 @@ class SchedulerStats(_Wire):
     num_preemptions: int = 0  # cumulative
     num_prompt_tokens: int = 0  # cumulative, computed (not cached)
     num_generation_tokens: int = 0  # cumulative
+    # speculative decoding (scheduler/spec/), cumulative: requests' steps with drafts,
+    # drafts, accepted drafts, and accepted drafts by position in the draft (0 = first)
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = []
 
 
 class EngineOutputs(_Wire):

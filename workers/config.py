@@ -17,6 +17,7 @@ from typing import Any
 from tandem.kvtransfer.tiers.config import check_tier_fields
 from tandem.scheduler.block_hash import HASH_ALGOS, get_block_hasher
 from tandem.scheduler.policies import POLICIES, check_fields
+from tandem.scheduler.spec.config import SpeculativeConfig
 from tandem.wire.config_fields import add_option, flags_of, hints, key_of, meta_of, option
 from tandem.workers.graphs.sizes import (
     CUDA_GRAPH_MODES,
@@ -45,6 +46,11 @@ ENGINE_SECTIONS = {
     "identity": "Engine: set by the command",
     "hooks": "Engine: test hooks",
 }
+
+
+def _speculative_arg(text: str) -> dict[str, Any] | None:
+    spec = SpeculativeConfig.from_dict(text)  # ValueError naming the field
+    return spec.to_dict() if spec is not None else None
 
 
 def _sizes_arg(text: str) -> list[int]:
@@ -202,6 +208,17 @@ class EngineConfig:
         per_pool=True,
         default_text="on with CUDA, off on CPU",
         help="schedule step N+1 while step N runs (same outputs as the synchronous loop)",
+    )
+    # speculative decoding (scheduler/spec/): vLLM's JSON shape; the decode pool of a P/D
+    # cluster is the one that speculates (a prefill engine samples one token per request)
+    speculative_config: dict[str, Any] | None = option(
+        None,
+        section="scheduler",
+        per_pool=True,
+        parse=_speculative_arg,
+        metavar="JSON",
+        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_min": 2, "prompt_lookup_max": 5}\' (synchronous loop, TP 1)',
     )
     # ---- tensor parallelism (workers/parallel/)
     tensor_parallel_size: int = option(
@@ -362,6 +379,9 @@ class EngineConfig:
         help="test hooks, passed to the engine as is",
     )
 
+    def speculative(self) -> SpeculativeConfig | None:
+        return SpeculativeConfig.from_dict(self.speculative_config)
+
     def uses_async_scheduling(self) -> bool:
         """Whether the overlapped loop runs (before the tensor-parallel exception). Auto turns
         it on for CUDA: on an H200 (2026-11-26, ``benchmarks/gpu_engine.py``, the 1B-shaped
@@ -442,6 +462,11 @@ class EngineConfig:
             raise ValueError(
                 f"load_failure_policy must be recompute or fail, got {self.load_failure_policy!r}"
             )
+
+        spec = SpeculativeConfig.from_dict(self.speculative_config)  # names the field
+        self.speculative_config = spec.to_dict() if spec is not None else None
+        if spec is not None and self.tensor_parallel_size > 1:
+            raise ValueError("speculative_config needs tensor_parallel_size 1")
 
         from tandem.wire.auth import check_secret
 

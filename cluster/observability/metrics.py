@@ -238,6 +238,7 @@ class EngineMetricsCollector(Collector):
         yield from _kv_families(snapshot.engines)
         yield from _structured_families(snapshot.engines)
         yield from offload_families(snapshot.engines)
+        yield from _spec_decode_families(snapshot.engines)
         yield counter_by(
             "disagg_decisions",
             "Router decisions: prefill on a remote engine or locally on decode.",
@@ -332,6 +333,38 @@ def _structured_families(engines: list[EngineMetrics]) -> Iterator[Metric]:
                     [engine.engine_id, engine.role], prometheus_buckets(snap), snap.sum
                 )
         yield family
+
+
+# Speculative decoding, vLLM's names: (name, help, field of SchedulerStats).
+_SPEC_FAMILIES = (
+    ("spec_decode_num_drafts", "Steps of a request that carried drafts.",
+     "spec_decode_num_drafts"),
+    ("spec_decode_num_draft_tokens", "Draft tokens verified.", "spec_decode_num_draft_tokens"),
+    ("spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+     "spec_decode_num_accepted_tokens"),
+)  # fmt: skip
+
+
+def _spec_decode_families(engines: list[EngineMetrics]) -> Iterator[Metric]:
+    """Engines with speculative decoding only (an engine without never drafts)."""
+    speculating = [e for e in engines if e.stats.scheduler.spec_decode_num_accepted_tokens_per_pos]
+    for name, help_text, field in _SPEC_FAMILIES:
+        family = CounterMetricFamily(f"{PREFIX}{name}", help_text, labels=_LABELS)
+        for engine in speculating:
+            family.add_metric(
+                [engine.engine_id, engine.role], getattr(engine.stats.scheduler, field)
+            )
+        yield family
+    per_pos = CounterMetricFamily(
+        f"{PREFIX}spec_decode_num_accepted_tokens_per_pos",
+        "Draft tokens accepted, by position in the draft (0 = first).",
+        labels=[*_LABELS, "position"],
+    )
+    for engine in speculating:
+        counts = engine.stats.scheduler.spec_decode_num_accepted_tokens_per_pos or ()
+        for position, count in enumerate(counts):
+            per_pos.add_metric([engine.engine_id, engine.role, str(position)], count)
+    yield per_pos
 
 
 def _kv_transport_families(with_kv: list) -> Iterator[Metric]:

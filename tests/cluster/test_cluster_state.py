@@ -36,6 +36,7 @@ ENGINE_KEYS = {
     "id", "role", "epoch", "state", "ready", "running", "waiting", "waiting_for_remote_kv",
     "kv_usage", "blocks_held", "transfers_in_flight", "restarts", "last_error", "steps",
     "last_step_s", "preemptions", "prefix_cache_queries", "prefix_cache_hits", "kv_tiers",
+    "spec_acceptance",
 }  # fmt: skip
 WINDOW_KEYS = {
     "time_s", "span_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s",

@@ -82,10 +82,12 @@ SAMPLES = {
 }
 
 # msgspec.msgpack.encode of SAMPLES, taken from the messages' previous homes
-# (scheduler/messages.py, workers/engine_core.py) before they moved here; the
-# requests' SamplingParams grew an 18th element, structured_outputs (issue #27), and
-# EngineRequest.gateway was appended (issue #29: array_like encodes every field, and a
-# message without it decodes to gateway=0, the default gateway).
+# (scheduler/messages.py, workers/engine_core.py) before they moved here. Updated on
+# purpose since: the requests' SamplingParams grew an 18th element, structured_outputs
+# (issue #27); EngineRequest.gateway was appended (issue #29: array_like encodes every
+# field, and a message without it decodes to gateway=0, the default gateway);
+# SchedulerStats gained four spec_decode_* counters (issue #26: the stats array grew from
+# 10 to 14 entries).
 GOLDEN_HEX = {
     "request": "99a2723193010203dc00120500cb3fe000000000000003cb3ff00000000000000791"
     "02c201cb0000000000000000cb0000000000000000cb3ff0000000000000cb00000000000000008105cbbf"
@@ -104,7 +106,7 @@ GOLDEN_HEX = {
     "outputs": "94a26530929ba27231920708919507cbbfb999999999999a92070992cbbfb999999999999acbc000"
     "00000000000001c00102c00381a17801019ca2653001a66465636f6465cb3fe0000000000000cb3fb99999"
     "9999999acb3fc999999999999acbbff0000000000000cbbff0000000000000030000009ba2723290c0c003"
-    "c0a362616400c000c0cb40288000000000009a010203cb3fe0000000000000040506070809",
+    "c0a362616400c000c0cb40288000000000009e010203cb3fe000000000000004050607080900000090",
     "heartbeat": "93a265300211",
 }
 

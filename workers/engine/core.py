@@ -8,6 +8,7 @@ beyond the KV events publisher and the connector's side channel.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -32,6 +33,8 @@ from tandem.workers.engine.startup import (
 from tandem.workers.runner.async_step import OverlappedLoop
 from tandem.workers.structured.manager import structured_manager
 
+logger = logging.getLogger(__name__)
+
 
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
@@ -53,8 +56,16 @@ class EngineCore:
         self.kv_cache = cache.kv_cache
         self.sched_config = scheduler_config(config, cache.num_blocks, cache.max_model_len)
         self.connector_scheduler, self.connector_worker = make_connector(config, self.hf_config)
-        # overlapped loop (workers/runner/async_step.py); TP ranks step in lockstep: synchronous
-        overlap = config.uses_async_scheduling() and self.tp is None
+        # overlapped loop (workers/runner/async_step.py); TP ranks step in lockstep: synchronous.
+        # Speculative decoding runs the synchronous loop too (workers/runner/spec_step.py).
+        self.speculating = config.speculative_config is not None
+        overlap = config.uses_async_scheduling() and self.tp is None and not self.speculating
+        if self.speculating and config.uses_async_scheduling():
+            logger.warning(
+                "engine %s: speculative_config runs the synchronous loop; async_scheduling "
+                "is off for this engine",
+                config.engine_id,
+            )
         scheduler_cls = AsyncScheduler if overlap else Scheduler
         self.structured = structured_manager(
             self.model_path,

@@ -145,6 +145,7 @@ def scheduler_config(config: EngineConfig, num_blocks: int, max_model_len: int) 
         max_num_partial_prefills=config.max_num_partial_prefills,
         max_long_partial_prefills=config.max_long_partial_prefills,
         load_failure_policy=config.load_failure_policy,
+        speculative=config.speculative(),
     )
 
 

@@ -38,6 +38,7 @@ from tandem.scheduler.structured_grammar import take_deferred_bitmask
 from tandem.wire.engine_protocol import EngineOutputs
 from tandem.workers.runner.step_batch import StepPlan
 from tandem.workers.sampling.sample_logprobs import DeviceLogprobs
+from tandem.workers.sampling.spec_verify import SpecResult
 
 
 class StepResult:
@@ -50,13 +51,17 @@ class StepResult:
     only, not for the step queued behind it (a plain ``tolist`` would queue its copy after
     the next step's kernels), and the logprobs cost no second wait."""
 
-    __slots__ = ("sampled", "logprobs", "_host", "_ready")
+    __slots__ = ("sampled", "logprobs", "spec", "_host", "_ready")
 
     def __init__(
-        self, sampled: torch.Tensor | None = None, logprobs: DeviceLogprobs | None = None
+        self,
+        sampled: torch.Tensor | None = None,
+        logprobs: DeviceLogprobs | None = None,
+        spec: SpecResult | None = None,
     ) -> None:
         self.sampled = sampled
         self.logprobs = logprobs
+        self.spec = spec  # verified drafts, on the host (workers/runner/spec_step.py)
         self._host: torch.Tensor | None = None
         self._ready: Any = None  # torch.cuda.Event
         if sampled is not None and sampled.is_cuda:

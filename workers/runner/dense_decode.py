@@ -27,6 +27,14 @@ Per step, ``DenseDecodeKV.prepare`` assigns rows and returns a ``DenseDecodeStep
 attention over rows ``[0, num_rows)`` in two batched matmuls with GQA folded (the query
 heads of one KV head are the rows of one matrix) and an additive mask hiding positions past
 each row's length.
+
+Speculative decoding verifies a request's last token and its drafts as one query of
+``1 + k`` consecutive positions (``workers/runner/spec_step.py``); such a query also takes a
+row. Each row then has up to T query slots, the score matrices are ``[rows * Hkv, T *
+group, len]``, and each slot's mask ends at its own position (causal inside the query). A
+verification that rejected drafts leaves the row longer than the request's computed tokens:
+the next step truncates it (positions before the computed ones hold the KV of accepted
+tokens, which is the KV of the request's tokens), so no refill is needed.
 """
 
 from __future__ import annotations
@@ -53,10 +61,14 @@ class DenseDecodeStep:
         rows: list[int],
         positions: list[int],
         fills: list[tuple[int, int, torch.Tensor]],
+        slots: list[int] | None = None,
     ) -> None:
         self.cache = cache
         self.fills = fills
         self.num_tokens = len(rows)
+        self.num_segments = len(set(rows))
+        # multi-token queries: token i sits in query slot slots[i] of its row
+        self.multi = None if slots is None else _MultiTokenQueries(cache, rows, positions, slots)
         self.num_rows = max(rows) + 1  # attention runs over rows [0, num_rows)
         self.identity = rows == list(range(self.num_rows))
         self.rows = torch.tensor(rows, dtype=torch.long)
@@ -105,6 +117,8 @@ class DenseDecodeStep:
             0, self.value_idx, v.to(cache.dtype).reshape(-1, cache.head_dim)
         )
 
+        if self.multi is not None:
+            return self.multi.attend(q, keys, values, scale)
         out_dtype = q.dtype
         num_tokens, num_heads, head_dim = q.shape
         num_rows, max_len = self.num_rows, self.max_len
@@ -120,6 +134,56 @@ class DenseDecodeStep:
         out = out.view(num_rows, num_heads, head_dim)
         if not self.identity:
             out = out.index_select(0, self.rows)
+        return out.to(out_dtype)
+
+
+class _MultiTokenQueries:
+    """Attention of a step whose rows hold up to T consecutive query tokens each."""
+
+    def __init__(
+        self, cache: DenseDecodeKV, rows: list[int], positions: list[int], slots: list[int]
+    ) -> None:
+        self.cache = cache
+        self.num_rows = max(rows) + 1
+        self.num_slots = max(slots) + 1
+        self.slot_idx = torch.tensor(rows, dtype=torch.long) * self.num_slots + torch.tensor(
+            slots, dtype=torch.long
+        )
+        # per (row, slot): the positions it sees end at its own (empty slots see position 0)
+        seen = torch.ones(self.num_rows * self.num_slots, dtype=torch.long)
+        seen.index_copy_(0, self.slot_idx, torch.tensor(positions, dtype=torch.long) + 1)
+        self.max_len = int(seen.max())
+        mask = torch.zeros(self.num_rows, self.num_slots, self.max_len, dtype=cache.dtype)
+        mask.masked_fill_(
+            torch.arange(self.max_len) >= seen.view(self.num_rows, self.num_slots, 1),
+            float("-inf"),
+        )
+        hkv, group = cache.num_kv_heads, cache.num_heads_per_kv
+        self.mask = (
+            mask[:, None, :, None, :]
+            .expand(self.num_rows, hkv, self.num_slots, group, self.max_len)
+            .reshape(self.num_rows * hkv, self.num_slots * group, self.max_len)
+        )
+
+    def attend(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        cache = self.cache
+        out_dtype = q.dtype
+        _, num_heads, head_dim = q.shape
+        rows, slots, max_len = self.num_rows, self.num_slots, self.max_len
+        hkv, group = cache.num_kv_heads, cache.num_heads_per_kv
+        batch = rows * hkv
+        full = q.new_zeros(rows * slots, num_heads, head_dim, dtype=cache.dtype)
+        full.index_copy_(0, self.slot_idx, q.to(cache.dtype))
+        full = full.view(rows, slots, hkv, group, head_dim).transpose(1, 2)
+        full = full.reshape(batch, slots * group, head_dim)
+        keys_t = keys[:rows].view(batch, head_dim, -1)[:, :, :max_len]
+        scores = torch.baddbmm(self.mask, full, keys_t, alpha=scale)
+        probs = torch.softmax(scores, dim=-1)
+        out = torch.bmm(probs, values[:rows].view(batch, -1, head_dim)[:, :max_len])
+        out = out.view(rows, hkv, slots, group, head_dim).transpose(1, 2)
+        out = out.reshape(rows * slots, num_heads, head_dim).index_select(0, self.slot_idx)
         return out.to(out_dtype)
 
 
@@ -183,24 +247,26 @@ class DenseDecodeKV:
         self._resize(0, 0)
         return True
 
-    def prepare(
-        self, decodes: list[tuple[str, int, list[int]]]
-    ) -> tuple[list[int], DenseDecodeStep | None]:
-        """Give rows to this step's single-token queries ``(req_id, position, block_ids)``.
+    def prepare(self, decodes: list[tuple]) -> tuple[list[int], DenseDecodeStep | None]:
+        """Give rows to this step's decode queries ``(req_id, position, block_ids)``, or
+        ``(req_id, position, block_ids, num_tokens)`` for a query of ``num_tokens``
+        consecutive positions from ``position`` on (a speculative verification).
 
         Returns the indices into ``decodes`` that take the dense path, ordered by row, and
         the step (None when none fit the budget). Rows new to their request get positions
-        ``0..position-1`` copied from the paged cache layer by layer in ``attend``.
+        ``0..position-1`` copied from the paged cache layer by layer in ``attend``; a row
+        longer than ``position`` (rejected drafts) is cut back to it.
         """
         if not decodes:
             return [], None
-        needed_len = max(pos for _, pos, _ in decodes) + 1
+        counts = [d[3] if len(d) > 3 else 1 for d in decodes]
+        needed_len = max(d[1] + n for d, n in zip(decodes, counts))
         if needed_len > self.capacity:
             self._grow(needed_len)
         chosen: list[tuple[int, int]] = []  # (row, index into decodes)
         fills: list[tuple[int, int, torch.Tensor]] = []
-        for i, (req_id, pos, block_ids) in enumerate(decodes):
-            if pos >= self.capacity:
+        for i, (req_id, pos, block_ids, *_) in enumerate(decodes):
+            if pos + counts[i] > self.capacity:
                 self.release(req_id)
                 continue
             row = self.row_of.get(req_id)
@@ -209,18 +275,23 @@ class DenseDecodeKV:
                 if row is None:
                     continue
                 self.row_of[req_id] = row
-            if self.lengths[row] != pos and pos > 0:
+            if self.lengths[row] < pos:
                 num_blocks = -(-pos // self.block_size)
                 fills.append((row, pos, torch.tensor(block_ids[:num_blocks], dtype=torch.long)))
-            self.lengths[row] = pos + 1  # this step appends position `pos`
+            self.lengths[row] = pos + counts[i]  # this step appends positions pos..
             chosen.append((row, i))
         if not chosen:
             return [], None
         self._idle_since = None
         chosen.sort()
-        rows = [row for row, _ in chosen]
-        positions = [decodes[i][1] for _, i in chosen]
-        return [i for _, i in chosen], DenseDecodeStep(self, rows, positions, fills)
+        rows, positions, slots = [], [], []
+        for row, i in chosen:
+            for t in range(counts[i]):
+                rows.append(row)
+                positions.append(decodes[i][1] + t)
+                slots.append(t)
+        multi = slots if max(counts[i] for _, i in chosen) > 1 else None
+        return [i for _, i in chosen], DenseDecodeStep(self, rows, positions, fills, multi)
 
     def fill_layer(
         self,

@@ -9,8 +9,8 @@ the scheduler's diffs, and flattens a step into one batch:
     seq_lens     8                     10           5
     logits rows  a7 (if the chunk ends the prompt), b9, c4
 
-On CPU (fp32), single-token queries that get a dense decode row
-(``workers/runner/dense_decode.py``) come first, ordered by row, and the step's
+On CPU (fp32), single-token queries and verifications of drafts that get a dense decode
+row (``workers/runner/dense_decode.py``) come first, ordered by row, and the step's
 metadata is a ``workers.runner.attention.SplitAttention``; the rest keep the order
 above and go through the paged kernels.
 
@@ -39,11 +39,13 @@ from tandem.workers.runner.async_step import StepHandle, StepResult, StepStream
 from tandem.workers.runner.attention import SplitAttention, StepMetadata
 from tandem.workers.runner.cpu_allocator import tune_malloc_for_inference
 from tandem.workers.runner.dense_decode import DenseDecodeKV, DenseDecodeStep
+from tandem.workers.runner.spec_step import SpecPlan, apply_result, verified_rows
 from tandem.workers.runner.step_batch import PLACEHOLDER, Segment, StepPlan, flatten
 from tandem.workers.sampling.grammar_mask import GrammarRows
 from tandem.workers.sampling.prompt_logprobs import prompt_logprobs
 from tandem.workers.sampling.sample_logprobs import DeviceLogprobs
 from tandem.workers.sampling.sampler import Sampler
+from tandem.workers.sampling.spec_verify import verify
 from tandem.workers.sampling.state import SamplingExtras, uses_extras
 
 # CPU only: bytes the dense decode copy of the KV may use (see workers/runner/dense_decode.py).
@@ -204,6 +206,8 @@ class ModelRunner:
                 out.logprobs = [
                     [logprobs[k]] if k >= 0 and logprobs[k] is not None else [] for k in slots
                 ]
+            if plan.spec is not None:
+                self._finish_spec(plan, result, out)
             for i in plan.sample_segments:
                 prompt = plan.segments[i].prompt
                 if prompt is not None:  # the prompt is done: its logprobs go out now
@@ -220,6 +224,18 @@ class ModelRunner:
                     invalid_block_ids=sorted(invalid),
                 )
         return out
+
+    def _finish_spec(self, plan: StepPlan, result: StepResult, out: ModelRunnerOutput) -> None:
+        """Speculative rows: their accepted tokens (and logprobs) into ``out``, and into
+        the runner's copy of each request (``workers/runner/spec_step.py``)."""
+        spec, verified = plan.spec, result.spec
+        apply_result(spec, verified, self.block_size)
+        if verified.logprobs is not None and out.logprobs is None:
+            out.logprobs = [[] for _ in plan.req_ids]
+        for k, i in enumerate(spec.segments):
+            out.sampled_token_ids[i] = verified.token_ids[k]
+            if verified.logprobs is not None:
+                out.logprobs[i] = verified.logprobs[k]
 
     def read_tokens(self, handle: StepHandle) -> list[int]:
         """A launched step's sampled tokens on the host (the step's one device->host
@@ -264,10 +280,28 @@ class ModelRunner:
             return
         bs = self.block_size
         sampled: list[_ReqState] = []
+        spec_tokens = so.scheduled_spec_decode_tokens
         for rid, n in so.num_scheduled_tokens.items():
             st = self.requests[rid]
             start = st.num_computed
             end = start + n
+            drafts = spec_tokens.get(rid) if spec_tokens else None
+            if drafts:  # last token + drafts, every position verified
+                assert (
+                    prev is None
+                    and st.prompt_lps is None
+                    and end == len(st.token_ids) + len(drafts)
+                ), rid
+                if plan.spec is None:
+                    plan.spec = SpecPlan()
+                plan.req_ids.append(rid)
+                plan.segments.append(
+                    Segment(rid, st.token_ids[start:] + drafts, start,
+                            st.block_ids[: -(-end // bs)], -1, None)
+                )  # fmt: skip
+                plan.spec.add(len(plan.segments) - 1, st, drafts, st.stream_key)
+                st.num_computed = end
+                continue
             pending_row = -1
             if st.pending is not None:  # its last token is still on the device
                 pending_handle, pending_row = st.pending
@@ -321,7 +355,7 @@ class ModelRunner:
             self.kv_cache[list_to_device(dst, self.device, torch.long)] = self.kv_cache[src_t]
         if not plan.segments:
             return StepResult()
-        order, dense_step = self._order_for_dense(plan.segments)
+        order, dense_step = self._order_for_dense(plan.segments, plan.spec)
         flat = flatten(plan.segments, order)
         dev = self.device
         scatter = None
@@ -362,14 +396,26 @@ class ModelRunner:
                 first = flat.first_row[i]
                 rows = hidden[first : first + len(targets)]
                 collected.extend(prompt_logprobs(rows, self.model.compute_logits, targets, num_top))
-        if not plan.sample_segments:
-            return StepResult()
         sample_rows = [flat.last_row[i] for i in plan.sample_segments]
-        if sample_rows == list(range(len(hidden))):
-            last = hidden  # decode-only step: every row is sampled, in order
+        spec = None
+        if plan.spec is not None:
+            # one pass over the LM head for the sampled and the verified rows
+            rows = sample_rows + verified_rows(plan.spec, flat.first_row, flat.last_row)
+            logits = self.model.compute_logits(
+                hidden.index_select(0, host_to_device(torch.tensor(rows), dev))
+            )
+            num = len(sample_rows)
+            spec = verify(logits[num:], plan.spec.requests, self.eos_token_id)
+            if not num:
+                return StepResult(spec=spec)
+            logits = logits[:num]
+        elif not plan.sample_segments:
+            return StepResult()
+        elif sample_rows == list(range(len(hidden))):
+            logits = self.model.compute_logits(hidden)  # decode-only: every row, in order
         else:
             last = hidden.index_select(0, host_to_device(torch.tensor(sample_rows), dev))
-        logits = self.model.compute_logits(last)
+            logits = self.model.compute_logits(last)
         sampled, raw_logits = self.sampler.sample_on_device(
             logits,
             plan.params,
@@ -381,18 +427,25 @@ class ModelRunner:
             plan.grammar,
         )
         logprobs = DeviceLogprobs(raw_logits, plan.params, sampled) if plan.wants_logprobs else None
-        return StepResult(sampled, logprobs)
+        return StepResult(sampled, logprobs, spec)
 
-    def _order_for_dense(self, segments: list[Segment]) -> tuple[list[int], DenseDecodeStep | None]:
-        """Flat order (indices into ``segments``): decodes on the dense path first (by
-        row), then the rest. Step stream only (it owns the dense rows)."""
+    def _order_for_dense(
+        self, segments: list[Segment], spec: SpecPlan | None
+    ) -> tuple[list[int], DenseDecodeStep | None]:
+        """Flat order (indices into ``segments``): decodes (and verifications of drafts) on
+        the dense path first (by row), then the rest. Step stream only (it owns the dense
+        rows)."""
         everything = list(range(len(segments)))
         if self.dense is None:
             return everything, None
         decodes, decode_segments = [], []
+        verified = set(spec.segments) if spec is not None else ()
         for i, seg in enumerate(segments):
             if seg.num_tokens == 1:
                 decodes.append((seg.req_id, seg.start, seg.block_ids))
+                decode_segments.append(i)
+            elif i in verified:
+                decodes.append((seg.req_id, seg.start, seg.block_ids, seg.num_tokens))
                 decode_segments.append(i)
             else:
                 self.dense.release(seg.req_id)  # its KV is being (re)computed: stale row
@@ -416,10 +469,13 @@ class ModelRunner:
             meta = AttentionMetadata.build(block_tables, seq_lens, query_lens, bs, dev)
             meta.sdpa_prefills = self.sdpa_prefills
             return meta
-        n = dense_step.num_tokens
-        dense_slots = [
-            table[pos // bs] * bs + pos % bs for table, pos in zip(block_tables[:n], positions)
-        ]
+        n = dense_step.num_segments  # the first n segments, dense_step.num_tokens tokens
+        dense_slots = []
+        token = 0
+        for table, num in zip(block_tables[:n], query_lens[:n]):
+            for pos in positions[token : token + num]:
+                dense_slots.append(table[pos // bs] * bs + pos % bs)
+            token += num
         paged = None
         slot_mapping = list_to_device(dense_slots, dev, torch.long)
         if len(block_tables) > n:

@@ -70,6 +70,7 @@ class StepPlan:
         "dense_release",
         "wants_logprobs",
         "grammar",
+        "spec",
     )
 
     def __init__(self) -> None:
@@ -87,6 +88,8 @@ class StepPlan:
         self.wants_logprobs = False
         # structured outputs: the bitmask rows of the constrained sampled rows
         self.grammar: GrammarRows | None = None
+        # requests with drafts (workers/runner/spec_step.py), outside sample_segments
+        self.spec = None
 
 
 class FlatBatch:

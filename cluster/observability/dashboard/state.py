@@ -51,6 +51,8 @@ class EngineRow(msgspec.Struct):
     prefix_cache_hits: int
     # KV tiers below the device cache (kvtransfer/tiers/): one row per tier, none without
     kv_tiers: list[TierRow] = []
+    # speculative decoding: accepted / drafted tokens since start (-1: no drafts yet)
+    spec_acceptance: float = -1.0
 
 
 class PoolRow(msgspec.Struct):
@@ -176,4 +178,9 @@ def _engine(e: EngineMetrics) -> EngineRow:
             )
             for t in (s.kv_offload.tiers if s.kv_offload is not None else ())
         ],
+        spec_acceptance=(
+            q.spec_decode_num_accepted_tokens / q.spec_decode_num_draft_tokens
+            if q.spec_decode_num_draft_tokens
+            else -1.0
+        ),
     )

@@ -1,0 +1,226 @@
+"""Speculative decoding (n-gram prompt lookup) against plain decoding, on this machine.
+
+    .venv/bin/python benchmarks/spec_decode.py                     # batches 1, 8, 32
+    .venv/bin/python benchmarks/spec_decode.py --batches 1 --output-len 48
+
+smollm2 (SmolLM2-135M-Instruct from the built-in GGUF, fp32, CPU), greedy, EOS ignored,
+``--output-len`` tokens per request. Two workloads, chat-templated:
+
+    copy   a source file of this repository (about 300 tokens) to repeat with one change:
+           most of the answer is in the prompt
+    chat   open questions: nothing to copy
+
+For every batch and workload one engine serves the rows in turn: ``none`` (no drafts) and
+``ngram`` with K = 2, 4, 8 (prompt_lookup_min 2, max 4; adaptive drafting on, as
+configured by default). The clock starts once every request has its first token, so the
+columns describe decoding only (after the first row the prompts are prefix-cache hits,
+which shortens the untimed part):
+
+    tok/s        output tokens / seconds from the moment every request has its first token
+    tok/cpu-s    the same tokens / this process's CPU seconds over that time: on a shared
+                 box other processes' load stretches wall time, much less CPU time, so
+                 this is the column to compare rows by (with one torch thread)
+    ITL p50/p99  gap between two successive outputs of one request (an output may carry
+                 several tokens when drafts are accepted), milliseconds
+    vs none      tok/cpu-s relative to the ``none`` row of the same batch and workload
+    accept/pos   fraction of steps with drafts whose draft j was accepted, j = 1..K
+    same         the tokens equal the ``none`` row's (greedy: they must)
+
+The speculative rows switch the engine's scheduler between configurations
+(``Scheduler.spec``); that is what ``--speculative-config`` sets at start.
+``--repeats`` runs the rows of a batch and workload that many times, interleaved (the
+machine's other load drifts), and keeps each row's median tok/s; the ITL percentiles
+pool every repeat; accept/pos is the last repeat's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks._machine import machine  # noqa: E402
+from tandem.scheduler.spec.config import SpeculativeConfig  # noqa: E402
+from tandem.scheduler.spec.lookahead import Lookahead  # noqa: E402
+from tandem.wire.engine_protocol import EngineRequest, SamplingParams  # noqa: E402
+from tandem.workers.config import EngineConfig  # noqa: E402
+from tandem.workers.engine.core import EngineCore  # noqa: E402
+from tandem.workers.text.tokenizer import apply_chat_template, load_tokenizer  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QUESTIONS = [
+    "Why is the sky blue?",
+    "Give me three ideas for a birthday party.",
+    "What makes a good cup of coffee?",
+    "Explain how a bicycle stays upright.",
+    "Write a short poem about autumn.",
+    "What should I pack for a weekend hike?",
+    "How do plants make food?",
+    "Tell me a fun fact about octopuses.",
+    "What is the difference between weather and climate?",
+    "Suggest a name for a small bakery.",
+    "How can I sleep better?",
+    "Why do cats purr?",
+]
+
+
+def copy_prompts(n: int) -> list[str]:
+    """Functions of this repository's scheduler, each to be repeated with one rename."""
+    snippets = []
+    for path in sorted(glob.glob(os.path.join(ROOT, "scheduler", "*.py"))):
+        text = open(path).read()
+        for start in (i + 1 for i, _ in enumerate(text) if text.startswith("\ndef ", i)):
+            snippets.append(text[start : start + 900])
+    return [
+        "Rewrite this Python code, renaming the variable `req` to `request`:\n\n```python\n"
+        + snippets[i % len(snippets)]
+        + "\n```"
+        for i in range(n)
+    ]
+
+
+def chat_prompts(n: int) -> list[str]:
+    return [QUESTIONS[i % len(QUESTIONS)] + (f" (variant {i})" if i >= len(QUESTIONS) else "")
+            for i in range(n)]  # fmt: skip
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    return apply_chat_template(tokenizer, [{"role": "user", "content": text}])
+
+
+def run_row(engine, prompts, output_len, run) -> tuple[float, float, list[float], list[list[int]]]:
+    sp = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    ids = [f"{run}-{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts):
+        err = engine.add_request(EngineRequest(rid, p, sp))
+        assert err is None, err.error
+    tokens = {rid: [] for rid in ids}
+    last = {}
+    gaps: list[float] = []
+    start = None
+    num_decode = 0
+    while engine.has_work():
+        outs = engine.step().outputs
+        now = time.perf_counter()
+        for o in outs:
+            if start is not None:
+                gaps.append(now - last[o.request_id])
+                num_decode += len(o.new_token_ids)
+            tokens[o.request_id].extend(o.new_token_ids)
+            last[o.request_id] = now
+        if start is None and all(tokens.values()):
+            start, cpu_start = now, time.process_time()
+    seconds = time.perf_counter() - start
+    cpu_seconds = time.process_time() - cpu_start
+    engine.check_integrity()
+    return num_decode / seconds, num_decode / max(cpu_seconds, 1e-9), gaps, [tokens[r] for r in ids]
+
+
+def percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--workloads", default="copy,chat")
+    ap.add_argument("--ks", default="2,4,8")
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--torch-threads", type=int, default=2)
+    ap.add_argument(
+        "--disable-by-batch-size", type=int, default=None, help="the speculative config's field"
+    )
+    args = ap.parse_args()
+    torch.set_num_threads(args.torch_threads)
+    engine = EngineCore(
+        EngineConfig(
+            model="smollm2",
+            dtype="float32",
+            max_model_len=1024,
+            num_kv_blocks=4096,
+            max_num_batched_tokens=1024,
+            max_num_seqs=64,
+            torch_threads=args.torch_threads,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2},
+        )
+    )
+    tokenizer = load_tokenizer(engine.model_path)
+    print(f"machine: {machine()}; torch threads {args.torch_threads}")
+    print(f"smollm2 fp32 CPU, greedy, {args.output_len} output tokens per request\n")
+    header = (
+        f"{'workload':8} {'batch':>5} {'method':8} {'tok/s':>8} {'tok/cpu-s':>9} {'vs none':>8} "
+        f"{'ITL p50':>8} {'ITL p99':>8}  {'same':4}  accept/pos"
+    )
+    print(header)
+    print("-" * len(header))
+    kv = engine.scheduler.kv
+    methods: list[tuple[str, Lookahead | None]] = [("none", None)]
+    for k in (int(x) for x in args.ks.split(",")):
+        cfg = SpeculativeConfig("ngram", k, 2, 4, disable_by_batch_size=args.disable_by_batch_size)
+        methods.append((f"ngram{k}", Lookahead(cfg, kv)))
+    run_id = 0
+    for workload in args.workloads.split(","):
+        for batch in (int(b) for b in args.batches.split(",")):
+            texts = copy_prompts(batch) if workload == "copy" else chat_prompts(batch)
+            prompts = [encode(tokenizer, t) for t in texts]
+            engine.scheduler.spec = None
+            run_row(engine, prompts[:1], 2, f"warm{run_id}")
+            rates = {name: [] for name, _ in methods}
+            cpu_rates = {name: [] for name, _ in methods}
+            gaps = {name: [] for name, _ in methods}
+            tokens, accept = {}, {}
+            for _ in range(args.repeats):  # interleaved: the machine's load drifts
+                for name, spec in methods:
+                    engine.scheduler.spec = spec
+                    run_id += 1
+                    before = _counts(spec)
+                    rate, cpu_rate, row_gaps, tokens[name] = run_row(
+                        engine, prompts, args.output_len, f"r{run_id}"
+                    )
+                    rates[name].append(rate)
+                    cpu_rates[name].append(cpu_rate)
+                    gaps[name] += row_gaps
+                    accept[name] = _acceptance(spec, before)
+            base = statistics.median(cpu_rates["none"])
+            for name, _ in methods:
+                tps = statistics.median(rates[name])
+                cpu_tps = statistics.median(cpu_rates[name])
+                print(
+                    f"{workload:8} {batch:>5} {name:8} {tps:>8.1f} {cpu_tps:>9.1f} "
+                    f"{cpu_tps / base:>7.2f}x "
+                    f"{percentile(gaps[name], 0.5) * 1e3:>8.1f} "
+                    f"{percentile(gaps[name], 0.99) * 1e3:>8.1f}  "
+                    f"{'yes' if tokens[name] == tokens['none'] else 'NO':4}  {accept[name]}",
+                    flush=True,
+                )
+    engine.shutdown()
+
+
+def _counts(spec: Lookahead | None):
+    if spec is None:
+        return None
+    s = spec.stats
+    return s.num_drafts, list(s.accepted_per_pos)
+
+
+def _acceptance(spec: Lookahead | None, before) -> str:
+    if spec is None:
+        return "-"
+    num = spec.stats.num_drafts - before[0]
+    if not num:
+        return "no drafts"
+    per_pos = [a - b for a, b in zip(spec.stats.accepted_per_pos, before[1])]
+    return f"{num} drafts: " + " ".join(f"{x / num:.2f}" for x in per_pos)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""Drafts as lookahead tokens: the scheduler's half of speculative decoding.
+
+A decoding request (its last token not computed yet) may get drafts with its step:
+
+    tokens       p0 .. p9 t10 | d1 d2 d3          t10: last token, d*: drafts
+    step         computes t10 d1 d2 d3 (4 KV slots), samples 4 positions
+    verified     t11 = d1 ok, d2 ok, d3 rejected -> tokens t11 t12 t13 (t13: the target's)
+    after        computed = 13 (t10 d1 d2 = t10 t11 t12); d3's KV slot is dropped, and
+                 blocks past the computed tokens go back to the pool
+
+The drafts never enter ``all_token_ids`` before they are accepted, so prefix caching
+(which hashes known tokens only) and preemption (which recomputes known tokens) never see
+a rejected one. The step's tokens go through ``_check_stop`` one by one, so EOS, stop ids,
+``max_tokens`` and ``max_model_len`` cut an accepted run where the plain engine stops.
+
+Adaptive drafting: a rejected draft costs a token of compute and gives nothing, so each
+request keeps its own cap on drafts (``Request.spec_k``, starting at K): a step whose
+drafts were all accepted raises it by one (up to K), a step that kept some sets it to the
+kept run plus one, a step that kept none halves it. At 0 the request stops drafting and
+probes with one draft every ``PROBE_STEPS`` steps; an accepted probe starts it again.
+Free text, where prompt lookup mostly guesses wrong, then decodes as the plain engine
+does; text that copies keeps its drafts. The cap changes only how many tokens are
+drafted, never which are accepted, so outputs are the same either way.
+"""
+
+from __future__ import annotations
+
+from tandem.scheduler.kv_cache_manager import KVCacheManager
+from tandem.scheduler.request import Request
+from tandem.scheduler.spec.config import SpeculativeConfig
+from tandem.scheduler.spec.proposer import can_speculate, make_proposer
+from tandem.wire.engine_protocol import SchedulerStats
+
+# steps a request whose draft cap fell to 0 waits before drafting one token again
+PROBE_STEPS = 16
+
+
+class SpecDecodeStats:
+    """Cumulative counters, vLLM's ``spec_decode_*`` metrics."""
+
+    __slots__ = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_pos")
+
+    def __init__(self, num_speculative_tokens: int) -> None:
+        self.num_drafts = 0  # steps that carried drafts, summed over requests
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accepted_per_pos = [0] * num_speculative_tokens  # draft j accepted
+
+    def fill(self, stats: SchedulerStats) -> None:
+        stats.spec_decode_num_drafts = self.num_drafts
+        stats.spec_decode_num_draft_tokens = self.num_draft_tokens
+        stats.spec_decode_num_accepted_tokens = self.num_accepted_tokens
+        stats.spec_decode_num_accepted_tokens_per_pos = list(self.accepted_per_pos)
+
+
+class Lookahead:
+    def __init__(self, config: SpeculativeConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.k = config.num_speculative_tokens
+        self.proposer = make_proposer(config)
+        self.kv = kv
+        self.stats = SpecDecodeStats(self.k)
+
+    def active(self, num_running: int) -> bool:
+        """Do this step's requests draft? Not from ``disable_by_batch_size`` running on."""
+        off = self.config.disable_by_batch_size
+        return off is None or num_running < off
+
+    def draft(self, req: Request, budget_left: int, max_model_len: int) -> list[int]:
+        """Drafts for a decoding request about to be scheduled with one token, so that
+        the step never samples past ``max_tokens`` or ``max_model_len``, nor goes over
+        the budget (``budget_left``: tokens left after its one). Sets
+        ``req.spec_token_ids``."""
+        cap = self.k if req.spec_k < 0 else req.spec_k
+        if cap == 0:
+            req.spec_wait -= 1
+            if req.spec_wait > 0:
+                req.spec_token_ids = []
+                return req.spec_token_ids
+            cap = 1  # the probe
+        limit = min(
+            cap,
+            budget_left,
+            req.sampling_params.max_tokens - req.num_output_tokens - 1,
+            max_model_len - req.num_tokens - 1,
+        )
+        drafts = []
+        if limit > 0 and can_speculate(req):
+            drafts = self.proposer.propose(req.all_token_ids, limit)
+        req.spec_token_ids = drafts
+        return drafts
+
+    def accept(self, req: Request, num_sampled: int) -> None:
+        """The step of ``req``'s drafts returned ``num_sampled`` tokens (accepted drafts
+        + the target's one): take back the rejected drafts' KV slots, count."""
+        drafts = req.spec_token_ids
+        req.spec_token_ids = []
+        num_accepted = num_sampled - 1
+        num_rejected = len(drafts) - num_accepted
+        assert 0 <= num_rejected <= len(drafts), (req.request_id, num_sampled, drafts)
+        req.num_computed_tokens -= num_rejected
+        self.kv.free_tail(req, req.num_computed_tokens)
+        cap = self.k if req.spec_k < 0 else req.spec_k
+        if num_accepted == len(drafts):
+            req.spec_k = min(self.k, max(cap, num_accepted) + 1)
+        elif num_accepted:
+            req.spec_k = num_accepted + 1
+        else:
+            req.spec_k = cap // 2
+            if req.spec_k == 0:
+                req.spec_wait = PROBE_STEPS
+        stats = self.stats
+        stats.num_drafts += 1
+        stats.num_draft_tokens += len(drafts)
+        stats.num_accepted_tokens += num_accepted
+        for j in range(num_accepted):
+            stats.accepted_per_pos[j] += 1

@@ -1,0 +1,106 @@
+"""Proposers: who drafts the tokens a speculative step verifies.
+
+    Proposer.propose(token_ids, max_drafts) -> drafts (0 .. max_drafts tokens)
+
+The scheduler asks the proposer once per step for each request that may speculate
+(``can_speculate``), schedules the drafts as lookahead tokens after the request's last
+token, and the model runner verifies them in the step's one forward
+(``workers/runner/spec_step.py``). Every proposer goes through that one path; only where
+the drafts come from differs:
+
+- ``NgramProposer`` (here): prompt lookup, pure host code on the request's own tokens.
+- Seam for model-based proposers (a draft model, EAGLE heads, MTP layers): they need the
+  target's hidden states or a model of their own, so they run in the model runner right
+  after verification and hand their drafts back with the step's output; the scheduler
+  then stores them in ``Request.spec_token_ids`` exactly where ``NgramProposer``'s go,
+  and scheduling, KV slots, acceptance and the metrics stay the same.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+from tandem.scheduler.request import Request
+from tandem.scheduler.spec.config import SpeculativeConfig
+
+
+class Proposer(Protocol):
+    def propose(self, token_ids: list[int], max_drafts: int) -> list[int]:
+        """At most ``max_drafts`` tokens likely to follow ``token_ids`` (may be none)."""
+        ...
+
+
+class NgramProposer:
+    """Prompt lookup: the longest suffix of the tokens (``prompt_lookup_max`` down to
+    ``prompt_lookup_min`` tokens) that occurred before; the tokens that followed its most
+    recent earlier occurrence are the drafts.
+
+        tokens   ... a b c d e ... x a b c | <- suffix "a b c" seen before
+        drafts                               d e ...
+    """
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.min_n = config.prompt_lookup_min
+        self.max_n = config.prompt_lookup_max
+
+    def propose(self, token_ids: list[int], max_drafts: int) -> list[int]:
+        num_tokens = len(token_ids)
+        if max_drafts <= 0 or num_tokens <= self.min_n:
+            return []
+        tokens = np.asarray(token_ids, dtype=np.int64)
+        # every earlier end of a match is an earlier occurrence of the last token
+        ends = np.flatnonzero(tokens[:-1] == tokens[-1])
+        if not ends.size:
+            return []
+        # how far back each occurrence matches the suffix, up to max_n
+        matched = np.ones(ends.size, dtype=np.int64)
+        alive = np.ones(ends.size, dtype=bool)
+        for m in range(1, min(self.max_n, num_tokens - 1)):
+            back = ends - m
+            alive &= back >= 0
+            alive[alive] = tokens[back[alive]] == tokens[-1 - m]
+            if not alive.any():
+                break
+            matched += alive
+        best = min(int(matched.max()), self.max_n)
+        if best < self.min_n:
+            return []
+        start = int(ends[np.flatnonzero(matched >= best)[-1]]) + 1
+        return token_ids[start : start + max_drafts]
+
+
+def make_proposer(config: SpeculativeConfig) -> Proposer:
+    if config.method == "ngram":
+        return NgramProposer(config)
+    raise ValueError(f"speculative_config.method {config.method!r} has no proposer")
+
+
+def can_speculate(request: Request) -> bool:
+    """May this request's steps carry drafts? The one place that says so.
+
+    Not for requests whose sampling depends on the tokens sampled before in the same
+    step: penalties, logit bias and bad words are applied from the runner's per-request
+    token counts, one position per step (``workers/sampling/state.py``); such requests
+    decode one token per step, with exactly the plain engine's output. Nor for a request
+    still collecting its prompt's logprobs, nor a fork parent (it never samples).
+    Nor a constrained request (structured outputs): its grammar bitmask covers one sampled
+    row a step (``scheduler/structured_grammar.py``); verifying drafts needs a row per
+    position, the matcher advanced through the drafts and rolled back (``Matcher.advance`` /
+    ``rollback`` take token lists for that), which is not built yet.
+    """
+    sp = request.sampling_params
+    if request.n > 1 and request.parent_id is None:
+        return False
+    if sp.prompt_logprobs is not None and request.num_output_tokens == 0:
+        return False
+    if sp.structured_outputs is not None:
+        return False
+    return not (
+        sp.presence_penalty
+        or sp.frequency_penalty
+        or sp.repetition_penalty != 1.0
+        or sp.logit_bias
+        or sp.bad_words_token_ids
+    )

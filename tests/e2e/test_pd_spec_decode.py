@@ -1,0 +1,60 @@
+"""Speculative decoding under prefill/decode: the decode engine speculates (n-gram), real
+NIXL between a prefill and a decode process; the split's tokens equal one engine's."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem.wire.engine_protocol import SamplingParams
+from tandem.workers.config import EngineConfig
+from tandem.workers.engine.llm import LLM
+from tests.e2e.engine_proc import Harness
+from tests.e2e.test_pd_engines import BASE, handoff
+
+pytestmark = pytest.mark.slow
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+         "prompt_lookup_max": 3}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    from tests.workers.hf_checkpoints import make_checkpoint
+
+    return make_checkpoint("llama", tmp_path_factory.mktemp("pd-spec-llama"))
+
+
+@pytest.fixture(scope="module")
+def pd(ckpt):
+    h = Harness()
+    try:
+        common = dict(BASE, model=ckpt, kv_connector="nixl", kv_lease_s=3.0)
+        h.start("P", EngineConfig(role="prefill", **common))
+        h.start(
+            "D", EngineConfig(role="decode", kv_load_timeout_s=5.0, speculative_config=NGRAM,
+                              **common)
+        )  # fmt: skip
+        yield h
+    finally:
+        h.close()
+
+
+def test_decode_engine_speculates_and_equals_colocated(pd, ckpt):
+    prompts = [[5, 6, 7, 8] * 12, list(range(20, 60)) * 2, [9, 10, 11] * 3]
+    greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    seeded = SamplingParams(max_tokens=30, temperature=0.9, seed=42, ignore_eos=True)
+    plain = LLM(EngineConfig(model=ckpt, **BASE))
+    spec = LLM(EngineConfig(model=ckpt, speculative_config=NGRAM, **BASE))
+    for i, prompt in enumerate(prompts):
+        (want,) = plain.generate(prompt_token_ids=[prompt], sampling_params=greedy)
+        toks, _, _ = handoff(pd, f"g{i}", prompt, greedy)
+        assert toks == want.token_ids, i
+        # sampled: D's rejection sampling draws what one speculating engine draws
+        (want,) = spec.generate(prompt_token_ids=[prompt], sampling_params=seeded)
+        toks, _, _ = handoff(pd, f"s{i}", prompt, seeded)
+        assert toks == want.token_ids, i
+    spec.engine.check_integrity()
+    pd.wait_idle("P")
+    stats = pd.wait_idle("D").scheduler
+    assert stats.spec_decode_num_drafts > 0 and stats.spec_decode_num_accepted_tokens > 0
+    assert pd.stats("P").scheduler.spec_decode_num_drafts == 0

@@ -1,0 +1,83 @@
+"""Speculative decoding on the real SmolLM2-135M (built-in GGUF, fp32): greedy tokens
+identical with and without n-gram drafts on text that copies its prompt (drafts mostly
+accepted) and on free text, with chunked prefill, a stop token inside an accepted run,
+and two choices (n=2)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.wire.engine_protocol import EngineRequest, SamplingParams
+from tandem.workers.config import EngineConfig
+from tandem.workers.engine.core import EngineCore
+from tandem.workers.text.tokenizer import apply_chat_template, load_tokenizer
+
+pytestmark = pytest.mark.slow
+
+CODE = """def at_output_limit(req, max_model_len):
+    num_pending = req.num_output_placeholders
+    return (
+        req.num_output_tokens + num_pending >= req.sampling_params.max_tokens
+        or req.num_tokens + num_pending >= max_model_len
+    )
+"""
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+         "prompt_lookup_max": 4}  # fmt: skip
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def generate(spec, requests):
+    engine = EngineCore(
+        EngineConfig(
+            model="smollm2", dtype="float32", num_kv_blocks=96, max_num_batched_tokens=48,
+            max_model_len=512, speculative_config=spec,
+        )
+    )  # fmt: skip
+    tokens = {}
+    for i, (prompt, sp, n) in enumerate(requests):
+        assert engine.add_request(EngineRequest(f"r{i}", prompt, sp, n=n)) is None
+        for k in range(n):
+            tokens[(f"r{i}", k)] = []
+    while engine.has_work():
+        for o in engine.step().outputs:
+            assert o.error is None, o.error
+            tokens[(o.request_id, o.index)].extend(o.new_token_ids)
+    engine.check_integrity()
+    stats = engine.scheduler.make_stats()
+    engine.shutdown()
+    return tokens, stats
+
+
+def test_greedy_identical_on_smollm2():
+    from tandem.workers.checkpoints.loader import resolve_model_path
+
+    tokenizer = load_tokenizer(resolve_model_path("smollm2"))
+
+    def chat(text):
+        return apply_chat_template(tokenizer, [{"role": "user", "content": text}])
+
+    copy = chat("Repeat this code, renaming `req` to `request`:\n\n```python\n" + CODE + "```")
+    free = chat("Write two sentences about the sea.")
+    greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    plain, _ = generate(None, [(copy, greedy, 1), (free, greedy, 1)])
+    stop_at = plain[("r0", 0)][20]  # a token inside the copied code
+    requests = [
+        (copy, greedy, 1),
+        (free, greedy, 2),
+        (copy, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True,
+                              stop_token_ids=[stop_at]), 1),
+    ]  # fmt: skip
+    want, _ = generate(None, requests)
+    got, stats = generate(NGRAM, requests)
+    assert got == want
+    assert want[("r0", 0)] == plain[("r0", 0)] and want[("r1", 0)] == want[("r1", 1)]
+    assert len(want[("r2", 0)]) <= 21
+    assert stats.spec_decode_num_accepted_tokens > stats.spec_decode_num_draft_tokens // 2
