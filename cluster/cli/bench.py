@@ -30,6 +30,8 @@ from typing import Any
 import aiohttp
 import msgspec
 
+from tandem.cluster.planner.metrics import stats_ms
+
 _DEFAULT_VOCAB_SIZE = 1000  # when the server does not say; valid for any real model
 
 
@@ -235,29 +237,6 @@ async def run_benchmark(config: BenchConfig) -> dict[str, Any]:
     return summary
 
 
-def percentile(sorted_values: list[float], p: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default)."""
-    if not sorted_values:
-        return float("nan")
-    rank = (len(sorted_values) - 1) * p / 100.0
-    low = int(rank)
-    high = min(low + 1, len(sorted_values) - 1)
-    return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (rank - low)
-
-
-def _stats_ms(values_s: list[float]) -> dict[str, float]:
-    values = sorted(v * 1000.0 for v in values_s)
-    mean = sum(values) / len(values) if values else float("nan")
-    return {
-        "mean": mean,
-        "p50": percentile(values, 50),
-        "p90": percentile(values, 90),
-        "p99": percentile(values, 99),
-        "p99.9": percentile(values, 99.9),
-        "max": values[-1] if values else float("nan"),
-    }
-
-
 def summarize(
     results: list[RequestResult], duration_s: float, config: BenchConfig
 ) -> dict[str, Any]:
@@ -300,10 +279,10 @@ def summarize(
         "goodput": goodput,
         "slo_ttft_ms": config.slo_ttft_ms,
         "slo_tpot_ms": config.slo_tpot_ms,
-        "ttft_ms": _stats_ms([r.ttft_s for r in done]),
-        "tpot_ms": _stats_ms(tpots_s),
-        "itl_ms": _stats_ms([itl for r in done for itl in r.itls_s]),
-        "e2e_ms": _stats_ms([r.latency_s for r in done]),
+        "ttft_ms": stats_ms([r.ttft_s for r in done]),
+        "tpot_ms": stats_ms(tpots_s),
+        "itl_ms": stats_ms([itl for r in done for itl in r.itls_s]),
+        "e2e_ms": stats_ms([r.latency_s for r in done]),
         "machine": f"{platform.node()} ({platform.machine()}, {_num_cpus()} CPUs)",
     }
 

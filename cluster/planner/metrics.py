@@ -21,13 +21,18 @@ def percentile(sorted_values: list[float], p: float) -> float:
     return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (rank - low)
 
 
-def _stats_ms(values_s: list[float]) -> dict[str, float]:
-    v = sorted(x * 1000.0 for x in values_s)
+def stats_ms(values_s: list[float]) -> dict[str, float]:
+    """Mean, percentiles and max in ms of durations in seconds (``tandem bench`` reports the
+    same fields for a real run)."""
+    values = sorted(v * 1000.0 for v in values_s)
+    mean = sum(values) / len(values) if values else float("nan")
     return {
-        "mean": sum(v) / len(v) if v else float("nan"),
-        "p50": percentile(v, 50),
-        "p90": percentile(v, 90),
-        "p99": percentile(v, 99),
+        "mean": mean,
+        "p50": percentile(values, 50),
+        "p90": percentile(values, 90),
+        "p99": percentile(values, 99),
+        "p99.9": percentile(values, 99.9),
+        "max": values[-1] if values else float("nan"),
     }
 
 
@@ -53,8 +58,8 @@ def summarize(
         "num_good": num_good,
         "ttft_slo_ms": ttft_slo_ms,
         "itl_slo_ms": itl_slo_ms,
-        "ttft_ms": _stats_ms(ttfts),
-        "itl_ms": _stats_ms(itls),
+        "ttft_ms": stats_ms(ttfts),
+        "itl_ms": stats_ms(itls),
     }
 
 

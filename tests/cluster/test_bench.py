@@ -13,6 +13,7 @@ from tandem.cluster.cli import bench
 from tandem.cluster.cli.bench import BenchConfig
 from tandem.cluster.gateway.app import create_app, serve_in_thread
 from tandem.cluster.gateway.null_backend import NullBackend
+from tandem.cluster.planner import metrics
 from tandem.workers.checkpoints.tiny import build_tokenizer
 
 
@@ -138,16 +139,16 @@ def test_main_json_and_table(server, capsys):
 
 def test_percentile_matches_definition():
     values = sorted(random.Random(0).random() for _ in range(101))
-    assert bench.percentile(values, 50) == values[50]
-    assert bench.percentile(values, 99) == values[99]
-    assert bench.percentile([1.0, 2.0], 50) == 1.5
+    assert metrics.percentile(values, 50) == values[50]
+    assert metrics.percentile(values, 99) == values[99]
+    assert metrics.percentile([1.0, 2.0], 50) == 1.5
 
 
 def test_stats_tail_columns():
     # 1001 values 0..1000 ms, shuffled: p99.9 is the 1000th value, max the last
     values_s = [i / 1000.0 for i in range(1001)]
     random.Random(1).shuffle(values_s)
-    stats = bench._stats_ms(values_s)
+    stats = metrics.stats_ms(values_s)
     assert stats["p99"] == pytest.approx(990.0)
     assert stats["p99.9"] == pytest.approx(999.0)
     assert stats["max"] == pytest.approx(1000.0)

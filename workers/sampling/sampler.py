@@ -245,10 +245,10 @@ def _mask_min_tokens(
     return masked
 
 
-def _sample_rows(
-    logits: torch.Tensor, params: list[SamplingParams], uniforms: list[float]
-) -> torch.Tensor:
-    """Inverse-CDF draw per row of ``logits`` (already min_tokens-masked)."""
+def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution a row is drawn from, per row of ``logits`` (already
+    min_tokens-masked): temperature, then min-p, top-k, top-p. Speculative decoding's
+    rejection sampling (``spec_verify.py``) verifies drafts against the same."""
     device = logits.device
     vocab_size = logits.shape[1]
     temps = list_to_device([p.temperature for p in params], device).unsqueeze(1)
@@ -264,8 +264,16 @@ def _sample_rows(
         index = list_to_device(p_rows, device)
         kept = _apply_top_p(scaled.index_select(0, index), [params[j].top_p for j in p_rows])
         scaled = scaled.index_copy(0, index, kept)
+    return scaled.softmax(dim=-1)
 
-    probs = scaled.softmax(dim=-1)
+
+def _sample_rows(
+    logits: torch.Tensor, params: list[SamplingParams], uniforms: list[float]
+) -> torch.Tensor:
+    """Inverse-CDF draw per row of ``logits`` (already min_tokens-masked)."""
+    device = logits.device
+    vocab_size = logits.shape[1]
+    probs = sampling_probs(logits, params)
     cdf = probs.cumsum(dim=-1)
     total = cdf[:, -1:]
     u = list_to_device(uniforms, device, torch.float64).unsqueeze(1)

@@ -31,15 +31,13 @@ import torch
 
 from tandem.kernels.metadata import list_to_device
 from tandem.wire.engine_protocol import Logprobs, SamplingParams
-from tandem.workers.sampling.penalties import apply_min_p
 from tandem.workers.sampling.sampler import (
     _MIN_TEMPERATURE,
-    _apply_top_k,
-    _apply_top_p,
     _mask_min_tokens,
     argmax_rows,
     compute_logprobs,
     mix_seed,
+    sampling_probs,
     uniform_for,
 )
 
@@ -121,24 +119,9 @@ def verify(
 
 
 def target_probs(masked: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """The distribution the plain sampler draws from, per row of min_tokens-masked
-    logits: temperature, then min-p, top-k, top-p (``Sampler``'s order and rules)."""
-    device = masked.device
-    vocab_size = masked.shape[1]
-    temps = list_to_device([p.temperature for p in params], device).unsqueeze(1)
-    scaled = masked / temps
-    min_ps = [p.min_p for p in params]
-    if any(min_ps):
-        scaled = apply_min_p(scaled, list_to_device(min_ps, device))
-    top_ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
-    if any(k < vocab_size for k in top_ks):
-        scaled = _apply_top_k(scaled, top_ks)
-    p_rows = [j for j, p in enumerate(params) if p.top_p < 1.0]
-    if p_rows:
-        index = list_to_device(p_rows, device)
-        kept = _apply_top_p(scaled.index_select(0, index), [params[j].top_p for j in p_rows])
-        scaled = scaled.index_copy(0, index, kept)
-    return scaled.softmax(dim=-1)
+    """The distribution the plain sampler draws from, per row of min_tokens-masked logits
+    (``Sampler``'s order and rules: the same function)."""
+    return sampling_probs(masked, params)
 
 
 def _rejection_sample(
