@@ -31,10 +31,16 @@ aborts only that child.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import msgspec
 
 from tandem.scheduler.kv_cache_manager import KVCacheManager
 from tandem.scheduler.request import Request, RequestStatus
+from tandem.wire.engine_protocol import EngineOutput
+
+if TYPE_CHECKING:
+    from tandem.scheduler.scheduler import Scheduler
 
 MAX_N = 128  # children per request
 
@@ -154,3 +160,69 @@ def start_waiting(child: Request) -> None:
     """A child that got no KV at the fork: it starts like a new request."""
     child.status = RequestStatus.WAITING
     child.num_computed_tokens = 0
+
+
+# ---- the scheduler's side: forking parents and tracking children ---------------------
+
+
+def fork_ready_parents(sched: Scheduler, outputs: list[EngineOutput]) -> None:
+    """Fork every running parent whose prompt but its last token is computed (the
+    scheduler's ``update_from_output``)."""
+    for parent in list(sched.fork_parents.values()):
+        if (
+            parent.status == RequestStatus.RUNNING
+            and parent.num_computed_tokens == parent.num_tokens - 1
+            and not sched._computing(parent)
+        ):
+            fork_parent(sched, parent, outputs)
+
+
+def fork_parent(sched: Scheduler, parent: Request, outputs: list[EngineOutput]) -> None:
+    pid = parent.request_id
+    del sched.fork_parents[pid]
+    sched.running.remove(parent)
+    sched.unseen_by_runner.discard(pid)
+    sched.finished_req_ids.append(pid)
+    if is_remote_decode(parent):
+        # P: hand the shared KV off; the decode engine forks
+        parent.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        out = EngineOutput(
+            request_id=pid,
+            finish_reason=parent.status.finish_reason,
+            num_cached_tokens=max(parent.num_cached_tokens, 0),
+        )
+        out.kv_transfer_params = sched._free_finished(parent)
+        outputs.append(out)
+        return
+    if sched.connector is not None:  # D: forget the parent's remote-load state
+        sched.connector.request_finished(parent, sched.kv.get_block_ids(pid))
+    sched.requests.pop(pid)
+    if sched.structured is not None:
+        sched.structured.remove(parent)  # each child gets its own matcher
+    children = make_children(parent)
+    num_slots = sched.config.max_num_seqs - len(sched.running) - len(sched.waiting_for_remote)
+    num_forked, copies = fork_blocks(sched.kv, parent, children, max(1, num_slots))
+    sched.pending_copies.extend(copies)
+    add_children(sched, parent, children, num_forked)
+
+
+def add_children(
+    sched: Scheduler, parent: Request, children: list[Request], num_forked: int
+) -> None:
+    """Track the children: the first ``num_forked`` hold the parent's KV and
+    run; the rest start as new requests ahead of other waiting ones."""
+    sched.forks.add(parent.request_id, children)
+    constrained = parent.sampling_params.structured_outputs is not None
+    for child in children:
+        child.n = parent.n
+        sched.requests[child.request_id] = child
+        if constrained:
+            sched.structured.matcher_for(child)  # from the cached grammar
+    for child in children[:num_forked]:
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.status = RequestStatus.RUNNING
+        sched.running.append(child)
+        sched.unseen_by_runner.add(child.request_id)
+    for child in children[num_forked:]:
+        start_waiting(child)
+    sched.waiting.prepend_all(children[num_forked:])

@@ -17,9 +17,17 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-from tandem.scheduler import fork, policies, structured_grammar
+from tandem.scheduler import (
+    admission,
+    fork,
+    integrity,
+    policies,
+    preemption,
+    remote_kv,
+    structured_grammar,
+)
 from tandem.scheduler.config import SchedulerConfig
-from tandem.scheduler.kv_cache_manager import KVCacheManager, cdiv
+from tandem.scheduler.kv_cache_manager import KVCacheManager
 from tandem.scheduler.messages import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -112,7 +120,7 @@ class Scheduler:
         if fork.is_fork_parent(request) and request.num_prompt_tokens == 1:
             if fork.is_remote_decode(request):
                 raise ValueError("n > 1 needs a prompt of at least 2 tokens to prefill apart")
-            self._add_children(request, fork.make_children(request), 0)  # nothing to share
+            fork.add_children(self, request, fork.make_children(request), 0)  # nothing to share
             return
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
@@ -198,7 +206,7 @@ class Scheduler:
         if self.waiting_for_fsm:
             structured_grammar.admit_ready(self)
         if cfg.policy == "priority" and self.waiting and self.running:
-            self._preempt_for_arrival(preempted)
+            preemption.preempt_for_arrival(self, preempted)
         num_arrival_preempted = len(preempted)
         policies.order_running(cfg.policy, self.running)
 
@@ -249,7 +257,7 @@ class Scheduler:
                         del cached.num_computed_tokens[j]
                     else:
                         new_reqs[:] = [n for n in new_reqs if n.req_id != victim.request_id]
-                self._preempt(victim)
+                preemption.preempt(self, victim)
                 preempted.append(victim.request_id)
                 if victim is req:
                     break
@@ -260,7 +268,7 @@ class Scheduler:
             i += 1
             if req.request_id in self.unseen_by_runner:
                 self.unseen_by_runner.discard(req.request_id)
-                new_reqs.append(self._new_request_data(req))
+                new_reqs.append(admission.new_request_data(self, req))
                 continue
             cached.req_ids.append(req.request_id)
             cached.new_block_ids.append(new_block_ids)
@@ -268,7 +276,7 @@ class Scheduler:
 
         # 2. waiting requests, unless the running ones had to preempt
         if len(preempted) == num_arrival_preempted:
-            budget = self._schedule_waiting(budget, num_scheduled, new_reqs, limits)
+            budget = admission.schedule_waiting(self, budget, num_scheduled, new_reqs, limits)
 
         spec_tokens = {}
         if self.spec is not None:
@@ -306,155 +314,6 @@ class Scheduler:
             out.grammar_bitmask = structured_grammar.bitmask(self, num_scheduled)
         return out
 
-    def _schedule_waiting(
-        self,
-        budget: int,
-        num_scheduled: dict[str, int],
-        new_reqs: list[NewRequestData],
-        limits: policies.PrefillLimits,
-    ) -> int:
-        cfg = self.config
-        connector = self.connector
-        threshold = cfg.long_prefill_token_threshold
-        skipped: list[Request] = []
-        # Requests waiting for remote KV count against max_num_seqs: they join
-        # the running set as soon as their KV lands.
-        while (
-            self.waiting
-            and budget > 0
-            and len(self.running) + len(self.waiting_for_remote) < cfg.max_num_seqs
-        ):
-            req = self.waiting.peek()
-            computed_blocks = None
-            num_new_computed = 0
-            num_external = 0
-            load_async = False
-            if req.num_computed_tokens == 0:
-                computed_blocks, num_new_computed = self.kv.get_computed_blocks(req)
-                if connector is not None:
-                    num_external, load_async = connector.get_num_new_matched_tokens(
-                        req, num_new_computed
-                    )
-            num_computed = req.num_computed_tokens + num_new_computed + num_external
-            if load_async:
-                num_new = 0  # blocks only; the tokens arrive by the read
-            else:
-                num_new = req.num_tokens - num_computed
-                if req.n > 1 and req.parent_id is None:
-                    num_new -= 1  # a fork parent stops before the last prompt token
-                if limits.active and not limits.allows(num_new):
-                    if limits.max_num_partial and limits.num >= limits.max_num_partial:
-                        break  # no prefill slot left this step
-                    self.waiting.pop()  # a long prompt at its limit: shorter ones overtake
-                    skipped.append(req)
-                    continue
-                if threshold and num_new > threshold:
-                    num_new = threshold
-                if num_new > budget and not cfg.enable_chunked_prefill:
-                    break
-                num_new = min(num_new, budget)
-            if self.margin_blocks and not self._room_after_margin(
-                num_computed + num_new, computed_blocks
-            ):
-                break  # admitting it would eat into the blocks kept for growth
-            new_block_ids = self.kv.allocate_slots(
-                req,
-                num_new + num_external,
-                num_new_computed,
-                computed_blocks,
-                delay_cache_blocks=load_async,
-            )
-            if new_block_ids is None:
-                break  # no room; it keeps its place at the head of the queue
-            self.waiting.pop()
-            if req.num_computed_tokens == 0:
-                self.prefix_cache_queries += req.num_tokens
-                self.prefix_cache_hits += num_new_computed
-                if req.num_cached_tokens < 0:
-                    req.num_cached_tokens = num_new_computed
-                    if num_external and self._own_tier_load(req):
-                        req.num_cached_tokens += num_external  # the engine's own hit
-            block_ids = self.kv.get_block_ids(req.request_id)
-            if connector is not None:
-                connector.update_state_after_alloc(req, block_ids, num_external)
-            req.num_computed_tokens = num_computed
-            if load_async:
-                req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-                self.waiting_for_remote[req.request_id] = req
-                continue
-            if num_new == 0:
-                if req.n > 1 and req.parent_id is None:
-                    # a fork parent whose whole prefill was a prefix hit:
-                    # update_from_output forks it
-                    req.status = RequestStatus.RUNNING
-                    self.running.append(req)
-                    continue
-                skipped.append(req)  # nothing fits this step
-                continue
-            if limits.active:
-                limits.take(req.num_tokens - num_computed)
-            req.status = RequestStatus.RUNNING
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = time.time()
-            self.running.append(req)
-            num_scheduled[req.request_id] = num_new
-            budget -= num_new
-            new_reqs.append(self._new_request_data(req))
-        if skipped:
-            self.waiting.prepend_all(skipped)
-        return budget
-
-    def _new_request_data(self, req: Request) -> NewRequestData:
-        return NewRequestData(
-            req_id=req.request_id,
-            all_token_ids=list(req.all_token_ids),
-            num_prompt_tokens=req.num_prompt_tokens,
-            sampling_params=req.sampling_params,
-            block_ids=self.kv.get_block_ids(req.request_id),
-            num_computed_tokens=req.num_computed_tokens,
-        )
-
-    def _room_after_margin(self, num_tokens: int, computed_blocks) -> bool:
-        """Would a waiting request holding ``num_tokens`` tokens leave the
-        admission margin free? Always yes for a lone request."""
-        if not self.running and not self.waiting_for_remote:
-            return True
-        hits = computed_blocks or ()
-        num_taken = cdiv(num_tokens, self.config.block_size) - len(hits)
-        num_taken += sum(1 for b in hits if b.ref_cnt == 0)  # revived from the free queue
-        return self.kv.num_free_blocks - num_taken >= self.margin_blocks
-
-    def _preempt_for_arrival(self, preempted: list[str]) -> None:
-        """Priority policy: preempt running requests with a larger priority
-        value until the best waiting request could be admitted."""
-        cfg = self.config
-        head = self.waiting.peek()
-        num_first = min(head.num_tokens - head.num_computed_tokens, cfg.max_num_batched_tokens)
-        if cfg.long_prefill_token_threshold:
-            num_first = min(num_first, cfg.long_prefill_token_threshold)
-        num_blocks = cdiv(head.num_computed_tokens + num_first, cfg.block_size) + self.margin_blocks
-        while (
-            len(self.running) + len(self.waiting_for_remote) >= cfg.max_num_seqs
-            or self.kv.num_free_blocks < num_blocks
-        ):
-            victim = policies.arrival_victim(self.running, head)
-            if victim is None:
-                return
-            self._preempt(victim)
-            preempted.append(victim.request_id)
-
-    def _preempt(self, req: Request) -> None:
-        self.running.remove(req)
-        self.unseen_by_runner.discard(req.request_id)
-        self.kv.free(req)
-        req.status = RequestStatus.PREEMPTED
-        req.num_computed_tokens = 0
-        req.num_output_placeholders = 0  # an in-flight token is dropped and recomputed
-        req.spec_token_ids = []  # its drafts are dropped with its blocks
-        req.num_preemptions += 1
-        self.num_preemptions += 1
-        self.waiting.prepend(req)
-
     # ---- results -----------------------------------------------------------------
 
     def update_from_output(
@@ -463,9 +322,9 @@ class Scheduler:
         outputs = self.pending_outputs
         self.pending_outputs = []
         if runner_output.kv_connector_output is not None:
-            self._update_kv_transfers(runner_output.kv_connector_output, outputs)
+            remote_kv.update_kv_transfers(self, runner_output.kv_connector_output, outputs)
         if self.fork_parents:
-            self._fork_ready_parents(outputs)
+            fork.fork_ready_parents(self, outputs)
         logprobs = runner_output.logprobs
         requests = self.requests
         cfg_max_len = self.config.max_model_len
@@ -517,68 +376,11 @@ class Scheduler:
             outputs.append(out)
         return EngineOutputs(engine_id=self.engine_id, outputs=outputs, timestamp=time.time())
 
-    def _fork_ready_parents(self, outputs: list[EngineOutput]) -> None:
-        """Fork every running parent whose prompt but its last token is computed."""
-        for parent in list(self.fork_parents.values()):
-            if (
-                parent.status == RequestStatus.RUNNING
-                and parent.num_computed_tokens == parent.num_tokens - 1
-                and not self._computing(parent)
-            ):
-                self._fork(parent, outputs)
-
     def _computing(self, req: Request) -> bool:
         """Is a step that computes ``req`` still running? Never here: each
         step's output is applied before the next is scheduled
         (``scheduler/async_scheduler.py`` overlaps them)."""
         return False
-
-    def _fork(self, parent: Request, outputs: list[EngineOutput]) -> None:
-        pid = parent.request_id
-        del self.fork_parents[pid]
-        self.running.remove(parent)
-        self.unseen_by_runner.discard(pid)
-        self.finished_req_ids.append(pid)
-        if fork.is_remote_decode(parent):
-            # P: hand the shared KV off; the decode engine forks
-            parent.status = RequestStatus.FINISHED_LENGTH_CAPPED
-            out = EngineOutput(
-                request_id=pid,
-                finish_reason=parent.status.finish_reason,
-                num_cached_tokens=max(parent.num_cached_tokens, 0),
-            )
-            out.kv_transfer_params = self._free_finished(parent)
-            outputs.append(out)
-            return
-        if self.connector is not None:  # D: forget the parent's remote-load state
-            self.connector.request_finished(parent, self.kv.get_block_ids(pid))
-        self.requests.pop(pid)
-        if self.structured is not None:
-            self.structured.remove(parent)  # each child gets its own matcher
-        children = fork.make_children(parent)
-        num_slots = self.config.max_num_seqs - len(self.running) - len(self.waiting_for_remote)
-        num_forked, copies = fork.fork_blocks(self.kv, parent, children, max(1, num_slots))
-        self.pending_copies.extend(copies)
-        self._add_children(parent, children, num_forked)
-
-    def _add_children(self, parent: Request, children: list[Request], num_forked: int) -> None:
-        """Track the children: the first ``num_forked`` hold the parent's KV and
-        run; the rest start as new requests ahead of other waiting ones."""
-        self.forks.add(parent.request_id, children)
-        constrained = parent.sampling_params.structured_outputs is not None
-        for child in children:
-            child.n = parent.n
-            self.requests[child.request_id] = child
-            if constrained:
-                self.structured.matcher_for(child)  # from the cached grammar
-        for child in children[:num_forked]:
-            child.num_computed_tokens = parent.num_computed_tokens
-            child.status = RequestStatus.RUNNING
-            self.running.append(child)
-            self.unseen_by_runner.add(child.request_id)
-        for child in children[num_forked:]:
-            fork.start_waiting(child)
-        self.waiting.prepend_all(children[num_forked:])
 
     @staticmethod
     def _check_stop(req: Request, token: int, max_model_len: int) -> RequestStatus | None:
@@ -594,66 +396,6 @@ class Scheduler:
         if num_output >= sp.max_tokens or num_tokens >= max_model_len:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None
-
-    def _update_kv_transfers(self, kv_out, outputs: list[EngineOutput]) -> None:
-        if self.connector is not None:
-            self.connector.update_connector_output(kv_out)
-        invalid = set(kv_out.invalid_block_ids)
-        for rid in kv_out.finished_recving:
-            req = self.waiting_for_remote.pop(rid, None)
-            if req is None:
-                continue
-            if req.is_finished:  # aborted during the read: blocks are safe to free now
-                self._release(req)
-                continue
-            self._finish_remote_load(req, invalid, outputs)
-        for rid in kv_out.finished_sending:
-            req = self.held_for_send.pop(rid, None)
-            if req is not None:
-                self._release(req)
-
-    def _finish_remote_load(
-        self, req: Request, invalid: set[int], outputs: list[EngineOutput]
-    ) -> None:
-        block_ids = self.kv.get_block_ids(req.request_id)
-        bad = [i for i, b in enumerate(block_ids) if b in invalid]
-        if bad:
-            tier_load = self._own_tier_load(req)  # always recomputed
-            if self.config.load_failure_policy == "fail" and not tier_load:
-                req.status = RequestStatus.FINISHED_ERROR
-                req.error = "remote KV load failed"
-                self._release(req)
-                outputs.append(
-                    EngineOutput(
-                        request_id=req.request_id,
-                        finish_reason=req.status.finish_reason,
-                        error=req.error,
-                    )
-                )
-                return
-            # Recompute from the first bad block on; earlier blocks are good.
-            req.num_computed_tokens = min(req.num_computed_tokens, bad[0] * self.config.block_size)
-            if tier_load:
-                req.num_cached_tokens = min(req.num_cached_tokens, req.num_computed_tokens)
-            self.kv.truncate_computed(req, req.num_computed_tokens)
-        # The KV is in place: publish the filled blocks for prefix hits and
-        # stop treating the request as remote (a later preemption recomputes).
-        # It joins the running set directly: it holds blocks, so it must be
-        # preemptable like any running request (a waiting request holding
-        # blocks could deadlock the pool).
-        self.kv.cache_blocks(req, req.num_computed_tokens)
-        req.kv_transfer_params = None
-        req.status = RequestStatus.RUNNING
-        if req.first_scheduled_time is None:
-            req.first_scheduled_time = time.time()
-        self.running.append(req)
-        self.unseen_by_runner.add(req.request_id)
-
-    def _own_tier_load(self, req: Request) -> bool:
-        """KV tiers (kvtransfer/tiers/): is req's load from this engine's own tiers
-        rather than a peer? Its tokens are cached tokens, its bad blocks recomputed."""
-        own = getattr(self.connector, "loads_from_own_tiers", None)
-        return own is not None and own(req)
 
     # ---- introspection -------------------------------------------------------------
 
@@ -679,60 +421,11 @@ class Scheduler:
         return sum(len(self.kv.req_blocks.get(r, ())) for r in self.held_for_send)
 
     def make_stats(self) -> SchedulerStats:
-        stats = self._make_stats()
-        if self.spec is not None:
-            self.spec.stats.fill(stats)
-        return stats
-
-    def _make_stats(self) -> SchedulerStats:
-        return SchedulerStats(
-            num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting) + len(self.waiting_for_fsm),
-            num_waiting_for_remote_kvs=len(self.waiting_for_remote),
-            kv_cache_usage=self.kv.usage(),
-            num_blocks_held_for_transfer=self.num_blocks_held_for_transfer(),
-            prefix_cache_queries=self.prefix_cache_queries,
-            prefix_cache_hits=self.prefix_cache_hits,
-            num_preemptions=self.num_preemptions,
-            num_prompt_tokens=self.num_prompt_tokens,
-            num_generation_tokens=self.num_generation_tokens,
-        )
+        return integrity.make_stats(self)
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()
 
     def check_integrity(self, idle: bool = True) -> None:
-        """Raise AssertionError on any inconsistency. With ``idle`` (default),
-        also require that nothing is tracked and every block is free."""
-        self.kv.check_integrity()
-        tracked = (
-            {r.request_id for r in self.running}
-            | {r.request_id for r in self.waiting}
-            | set(self.waiting_for_remote)
-            | set(self.waiting_for_fsm)
-            | set(self.held_for_send)
-        )
-        assert tracked == set(self.requests), (
-            f"orphaned requests: {sorted(set(self.requests) ^ tracked)}"
-        )
-        assert len(self.running) <= self.config.max_num_seqs
-        for r in self.running:
-            assert r.status == RequestStatus.RUNNING, r
-        for rid in self.kv.req_blocks:
-            assert rid in self.requests, f"blocks held by unknown request {rid}"
-        self.forks.check_integrity(self.requests)
-        structured_grammar.check_integrity(self)
-        if self.spec is not None:  # between steps: every draft verified, its slot back
-            for r in self.running:
-                assert not r.spec_token_ids, f"{r.request_id}: unverified drafts"
-                num_blocks = len(self.kv.req_blocks.get(r.request_id, ()))
-                assert num_blocks <= cdiv(r.num_computed_tokens, self.config.block_size), (
-                    f"{r.request_id}: {num_blocks} blocks for {r.num_computed_tokens} tokens"
-                )
-        for rid, parent in self.fork_parents.items():
-            assert self.requests.get(rid) is parent, f"fork parent {rid} is not tracked"
-        if idle:
-            assert not self.requests, f"requests still tracked: {sorted(self.requests)}"
-            assert self.kv.num_free_blocks == self.config.num_kv_blocks, (
-                f"{self.config.num_kv_blocks - self.kv.num_free_blocks} blocks leaked"
-            )
+        """Raise AssertionError on any inconsistency (``scheduler/integrity.py``)."""
+        integrity.check_integrity(self, idle)
