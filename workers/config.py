@@ -14,25 +14,19 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from tandem.kvtransfer.tiers.config import check_tier_fields
-from tandem.scheduler.block_hash import HASH_ALGOS, get_block_hasher
-from tandem.scheduler.policies import POLICIES, check_fields
+from tandem.scheduler.block_hash import HASH_ALGOS
+from tandem.scheduler.policies import POLICIES
 from tandem.scheduler.spec.config import SpeculativeConfig
 from tandem.wire.config_fields import add_option, flags_of, hints, key_of, meta_of, option
+from tandem.workers.config_checks import (
+    check_engine_config,
+)
 from tandem.workers.graphs.sizes import (
     CUDA_GRAPH_MODES,
     DEFAULT_CUDA_GRAPH_MODE,
-    capture_sizes,
     check_cuda_graph_mode,
     parse_cuda_graph_sizes,
-    piecewise_sizes,
 )
-
-# EngineConfig.prefill_attention (kernels/prefill_attention.py)
-PREFILL_ATTENTION_MODES = ("auto", "triton", "sdpa")
-# EngineConfig.compile_model (workers/compile/)
-COMPILE_MODEL_MODES = ("auto", "on", "off")
-
 
 ENGINE_SECTIONS = {
     "model": "Engine: model and device",
@@ -393,84 +387,7 @@ class EngineConfig:
         return self.async_scheduling
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("output_hwm_messages", "output_backlog_messages", "kv_events_queue_batches"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not self.gateway_lost_after_s > 0:
-            raise ValueError(f"gateway_lost_after_s must be > 0, got {self.gateway_lost_after_s}")
-        if not self.structured_outputs_compile_timeout_s > 0:
-            raise ValueError(
-                "structured_outputs_compile_timeout_s must be > 0, "
-                f"got {self.structured_outputs_compile_timeout_s}"
-            )
-        if not self.output_stall_timeout_s > 0:
-            raise ValueError(
-                f"output_stall_timeout_s must be > 0, got {self.output_stall_timeout_s}"
-            )
-        if isinstance(self.tensor_parallel_size, bool) or not (
-            isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1
-        ):
-            raise ValueError(
-                f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}"
-            )
-        if not self.tp_step_timeout_s > 0:
-            raise ValueError(f"tp_step_timeout_s must be > 0, got {self.tp_step_timeout_s}")
-        if self.torch_threads < 0:
-            raise ValueError(f"torch_threads must be >= 0, got {self.torch_threads}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
-        if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
-            raise ValueError(f"kv_cache_memory must be >= 1 byte, got {self.kv_cache_memory}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(
-                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
-            )
-        get_block_hasher(self.prefix_caching_hash_algo)  # ValueError naming the field
-        capture_sizes(self.max_num_seqs, self.cuda_graph_sizes)  # names cuda_graph_sizes
-        self.cuda_graph_mode = check_cuda_graph_mode(self.cuda_graph_mode)
-        piecewise_sizes(self.max_num_batched_tokens, self.piecewise_graph_sizes)
-        check_fields(self)  # policy, admission margin, partial prefill limits
-        check_tier_fields(self)  # --kv-offloading-*
-        if self.prefill_attention not in PREFILL_ATTENTION_MODES:
-            raise ValueError(
-                f"prefill_attention must be one of {', '.join(PREFILL_ATTENTION_MODES)}, "
-                f"got {self.prefill_attention!r}"
-            )
-        if self.compile_model not in COMPILE_MODEL_MODES:
-            raise ValueError(
-                f"compile_model must be one of {', '.join(COMPILE_MODEL_MODES)}, "
-                f"got {self.compile_model!r}"
-            )
-        if self.compile_model == "on" and self.tensor_parallel_size > 1:
-            raise ValueError("compile_model 'on' needs tensor_parallel_size 1")
-        if self.kv_transport_probe not in ("auto", "on", "off"):
-            raise ValueError(
-                f"kv_transport_probe must be auto, on or off, got {self.kv_transport_probe!r}"
-            )
-        if self.kv_layout not in ("blocks_first", "head_major"):
-            raise ValueError(
-                f"kv_layout must be blocks_first or head_major, got {self.kv_layout!r}"
-            )
-        if self.role not in ("prefill", "decode", "colocated"):
-            raise ValueError(f"role must be prefill, decode or colocated, got {self.role!r}")
-        if self.log_format not in ("text", "json"):
-            raise ValueError(f"log_format must be text or json, got {self.log_format!r}")
-        if self.load_failure_policy not in ("recompute", "fail"):
-            raise ValueError(
-                f"load_failure_policy must be recompute or fail, got {self.load_failure_policy!r}"
-            )
-
-        spec = SpeculativeConfig.from_dict(self.speculative_config)  # names the field
-        self.speculative_config = spec.to_dict() if spec is not None else None
-        if spec is not None and self.tensor_parallel_size > 1:
-            raise ValueError("speculative_config needs tensor_parallel_size 1")
-
-        from tandem.wire.auth import check_secret
-
-        check_secret(self.cluster_secret, "EngineConfig.cluster_secret")
+        check_engine_config(self)  # ValueError naming the field (workers/config_checks.py)
 
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)
