@@ -255,3 +255,50 @@ def test_async_scheduling_runs_the_synchronous_loop():
     spec, _, engine = run(requests, NGRAM, async_scheduling=True)
     assert engine.overlap is None  # speculation: the synchronous loop, said in the log
     assert spec == plain
+
+
+def test_a_migrated_stream_resumes_speculation_with_the_same_tokens():
+    """A stream cut after a few tokens and resubmitted as the gateway's migration does
+    (``StreamLedger.resubmission``: prompt + sent tokens) drafts again on the new engine
+    (its proposer reads the request's tokens, nothing engine-local) and ends with the
+    tokens of the undisturbed run, which greedy makes the plain engine's."""
+    from tandem.cluster.disagg.migration import StreamLedger
+
+    prompt, sp = prompts()[0], greedy(24)
+    plain, _, _ = run([(prompt, sp, 1)], None)
+    oracle = expected_by_prompt([(prompt, sp, 1)], plain)
+
+    def speculating_engine() -> EngineCore:
+        engine = EngineCore(
+            EngineConfig(
+                model="tiny",
+                speculative_config=NGRAM,
+                block_size=8,
+                num_kv_blocks=64,
+                max_num_batched_tokens=32,
+            )
+        )
+        engine.scheduler.spec.proposer = OracleProposer(oracle)
+        return engine
+
+    first = speculating_engine()
+    request = EngineRequest("migrating", prompt, sp)
+    ledger = StreamLedger(request)
+    assert first.add_request(request) is None
+    while len(ledger.sent_token_ids) < 7:
+        for o in first.step().outputs:
+            ledger.record(o)
+    assert first.scheduler.spec.stats.num_drafts > 0
+    first.abort(["migrating"])  # the engine is lost
+    while first.has_work():
+        first.step()
+    first.check_integrity()
+
+    second = speculating_engine()
+    assert second.add_request(ledger.resubmission()) is None
+    while second.has_work():
+        for o in second.step().outputs:
+            ledger.record(o)
+    second.check_integrity()
+    assert second.scheduler.spec.stats.num_drafts > 0  # it speculated after the move
+    assert ledger.sent_token_ids == plain[0][0]
