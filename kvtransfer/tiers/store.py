@@ -204,6 +204,23 @@ class TierStore:
             for job in self.pending.values():
                 job.cancelled = True
 
+    def reset(self) -> int:
+        """Forget every stored block no load is reading (``reset_prefix_cache``: a
+        benchmark's next run starts cold in every tier, not only on the device). Pending
+        stores are cancelled; disk files are deleted. The number of blocks dropped."""
+        dropped = 0
+        with self.lock:
+            for job in self.pending.values():
+                job.cancelled = True
+            for tier in (self.host, self.disk):
+                if tier is None:
+                    continue
+                for key in [k for k in tier.index if not self._pinned(k)]:
+                    tier.drop(key)
+                    dropped += 1
+            self.counters["resets"] += 1
+        return dropped
+
     def poll(self) -> list[tuple[str, list[int]]]:
         with self.lock:
             done, self._done = self._done, []

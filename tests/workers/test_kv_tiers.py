@@ -307,3 +307,26 @@ def test_late_and_aborted_loads_recompute_and_leak_nothing(tmp_path):
         settle(llm)
     finally:
         llm.close()
+
+
+def test_reset_prefix_cache_empties_every_tier(tmp_path):
+    """``reset_prefix_cache`` (the admin route benchmark clients call between runs) starts
+    the next run cold in the tiers too: no device, host or disk hit, same tokens."""
+    prompt = list(range(20, 90))
+    with tiered("tiny", tmp_path, host_blocks=32, disk_blocks=32, num_kv_blocks=6) as llm:
+        (first,) = llm.generate(prompt_token_ids=[prompt], sampling_params=SP)
+        settle(llm)
+        llm.generate(prompt_token_ids=[[3] * 80], sampling_params=SP)  # evicts the device copy
+        settle(llm)
+        (hit,) = llm.generate(prompt_token_ids=[prompt], sampling_params=SP)
+        assert hit.num_cached_tokens == 64  # from the tiers
+        settle(llm)
+        store = tiers(llm)
+        assert len(store.host.index) > 0 and len(store.disk.index) > 0
+        assert llm.engine.reset_prefix_cache()
+        assert len(store.host.index) == 0 and len(store.disk.index) == 0
+        assert store.disk.used_bytes == 0
+        assert not list((tmp_path / "kv").rglob("*.kvb"))  # the files are gone
+        (cold,) = llm.generate(prompt_token_ids=[prompt], sampling_params=SP)
+        assert cold.num_cached_tokens == 0 and cold.token_ids == first.token_ids
+        settle(llm)

@@ -181,7 +181,12 @@ class EngineCore:
         return self.kv_events.snapshot(list(self.scheduler.kv.pool.cached))
 
     def reset_prefix_cache(self) -> bool:
+        """Drop the cached blocks no request holds: the device's, and with KV tiers the
+        tiers' (False, nothing dropped, while a request holds blocks)."""
         done = self.scheduler.reset_prefix_cache()
+        tiers = getattr(self.connector_worker, "store", None)  # KV tiers (kvtransfer/tiers/)
+        if done and tiers is not None:
+            tiers.reset()
         self.publish_kv_events()
         return done
 
