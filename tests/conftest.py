@@ -22,13 +22,8 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Files with ``slow`` tests first (stable otherwise), so the two xdist workers take
-    the long multi-process files early and the short ones fill the end evenly.
-
-    ``gpu``-marked tests skip when (and only when) torch sees no CUDA device; the reason
+    """``gpu``-marked tests skip when (and only when) torch sees no CUDA device; the reason
     shows in the summary (``-ra``). On a GPU machine they run, and a failure fails."""
-    slow_files = {item.path for item in items if item.get_closest_marker("slow") is not None}
-    items.sort(key=lambda item: item.path not in slow_files)  # stable: file order kept
     gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
     if not gpu_items:
         return
