@@ -165,7 +165,7 @@ def test_outputs_go_to_their_own_gateway_and_a_dead_gateway_loses_only_its_strea
     stray = Gw(ctx, 44, in_addr)
     stray.send("nobody", prompts(1)[0])
     deadline = time.monotonic() + 30
-    while service.num_unroutable == 0:
+    while service.sessions.num_unroutable == 0:
         assert time.monotonic() < deadline
         time.sleep(0.05)
     # a gateway that takes a gone one's address replaces it (its requests aborted)

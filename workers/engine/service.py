@@ -8,7 +8,7 @@ sockets (``wire/engine_protocol.py``), on the thread that calls ``serve_zmq``:
 That thread owns the engine: it steps it, answers utility calls, runs the
 control calls other threads queue (``call_in_loop``), sends heartbeats,
 holds outputs back while a gateway does not read (``output_sender.py``),
-sends each output to the gateway that owns its request, and drops a
+
 gateway that is gone with its requests (``gateway_outputs.py``).
 """
 
@@ -28,16 +28,13 @@ from tandem.scheduler.engine_stats import EngineStats, WireStats
 from tandem.wire.engine_protocol import (
     ENGINE_INPUT,
     HEARTBEAT_INTERVAL_S,
-    EngineHeartbeat,
     EngineOutput,
-    EngineOutputs,
-    EngineRequest,
-    FinishReason,
     UtilityCall,
     UtilityResult,
 )
 from tandem.wire.frames import FrameCounters, MalformedFrame, peer_address
 from tandem.workers.engine.core import EngineCore
+from tandem.workers.engine.gateway_sessions import GatewaySessions
 from tandem.workers.engine.loop_wait import LoopWait
 from tandem.workers.engine.profiling import EngineProfiler
 
@@ -54,12 +51,8 @@ class EngineService:
         self._control: queue.Queue[tuple[Callable[[], Any], Future]] = queue.Queue()
         self.malformed_frames = FrameCounters()
         self._auth: Any = None  # wire.auth.PlaneAuth while serve_zmq runs
-        self._output: Any = None  # the loop's OutputSender while serving
+        self.sessions = GatewaySessions(engine)  # the gateways served, their requests
         self._enc = msgspec.msgpack.Encoder()
-        self.num_streams_cut = 0
-        self.num_unroutable = 0  # requests naming a gateway that had not joined
-        self.num_gateways_lost = 0  # gateways dropped because they were gone
-        self.num_gateway_requests_aborted = 0  # requests of dropped gateways
         self.profiler = EngineProfiler(
             self.config.profile_dir, self.config.engine_id, self.config.epoch, self.config.device
         )
@@ -122,7 +115,8 @@ class EngineService:
             auth.client(out)
             return out
 
-        outs = self._output = GatewayOutputs(
+        sessions = self.sessions
+        outs = sessions.outs = GatewayOutputs(
             make_socket, self.config.output_backlog_messages, self.config.gateway_lost_after_s
         )
         if output_addr:
@@ -138,13 +132,13 @@ class EngineService:
             while not self._shutdown.is_set():
                 if time.monotonic() >= next_heartbeat_s:
                     next_heartbeat_s = time.monotonic() + HEARTBEAT_INTERVAL_S
-                    self._send_heartbeat()
+                    sessions.heartbeat(self.config.epoch)
                 outs.poll_events()
                 for link, why in outs.lost():
-                    self.drop_gateway(link.session, why)
+                    sessions.drop(link.session, why)
                 if not outs.flush():
                     for link in outs.stalled(self.config.output_stall_timeout_s):
-                        self._cut_streams(link)
+                        sessions.cut_streams(link)
                     if outs.full:  # read no input either: wait for the gateway
                         out_poller = zmq.Poller()
                         for sock in outs.blocked_sockets():
@@ -166,7 +160,7 @@ class EngineService:
                         self.malformed_frames.record(ENGINE_INPUT.socket, peer_address(frames), e)
                         kind = b""
                     if kind == b"R":
-                        self._add_request(msg, errors)
+                        sessions.add_request(msg, errors)
                     elif kind == b"A":
                         engine.abort(msg.request_ids)
                     elif kind == b"U":
@@ -174,13 +168,13 @@ class EngineService:
                     events = dict(poller.poll(0))
                     wait.reset()
                 if errors:
-                    self._send_outputs(errors)
+                    sessions.send_outputs(errors)
                 if outs.blocked:
                     continue  # a gateway is behind: produce nothing new
                 if engine.has_work():
                     outputs = engine.step()
                     if outputs.outputs:
-                        self._send_outputs(outputs.outputs, outputs)
+                        sessions.send_outputs(outputs.outputs, outputs)
                         wait.reset()
                 else:
                     if outs.owners:
@@ -196,52 +190,6 @@ class EngineService:
             auth.close()
             ctx.term()
             engine.release_step_resources()
-
-    def _add_request(self, req: EngineRequest, errors: list[EngineOutput]) -> None:
-        """Queue ``req`` for the gateway it names (its return address)."""
-        outs = self._output
-        if outs.own(req.request_id, req.gateway) is None:
-            self.num_unroutable += 1
-            logger.warning(
-                "engine %s: request %s names gateway %d, which has not joined; dropped",
-                self.config.engine_id,
-                req.request_id,
-                req.gateway,
-            )
-            return
-        err = self.engine.add_request(req)
-        if err is not None:
-            errors.append(err)
-
-    def _send_outputs(
-        self, outputs: list[EngineOutput], batch: EngineOutputs | None = None
-    ) -> None:
-        """Each output to the gateway that owns its request: one message per
-        gateway (the whole batch when one gateway owns them all)."""
-        outs = self._output
-        engine_id = self.config.engine_id
-        owners = outs.owners
-        finished = False
-        by_gateway: dict[int | None, list[EngineOutput]] = {}
-        for out in outputs:
-            by_gateway.setdefault(owners.get(out.request_id), []).append(out)
-            if out.finish_reason is not None:
-                finished = True
-        for session, group in by_gateway.items():
-            if session is None:
-                continue  # its gateway is gone
-            if batch is not None and len(by_gateway) == 1:
-                msg = batch
-            else:
-                msg = EngineOutputs(
-                    engine_id, group, time.time(), batch.scheduler_stats if batch else None
-                )
-            outs.send(session, [b"O", self._enc.encode(msg)])
-        if finished:
-            outs.prune(self._live_client_ids())
-
-    def _live_client_ids(self) -> set[str]:
-        return {r.parent_id or r.request_id for r in self.engine.unfinished_requests()}
 
     def shutdown(self) -> None:
         """Stop the loop (it releases the engine's step resources as it
@@ -289,16 +237,17 @@ class EngineService:
         """The engine's stats with this service's: its sockets' dropped and
         refused messages, the output backlog and the streams cut."""
         stats = self.engine.stats()
-        sender = self._output
+        sessions = self.sessions
+        sender = sessions.outs
         return msgspec.structs.replace(
             stats,
             wire=self._wire_stats(stats.wire),
             output_backlog_messages=sender.backlog_len if sender is not None else 0,
             output_deferred_total=sender.num_deferred if sender is not None else 0,
-            num_streams_cut=self.num_streams_cut,
+            num_streams_cut=sessions.num_streams_cut,
             num_gateways=len(sender.links) if sender is not None else 0,
-            num_gateways_lost=self.num_gateways_lost,
-            num_gateway_requests_aborted=self.num_gateway_requests_aborted,
+            num_gateways_lost=sessions.num_gateways_lost,
+            num_gateway_requests_aborted=sessions.num_gateway_requests_aborted,
         )
 
     def _wire_stats(self, engine_wire: WireStats) -> WireStats:
@@ -312,107 +261,29 @@ class EngineService:
         """The engine's invariants, and every request it holds has a
         registered gateway to send its outputs to."""
         self.engine.check_integrity()
-        if self._output is not None:
-            self._output.check_integrity(self._live_client_ids())
+        self.sessions.check_integrity()
         return True
+
+    # ---- the gateways served (gateway_sessions.py): the engine actor's calls ------
 
     def gateways(self) -> list[int]:
         """The sessions of the gateways this engine serves."""
-        return self._output.sessions() if self._output is not None else []
+        return self.sessions.sessions()
 
     @property
     def gateway_sessions(self) -> tuple[int, ...]:
         """``gateways()`` from any thread (a snapshot the loop replaces)."""
-        return self._output.session_snapshot if self._output is not None else ()
+        return self.sessions.snapshot
 
     def join_gateway(self, output_addr: str, session: int) -> bool:
-        """Loop thread only (``call_in_loop``): gateway ``session`` serves
-        from this engine too; its requests' outputs go to ``output_addr``.
-        The other gateways keep their requests. False if it had joined.
-        A gone gateway whose address the new one reuses (a port freed and
-        taken again) is dropped first: its connection would look alive."""
-        for link in list(self._output.links.values()):
-            if link.addr == output_addr and link.session != session:
-                self.drop_gateway(link.session, "a new gateway took its address")
-        return self._output.add(session, output_addr)
+        """Loop thread only (``call_in_loop``): ``GatewaySessions.join``."""
+        return self.sessions.join(output_addr, session)
 
     def leave_gateway(self, session: int) -> int:
         """Loop thread only: gateway ``session`` stops (a normal exit); its
         requests are aborted. Returns how many."""
-        return self.drop_gateway(session, "it left")
+        return self.sessions.drop(session, "it left")
 
     def switch_gateway(self, output_addr: str, session: int = 0) -> int:
-        """Loop thread only: the gateway at ``output_addr`` becomes this
-        engine's only one. Every other gateway is dropped with its requests
-        (their KV freed, their held outputs discarded). Returns the number
-        of requests aborted."""
-        num = sum(self.drop_gateway(s, "replaced") for s in self.gateways())
-        self._output.add(session, output_addr, default=True)
-        return num
-
-    def drop_gateway(self, session: int, why: str) -> int:
-        """Loop thread only: forget gateway ``session``; abort the requests
-        it owns (nothing would read their outputs). Returns how many."""
-        outs = self._output
-        if outs is None or session not in outs.links:
-            return 0
-        owned = set(outs.requests_of(session))
-        ids = [
-            r.request_id
-            for r in self.engine.unfinished_requests()
-            if (r.parent_id or r.request_id) in owned
-        ]
-        if ids:
-            self.engine.abort(ids)
-        outs.close(session)
-        self.num_gateways_lost += why != "it left" and why != "replaced"
-        self.num_gateway_requests_aborted += len(owned)
-        logger.log(
-            logging.INFO if why == "it left" else logging.WARNING,
-            "engine %s: gateway %d dropped (%s): %d requests aborted",
-            self.config.engine_id,
-            session,
-            why,
-            len(owned),
-        )
-        return len(ids)
-
-    def _cut_streams(self, link: Any) -> None:
-        """Gateway ``link`` read nothing for ``output_stall_timeout_s``: end
-        every unfinished request it owns with an error (freeing its KV) and
-        queue one error output for them, so that gateway learns why if it
-        comes back. The other gateways' requests go on."""
-        sender = link.sender
-        stall_s = sender.stalled_s
-        owned = set(self._output.requests_of(link.session))
-        unfinished = [
-            r for r in self.engine.unfinished_requests() if (r.parent_id or r.request_id) in owned
-        ]
-        ids = [r.request_id for r in unfinished]
-        client_ids = list(dict.fromkeys(r.parent_id or r.request_id for r in unfinished))
-        self.num_streams_cut += len(client_ids)
-        sender.reset_stall()
-        if not ids:
-            return
-        logger.warning(
-            "engine %s: gateway %d read no output for %.0f s: cutting %d streams",
-            self.config.engine_id,
-            link.session,
-            stall_s,
-            len(ids),
-        )
-        self.engine.abort(ids)
-        self._output.forget(client_ids)
-        message = f"engine {self.config.engine_id}: outputs not read for {stall_s:.0f} s"
-        errors = [
-            EngineOutput(request_id=rid, finish_reason=FinishReason.ERROR, error=message)
-            for rid in client_ids  # a fork's children: one error for the client's request
-        ]
-        sender.send(
-            [b"O", self._enc.encode(EngineOutputs(self.config.engine_id, errors, time.time()))]
-        )
-
-    def _send_heartbeat(self) -> None:
-        """Its arrival is each gateway's proof that this loop runs."""
-        beat = EngineHeartbeat(self.config.engine_id, self.config.epoch, self.engine.num_steps)
-        self._output.send_all_nowait([b"H", self._enc.encode(beat)])
+        """Loop thread only: ``GatewaySessions.switch``."""
+        return self.sessions.switch(output_addr, session)
