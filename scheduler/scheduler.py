@@ -238,7 +238,10 @@ class Scheduler:
                 and req.num_computed_tokens == req.num_tokens - 1
                 and not req.num_output_placeholders
             ):
-                num_new += len(spec.draft(req, budget - 1, cfg.max_model_len))
+                drafts = spec.draft(req, budget - 1, cfg.max_model_len)
+                if drafts and req.sampling_params.structured_outputs is not None:
+                    drafts = structured_grammar.cut_drafts(self, req)
+                num_new += len(drafts)
             while True:
                 new_block_ids = self.kv.allocate_slots(req, num_new)
                 if new_block_ids is not None:
@@ -339,20 +342,23 @@ class Scheduler:
             if req.spec_token_ids:
                 self.spec.accept(req, len(token_ids))  # rejected drafts' slots back
             status = None
+            constrained = req.sampling_params.structured_outputs is not None
             if len(token_ids) == 1:
                 req.all_token_ids.append(token_ids[0])
                 status = self._check_stop(req, token_ids[0], cfg_max_len)
                 new_tokens = token_ids
-            else:
+                if constrained:
+                    status = structured_grammar.advance(self, req, new_tokens, status)
+            else:  # accepted drafts + one: each token as if it were its own step's
                 new_tokens = []
                 for tok in token_ids:
                     req.all_token_ids.append(tok)
                     new_tokens.append(tok)
                     status = self._check_stop(req, tok, cfg_max_len)
+                    if constrained:
+                        status = structured_grammar.advance(self, req, [tok], status)
                     if status is not None:
                         break
-            if req.sampling_params.structured_outputs is not None:
-                status = structured_grammar.advance(self, req, new_tokens, status)
             self.num_generation_tokens += len(new_tokens)
             out = EngineOutput(request_id=rid, new_token_ids=new_tokens)
             if req.parent_id is not None:  # a fork child: the client's id and its choice
