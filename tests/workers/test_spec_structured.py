@@ -126,8 +126,11 @@ def test_seeded_sampled_constrained_request_is_the_same_in_any_batch():
     others = [
         (prompts(3)[0], constrained(AB, min_tokens=12), 1),
         (prompts(3)[2], SamplingParams(max_tokens=30, temperature=0.8, seed=3), 1),
-        (prompts(3)[1], SamplingParams(max_tokens=120, temperature=0.7, seed=5,
-                                       structured_outputs=JSON), 1),  # fmt: skip
+        (
+            prompts(3)[1],
+            SamplingParams(max_tokens=120, temperature=0.7, seed=5, structured_outputs=JSON),
+            1,
+        ),  # fmt: skip
     ]
     target = (prompts()[1], sampled, 1)
     budget = dict(max_num_batched_tokens=256)
