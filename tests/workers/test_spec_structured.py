@@ -197,3 +197,21 @@ def test_smollm2_copying_prompts_speculate_with_the_plain_tokens():
     assert results[False] == results[True]
     assert json.loads(texts_[0]) == record
     assert re.fullmatch(code, texts_[1]) and results[True][1][1] == "stop"
+
+
+def test_verified_rows_line_up_with_the_verifiers_logits():
+    """A step's bitmask names a request once per row: plain sampled rows go to the sampler
+    (``from_step``), a drafting request's ``1 + k`` rows to the verifier (``for_verified``)."""
+    from tandem.scheduler.messages import GrammarBitmask
+    from tandem.workers.sampling.grammar_mask import GrammarRows
+
+    words = np.arange(5 * 2, dtype=np.int32).reshape(5, 2)
+    step = GrammarBitmask(["x", "s", "s", "s", "y"], words.tobytes())
+    plain = GrammarRows.from_step(step, ["y", "x"])  # the sampler's rows: y then x
+    assert plain.rows == [1, 0] and plain.bitmask.tolist() == [words[0].tolist(), words[4].tolist()]
+    # verifier rows: s (2 drafts: 3 rows), z (unconstrained, 1 draft: no grammar row)
+    verified = GrammarRows.for_verified(step, ["s", "z"], [3, 2])
+    assert verified.rows == [0, 1, 2] and verified.bitmask.tolist() == words[1:4].tolist()
+    assert GrammarRows.for_verified(step, ["z"], [2]) is None
+    with pytest.raises(ValueError, match="3 grammar rows for 2 positions"):
+        GrammarRows.for_verified(step, ["s"], [2])
