@@ -8,7 +8,9 @@ verification keeps advance the matcher.
 - greedy constrained requests with n-gram drafts give the plain engine's tokens exactly, on
   ``tiny`` (regex, JSON schema) and on ``smollm2`` with prompts the output copies, and the
   drafts were accepted (the speculative stats say so);
-- a seeded sampled constrained request gives the same valid output alone and in a batch.
+- a seeded sampled constrained request gives the same valid output alone and in a batch;
+- a migrated constrained stream speculates on the new engine and ends with the same tokens;
+- the step's bitmask rows line up with the sampler's and the verifier's logits.
 
 ``check_integrity()`` after every scenario (``run`` does it).
 """
@@ -215,3 +217,45 @@ def test_verified_rows_line_up_with_the_verifiers_logits():
     assert GrammarRows.for_verified(step, ["z"], [2]) is None
     with pytest.raises(ValueError, match="3 grammar rows for 2 positions"):
         GrammarRows.for_verified(step, ["s"], [2])
+
+
+def test_a_migrated_constrained_stream_speculates_on_with_the_same_tokens():
+    """A constrained stream cut after a few tokens and resubmitted as the gateway's migration
+    does (prompt + sent tokens): the new engine rebuilds the matcher from the spec and the
+    sent tokens, drafts again, and ends with the undisturbed run's tokens (greedy: the plain
+    engine's), a valid output."""
+    from tandem.cluster.disagg.migration import StreamLedger
+    from tandem.wire.engine_protocol import EngineRequest
+    from tandem.workers.config import EngineConfig
+    from tandem.workers.engine.core import EngineCore
+
+    prompt, sp = prompts()[0], constrained(AB, min_tokens=24)
+    plain, _, _ = run([(prompt, sp, 1)], None)
+
+    def speculating_engine() -> EngineCore:
+        return EngineCore(EngineConfig(model="tiny", speculative_config=NGRAM, block_size=8,
+                                       num_kv_blocks=64, max_num_batched_tokens=32))  # fmt: skip
+
+    first = speculating_engine()
+    request = EngineRequest("migrating", prompt, sp)
+    ledger = StreamLedger(request)
+    assert first.add_request(request) is None
+    while len(ledger.sent_token_ids) < 9:
+        for o in first.step().outputs:
+            assert o.error is None, o.error
+            ledger.record(o)
+    first.abort(["migrating"])  # the engine is lost
+    while first.has_work():
+        first.step()
+    first.check_integrity()
+
+    second = speculating_engine()
+    assert second.add_request(ledger.resubmission()) is None
+    while second.has_work():
+        for o in second.step().outputs:
+            assert o.error is None, o.error
+            ledger.record(o)
+    second.check_integrity()
+    assert second.scheduler.spec.stats.num_accepted_tokens > 0  # it speculated after the move
+    assert ledger.sent_token_ids == plain[0][0]
+    assert re.fullmatch("[ab]+", texts(second, [[ledger.sent_token_ids]])[0])
