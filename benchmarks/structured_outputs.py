@@ -2,6 +2,7 @@
 
     python -m benchmarks.structured_outputs --part compile            # both backends, both tokenizers
     python -m benchmarks.structured_outputs --part engine --model tiny --batches 1 32 128
+    python -m benchmarks.structured_outputs --part spec --batches 1 8 --ks 4
 
 ``compile``: for each backend (llguidance, xgrammar) and tokenizer (tiny, smollm2), the
 schema set of ``benchmarks/structured_schemas.py`` (22 JSON schemas): compile time p50/p99
@@ -15,6 +16,10 @@ sampler's share, ``apply_grammar_mask`` on [batch, vocab] logits with every row 
 batch 1/32/128 with none / half / all requests constrained by a JSON schema that cannot end
 within the run: median decode step, bitmask fill per step, output tokens per second; the three
 shares interleaved over several rounds (medians), so a change in the machine's load hits each.
+
+``spec`` (``benchmarks/structured_spec.py``): smollm2 requests constrained by a JSON schema that
+copy a record from their prompt, with and without n-gram drafts (a grammar row per verified
+position): tokens per second and per CPU second, mask fill per step, drafts accepted.
 """
 
 from __future__ import annotations
@@ -138,7 +143,7 @@ def apply_part(batches: list[int], walked: dict[int, np.ndarray], repeats: int =
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--part", choices=("compile", "engine"), default="compile")
+    p.add_argument("--part", choices=("compile", "engine", "spec"), default="compile")
     p.add_argument("--models", nargs="+", default=["tiny", "smollm2"])
     p.add_argument("--backends", nargs="+", default=["llguidance", "xgrammar"])
     p.add_argument("--repeats", type=int, default=3)
@@ -146,9 +151,14 @@ def main() -> None:
     p.add_argument("--batches", nargs="+", type=int, default=[1, 32, 128])
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--ks", nargs="+", type=int, default=[4], help="--part spec: draft lengths")
     args = p.parse_args()
     if args.part == "compile":
         apply_part(args.batches, compile_part(args.models, args.backends, args.repeats))
+    elif args.part == "spec":
+        from benchmarks.structured_spec import spec_part
+
+        spec_part(args.batches, args.ks, args.rounds)
     else:
         from benchmarks.structured_engine import engine_part
 

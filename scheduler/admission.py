@@ -1,12 +1,13 @@
-"""Admission: which waiting requests join the running set this step, with how many tokens
-and which blocks (``Scheduler.schedule`` runs it after the running requests got theirs)."""
+"""Admission: whether a request may be queued at all (``validate_request``), and which
+waiting requests join the running set this step, with how many tokens and which blocks
+(``Scheduler.schedule`` runs it after the running requests got theirs)."""
 
 from __future__ import annotations
 
 import time
 from typing import TYPE_CHECKING
 
-from tandem.scheduler import policies
+from tandem.scheduler import fork, policies
 from tandem.scheduler.kv_cache_manager import cdiv
 from tandem.scheduler.messages import NewRequestData
 from tandem.scheduler.remote_kv import own_tier_load
@@ -14,6 +15,25 @@ from tandem.scheduler.request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from tandem.scheduler.scheduler import Scheduler
+
+
+def validate_request(sched: Scheduler, request: Request) -> None:
+    """``Scheduler.add_request``'s checks: ``ValueError`` naming the bad field."""
+    if request.request_id in sched.requests or request.request_id in sched.forks.children:
+        raise ValueError(f"request_id {request.request_id!r} is already in use")
+    if not isinstance(request.n, int) or not 1 <= request.n <= fork.MAX_N:
+        raise ValueError(f"n must be an integer in [1, {fork.MAX_N}], got {request.n!r}")
+    if request.num_prompt_tokens == 0:
+        raise ValueError("prompt_token_ids must not be empty")
+    if request.num_prompt_tokens >= sched.config.max_model_len:
+        raise ValueError(
+            f"prompt_token_ids has {request.num_prompt_tokens} tokens; it must be shorter "
+            f"than max_model_len ({sched.config.max_model_len})"
+        )
+    salt = request.cache_salt
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ValueError(f"cache_salt must be a non-empty string when given, got {salt!r}")
+    request.sampling_params.validate()
 
 
 def schedule_waiting(

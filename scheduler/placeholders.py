@@ -30,8 +30,9 @@ def at_output_limit(req: Request, max_model_len: int) -> bool:
 
 def samples_this_step(req: Request) -> bool:
     """Right after ``schedule()``: does the step compute the request's last known (or
-    in-flight) token, so that it samples a new one? A fork parent never does (it stops
-    one token short of its prompt)."""
-    return req.num_computed_tokens == req.num_tokens + req.num_output_placeholders and not (
+    in-flight) token, so that it samples a new one (and its drafts, when it has some)? A
+    fork parent never does (it stops one token short of its prompt)."""
+    ahead = req.num_output_placeholders + len(req.spec_token_ids)
+    return req.num_computed_tokens == req.num_tokens + ahead and not (
         req.n > 1 and req.parent_id is None
     )

@@ -14,16 +14,16 @@ running request is preempted: its blocks are freed and it recomputes later.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
 
 from tandem.scheduler import (
     admission,
+    drafting,
     fork,
     integrity,
+    outputs,
     policies,
     preemption,
-    remote_kv,
     structured_grammar,
 )
 from tandem.scheduler.config import SchedulerConfig
@@ -95,21 +95,7 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         """Validate and queue. Raises ``ValueError`` naming the bad field."""
-        if request.request_id in self.requests or request.request_id in self.forks.children:
-            raise ValueError(f"request_id {request.request_id!r} is already in use")
-        if not isinstance(request.n, int) or not 1 <= request.n <= fork.MAX_N:
-            raise ValueError(f"n must be an integer in [1, {fork.MAX_N}], got {request.n!r}")
-        if request.num_prompt_tokens == 0:
-            raise ValueError("prompt_token_ids must not be empty")
-        if request.num_prompt_tokens >= self.config.max_model_len:
-            raise ValueError(
-                f"prompt_token_ids has {request.num_prompt_tokens} tokens; it must be shorter "
-                f"than max_model_len ({self.config.max_model_len})"
-            )
-        salt = request.cache_salt
-        if salt is not None and (not isinstance(salt, str) or not salt):
-            raise ValueError(f"cache_salt must be a non-empty string when given, got {salt!r}")
-        request.sampling_params.validate()
+        admission.validate_request(self, request)
         if request.sampling_params.structured_outputs is not None:
             structured_grammar.wait_for_grammar(self, request)
             return
@@ -232,13 +218,8 @@ class Scheduler:
             if threshold and num_new > threshold:
                 num_new = threshold
             num_new = min(num_new, budget)
-            if (
-                spec is not None
-                and num_new == 1
-                and req.num_computed_tokens == req.num_tokens - 1
-                and not req.num_output_placeholders
-            ):
-                num_new += len(spec.draft(req, budget - 1, cfg.max_model_len))
+            if spec is not None and num_new == 1:
+                num_new += drafting.num_drafts(self, spec, req, budget - 1)
             while True:
                 new_block_ids = self.kv.allocate_slots(req, num_new)
                 if new_block_ids is not None:
@@ -278,13 +259,6 @@ class Scheduler:
         if len(preempted) == num_arrival_preempted:
             budget = admission.schedule_waiting(self, budget, num_scheduled, new_reqs, limits)
 
-        spec_tokens = {}
-        if self.spec is not None:
-            requests = self.requests
-            for rid in num_scheduled:
-                drafts = requests[rid].spec_token_ids
-                if drafts:
-                    spec_tokens[rid] = drafts
         out = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached,
@@ -292,7 +266,7 @@ class Scheduler:
             total_num_scheduled_tokens=cfg.max_num_batched_tokens - budget,
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=preempted,
-            scheduled_spec_decode_tokens=spec_tokens,
+            scheduled_spec_decode_tokens=drafting.scheduled_drafts(self, num_scheduled),
         )
         self.finished_req_ids = []
         if self.pending_copies:
@@ -319,83 +293,14 @@ class Scheduler:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> EngineOutputs:
-        outputs = self.pending_outputs
-        self.pending_outputs = []
-        if runner_output.kv_connector_output is not None:
-            remote_kv.update_kv_transfers(self, runner_output.kv_connector_output, outputs)
-        if self.fork_parents:
-            fork.fork_ready_parents(self, outputs)
-        logprobs = runner_output.logprobs
-        requests = self.requests
-        cfg_max_len = self.config.max_model_len
-        for idx, (rid, token_ids) in enumerate(
-            zip(runner_output.req_ids, runner_output.sampled_token_ids, strict=True)
-        ):
-            if not token_ids:
-                continue  # partial prefill chunk
-            req = requests.get(rid)
-            if req is None or req.status != RequestStatus.RUNNING:
-                continue  # finished or preempted meanwhile
-            if req.spec_token_ids:
-                self.spec.accept(req, len(token_ids))  # rejected drafts' slots back
-            status = None
-            if len(token_ids) == 1:
-                req.all_token_ids.append(token_ids[0])
-                status = self._check_stop(req, token_ids[0], cfg_max_len)
-                new_tokens = token_ids
-            else:
-                new_tokens = []
-                for tok in token_ids:
-                    req.all_token_ids.append(tok)
-                    new_tokens.append(tok)
-                    status = self._check_stop(req, tok, cfg_max_len)
-                    if status is not None:
-                        break
-            if req.sampling_params.structured_outputs is not None:
-                status = structured_grammar.advance(self, req, new_tokens, status)
-            self.num_generation_tokens += len(new_tokens)
-            out = EngineOutput(request_id=rid, new_token_ids=new_tokens)
-            if req.parent_id is not None:  # a fork child: the client's id and its choice
-                out.request_id, out.index = req.parent_id, req.sample_index
-            if len(req.all_token_ids) - req.num_prompt_tokens == len(new_tokens):
-                # the request's first output: the gateway learns its prefix hit now
-                out.num_cached_tokens = max(req.num_cached_tokens, 0)
-            if logprobs is not None:
-                out.new_logprobs = logprobs[idx][: len(new_tokens)]
-            if runner_output.prompt_logprobs is not None:
-                out.prompt_logprobs = runner_output.prompt_logprobs.get(rid)
-            if status is not None:
-                req.status = status
-                out.finish_reason = status.finish_reason
-                out.stop_reason = req.stop_reason
-                out.error = req.error
-                out.num_cached_tokens = max(req.num_cached_tokens, 0)
-                self.running.remove(req)
-                self.finished_req_ids.append(rid)
-                out.kv_transfer_params = self._free_finished(req)
-            outputs.append(out)
-        return EngineOutputs(engine_id=self.engine_id, outputs=outputs, timestamp=time.time())
+        """Apply a step's tokens (``scheduler/outputs.py``)."""
+        return outputs.update_from_output(self, scheduler_output, runner_output)
 
     def _computing(self, req: Request) -> bool:
         """Is a step that computes ``req`` still running? Never here: each
         step's output is applied before the next is scheduled
         (``scheduler/async_scheduler.py`` overlaps them)."""
         return False
-
-    @staticmethod
-    def _check_stop(req: Request, token: int, max_model_len: int) -> RequestStatus | None:
-        sp = req.sampling_params
-        num_tokens = len(req.all_token_ids)
-        num_output = num_tokens - req.num_prompt_tokens
-        if num_output >= sp.min_tokens:
-            if token == req.eos_token_id and not sp.ignore_eos:
-                return RequestStatus.FINISHED_STOPPED
-            if sp.stop_token_ids and token in sp.stop_token_ids:
-                req.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
-        if num_output >= sp.max_tokens or num_tokens >= max_model_len:
-            return RequestStatus.FINISHED_LENGTH_CAPPED
-        return None
 
     # ---- introspection -------------------------------------------------------------
 

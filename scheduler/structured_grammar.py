@@ -11,7 +11,13 @@ request's grammar compiles on the manager's pool, it holds no blocks and other r
 Each step, every constrained request that samples gets one bitmask row
 (``SchedulerOutput.grammar_bitmask``, filled after scheduling: its tokens are all known) and
 the sampler masks its logits (``workers/sampling/grammar_mask.py``); unconstrained steps carry
-none. When the step's tokens come back, the request's matcher advances by them. A grammar that
+none. When the step's tokens come back, the request's matcher advances by them.
+
+Speculative decoding: a constrained request's drafts are cut at the first one its grammar
+refuses (``cut_drafts``, right after they are proposed); its step then has ``1 + k`` rows, row
+``j`` filled with the matcher walked through ``d1 .. dj`` and rolled back, and verification
+masks each position's logits with its row (``workers/sampling/spec_verify.py``). Only the
+tokens verification keeps (accepted drafts + the target's one) advance the matcher. A grammar that
 has ended allows only EOS next, so the request ends on EOS like any other (the gateway drops a
 final EOS from the text, never a grammar's last token); with ``ignore_eos`` the accepted EOS
 ends it. A token the matcher refuses (impossible unless the mask was wrong) ends it in error.
@@ -91,7 +97,28 @@ def bitmask(sched: Scheduler, num_scheduled: dict[str, int]) -> GrammarBitmask |
     if any(req.num_output_placeholders for req in reqs):
         sched.grammar_deferred = reqs
         return None
-    return GrammarBitmask([r.request_id for r in reqs], sched.structured.bitmask(reqs))
+    return _rows(sched, reqs)
+
+
+def _rows(sched: Scheduler, reqs: list[Request]) -> GrammarBitmask:
+    """A request with ``k`` drafts has ``1 + k`` rows, its id repeated once per row."""
+    req_ids = []
+    for r in reqs:
+        req_ids += [r.request_id] * (1 + len(r.spec_token_ids))
+    return GrammarBitmask(req_ids, sched.structured.bitmask(reqs))
+
+
+def cut_drafts(sched: Scheduler, req: Request) -> list[int]:
+    """Speculative decoding: keep the request's drafts (``req.spec_token_ids``, whoever
+    proposed them) up to the first one its grammar refuses. A refused draft could never be
+    accepted (its row's mask forbids it), and every kept one gets a mask row
+    (``bitmask``). The matcher is walked through them and rolled back: it stays at the
+    request's known tokens until the step's verified tokens come back (``advance``)."""
+    drafts = req.spec_token_ids
+    num = sched.structured.num_allowed_drafts(req, drafts)
+    if num < len(drafts):
+        req.spec_token_ids = drafts = drafts[:num]
+    return drafts
 
 
 def take_deferred_bitmask(sched: Scheduler) -> GrammarBitmask:
@@ -99,7 +126,7 @@ def take_deferred_bitmask(sched: Scheduler) -> GrammarBitmask:
     matchers). A request that finished meanwhile gets no row: the loop drops its token."""
     reqs, sched.grammar_deferred = sched.grammar_deferred, []
     live = [r for r in reqs if not r.is_finished and r.request_id in sched.structured.matchers]
-    return GrammarBitmask([r.request_id for r in live], sched.structured.bitmask(live))
+    return _rows(sched, live)
 
 
 def advance(

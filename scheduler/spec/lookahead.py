@@ -10,7 +10,7 @@ A decoding request (its last token not computed yet) may get drafts with its ste
 
 The drafts never enter ``all_token_ids`` before they are accepted, so prefix caching
 (which hashes known tokens only) and preemption (which recomputes known tokens) never see
-a rejected one. The step's tokens go through ``_check_stop`` one by one, so EOS, stop ids,
+a rejected one. The step's tokens go through ``outputs.check_stop`` one by one, so EOS, stop ids,
 ``max_tokens`` and ``max_model_len`` cut an accepted run where the plain engine stops.
 
 Adaptive drafting: a rejected draft costs a token of compute and gives nothing, so each

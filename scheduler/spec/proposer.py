@@ -85,17 +85,14 @@ def can_speculate(request: Request) -> bool:
     token counts, one position per step (``workers/sampling/state.py``); such requests
     decode one token per step, with exactly the plain engine's output. Nor for a request
     still collecting its prompt's logprobs, nor a fork parent (it never samples).
-    Nor a constrained request (structured outputs): its grammar bitmask covers one sampled
-    row a step (``scheduler/structured_grammar.py``); verifying drafts needs a row per
-    position, the matcher advanced through the drafts and rolled back (``Matcher.advance`` /
-    ``rollback`` take token lists for that), which is not built yet.
+    A constrained request (structured outputs) drafts: its drafts are cut where its grammar
+    refuses one, and each verified position gets its own mask row
+    (``scheduler/structured_grammar.cut_drafts`` and ``bitmask``).
     """
     sp = request.sampling_params
     if request.n > 1 and request.parent_id is None:
         return False
     if sp.prompt_logprobs is not None and request.num_output_tokens == 0:
-        return False
-    if sp.structured_outputs is not None:
         return False
     return not (
         sp.presence_penalty

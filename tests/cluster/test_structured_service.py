@@ -4,7 +4,7 @@ engine (NIXL handoff; every prompt takes the remote path) and the official opena
 - ``response_format`` with a JSON schema, and ``client.chat.completions.parse`` with a pydantic
   model, validate;
 - streamed tool calls with ``tool_choice: "required"`` carry arguments that validate against the
-  tool's parameters;
+  tool's parameters; ``tool_choice: "auto"`` reads the engines' hermes markup (forced by a regex);
 - the split run equals one colocated engine (``LLM``, same spec) token for token, greedy and
   seeded; ``n > 1`` choices are each valid;
 - the engines report the structured-output metrics; ``check_integrity()`` after each scenario.
@@ -191,6 +191,39 @@ def test_streamed_required_tool_calls_validate(service):
         for call in calls.values():
             assert call["id"] and call["name"] in params
             jsonschema.validate(json.loads(call["arguments"]), params[call["name"]])
+    wait_idle(service)
+
+
+def test_auto_tool_choice_parses_a_real_engines_hermes_markup(service):
+    """``tool_choice: "auto"`` with ``--tool-call-parser hermes`` on the real split engines.
+    SmolLM2 never writes hermes markup on its own, so the request also carries a regex
+    ``structured_outputs``, which vLLM's API (and ours) accepts next to ``auto``: the engines
+    write the markup token by token, and the gateway's parser turns their detokenized stream
+    into content and OpenAI tool calls, streamed and not. What this cannot test is the model
+    choosing to call a tool; that is the model's behaviour, not the server's."""
+    c = client(service, timeout_s=180)
+    markup = (
+        r'Checking\.<tool_call>\n\{"name": "get_weather", "arguments": '
+        r'\{"city": "[A-Z][a-z]{2,12}", "unit": "(celsius|fahrenheit)"\}\}\n</tool_call>'
+    )
+    ask = dict(
+        model="smollm2", messages=[{"role": "user", "content": "What's the weather in Paris?"}],
+        tools=[WEATHER, TIME], max_tokens=80, temperature=0,
+        extra_body={"structured_outputs": {"regex": markup}},
+    )  # fmt: skip
+    r = c.chat.completions.create(**ask)
+    message = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls", message
+    assert message.content == "Checking."
+    (call,) = message.tool_calls
+    assert call.id and call.function.name == "get_weather"
+    arguments = json.loads(call.function.arguments)
+    jsonschema.validate(arguments, WEATHER["function"]["parameters"])
+    chunks = [ch.choices[0] for ch in c.chat.completions.create(**ask, stream=True) if ch.choices]
+    deltas = [d for ch in chunks for d in ch.delta.tool_calls or ()]
+    assert "".join(ch.delta.content or "" for ch in chunks) == "Checking."
+    assert chunks[-1].finish_reason == "tool_calls" and deltas[0].function.name == "get_weather"
+    assert json.loads("".join(d.function.arguments or "" for d in deltas)) == arguments
     wait_idle(service)
 
 

@@ -191,19 +191,24 @@ def test_penalties_do_not_speculate():
     assert engine.scheduler.spec.stats.num_drafts == 0
 
 
-def test_constrained_requests_do_not_speculate():
-    """A grammar's bitmask covers one sampled row a step, so a constrained request decodes
-    plainly under a speculative config (``can_speculate``), with the plain engine's tokens,
-    while an unconstrained one beside it still drafts (the oracle offers drafts to both)."""
+def test_constrained_requests_speculate_with_the_plain_tokens():
+    """The oracle drafts the unconstrained continuation, every seventh draft corrupted, for
+    a free and a constrained request. Before constrained requests had per-position grammar
+    rows, drafting them broke the grammar; now their drafts are cut where the grammar
+    refuses one and verified against their own rows: the plain engine's tokens, and the
+    constrained request's drafts accepted (more drafts and acceptances than the free
+    request gets alone)."""
     free, constrained = prompts()[0], prompts()[1]
-    so = greedy(12, structured_outputs=StructuredOutputsParams("regex", "[ab]+"))
+    so = greedy(12, min_tokens=8, structured_outputs=StructuredOutputsParams("regex", "[ab]+"))
     requests = [(free, greedy(12), 1), (constrained, so, 1)]
     plain, _, _ = run(requests, None)
     oracle = expected_by_prompt(requests, plain)
     spec, _, engine = run(requests, NGRAM, oracle=oracle)
     assert spec == plain
-    stats = engine.scheduler.spec.stats
-    assert 0 < stats.num_drafts <= 12  # the free request's steps only
+    _, _, free_alone = run(requests[:1], NGRAM, oracle=oracle)
+    stats, alone = engine.scheduler.spec.stats, free_alone.scheduler.spec.stats
+    assert stats.num_drafts > alone.num_drafts
+    assert stats.num_accepted_tokens > alone.num_accepted_tokens
 
 
 def test_ngram_proposer():

@@ -321,6 +321,8 @@ class ModelRunner:
                 plan.sample_segments.append(len(plan.segments) - 1)
                 sampled.append(st)
                 st.prompt_lps = None  # complete once this step ran: sent with its token
+        if plan.spec is not None and so.grammar_bitmask is not None:
+            plan.spec.take_grammar(so.grammar_bitmask, plan.req_ids)
         if not sampled:
             return
         plan.params = [st.params for st in sampled]
@@ -405,7 +407,7 @@ class ModelRunner:
                 hidden.index_select(0, host_to_device(torch.tensor(rows), dev))
             )
             num = len(sample_rows)
-            spec = verify(logits[num:], plan.spec.requests, self.eos_token_id)
+            spec = verify(logits[num:], plan.spec.requests, self.eos_token_id, plan.spec.grammar)
             if not num:
                 return StepResult(spec=spec)
             logits = logits[:num]

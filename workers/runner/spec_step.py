@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tandem.workers.sampling.grammar_mask import GrammarRows
 from tandem.workers.sampling.spec_verify import SpecRequest, SpecResult
 
 
@@ -27,12 +28,20 @@ class SpecPlan:
     """A step's requests with drafts: their segments (indices into the plan's) and
     what verification needs of each."""
 
-    __slots__ = ("segments", "states", "requests")
+    __slots__ = ("segments", "states", "requests", "grammar")
 
     def __init__(self) -> None:
         self.segments: list[int] = []
         self.states: list[Any] = []  # the runner's _ReqState of each
         self.requests: list[SpecRequest] = []
+        self.grammar: GrammarRows | None = None  # constrained requests' rows, per position
+
+    def take_grammar(self, grammar, req_ids: list[str]) -> None:
+        """The step's ``GrammarBitmask`` rows of the requests with drafts (``req_ids``: the
+        plan's segment ids): one per verified position, applied in ``verify``."""
+        self.grammar = GrammarRows.for_verified(
+            grammar, [req_ids[i] for i in self.segments], [len(r.drafts) + 1 for r in self.requests]
+        )
 
     def add(self, segment: int, state: Any, drafts: list[int], stream_key: int) -> None:
         num_tokens = len(state.token_ids)

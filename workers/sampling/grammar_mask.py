@@ -3,6 +3,10 @@
     bitmask  int32 [R, ceil(V / 32)]   row r: the allowed tokens of logits row rows[r]
     logits   [N, V]                    rows[r] gets -inf wherever its bit is 0
 
+A request verifying ``k`` drafts (speculative decoding) has ``1 + k`` rows, one per verified
+position, and its id ``1 + k`` times in the step's ``req_ids``; ``GrammarRows.for_verified``
+lines them up with the verifier's logits (``workers/sampling/spec_verify.py``).
+
 The bitmask is filled on the host by the requests' grammar matchers
 (``scheduler/structured_grammar.py``) and travels in ``SchedulerOutput.grammar_bitmask``;
 ``GrammarRows.from_step`` lines it up with the step's sampled rows. The sampler calls
@@ -44,6 +48,35 @@ class GrammarRows:
         if not rows:
             return None
         return cls(rows, np.ascontiguousarray(words[keep]) if len(keep) != len(words) else words)
+
+    @classmethod
+    def for_verified(cls, grammar, req_ids: list[str], num_rows: list[int]) -> GrammarRows | None:
+        """Speculative decoding: the rows of the verifier's logits (request ``i`` owns
+        ``num_rows[i]`` consecutive rows, drafts + 1) that a constrained request's mask
+        covers. Such a request has one bitmask row per verified position, its id repeated
+        in ``grammar.req_ids`` in position order."""
+        if grammar is None or not grammar.req_ids:
+            return None
+        first: dict[str, int] = {}
+        count: dict[str, int] = {}
+        for k, rid in enumerate(grammar.req_ids):
+            first.setdefault(rid, k)
+            count[rid] = count.get(rid, 0) + 1
+        rows, keep = [], []
+        offset = 0
+        for rid, n in zip(req_ids, num_rows, strict=True):
+            if rid in first:
+                if count[rid] != n:
+                    raise ValueError(f"{rid}: {count[rid]} grammar rows for {n} positions")
+                rows += range(offset, offset + n)
+                keep += range(first[rid], first[rid] + n)
+            offset += n
+        if not rows:
+            return None
+        words = np.frombuffer(bytearray(grammar.bitmask), dtype=np.int32).reshape(
+            len(grammar.req_ids), -1
+        )
+        return cls(rows, np.ascontiguousarray(words[keep]))
 
 
 _BITS: dict[torch.device, torch.Tensor] = {}

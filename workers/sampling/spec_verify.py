@@ -6,8 +6,10 @@ A request with K drafts has K+1 logits rows in the step, one per position:
     drafts         d1 .. dK  (d_{j+1} is judged by row j)
 
 Row j is processed exactly as the plain sampler processes a request's row at that
-position (``workers/sampling/sampler.py``): the min_tokens mask counts the j drafts
-before it as output, then temperature, min-p, top-k, top-p. The request's output is the
+position (``workers/sampling/sampler.py``): a constrained request's grammar mask first
+(its row j: what the grammar allows after d1 .. dj), then the min_tokens mask, which counts
+the j drafts before it as output (and skips constrained rows, whose mask already holds
+stop tokens back), then temperature, min-p, top-k, top-p. The request's output is the
 accepted drafts plus one token of the target's:
 
 - greedy rows: the longest run of drafts equal to the row's argmax, then the argmax of
@@ -31,6 +33,7 @@ import torch
 
 from tandem.kernels.metadata import list_to_device
 from tandem.wire.engine_protocol import Logprobs, SamplingParams
+from tandem.workers.sampling.grammar_mask import GrammarRows, apply_grammar_mask
 from tandem.workers.sampling.sampler import (
     _MIN_TEMPERATURE,
     _mask_min_tokens,
@@ -70,9 +73,14 @@ def is_greedy(p: SamplingParams) -> bool:
 
 
 def verify(
-    logits: torch.Tensor, requests: list[SpecRequest], eos_token_id: int | None
+    logits: torch.Tensor,
+    requests: list[SpecRequest],
+    eos_token_id: int | None,
+    grammar: GrammarRows | None = None,
 ) -> SpecResult:
-    """``logits``: ``[sum(K_i + 1), V]`` raw rows, the requests' rows in order."""
+    """``logits``: ``[sum(K_i + 1), V]`` raw rows, the requests' rows in order.
+    ``grammar``: the constrained requests' mask rows, one per verified position
+    (``GrammarRows.for_verified``)."""
     params, counts = [], []
     for r in requests:
         for j in range(len(r.drafts) + 1):
@@ -81,7 +89,12 @@ def verify(
     if len(params) != logits.shape[0]:
         raise ValueError(f"{logits.shape[0]} logits rows for {len(params)} verified positions")
     raw = logits.float()
-    masked = _mask_min_tokens(raw, params, counts, [eos_token_id] * len(params))
+    masked = raw
+    if grammar is not None:  # as Sampler.sample_on_device: the mask first
+        masked = apply_grammar_mask(raw, grammar)
+        for row in grammar.rows:
+            counts[row] = max(counts[row], params[row].min_tokens)
+    masked = _mask_min_tokens(masked, params, counts, [eos_token_id] * len(params))
     greedy_targets = argmax_rows(masked).tolist()
     out: list[list[int]] = []
     random_first: list[int] = []  # first row of each random request, in `random_reqs` order

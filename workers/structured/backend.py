@@ -51,19 +51,31 @@ class GrammarBackend(Protocol):
 
 
 class _LLGuidanceMatcher:
-    __slots__ = ("_m", "_eos")
+    """llguidance does not consume an EOS once its grammar has stopped (no token is left to
+    match), yet that EOS is the request's legitimate last token: ``advance`` accepts it and
+    remembers it (``_end``), and ``rollback`` counts it, so a speculative walk
+    ``advance(drafts)`` / ``rollback(n)`` always returns to the state it started from."""
+
+    __slots__ = ("_m", "_eos", "_end")
 
     def __init__(self, matcher: Any, eos_token_ids: frozenset[int]) -> None:
         self._m = matcher
         self._eos = eos_token_ids
+        self._end = False  # an EOS accepted after the grammar stopped (not in llguidance)
 
     def advance(self, tokens: list[int]) -> int:
+        if self._end:
+            return 0  # nothing follows the final EOS
         num = max(0, self._m.try_consume_tokens(tokens))
         if num < len(tokens) and tokens[num] in self._eos and self._m.is_stopped():
             num += 1  # EOS after the grammar ended: accepted (and the last one)
+            self._end = True
         return num
 
     def rollback(self, num_tokens: int) -> None:
+        if num_tokens and self._end:
+            self._end = False
+            num_tokens -= 1
         if num_tokens and not self._m.rollback(num_tokens):
             raise ValueError(f"cannot roll the matcher back by {num_tokens} tokens")
 

@@ -5,7 +5,8 @@ imports no grammar code):
     add_request   -> submit(req)             compile off the step, on the pool's threads
     each schedule -> poll(req)               WAITING_FOR_FSM until the grammar is ready
                                              (ValueError: invalid, or past the deadline)
-                  -> bitmask(reqs)           one int32 row per request that samples
+                  -> num_allowed_drafts(req, drafts)   speculative drafts its grammar takes
+                  -> bitmask(reqs)           one int32 row per position that samples
     each output   -> accept(req, tokens)     advance its matcher (-> how many it took)
     finish        -> remove(req_id)
 
@@ -198,15 +199,38 @@ class StructuredOutputManager:
 
     # ---- per step ------------------------------------------------------------------
 
+    def num_allowed_drafts(self, req: Request, drafts: list[int]) -> int:
+        """How many of ``drafts`` (after the request's tokens) its grammar accepts: a
+        tentative walk, rolled back, so the matcher ends where it started."""
+        matcher = self.matcher_for(req)
+        num = matcher.advance(drafts)
+        matcher.rollback(num)
+        return num
+
     def bitmask(self, reqs: list[Request]) -> bytes:
-        """One row per request (int32, bit set = token allowed), row-major bytes."""
+        """Rows (int32, bit set = token allowed), row-major bytes: one per request, or
+        ``1 + k`` for a request with ``k`` drafts (``req.spec_token_ids``, all accepted by
+        its grammar: ``num_allowed_drafts``). Row ``j`` allows what may follow the
+        request's tokens and drafts ``d1 .. dj``; the matcher walks through the drafts to
+        fill them and rolls back, so only the tokens verification keeps advance it
+        (``accept``)."""
         start = time.perf_counter()
-        bitmask = np.zeros((len(reqs), self.width), dtype=np.int32)
-        for row, req in enumerate(reqs):
-            self.matcher_for(req).fill_bitmask(bitmask, row)
+        bitmask = np.zeros((sum(1 + len(r.spec_token_ids) for r in reqs), self.width), np.int32)
+        row = 0
+        for req in reqs:
+            matcher = self.matcher_for(req)
+            drafts = req.spec_token_ids
             sp = req.sampling_params
-            if req.num_output_tokens < sp.min_tokens:
-                _hold_back_stops(bitmask[row], [req.eos_token_id, *sp.stop_token_ids])
+            stops = [req.eos_token_id, *sp.stop_token_ids]
+            for j in range(len(drafts) + 1):
+                if j and matcher.advance(drafts[j - 1 : j]) != 1:
+                    raise AssertionError(f"{req.request_id}: a draft its grammar refuses")
+                matcher.fill_bitmask(bitmask, row)
+                if req.num_output_tokens + j < sp.min_tokens:  # drafts before row j: outputs
+                    _hold_back_stops(bitmask[row], stops)
+                row += 1
+            if drafts:
+                matcher.rollback(len(drafts))
         self._mask_seconds.observe(time.perf_counter() - start)
         return bitmask.tobytes()
 
