@@ -123,6 +123,7 @@ class NullBackend(Backend):
         received_s = time.perf_counter()
         first_token_s = -1.0
         num_ready, per_turn = self._num_ready, self.outputs_per_turn
+        together = per_turn > 1 or request.n > 1  # else none is ever ready behind another
         num_left = per_turn  # outputs of this loop turn, this one included
         try:
             while True:
@@ -173,8 +174,8 @@ class NullBackend(Backend):
                 )
                 num_left -= 1
                 for index in range(request.n):
-                    # this turn's outputs still to come after this one (every choice's)
-                    num_ready[request_id] = num_left * request.n + request.n - 1 - index
+                    if together:  # this turn's outputs still to come after this one
+                        num_ready[request_id] = num_left * request.n + request.n - 1 - index
                     yield EngineOutput(
                         request_id,
                         new_token_ids=token_ids,
