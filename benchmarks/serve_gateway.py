@@ -17,8 +17,13 @@ GIL. Also reported: the server's CPU time per output token (from
 (SO_REUSEPORT, as ``tandem serve --api-server-count N``), bare and gateway
 alike; CPU per token is summed over the N processes.
 
+``--outputs-per-turn K``: the null backend hands each stream K outputs per
+event-loop turn, as engines do to a gateway that runs K steps behind them
+(the gateway then writes them as one; ``Backend.num_ready``); the bare
+endpoint yields to the loop every K events and writes each on its own.
+
 Run: python benchmarks/serve_gateway.py [--output-len 128] [--concurrency 64 256] [--tracing]
-                                        [--api-server-count 1 2 4]
+                                        [--api-server-count 1 2 4] [--outputs-per-turn 4]
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks._machine import machine  # noqa: E402
 
 INPUT_LEN = 32
+OUTPUTS_PER_TURN = [1]  # --outputs-per-turn, passed on to the server processes
 SEED = 0
 START_TIMEOUT_S = 120.0
 
@@ -45,7 +51,7 @@ START_TIMEOUT_S = 120.0
 # ---- servers (run in a child process) -------------------------------------------------
 
 
-def bare_app(model: str = "tiny"):
+def bare_app(model: str = "tiny", outputs_per_turn: int = 1):
     """A minimal ASGI app: /v1/models and a streaming /v1/completions."""
     head = {"id": "cmpl-0", "object": "text_completion", "created": 0, "model": model}
     chunk = (
@@ -83,9 +89,10 @@ def bare_app(model: str = "tiny"):
         request = json.loads(body)
         num_tokens = request["max_tokens"]
         await send({"type": "http.response.start", "status": 200, "headers": sse_headers})
-        for _ in range(num_tokens):
+        for i in range(1, num_tokens + 1):
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await asyncio.sleep(0)  # like the NullBackend: one loop turn per token
+            if i % outputs_per_turn == 0:
+                await asyncio.sleep(0)  # like the NullBackend: one loop turn per K tokens
         usage = {
             "prompt_tokens": len(request["prompt"]),
             "completion_tokens": num_tokens,
@@ -113,14 +120,18 @@ def sink_app():
 
 
 def serve(
-    kind: str, port: int, otlp_endpoint: str | None = None, ready_file: str | None = None
+    kind: str,
+    port: int,
+    otlp_endpoint: str | None = None,
+    ready_file: str | None = None,
+    outputs_per_turn: int = 1,
 ) -> None:
     import logging
 
     import uvicorn
 
     if kind == "bare":
-        app = bare_app()
+        app = bare_app(outputs_per_turn=outputs_per_turn)
     elif kind == "sink":
         app = sink_app()
     else:
@@ -133,7 +144,8 @@ def serve(
         root.addHandler(make_handler("text", open(os.devnull, "w")))  # noqa: SIM115
         root.setLevel(logging.INFO)
         tracer = make_tracer(ObservabilityConfig(otlp_traces_endpoint=otlp_endpoint))
-        app = create_app(NullBackend.tiny(), tracer=tracer)
+        kwargs = {"outputs_per_turn": outputs_per_turn} if outputs_per_turn > 1 else {}
+        app = create_app(NullBackend.tiny(**kwargs), tracer=tracer)
     if ready_file is None:
         uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
         return
@@ -177,6 +189,7 @@ def start_servers(kind: str, count: int) -> tuple[list[subprocess.Popen], str]:
     for i in range(count):
         ready = os.path.join(ready_dir, str(i))
         argv = [sys.executable, os.path.abspath(__file__), "--serve", kind, "--port", str(port)]
+        argv += ["--outputs-per-turn", str(OUTPUTS_PER_TURN[0])]
         procs.append(subprocess.Popen([*argv, "--ready-file", ready]))
     deadline_s = time.monotonic() + START_TIMEOUT_S
     while len(os.listdir(ready_dir)) < count:
@@ -191,6 +204,7 @@ def start_servers(kind: str, count: int) -> tuple[list[subprocess.Popen], str]:
 def start_server(kind: str, otlp_endpoint: str | None = None) -> tuple[subprocess.Popen, str]:
     port = free_port()
     argv = [sys.executable, os.path.abspath(__file__), "--serve", kind, "--port", str(port)]
+    argv += ["--outputs-per-turn", str(OUTPUTS_PER_TURN[0])]
     if otlp_endpoint:
         argv += ["--otlp-endpoint", otlp_endpoint]
     proc = subprocess.Popen(argv)
@@ -272,6 +286,12 @@ def main() -> int:
     parser.add_argument("--otlp-endpoint", help=argparse.SUPPRESS)
     parser.add_argument("--ready-file", help=argparse.SUPPRESS)
     parser.add_argument(
+        "--outputs-per-turn",
+        type=int,
+        default=1,
+        help="outputs each stream gets per event-loop turn (a gateway K engine steps behind)",
+    )
+    parser.add_argument(
         "--api-server-count",
         type=int,
         nargs="+",
@@ -288,8 +308,9 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3, help="runs per server; median kept")
     args = parser.parse_args()
     if args.serve:
-        serve(args.serve, args.port, args.otlp_endpoint, args.ready_file)
+        serve(args.serve, args.port, args.otlp_endpoint, args.ready_file, args.outputs_per_turn)
         return 0
+    OUTPUTS_PER_TURN[0] = args.outputs_per_turn
     if args.api_server_count:
         return main_counts(args)
 
@@ -320,6 +341,7 @@ def main() -> int:
     print(f"machine: {machine()}")
     print(
         f"workload: input {INPUT_LEN} / output {args.output_len} tokens, 1 token per SSE event, "
+        f"{args.outputs_per_turn} output(s) per stream per loop turn, "
         f"{args.num_rounds} x concurrency requests, median of {args.repeats} alternating runs, "
         f"uvicorn h11 + asyncio, client aiohttp in another process"
     )
@@ -369,6 +391,7 @@ def main_counts(args: argparse.Namespace) -> int:
     print(f"machine: {machine()}")
     print(
         f"workload: input {INPUT_LEN} / output {args.output_len} tokens, 1 token per SSE event, "
+        f"{args.outputs_per_turn} output(s) per stream per loop turn, "
         f"{args.num_rounds} x concurrency requests, median of {args.repeats} alternating runs, "
         "N processes on one port (SO_REUSEPORT), client aiohttp in one other process; "
         "CPU summed over the N processes"

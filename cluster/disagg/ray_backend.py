@@ -161,6 +161,10 @@ class RayBackend(Backend):
     def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
         return self.orchestrator.generate(request)
 
+    def num_ready(self, request_id: str) -> int:
+        q = self.plane.streams.get(request_id)
+        return q.qsize() if q is not None else 0
+
     async def abort(self, request_id: str) -> None:
         self.plane.abort(request_id)
 

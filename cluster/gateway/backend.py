@@ -133,6 +133,14 @@ class Backend(abc.ABC):
           as a client disconnect would.
         """
 
+    def num_ready(self, request_id: str) -> int:
+        """How many outputs of ``request_id`` were received and not yet taken
+        from its ``generate`` iterator. Called once per output: must be a cheap
+        lookup. While more are ready the gateway puts a stream's SSE events
+        into one write (the same bytes; fewer writes and wake-ups when it runs
+        behind its engines). The default: none, every event is its own write."""
+        return 0
+
     @abc.abstractmethod
     async def abort(self, request_id: str) -> None:
         """Cancel a request on every engine holding it (prefill, decode, the

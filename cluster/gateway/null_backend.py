@@ -3,7 +3,9 @@
 For gateway tests and the gateway-overhead benchmark. Output token ``i`` of
 every request is ``output_token_ids[i % len(output_token_ids)]`` (by default
 the tokens of "The quick brown fox jumps over the lazy dog. "), sent
-``num_tokens_per_output`` per ``EngineOutput``. Honours ``max_tokens``,
+``num_tokens_per_output`` per ``EngineOutput`` and ``outputs_per_turn``
+outputs per event-loop turn (more than one: a gateway that runs that many
+engine steps behind, its outputs ready together, ``Backend.num_ready``). Honours ``max_tokens``,
 ``max_model_len``, ``min_tokens``, stop token ids, EOS (unless
 ``ignore_eos``), logprobs, prompt logprobs (on the first output) and aborts,
 like an engine would. With ``n > 1`` every output is sent once per choice
@@ -48,12 +50,17 @@ class NullBackend(Backend):
         output_token_ids: list[int] | None = None,
         output_interval_s: float = 0.0,
         max_num_running: int | None = None,
+        outputs_per_turn: int = 1,
     ) -> None:
         """``output_interval_s`` paces outputs (0: yield to the loop only);
         ``max_num_running`` makes ``generate`` raise ``BackendUnavailable``
         beyond that many concurrent requests."""
         if num_tokens_per_output < 1:
             raise ValueError(f"num_tokens_per_output must be >= 1, got {num_tokens_per_output}")
+        if outputs_per_turn < 1:
+            raise ValueError(f"outputs_per_turn must be >= 1, got {outputs_per_turn}")
+        self.outputs_per_turn = outputs_per_turn
+        self._num_ready: dict[str, int] = {}  # per request: outputs of this turn not yet taken
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.tokenizer = tokenizer
@@ -115,6 +122,9 @@ class NullBackend(Backend):
         num_done = 0
         received_s = time.perf_counter()
         first_token_s = -1.0
+        num_ready, per_turn = self._num_ready, self.outputs_per_turn
+        together = per_turn > 1 or request.n > 1  # else none is ever ready behind another
+        num_left = per_turn  # outputs of this loop turn, this one included
         try:
             while True:
                 if request_id in self._aborting:
@@ -159,11 +169,17 @@ class NullBackend(Backend):
                         scheduled_s=0.0,
                         first_token_s=first_token_s,
                     )
+                logprobs = (
+                    None if params.logprobs is None else self._logprobs(token_ids, params.logprobs)
+                )
+                num_left -= 1
                 for index in range(request.n):
+                    if together:  # this turn's outputs still to come after this one
+                        num_ready[request_id] = num_left * request.n + request.n - 1 - index
                     yield EngineOutput(
                         request_id,
                         new_token_ids=token_ids,
-                        new_logprobs=self._logprobs(token_ids, params.logprobs),
+                        new_logprobs=logprobs,
                         prompt_logprobs=prompt_logprobs,
                         finish_reason=finish,
                         stop_reason=stop_reason,
@@ -172,11 +188,17 @@ class NullBackend(Backend):
                     )
                 if finish is not None:
                     return
-                # Pace like an engine step; at 0, still one event-loop turn per output.
-                await asyncio.sleep(self.output_interval_s)
+                if num_left == 0:
+                    num_left = per_turn
+                    # Pace like an engine step; at 0, still one event-loop turn per output.
+                    await asyncio.sleep(self.output_interval_s)
         finally:
             self._running.discard(request_id)
             self._aborting.discard(request_id)
+            self._num_ready.pop(request_id, None)
+
+    def num_ready(self, request_id: str) -> int:
+        return self._num_ready.get(request_id, 0)
 
     def _logprobs(self, token_ids: list[int], num_top: int | None) -> list[Logprobs] | None:
         """Sampled token at -0.5; top-N alternatives: itself, then ids+1, +2... lower."""

@@ -26,7 +26,8 @@ from tandem.cluster.gateway.edge import sampling as edge_sampling
 from tandem.wire.engine_protocol import Logprobs
 
 if TYPE_CHECKING:
-    from tandem.cluster.gateway.generation import Gateway, Job, Step
+    from tandem.cluster.gateway.generation import Gateway
+    from tandem.cluster.gateway.job import Job, Step
 
 logger = logging.getLogger(__name__)
 
@@ -125,33 +126,41 @@ class GenerationResponse(Response):
         self, send: Send, body_send: Send, step: Step, steps: AsyncIterator[Step]
     ) -> None:
         """SSE: the start through ``send`` (the middleware chain), every body event
-        through ``body_send`` (the server's; see ``SERVER_SEND``)."""
-        job, formatter = self.job, self.job.formatter
+        through ``body_send`` (the server's; see ``SERVER_SEND``).
+
+        Events of outputs that were ready together (``Backend.num_ready``) go
+        out as one write: a gateway running behind its engines pays one write
+        per stream per batch, not per token. The bytes are the same; the first
+        token's write carries the stream's opening events, the last one's the
+        usage chunk and ``[DONE]``."""
+        job = self.job
+        formatters, request_id = job.formatters, job.request_id
+        num_ready = self.gateway.backend.num_ready
         await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
-        for chunk in (c for f in job.formatters for c in f.stream_start()):
-            await _send_body(body_send, chunk)
+        pending = b"".join(c for f in formatters for c in f.stream_start())
         while True:
             if step.error is not None:
                 body = protocol.error_body(step.error, "server_error", code="engine_error")
-                await _send_body(
-                    body_send, formatting.sse(body) + formatting.SSE_DONE, more_body=False
-                )
+                tail = formatting.sse(body) + formatting.SSE_DONE
+                await _send_body(body_send, pending + tail, more_body=False)
                 return
             if step.text or step.logprobs or step.finish_reason is not None:
-                chunk = job.formatters[step.index].stream_delta(
+                pending += formatters[step.index].stream_delta(
                     step.text, step.logprobs, step.finish_reason
                 )
-                await body_send({"type": "http.response.body", "body": chunk, "more_body": True})
             if step.last:
                 break
+            if pending and not num_ready(request_id):
+                await body_send({"type": "http.response.body", "body": pending, "more_body": True})
+                pending = b""
             step = await anext(steps)
         tail = formatting.SSE_DONE
         if job.include_usage:
             usage = formatting.usage(
                 job.num_prompt_tokens, job.num_output_tokens, job.num_cached_tokens
             )
-            tail = formatter.stream_usage(usage) + tail
-        await _send_body(body_send, tail, more_body=False)
+            tail = job.formatter.stream_usage(usage) + tail
+        await _send_body(body_send, pending + tail, more_body=False)
 
     async def _collect(self, send: Send, step: Step, steps: AsyncIterator[Step]) -> None:
         job = self.job

@@ -19,7 +19,10 @@ restarted gateway takes its predecessor's file's counters as the start of
 its ``/cluster/state`` counters, so the cluster's totals there never go
 back; its Prometheus series start again from 0 (``rate`` takes that as a
 counter reset). The rolling window of ``/cluster/state`` (tokens/s, latency
-percentiles) stays the answering gateway's own. A file not rewritten for
+percentiles) is the cluster's too: each file also carries the gateway's
+cumulative window values (``"rolling"``, ``dashboard/rolling.py``, continued
+from its predecessor's like the counters), which every gateway adds to its
+own at each sample. A file not rewritten for
 ``STALE_AFTER_S`` belongs to a gateway that is gone: its counters still
 count, its in-flight figure does not.
 """
@@ -31,7 +34,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -61,21 +64,29 @@ class GatewayPeers(Collector):
         for c in (metrics, *others):
             self._registry.register(c)
         self._timer: asyncio.TimerHandle | None = None
-        self.base = self._predecessor_counters()
+        self._predecessor = self._predecessor_record()
+        self.base = self._predecessor.get("counters", {})
+        # more fields of this gateway's record: name -> JSON-able value, read at each publish
+        self.published: dict[str, Callable[[], Any]] = {}
 
     # ---- publishing ----------------------------------------------------------
 
     def path(self, index: int) -> str:
         return os.path.join(self.directory, f"gateway-{index}.json")
 
-    def _predecessor_counters(self) -> dict[str, Any]:
-        """The counters the gateway of this index had published before it died."""
+    def _predecessor_record(self) -> dict[str, Any]:
+        """What the gateway of this index had published before it died."""
         try:
             with open(self.path(self.index)) as f:
                 old = json.load(f)
         except (OSError, ValueError):
             return {}
-        return old.get("counters", {})
+        return old if isinstance(old, dict) else {}
+
+    def predecessor(self, name: str) -> Any:
+        """Field ``name`` of the predecessor's last record (None without one):
+        where this gateway's cumulative figures start."""
+        return self._predecessor.get(name)
 
     def counters(self) -> dict[str, Any]:
         m = self.metrics
@@ -94,6 +105,7 @@ class GatewayPeers(Collector):
             "time_s": time.time(),
             "metrics": generate_latest(self._registry).decode(),
             "counters": self.counters(),
+            **{name: value() for name, value in self.published.items()},
         }
         tmp = self.path(self.index) + f".{os.getpid()}.tmp"
         with open(tmp, "w") as f:

@@ -72,6 +72,11 @@ class IncrementalDetokenizer:
         self._text_cache: str | None = ""
         self.stop_matched: str | None = None
         self.finished = False
+        # The common token's short path (``update``): a whole-text token after a
+        # decided window, no stop strings to watch. False once finished.
+        self._plain = self._token_text is not None and not self._stops
+        self._known_text: dict[int, str | None] = getattr(self._token_text, "cache", {})
+        self._window_clean = self._window_is_clean()
 
     @property
     def text(self) -> str:
@@ -82,8 +87,34 @@ class IncrementalDetokenizer:
 
     def update(self, new_token_ids: list[int]) -> str:
         """Add output tokens; return the newly decided text (maybe "")."""
+        if self._window_clean and self._plain and len(new_token_ids) == 1:
+            # one whole-text token, nothing held, no stops: the text is the delta
+            token_id = new_token_ids[0]
+            text = self._known_text.get(token_id)  # a dict read; unknown ids below
+            if text is None:
+                text = self._token_text(token_id)
+            if text is not None:
+                self._ids = [token_id]
+                self._read_offset = 1
+                self._prefix_text = text
+                if text:
+                    self._pieces.append(text)
+                    self._text_cache = None
+                return text
         if self.finished or self.stop_matched is not None:
             return ""
+        try:
+            return self._update(new_token_ids)
+        finally:
+            self._window_clean = self._window_is_clean()
+
+    def _window_is_clean(self) -> bool:
+        """Nothing held back and the window ends on a character boundary."""
+        return self._read_offset == len(self._ids) and not self._prefix_text.endswith(
+            _REPLACEMENT_CHAR
+        )
+
+    def _update(self, new_token_ids: list[int]) -> str:
         # One token at a time: a character split over a chunk boundary then
         # holds back only its own bytes, never the complete text before it.
         new_text = ""
@@ -109,6 +140,7 @@ class IncrementalDetokenizer:
 
     def finish(self) -> str:
         """Flush held text at the end of the request (no more tokens come)."""
+        self._plain = False
         if self.finished or self.stop_matched is not None:
             self.finished = True
             return ""
@@ -220,6 +252,7 @@ def _whole_token_text(tokenizer: PreTrainedTokenizerBase) -> Callable[[int], str
         cache[token_id] = text
         return text
 
+    token_text.cache = cache  # type: ignore[attr-defined]  # read directly per token
     _WHOLE_TOKEN_TEXT[tokenizer] = token_text
     return token_text
 

@@ -36,7 +36,9 @@ def install(
     """Add the two routes to ``app``. The rolling sampler starts now if a
     loop runs, else with the first request to either route or ``/metrics``
     (uvicorn runs with lifespan off)."""
-    rolling = RollingStats(metrics)
+    rolling = RollingStats(metrics, peers=peers)  # several gateways: the cluster's window
+    if peers is not None:
+        peers.published["rolling"] = rolling.cumulative
     rolling.ensure_started()
     page = _PAGE.read_bytes()
     encoder = msgspec.json.Encoder()

@@ -8,6 +8,15 @@ samples is what happened between them: a histogram of the interval (its
 p50 / p99 interpolated inside buckets, as Prometheus' ``histogram_quantile``
 does) and tokens per second. Counters are counted when a request ends, so a
 point's tokens/s is that of the requests that finished in its interval.
+
+Several gateways (``peers``, ``gateway_peers.GatewayPeers``): each publishes
+its own cumulative values with its other figures (``cumulative``, about once
+a second) and every gateway's sample is its own plus the others' last
+published ones, so the window and series are the cluster's, the same on
+every gateway (the others' part at most about a second old). A gateway gone
+stale keeps its last values (they add nothing to later intervals); one that
+restarted continues from its predecessor's last published values (what the
+predecessor did after that is lost, and differences are clamped at zero).
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ import collections
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 import msgspec
 
@@ -58,6 +68,7 @@ class RollingStats:
         self,
         metrics: GatewayMetrics,
         *,
+        peers: Any = None,
         interval_s: float = 2.0,
         window_s: float = 300.0,
         clock: Callable[[], float] = time.monotonic,
@@ -66,6 +77,10 @@ class RollingStats:
         if not 0 < interval_s < window_s:
             raise ValueError(f"need 0 < interval_s ({interval_s}) < window_s ({window_s})")
         self.metrics = metrics
+        self.peers = peers  # a GatewayPeers: the others' published values join each sample
+        self._base: _Sample | None = None  # a restarted gateway's predecessor's values
+        if peers is not None:
+            self._base = _convert(peers.predecessor("rolling"))
         self.interval_s, self.window_s = interval_s, window_s
         self._clock, self._wall = clock, wall
         self._samples: collections.deque[_Sample] = collections.deque()
@@ -108,9 +123,13 @@ class RollingStats:
             return None
         return _between(self._samples[0], self._take())
 
-    def _take(self) -> _Sample:
+    def cumulative(self) -> dict[str, Any]:
+        """This gateway's own cumulative values, as published to the others."""
+        return msgspec.to_builtins(self._own())
+
+    def _own(self) -> _Sample:
         m = self.metrics
-        return _Sample(
+        sample = _Sample(
             mono_s=self._clock(),
             wall_s=self._wall(),
             ttft=_merged(m.time_to_first_token),
@@ -119,6 +138,17 @@ class RollingStats:
             generation_tokens=m.num_generation_tokens,
             requests=sum(m.num_finished.values()),
         )
+        return sample if self._base is None else _sum(sample, self._base)
+
+    def _take(self) -> _Sample:
+        sample = self._own()
+        if self.peers is None:
+            return sample
+        for record in self.peers.peers():
+            other = _convert(record.get("rolling"))
+            if other is not None:
+                sample = _sum(sample, other)
+        return sample
 
 
 def _merged(histogram: PathHistogram) -> HistogramSnapshot:
@@ -132,12 +162,44 @@ def _merged(histogram: PathHistogram) -> HistogramSnapshot:
     )
 
 
+def _convert(published: Any) -> _Sample | None:
+    """A gateway's published values; None if absent (an older gateway) or damaged."""
+    if published is None:
+        return None
+    try:
+        return msgspec.convert(published, _Sample)
+    except (TypeError, msgspec.ValidationError):
+        return None
+
+
+def _sum(mine: _Sample, other: _Sample) -> _Sample:
+    """``mine`` plus another gateway's values (its histograms only when their
+    buckets are the same)."""
+
+    def add(a: HistogramSnapshot, b: HistogramSnapshot) -> HistogramSnapshot:
+        if a.bucket_upper_bounds != b.bucket_upper_bounds:
+            return a
+        counts = [x + y for x, y in zip(a.bucket_counts, b.bucket_counts)]
+        return HistogramSnapshot(a.bucket_upper_bounds, counts, a.count + b.count, a.sum + b.sum)
+
+    return _Sample(
+        mono_s=mine.mono_s,
+        wall_s=mine.wall_s,
+        ttft=add(mine.ttft, other.ttft),
+        itl=add(mine.itl, other.itl),
+        prompt_tokens=mine.prompt_tokens + other.prompt_tokens,
+        generation_tokens=mine.generation_tokens + other.generation_tokens,
+        requests=mine.requests + other.requests,
+    )
+
+
 def _delta(new: HistogramSnapshot, old: HistogramSnapshot) -> HistogramSnapshot:
+    """What ``new`` added to ``old``; at zero where a gateway restarted."""
     return HistogramSnapshot(
         new.bucket_upper_bounds,
-        [a - b for a, b in zip(new.bucket_counts, old.bucket_counts)],
-        new.count - old.count,
-        new.sum - old.sum,
+        [max(a - b, 0) for a, b in zip(new.bucket_counts, old.bucket_counts)],
+        max(new.count - old.count, 0),
+        max(new.sum - old.sum, 0.0),
     )
 
 
@@ -151,7 +213,7 @@ def _between(old: _Sample, new: _Sample) -> WindowStats:
         ttft_p99_s=quantile(ttft, 0.99),
         itl_p50_s=quantile(itl, 0.5),
         itl_p99_s=quantile(itl, 0.99),
-        tokens_in_per_s=(new.prompt_tokens - old.prompt_tokens) / span_s,
-        tokens_out_per_s=(new.generation_tokens - old.generation_tokens) / span_s,
-        requests_per_s=(new.requests - old.requests) / span_s,
+        tokens_in_per_s=max(new.prompt_tokens - old.prompt_tokens, 0) / span_s,
+        tokens_out_per_s=max(new.generation_tokens - old.generation_tokens, 0) / span_s,
+        requests_per_s=max(new.requests - old.requests, 0) / span_s,
     )

@@ -86,7 +86,8 @@ class ClusterState(msgspec.Struct):
     not_ready_reason: str
     pools: list[PoolRow]
     engines: list[EngineRow]
-    window: WindowStats | None  # the whole rolling window (``window_s``)
+    # the whole rolling window (``window_s``); both: every gateway's requests (rolling.py)
+    window: WindowStats | None
     series: list[WindowStats]  # one point per sampling interval, oldest first
     counters: Counters  # every gateway's, summed (several gateways: gateway_peers.py)
     recent_errors: list[ErrorRow]  # newest first
