@@ -38,6 +38,7 @@ class Engine:
         self.answered = False  # the last health check got an answer
         self.draining = False  # an operator drained it: no new work (migration)
         self.local_pid: int | None = None  # its pid, when visible from this process
+        self.removed = False  # taken out of its pool (scaling.py): probes ignore it
 
 
 class ErrorLog:

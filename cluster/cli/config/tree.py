@@ -74,7 +74,8 @@ class SecurityConfig:
         repr=False,
         secret=True,
         default_text="none (the admin routes answer 403)",
-        help="opens POST /admin/drain and /admin/undrain with 'Authorization: Bearer KEY'",
+        help="opens the admin routes (POST /admin/drain, /admin/undrain, /admin/pools/POOL, "
+        "...) with 'Authorization: Bearer KEY'",
     )
     cluster_secret_file: str | None = option(
         None,
@@ -167,7 +168,7 @@ class ServeConfig:
         default_util = EngineConfig.__dataclass_fields__["gpu_memory_utilization"].default
         if self.engine.gpu_memory_utilization != default_util:  # given for every pool
             overrides.setdefault("gpu_memory_utilization", self.engine.gpu_memory_utilization)
-        kv_events = self.routing.resolve(self.pools.sizes()) == "kv-aware"
+        kv_events = self.routing.resolve(self.pools.reach()) == "kv-aware"
         config = self.engine.replace(
             model=self.model,
             role=role,
