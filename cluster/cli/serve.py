@@ -54,6 +54,7 @@ class Service:
         self.backend = None
         self.started_ray = False
         self.dashboard_url = None
+        self.planner_task = None  # --planner load|sla (cluster/cli/planning.py)
         self.cluster_secret: bytes | None = None  # set by start(); tests act as members
         self.model_path: str | None = None  # set by start()
         # stop the engines at exit: not when they are meant to outlive this gateway
@@ -137,6 +138,9 @@ class Service:
             )
         self.backend = backend
         await backend.start()
+        from tandem.cluster.cli.planning import start_planner
+
+        self.planner_task = start_planner(config, backend)
 
     async def stop(self) -> None:
         import ray
@@ -145,6 +149,9 @@ class Service:
         from tandem.cluster.engines.pools import stop_pools
 
         handles = self.handles
+        if self.planner_task is not None:
+            self.planner_task.cancel()
+            await asyncio.gather(self.planner_task, return_exceptions=True)
         if self.backend is not None:
             await self.backend.close()
         if handles and self.owns_engines:

@@ -41,6 +41,26 @@ class Engine:
         self.removed = False  # taken out of its pool (scaling.py): probes ignore it
 
 
+class Traffic:
+    """The backend's own load figures, cumulative (the planner's input):
+    requests that arrived and their prompt tokens; requests that ended and
+    the output tokens they delivered. Counted once per request, never per token."""
+
+    def __init__(self) -> None:
+        self.arrivals = 0
+        self.prompt_tokens = 0
+        self.finished = 0
+        self.output_tokens = 0
+
+    def arrived(self, num_prompt_tokens: int) -> None:
+        self.arrivals += 1
+        self.prompt_tokens += num_prompt_tokens
+
+    def ended(self, num_output_tokens: int) -> None:
+        self.finished += 1
+        self.output_tokens += num_output_tokens
+
+
 class ErrorLog:
     """Failures worth an operator's eye (``/cluster/state``), newest last, bounded."""
 
