@@ -282,7 +282,7 @@ class RayBackend(Backend):
         """Call a control method (``check_integrity``, ``stats``) on every
         engine; ``stats`` answers are decoded into ``EngineStats``."""
         out = {}
-        for eid, e in self.engines.items():
+        for eid, e in list(self.engines.items()):  # a pool may resize meanwhile
             ref = getattr(e.handle.actor, method).remote()
             out[eid] = await asyncio.wait_for(_await_ref(ref), self.members.call_timeout_s)
             if method == "stats":
