@@ -44,7 +44,15 @@ def observation(backend: Any, now: float) -> Observation:
             )
         )
     t = backend.orchestrator.traffic
-    return Observation(now, pools, t.arrivals, t.prompt_tokens, t.finished, t.output_tokens)
+    return Observation(
+        now,
+        pools,
+        t.arrivals,
+        t.prompt_tokens,
+        t.finished,
+        t.output_tokens,
+        t.requested_output_tokens,
+    )
 
 
 def start_planner(config: Any, backend: Any) -> asyncio.Task | None:

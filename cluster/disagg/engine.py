@@ -51,10 +51,12 @@ class Traffic:
         self.prompt_tokens = 0
         self.finished = 0
         self.output_tokens = 0
+        self.requested_output_tokens = 0  # max_tokens of the arrivals
 
-    def arrived(self, num_prompt_tokens: int) -> None:
+    def arrived(self, num_prompt_tokens: int, max_tokens: int = 0) -> None:
         self.arrivals += 1
         self.prompt_tokens += num_prompt_tokens
+        self.requested_output_tokens += max_tokens
 
     def ended(self, num_output_tokens: int) -> None:
         self.finished += 1

@@ -62,7 +62,8 @@ class Orchestrator:
         """``Backend.generate``: tries until the stream ends by itself or
         migration gives up (an error output)."""
         rid = request.request_id
-        self.traffic.arrived(len(request.prompt_token_ids))
+        sp = request.sampling_params
+        self.traffic.arrived(len(request.prompt_token_ids), sp.max_tokens * max(1, request.n))
         q = self.plane.open_stream(rid)
         ledger = StreamLedger(request)
         finished = False

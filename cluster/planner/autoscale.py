@@ -19,7 +19,9 @@ A pool with no figures (no traffic, no stats yet) counts as idle: it goes
 down to its minimum instead of freezing at its size.
 
 ``sla`` (``SlaPlanner``): the interval's arrival rate and mean prompt length
-(arrivals), mean output length (requests that ended) predict the next
+(arrivals), mean output length (requests that ended, capped by the
+arrivals' mean ``max_tokens``, which sees a shift to shorter answers at
+once) predict the next
 interval (``Predictor``: the larger of the last interval and a decaying
 average, so a ramp is met at once and a lull is believed slowly); ``sla.decide``
 turns them into (prefill, decode) counts with the profile as the engine's
@@ -66,6 +68,7 @@ class Observation:
     prompt_tokens: int = 0
     finished: int = 0
     output_tokens: int = 0
+    requested_output_tokens: int = 0  # cumulative max_tokens of the arrivals
 
 
 @dataclass(frozen=True)
@@ -172,6 +175,11 @@ class Predictor:
             self.prompt_tokens = (obs.prompt_tokens - last.prompt_tokens) / arrivals
         if finished:
             self.output_tokens = max(1.0, (obs.output_tokens - last.output_tokens) / finished)
+        asked = obs.requested_output_tokens - last.requested_output_tokens
+        if arrivals and asked > 0:
+            # what the new requests may produce at most: the ended ones' mean
+            # lags a shift to shorter answers by a whole answer's time
+            self.output_tokens = max(1.0, min(self.output_tokens, asked / arrivals))
         self.rate_avg = self.decay * self.rate_avg + (1.0 - self.decay) * rate
         if self.rate_avg < 1e-3 and not rate:
             self.rate_avg = 0.0  # a lull long enough is no traffic

@@ -5,7 +5,8 @@
                      each one: logged with its reason and inputs, recorded
                      (record(decision): tandem:planner_decisions_total,
                      /cluster/state), and unless it holds, scale(pool, target)
-                     (the resize the admin route calls)
+                     (the resize the admin route calls; removals first, so
+                     a pool that grows finds the room another one left)
 
 Nothing here knows the backend: ``cluster/cli/planning.py`` passes the three
 callables, and tests pass their own with a fake clock.
@@ -18,7 +19,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from tandem.cluster.planner.autoscale import HOLD, Decision, Observation
+from tandem.cluster.planner.autoscale import HOLD, SCALE_IN, Decision, Observation
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ class PlannerRunner:
             log("planner: %s %s %d -> %d (%s) %s", d.pool, d.action, d.current, d.target,
                 d.reason, figures)  # fmt: skip
             self.record(d)
-        for d in decisions:
+        for d in sorted(decisions, key=lambda d: d.action != SCALE_IN):  # free room first
             if d.action == HOLD:
                 continue
             try:

@@ -252,3 +252,58 @@ def test_planner_config_names_the_field():
         dataclasses.replace(PlannerConfig(), planner_kv_high=1.5)
     with pytest.raises(ValueError, match="a colocated pool"):
         SlaPlanner(sla_config(), {"colocated": (1, 2)}, profile())
+
+
+def test_predicted_output_follows_a_shift_to_shorter_answers_at_once():
+    """The ended requests' mean lags by a whole answer; the arrivals' max_tokens caps it."""
+    from tandem.cluster.planner.autoscale import Predictor
+
+    pred = Predictor()
+    pred.observe(Observation(0.0, {}))
+    long = pred.observe(Observation(10.0, {}, 100, 51200, 100, 51200, 51200))
+    assert long.output_tokens == 512
+    # new arrivals ask for 32 tokens; the requests that ended were still long ones
+    short = pred.observe(Observation(20.0, {}, 200, 460800, 150, 76800, 54400))
+    assert short.output_tokens == 32 and short.prompt_tokens == 4096
+
+
+def test_the_sla_planner_in_the_simulator_follows_a_shifting_mix():
+    """cluster/planner/elastic.py: four slots, a decode-heavy phase then a
+    prefill-heavy one; the planner moves engines from decode to prefill,
+    never holds more than four, and the run is deterministic."""
+    import random
+
+    from tandem.cluster.planner.elastic import ElasticSimulator
+    from tandem.cluster.planner.simulator import SimRequest
+
+    rng = random.Random(0)
+    requests, t = [], 0.0
+    while t < 120.0:
+        t += rng.expovariate(4.0 if t < 60 else 3.0)
+        prompt, out = (64, 200) if t < 60 else (2000, 4)
+        requests.append(SimRequest(t, [rng.randrange(3, 30000) for _ in range(prompt)], out))
+    prof = dataclasses.replace(
+        profile(),
+        prefill_tokens=[1, 4096],  # about 0.1 ms a prompt token
+        prefill_time_s=[0.005, 0.4],
+        scheduler={"block_size": 16, "num_kv_blocks": 4096, "max_num_batched_tokens": 2048,
+                   "max_num_seqs": 64, "max_model_len": 4096},
+    )  # fmt: skip
+
+    def run():
+        bounds = {"prefill": (1, 3), "decode": (1, 3)}
+        planner = SlaPlanner(sla_config(planner_scale_in_cooldown_s=10.0), bounds, prof)
+        sim = ElasticSimulator(prof, 1, 3, planner, interval_s=5.0, cold_start_s=5.0, slots=4)
+        records = sim.run(requests)  # check_integrity() on every engine inside
+        return sim, [r.token_times for r in records]
+
+    sim, times = run()
+    assert all(p + d <= 4 for _, p, d in sim.sizes), sim.sizes
+    phase_a = [(p, d) for t, p, d in sim.sizes if 20 < t <= 60]
+    phase_b = [(p, d) for t, p, d in sim.sizes if 70 < t <= 120]
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    # decode engines went to prefill when the long prompts came
+    assert mean([d for _, d in phase_a]) > mean([d for _, d in phase_b]), sim.sizes
+    assert mean([p for p, _ in phase_b]) > mean([p for p, _ in phase_a]), sim.sizes
+    assert any(d.action == SCALE_IN and d.pool == "decode" for d in sim.decisions)
+    assert run()[1] == times  # the same workload gives the same result
