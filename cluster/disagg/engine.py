@@ -43,8 +43,9 @@ class Engine:
 
 class Traffic:
     """The backend's own load figures, cumulative (the planner's input):
-    requests that arrived and their prompt tokens; requests that ended and
-    the output tokens they delivered. Counted once per request, never per token."""
+    requests that arrived, their prompt tokens and ``max_tokens``; requests
+    that ended having delivered tokens, and how many. Counted once per
+    request, never per token."""
 
     def __init__(self) -> None:
         self.arrivals = 0

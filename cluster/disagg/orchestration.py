@@ -86,7 +86,8 @@ class Orchestrator:
                     attempt = ledger.resubmission()
                     hashes = self.routing.hashes(attempt)
         finally:
-            self.traffic.ended(len(ledger.sent_token_ids))
+            if ledger.sent_token_ids:  # a refused or failed request says nothing of lengths
+                self.traffic.ended(len(ledger.sent_token_ids))
             if not finished:
                 self.plane.abort(rid)
             self.plane.close_stream(rid)

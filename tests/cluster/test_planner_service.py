@@ -21,6 +21,13 @@ def decode_engines(svc) -> int:
     return sum(e.state.role == "decode" for e in svc.service.backend.engines.values())
 
 
+def scaled_in(svc) -> int:
+    """Decode engines now, once the planner's scale-in is logged done (else -1)."""
+    log = svc.service.backend.scaler.log
+    done = any(e.source == "planner" and e.action == "scale_in" for e in list(log.events))
+    return decode_engines(svc) if done else -1
+
+
 def planner_decisions(svc) -> dict[tuple[str, str, str], float]:
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -62,7 +69,8 @@ def test_load_planner_scales_the_decode_pool_in_and_out():
     )
     try:
         with ServiceThread(config) as svc:
-            wait_for("no traffic: decode to its minimum", lambda: decode_engines(svc) == 1)
+            # decode to its minimum, the removed engine stopped and the action logged
+            wait_for("no traffic: decode to its minimum", lambda: scaled_in(svc) == 1)
             state = httpx.get(svc.base_url + "/cluster/state", timeout=30).json()
             planner = state["planner"]
             assert planner["mode"] == "load" and planner["interval_s"] == 0.5
@@ -77,6 +85,10 @@ def test_load_planner_scales_the_decode_pool_in_and_out():
             wait_for("a queue: decode back to 2", lambda: decode_engines(svc) == 2)
             assert not any(w.finish())
             assert all(r.done and r.error is None for r in w.results), w.results
+            # the planner's inputs: the backend's own per-request counts
+            traffic = svc.service.backend.orchestrator.traffic
+            assert (traffic.arrivals, traffic.finished) == (12, 12)
+            assert traffic.output_tokens == traffic.requested_output_tokens == 12 * 96
             wait_for("idle again: decode to 1", lambda: decode_engines(svc) == 1)
             counted = planner_decisions(svc)
             assert counted[("decode", "scale_out", "queue_high")] >= 1, counted
