@@ -30,6 +30,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
+from tandem.cluster.cli.trace_replay import MOONCAKE_BLOCK_TOKENS, add_trace_arguments
 from tandem.cluster.planner.metrics import stats_ms
 
 _DEFAULT_VOCAB_SIZE = 1000  # when the server does not say; valid for any real model
@@ -55,7 +56,7 @@ class BenchConfig:
     # replay a trace instead (cluster/cli/trace_replay.py): every row, at its time
     trace: str | None = None
     time_scale: float = 1.0
-    trace_block_tokens: int = 512
+    trace_block_tokens: int = MOONCAKE_BLOCK_TOKENS
 
     def validate(self) -> None:
         if self.num_requests < 1:
@@ -363,23 +364,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slo-tpot-ms", type=float, help="TPOT objective for goodput")
     parser.add_argument("--request-timeout-s", type=float, default=d.request_timeout_s)
     parser.add_argument("--vocab-size", type=int, help="token ids are drawn below this")
-    parser.add_argument(
-        "--trace",
-        help="replay a Mooncake JSONL or Azure CSV trace (its lengths and times; "
-        "--num-requests, --input-len, --output-len and --request-rate do not apply)",
-    )
-    parser.add_argument(
-        "--time-scale",
-        type=float,
-        default=d.time_scale,
-        help="trace clock x this (0.1: 10x faster)",
-    )
-    parser.add_argument(
-        "--trace-block-tokens",
-        type=int,
-        default=d.trace_block_tokens,
-        help="prompt tokens per trace hash id (Mooncake: 512)",
-    )
+    add_trace_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print the summary as JSON only")
 
 

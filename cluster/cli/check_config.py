@@ -6,7 +6,7 @@ as JSON and exits 0, or prints ``error: ...`` naming the field and exits 2:
 
     serve    every setting by its flat key (the keys a YAML file uses)
     config   the same settings as the typed tree, by section (also a valid --config)
-    pools    each pool that would start, with its resolved engine config
+    pools    each pool that would start, its size range and resolved engine config
 
 Starts no Ray, loads no model and touches no file except ``--config``: a
 model directory is checked where it is mounted, when the engines start.
@@ -35,6 +35,9 @@ def resolved_config(config: ServeConfig) -> dict:
             {
                 "role": spec.role,
                 "num_engines": spec.num_engines,
+                # the sizes a resize may reach (cluster/disagg/scaling.py)
+                "min_engines": config.pools.pool(spec.role).min_engines,
+                "max_engines": config.pools.pool(spec.role).max_engines,
                 "num_gpus_per_engine": spec.num_gpus,
                 "ray_resources": dict(spec.resources),
                 "max_restarts": spec.max_restarts,

@@ -26,32 +26,41 @@ def add_drain_parser(sub) -> None:
     p.set_defaults(func=cmd_drain)
 
 
-def cmd_drain(args: argparse.Namespace) -> int:
+def admin_post(args: argparse.Namespace, path: str, body: dict) -> tuple[int, dict] | None:
+    """POST ``body`` to the gateway's admin ``path`` with the admin key
+    (``--admin-api-key`` or ``$TANDEM_ADMIN_API_KEY``). Returns ``(status,
+    JSON answer)``, or None after printing why the call was not made."""
     import httpx
 
     key = args.admin_api_key or os.environ.get("TANDEM_ADMIN_API_KEY")
     if not key:
         print("error: --admin-api-key (or $TANDEM_ADMIN_API_KEY) is required", file=sys.stderr)
-        return 2
-    path = "/admin/undrain" if args.undo else "/admin/drain"
+        return None
     try:
         r = httpx.post(
             args.url.rstrip("/") + path,
-            json={"engine_id": args.engine_id},
+            json=body,
             headers={"Authorization": f"Bearer {key}"},
             timeout=args.timeout_s,
         )
     except httpx.HTTPError as exc:
         print(f"error: {args.url}: {exc}", file=sys.stderr)
-        return 2
+        return None
     try:
-        body = r.json()
+        answer = r.json()
     except ValueError:
-        body = {"error": {"message": r.text}}
+        answer = {"error": {"message": r.text}}
     if r.status_code != 200:
-        print(
-            f"error: {r.status_code}: {body.get('error', {}).get('message', body)}", file=sys.stderr
-        )
+        message = answer.get("error", {}).get("message", answer)
+        print(f"error: {r.status_code}: {message}", file=sys.stderr)
+    return r.status_code, answer
+
+
+def cmd_drain(args: argparse.Namespace) -> int:
+    path = "/admin/undrain" if args.undo else "/admin/drain"
+    result = admin_post(args, path, {"engine_id": args.engine_id})
+    if result is None or result[0] != 200:
         return 2
+    body = result[1]
     print(json.dumps(body))
     return 0 if args.undo or body.get("idle") else 1

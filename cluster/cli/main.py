@@ -1,4 +1,4 @@
-"""The ``tandem`` command: ``generate`` (offline), ``serve``, ``drain``,
+"""The ``tandem`` command: ``generate`` (offline), ``serve``, ``drain``, ``scale``,
 ``stop-engines``, ``bench``, ``profile``, ``simulate``, ``plan``."""
 
 from __future__ import annotations
@@ -114,6 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
         from tandem.cluster.cli.drain import add_drain_parser
 
         add_drain_parser(sub)
+    except ImportError:
+        pass
+    try:
+        from tandem.cluster.cli.scale import add_scale_parser
+
+        add_scale_parser(sub)
     except ImportError:
         pass
     try:

@@ -50,14 +50,22 @@ class Service:
 
     def __init__(self, config: ServeConfig) -> None:
         self.config = config
-        self.handles: list = []
+        self._handles: list = []  # the engines at start (--attach: those found)
         self.backend = None
         self.started_ray = False
         self.dashboard_url = None
+        self.planner_task = None  # --planner load|sla (cluster/cli/planning.py)
         self.cluster_secret: bytes | None = None  # set by start(); tests act as members
         self.model_path: str | None = None  # set by start()
         # stop the engines at exit: not when they are meant to outlive this gateway
         self.owns_engines = not (config.ray.detach_engines or config.ray.attach)
+
+    @property
+    def handles(self) -> list:
+        """The engines of the pools now (they grow and shrink: cluster/disagg/scaling.py)."""
+        if self.backend is not None:
+            return [e.handle for e in self.backend.engines.values()]
+        return self._handles
 
     async def start(self) -> None:
         import ray
@@ -90,18 +98,19 @@ class Service:
             from tandem.cluster.engines.attach import adopt_engines, pool_counts
             from tandem.wire.auth import secret_fingerprint
 
-            self.handles = adopt_engines(namespace, config.model, secret_fingerprint(secret))
-            self.config = config = with_pool_counts(config, pool_counts(self.handles))
+            self._handles = adopt_engines(namespace, config.model, secret_fingerprint(secret))
+            self.config = config = with_pool_counts(config, pool_counts(self._handles))
         else:
-            self.handles = start_pools(
-                pool_specs(config, secret),
+            specs = pool_specs(config, secret)
+            self._handles = start_pools(
+                specs,
                 output_addr,
                 namespace=namespace,
                 gateway_session=session,
                 detached=config.ray.detach_engines,
             )
-        self.backend = RayBackend(
-            self.handles,
+        backend = RayBackend(
+            self._handles,
             tokenizer=tokenizer,
             model_name=config.model,
             output_addr=output_addr,
@@ -113,8 +122,25 @@ class Service:
             routing=config.routing,
             migration=config.migration,
             gateway_session=session,
+            pool_sizes=config.pools.reach(),
         )
-        await self.backend.start()
+        if not config.ray.attach:  # pools that resize while serving
+            from tandem.cluster.disagg.scaling import PoolScaler
+
+            backend.scaler = PoolScaler(
+                backend,
+                specs,
+                config.pools,
+                output_addr=output_addr,
+                namespace=namespace,
+                gateway_session=session,
+                detached=config.ray.detach_engines,
+            )
+        self.backend = backend
+        await backend.start()
+        from tandem.cluster.cli.planning import start_planner
+
+        self.planner_task = start_planner(config, backend)
 
     async def stop(self) -> None:
         import ray
@@ -122,14 +148,18 @@ class Service:
         from tandem.cluster.cli.gateways import gateway_index
         from tandem.cluster.engines.pools import stop_pools
 
+        handles = self.handles
+        if self.planner_task is not None:
+            self.planner_task.cancel()
+            await asyncio.gather(self.planner_task, return_exceptions=True)
         if self.backend is not None:
             await self.backend.close()
-        if self.handles and self.owns_engines:
-            stop_pools(self.handles)
-        elif self.handles and gateway_index() is None:  # else the supervisor owns them
+        if handles and self.owns_engines:
+            stop_pools(handles)
+        elif handles and gateway_index() is None:  # else the supervisor owns them
             logger.warning(
                 "leaving %d engines running in Ray namespace %r (tandem stop-engines stops them)",
-                len(self.handles),
+                len(handles),
                 self.config.ray.ray_namespace,
             )
         if self.started_ray:

@@ -15,19 +15,14 @@ import json
 import sys
 from typing import Any
 
+from tandem.cluster.cli.trace_replay import add_trace_arguments
+
 VOCAB_SIZE = 32000  # prompts are token ids for the schedulers' prefix cache only
 
 
 def _add_workload(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", help="performance profile JSON (tandem profile writes one)")
-    p.add_argument("--trace", help="Mooncake JSONL or Azure CSV trace (as tandem bench --trace)")
-    p.add_argument("--time-scale", type=float, default=1.0, help="trace clock x this")
-    p.add_argument(
-        "--trace-block-tokens",
-        type=int,
-        default=512,
-        help="prompt tokens per trace hash id (Mooncake: 512)",
-    )
+    add_trace_arguments(p)
     p.add_argument("--num-requests", type=int, default=200, help="without --trace")
     p.add_argument("--request-rate", type=float, default=4.0, help="requests/s, without --trace")
     p.add_argument("--input-len", type=int, default=512, help="without --trace")

@@ -46,6 +46,26 @@ class TraceRequest:
     hash_ids: list[int] = field(default_factory=list)
 
 
+def add_trace_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--trace``, ``--time-scale`` and ``--trace-block-tokens``: one
+    definition for every command that replays a trace (``tandem bench``,
+    ``tandem simulate``, ``tandem plan``)."""
+    parser.add_argument(
+        "--trace",
+        help="replay a Mooncake JSONL or Azure CSV trace (its lengths and times; "
+        "--num-requests, --input-len, --output-len and --request-rate do not apply)",
+    )
+    parser.add_argument(
+        "--time-scale", type=float, default=1.0, help="trace clock x this (0.1: 10x faster)"
+    )
+    parser.add_argument(
+        "--trace-block-tokens",
+        type=int,
+        default=MOONCAKE_BLOCK_TOKENS,
+        help=f"prompt tokens per trace hash id (Mooncake: {MOONCAKE_BLOCK_TOKENS})",
+    )
+
+
 def load_trace(path: str) -> list[TraceRequest]:
     """A Mooncake JSONL (``*.jsonl``/``*.json``) or Azure CSV (``*.csv``)
     trace, sorted by time, clock starting at 0. ``ValueError`` naming the

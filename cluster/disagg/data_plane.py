@@ -131,6 +131,13 @@ class DataPlane:
         self._disconnects.watch(e.state.engine_id, epoch, e.socket)
         e.socket.connect(input_addr)
 
+    def disconnect(self, e: Engine) -> None:
+        """``e`` left the cluster: stop watching its connection, close its socket."""
+        self._disconnects.unwatch(e.state.engine_id)
+        if e.socket is not None:
+            e.socket.close(linger=0)
+            e.socket = None
+
     def send(self, e: Engine, kind: bytes, msg: Any) -> None:
         """Raises BackendUnavailable (not connected) or ``zmq.Again`` (its queue is full)."""
         if e.socket is None:

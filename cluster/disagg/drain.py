@@ -4,7 +4,8 @@
       -> no new work on it (not ready, draining)
       -> decode / colocated: its streams migrate now (migration.py, reason "drain");
          prefill: its short requests finish
-      -> wait until it holds nothing (its stats say idle), at most timeout_s
+      -> wait until it holds nothing (its stats say idle, and no output is
+         owed: a prefill engine's handoffs in flight finish), at most timeout_s
     POST /admin/undrain -> ready again once healthy
 
 A drained engine stays connected and probed; only the router skips it.
@@ -52,11 +53,27 @@ async def drain(
             stats = STATS_DECODER.decode(await members.call(e, "stats")).scheduler
         except Exception:  # noqa: BLE001 - slow or dead: holds nothing of ours soon
             stats = None
-        if not e.requests and stats is not None and not any(getattr(stats, k) for k in BUSY_STATS):
+        if (
+            _nothing_owed(e)
+            and stats is not None
+            and not any(getattr(stats, k) for k in BUSY_STATS)
+        ):
             idle = True
             break
         await asyncio.sleep(0.1)
     return {"engine_id": engine_id, "draining": True, "migrated": moved, "idle": idle}
+
+
+def _nothing_owed(e: Engine) -> bool:
+    """No request of ours is still owed an output by ``e``. A prefill engine
+    owes one output per prefill sent (``num_inflight`` drops when it came
+    back, with the KV handoff's params); the request itself stays listed
+    there until its stream ends, for aborts of its held blocks, which the
+    engine's stats show (``num_blocks_held_for_transfer``). Other engines
+    owe outputs to every stream they hold."""
+    if e.state.role == "prefill":
+        return e.state.num_inflight == 0
+    return not e.requests
 
 
 def undrain(engines: dict[str, Engine], engine_id: str) -> dict[str, Any]:

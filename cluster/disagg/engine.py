@@ -38,6 +38,30 @@ class Engine:
         self.answered = False  # the last health check got an answer
         self.draining = False  # an operator drained it: no new work (migration)
         self.local_pid: int | None = None  # its pid, when visible from this process
+        self.removed = False  # taken out of its pool (scaling.py): probes ignore it
+
+
+class Traffic:
+    """The backend's own load figures, cumulative (the planner's input):
+    requests that arrived, their prompt tokens and ``max_tokens``; requests
+    that ended having delivered tokens, and how many. Counted once per
+    request, never per token."""
+
+    def __init__(self) -> None:
+        self.arrivals = 0
+        self.prompt_tokens = 0
+        self.finished = 0
+        self.output_tokens = 0
+        self.requested_output_tokens = 0  # max_tokens of the arrivals
+
+    def arrived(self, num_prompt_tokens: int, max_tokens: int = 0) -> None:
+        self.arrivals += 1
+        self.prompt_tokens += num_prompt_tokens
+        self.requested_output_tokens += max_tokens
+
+    def ended(self, num_output_tokens: int) -> None:
+        self.finished += 1
+        self.output_tokens += num_output_tokens
 
 
 class ErrorLog:

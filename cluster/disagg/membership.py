@@ -93,9 +93,9 @@ class Membership:
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check(e) for e in self.engines.values()))
-        await self._register_prefill_engines()
+        await self.register_prefill_engines()
 
-    async def _register_prefill_engines(self) -> None:
+    async def register_prefill_engines(self) -> None:
         """Tell decode engines which prefill engines they may read from. A
         new decode incarnation gets requests once it holds the list, a new
         prefill one once every answering decode engine holds it."""
@@ -135,6 +135,8 @@ class Membership:
                 raise RuntimeError(f"engine {eid} failed to start: {exc}") from exc
             e.health.mark_actor_dead()
             cause = type(exc).__name__
+        if e.removed:
+            return  # scaled in while the probe ran (scaling.py)
         e.answered = info is not None
         if info is not None and info["epoch"] != e.state.epoch:
             self._connect(e, info)
@@ -155,7 +157,7 @@ class Membership:
                 self.update_stats(e, await self.call(e, "stats"))
             except Exception as exc:  # noqa: BLE001 - stale stats are not a verdict
                 logger.debug("engine %s stats: %r", eid, exc)
-        e.state.ready = not e.unregistered and not e.draining  # see _register_prefill_engines
+        e.state.ready = not e.unregistered and not e.draining  # see register_prefill_engines
 
     async def _join(self, e: Engine, info: dict[str, Any]) -> dict[str, Any]:
         """``e`` does not serve this gateway (yet): join it
@@ -203,8 +205,8 @@ class Membership:
 
     def on_disconnect(self, engine_id: str, epoch: int) -> None:
         """The input connection to this incarnation dropped: confirm (task)."""
-        e = self.engines[engine_id]
-        if e.state.epoch != epoch or e.health.actor_dead:
+        e = self.engines.get(engine_id)
+        if e is None or e.state.epoch != epoch or e.health.actor_dead:
             return
         task = asyncio.create_task(self._confirm_death(e, epoch))
         self.confirming.add(task)

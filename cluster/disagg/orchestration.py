@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator
 import zmq
 
 from tandem.cluster.disagg.data_plane import DataPlane, EngineFailed
-from tandem.cluster.disagg.engine import Engine
+from tandem.cluster.disagg.engine import Engine, Traffic
 from tandem.cluster.disagg.migration import EngineLost, Migrator, StreamLedger
 from tandem.cluster.gateway.backend import BackendUnavailable
 from tandem.cluster.routing.cluster_routing import ClusterRouting, PromptHashes
@@ -49,8 +49,10 @@ class Orchestrator:
         routing: ClusterRouting,
         migrator: Migrator,
         disaggregated: bool,
+        traffic: Traffic | None = None,
     ) -> None:
         self.engines = engines
+        self.traffic = traffic or Traffic()
         self.plane = plane
         self.routing = routing
         self.migrator = migrator
@@ -60,6 +62,8 @@ class Orchestrator:
         """``Backend.generate``: tries until the stream ends by itself or
         migration gives up (an error output)."""
         rid = request.request_id
+        sp = request.sampling_params
+        self.traffic.arrived(len(request.prompt_token_ids), sp.max_tokens * max(1, request.n))
         q = self.plane.open_stream(rid)
         ledger = StreamLedger(request)
         finished = False
@@ -82,6 +86,8 @@ class Orchestrator:
                     attempt = ledger.resubmission()
                     hashes = self.routing.hashes(attempt)
         finally:
+            if ledger.sent_token_ids:  # a refused or failed request says nothing of lengths
+                self.traffic.ended(len(ledger.sent_token_ids))
             if not finished:
                 self.plane.abort(rid)
             self.plane.close_stream(rid)

@@ -6,6 +6,7 @@
       orchestration.py  each request: plan -> prefill -> handoff -> decode
       migration.py      streams that lost their engine go on elsewhere
       drain.py          an operator takes an engine out of service
+      scaling.py        pools that grow and shrink while serving
     engine.py: the record of one engine all of them share.
 
 Every part runs on the gateway's event loop.
@@ -23,6 +24,7 @@ from tandem.cluster.disagg.engine import Engine, ErrorLog
 from tandem.cluster.disagg.membership import Membership, ray_node_id
 from tandem.cluster.disagg.migration import MigrationPolicy, Migrator
 from tandem.cluster.disagg.orchestration import Orchestrator
+from tandem.cluster.disagg.scaling import PoolScaler
 from tandem.cluster.engines.health import EngineHealth
 from tandem.cluster.engines.pools import EngineHandle
 from tandem.cluster.gateway.backend import Backend, BackendMetrics, EngineMetrics
@@ -52,6 +54,7 @@ class RayBackend(Backend):
         routing: RoutingConfig | None = None,
         migration: MigrationPolicy | None = None,
         gateway_session: int = 0,
+        pool_sizes: dict[str, int] | None = None,
     ) -> None:
         """``call_timeout_s``: a Ray control call slower than this gives no
         verdict (the engine may be slow); ``engine_dead_after_s``: no heartbeat
@@ -63,25 +66,22 @@ class RayBackend(Backend):
         pool has more than one engine). ``gateway_session``: this gateway's
         session (``cluster/engines/attach.py``): the return address of its
         requests; an engine that does not serve it yet is joined at its
-        first probe."""
+        first probe. ``pool_sizes``: what the default router is chosen by
+        (the most engines each pool may reach; default: the handles')."""
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.eos_token_id = getattr(tokenizer, "eos_token_id", None)
         self.router = Router(disagg_min_tokens)
-        slow_after_s = min(4 * health_interval_s, engine_dead_after_s / 2)
-        self.engines = {
-            h.engine_id: Engine(
-                h,
-                self.router.add(h.engine_id, h.role),
-                EngineHealth(dead_after_s=engine_dead_after_s, slow_after_s=slow_after_s),
-            )
-            for h in handles
-        }
+        self._health = (engine_dead_after_s, min(4 * health_interval_s, engine_dead_after_s / 2))
+        self.engines: dict[str, Engine] = {}
+        for h in handles:
+            self.add_engine(h)
         pools = self.router.pools()
         disaggregated = "prefill" in pools or "decode" in pools
-        pool_sizes: dict[str, int] = {}
-        for h in handles:
-            pool_sizes[h.role] = pool_sizes.get(h.role, 0) + 1
+        if pool_sizes is None:
+            pool_sizes = {}
+            for h in handles:
+                pool_sizes[h.role] = pool_sizes.get(h.role, 0) + 1
         self.routing = ClusterRouting(routing or RoutingConfig(), self.router, pool_sizes)
         self.errors = ErrorLog()
         self.plane = DataPlane(
@@ -110,6 +110,28 @@ class RayBackend(Backend):
             self.engines, self.plane, self.routing, self.migrator, disaggregated
         )
         self._tasks: list[asyncio.Task] = []
+        self.scaler: PoolScaler | None = None  # set by the service that owns the pools
+
+    def add_engine(self, handle: EngineHandle) -> Engine:
+        """An engine of a pool, known from now on: it takes requests once the
+        health probe connected it and the prefill registry holds it."""
+        dead_after_s, slow_after_s = self._health
+        health = EngineHealth(dead_after_s=dead_after_s, slow_after_s=slow_after_s)
+        e = Engine(handle, self.router.add(handle.engine_id, handle.role), health)
+        self.engines[handle.engine_id] = e
+        return e
+
+    def remove_engine(self, engine_id: str) -> Engine:
+        """Forget an engine that left its pool (scaling.py: drained first): the
+        router, the prefix index, its KV events, its input socket; the next
+        registry push drops a prefill engine from the decode engines' lists."""
+        e = self.engines.pop(engine_id)
+        e.removed = True
+        e.state.ready = False
+        self.router.remove(engine_id)
+        self.routing.on_removed(engine_id)
+        self.plane.disconnect(e)
+        return e
 
     @property
     def max_model_len(self) -> int:  # known once engines report ready
@@ -136,6 +158,8 @@ class RayBackend(Backend):
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self.scaler is not None:
+            await self.scaler.close()
         await self.members.leave_all()  # engines that serve on drop this gateway's requests
         self.plane.close_sockets()
         self.routing.close()
@@ -182,6 +206,11 @@ class RayBackend(Backend):
 
     def undrain(self, engine_id: str) -> dict[str, Any]:
         return drain.undrain(self.engines, engine_id)
+
+    async def scale_pool(self, role: str, engines: int) -> dict[str, Any]:
+        if self.scaler is None:
+            raise ValueError("pool: this gateway does not own its engine pools")
+        return await self.scaler.scale(role, engines)
 
     async def reset_prefix_cache(self) -> dict[str, bool]:
         return await self._call_every("reset_prefix_cache")
@@ -238,7 +267,18 @@ class RayBackend(Backend):
             num_reader_restarts=self.plane.num_reader_restarts,
             num_engine_restarts=self.members.num_engine_restarts,
             recent_errors=list(self.errors.events),
+            pool_sizes=self.pool_sizes(),
+            scaling_actions=self.scaler.log.counts() if self.scaler else {},
+            scaling_events=list(self.scaler.log.events) if self.scaler else [],
+            planner=self.scaler.log.planner if self.scaler else None,
         )
+
+    def pool_sizes(self) -> dict[str, int]:
+        """Engines per running pool (those still starting are not counted)."""
+        sizes = dict.fromkeys(self.scaler.specs if self.scaler else (), 0)
+        for e in self.engines.values():
+            sizes[e.state.role] = sizes.get(e.state.role, 0) + 1
+        return sizes
 
     # ---- test hooks -------------------------------------------------------------
 
@@ -246,7 +286,7 @@ class RayBackend(Backend):
         """Call a control method (``check_integrity``, ``stats``) on every
         engine; ``stats`` answers are decoded into ``EngineStats``."""
         out = {}
-        for eid, e in self.engines.items():
+        for eid, e in list(self.engines.items()):  # a pool may resize meanwhile
             ref = getattr(e.handle.actor, method).remote()
             out[eid] = await asyncio.wait_for(_await_ref(ref), self.members.call_timeout_s)
             if method == "stats":

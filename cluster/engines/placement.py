@@ -141,6 +141,18 @@ class PoolConfig:
         metavar="JSON",
         help="Ray custom resources each {role} engine requests, e.g. '{{\"tandem_{role}\": 1}}'",
     )
+    min_engines: int = option(
+        1,
+        key="{role}_min_engines",
+        help="fewest {role} engines a resize (POST /admin/pools/{role}, tandem scale, "
+        "the planner) may leave",
+    )
+    max_engines: int | None = option(
+        None,
+        key="{role}_max_engines",
+        default_text="no limit (the planner needs one)",
+        help="most {role} engines a resize may start",
+    )
     engine: dict[str, Any] = option(
         default_factory=dict,
         key="{role}_engine",
@@ -160,6 +172,7 @@ class PoolConfig:
             )
         if isinstance(self.num_engines, bool) or not isinstance(self.num_engines, int):
             raise ValueError(f"{self.role} must be an integer, got {self.num_engines!r}")
+        self._check_bounds()
         from tandem.workers.config import EngineConfig, engine_fields
 
         if not isinstance(self.engine, dict):
@@ -169,6 +182,46 @@ class PoolConfig:
             internal = bad & set(EngineConfig.__dataclass_fields__)
             why = f" ({', '.join(sorted(internal))}: set by tandem serve)" if internal else ""
             raise ValueError(f"--config: unknown keys in {self.role}_engine: {sorted(bad)}{why}")
+
+    def _check_bounds(self) -> None:
+        """min <= max, and a running pool starts inside them (ValueError naming the field)."""
+        lo, hi, n = self.min_engines, self.max_engines, self.num_engines
+        key = f"{self.role}_min_engines"
+        if isinstance(lo, bool) or not isinstance(lo, int) or lo < 1:
+            raise ValueError(
+                f"{key} (--{key.replace('_', '-')}) must be an integer >= 1, got {lo!r}"
+            )
+        if hi is not None:
+            key = f"{self.role}_max_engines"
+            if isinstance(hi, bool) or not isinstance(hi, int) or hi < lo:
+                raise ValueError(
+                    f"{key} (--{key.replace('_', '-')}) must be an integer >= "
+                    f"{self.role}_min_engines ({lo}), got {hi!r}"
+                )
+        if n and n < lo:
+            raise ValueError(
+                f"{self.role}_min_engines is {lo} but the {self.role} pool starts with {n} "
+                f"(--{self.role})"
+            )
+        if n and hi is not None and n > hi:
+            raise ValueError(
+                f"{self.role}_max_engines is {hi} but the {self.role} pool starts with {n} "
+                f"(--{self.role})"
+            )
+
+    def bounds_error(self, engines: int) -> str | None:
+        """Why a resize to ``engines`` is refused (naming the field), or None."""
+        if engines < self.min_engines:
+            return (
+                f"{engines} {self.role} engines is below {self.role}_min_engines "
+                f"(--{self.role}-min-engines {self.min_engines})"
+            )
+        if self.max_engines is not None and engines > self.max_engines:
+            return (
+                f"{engines} {self.role} engines is above {self.role}_max_engines "
+                f"(--{self.role}-max-engines {self.max_engines})"
+            )
+        return None
 
 
 @dataclass(frozen=True)
@@ -188,6 +241,17 @@ class PoolsConfig:
     num_gpus_per_engine: float = option(
         0, help="GPUs per engine (0 = CPU; 0.5 = two engines share a GPU)"
     )
+    scale_start_timeout_s: float = option(
+        600.0,
+        help="a resize waits this long for a new engine to be placed and ready (on KubeRay "
+        "the autoscaler may first add a pod); past it the start is reported failed and "
+        "the engine stopped",
+    )
+    scale_drain_timeout_s: float = option(
+        120.0,
+        help="a resize waits this long for a removed engine to finish its handoffs and "
+        "move its streams before stopping it",
+    )
 
     def __post_init__(self) -> None:
         object.__setattr__(
@@ -195,6 +259,9 @@ class PoolsConfig:
             "num_gpus_per_engine",
             check_num_gpus(self.num_gpus_per_engine, "num_gpus_per_engine"),
         )
+        for key in ("scale_start_timeout_s", "scale_drain_timeout_s"):
+            if not getattr(self, key) > 0:
+                raise ValueError(f"{key} (--{key.replace('_', '-')}) must be > 0")
         for role in ROLES:
             if self.pool(role).role != role:
                 raise ValueError(f"pools.{role} holds the {self.pool(role).role} pool")
@@ -209,6 +276,16 @@ class PoolsConfig:
 
     def sizes(self) -> dict[str, int]:
         return {role: self.pool(role).num_engines for role in ROLES}
+
+    def reach(self) -> dict[str, int]:
+        """The most engines each running pool may have (its max, else its
+        size): the default router is chosen by it, so a pool that may grow
+        past one engine routes kv-aware from the start."""
+        out = {}
+        for role, n in self.sizes().items():
+            hi = self.pool(role).max_engines
+            out[role] = max(n, hi) if n and hi is not None else n
+        return out
 
     def placement(self, role: str) -> tuple[int | float, dict[str, float]]:
         """``(GPUs per engine, Ray resources per engine)`` of one pool."""

@@ -127,49 +127,75 @@ def start_pools(
 ) -> list[EngineHandle]:
     """Start every engine actor, named ``<role>-<i>`` in ``namespace``, served
     by the gateway whose session is ``gateway_session``."""
+    check_names_free(specs, namespace)
+    # one process per tensor-parallel rank shares the cores like an engine
+    total = sum(s.num_engines * s.config.tensor_parallel_size for s in specs)
+    threads = default_torch_threads(total)
+    return [
+        start_engine(spec, i, output_addr, namespace, gateway_session, detached, threads)
+        for spec in specs
+        for i in range(spec.num_engines)
+    ]
+
+
+def start_engine(
+    spec: PoolSpec,
+    index: int,
+    output_addr: str,
+    namespace: str = DEFAULT_NAMESPACE,
+    gateway_session: int = 0,
+    detached: bool = False,
+    torch_threads: int = 1,
+) -> EngineHandle:
+    """One engine actor of ``spec``'s pool, ``<role>-<index>``: at start, and
+    when a pool grows while serving (``cluster/disagg/scaling.py``). Returns
+    at once; the actor is placed and constructed by Ray (its ``ready()``
+    answers when it is up)."""
     import ray
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from tandem.cluster.engines.actor import EngineActor
 
-    check_names_free(specs, namespace)
-    remote_cls = ray.remote(EngineActor)
-    # one process per tensor-parallel rank shares the cores like an engine
-    total = sum(s.num_engines * s.config.tensor_parallel_size for s in specs)
-    threads = default_torch_threads(total)
-    handles = []
-    for spec in specs:
-        for i in range(spec.num_engines):
-            engine_id = f"{spec.role}-{i}"
-            cfg = spec.config.replace(engine_id=engine_id, role=spec.role)
-            if not spec.num_gpus and not cfg.torch_threads:
-                cfg = cfg.replace(torch_threads=threads)
-            tp = cfg.tensor_parallel_size
-            options, bundles = engine_group_placement(spec.num_gpus, spec.resources, tp)
-            options.update(
-                name=engine_id,
-                namespace=namespace,
-                max_restarts=spec.max_restarts,
-                max_task_retries=0,
-                max_concurrency=4,  # control calls run beside a slow one
-            )
-            if detached:
-                options["lifetime"] = "detached"
-            pg = None
-            if spec.num_gpus and detached:  # every GPU on the actor itself
-                options["num_gpus"] = spec.num_gpus
-                cfg = cfg.replace(device="cuda")
-            elif bundles is not None and not detached:  # one bundle per TP rank
-                pg = placement_group(bundles, strategy="STRICT_PACK")
-                options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                    pg, placement_group_bundle_index=0
-                )
-                if spec.num_gpus:
-                    cfg = cfg.replace(device="cuda")
-            actor = remote_cls.options(**options).remote(cfg, output_addr, gateway_session)
-            handles.append(EngineHandle(engine_id, spec.role, actor, pg, namespace))
-    return handles
+    engine_id = f"{spec.role}-{index}"
+    cfg = spec.config.replace(engine_id=engine_id, role=spec.role)
+    if not spec.num_gpus and not cfg.torch_threads:
+        cfg = cfg.replace(torch_threads=torch_threads)
+    tp = cfg.tensor_parallel_size
+    options, bundles = engine_group_placement(spec.num_gpus, spec.resources, tp)
+    options.update(
+        name=engine_id,
+        namespace=namespace,
+        max_restarts=spec.max_restarts,
+        max_task_retries=0,
+        max_concurrency=4,  # control calls run beside a slow one
+    )
+    if detached:
+        options["lifetime"] = "detached"
+    pg = None
+    if spec.num_gpus and detached:  # every GPU on the actor itself
+        options["num_gpus"] = spec.num_gpus
+        cfg = cfg.replace(device="cuda")
+    elif bundles is not None and not detached:  # one bundle per TP rank
+        pg = placement_group(bundles, strategy="STRICT_PACK")
+        options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+            pg, placement_group_bundle_index=0
+        )
+        if spec.num_gpus:
+            cfg = cfg.replace(device="cuda")
+    actor = ray.remote(EngineActor).options(**options).remote(cfg, output_addr, gateway_session)
+    return EngineHandle(engine_id, spec.role, actor, pg, namespace)
+
+
+def name_taken(name: str, namespace: str) -> bool:
+    """A live (or not yet released) Ray actor holds ``name`` in ``namespace``."""
+    import ray
+
+    try:
+        ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        return False
+    return True
 
 
 def stop_pools(handles: list[EngineHandle], timeout_s: float = 10.0) -> None:

@@ -64,6 +64,42 @@ class ErrorEvent(msgspec.Struct):
     message: str
 
 
+class ScalingEvent(msgspec.Struct):
+    """One engine a pool resize started or stopped (``cluster/disagg/scaling.py``).
+    ``action``: ``scale_out`` | ``scale_in``; ``outcome``: ``ok`` | ``failed``
+    | ``refused`` (outside the pool's min/max); ``source``: ``admin`` or
+    ``planner``."""
+
+    time_s: float  # wall clock
+    pool: str
+    action: str
+    outcome: str
+    engine_id: str = ""
+    detail: str = ""
+    source: str = "admin"
+
+
+class PlannerDecision(msgspec.Struct):
+    """One pool decision of the running planner (``cluster/planner/runner.py``):
+    ``action`` ``scale_out`` | ``scale_in`` | ``hold``, why, and the figures it
+    decided on."""
+
+    time_s: float
+    pool: str
+    action: str
+    reason: str
+    current: int
+    target: int
+    inputs: dict[str, float] = {}
+
+
+class PlannerState(msgspec.Struct):
+    mode: str = "off"  # off | load | sla
+    interval_s: float = 0.0
+    decisions: dict[str, int] = {}  # "pool/action/reason" -> count
+    recent: list[PlannerDecision] = []  # oldest first, bounded
+
+
 class BackendMetrics(msgspec.Struct):
     engines: list[EngineMetrics] = []
     # Router decisions, cumulative: {"remote": n, "local": m}.
@@ -83,6 +119,13 @@ class BackendMetrics(msgspec.Struct):
     num_reader_restarts: int = 0  # output reader restarted after it ended
     num_engine_restarts: int = 0  # engines that came back with a new epoch
     recent_errors: list[ErrorEvent] = []  # oldest first, bounded
+    # Elastic pools (cluster/disagg/scaling.py): engines per pool now (starting
+    # ones excluded), engines started/stopped by "pool/action/outcome", the
+    # latest actions (oldest first), and the planner's state.
+    pool_sizes: dict[str, int] = {}
+    scaling_actions: dict[str, int] = {}
+    scaling_events: list[ScalingEvent] = []
+    planner: PlannerState | None = None
 
 
 class Backend(abc.ABC):
@@ -170,6 +213,13 @@ class Backend(abc.ABC):
     def undrain(self, engine_id: str) -> dict[str, Any]:
         """Let a drained engine take new work again."""
         raise ValueError("engine_id: this backend has no engines to drain")
+
+    async def scale_pool(self, role: str, engines: int) -> dict[str, Any]:
+        """Resize pool ``role`` to ``engines`` while serving (admin API): new
+        engines join when ready, removed ones are drained first. ValueError
+        naming the field when refused (no such pool, outside its
+        min/max)."""
+        raise ValueError("pool: this backend has no engine pools to resize")
 
     async def reset_prefix_cache(self) -> dict[str, bool]:
         """Every engine drops its unused cached blocks; per engine whether it

@@ -30,6 +30,7 @@ from prometheus_client.registry import Collector
 
 from tandem.cluster.gateway.backend import Backend, BackendMetrics, EngineMetrics
 from tandem.cluster.observability.kv_offload_metrics import offload_families
+from tandem.cluster.observability.scaling_metrics import scaling_families
 from tandem.cluster.routing.metrics import router_families
 from tandem.scheduler.engine_stats import Histogram, prometheus_buckets
 
@@ -262,6 +263,7 @@ class EngineMetricsCollector(Collector):
             snapshot.num_migrations,
         )
         yield from _socket_families(snapshot)
+        yield from scaling_families(snapshot)
 
 
 def counter_by(name: str, help_text: str, label: str, counts: dict) -> CounterMetricFamily:

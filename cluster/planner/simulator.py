@@ -149,6 +149,7 @@ class Simulator:
         self.decode = [_Engine(self, num_prefill + i, config) for i in range(num_decode)]
         self.engines = self.prefill + self.decode
         self.now_s = 0.0
+        self.arrivals_left = 0  # requests of the run not arrived yet
         self._transfers: list[tuple[float, int, int, str, bool]] = []
         self._seq = 0
 
@@ -163,10 +164,12 @@ class Simulator:
         next_arrival = 0
         inf = float("inf")
         while True:
+            self.arrivals_left = len(order) - next_arrival
             t = min(
                 requests[order[next_arrival]].arrival_s if next_arrival < len(order) else inf,
                 min((e.busy_until for e in self.engines if e.busy_until is not None), default=inf),
                 self._transfers[0][0] if self._transfers else inf,
+                self.next_tick_s(),
             )
             if t == inf:
                 break
@@ -181,7 +184,8 @@ class Simulator:
                 i = order[next_arrival]  # 3. arrivals
                 next_arrival += 1
                 self._admit_prefill(i, requests[i], records)
-            for e in self.engines:  # 4. idle engines start a step
+            self.on_tick(t, records)  # 4. (elastic pools) the planner's round
+            for e in self.engines:  # 5. idle engines start a step
                 if e.busy_until is None:
                     e.deliver_transfers()
                     self._start_step(e, t)
@@ -193,10 +197,23 @@ class Simulator:
             e.sched.check_integrity()  # nothing leaked: every block free, nothing tracked
         return records
 
+    # ---- hooks for pools that change size (elastic.py) ----------------------------
+
+    def next_tick_s(self) -> float:
+        """The next time ``on_tick`` wants to run (inf: never)."""
+        return float("inf")
+
+    def on_tick(self, t: float, records: list[_Record]) -> None:
+        """Called at every event time before idle engines start a step."""
+
+    def accepting(self, pool: list[_Engine]) -> list[_Engine]:
+        """The engines of ``pool`` that take new requests."""
+        return pool
+
     # ---- steps -------------------------------------------------------------------
 
     def _admit_prefill(self, i: int, req: SimRequest, records: list[_Record]) -> None:
-        e = min(self.prefill, key=lambda x: (x.prompt_tokens_left(), x.index))
+        e = min(self.accepting(self.prefill), key=lambda x: (x.prompt_tokens_left(), x.index))
         sp = SamplingParams(max_tokens=1, ignore_eos=True)
         r = Request(
             f"p{i}",
@@ -211,7 +228,7 @@ class Simulator:
             records[i].error = str(exc)
 
     def _admit_decode(self, i: int, prefill_engine: int, prompt: list[int], out_len: int) -> None:
-        e = min(self.decode, key=lambda x: (x.num_unfinished(), x.index))
+        e = min(self.accepting(self.decode), key=lambda x: (x.num_unfinished(), x.index))
         sp = SamplingParams(max_tokens=out_len, ignore_eos=True)
         r = Request(
             f"d{i}",

@@ -97,6 +97,14 @@ class ClusterRouting:
         if self.subscriber is not None and info.get("kv_events_addr"):
             self.subscriber.connect(engine_id, info["kv_events_addr"])
 
+    def on_removed(self, engine_id: str) -> None:
+        """The engine left its pool (scaled in): stop following its events and
+        forget what it held."""
+        if self.subscriber is not None:
+            self.subscriber.disconnect(engine_id)
+        if self.index is not None:
+            self.index.remove_engine(engine_id)
+
     def hashes(self, request: EngineRequest) -> PromptHashes:
         return PromptHashes(request, self._hashing if self.index is not None else {})
 

@@ -66,6 +66,12 @@ class PrefixIndex:
             e.capacity_blocks = capacity_blocks
             self._trim(e)
 
+    def remove_engine(self, engine_id: str) -> None:
+        """The engine left the cluster (a pool scaled in): its entries go."""
+        e = self.engines.pop(engine_id, None)
+        if e is not None:
+            self._clear(e)
+
     # ---- updates ---------------------------------------------------------------
 
     def apply(self, batch: KVEventBatch) -> bool:

@@ -42,6 +42,9 @@ class Router:
         st = self.engines[engine_id] = EngineState(engine_id, role)
         return st
 
+    def remove(self, engine_id: str) -> None:
+        self.engines.pop(engine_id, None)
+
     def ready_engines(self, role: str) -> list[EngineState]:
         return [e for e in self.engines.values() if e.role == role and e.ready]
 

@@ -62,6 +62,12 @@ class KVEventSubscriber:
         self._sock.connect(addr)
         self._addrs[engine_id] = addr
 
+    def disconnect(self, engine_id: str) -> None:
+        """Stop following ``engine_id`` (it left the cluster)."""
+        addr = self._addrs.pop(engine_id, None)
+        if addr is not None:
+            self._sock.disconnect(addr)
+
     async def resync(self, engine_id: str) -> bool:
         try:
             snap = await asyncio.wait_for(self._snapshot(engine_id), self.snapshot_timeout_s)

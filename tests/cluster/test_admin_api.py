@@ -52,3 +52,26 @@ def test_admin_refusals(urls):
     assert post(on, b"x" * 5000, "admin-key")[0] == 400
     status, error = post(on, {"engine_id": "decode-0"}, "admin-key")  # no engines here
     assert (status, error["param"]) == (400, "engine_id")
+
+
+def test_pool_resize_refusals(urls):
+    """``POST /admin/pools/{pool}``: the admin key, a body naming ``engines``,
+    and a backend without pools answers 400 naming ``pool``."""
+    off, on = urls
+
+    def scale(url: str, body, key: str | None) -> tuple[int, dict]:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        kw = {"json": body} if isinstance(body, dict) else {"content": body}
+        r = httpx.post(url + "/admin/pools/decode", headers=headers, timeout=30, **kw)
+        error = r.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}, error
+        return r.status_code, error
+
+    assert scale(off, {"engines": 2}, "anything")[0] == 403
+    assert scale(on, {"engines": 2}, None)[0] == 401
+    assert scale(on, {"engines": 2}, "user-key")[0] == 401
+    for body in ({"engine": 2}, {"engines": "2"}, b"[]"):
+        status, error = scale(on, body, "admin-key")
+        assert (status, error["param"]) == (400, "engines"), (body, error)
+    status, error = scale(on, {"engines": 2}, "admin-key")  # NullBackend: no pools
+    assert (status, error["param"]) == (400, "pool"), error

@@ -23,7 +23,12 @@ ROOT = Path(__file__).resolve().parents[2]
 ENGINES = {"prefill-0": "prefill", "decode-0": "decode"}
 LONG_PROMPT = "the quick brown fox jumps over the lazy dog " * 6  # >= 32 tokens: remote
 # Families whose samples exist only once something happened on a socket.
-ONLY_WHEN_COUNTED = {"tandem:malformed_frames_total", "tandem:auth_failures_total"}
+ONLY_WHEN_COUNTED = {
+    "tandem:malformed_frames_total",
+    "tandem:auth_failures_total",
+    "tandem:scaling_actions_total",  # a resize happened
+    "tandem:planner_decisions_total",  # --planner load|sla
+}
 
 
 def documented_families() -> list[tuple[str, str, list[str]]]:

@@ -76,6 +76,14 @@ EXPOSED = {  # API key from a chart-made Secret, Ingress, ServiceMonitor, hub mo
     "serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
     "model": {"source": "hub", "name": "org/some-model", "hubTokenSecret": {"name": "hf"}},
 }
+AUTOSCALING = {  # KubeRay's autoscaler, pools that resize within min/max, the load planner
+    "autoscaling": {"enabled": True, "upscalingMode": "Conservative", "idleTimeoutSeconds": 120},
+    "pools": {
+        "prefill": {"replicas": 1, "minReplicas": 1, "maxReplicas": 2},
+        "decode": {"replicas": 2, "minReplicas": 0, "maxReplicas": 4, "enginesPerPod": 2},
+    },
+    "serve": {"planner": {"mode": "load", "intervalS": 5}},
+}
 SCENARIOS = {
     "defaults": {},
     "examples/gpu-values.yaml": yaml.safe_load(
@@ -84,6 +92,7 @@ SCENARIOS = {
     "gpu-2pxtp2-4dxtp1": GPU_DISAGG,
     "colocated-only": COLOCATED_ONLY,
     "apikey-ingress-servicemonitor": EXPOSED,
+    "autoscaling-planner": AUTOSCALING,
 }
 
 
@@ -246,7 +255,11 @@ def test_serve_command_passes_check_config_and_gpus_match(scenario, tmp_path):
         assert pool["ray_resources"] == {f"tandem_{role}": 1.0}
         engines_per_pod = advertised[f"tandem_{role}"]
         assert pool["num_engines"] == group["replicas"] * engines_per_pod
-        assert group["minReplicas"] == group["maxReplicas"] == group["replicas"]
+        # the pool resizes (tandem scale, the planner) within its group's pods
+        assert pool["max_engines"] == group["maxReplicas"] * engines_per_pod
+        assert pool["min_engines"] == max(1, group["minReplicas"] * engines_per_pod)
+        if scenario != "autoscaling-planner":
+            assert group["minReplicas"] == group["maxReplicas"] == group["replicas"]
         gpus_per_pod = int(limits.get(gpu_name, 0))
         assert gpus_per_pod == engines_per_pod * pool["num_gpus_per_engine"]
         assert int(container["resources"]["requests"].get(gpu_name, 0)) == gpus_per_pod
@@ -261,6 +274,17 @@ def test_serve_command_passes_check_config_and_gpus_match(scenario, tmp_path):
         assert pools["decode"]["engine"]["kv_lease_s"] == 30
         (prefill,) = groups["prefill"]["template"]["spec"]["containers"]
         assert prefill["resources"]["limits"]["rdma/hca_shared_devices_a"] == 1
+    autoscaling = scenario == "autoscaling-planner"
+    assert cluster["spec"]["enableInTreeAutoscaling"] is autoscaling
+    assert ("autoscalerOptions" in cluster["spec"]) is autoscaling
+    assert resolved["serve"]["planner"] == ("load" if autoscaling else "off")
+    if autoscaling:
+        options = cluster["spec"]["autoscalerOptions"]
+        assert (options["upscalingMode"], options["idleTimeoutSeconds"]) == ("Conservative", 120)
+        assert (groups["decode"]["minReplicas"], groups["decode"]["maxReplicas"]) == (0, 4)
+        assert (pools["decode"]["min_engines"], pools["decode"]["max_engines"]) == (1, 8)
+        assert (pools["prefill"]["min_engines"], pools["prefill"]["max_engines"]) == (1, 2)
+        assert resolved["serve"]["planner_interval_s"] == 5
     if scenario == "colocated-only":
         assert (
             pools["colocated"]["num_engines"] == 4
@@ -345,6 +369,9 @@ def test_pdb_per_worker_group_and_dashboards_for_grafana():
         ({"serve": {"loadFailurePolicy": "retry"}}, "/serve/loadFailurePolicy"),
         ({"serve": {"apiServerCount": 0}}, "/serve/apiServerCount"),
         ({"pools": {"decode": {"engine": {"max_num_seq": 4}}}}, "max_num_seq"),
+        ({"pools": {"decode": {"maxReplicas": 0}}}, "/pools/decode/maxReplicas"),
+        ({"autoscaling": {"upscalingMode": "Fast"}}, "/autoscaling/upscalingMode"),
+        ({"serve": {"planner": {"mode": False}}}, "/serve/planner/mode"),  # YAML's bare off
     ],
 )
 def test_schema_rejects_bad_values_naming_the_field(values, field):
@@ -365,6 +392,8 @@ def test_schema_rejects_bad_values_naming_the_field(values, field):
         ({"pools": {"prefill": {"tensorParallelSize": 2}}}, "pools.prefill.tensorParallelSize"),
         ({"model": {"source": "pvc"}}, "model.pvc.claimName"),
         ({"ingress": {"enabled": True}}, "ingress.host"),
+        ({"pools": {"decode": {"replicas": 3, "maxReplicas": 2}}}, "pools.decode.minReplicas"),
+        ({"serve": {"planner": {"mode": "sla"}}}, "serve.planner.profile"),
     ],
 )
 def test_inconsistent_values_fail_rendering_with_a_clear_message(values, message):

@@ -118,3 +118,22 @@ def test_synthesized_prompts_share_exactly_the_shared_blocks():
             if common < min(len(rows[a]["hash_ids"]), len(rows[b]["hash_ids"])):
                 lo, hi = common * 4, common * 4 + 4
                 assert prompts[a][lo:hi] != prompts[b][lo:hi]
+
+
+def test_trace_flags_are_one_definition_for_bench_simulate_and_plan():
+    """``add_trace_arguments`` registers them for every command that replays a trace."""
+    import argparse
+
+    from tandem.cluster.cli.main import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+
+    def flags(command: str) -> list[tuple]:
+        return [
+            (a.option_strings, a.default, a.type, a.help)
+            for a in sub.choices[command]._actions
+            if a.dest in ("trace", "time_scale", "trace_block_tokens")
+        ]
+
+    assert len(flags("bench")) == 3
+    assert flags("bench") == flags("simulate") == flags("plan")

@@ -38,6 +38,7 @@ from tandem.cluster.engines.pools import RayConfig
 from tandem.cluster.gateway.api.config import ApiSettings
 from tandem.cluster.gateway.edge.limits import GatewayLimits
 from tandem.cluster.observability.tracing.settings import ObservabilityConfig
+from tandem.cluster.planner.config import PlannerConfig
 from tandem.cluster.routing.policy import RoutingConfig
 from tandem.wire.config_fields import OptionMeta, describe, option
 from tandem.workers.config import EngineConfig
@@ -74,7 +75,8 @@ class SecurityConfig:
         repr=False,
         secret=True,
         default_text="none (the admin routes answer 403)",
-        help="opens POST /admin/drain and /admin/undrain with 'Authorization: Bearer KEY'",
+        help="opens the admin routes (POST /admin/drain, /admin/undrain, /admin/pools/POOL, "
+        "...) with 'Authorization: Bearer KEY'",
     )
     cluster_secret_file: str | None = option(
         None,
@@ -123,6 +125,7 @@ SECTION_TITLES = {
     "security": "Security",
     "observability": "Logging and tracing",
     "api": "API surface",
+    "planning": "Planner (elastic pools)",
 }
 
 
@@ -146,11 +149,13 @@ class ServeConfig:
         default_factory=ObservabilityConfig, help="logs and traces"
     )
     api: ApiSettings = option(default_factory=ApiSettings, help=SECTION_TITLES["api"])
+    planning: PlannerConfig = option(default_factory=PlannerConfig, help=SECTION_TITLES["planning"])
 
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("model may not be empty")
         self._check_engine_lifetime()
+        self._check_planner()
         for role in self.roles():
             self.pool_engine(role)  # ValueError naming the field, before anything starts
 
@@ -167,7 +172,7 @@ class ServeConfig:
         default_util = EngineConfig.__dataclass_fields__["gpu_memory_utilization"].default
         if self.engine.gpu_memory_utilization != default_util:  # given for every pool
             overrides.setdefault("gpu_memory_utilization", self.engine.gpu_memory_utilization)
-        kv_events = self.routing.resolve(self.pools.sizes()) == "kv-aware"
+        kv_events = self.routing.resolve(self.pools.reach()) == "kv-aware"
         config = self.engine.replace(
             model=self.model,
             role=role,
@@ -183,6 +188,27 @@ class ServeConfig:
 
     def replace(self, **changes: Any) -> ServeConfig:
         return dataclasses.replace(self, **changes)
+
+    def _check_planner(self) -> None:
+        """A running planner needs each pool's maximum, and ``sla`` a P/D split
+        (ValueError naming the field)."""
+        mode = self.planning.planner
+        if mode == "off":
+            return
+        for role in self.roles():
+            if self.pools.pool(role).max_engines is None:
+                raise ValueError(
+                    f"{role}_max_engines (--{role}-max-engines): --planner {mode} needs "
+                    "the most engines it may start"
+                )
+        if mode == "sla" and "colocated" in self.roles():
+            raise ValueError(
+                "planner: --planner sla plans prefill and decode pools; use --planner load "
+                "with --colocated"
+            )
+        if self.ray.attach:
+            raise ValueError("planner: --attach gateways do not own the pools; plan from the "
+                             "process that starts them")  # fmt: skip
 
     def _check_engine_lifetime(self) -> None:
         """ValueError naming the flag when engines meant to outlive the gateway

@@ -3,6 +3,9 @@
     POST /admin/drain    {"engine_id": "decode-0"}   -> 200 {"engine_id", "draining",
                                                           "migrated", "idle"}
     POST /admin/undrain  {"engine_id": "decode-0"}   -> 200 {"engine_id", "draining"}
+    POST /admin/pools/{prefill|decode|colocated} {"engines": N}
+                                                    -> 200 {"pool", "before", "engines",
+                                                       "started", "stopped", "failed"}
     POST /reset_prefix_cache                        -> 200 {"reset": bool, "engines": {id: bool}}
     POST /start_profile                             -> 200 {"engines": {id: bool}}
     POST /stop_profile                              -> 200 {"engines": {id: trace path}}
@@ -20,6 +23,13 @@ key of ``/v1/*`` does not open them). Without an admin key configured the
 routes answer 403: there is no open admin plane. Errors use the OpenAI error
 envelope: 401 bad key, 400 malformed body or unknown ``engine_id``.
 ``tandem drain ENGINE_ID`` is the command-line client of the same call.
+
+The pool route resizes a pool while serving (``cluster/disagg/scaling.py``):
+new engines join once ready, removed ones are drained first (streams move
+token-identically). It answers when the resize is done; a size outside the
+pool's ``--{pool}-min-engines`` / ``--{pool}-max-engines`` is 400 naming the
+flag, and an engine that failed to start is listed under ``failed`` (the
+pool serves on with the others). ``tandem scale`` is its client.
 """
 
 from __future__ import annotations
@@ -38,6 +48,10 @@ MAX_ADMIN_BODY_BYTES = 4096
 
 class DrainRequest(msgspec.Struct, forbid_unknown_fields=True):
     engine_id: str
+
+
+class ScaleRequest(msgspec.Struct, forbid_unknown_fields=True):
+    engines: int
 
 
 def add_admin_routes(app: FastAPI, backend: Backend, admin_api_key: str | None) -> None:
@@ -59,15 +73,26 @@ def add_admin_routes(app: FastAPI, backend: Backend, admin_api_key: str | None) 
                 code="invalid_api_key",
             )
 
-    async def parse(request: Request) -> DrainRequest:
+    async def parse(request: Request, kind: type = DrainRequest, param: str = "engine_id"):
         check_admin(request)
         body = await request.body()
         if len(body) > MAX_ADMIN_BODY_BYTES:
             raise ProtocolError(f"admin request body over {MAX_ADMIN_BODY_BYTES} bytes")
         try:
-            return msgspec.json.decode(body, type=DrainRequest)
+            return msgspec.json.decode(body, type=kind)
         except msgspec.DecodeError as exc:
-            raise ProtocolError(f"invalid admin request: {exc}", param="engine_id") from None
+            raise ProtocolError(f"invalid admin request: {exc}", param=param) from None
+
+    @app.post("/admin/pools/{pool}", include_in_schema=False)
+    async def scale_pool(pool: str, request: Request) -> JSONResponse:
+        req = await parse(request, ScaleRequest, "engines")
+        try:
+            return JSONResponse(await backend.scale_pool(pool, req.engines))
+        except ValueError as exc:
+            text = str(exc)
+            raise ProtocolError(
+                text, param="pool" if text.startswith("pool:") else "engines"
+            ) from None
 
     @app.post("/admin/drain", include_in_schema=False)
     async def drain(request: Request) -> JSONResponse:

@@ -13,7 +13,7 @@ from typing import Any
 
 import msgspec
 
-from tandem.cluster.gateway.backend import Backend, EngineMetrics
+from tandem.cluster.gateway.backend import Backend, EngineMetrics, PlannerState, ScalingEvent
 from tandem.cluster.observability.dashboard.rolling import RollingStats, WindowStats
 from tandem.cluster.observability.gateway_peers import cluster_counters
 from tandem.cluster.observability.metrics import GatewayMetrics
@@ -93,6 +93,11 @@ class ClusterState(msgspec.Struct):
     recent_errors: list[ErrorRow]  # newest first
     # several gateways: each one's counters ("index", "pid", "live", ...); else empty
     gateways: list[dict] = []
+    # elastic pools (cluster/disagg/scaling.py): engines started / stopped, newest
+    # first, and the running planner's mode and latest decisions
+    scaling: list[ScalingEvent] = []
+    scaling_actions: dict[str, int] = {}  # "pool/action/outcome" -> count
+    planner: PlannerState | None = None
 
 
 def cluster_state(
@@ -103,7 +108,7 @@ def cluster_state(
     snapshot = backend.metrics_snapshot()
     engines = [_engine(e) for e in snapshot.engines]
     pools = []
-    for role in sorted({e.role for e in engines}):
+    for role in sorted({e.role for e in engines} | set(snapshot.pool_sizes)):
         members = [e for e in engines if e.role == role]
         pools.append(
             PoolRow(
@@ -149,6 +154,9 @@ def cluster_state(
         ),
         recent_errors=errors[:MAX_RECENT_ERRORS],
         gateways=gateways,
+        scaling=list(reversed(snapshot.scaling_events))[:MAX_RECENT_ERRORS],
+        scaling_actions=dict(snapshot.scaling_actions),
+        planner=snapshot.planner,
     )
 
 

@@ -78,9 +78,30 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- if and (eq .Values.model.source "hostPath") (not .Values.model.hostPath.path) -}}
 {{- fail "model.hostPath.path is required when model.source is hostPath" -}}
 {{- end -}}
+{{- range $role := list "prefill" "decode" "colocated" -}}
+{{- $pool := index $p $role -}}
+{{- if $pool.enabled -}}
+{{- $lo := int (include "tandem.minReplicas" $pool) -}}
+{{- $hi := int (include "tandem.maxReplicas" $pool) -}}
+{{- if or (gt $lo (int $pool.replicas)) (lt $hi (int $pool.replicas)) -}}
+{{- fail (printf "pools.%s.minReplicas / maxReplicas: need minReplicas <= replicas (%v) <= maxReplicas" $role $pool.replicas) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- if and (eq .Values.serve.planner.mode "sla") (not .Values.serve.planner.profile) -}}
+{{- fail "serve.planner.profile: the sla planner needs a profile (tandem profile writes one)" -}}
+{{- end -}}
 {{- if and .Values.ingress.enabled (not .Values.ingress.host) -}}
 {{- fail "ingress.host is required when ingress.enabled is true" -}}
 {{- end -}}
+{{- end -}}
+
+{{/* A pool's worker group pod range (null: its replicas). */}}
+{{- define "tandem.minReplicas" -}}
+{{- if kindIs "invalid" .minReplicas }}{{ .replicas }}{{ else }}{{ .minReplicas }}{{ end -}}
+{{- end -}}
+{{- define "tandem.maxReplicas" -}}
+{{- if kindIs "invalid" .maxReplicas }}{{ .replicas }}{{ else }}{{ .maxReplicas }}{{ end -}}
 {{- end -}}
 
 {{/* serve.yaml: the `tandem serve --config` file (snake_case keys). */}}
@@ -100,12 +121,22 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
   "num_gpus_per_engine" 0
 -}}
 {{- range $k, $v := $s.engine }}{{ $_ := set $cfg $k $v }}{{ end -}}
+{{- if ne $s.planner.mode "off" -}}
+{{- $_ := set $cfg "planner" $s.planner.mode -}}
+{{- $_ := set $cfg "planner_interval_s" $s.planner.intervalS -}}
+{{- $_ := set $cfg "ttft_slo_ms" $s.planner.ttftSloMs -}}
+{{- $_ := set $cfg "itl_slo_ms" $s.planner.itlSloMs -}}
+{{- if $s.planner.profile }}{{ $_ := set $cfg "planner_profile" $s.planner.profile }}{{ end -}}
+{{- end -}}
 {{- range $role := list "prefill" "decode" "colocated" -}}
 {{- $pool := index $p $role -}}
 {{- if $pool.enabled -}}
 {{- $_ := set $cfg $role (mul $pool.replicas $pool.enginesPerPod) -}}
 {{- $_ := set $cfg (printf "%s_ray_resources" $role) (dict (printf "tandem_%s" $role) 1) -}}
 {{- $_ := set $cfg (printf "%s_num_gpus_per_engine" $role) (ternary (int $pool.tensorParallelSize) 0 $.Values.gpu.enabled) -}}
+{{- $perPod := int $pool.enginesPerPod -}}
+{{- $_ := set $cfg (printf "%s_min_engines" $role) (max 1 (mul (int (include "tandem.minReplicas" $pool)) $perPod)) -}}
+{{- $_ := set $cfg (printf "%s_max_engines" $role) (mul (int (include "tandem.maxReplicas" $pool)) $perPod) -}}
 {{- if $pool.engine }}{{ $_ := set $cfg (printf "%s_engine" $role) $pool.engine }}{{ end -}}
 {{- else -}}
 {{- $_ := set $cfg $role 0 -}}

@@ -1,0 +1,153 @@
+"""The simulator with the running planner in the loop: pools that change size.
+
+``ElasticSimulator`` is ``Simulator`` (simulator.py) plus, every
+``interval_s`` of virtual time, one round of a planner (autoscale.py) fed
+the same ``Observation`` the service builds: per engine its running and
+waiting requests, KV usage, steps and last step time; the cumulative
+arrivals and prompt tokens, and the requests that ended with their output
+tokens. Its decisions apply as the service applies them, with two
+simplifications:
+
+    scale out   a new engine (a new real Scheduler) takes requests
+                ``cold_start_s`` later (the service: actor start, model load,
+                registry exchange; benchmarks/scaling.py measures it)
+    scale in    the newest engine takes no new request and leaves once it holds
+                none: its streams finish in place (the service migrates them;
+                what moves is the same work, minus the migration's recompute)
+                and its slot is free at once (the service's drain takes well
+                under a second: benchmarks/scaling.py)
+
+``slots`` caps prefill + decode engines (starting ones count, leaving ones do
+not): scale-ins apply first, then a pool grows only into free slots.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tandem.cluster.planner.autoscale import HOLD, SCALE_IN, EngineSample, Observation
+from tandem.cluster.planner.profile import Profile
+from tandem.cluster.planner.simulator import Simulator, _Engine, _Record
+
+
+class ElasticSimulator(Simulator):
+    def __init__(
+        self,
+        profile: Profile,
+        num_prefill: int,
+        num_decode: int,
+        planner: Any,
+        *,
+        interval_s: float,
+        cold_start_s: float,
+        slots: int,
+        scheduler_overrides: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(profile, num_prefill, num_decode, scheduler_overrides)
+        if num_prefill + num_decode > slots:
+            raise ValueError(f"{num_prefill}P{num_decode}D does not fit {slots} slots")
+        self.planner = planner
+        self.interval_s = interval_s
+        self.cold_start_s = cold_start_s
+        self.slots = slots
+        self.joins_at: dict[int, float] = {}  # engine index -> when it takes requests
+        self.leaving: set[int] = set()  # engine indexes that take no new request
+        self.gone: set[int] = set()  # left: hold nothing, never step again
+        self.arrived = self.prompt_tokens = self.finished = self.output_tokens = 0
+        self.requested_output_tokens = 0
+        self._next_tick = interval_s
+        self._open: set[int] | None = None  # requests not ended yet
+        self.sizes: list[tuple[float, int, int]] = [(0.0, num_prefill, num_decode)]
+        self.decisions: list[Any] = []
+
+    # ---- Simulator hooks -----------------------------------------------------------
+
+    def accepting(self, pool: list[_Engine]) -> list[_Engine]:
+        now = self.now_s
+        ready = [
+            e
+            for e in pool
+            if e.index not in self.leaving and self.joins_at.get(e.index, 0.0) <= now
+        ]
+        return ready or self._members(pool)  # all still starting: queue on one
+
+    def next_tick_s(self) -> float:
+        busy = any(e.sched.has_unfinished_requests() for e in self.engines)
+        return self._next_tick if self.arrivals_left or busy else float("inf")
+
+    def _admit_prefill(self, i: int, req: Any, records: list[_Record]) -> None:
+        self.arrived += 1
+        self.prompt_tokens += len(req.prompt)
+        self.requested_output_tokens += req.output_len
+        super()._admit_prefill(i, req, records)
+
+    def on_tick(self, t: float, records: list[_Record]) -> None:
+        if t < self._next_tick:
+            return
+        self._next_tick = t + self.interval_s
+        self._count_ended(records)
+        for e in self.engines:  # leavers that hold nothing are gone
+            if e.index in self.leaving and not e.sched.has_unfinished_requests():
+                self.gone.add(e.index)
+        obs = self._observe(t)
+        decisions = self.planner.decide(obs)
+        self.decisions += decisions
+        for d in sorted(decisions, key=lambda d: d.action != SCALE_IN):  # free slots first
+            if d.action != HOLD:
+                self._resize(d.pool, d.target)
+        self.sizes.append((t, len(self._members(self.prefill)), len(self._members(self.decode))))
+
+    # ---- the planner's view and its resizes ---------------------------------------
+
+    def _members(self, pool: list[_Engine]) -> list[_Engine]:
+        """Engines of the pool that count as its size (not leaving)."""
+        return [e for e in pool if e.index not in self.leaving]
+
+    def _observe(self, t: float) -> Observation:
+        pools = {}
+        for role, pool in (("prefill", self.prefill), ("decode", self.decode)):
+            samples = []
+            for e in self._members(pool):
+                s = e.sched
+                stats = s.make_stats()
+                samples.append(
+                    EngineSample(
+                        engine_id=f"{role}-{e.index}",
+                        ready=self.joins_at.get(e.index, 0.0) <= t,
+                        running=stats.num_running_reqs,
+                        waiting=stats.num_waiting_reqs + stats.num_waiting_for_remote_kvs,
+                        kv_usage=stats.kv_cache_usage,
+                    )
+                )
+            pools[role] = samples
+        return Observation(
+            t,
+            pools,
+            self.arrived,
+            self.prompt_tokens,
+            self.finished,
+            self.output_tokens,
+            self.requested_output_tokens,
+        )
+
+    def _resize(self, role: str, target: int) -> None:
+        pool = self.prefill if role == "prefill" else self.decode
+        members = self._members(pool)
+        if target > len(members):
+            used = sum(1 for e in self.engines if e.index not in self.leaving)
+            for _ in range(min(target - len(members), self.slots - used)):
+                e = _Engine(self, len(self.engines), self.config)
+                self.engines.append(e)
+                pool.append(e)
+                self.joins_at[e.index] = self.now_s + self.cold_start_s
+        else:
+            for e in sorted(members, key=lambda x: -x.index)[: len(members) - target]:
+                self.leaving.add(e.index)
+
+    def _count_ended(self, records: list[_Record]) -> None:
+        if self._open is None:
+            self._open = set(range(len(records)))
+        for i in [i for i in self._open if len(records[i].token_times) >= records[i].output_len]:
+            self._open.discard(i)
+            self.finished += 1
+            self.output_tokens += len(records[i].token_times)

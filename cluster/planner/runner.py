@@ -1,0 +1,69 @@
+"""The planner's loop: observe, decide, resize, every ``--planner-interval-s``.
+
+    every interval:  observe() -> Observation        (the gateway's own figures)
+                     planner.decide(obs) -> Decisions (autoscale.py)
+                     each one: logged with its reason and inputs, recorded
+                     (record(decision): tandem:planner_decisions_total,
+                     /cluster/state), and unless it holds, scale(pool, target)
+                     (the resize the admin route calls; removals first, so
+                     a pool that grows finds the room another one left)
+
+Nothing here knows the backend: ``cluster/cli/planning.py`` passes the three
+callables, and tests pass their own with a fake clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from tandem.cluster.planner.autoscale import HOLD, SCALE_IN, Decision, Observation
+
+logger = logging.getLogger(__name__)
+
+
+class PlannerRunner:
+    def __init__(
+        self,
+        planner: Any,  # LoadPlanner | SlaPlanner
+        observe: Callable[[], Observation],
+        scale: Callable[[str, int], Awaitable[Any]],
+        record: Callable[[Decision], None],
+        interval_s: float,
+    ) -> None:
+        self.planner = planner
+        self.observe = observe
+        self.scale = scale
+        self.record = record
+        self.interval_s = interval_s
+
+    async def step(self) -> list[Decision]:
+        """One round: every pool's decision, the resizes done."""
+        decisions = self.planner.decide(self.observe())
+        for d in decisions:
+            figures = " ".join(f"{k}={v:.4g}" for k, v in sorted(d.inputs.items()))
+            log = logger.debug if d.action == HOLD else logger.info
+            log("planner: %s %s %d -> %d (%s) %s", d.pool, d.action, d.current, d.target,
+                d.reason, figures)  # fmt: skip
+            self.record(d)
+        for d in sorted(decisions, key=lambda d: d.action != SCALE_IN):  # free room first
+            if d.action == HOLD:
+                continue
+            try:
+                await self.scale(d.pool, d.target)
+            except ValueError as exc:  # refused (bounds changed, a pool not owned here)
+                logger.warning("planner: resize of %s to %d refused: %s", d.pool, d.target, exc)
+        return decisions
+
+    async def run(self) -> None:
+        """Forever (cancel to stop); a failed round is logged and the next one runs."""
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                await self.step()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - keep planning
+                logger.exception("planner round failed")
