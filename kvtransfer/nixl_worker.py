@@ -248,10 +248,10 @@ class NixlWorkerSide(KVConnectorWorkerSide):
                 self._leases.expire()
             elif self.config.notification_transport == "nixl":
                 self.agent.get_notifs()  # progress UCX so queued notifications go out
-        return self._leases.take_done(), self._reads.take_done()
+        return self._leases.take_done(), self._reads.ledger.take_done()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._reads.take_error_blocks()
+        return self._reads.ledger.take_error_blocks()
 
     def _received_notifs(self) -> list[NotifKey]:
         """Notifications from the side channel and from NIXL. Calling
@@ -298,14 +298,14 @@ class NixlWorkerSide(KVConnectorWorkerSide):
         """``(request_id, num_blocks, num_bytes, num_descriptors, start_s, end_s)``
         (``time.perf_counter``) of every READ
         completed since the last call (engine loop thread, after each step)."""
-        out = list(self._reads.load_records)
-        self._reads.load_records.clear()
+        out = list(self._reads.ledger.load_records)
+        self._reads.ledger.load_records.clear()
         return out
 
     def drain_transfer_seconds(self) -> list[float]:
         """Per-transfer seconds since the last call (for a histogram)."""
-        out = list(self._reads.recent_transfer_s)
-        self._reads.recent_transfer_s.clear()
+        out = list(self._reads.ledger.recent_transfer_s)
+        self._reads.ledger.recent_transfer_s.clear()
         return out
 
     def check_integrity(self) -> None:
