@@ -102,6 +102,9 @@ class TierSchedulerSide(KVConnectorSchedulerSide):
         """Follow ``pool``'s published and evicted blocks (call after the KV events
         recorder, if any, is in place)."""
         if not isinstance(pool.events, TierPoolEvents):
+            if pool.events is not None:  # routing: the tiers' blocks are KV events too
+                pool.events.tiers = self.store
+                self.store.enable_events()
             pool.events = TierPoolEvents(self, pool, pool.events)
 
     def get_num_new_matched_tokens(self, request: Any, num_local_computed_tokens: int):

@@ -77,6 +77,8 @@ class DiskTier:
         self.writing: set[bytes] = set()
         self.num_evictions = 0
         self.num_reindexed = 0
+        # TierStore: (medium, key, stored) on every index change (KV events)
+        self.on_change: Callable[[str, bytes, bool], None] | None = None
         self._open()
 
     # ---- start-up ------------------------------------------------------------------
@@ -159,7 +161,12 @@ class DiskTier:
         self.used_bytes -= self.index.pop(victim)
         self.path(victim).unlink(missing_ok=True)
         self.num_evictions += 1
+        self._changed(victim, False)
         return True
+
+    def _changed(self, key: bytes, stored: bool) -> None:
+        if self.on_change is not None:
+            self.on_change(self.medium, key, stored)
 
     def reserve(self, key: bytes) -> bool:
         """Make room for one more file (evicting least recently used ones); False when
@@ -177,6 +184,7 @@ class DiskTier:
         size = _HEADER.size + len(key) + self.block_bytes
         if ok and key not in self.index:
             self.index[key] = size
+            self._changed(key, True)
         else:
             self.used_bytes -= size
 
@@ -185,6 +193,7 @@ class DiskTier:
         if size is not None:
             self.used_bytes -= size
             self.path(key).unlink(missing_ok=True)
+            self._changed(key, False)
 
     # ---- files (outside the lock) -------------------------------------------------------
 

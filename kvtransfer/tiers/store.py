@@ -83,6 +83,8 @@ class TierStore:
         self._thread: threading.Thread | None = None
         self.kv: torch.Tensor | None = None  # [num_blocks, block_bytes] uint8 view
         self.copier = TierCopier(self)  # the tier thread's byte work (copies.py)
+        # (medium, key, stored) index changes for the KV events; None: nobody routes
+        self.events: list[tuple[str, bytes, bool]] | None = None
 
     # ---- start and stop ------------------------------------------------------------------
 
@@ -105,6 +107,10 @@ class TierStore:
             self.disk = DiskTier(
                 cfg.disk_dir, cfg.engine_id, cfg.disk_bytes, block_bytes, fp, self._pinned
             )
+        for tier in self.tiers():
+            tier.on_change = self._changed
+            for key in tier.index:  # re-indexed from disk: routable at once
+                self._changed(tier.medium, key, True)
         self.copier.open(block_bytes, kv_cache.device)
         self._thread = threading.Thread(target=self._run, name="kv-tiers", daemon=True)
         self._thread.start()
@@ -121,6 +127,31 @@ class TierStore:
 
     def tiers(self) -> list[Any]:
         return [t for t in (self.host, self.disk) if t is not None]
+
+    # ---- KV events (the loop thread drains them into the engine's recorder) ---------
+
+    def enable_events(self) -> None:
+        """Record index changes from now on (the engine publishes KV events)."""
+        with self.lock:
+            if self.events is None:
+                self.events = [(t.medium, k, True) for t in self.tiers() for k in t.index]
+
+    def _changed(self, medium: str, key: bytes, stored: bool) -> None:
+        """Under the lock (every index change is)."""
+        if self.events is not None:
+            self.events.append((medium, key, stored))
+
+    def take_events(self) -> list[tuple[str, bytes, bool]]:
+        with self.lock:
+            if not self.events:
+                return []
+            events, self.events = self.events, []
+            return events
+
+    def tier_hashes(self) -> dict[str, list[bytes]]:
+        """Every key each tier holds (a KV events snapshot), events taken first."""
+        with self.lock:
+            return {t.medium: list(t.index) for t in self.tiers()}
 
     # ---- the loop thread's side ------------------------------------------------------
 

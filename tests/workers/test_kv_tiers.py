@@ -330,3 +330,46 @@ def test_reset_prefix_cache_empties_every_tier(tmp_path):
         (cold,) = llm.generate(prompt_token_ids=[prompt], sampling_params=SP)
         assert cold.num_cached_tokens == 0 and cold.token_ids == first.token_ids
         settle(llm)
+
+
+def test_tier_blocks_are_kv_events_naming_their_medium(tmp_path):
+    """With routing on, every block a tier gains or loses is a KV event naming its
+    medium ("host" / "disk"): a prefix index fed the engine's batches holds what each
+    tier holds, a snapshot lists the tiers too, and a reset empties them there."""
+    from tandem.cluster.routing.index import PrefixIndex
+
+    prompt = list(range(20, 90))
+    with tiered(
+        "tiny", tmp_path, host_blocks=4, disk_blocks=32, num_kv_blocks=6, kv_events=True
+    ) as llm:
+        eng = llm.engine
+        batches = []
+        publish = eng.kv_publisher.publish
+        eng.kv_publisher.publish = lambda b: (batches.append(b), publish(b))
+        index = PrefixIndex()
+        eid = eng.config.engine_id
+        index.add_engine(eid, "colocated", 6)
+
+        def synced() -> None:
+            settle(llm)
+            eng.publish_kv_events()
+            for b in batches:
+                assert index.apply(b)
+            batches.clear()
+            store = tiers(llm)
+            assert index.hashes_of(eid, "host") == set(store.host.index)
+            assert index.hashes_of(eid, "disk") == set(store.disk.index)
+            assert index.hashes_of(eid) == set(eng.scheduler.kv.pool.cached)
+            index.check_integrity()
+
+        llm.generate(prompt_token_ids=[prompt], sampling_params=SP)
+        synced()
+        llm.generate(prompt_token_ids=[[3] * 80], sampling_params=SP)  # host evicts (4 slots)
+        synced()
+        assert index.hashes_of(eid, "host") and index.hashes_of(eid, "disk")
+        assert tiers(llm).host.num_evictions > 0
+        snap = eng.kv_events_snapshot()
+        assert set(snap.tier_block_hashes["disk"]) == index.hashes_of(eid, "disk")
+        assert eng.reset_prefix_cache()
+        synced()
+        assert not index.hashes_of(eid, "host") and not index.hashes_of(eid, "disk")
