@@ -190,7 +190,13 @@ class KVReads:
         if self._clock() >= spec.lease_deadline_mono:
             self._fail(load, "the prefill engine's lease expired before the read started")
             return
-        local_limit, remote_limit = self.agent.region.num_blocks, peer.region.num_blocks
+        # "host": an exported prefix in the peer's host KV tier (kvtransfer/tiers/)
+        host = spec.remote_medium == "host"
+        remote = peer.host_region if host else peer.region
+        if remote is None:
+            self._fail(load, f"engine {peer.addr.engine_id} registered no host KV tier")
+            return
+        local_limit, remote_limit = self.agent.region.num_blocks, remote.num_blocks
         local_ids, remote_ids = spec.local_block_ids, spec.remote_block_ids  # both non-empty
         if not (0 <= min(local_ids) and max(local_ids) < local_limit) or not (
             0 <= min(remote_ids) and max(remote_ids) < remote_limit
@@ -200,7 +206,7 @@ class KVReads:
         load.start_s = time.perf_counter()  # cma copies inside the post: time it too
         whole_blocks = load.read.num_heads == self._shard.num_heads == peer.shard.num_heads
         try:
-            if whole_blocks and self.agent.uses_prepped_lists:  # block ids, no addresses
+            if whole_blocks and self.agent.uses_prepped_lists and not host:  # ids, no addresses
                 load.handle, state, load.num_descriptors = self.agent.start_block_read(
                     peer.agent_name, peer.region, spec.local_block_ids, spec.remote_block_ids
                 )
@@ -214,9 +220,9 @@ class KVReads:
                     spec.local_block_ids,
                     spec.remote_block_ids,
                     self.agent.region.base_addr,
-                    peer.region.base_addr,
+                    remote.base_addr,
                 )
-                load.handle, state = self.agent.start_read(peer.agent_name, peer.region, descs)
+                load.handle, state = self.agent.start_read(peer.agent_name, remote, descs)
                 load.num_descriptors, load.num_bytes = len(descs), descs.num_bytes
         except Exception as e:
             self._fail(load, f"posting the READ failed: {e!r}")

@@ -174,19 +174,32 @@ class NixlWorkerSide(KVConnectorWorkerSide):
             )
         self._reads.bind(self._layout, self._shard, self._geometry)
         self._peers.set_local_layout(self._layout, self._geometry.head_block_bytes)
-        if self._server is not None:
-            self._server.set_info(
-                HandshakeInfo(
-                    engine_id=self.config.engine_id,
-                    epoch=self.config.epoch,
-                    agent_name=self.agent.name,
-                    agent_metadata=self.agent.metadata,
-                    compat_hash=compat_hash(self._layout),
-                    layout=self._layout,
-                    region=region,
-                    rank=self._shard,
-                )
+        self._publish_handshake()
+
+    def register_host_tier(self, slots: Any) -> None:
+        """Register the engine's host KV tier (kvtransfer/tiers/host.py: a uint8
+        ``[num_slots, block_bytes]`` tensor) with this rank's agent, so peers READ an
+        exported prefix from it (``remote_medium`` "host"); after the KV cache."""
+        self.agent.register_host(slots)
+        self._publish_handshake()
+
+    def _publish_handshake(self) -> None:
+        if self._server is None or self.agent.region is None:
+            return
+        assert self._layout is not None and self._shard is not None
+        self._server.set_info(
+            HandshakeInfo(
+                engine_id=self.config.engine_id,
+                epoch=self.config.epoch,
+                agent_name=self.agent.name,
+                agent_metadata=self.agent.metadata,
+                compat_hash=compat_hash(self._layout),
+                layout=self._layout,
+                region=self.agent.region,
+                rank=self._shard,
+                host_region=self.agent.host_region,
             )
+        )
 
     def _check_layout(self, kv_cache: Any) -> tuple[KVLayout, RankLayout]:
         cfg = self.config

@@ -172,6 +172,33 @@ class TierStore:
             for k in keys:
                 self.pins[k] += 1
 
+    def unpin(self, keys: list[bytes]) -> None:
+        with self.lock:
+            self._unpin_locked(keys)
+
+    def _unpin_locked(self, keys: list[bytes]) -> None:
+        for k in keys:
+            self.pins[k] -= 1
+            if not self.pins[k]:
+                del self.pins[k]
+
+    def pin_host_prefix(self, keys: list[bytes]) -> tuple[list[bytes], list[int]]:
+        """Pin the leading ``keys`` the host tier holds (an export, export.py): the
+        keys and their slots."""
+        host = self.host
+        held: list[bytes] = []
+        slots: list[int] = []
+        with self.lock:
+            for k in keys:
+                entry = host.index.get(k) if host is not None else None
+                if entry is None:
+                    break
+                self.pins[k] += 1
+                host.touch(k)
+                held.append(k)
+                slots.append(entry.slot)
+        return held, slots
+
     def submit_load(self, job: LoadJob) -> None:
         """Queue a load whose keys ``pin`` holds; the thread unpins them."""
         with self.lock:
@@ -289,10 +316,7 @@ class TierStore:
                         self.counters["failures"] += 1
                         bad = list(job.block_ids)  # all recomputed
                     with self.lock:  # always: unpin and report, or the request would wait
-                        for k in job.keys:
-                            self.pins[k] -= 1
-                            if not self.pins[k]:
-                                del self.pins[k]
+                        self._unpin_locked(job.keys)
                         self._done.append((job.req_id, bad))
                 else:
                     self.copier.store(job)
