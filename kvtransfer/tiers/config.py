@@ -33,6 +33,9 @@ class TierConfig:
     # "through": store each full block once it is computed (background);
     # "eviction": store a block when the device cache evicts it (benchmarks only)
     store_policy: str = "through"
+    # threads reading a load's disk blocks at once, each straight into its device block
+    # (CPU; benchmarks/kv_tiers.py measured 1 / 2 / 4 / 8, docs/benchmarks.md)
+    disk_readers: int = 4
 
     @property
     def enabled(self) -> bool:

@@ -232,16 +232,27 @@ class DiskTier:
                 os.close(fd)
 
     def read(self, key: bytes, out: np.ndarray) -> None:
-        """Read a block's bytes into ``out`` (uint8, block_bytes); TierLoadError when
-        the file is missing, of another key, torn or fails its checksum."""
+        """Read a block's bytes into ``out`` (uint8, block_bytes; may be the device block
+        itself: on failure its bytes are garbage, and the block is recomputed);
+        TierLoadError when the file is missing, of another key, torn or fails its
+        checksum. One ``readv`` fills the header, the block and a byte past it (a longer
+        file is torn): three system calls a block, no Python file object."""
+        hlen = _HEADER.size + len(key)
+        head, extra = bytearray(hlen), bytearray(1)
         try:
-            with open(self.path(key), "rb") as f:
-                head = f.read(_HEADER.size + len(key))
-                n = f.readinto(memoryview(out))
-                extra = f.read(1)
+            fd = os.open(self.path(key), os.O_RDONLY)
+            try:
+                n = os.readv(fd, [head, memoryview(out), extra])
+                while hlen <= n < hlen + self.block_bytes:  # a short read: go on reading
+                    more = os.readv(fd, [memoryview(out)[n - hlen :], extra])
+                    if not more:
+                        break
+                    n += more
+            finally:
+                os.close(fd)
         except OSError as exc:
             raise TierLoadError(f"disk block unreadable: {exc}") from exc
-        if len(head) != _HEADER.size + len(key) or n != self.block_bytes or extra:
+        if n != hlen + self.block_bytes:
             raise TierLoadError("disk block file has the wrong size")
         magic, version, key_len, length, check = _HEADER.unpack_from(head)
         if (magic, version, length) != (_MAGIC, _VERSION, self.block_bytes):

@@ -121,6 +121,7 @@ class TierStore:
             self._wake.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=10)
+        self.copier.close()
 
     def _pinned(self, key: bytes) -> bool:
         return self.pins[key] > 0
