@@ -146,6 +146,11 @@ class EngineConfig:
         None, section="offload", per_pool=True, metavar="GiB",
         help="disk KV tier of each engine in GiB (with --kv-offloading-disk-dir)",
     )  # fmt: skip
+    kv_offloading_disk_optional: bool = option(
+        False, section="offload", per_pool=True,
+        help="an unusable --kv-offloading-disk-dir (not writable, unreadable, another "
+        "configuration's blocks) is a warning and host-only service, not a start-up error",
+    )  # fmt: skip
     # ---- scheduling (scheduler/policies.py)
     max_num_seqs: int = option(
         128, section="scheduler", per_pool=True, help="max running requests per engine"

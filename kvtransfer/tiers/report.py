@@ -18,6 +18,7 @@ FAILURES = {  # counter -> reason label of tandem:kv_offload_failures_total
     "store_cancelled": "store_cancelled",
     "disk_full": "disk_full",
     "disk_store_failures": "disk_write",
+    "disk_unusable": "disk_unusable",
     "failures": "internal",
 }
 

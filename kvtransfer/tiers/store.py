@@ -104,9 +104,19 @@ class TierStore:
             fp = fingerprint(
                 cfg, str(kv_cache.dtype).removeprefix("torch."), tuple(storage.shape[1:])
             )
-            self.disk = DiskTier(
-                cfg.disk_dir, cfg.engine_id, cfg.disk_bytes, block_bytes, fp, self._pinned
-            )
+            try:
+                self.disk = DiskTier(
+                    cfg.disk_dir, cfg.engine_id, cfg.disk_bytes, block_bytes, fp, self._pinned
+                )
+            except ValueError as exc:  # names the flag
+                if not cfg.disk_optional:
+                    raise
+                self.counters["disk_unusable"] += 1
+                logger.warning(
+                    "%s; --kv-offloading-disk-optional: serving %s",
+                    exc,
+                    "with the host KV tier only" if self.host else "without KV tiers",
+                )
         for tier in self.tiers():
             tier.on_change = self._changed
             for key in tier.index:  # re-indexed from disk: routable at once

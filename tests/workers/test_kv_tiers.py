@@ -273,6 +273,45 @@ def test_unwritable_disk_dir_is_a_start_up_error(tmp_path):
         )
 
 
+@pytest.mark.parametrize("bad", ["unwritable", "another configuration"])
+def test_optional_disk_tier_warns_and_serves_host_only(bad, tmp_path, caplog):
+    """``--kv-offloading-disk-optional``: an unusable disk directory is a warning, a
+    ``disk_unusable`` failure, and service from the host tier alone."""
+    prompts = prompts_with_shared_prefixes(4)
+    want = reference("tiny", prompts)
+    root = tmp_path / "kv"
+    if bad == "unwritable":
+        (tmp_path / "a-file").write_text("x")
+        root = tmp_path / "a-file" / "kv"
+    else:  # a disk tier of block size 32 was here
+        with tiered("tiny", tmp_path, host_blocks=0, disk_blocks=8, block_size=32):
+            pass
+    kw = dict(kv_offloading_disk_optional=True, num_kv_blocks=12)
+    with caplog.at_level("WARNING", logger="tandem.kvtransfer.tiers.store"):
+        llm = LLM(
+            EngineConfig(
+                model="tiny",
+                dtype="float32",
+                kv_offloading_size=0.001,
+                kv_offloading_disk_dir=str(root),
+                kv_offloading_disk_size=0.01,
+                **kw,
+            )
+        )
+    with llm:
+        assert "--kv-offloading-disk-dir" in caplog.text and "host KV tier only" in caplog.text
+        store = tiers(llm)
+        assert store.disk is None and store.host is not None
+        got = llm.generate(prompt_token_ids=prompts, sampling_params=SP)
+        assert [r.token_ids for r in got] == want
+        settle(llm)
+        report = store.report(0)
+        assert [t.medium for t in report.tiers] == ["host"]
+        assert report.failures_total["disk_unusable"] == 1
+    with pytest.raises(ValueError, match="--kv-offloading-disk-optional needs"):
+        LLM(EngineConfig(model="tiny", kv_offloading_size=0.01, **kw))
+
+
 def test_late_and_aborted_loads_recompute_and_leak_nothing(tmp_path):
     prompt = list(range(30, 100))
     want = reference("tiny", [prompt])[0]
