@@ -160,6 +160,15 @@ class NixlSchedulerSide(KVConnectorSchedulerSide):
         state.phase = _LOADING
         self._loads_in_flight.add(request.request_id)
 
+    def loads_from_own_tiers(self, request: Request) -> bool:
+        """Is ``request``'s load a prefix lent from a peer's host KV tier
+        (``remote_medium`` "host", kvtransfer/tiers/export.py)? Like a tier hit its
+        tokens count as cached and a bad block is recomputed whatever
+        ``--load-failure-policy`` says: the prefix was a cache, the request can do
+        without it."""
+        state = self._remote.get(request.request_id)
+        return state is not None and state.params.remote_medium == "host"
+
     def _remote_state(self, request: Request) -> _RemoteRequest | None:
         """The decode-side state of ``request``, created on first sight."""
         state = self._remote.get(request.request_id)

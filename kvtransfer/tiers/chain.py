@@ -62,7 +62,8 @@ class ChainedSchedulerSide(KVConnectorSchedulerSide):
         self.tiers.attach(pool)
 
     def loads_from_own_tiers(self, request: Any) -> bool:
-        return self.tiers.loads_from_own_tiers(request)
+        lent = getattr(self.peer, "loads_from_own_tiers", None)  # a peer's host tier
+        return self.tiers.loads_from_own_tiers(request) or bool(lent and lent(request))
 
     def get_num_new_matched_tokens(self, request: Any, num_local_computed_tokens: int):
         rid = request.request_id

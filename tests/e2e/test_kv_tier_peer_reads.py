@@ -74,6 +74,7 @@ def test_engine_reads_a_prefix_only_another_engines_host_tier_holds(ckpt):
         h.send("B", EngineRequest("b0", prompt, SP, kv_transfer_params=params))
         last = h.wait_final("b0", "B")
         assert h.tokens("b0", "B") == want.token_ids, last
+        assert h.outputs["b0"][0][1].num_cached_tokens == 4 * BLOCK  # a cache hit, remote
         block_bytes = 2 * 2 * BLOCK * 2 * 16 * 4  # layers, K/V, tokens, kv heads, dim, fp32
         read = h.stats("B").kv_transfer.transfer_bytes_total - before
         assert read == 4 * block_bytes  # the prefix travelled over NIXL, from A's host tier
@@ -89,6 +90,7 @@ def test_engine_reads_a_prefix_only_another_engines_host_tier_holds(ckpt):
         h.send("B", EngineRequest("b1", prompt, SP, kv_transfer_params=bad))
         h.wait_final("b1", "B")
         assert h.tokens("b1", "B") == want.token_ids
+        assert h.outputs["b1"][0][1].num_cached_tokens == 0  # recomputed: nothing cached
         assert h.stats("B").kv_transfer.transfer_failures_total == failures + 1
         h.wait_idle("B")
         h.wait_idle("A")  # B still said "done": A's export is over, nothing pinned
