@@ -18,7 +18,8 @@ Both block events end with ``medium``, as vLLM's do: "device" (the KV cache; the
 default, so a batch from before the field decodes as device), "host" or "disk"
 (the engine's KV tiers, kvtransfer/tiers/: a block stored below the device or
 evicted from that tier). A tier's ``BlockStored`` names no parent (its blocks are
-stored one by one, off the step) and ``AllBlocksCleared`` is the device's only.
+stored one by one, off the step: consecutive ones of a medium share an event) and
+``AllBlocksCleared`` is the device's only.
 
 A batch carries ``engine_id``, ``epoch`` (one per engine incarnation: a
 restarted engine starts an empty cache under a new epoch) and ``seq``, which
@@ -116,6 +117,11 @@ class KVEventRecorder:
         tiers hand their changes over on the loop thread, kvtransfer/tiers/)."""
         if stored:
             self._flush_removed()
+            last = self._events[-1] if self._events else None
+            if isinstance(last, BlockStored) and last.medium == medium:  # one event a run
+                last.block_hashes.append(block_hash)
+                last.num_tokens += self.block_size
+                return
             self._events.append(BlockStored([block_hash], None, self.block_size, medium))
         else:
             self._tier_removed.setdefault(medium, []).append(block_hash)

@@ -160,7 +160,7 @@ class TierStore:
             return events
 
     def tier_hashes(self) -> dict[str, list[bytes]]:
-        """Every key each tier holds (a KV events snapshot), events taken first."""
+        """Every key each tier holds now, per medium (a KV events snapshot)."""
         with self.lock:
             return {t.medium: list(t.index) for t in self.tiers()}
 

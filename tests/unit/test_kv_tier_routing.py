@@ -46,14 +46,19 @@ def test_recorder_takes_tier_changes_per_drain_and_in_snapshots():
     rec = KVEventRecorder("e", 1, BLOCK)
     rec.tiers = _Tiers()
     rec.stored([b"d1"], None)
-    rec.tiers.events = [("host", b"h1", True), ("disk", b"k1", True), ("host", b"h0", False)]
+    rec.tiers.events = [
+        ("host", b"h1", True),
+        ("host", b"h2", True),
+        ("disk", b"k1", True),
+        ("host", b"h0", False),
+    ]
     rec.removed(b"d0")
     batch = rec.drain(0.0)
     kinds = [(type(ev).__name__, ev.medium, ev.block_hashes) for ev in batch.events]
     assert kinds == [  # the step's device events, then the tiers' (taken at the drain)
         ("BlockStored", "device", [b"d1"]),
         ("BlockRemoved", "device", [b"d0"]),  # removals merged, flushed before a store
-        ("BlockStored", "host", [b"h1"]),
+        ("BlockStored", "host", [b"h1", b"h2"]),  # a run of one medium: one event
         ("BlockStored", "disk", [b"k1"]),
         ("BlockRemoved", "host", [b"h0"]),
     ]
