@@ -94,5 +94,12 @@ def test_engine_reads_a_prefix_only_another_engines_host_tier_holds(ckpt):
         assert h.stats("B").kv_transfer.transfer_failures_total == failures + 1
         h.wait_idle("B")
         h.wait_idle("A")  # B still said "done": A's export is over, nothing pinned
+
+        # a prefix A's host tier does not hold: nothing to lend
+        assert h.call("A", "kv_tier_export", args=[[b"\x01" * 32]]) is None
+        # lent but never read (the reader is gone): A's lease ends it, nothing stays pinned
+        assert h.call("A", "kv_tier_export", args=[hashes]) is not None
+        h.wait_idle("A", timeout_s=60)
+        assert h.stats("A").kv_transfer.lease_expiries_total >= 1
     finally:
         h.close()

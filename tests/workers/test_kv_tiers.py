@@ -273,6 +273,12 @@ def test_unwritable_disk_dir_is_a_start_up_error(tmp_path):
         )
 
 
+def test_tier_export_needs_a_nixl_connector(tmp_path):
+    with tiered("tiny", tmp_path, host_blocks=8) as llm:
+        with pytest.raises(ValueError, match="kv_connector nixl"):
+            llm.engine.kv_tier_export([b"x" * 32])
+
+
 @pytest.mark.parametrize("bad", ["unwritable", "another configuration"])
 def test_optional_disk_tier_warns_and_serves_host_only(bad, tmp_path, caplog):
     """``--kv-offloading-disk-optional``: an unusable disk directory is a warning, a
