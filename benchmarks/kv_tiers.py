@@ -6,7 +6,9 @@ trace, and what an idle tier costs a step.
 1. Store and load GB/s per tier through ``TierStore`` (the tier thread, checksums
    included) next to its ceiling: one ``copy_`` of the same bytes in one process
    (host), the disk's sequential read of one file of the same size with its pages
-   dropped from the page cache (disk; the tier's loads also read cold files).
+   dropped from the page cache (disk; the tier's loads also read cold files), measured
+   again after each disk row. One disk row per ``--disk-readers`` count (threads reading
+   a load's blocks at once; 1: one by one through a staging row).
 2. A multi-turn trace (``cluster/cli/trace_replay.synthesize``: sessions that grow
    turn by turn over shared system prompts and documents) replayed one request at a
    time through a model (``--model``, tiny by default) in fp32, with a device cache of about a quarter of the trace's
