@@ -103,6 +103,7 @@ class NixlWorkerSide(KVConnectorWorkerSide):
         )
         self._leases = SendLeases(config, clock, self._counters)
         self._closed = False
+        self._host_tier: Any = None  # set_host_tier
         # serves peers' READs while the loop is busy (progress_poller.py)
         self._poller: ProgressPoller | None = None
         if (
@@ -174,14 +175,16 @@ class NixlWorkerSide(KVConnectorWorkerSide):
             )
         self._reads.bind(self._layout, self._shard, self._geometry)
         self._peers.set_local_layout(self._layout, self._geometry.head_block_bytes)
+        if self._host_tier is not None:  # before the handshake is published
+            self.agent.register_host(self._host_tier)
         self._publish_handshake()
 
-    def register_host_tier(self, slots: Any) -> None:
-        """Register the engine's host KV tier (kvtransfer/tiers/host.py: a uint8
-        ``[num_slots, block_bytes]`` tensor) with this rank's agent, so peers READ an
-        exported prefix from it (``remote_medium`` "host"); after the KV cache."""
-        self.agent.register_host(slots)
-        self._publish_handshake()
+    def set_host_tier(self, slots: Any) -> None:
+        """The engine's host KV tier (kvtransfer/tiers/host.py: a uint8 ``[num_slots,
+        block_bytes]`` tensor), registered with this rank's agent beside the KV cache
+        so peers READ an exported prefix from it (``remote_medium`` "host"). Call
+        before ``register_kv_caches``: the first handshake a peer gets names both."""
+        self._host_tier = slots
 
     def _publish_handshake(self) -> None:
         if self._server is None or self.agent.region is None:

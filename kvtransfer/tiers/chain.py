@@ -136,10 +136,10 @@ class ChainedWorkerSide(KVConnectorWorkerSide):
 
     def register_kv_caches(self, kv_cache: Any) -> None:
         self.tiers.register_kv_caches(kv_cache)  # allocates the host tier
+        set_host_tier = getattr(self.peer, "set_host_tier", None)  # NIXL
+        if self.store.host is not None and set_host_tier is not None:
+            set_host_tier(self.store.host.data)  # registered with the cache, one handshake
         self.peer.register_kv_caches(kv_cache)
-        register_host = getattr(self.peer, "register_host_tier", None)  # NIXL
-        if self.store.host is not None and register_host is not None:
-            register_host(self.store.host.data)
 
     def start_load_kv(self, metadata: ChainMeta) -> None:
         if metadata.peer is not None:
