@@ -172,21 +172,39 @@ class PrefixIndex:
         it could have without computing them: on its device, in its own host or disk
         tier, or (``peers``) in another engine's host tier (a NIXL READ away). At
         least ``match``."""
-        live = [
-            eid for eid in engine_ids if eid in self.engines and not self.engines[eid].needs_resync
-        ]
+        # an engine awaiting a resync (e.g. one that never stored a block yet) has
+        # nothing of its own known here, but may still read a peer's host tier
+        known = {eid for eid in engine_ids if eid in self.engines}
+        live = [eid for eid in engine_ids if eid in known]
+        synced = {eid for eid in known if not self.engines[eid].needs_resync}
         out = dict.fromkeys(engine_ids, 0)
         host, disk = self._tier_where["host"], self._tier_where["disk"]
         for i, h in enumerate(block_hashes):
-            in_host = host.get(h, ())
-            others_host = {x for x in in_host if peers and not self.engines[x].needs_resync}
-            own = self._where.get(h, set()) | disk.get(h, set())
-            live = [eid for eid in live if eid in own or others_host - {eid} or eid in in_host]
+            in_host = host.get(h, set()) - {
+                x for x in host.get(h, ()) if self.engines[x].needs_resync
+            }
+            others_host = in_host if peers else set()
+            own = (self._where.get(h, set()) | disk.get(h, set()) | in_host) & synced
+            live = [eid for eid in live if eid in own or others_host - {eid}]
             if not live:
                 break
             for eid in live:
                 out[eid] = i + 1
         return out
+
+    def host_run(self, engine_id: str, block_hashes: Sequence[bytes]) -> int:
+        """How many leading blocks of ``block_hashes`` the engine's host tier holds
+        (0 for an engine unknown or awaiting a resync)."""
+        e = self.engines.get(engine_id)
+        if e is None or e.needs_resync:
+            return 0
+        host = e.tiers["host"]
+        n = 0
+        for h in block_hashes:
+            if h not in host:
+                break
+            n += 1
+        return n
 
     def hashes_of(self, engine_id: str, medium: str = DEVICE) -> set[bytes]:
         e = self.engines.get(engine_id)

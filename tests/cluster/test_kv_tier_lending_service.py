@@ -1,0 +1,98 @@
+"""A prefix only another engine's host KV tier holds, lent by the gateway (real Ray, real
+NIXL over UCX loopback, two colocated tiny engines with host tiers, openai client):
+engine X computed the prompt and pushed it out of its small device cache into its host
+tier; with X drained, the router picks Y for the same prompt (reason "tier_hit"), the
+gateway asks X for ``kv_tier_export`` and sends Y the lent params, and Y READs the
+prefix: ``cached_tokens`` counts it, the text equals X's cold run, both engines pass
+check_integrity (no export left pinned) (cluster/disagg/tier_lending.py)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tandem.cluster.cli.serve import ServiceThread
+from tandem.cluster.cli.settings import serve_config
+from tests.cluster.service_helpers import client, wait_idle
+
+pytestmark = pytest.mark.slow
+
+
+def _wait(what: str, cond, deadline_s: float = 30.0) -> None:
+    end = time.monotonic() + deadline_s
+    while not cond():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def test_gateway_lends_a_peer_host_tier_prefix_to_the_chosen_engine():
+    import ray
+
+    config = serve_config(
+        model="tiny",
+        ray_dashboard=False,
+        colocated=2,
+        num_kv_blocks=24,  # 384 tokens of device cache each
+        max_model_len=256,
+        max_num_seqs=4,
+        kv_offloading_size=0.01,
+    )
+    assert config.pool_engine("colocated").kv_connector == "nixl"  # tiers + 2 engines: lend
+    ray.init(include_dashboard=False, num_cpus=2, log_to_driver=False)
+    try:
+        with ServiceThread(config) as svc:
+            backend = svc.service.backend
+            c = client(svc)
+            y, x = sorted(backend.engines)
+
+            def complete(prompt: str, max_tokens: int = 8):
+                return c.completions.create(
+                    model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0
+                )
+
+            def ready(eid: str) -> bool:
+                return backend.engines[eid].state.ready
+
+            prompt = "Tell me about tiered KV caches and who reads them. " * 2
+            svc.run(backend.drain(y, 30.0))
+            first = complete(prompt)  # on x, computed cold
+            assert first.usage.prompt_tokens_details.cached_tokens == 0
+            for i in range(8):  # push it out of x's device cache into x's host tier
+                complete(f"Unrelated question {i}. " * 6, max_tokens=2)
+            stats = wait_idle(svc)
+            full = (first.usage.prompt_tokens - 1) // 16
+            assert stats[x].kv_offload.tiers[0].blocks >= full > 0
+            index = backend.routing.index
+            _wait(
+                "x's host tier in the router's index",
+                lambda: len(index.hashes_of(x, "host")) >= full,
+            )
+            _wait(
+                "y to know x as a peer",
+                lambda: any(
+                    ep[0] == x for ep in (backend.engines[y].pushed_endpoints or (0, []))[1]
+                ),
+            )
+            backend.undrain(y)
+            _wait("y ready", lambda: ready(y))
+            svc.run(backend.drain(x, 30.0))
+            before = stats[y].kv_transfer.transfer_bytes_total
+
+            second = complete(prompt)  # on y, x's host tier lends the prefix
+            assert second.choices[0].text == first.choices[0].text
+            decisions = backend.routing.decisions()
+            assert decisions.get("colocated/tier_hit", 0) >= 1, (
+                decisions,
+                len(index.hashes_of(x, "host")),
+                len(index.hashes_of(x)),
+                len(index.hashes_of(y)),
+            )
+            assert decisions.get("tier_lend/lent") == 1, decisions
+            assert second.usage.prompt_tokens_details.cached_tokens == full * 16
+            stats = wait_idle(svc)  # check_integrity on both: no export left pinned
+            assert stats[y].kv_transfer.transfer_bytes_total > before  # READ over NIXL
+            backend.undrain(x)
+            _wait("x ready", lambda: ready(x))
+    finally:
+        ray.shutdown()
