@@ -13,6 +13,7 @@ from tandem.scheduler.kv_events import (
     KVEventRecorder,
     KVSnapshot,
 )
+from tandem.wire.engine_protocol import EngineRequest, SamplingParams
 from tests.unit.test_kv_routing import BLOCK, SimCluster
 
 
@@ -115,6 +116,55 @@ def test_host_tier_holder_scores_below_a_device_hit_and_above_nothing():
     choice = c.route("decode", tokens)
     assert choice.engine.engine_id == "d2" and choice.reason == "prefix_hit"
     c.index.check_integrity()
+
+
+def test_an_engine_that_stored_nothing_yet_reads_a_peers_host_tier():
+    idx = PrefixIndex()
+    for eid in ("a", "fresh"):
+        idx.add_engine(eid, "colocated", 8)
+    h = [bytes([i]) * 32 for i in range(3)]
+    assert idx.apply(_batch("a", 1, BlockStored(h[:2], None, 8, "host")))
+    assert idx.engines["fresh"].needs_resync  # no event from it yet: nothing of its own known
+    assert idx.match_below(h, ["a", "fresh"]) == {"a": 2, "fresh": 2}
+    assert idx.match_below(h, ["a", "fresh"], peers=False) == {"a": 2, "fresh": 0}
+    assert idx.host_run("a", h) == 2 and idx.host_run("a", h[1:]) == 1
+    assert idx.host_run("fresh", h) == 0 and idx.host_run("unknown", h) == 0
+
+
+def test_tier_lender_is_the_longest_host_run_beyond_the_readers_own():
+    from tandem.cluster.disagg.tier_lending import LENDER_ROLES
+    from tandem.cluster.routing.cluster_routing import ClusterRouting
+    from tandem.cluster.routing.policy import RoutingConfig
+    from tandem.cluster.routing.router import Router
+
+    assert LENDER_ROLES == {"decode": "prefill", "colocated": "colocated"}
+    router = Router()
+    routing = ClusterRouting(RoutingConfig("kv-aware"), router, {"colocated": 3})
+    info = {"block_size": BLOCK, "prefix_caching_hash_algo": "sha256", "num_kv_blocks": 64}
+    for eid in ("c0", "c1", "c2"):
+        router.add(eid, "colocated")
+        routing.on_connected(eid, "colocated", dict(info, epoch=1))
+    tokens = list(range(100, 133))  # 8 full blocks + 1 token
+    ph = routing.hashes(EngineRequest("r", tokens, SamplingParams(max_tokens=2)))
+    hashes = ph.of("colocated")
+    assert len(hashes) == 8
+    idx = routing.index
+    assert idx.apply(_batch("c1", 1, BlockStored(hashes, None, 32, "host")))
+    assert idx.apply(_batch("c2", 1, BlockStored(hashes[:3], None, 12, "host")))
+    assert idx.apply(_batch("c0", 1, BlockStored(hashes[:2], None, 8)))
+    reader = _Reader("c0")
+    found = routing.tier_lender(ph, "colocated", "colocated", reader, ["c1", "c2"])
+    assert found == ("c1", hashes[:8])  # every full block: the last token is past them
+    # the reader's own tiers hold as long a run: nothing to lend
+    assert idx.apply(_batch("c0", 2, BlockStored(hashes[2:], None, 24, "disk")))
+    assert routing.tier_lender(ph, "colocated", "colocated", reader, ["c1", "c2"]) is None
+    routing.count("tier_lend", "lent")
+    assert routing.decisions() == {"tier_lend/lent": 1}
+
+
+class _Reader:
+    def __init__(self, engine_id: str) -> None:
+        self.state = type("S", (), {"engine_id": engine_id})()
 
 
 def _costs(c: SimCluster, tokens) -> dict[str, float]:
