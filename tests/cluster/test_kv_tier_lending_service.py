@@ -14,7 +14,7 @@ import pytest
 
 from tandem.cluster.cli.serve import ServiceThread
 from tandem.cluster.cli.settings import serve_config
-from tests.cluster.service_helpers import client, wait_idle
+from tests.cluster.service_helpers import client, disconnect_mid_stream, wait_idle
 
 pytestmark = pytest.mark.slow
 
@@ -37,6 +37,7 @@ def test_gateway_lends_a_peer_host_tier_prefix_to_the_chosen_engine():
         max_model_len=256,
         max_num_seqs=4,
         kv_offloading_size=0.01,
+        kv_lease_s=10.0,
     )
     assert config.pool_engine("colocated").kv_connector == "nixl"  # tiers + 2 engines: lend
     ray.init(include_dashboard=False, num_cpus=2, log_to_driver=False)
@@ -46,52 +47,64 @@ def test_gateway_lends_a_peer_host_tier_prefix_to_the_chosen_engine():
             c = client(svc)
             y, x = sorted(backend.engines)
 
-            def complete(prompt: str, max_tokens: int = 8):
+            def complete(prompt: str, max_tokens: int = 8, salt: str | None = None):
+                extra = {"cache_salt": salt} if salt else None
                 return c.completions.create(
-                    model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0
+                    model="tiny",
+                    prompt=prompt,
+                    max_tokens=max_tokens,
+                    temperature=0,
+                    extra_body=extra,
                 )
 
             def ready(eid: str) -> bool:
                 return backend.engines[eid].state.ready
 
-            prompt = "Tell me about tiered KV caches and who reads them. " * 2
-            svc.run(backend.drain(y, 30.0))
-            first = complete(prompt)  # on x, computed cold
-            assert first.usage.prompt_tokens_details.cached_tokens == 0
-            for i in range(8):  # push it out of x's device cache into x's host tier
-                complete(f"Unrelated question {i}. " * 6, max_tokens=2)
-            stats = wait_idle(svc)
-            full = (first.usage.prompt_tokens - 1) // 16
-            assert stats[x].kv_offload.tiers[0].blocks >= full > 0
-            index = backend.routing.index
-            _wait(
-                "x's host tier in the router's index",
-                lambda: len(index.hashes_of(x, "host")) >= full,
-            )
-            _wait(
-                "y to know x as a peer",
-                lambda: any(
-                    ep[0] == x for ep in (backend.engines[y].pushed_endpoints or (0, []))[1]
-                ),
-            )
-            backend.undrain(y)
-            _wait("y ready", lambda: ready(y))
-            svc.run(backend.drain(x, 30.0))
-            before = stats[y].kv_transfer.transfer_bytes_total
+            def park_in_x_host_tier(prompt: str, salt: str | None):
+                """``prompt`` computed cold on x (y drained), then pushed out of x's
+                device cache into its host tier; then x drained, y serving."""
+                svc.run(backend.drain(y, 30.0))
+                first = complete(prompt, salt=salt)
+                assert first.usage.prompt_tokens_details.cached_tokens == 0
+                for i in range(8):
+                    complete(f"Unrelated question {i}. " * 6, max_tokens=2, salt=salt)
+                stats = wait_idle(svc)
+                full = (first.usage.prompt_tokens - 1) // 16
+                assert stats[x].kv_offload.tiers[0].blocks >= full > 0
+                _wait("x's host tier in the index", lambda: len(index.hashes_of(x, "host")) >= full)
+                _wait("y to know x as a peer", lambda: x in peers_of(y))
+                backend.undrain(y)
+                _wait("y ready", lambda: ready(y))
+                svc.run(backend.drain(x, 30.0))
+                return first, full, stats
 
+            def peers_of(eid: str) -> set[str]:
+                pushed = backend.engines[eid].pushed_endpoints
+                return {ep[0] for ep in pushed[1]} if pushed else set()
+
+            index = backend.routing.index
+            prompt = "Tell me about tiered KV caches and who reads them. " * 2
+            first, full, stats = park_in_x_host_tier(prompt, None)
+            before = stats[y].kv_transfer.transfer_bytes_total
             second = complete(prompt)  # on y, x's host tier lends the prefix
-            assert second.choices[0].text == first.choices[0].text
             decisions = backend.routing.decisions()
-            assert decisions.get("colocated/tier_hit", 0) >= 1, (
-                decisions,
-                len(index.hashes_of(x, "host")),
-                len(index.hashes_of(x)),
-                len(index.hashes_of(y)),
-            )
+            assert decisions.get("colocated/tier_hit", 0) >= 1, decisions
             assert decisions.get("tier_lend/lent") == 1, decisions
             assert second.usage.prompt_tokens_details.cached_tokens == full * 16
+            assert second.choices[0].text == first.choices[0].text  # as computed cold
             stats = wait_idle(svc)  # check_integrity on both: no export left pinned
             assert stats[y].kv_transfer.transfer_bytes_total > before  # READ over NIXL
+            assert stats[x].kv_transfer.sends_blocks_held == 0
+            backend.undrain(x)
+            _wait("x ready", lambda: ready(x))
+
+            # lent, then the client goes away: y's abort (or the lease) frees x's pins
+            park_in_x_host_tier(prompt, "tenant-b")
+            body = dict(model="tiny", prompt=prompt, max_tokens=64, stream=True)
+            disconnect_mid_stream(svc, dict(body, cache_salt="tenant-b"), 1)
+            assert backend.routing.decisions().get("tier_lend/lent") == 2
+            stats = wait_idle(svc, deadline_s=60.0)  # held exports count as busy until freed
+            assert stats[x].kv_transfer.sends_blocks_held == 0
             backend.undrain(x)
             _wait("x ready", lambda: ready(x))
     finally:
