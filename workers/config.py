@@ -136,7 +136,8 @@ class EngineConfig:
     # ---- KV offloading tiers below the device cache (kvtransfer/tiers/)
     kv_offloading_size: float | None = option(
         None, section="offload", per_pool=True, metavar="GiB",
-        help="host-memory KV tier of each engine in GiB (pinned on CUDA); unset: none",
+        help="host-memory KV tier of each engine in GiB (pinned on CUDA); unset: none. "
+        "A colocated pool of more than one engine with it gets NIXL: engines lend tier prefixes",
     )  # fmt: skip
     kv_offloading_disk_dir: str | None = option(
         None, section="offload", per_pool=True, metavar="DIR",
