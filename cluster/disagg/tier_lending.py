@@ -1,7 +1,8 @@
 """A prompt's prefix lent from another engine's host KV tier to the engine that runs it.
 
     router: engine B chosen, reason "tier_hit" (its best run of the prompt's blocks is
-            below a device: its own tiers or another engine's host tier)
+            below a device: its own tiers or another engine's host tier); the request
+            wants no prompt logprobs (a cache hit never serves those either)
     here:   the engine A (not B) whose host tier holds the longest leading run, longer
             than B's own (device + own tiers), and that B knows as a peer (A's
             incarnation is in the endpoint list B acknowledged)
@@ -48,6 +49,8 @@ class TierLending:
         prefix in its ``kv_transfer_params`` when one was lent, else unchanged."""
         if choice.reason != "tier_hit" or request.kv_transfer_params:
             return request
+        if request.sampling_params.prompt_logprobs is not None:
+            return request  # every prompt token's logits are wanted: nothing may be skipped
         reader = self.engines[choice.engine.engine_id]
         lender_role = LENDER_ROLES.get(reader.state.role)
         if lender_role is None:
