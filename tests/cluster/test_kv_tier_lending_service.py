@@ -109,3 +109,45 @@ def test_gateway_lends_a_peer_host_tier_prefix_to_the_chosen_engine():
             _wait("x ready", lambda: ready(x))
     finally:
         ray.shutdown()
+
+
+def test_decode_engine_prefilling_itself_is_lent_the_prefill_engines_host_tier():
+    # 1 prefill (host tier) + 1 decode engine: a max_tokens=1 request prefills on D
+    # ("no_prefill"), and P's host tier lends D the prefix P computed earlier
+    from tests.cluster.service_helpers import tiny_pd_service
+
+    with tiny_pd_service(
+        router="kv-aware",
+        prefill_engine={"num_kv_blocks": 32, "kv_offloading_size": 0.01},
+        decode_engine={"num_kv_blocks": 32},
+    ) as svc:
+        backend = svc.service.backend
+        c = client(svc)
+        (p,) = [eid for eid, e in backend.engines.items() if e.state.role == "prefill"]
+        (d,) = [eid for eid, e in backend.engines.items() if e.state.role == "decode"]
+
+        def complete(prompt: str, max_tokens: int):
+            return c.completions.create(
+                model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0
+            )
+
+        prompt = "Tell me about tiered KV caches and who reads them. " * 2
+        first = complete(prompt, 8)  # prefilled on P, handed off to D
+        for i in range(12):  # out of both device caches; P's blocks stay in its host tier
+            complete(f"Unrelated question {i}. " * 6, 2)
+        stats = wait_idle(svc)
+        full = (first.usage.prompt_tokens - 1) // 16
+        assert stats[p].kv_offload.tiers[0].blocks >= full > 0
+        index = backend.routing.index
+        _wait("P's host tier in the index", lambda: len(index.hashes_of(p, "host")) >= full)
+        before = stats[d].kv_transfer.transfer_bytes_total
+
+        second = complete(prompt, 1)  # on D alone, P's host tier lends the prefix
+        decisions = backend.routing.decisions()
+        assert decisions.get("decode/tier_hit", 0) >= 1, decisions
+        assert decisions.get("tier_lend/lent") == 1, decisions
+        assert second.usage.prompt_tokens_details.cached_tokens == full * 16
+        assert second.choices[0].text and first.choices[0].text.startswith(second.choices[0].text)
+        stats = wait_idle(svc)  # check_integrity on both: P's export is over
+        assert stats[d].kv_transfer.transfer_bytes_total > before
+        assert stats[p].kv_transfer.sends_blocks_held == 0
