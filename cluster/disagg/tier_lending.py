@@ -14,7 +14,8 @@
     failure) or with the export's lease (B never saw it: the send failed, the gateway's
     deadline passed first), so nothing stays pinned (kvtransfer/tiers/export.py).
 
-Every outcome is counted in the router's decisions as ``tier_lend/<outcome>``.
+Every outcome is counted in the router's decisions as ``tier_lend/<outcome>``
+(``tandem:router_decisions_total{role="tier_lend",reason}``).
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 
+import httpx
 import pytest
 
 from tandem.cluster.cli.serve import ServiceThread
@@ -92,6 +93,8 @@ def test_gateway_lends_a_peer_host_tier_prefix_to_the_chosen_engine():
             assert decisions.get("tier_lend/lent") == 1, decisions
             assert second.usage.prompt_tokens_details.cached_tokens == full * 16
             assert second.choices[0].text == first.choices[0].text  # as computed cold
+            metrics = httpx.get(svc.base_url + "/metrics", timeout=10).text
+            assert 'router_decisions_total{reason="lent",role="tier_lend"} 1.0' in metrics
             stats = wait_idle(svc)  # check_integrity on both: no export left pinned
             assert stats[y].kv_transfer.transfer_bytes_total > before  # READ over NIXL
             assert stats[x].kv_transfer.sends_blocks_held == 0
