@@ -6,7 +6,9 @@ trace, and what an idle tier costs a step.
 1. Store and load GB/s per tier through ``TierStore`` (the tier thread, checksums
    included) next to its ceiling: one ``copy_`` of the same bytes in one process
    (host), the disk's sequential read of one file of the same size with its pages
-   dropped from the page cache (disk; the tier's loads also read cold files).
+   dropped from the page cache (disk; the tier's loads also read cold files), measured
+   again after each disk row. One disk row per ``--disk-readers`` count (threads reading
+   a load's blocks at once; 1: one by one through a staging row).
 2. A multi-turn trace (``cluster/cli/trace_replay.synthesize``: sessions that grow
    turn by turn over shared system prompts and documents) replayed one request at a
    time through a model (``--model``, tiny by default) in fp32, with a device cache of about a quarter of the trace's
@@ -82,8 +84,28 @@ def _pcie(src: torch.Tensor) -> tuple[float, float]:
     return out[0], out[1]
 
 
+def _seq_read_gbs(src: torch.Tensor, tmp: str) -> float:
+    """A cold sequential read of one file of ``src``'s bytes (1 MiB reads)."""
+    big = Path(tmp) / "seq.bin"
+    with open(big, "wb") as f:
+        f.write(memoryview(src.numpy()))
+    _drop_cache(big)
+    buf = bytearray(1 << 20)
+    t = time.perf_counter()
+    with open(big, "rb", buffering=0) as f:
+        while f.readinto(buf):
+            pass
+    gbs = src.numel() / (time.perf_counter() - t) / 1e9
+    big.unlink()
+    return gbs
+
+
 def copy_speed(
-    num_blocks: int, block_bytes: int, tmp: str, device: str = "cpu"
+    num_blocks: int,
+    block_bytes: int,
+    tmp: str,
+    device: str = "cpu",
+    disk_readers: tuple[int, ...] = (4,),
 ) -> list[tuple[str, float, float, str]]:
     layers = block_bytes // (2 * 16 * 8 * 64 * 2)
     kv = torch.randn(num_blocks, layers, 2, 16, 8, 64).to(torch.bfloat16).to(device)
@@ -108,19 +130,10 @@ def copy_speed(
         for i in range(num_blocks):
             dstn[i] = srcn[i]
         ceiling_rows = total / (time.perf_counter() - t) / 1e9
-    big = Path(tmp) / "seq.bin"
-    with open(big, "wb") as f:
-        f.write(memoryview(src.numpy()))
-    _drop_cache(big)
-    buf = bytearray(1 << 20)
-    t = time.perf_counter()
-    with open(big, "rb", buffering=0) as f:
-        while f.readinto(buf):
-            pass
-    ceiling_disk = total / (time.perf_counter() - t) / 1e9
-    big.unlink()
-    for medium in ("host", "disk"):
+    media = [("host", 0)] + [("disk", n) for n in disk_readers]
+    for medium, readers in media:
         cfg = TierConfig(
+            disk_readers=readers,
             host_bytes=total if medium == "host" else 0,
             disk_dir=tmp if medium == "disk" else None,
             disk_bytes=2 * total if medium == "disk" else 0,
@@ -142,9 +155,11 @@ def copy_speed(
         load_gbs = total / _load_all(store, keys, num_blocks) / 1e9
         store.check_integrity()
         store.close()
-        ceiling = ceiling_host if medium == "host" else ceiling_disk
+        # the disk's ceiling is measured right after each disk row (the box's load drifts)
+        ceiling = ceiling_host if medium == "host" else _seq_read_gbs(src, tmp)
         if medium == "disk":
             what = "sequential read of one file, cold"
+            medium = f"disk, {readers} reader{'s' * (readers > 1)}"
         elif device == "cuda":
             what = f"PCIe: one pinned->device copy_ of it all; device->pinned {ceiling_rows:.2f}"
         else:
@@ -367,6 +382,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--device", default="cpu", help="cpu | cuda (copy speeds only on cuda)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--disk-readers", default="1,4", help="disk rows: reader threads per load (1: one by one)"
+    )
     ap.add_argument("--parts", default="copy,trace,churn,step")
     ap.add_argument("--model", default="tiny", help="trace and step model (tiny, smollm2, ...)")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # PART:INDEX, in a child process
@@ -385,13 +403,14 @@ def main(argv: list[str] | None = None) -> int:
     parts = args.parts.split(",")
     if "copy" in parts:
         with tempfile.TemporaryDirectory() as tmp:
-            rows = copy_speed(args.blocks, args.block_kib * 1024, tmp, args.device)
+            readers = tuple(int(n) for n in args.disk_readers.split(","))
+            rows = copy_speed(args.blocks, args.block_kib * 1024, tmp, args.device, readers)
         print(
             f"\n1. copies of {args.blocks} blocks of {args.block_kib} KiB on {args.device} (GB/s)"
         )
-        print("| tier | store | load | ceiling |\n| --- | --- | --- | --- |")
+        print("| tier | store | load | ceiling | load / ceiling |\n| --- | --- | --- | --- | --- |")
         for medium, s, ld, c in rows:
-            print(f"| {medium} | {s:.2f} | {ld:.2f} | {c} |")
+            print(f"| {medium} | {s:.2f} | {ld:.2f} | {c} | {ld / float(c.split()[0]):.2f} |")
     if "trace" in parts:
         print_trace(_in_child("trace", args), args.model)
     if "churn" in parts:

@@ -107,6 +107,10 @@ class NixlAgent:
         self.num_prepared_reads = 0  # READs whose lists NIXL prepared per transfer
         self.region: RegionInfo | None = None
         self.metadata = b""
+        # the host KV tier (kvtransfer/tiers/), registered beside the KV cache so peers
+        # READ its slots like blocks
+        self.host_region: RegionInfo | None = None
+        self._host_registered: Any = None
         # Test hooks, None in production. NIXL refuses to release a handle it
         # cannot cancel; on one host (UCX cma) or over TCP it always can, so
         # tests that need the refusal set these: returning True makes
@@ -136,6 +140,26 @@ class NixlAgent:
             if self._use_prepped:
                 self._prepped = PreppedBlocks(self._agent, region)
         self.region = region
+        return region
+
+    def register_host(self, slots: Any) -> RegionInfo:
+        """Register the host tier's ``[num_slots, block_bytes]`` uint8 tensor (DRAM,
+        pinned on CUDA) after the KV cache; its slots have the cache's block length."""
+        if self.region is None or self._host_registered is not None:
+            raise RuntimeError("register the KV cache first, and the host tier once")
+        if not slots.is_contiguous() or slots.shape[1] != self.region.block_len:
+            raise ValueError("host tier slots must be contiguous whole blocks")
+        region = RegionInfo(
+            base_addr=slots.data_ptr(),
+            block_len=self.region.block_len,
+            num_blocks=slots.shape[0],
+            device_id=0,
+            mem_type="DRAM",
+        )
+        with self._lock:
+            self._host_registered = self._agent.register_memory(slots)
+            self.metadata = self._agent.get_agent_metadata()  # peers learn both memories
+        self.host_region = region
         return region
 
     def add_peer(self, metadata: bytes, region: RegionInfo | None = None) -> str:
@@ -270,9 +294,10 @@ class NixlAgent:
             if self._prepped is not None:
                 self._prepped.close()
                 self._prepped = None
-            if self._registered is not None:
-                try:
-                    self._agent.deregister_memory(self._registered)
-                finally:
-                    self._registered = None
+            try:
+                for registered in (self._host_registered, self._registered):
+                    if registered is not None:
+                        self._agent.deregister_memory(registered)
+            finally:
+                self._registered = self._host_registered = None
             self._agent = None

@@ -46,6 +46,9 @@ class LoadSpec(_Meta):
     remote_block_ids: list[int]
     lease_deadline_mono: float  # D's monotonic clock: P may free the blocks after it
     error: str = ""
+    # which of the peer's registered memories the remote ids index: "device" (its KV
+    # cache) or "host" (its host KV tier's slots, kvtransfer/tiers/)
+    remote_medium: str = "device"
 
 
 class NotifySpec(_Meta):

@@ -45,6 +45,7 @@ class Peer:
     agent_name: str = ""
     region: RegionInfo | None = None
     shard: RankLayout | None = None  # the heads this rank holds (from its handshake)
+    host_region: RegionInfo | None = None  # its host KV tier, if it has one registered
     # NIXL forgot the peer's agent (or never knew it): none of its READs can land any more
     agent_removed: bool = False
     # loads / notifies queued until the handshake finishes (owned by the worker)
@@ -159,7 +160,7 @@ class PeerTable:
                 continue
             future, peer.future = peer.future, None
             try:
-                peer.agent_name, peer.region, peer.shard = future.result()
+                peer.agent_name, peer.region, peer.shard, peer.host_region = future.result()
                 self.num_handshakes += 1
                 ready.append(peer)
             except Exception as e:
@@ -179,7 +180,9 @@ class PeerTable:
                 self._remove_agent(future.result()[0])
         return ready, failed
 
-    def _handshake(self, addr: PeerAddr, rank: int) -> tuple[str, RegionInfo, RankLayout]:
+    def _handshake(
+        self, addr: PeerAddr, rank: int
+    ) -> tuple[str, RegionInfo, RankLayout, RegionInfo | None]:
         """Runs on a pool thread: the only NIXL calls are in ``NixlAgent.add_peer`` (locked)."""
         port = addr.rank_port(rank)
         info = fetch_handshake(
@@ -223,7 +226,11 @@ class PeerTable:
                 f"engine {addr.engine_id} rank {rank} blocks are {info.region.block_len} bytes, "
                 f"expected {self._head_block_bytes * shard.num_heads} for {shard.num_heads} heads"
             )
-        return self._agent.add_peer(info.agent_metadata, info.region), info.region, shard
+        host = info.host_region
+        if host is not None and host.block_len != info.region.block_len:
+            host = None  # not whole blocks of ours: its host tier is not readable
+        name = self._agent.add_peer(info.agent_metadata, info.region)
+        return name, info.region, shard, host
 
     def _remove_agent(self, agent_name: str) -> bool:
         """True once NIXL no longer knows the agent (removed now or before)."""

@@ -28,7 +28,6 @@ reuse the blocks, so a late read is a failed read.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 import time
@@ -41,11 +40,10 @@ from tandem.kvtransfer.fault_injection import ReadFaults
 from tandem.kvtransfer.nixl_agent import NixlAgent
 from tandem.kvtransfer.nixl_meta import NOTIF_DONE, LoadSpec, NotifySpec, PeerAddr
 from tandem.kvtransfer.nixl_peers import Peer, PeerTable
+from tandem.kvtransfer.nixl_read_ledger import ReadLedger
 from tandem.kvtransfer.tp_plan import BlockGeometry, HeadRead, plan_rank_reads, read_descriptors
 
 logger = logging.getLogger(__name__)
-
-_MAX_RECENT_TRANSFERS = 4096
 
 
 @dataclasses.dataclass
@@ -65,18 +63,6 @@ class _Load:
     @property
     def key(self) -> tuple[str, int]:
         return (self.spec.request_id, self.read.src_rank if self.read is not None else -1)
-
-
-@dataclasses.dataclass
-class _Pending:
-    """A request's load on this rank until its last part is over."""
-
-    num_parts_left: int
-    failed: bool = False
-    num_bytes: int = 0
-    num_descriptors: int = 0
-    start_s: float = float("inf")
-    end_s: float = 0.0
 
 
 class KVReads:
@@ -102,35 +88,17 @@ class KVReads:
         self._shard: RankLayout | None = None  # the heads this rank holds
         self._geometry: BlockGeometry | None = None
         self._warned_slices = False
-        self._pending: dict[str, _Pending] = {}  # request id -> its parts not over yet
+        self.ledger = ReadLedger(counters)  # parts over, requests received, figures
         self._loads: dict[tuple[str, int], _Load] = {}  # parts in flight, by (request, P rank)
         # ended parts whose READ may still land: blocks held, request not reported
         self._quarantine: dict[tuple[str, int], _Load] = {}
         # handles NIXL refused to free after their peer's agent was removed
         # (nothing can land any more); release retried, no blocks tied to them
         self._zombies: list[Any] = []
-        self.done_recving: set[str] = set()
-        self.error_block_ids: set[int] = set()
-        # (request id, blocks, bytes, descriptors, READ posted, READ done; perf_counter) of
-        # completed READs, for the engine's per-request timings
-        self.load_records: collections.deque[tuple[str, int, int, int, float, float]] = (
-            collections.deque(maxlen=_MAX_RECENT_TRANSFERS)
-        )
-        self.recent_transfer_s: collections.deque[float] = collections.deque(
-            maxlen=_MAX_RECENT_TRANSFERS
-        )
         self._read_faults = ReadFaults()  # test hook (kvtransfer/fault_injection.py)
 
     def bind(self, layout: KVLayout, shard: RankLayout, geometry: BlockGeometry) -> None:
         self._layout, self._shard, self._geometry = layout, shard, geometry
-
-    def take_done(self) -> set[str]:
-        done, self.done_recving = self.done_recving, set()
-        return done
-
-    def take_error_blocks(self) -> set[int]:
-        block_ids, self.error_block_ids = self.error_block_ids, set()
-        return block_ids
 
     def in_flight(self) -> int:
         return len(self._loads)
@@ -150,7 +118,7 @@ class KVReads:
             "loads in flight": sorted(self._loads),
             "loads waiting for a handshake": sorted(queued),
             "loads quarantined (a READ may still land)": sorted(self._quarantine),
-            "loads with parts not over": sorted(self._pending),
+            "loads with parts not over": sorted(self.ledger.pending),
         }
 
     def release_all(self) -> None:
@@ -168,7 +136,7 @@ class KVReads:
             )
             return
         if not spec.local_block_ids:  # nothing to read; P is told "done" at once
-            self.done_recving.add(spec.request_id)
+            self.ledger.done_recving.add(spec.request_id)
             self._notify(spec.peer, NOTIF_DONE, spec.remote_request_id, rank_done=True)
             return
         try:
@@ -181,7 +149,7 @@ class KVReads:
         except ValueError as e:
             self._fail(_Load(spec, deadline_mono), f"no read plan for the prefill engine: {e}")
             return
-        self._pending[spec.request_id] = _Pending(len(reads))
+        self.ledger.plan(spec.request_id, len(reads))
         for read in reads:
             load = _Load(spec, deadline_mono, read)
             peer, error = self._lookup(spec.peer, read.src_rank)
@@ -222,7 +190,13 @@ class KVReads:
         if self._clock() >= spec.lease_deadline_mono:
             self._fail(load, "the prefill engine's lease expired before the read started")
             return
-        local_limit, remote_limit = self.agent.region.num_blocks, peer.region.num_blocks
+        # "host": an exported prefix in the peer's host KV tier (kvtransfer/tiers/)
+        host = spec.remote_medium == "host"
+        remote = peer.host_region if host else peer.region
+        if remote is None:
+            self._fail(load, f"engine {peer.addr.engine_id} registered no host KV tier")
+            return
+        local_limit, remote_limit = self.agent.region.num_blocks, remote.num_blocks
         local_ids, remote_ids = spec.local_block_ids, spec.remote_block_ids  # both non-empty
         if not (0 <= min(local_ids) and max(local_ids) < local_limit) or not (
             0 <= min(remote_ids) and max(remote_ids) < remote_limit
@@ -232,7 +206,7 @@ class KVReads:
         load.start_s = time.perf_counter()  # cma copies inside the post: time it too
         whole_blocks = load.read.num_heads == self._shard.num_heads == peer.shard.num_heads
         try:
-            if whole_blocks and self.agent.uses_prepped_lists:  # block ids, no addresses
+            if whole_blocks and self.agent.uses_prepped_lists and not host:  # ids, no addresses
                 load.handle, state, load.num_descriptors = self.agent.start_block_read(
                     peer.agent_name, peer.region, spec.local_block_ids, spec.remote_block_ids
                 )
@@ -246,9 +220,9 @@ class KVReads:
                     spec.local_block_ids,
                     spec.remote_block_ids,
                     self.agent.region.base_addr,
-                    peer.region.base_addr,
+                    remote.base_addr,
                 )
-                load.handle, state = self.agent.start_read(peer.agent_name, peer.region, descs)
+                load.handle, state = self.agent.start_read(peer.agent_name, remote, descs)
                 load.num_descriptors, load.num_bytes = len(descs), descs.num_bytes
         except Exception as e:
             self._fail(load, f"posting the READ failed: {e!r}")
@@ -318,42 +292,8 @@ class KVReads:
         blocks in error if any part failed, and P's lead hears "done" from
         this rank."""
         spec = load.spec
-        pending = self._pending.get(spec.request_id)
-        if pending is None:  # failed before it was planned: one part
-            pending = _Pending(1)
-        pending.num_parts_left -= 1
-        pending.failed |= failed
-        if not failed:
-            pending.num_bytes += load.num_bytes
-            pending.num_descriptors += load.num_descriptors
-            pending.start_s = min(pending.start_s, load.start_s)
-            pending.end_s = max(pending.end_s, time.perf_counter())
-        if pending.num_parts_left > 0:
-            return
-        self._pending.pop(spec.request_id, None)
-        self.done_recving.add(spec.request_id)
-        if pending.failed:
-            self._counters["num_failures"] += 1
-            self.error_block_ids.update(spec.local_block_ids)
-        else:
-            seconds = pending.end_s - pending.start_s
-            self._counters["kv_transfer_bytes_total"] += pending.num_bytes
-            self._counters["kv_transfer_seconds_total"] += seconds
-            self._counters["num_transfers"] += 1
-            self._counters["num_descriptors"] += pending.num_descriptors
-            self._counters["last_transfer_s"] = seconds
-            self.recent_transfer_s.append(seconds)
-            self.load_records.append(
-                (
-                    spec.request_id,
-                    len(spec.local_block_ids),
-                    pending.num_bytes,
-                    pending.num_descriptors,
-                    pending.start_s,
-                    pending.end_s,
-                )
-            )
-        self._notify(spec.peer, NOTIF_DONE, spec.remote_request_id, rank_done=True)
+        if self.ledger.part_over(spec, failed, load.num_bytes, load.num_descriptors, load.start_s):
+            self._notify(spec.peer, NOTIF_DONE, spec.remote_request_id, rank_done=True)
 
     def _end_failed(self, load: _Load, reason: str) -> None:
         """A posted READ failed or was given up: report it once it cannot land."""

@@ -154,10 +154,20 @@ class NixlSchedulerSide(KVConnectorSchedulerSide):
                 list(remote_ids[i0:i1]) if not error else [],
                 state.lease_deadline_mono,
                 error,
+                state.params.remote_medium,
             )
         )
         state.phase = _LOADING
         self._loads_in_flight.add(request.request_id)
+
+    def loads_from_own_tiers(self, request: Request) -> bool:
+        """Is ``request``'s load a prefix lent from a peer's host KV tier
+        (``remote_medium`` "host", kvtransfer/tiers/export.py)? Like a tier hit its
+        tokens count as cached and a bad block is recomputed whatever
+        ``--load-failure-policy`` says: the prefix was a cache, the request can do
+        without it."""
+        state = self._remote.get(request.request_id)
+        return state is not None and state.params.remote_medium == "host"
 
     def _remote_state(self, request: Request) -> _RemoteRequest | None:
         """The decode-side state of ``request``, created on first sight."""
@@ -258,6 +268,30 @@ class NixlSchedulerSide(KVConnectorSchedulerSide):
             lease_remaining_s=self.config.lease_s,
         )
         return True, params.to_dict()
+
+    def hold_blocks(
+        self, hold_id: str, block_ids: list[int], num_tokens: int, remote_medium: str
+    ) -> dict[str, Any]:
+        """Hold blocks that belong to no request (a host tier export,
+        kvtransfer/tiers/export.py) for a peer's READ, like a finished prefill's:
+        under ``hold_id`` until the peer's "done" or the lease's end
+        (``finished_sending``). The params for the reading engine's request."""
+        if not self.config.serves_kv:
+            raise ValueError(f"engine {self.config.engine_id} does not serve KV (its role)")
+        lease_deadline_mono = self._clock() + self.config.lease_s
+        self._new_sends.append(SendSpec(hold_id, len(block_ids), lease_deadline_mono))
+        self._held_sends[hold_id] = len(block_ids)
+        params = KVTransferParams(
+            do_remote_prefill=True,
+            remote_engine_id=self.config.engine_id,
+            remote_block_ids=list(block_ids),
+            remote_request_id=hold_id,
+            num_tokens=num_tokens,
+            remote_epoch=self.config.epoch,
+            lease_remaining_s=self.config.lease_s,
+            remote_medium=remote_medium,
+        )
+        return params.to_dict()
 
     def cancel_send(self, request_id: str) -> None:
         if self._held_sends.pop(request_id, None) is None:

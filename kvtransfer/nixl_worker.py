@@ -103,6 +103,7 @@ class NixlWorkerSide(KVConnectorWorkerSide):
         )
         self._leases = SendLeases(config, clock, self._counters)
         self._closed = False
+        self._host_tier: Any = None  # set_host_tier
         # serves peers' READs while the loop is busy (progress_poller.py)
         self._poller: ProgressPoller | None = None
         if (
@@ -174,19 +175,34 @@ class NixlWorkerSide(KVConnectorWorkerSide):
             )
         self._reads.bind(self._layout, self._shard, self._geometry)
         self._peers.set_local_layout(self._layout, self._geometry.head_block_bytes)
-        if self._server is not None:
-            self._server.set_info(
-                HandshakeInfo(
-                    engine_id=self.config.engine_id,
-                    epoch=self.config.epoch,
-                    agent_name=self.agent.name,
-                    agent_metadata=self.agent.metadata,
-                    compat_hash=compat_hash(self._layout),
-                    layout=self._layout,
-                    region=region,
-                    rank=self._shard,
-                )
+        if self._host_tier is not None:  # before the handshake is published
+            self.agent.register_host(self._host_tier)
+        self._publish_handshake()
+
+    def set_host_tier(self, slots: Any) -> None:
+        """The engine's host KV tier (kvtransfer/tiers/host.py: a uint8 ``[num_slots,
+        block_bytes]`` tensor), registered with this rank's agent beside the KV cache
+        so peers READ an exported prefix from it (``remote_medium`` "host"). Call
+        before ``register_kv_caches``: the first handshake a peer gets names both."""
+        self._host_tier = slots
+
+    def _publish_handshake(self) -> None:
+        if self._server is None or self.agent.region is None:
+            return
+        assert self._layout is not None and self._shard is not None
+        self._server.set_info(
+            HandshakeInfo(
+                engine_id=self.config.engine_id,
+                epoch=self.config.epoch,
+                agent_name=self.agent.name,
+                agent_metadata=self.agent.metadata,
+                compat_hash=compat_hash(self._layout),
+                layout=self._layout,
+                region=self.agent.region,
+                rank=self._shard,
+                host_region=self.agent.host_region,
             )
+        )
 
     def _check_layout(self, kv_cache: Any) -> tuple[KVLayout, RankLayout]:
         cfg = self.config
@@ -248,10 +264,10 @@ class NixlWorkerSide(KVConnectorWorkerSide):
                 self._leases.expire()
             elif self.config.notification_transport == "nixl":
                 self.agent.get_notifs()  # progress UCX so queued notifications go out
-        return self._leases.take_done(), self._reads.take_done()
+        return self._leases.take_done(), self._reads.ledger.take_done()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._reads.take_error_blocks()
+        return self._reads.ledger.take_error_blocks()
 
     def _received_notifs(self) -> list[NotifKey]:
         """Notifications from the side channel and from NIXL. Calling
@@ -298,14 +314,14 @@ class NixlWorkerSide(KVConnectorWorkerSide):
         """``(request_id, num_blocks, num_bytes, num_descriptors, start_s, end_s)``
         (``time.perf_counter``) of every READ
         completed since the last call (engine loop thread, after each step)."""
-        out = list(self._reads.load_records)
-        self._reads.load_records.clear()
+        out = list(self._reads.ledger.load_records)
+        self._reads.ledger.load_records.clear()
         return out
 
     def drain_transfer_seconds(self) -> list[float]:
         """Per-transfer seconds since the last call (for a histogram)."""
-        out = list(self._reads.recent_transfer_s)
-        self._reads.recent_transfer_s.clear()
+        out = list(self._reads.ledger.recent_transfer_s)
+        self._reads.ledger.recent_transfer_s.clear()
         return out
 
     def check_integrity(self) -> None:

@@ -41,6 +41,9 @@ class KVTransferParams(
     num_tokens: int = 0
     remote_epoch: int = 0
     lease_remaining_s: float = 0.0
+    # "host": remote_block_ids are slots of the remote engine's host KV tier (a prefix
+    # it exported, kvtransfer/tiers/export.py), not blocks of its device cache
+    remote_medium: str = "device"
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict; fields at their default are left out."""
@@ -64,6 +67,8 @@ class KVTransferParams(
             _bad("do_remote_prefill", "cannot be set together with do_remote_decode")
         if self.num_tokens < 0:
             _bad("num_tokens", f"must be >= 0, got {self.num_tokens}")
+        if self.remote_medium not in ("device", "host"):
+            _bad("remote_medium", f'must be "device" or "host", got {self.remote_medium!r}')
         if self.remote_epoch < 0:
             _bad("remote_epoch", f"must be >= 0, got {self.remote_epoch}")
         for block_id in self.remote_block_ids:

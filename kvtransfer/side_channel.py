@@ -85,6 +85,9 @@ class HandshakeInfo(msgspec.Struct, array_like=True):
     layout: KVLayout
     region: RegionInfo
     rank: RankLayout = RankLayout()
+    # the engine's host KV tier (kvtransfer/tiers/), registered with the same agent:
+    # slot i is the block_len bytes at base_addr + i * block_len; None without one
+    host_region: RegionInfo | None = None
 
 
 class HandshakeRequest(msgspec.Struct, array_like=True, tag="handshake"):

@@ -76,7 +76,8 @@ def finish_remote_load(
 
 
 def own_tier_load(sched: Scheduler, req: Request) -> bool:
-    """KV tiers (kvtransfer/tiers/): is req's load from this engine's own tiers
-    rather than a peer? Its tokens are cached tokens, its bad blocks recomputed."""
+    """KV tiers (kvtransfer/tiers/): is req's load from this engine's own tiers (or a
+    prefix a peer lent from its host tier) rather than a peer's prefill? Its tokens
+    are cached tokens, its bad blocks recomputed."""
     own = getattr(sched.connector, "loads_from_own_tiers", None)
     return own is not None and own(req)

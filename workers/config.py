@@ -136,7 +136,8 @@ class EngineConfig:
     # ---- KV offloading tiers below the device cache (kvtransfer/tiers/)
     kv_offloading_size: float | None = option(
         None, section="offload", per_pool=True, metavar="GiB",
-        help="host-memory KV tier of each engine in GiB (pinned on CUDA); unset: none",
+        help="host-memory KV tier of each engine in GiB (pinned on CUDA); unset: none. "
+        "A colocated pool of more than one engine with it gets NIXL: engines lend tier prefixes",
     )  # fmt: skip
     kv_offloading_disk_dir: str | None = option(
         None, section="offload", per_pool=True, metavar="DIR",
@@ -145,6 +146,11 @@ class EngineConfig:
     kv_offloading_disk_size: float | None = option(
         None, section="offload", per_pool=True, metavar="GiB",
         help="disk KV tier of each engine in GiB (with --kv-offloading-disk-dir)",
+    )  # fmt: skip
+    kv_offloading_disk_optional: bool = option(
+        False, section="offload", per_pool=True,
+        help="an unusable --kv-offloading-disk-dir (not writable, unreadable, another "
+        "configuration's blocks) is a warning and host-only service, not a start-up error",
     )  # fmt: skip
     # ---- scheduling (scheduler/policies.py)
     max_num_seqs: int = option(

@@ -106,6 +106,15 @@ class Membership:
 
         decode = [e for e in engines if e.state.role == "decode" and e.answered]
         all_ok = await push_prefill_endpoints(decode, engines, call, self.call_timeout_s)
+        lenders = [  # colocated engines with NIXL (host KV tiers): each reads the others'
+            e
+            for e in engines
+            if e.state.role == "colocated" and e.answered and e.state.info.get("kv_address")
+        ]
+        if len(lenders) > 1:
+            await push_prefill_endpoints(
+                lenders, engines, call, self.call_timeout_s, role="colocated"
+            )
         for e in engines:
             if not e.unregistered or not e.answered:
                 continue

@@ -10,7 +10,8 @@ are built by ``kvtransfer/handoff.py``):
 
 The router plans each try (``cluster/routing``): which decode engine, and
 whether a prefill engine computes the prompt first (short prompts and
-prefix hits prefill on D). A prefill that fails is retried once on another
+prefix hits prefill on D). An engine chosen for a prefix only another
+engine's host KV tier holds gets it lent first (``tier_lending.py``). A prefill that fails is retried once on another
 prefill engine, else D prefills itself. Without prefill/decode pools, one
 colocated engine runs the whole request.
 
@@ -32,6 +33,7 @@ import zmq
 from tandem.cluster.disagg.data_plane import DataPlane, EngineFailed
 from tandem.cluster.disagg.engine import Engine, Traffic
 from tandem.cluster.disagg.migration import EngineLost, Migrator, StreamLedger
+from tandem.cluster.disagg.tier_lending import TierLending
 from tandem.cluster.gateway.backend import BackendUnavailable
 from tandem.cluster.routing.cluster_routing import ClusterRouting, PromptHashes
 from tandem.cluster.routing.policy import Choice
@@ -57,6 +59,7 @@ class Orchestrator:
         self.routing = routing
         self.migrator = migrator
         self.disaggregated = disaggregated
+        self.lending = TierLending(engines, routing)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
         """``Backend.generate``: tries until the stream ends by itself or
@@ -104,6 +107,7 @@ class Orchestrator:
             if choice is None:
                 yield error_output(request.request_id, "no ready colocated engine")
                 return
+            request = await self.lending.lend(choice, request, hashes)
             async for out in self._stream(choice, request, q, True, request.n):
                 yield out
             return
@@ -144,6 +148,8 @@ class Orchestrator:
         if choice is None:
             yield error_output(request.request_id, "no ready decode engine")
             return
+        if first is None:  # D computes the prompt: a prefill engine's host tier may lend
+            request = await self.lending.lend(choice, request, hashes)
         async for out in self._stream(choice, request, q, first is None, n):
             yield out
 

@@ -3,7 +3,7 @@
 The actor owns an EngineCore whose loop runs on a background thread, fed by
 ZMQ (the data plane). Ray method calls are control only: ``ready`` (address,
 epoch), ``stats``, ``check_integrity``, ``set_prefill_endpoints``,
-``kv_events_snapshot``, ``attach``, ``shutdown``. Each start (including a
+``kv_tier_export``, ``kv_events_snapshot``, ``attach``, ``shutdown``. Each start (including a
 restart by Ray after a crash) gets a new epoch, so peers and the router never
 reuse state of a previous incarnation.
 
@@ -147,6 +147,12 @@ class EngineActor:
         """Control call from the cluster: the registered prefill engines'
         ``[engine_id, epoch, host, port]``; D reads KV only from these."""
         return self.service.call_in_loop(lambda: self.engine.set_prefill_endpoints(endpoints))
+
+    def kv_tier_export(self, block_hashes: list[bytes]) -> dict[str, Any] | None:
+        """Lend the leading ``block_hashes`` this engine's host KV tier holds to a
+        peer's NIXL READ (``kvtransfer/tiers/export.py``): the reading request's
+        ``kv_transfer_params``, or None when the tier holds none of them."""
+        return self.service.call_in_loop(lambda: self.engine.kv_tier_export(block_hashes))
 
     def kv_events_snapshot(self) -> Any:
         """The engine's cached hashes as of its last KV event batch (resync)."""

@@ -25,14 +25,15 @@ logger = logging.getLogger(__name__)
 Endpoint = list[Any]  # [engine_id, epoch, host, port(, rank_ports)]
 
 
-def prefill_endpoints(engines: list[Any]) -> list[Endpoint]:
-    """The registered list: prefill engines that reported a KV address at
-    their current epoch (``state.info`` from ``ready()``), sorted by id."""
+def prefill_endpoints(engines: list[Any], role: str = "prefill") -> list[Endpoint]:
+    """The registered list: ``role`` engines (prefill; colocated ones lending their
+    host KV tiers to each other) that reported a KV address at their current epoch
+    (``state.info`` from ``ready()``), sorted by id."""
     out = []
     for e in engines:
         st = e.state
         address = st.info.get("kv_address") if st.info else None
-        if st.role == "prefill" and st.epoch and address:
+        if st.role == role and st.epoch and address:
             endpoint = [st.engine_id, st.epoch, address[0], int(address[1])]
             rank_ports = st.info.get("kv_rank_ports")
             if rank_ports:  # a tensor-parallel engine: every rank's side channel
@@ -46,12 +47,13 @@ async def push_prefill_endpoints(
     all_engines: list[Any],
     call: Callable[[Any, list[Endpoint]], Awaitable[Any]],
     timeout_s: float,
+    role: str = "prefill",
 ) -> bool:
     """Send the registered list (from ``all_engines``) to every decode engine
     whose last acknowledged ``(epoch, list)`` (``e.pushed_endpoints``)
     differs. True when all of ``decode_engines`` hold the current list; a
     failed push is retried on the next round."""
-    endpoints = prefill_endpoints(all_engines)
+    endpoints = prefill_endpoints(all_engines, role)
     targets = [
         e
         for e in decode_engines

@@ -20,7 +20,13 @@ from typing import Any
 
 from tandem.cluster.routing.hit_error import HitErrorHistogram
 from tandem.cluster.routing.index import PrefixIndex
-from tandem.cluster.routing.policy import Choice, Plan, RoutingConfig, RoutingPolicy
+from tandem.cluster.routing.policy import (
+    Choice,
+    Plan,
+    RoutingConfig,
+    RoutingPolicy,
+    max_hit_blocks,
+)
 from tandem.cluster.routing.route_log import RouteNotes
 from tandem.cluster.routing.router import Router
 from tandem.cluster.routing.subscriber import KVEventSubscriber
@@ -161,6 +167,37 @@ class ClusterRouting:
             self.notes.chosen(rid, "decode", d.engine.engine_id, d.reason)
             self.notes.planned(rid, plan.reason)
         return plan
+
+    def tier_lender(
+        self,
+        hashes: PromptHashes,
+        reader_role: str,
+        lender_role: str,
+        reader: Any,
+        lender_ids: list[str],
+    ) -> tuple[str, list[bytes]] | None:
+        """The engine of ``lender_ids`` whose host tier holds the longest leading run of
+        the prompt's blocks, longer than the reader's own (device and own tiers), and
+        that run's hashes; None when none does better (``cluster/disagg/tier_lending.py``).
+        Both pools must hash alike (block size, algorithm)."""
+        if self.index is None or not lender_ids:
+            return None
+        if self._hashing.get(reader_role) != self._hashing.get(lender_role):
+            return None
+        block_size = hashes.block_size(reader_role)
+        cap = max_hit_blocks(len(hashes.request.prompt_token_ids), block_size)
+        blocks = hashes.of(lender_role)[:cap]
+        rid = reader.state.engine_id
+        own = self.index.match_below(blocks, [rid], peers=False)[rid]
+        runs = {eid: self.index.host_run(eid, blocks) for eid in lender_ids}
+        best = max(sorted(runs), key=lambda eid: runs[eid])
+        if runs[best] <= own:
+            return None
+        return best, blocks[: runs[best]]
+
+    def count(self, role: str, reason: str) -> None:
+        """A decision outside the policy's own (``decisions``: "role/reason")."""
+        self.policy.decisions[(role, reason)] = self.policy.decisions.get((role, reason), 0) + 1
 
     def observe_hit(self, request_id: str, choice: Choice, reported_tokens: int) -> None:
         """The engine that computed the prompt reported its prefix hit."""

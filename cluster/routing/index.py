@@ -18,6 +18,12 @@ Memory is bounded: an engine never holds more than ``capacity_blocks``
 hashes here (its KV block count, from ``ready``). Events keep the set exact;
 if removals were lost the least recently stored hashes go first.
 
+Below the device (KV tiers, kvtransfer/tiers/): events whose ``medium`` is
+"host" or "disk" go to the engine's per-medium sets, apart from its device
+hashes, so ``match`` stays the device's answer and ``match_below`` adds what the
+engine's own tiers hold and what any other engine's host tier holds (which it
+can READ over NIXL). A tier set is bounded by ``MAX_TIER_BLOCKS`` the same way.
+
 The index is touched only from the gateway's event loop thread.
 """
 
@@ -28,12 +34,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tandem.scheduler.kv_events import (
+    DEVICE,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVEventBatch,
     KVSnapshot,
 )
+
+TIER_MEDIA = ("host", "disk")
+MAX_TIER_BLOCKS = 1_000_000  # per engine and medium: ~100 MB of index at most
 
 
 @dataclass
@@ -45,12 +55,17 @@ class IndexedEngine:
     seq: int = 0
     needs_resync: bool = True  # nothing known until seq 1 or a snapshot
     hashes: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
+    # below the device: medium ("host", "disk") -> hashes its KV tier holds, LRU order
+    tiers: dict[str, OrderedDict[bytes, None]] = field(
+        default_factory=lambda: {m: OrderedDict() for m in TIER_MEDIA}
+    )
 
 
 class PrefixIndex:
     def __init__(self) -> None:
         self.engines: dict[str, IndexedEngine] = {}
         self._where: dict[bytes, set[str]] = {}
+        self._tier_where: dict[str, dict[bytes, set[str]]] = {m: {} for m in TIER_MEDIA}
         self.num_gaps = 0
         self.num_resyncs = 0
         self.num_lru_evictions = 0
@@ -98,13 +113,20 @@ class PrefixIndex:
         e.seq = batch.seq
         for ev in batch.events:
             if isinstance(ev, BlockStored):
+                if ev.medium != DEVICE:
+                    self._add_tier(e, ev.medium, ev.block_hashes)
+                    continue
                 for h in ev.block_hashes:
                     self._add(e, h)
             elif isinstance(ev, BlockRemoved):
+                if ev.medium != DEVICE:
+                    self._discard_tier(e, ev.medium, ev.block_hashes)
+                    continue
                 for h in ev.block_hashes:
                     self._discard(e, h)
-            elif isinstance(ev, AllBlocksCleared):
-                self._clear(e)
+            elif isinstance(ev, AllBlocksCleared):  # the device's cache only
+                for h in list(e.hashes):
+                    self._discard(e, h)
         self._trim(e)
         return True
 
@@ -117,6 +139,8 @@ class PrefixIndex:
         e.epoch, e.seq, e.needs_resync = snap.epoch, snap.seq, False
         for h in snap.block_hashes:
             self._add(e, h)
+        for medium, hashes in snap.tier_block_hashes.items():
+            self._add_tier(e, medium, hashes)
         self._trim(e)
         self.num_resyncs += 1
 
@@ -147,9 +171,52 @@ class PrefixIndex:
                 out[eid] = i + 1
         return out
 
-    def hashes_of(self, engine_id: str) -> set[bytes]:
+    def match_below(
+        self, block_hashes: Sequence[bytes], engine_ids: Sequence[str], peers: bool = True
+    ) -> dict[str, int]:
+        """For each engine in ``engine_ids``: how many leading blocks of ``block_hashes``
+        it could have without computing them: on its device, in its own host or disk
+        tier, or (``peers``) in another engine's host tier (a NIXL READ away). At
+        least ``match``."""
+        # an engine awaiting a resync (e.g. one that never stored a block yet) has
+        # nothing of its own known here, but may still read a peer's host tier
+        known = {eid for eid in engine_ids if eid in self.engines}
+        live = [eid for eid in engine_ids if eid in known]
+        synced = {eid for eid in known if not self.engines[eid].needs_resync}
+        out = dict.fromkeys(engine_ids, 0)
+        host, disk = self._tier_where["host"], self._tier_where["disk"]
+        for i, h in enumerate(block_hashes):
+            in_host = host.get(h, set()) - {
+                x for x in host.get(h, ()) if self.engines[x].needs_resync
+            }
+            others_host = in_host if peers else set()
+            own = (self._where.get(h, set()) | disk.get(h, set()) | in_host) & synced
+            live = [eid for eid in live if eid in own or others_host - {eid}]
+            if not live:
+                break
+            for eid in live:
+                out[eid] = i + 1
+        return out
+
+    def host_run(self, engine_id: str, block_hashes: Sequence[bytes]) -> int:
+        """How many leading blocks of ``block_hashes`` the engine's host tier holds
+        (0 for an engine unknown or awaiting a resync)."""
         e = self.engines.get(engine_id)
-        return set(e.hashes) if e is not None else set()
+        if e is None or e.needs_resync:
+            return 0
+        host = e.tiers["host"]
+        n = 0
+        for h in block_hashes:
+            if h not in host:
+                break
+            n += 1
+        return n
+
+    def hashes_of(self, engine_id: str, medium: str = DEVICE) -> set[bytes]:
+        e = self.engines.get(engine_id)
+        if e is None:
+            return set()
+        return set(e.hashes) if medium == DEVICE else set(e.tiers[medium])
 
     def num_entries(self) -> int:
         return sum(len(e.hashes) for e in self.engines.values())
@@ -163,6 +230,17 @@ class PrefixIndex:
             assert len(e.hashes) <= e.capacity_blocks, f"{e.engine_id} over capacity"
             for h in e.hashes:
                 assert e.engine_id in self._where.get(h, ()), f"{h.hex()} not mapped"
+            for medium, hashes in e.tiers.items():
+                assert len(hashes) <= MAX_TIER_BLOCKS, f"{e.engine_id} {medium} over capacity"
+                for h in hashes:
+                    assert e.engine_id in self._tier_where[medium].get(h, ()), (
+                        f"{medium} {h.hex()} not mapped"
+                    )
+        for medium, where in self._tier_where.items():
+            for h, eids in where.items():
+                assert eids, f"empty {medium} holder set for {h.hex()}"
+                for eid in eids:
+                    assert h in self.engines[eid].tiers[medium], f"{eid} missing {h.hex()}"
 
     # ---- internals ---------------------------------------------------------------
 
@@ -180,9 +258,38 @@ class PrefixIndex:
             if not holders:
                 del self._where[h]
 
+    def _add_tier(self, e: IndexedEngine, medium: str, hashes: Sequence[bytes]) -> None:
+        held = e.tiers.get(medium)
+        if held is None:
+            return  # a medium this index does not know: ignored
+        where = self._tier_where[medium]
+        for h in hashes:
+            if h in held:
+                held.move_to_end(h)
+                continue
+            held[h] = None
+            where.setdefault(h, set()).add(e.engine_id)
+        while len(held) > MAX_TIER_BLOCKS:
+            self.num_lru_evictions += 1
+            self._discard_tier(e, medium, [next(iter(held))])
+
+    def _discard_tier(self, e: IndexedEngine, medium: str, hashes: Sequence[bytes]) -> None:
+        held = e.tiers.get(medium)
+        if held is None:
+            return
+        where = self._tier_where[medium]
+        for h in hashes:
+            if held.pop(h, 0) is None:
+                holders = where[h]
+                holders.discard(e.engine_id)
+                if not holders:
+                    del where[h]
+
     def _clear(self, e: IndexedEngine) -> None:
         for h in list(e.hashes):
             self._discard(e, h)
+        for medium, held in e.tiers.items():
+            self._discard_tier(e, medium, list(held))
 
     def _trim(self, e: IndexedEngine) -> None:
         while len(e.hashes) > e.capacity_blocks:

@@ -47,6 +47,15 @@ same cost (so a survivor holding the context is preferred), then
     else -> D recomputes what its cache misses ("migration_recompute")
 Without the index (round-robin, least-load) hit_D is 0: the length rule.
 
+Below the device (KV tiers): ``below_e`` >= ``hit_e`` is the prefix e could have
+without computing it: its device, its own host or disk tier, or another
+engine's host tier (``PrefixIndex.match_below``). The kv-aware cost uses
+``hit_e + TIER_HIT_WEIGHT * (own_e - hit_e) + PEER_TIER_HIT_WEIGHT * (below_e - own_e)``
+in place of ``hit_e``, where ``own_e`` leaves other engines' tiers out: a block in
+e's own tier (a local load) scores below a device hit, a block in another engine's
+host tier (a NIXL READ) below that, and both above nothing. ``predicted_hit_tokens``
+and the disaggregated plan keep the device hit.
+
 ``hit`` never counts the block holding the prompt's last token (an engine
 always computes at least one token), exactly as the engine's scheduler does.
 """
@@ -63,6 +72,8 @@ from tandem.cluster.routing.router import EngineState, Router, load
 from tandem.wire.config_fields import option
 
 ROUTER_POLICIES = ("round-robin", "least-load", "kv-aware")
+TIER_HIT_WEIGHT = 0.5  # a token in the engine's own KV tier, against one on its device
+PEER_TIER_HIT_WEIGHT = 0.25  # a token in another engine's host tier (a NIXL READ away)
 
 
 @dataclass(frozen=True)
@@ -191,6 +202,14 @@ class RoutingPolicy:
         if role != "prefill":  # busy engines yield while one is not (module doc)
             cands = [e for e in cands if load(e) <= c.busy_threshold] or cands
         hit = self._hits(cands, hashes, num_prompt_tokens, block_size)
+        own = self._hits(cands, hashes, num_prompt_tokens, block_size, below="own")
+        below = self._hits(cands, hashes, num_prompt_tokens, block_size, below="peers")
+        held = {  # tier tokens count a part of a device token (module doc)
+            eid: h
+            + TIER_HIT_WEIGHT * (own[eid] - h)
+            + PEER_TIER_HIT_WEIGHT * (below[eid] - own[eid])
+            for eid, h in hit.items()
+        }
         n = max(num_prompt_tokens, 1)
         first = hashes[0] if hashes else b""
 
@@ -200,19 +219,21 @@ class RoutingPolicy:
         if role == "prefill":
 
             def cost(e: EngineState) -> tuple[float, int, str]:
-                miss = n - hit[e.engine_id]
+                miss = n - held[e.engine_id]
                 value = miss + c.prefill_queue_weight * e.queued_prefill_tokens
                 return (value, tie(e), e.engine_id)
         else:
 
             def cost(e: EngineState) -> tuple[float, int, str]:
-                miss = (n - hit[e.engine_id]) / n
+                miss = (n - held[e.engine_id]) / n
                 queued = e.queued_prefill_tokens / n
                 value = c.hit_weight * miss + c.prefill_queue_weight * queued
                 return (value + c.load_weight * load(e), tie(e), e.engine_id)
 
         best = min(cands, key=cost)
         reason = "prefix_hit" if hit[best.engine_id] > 0 else "load"
+        if reason == "load" and below[best.engine_id] > 0:
+            reason = "tier_hit"
         self._count(role, reason)
         return Choice(best, reason, hit[best.engine_id])
 
@@ -222,11 +243,18 @@ class RoutingPolicy:
         hashes: Sequence[bytes],
         num_prompt_tokens: int,
         block_size: int,
+        below: str = "",
     ) -> dict[str, int]:
+        """Tokens held on each device; ``below`` "own": or in its own tiers, "peers":
+        or in another engine's host tier too."""
         if self.index is None or not hashes or block_size < 1:
             return {e.engine_id: 0 for e in cands}
         cap = max_hit_blocks(num_prompt_tokens, block_size)
-        blocks = self.index.match(hashes[:cap], [e.engine_id for e in cands])
+        ids = [e.engine_id for e in cands]
+        if below:
+            blocks = self.index.match_below(hashes[:cap], ids, peers=below == "peers")
+        else:
+            blocks = self.index.match(hashes[:cap], ids)
         return {eid: nb * block_size for eid, nb in blocks.items()}
 
     def _hit_of(

@@ -22,6 +22,8 @@ class TierConfig:
     host_bytes: int = 0
     disk_dir: str | None = None
     disk_bytes: int = 0
+    # an unusable disk directory: a warning and host-only service (else a start-up error)
+    disk_optional: bool = False
     engine_id: str = ""
     model: str = ""  # the model the KV belongs to (part of the disk fingerprint)
     hash_algo: str = "sha256"
@@ -33,6 +35,9 @@ class TierConfig:
     # "through": store each full block once it is computed (background);
     # "eviction": store a block when the device cache evicts it (benchmarks only)
     store_policy: str = "through"
+    # threads reading a load's disk blocks at once, each straight into its device block
+    # (CPU; benchmarks/kv_tiers.py measured 1 / 2 / 4 / 8, docs/benchmarks.md)
+    disk_readers: int = 4
 
     @property
     def enabled(self) -> bool:
@@ -62,6 +67,8 @@ def check_tier_fields(cfg: Any) -> None:
             "--kv-offloading-disk-dir and --kv-offloading-disk-size go together: "
             "set both or neither"
         )
+    if cfg.kv_offloading_disk_optional and disk_dir is None:
+        raise ValueError("--kv-offloading-disk-optional needs --kv-offloading-disk-dir")
     if host is None and disk is None:
         return
     if not cfg.enable_prefix_caching:
@@ -88,6 +95,7 @@ def tier_config(cfg: Any) -> TierConfig:
         host_bytes=int((cfg.kv_offloading_size or 0) * GIB),
         disk_dir=cfg.kv_offloading_disk_dir,
         disk_bytes=int((cfg.kv_offloading_disk_size or 0) * GIB),
+        disk_optional=bool(cfg.kv_offloading_disk_optional),
         engine_id=cfg.engine_id or "engine",
         model=str(cfg.model),
         hash_algo=cfg.prefix_caching_hash_algo,

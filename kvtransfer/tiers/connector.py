@@ -102,13 +102,21 @@ class TierSchedulerSide(KVConnectorSchedulerSide):
         """Follow ``pool``'s published and evicted blocks (call after the KV events
         recorder, if any, is in place)."""
         if not isinstance(pool.events, TierPoolEvents):
+            if pool.events is not None:  # routing: the tiers' blocks are KV events too
+                pool.events.tiers = self.store
+                self.store.enable_events()
             pool.events = TierPoolEvents(self, pool, pool.events)
 
-    def get_num_new_matched_tokens(self, request: Any, num_local_computed_tokens: int):
+    def get_num_new_matched_tokens(
+        self, request: Any, num_local_computed_tokens: int, remote_ok: bool = False
+    ):
+        """``remote_ok``: match a request whose KV a peer would send too (chain.py asks
+        whether the tiers could spare the READ)."""
         rid = request.request_id
         self._matched.pop(rid, None)
         params = request.kv_transfer_params
-        if (params and params.get("do_remote_prefill")) or self.store.kv is None:
+        remote = bool(params and params.get("do_remote_prefill"))
+        if (remote and not remote_ok) or self.store.kv is None:
             return 0, False  # its KV comes from a prefill engine (kvtransfer/tiers/chain.py)
         if request.sampling_params.prompt_logprobs is not None and not request.num_output_tokens:
             return 0, False  # every prompt token's logits are computed
@@ -123,6 +131,9 @@ class TierSchedulerSide(KVConnectorSchedulerSide):
             return 0, False
         self._matched[rid] = (start, n)
         return n * bs, True
+
+    def forget_match(self, request_id: str) -> None:
+        self._matched.pop(request_id, None)
 
     def update_state_after_alloc(self, request: Any, block_ids: list[int], num_external: int):
         matched = self._matched.pop(request.request_id, None)

@@ -77,6 +77,8 @@ class DiskTier:
         self.writing: set[bytes] = set()
         self.num_evictions = 0
         self.num_reindexed = 0
+        # TierStore: (medium, key, stored) on every index change (KV events)
+        self.on_change: Callable[[str, bytes, bool], None] | None = None
         self._open()
 
     # ---- start-up ------------------------------------------------------------------
@@ -159,7 +161,12 @@ class DiskTier:
         self.used_bytes -= self.index.pop(victim)
         self.path(victim).unlink(missing_ok=True)
         self.num_evictions += 1
+        self._changed(victim, False)
         return True
+
+    def _changed(self, key: bytes, stored: bool) -> None:
+        if self.on_change is not None:
+            self.on_change(self.medium, key, stored)
 
     def reserve(self, key: bytes) -> bool:
         """Make room for one more file (evicting least recently used ones); False when
@@ -177,6 +184,7 @@ class DiskTier:
         size = _HEADER.size + len(key) + self.block_bytes
         if ok and key not in self.index:
             self.index[key] = size
+            self._changed(key, True)
         else:
             self.used_bytes -= size
 
@@ -185,6 +193,7 @@ class DiskTier:
         if size is not None:
             self.used_bytes -= size
             self.path(key).unlink(missing_ok=True)
+            self._changed(key, False)
 
     # ---- files (outside the lock) -------------------------------------------------------
 
@@ -223,16 +232,27 @@ class DiskTier:
                 os.close(fd)
 
     def read(self, key: bytes, out: np.ndarray) -> None:
-        """Read a block's bytes into ``out`` (uint8, block_bytes); TierLoadError when
-        the file is missing, of another key, torn or fails its checksum."""
+        """Read a block's bytes into ``out`` (uint8, block_bytes; may be the device block
+        itself: on failure its bytes are garbage, and the block is recomputed);
+        TierLoadError when the file is missing, of another key, torn or fails its
+        checksum. One ``readv`` fills the header, the block and a byte past it (a longer
+        file is torn): three system calls a block, no Python file object."""
+        hlen = _HEADER.size + len(key)
+        head, extra = bytearray(hlen), bytearray(1)
         try:
-            with open(self.path(key), "rb") as f:
-                head = f.read(_HEADER.size + len(key))
-                n = f.readinto(memoryview(out))
-                extra = f.read(1)
+            fd = os.open(self.path(key), os.O_RDONLY)
+            try:
+                n = os.readv(fd, [head, memoryview(out), extra])
+                while hlen <= n < hlen + self.block_bytes:  # a short read: go on reading
+                    more = os.readv(fd, [memoryview(out)[n - hlen :], extra])
+                    if not more:
+                        break
+                    n += more
+            finally:
+                os.close(fd)
         except OSError as exc:
             raise TierLoadError(f"disk block unreadable: {exc}") from exc
-        if len(head) != _HEADER.size + len(key) or n != self.block_bytes or extra:
+        if n != hlen + self.block_bytes:
             raise TierLoadError("disk block file has the wrong size")
         magic, version, key_len, length, check = _HEADER.unpack_from(head)
         if (magic, version, length) != (_MAGIC, _VERSION, self.block_bytes):

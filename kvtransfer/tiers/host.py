@@ -42,6 +42,8 @@ class HostTier:
         self.reserved: set[int] = set()
         self._is_pinned = is_pinned  # TierStore: a load is reading this key
         self.num_evictions = 0
+        # TierStore: (medium, key, stored) on every index change (KV events)
+        self.on_change: Callable[[str, bytes, bool], None] | None = None
 
     def __contains__(self, key: bytes) -> bool:
         return key in self.index
@@ -68,6 +70,7 @@ class HostTier:
                 return None
             slot = self.index.pop(victim).slot
             self.num_evictions += 1
+            self._changed(victim, False)
         self.reserved.add(slot)
         return slot
 
@@ -77,6 +80,7 @@ class HostTier:
             self.free.append(slot)
             return
         self.index[key] = HostEntry(slot, checksum)
+        self._changed(key, True)
 
     def release(self, slot: int) -> None:
         """Give back a reserved slot whose copy was cancelled."""
@@ -88,6 +92,11 @@ class HostTier:
         entry = self.index.pop(key, None)
         if entry is not None:
             self.free.append(entry.slot)
+            self._changed(key, False)
+
+    def _changed(self, key: bytes, stored: bool) -> None:
+        if self.on_change is not None:
+            self.on_change(self.medium, key, stored)
 
     def check_integrity(self) -> None:
         slots = [e.slot for e in self.index.values()]

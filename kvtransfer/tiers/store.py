@@ -26,18 +26,18 @@ import threading
 import time
 from typing import Any
 
-import numpy as np
 import torch
 
 from tandem.kvtransfer.tiers.config import TierConfig, fingerprint
-from tandem.kvtransfer.tiers.disk import DiskFull, DiskTier, TierLoadError, checksum
+from tandem.kvtransfer.tiers.copies import TierCopier
+from tandem.kvtransfer.tiers.disk import DiskTier
 from tandem.kvtransfer.tiers.host import HostTier
-from tandem.scheduler.engine_stats import Histogram, KVOffloadStats, KVOffloadTierStats
+from tandem.kvtransfer.tiers.report import flat_stats, offload_stats
+from tandem.scheduler.engine_stats import Histogram, KVOffloadStats
 
 logger = logging.getLogger(__name__)
 
 LOAD_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
-DISK_FULL_RETRY_S = 60.0
 
 
 class StoreJob:
@@ -81,10 +81,10 @@ class TierStore:
         self._busy = 0  # jobs taken off a queue, not finished
         self._stop = False
         self._thread: threading.Thread | None = None
-        self._disk_full_until = 0.0
         self.kv: torch.Tensor | None = None  # [num_blocks, block_bytes] uint8 view
-        self._stream: Any = None
-        self._staging: torch.Tensor | None = None
+        self.copier = TierCopier(self)  # the tier thread's byte work (copies.py)
+        # (medium, key, stored) index changes for the KV events; None: nobody routes
+        self.events: list[tuple[str, bytes, bool]] | None = None
 
     # ---- start and stop ------------------------------------------------------------------
 
@@ -104,12 +104,24 @@ class TierStore:
             fp = fingerprint(
                 cfg, str(kv_cache.dtype).removeprefix("torch."), tuple(storage.shape[1:])
             )
-            self.disk = DiskTier(
-                cfg.disk_dir, cfg.engine_id, cfg.disk_bytes, block_bytes, fp, self._pinned
-            )
-        self._staging = torch.empty((block_bytes,), dtype=torch.uint8, pin_memory=cuda)
-        if cuda:
-            self._stream = torch.cuda.Stream(device=kv_cache.device)
+            try:
+                self.disk = DiskTier(
+                    cfg.disk_dir, cfg.engine_id, cfg.disk_bytes, block_bytes, fp, self._pinned
+                )
+            except ValueError as exc:  # names the flag
+                if not cfg.disk_optional:
+                    raise
+                self.counters["disk_unusable"] += 1
+                logger.warning(
+                    "%s; --kv-offloading-disk-optional: serving %s",
+                    exc,
+                    "with the host KV tier only" if self.host else "without KV tiers",
+                )
+        for tier in self.tiers():
+            tier.on_change = self._changed
+            for key in tier.index:  # re-indexed from disk: routable at once
+                self._changed(tier.medium, key, True)
+        self.copier.open(block_bytes, kv_cache.device)
         self._thread = threading.Thread(target=self._run, name="kv-tiers", daemon=True)
         self._thread.start()
 
@@ -119,9 +131,38 @@ class TierStore:
             self._wake.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=10)
+        self.copier.close()
 
     def _pinned(self, key: bytes) -> bool:
         return self.pins[key] > 0
+
+    def tiers(self) -> list[Any]:
+        return [t for t in (self.host, self.disk) if t is not None]
+
+    # ---- KV events (the loop thread drains them into the engine's recorder) ---------
+
+    def enable_events(self) -> None:
+        """Record index changes from now on (the engine publishes KV events)."""
+        with self.lock:
+            if self.events is None:
+                self.events = [(t.medium, k, True) for t in self.tiers() for k in t.index]
+
+    def _changed(self, medium: str, key: bytes, stored: bool) -> None:
+        """Under the lock (every index change is)."""
+        if self.events is not None:
+            self.events.append((medium, key, stored))
+
+    def take_events(self) -> list[tuple[str, bytes, bool]]:
+        with self.lock:
+            if not self.events:
+                return []
+            events, self.events = self.events, []
+            return events
+
+    def tier_hashes(self) -> dict[str, list[bytes]]:
+        """Every key each tier holds now, per medium (a KV events snapshot)."""
+        with self.lock:
+            return {t.medium: list(t.index) for t in self.tiers()}
 
     # ---- the loop thread's side ------------------------------------------------------
 
@@ -142,6 +183,33 @@ class TierStore:
             for k in keys:
                 self.pins[k] += 1
 
+    def unpin(self, keys: list[bytes]) -> None:
+        with self.lock:
+            self._unpin_locked(keys)
+
+    def _unpin_locked(self, keys: list[bytes]) -> None:
+        for k in keys:
+            self.pins[k] -= 1
+            if not self.pins[k]:
+                del self.pins[k]
+
+    def pin_host_prefix(self, keys: list[bytes]) -> tuple[list[bytes], list[int]]:
+        """Pin the leading ``keys`` the host tier holds (an export, export.py): the
+        keys and their slots."""
+        host = self.host
+        held: list[bytes] = []
+        slots: list[int] = []
+        with self.lock:
+            for k in keys:
+                entry = host.index.get(k) if host is not None else None
+                if entry is None:
+                    break
+                self.pins[k] += 1
+                host.touch(k)
+                held.append(k)
+                slots.append(entry.slot)
+        return held, slots
+
     def submit_load(self, job: LoadJob) -> None:
         """Queue a load whose keys ``pin`` holds; the thread unpins them."""
         with self.lock:
@@ -151,7 +219,7 @@ class TierStore:
     def store_now(self, job: StoreJob) -> None:
         """Store on the caller's thread (store_policy "eviction": the block is about
         to be overwritten, so the copy cannot wait)."""
-        self._store(job)
+        self.copier.store(job)
 
     def register(self, job: StoreJob) -> bool:
         """Track a store from the moment its block is published (before the step that
@@ -164,7 +232,7 @@ class TierStore:
             self.pending[job.key] = job  # a cancelled one finishes unseen
             return True
 
-    def _forget(self, job: StoreJob) -> None:
+    def forget(self, job: StoreJob) -> None:
         """Under the lock: the job is done (or dropped)."""
         if self.pending.get(job.key) is job:
             del self.pending[job.key]
@@ -178,7 +246,7 @@ class TierStore:
             room = max(self.config.max_store_queue - len(self._stores), 0)
             self._stores.extend(jobs[:room])
             for job in jobs[room:]:
-                self._forget(job)
+                self.forget(job)
             if len(jobs) > room:
                 self.counters["store_dropped"] += len(jobs) - room
             self._wake.notify()
@@ -190,7 +258,7 @@ class TierStore:
         if job is not None and not job.cancelled:
             return False
         return (self.host is not None and key not in self.host) or (
-            self.disk is not None and key not in self.disk and not self._disk_full()
+            self.disk is not None and key not in self.disk and not self.copier.disk_full()
         )
 
     def cancel(self, key: bytes) -> None:
@@ -253,19 +321,16 @@ class TierStore:
             try:
                 if isinstance(job, LoadJob):
                     try:
-                        bad = self._load(job)
+                        bad = self.copier.load(job)
                     except Exception:  # noqa: BLE001 - the request must still get its blocks
                         logger.exception("KV tier load of request %s failed", job.req_id)
                         self.counters["failures"] += 1
                         bad = list(job.block_ids)  # all recomputed
                     with self.lock:  # always: unpin and report, or the request would wait
-                        for k in job.keys:
-                            self.pins[k] -= 1
-                            if not self.pins[k]:
-                                del self.pins[k]
+                        self._unpin_locked(job.keys)
                         self._done.append((job.req_id, bad))
                 else:
-                    self._store(job)
+                    self.copier.store(job)
             except Exception:  # noqa: BLE001 - the thread must outlive any one job
                 logger.exception("KV tier job failed")
                 self.counters["failures"] += 1
@@ -273,205 +338,13 @@ class TierStore:
                 with self.lock:
                     self._busy -= 1
 
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor, sync: bool = True) -> None:
-        """``sync=False`` (CUDA): leave the copy queued on the tier stream; the caller
-        synchronizes it before the blocks are reported."""
-        if self._stream is None:
-            # numpy's memcpy: torch's copy_ of one uint8 row runs 0.04-0.3 GB/s on the
-            # CPU box against 2.2 GB/s here (benchmarks/kv_tiers.py)
-            np.copyto(dst.numpy(), src.numpy())
-            return
-        with torch.cuda.stream(self._stream):
-            dst.copy_(src, non_blocking=True)
-        if sync:
-            self._stream.synchronize()
-
-    def _disk_full(self) -> bool:
-        return time.monotonic() < self._disk_full_until
-
-    def _store(self, job: StoreJob) -> None:
-        host, disk, key = self.host, self.disk, job.key
-        assert self.kv is not None
-        with self.lock:
-            if job.cancelled:  # evicted before its copy began
-                self.counters["store_cancelled"] += 1
-                self._forget(job)
-                return
-            slot = None
-            if host is not None and key not in host and not job.cancelled:
-                slot = host.reserve()
-            want_disk = (
-                disk is not None
-                and key not in disk
-                and not self._disk_full()
-                and not job.cancelled
-                and disk.reserve(key)
-            )
-        if slot is None and not want_disk:
-            with self.lock:
-                self._forget(job)
-            return
-        row = host.data[slot] if slot is not None else self._staging
-        try:
-            self._copy(row, self.kv[job.block_id])
-            payload = row.numpy()
-            check = checksum(payload)
-        except BaseException:
-            with self.lock:  # give back what was reserved, then let _run log it
-                if slot is not None:
-                    host.release(slot)
-                if want_disk:
-                    disk.commit(key, False)
-                self._forget(job)
-            raise
-        with self.lock:
-            cancelled = job.cancelled  # the block was reused: the copy may be torn
-            if slot is not None:
-                if cancelled:
-                    host.release(slot)
-                else:
-                    host.commit(key, slot, check)
-                    self.counters["host_stored_bytes"] += host.block_bytes
-                    self.counters["host_stored_blocks"] += 1
-            if cancelled:
-                self.counters["store_cancelled"] += 1
-                if want_disk:
-                    disk.commit(key, False)
-                self._forget(job)
-                return
-        if want_disk:
-            self._store_disk(key, payload, check)
-        with self.lock:
-            self._forget(job)
-
-    def _store_disk(self, key: bytes, payload: np.ndarray, check: int) -> None:
-        disk = self.disk
-        ok = False
-        try:
-            disk.write(key, payload, check)
-            ok = True
-        except DiskFull as exc:
-            self._disk_full_until = time.monotonic() + DISK_FULL_RETRY_S
-            self.counters["disk_full"] += 1
-            logger.warning(
-                "disk KV tier %s is full (%s): disk stores stop for %.0f s; service goes on",
-                disk.root,
-                exc,
-                DISK_FULL_RETRY_S,
-            )
-        except OSError as exc:
-            self.counters["disk_store_failures"] += 1
-            logger.warning("disk KV tier store failed: %s", exc)
-        with self.lock:
-            disk.commit(key, ok)
-            if ok:
-                self.counters["disk_stored_bytes"] += payload.nbytes
-                self.counters["disk_stored_blocks"] += 1
-
-    def _load(self, job: LoadJob) -> list[int]:
-        """Copy the job's blocks in; returns the device block ids not loaded. On CUDA the
-        host tier's copies are queued back to back and waited for once, at the end."""
-        try:
-            return self._load_blocks(job)
-        finally:
-            if self._stream is not None:
-                self._stream.synchronize()
-
-    def _load_blocks(self, job: LoadJob) -> list[int]:
-        host, disk = self.host, self.disk
-        start = time.monotonic()
-        if disk is not None:
-            with self.lock:
-                cold = [k for k in job.keys if k in disk and (host is None or k not in host)]
-            if len(cold) > 1:
-                disk.prefetch(cold)
-        for i, (key, block_id) in enumerate(zip(job.keys, job.block_ids, strict=True)):
-            if job.cancelled or time.monotonic() > job.deadline:
-                self.counters["load_timeouts"] += 1
-                return job.block_ids[i:]
-            with self.lock:
-                entry = host.index.get(key) if host is not None else None
-                on_disk = disk is not None and key in disk
-                if entry is not None:
-                    host.touch(key)
-                elif on_disk:
-                    disk.touch(key)
-            try:
-                if entry is not None:
-                    row = host.data[entry.slot]
-                    if checksum(row.numpy()) != entry.checksum:
-                        raise TierLoadError("host block checksum mismatch")
-                    medium = "host"
-                elif on_disk:
-                    row = self._staging
-                    disk.read(key, row.numpy())
-                    medium = "disk"
-                else:
-                    raise TierLoadError("block left the tiers before its load")
-            except TierLoadError as exc:
-                logger.warning("KV tier load of request %s: %s; recomputing", job.req_id, exc)
-                self.counters["load_failures"] += 1
-                with self.lock:
-                    if entry is not None:
-                        host.drop(key)
-                    elif on_disk:
-                        disk.drop(key)
-                return job.block_ids[i:]
-            self._copy(self.kv[block_id], row, sync=medium == "disk")  # staging is reused
-            self.counters[f"{medium}_loaded_bytes"] += row.numel()
-            self.counters[f"{medium}_hits"] += 1
-        with self.lock:
-            self.load_seconds.observe(time.monotonic() - start)
-        return []
-
     # ---- operators -----------------------------------------------------------------------
 
-    FAILURES = {  # counter -> reason label of tandem:kv_offload_failures_total
-        "load_failures": "load",
-        "load_timeouts": "timeout",
-        "store_dropped": "store_dropped",
-        "store_cancelled": "store_cancelled",
-        "disk_full": "disk_full",
-        "disk_store_failures": "disk_write",
-        "failures": "internal",
-    }
-
     def report(self, loads_in_flight: int) -> KVOffloadStats:
-        c = self.counters
-        with self.lock:
-            snapshot = self.load_seconds.snapshot()
-        tiers = [
-            KVOffloadTierStats(
-                medium=t.medium,
-                used_bytes=t.used_bytes,
-                capacity_bytes=t.capacity_bytes,
-                blocks=len(t.index),
-                stored_bytes_total=c.get(f"{t.medium}_stored_bytes", 0.0),
-                loaded_bytes_total=c.get(f"{t.medium}_loaded_bytes", 0.0),
-                hits_total=c.get(f"{t.medium}_hits", 0.0),
-                evictions_total=float(t.num_evictions),
-            )
-            for t in (self.host, self.disk)
-            if t is not None
-        ]
-        return KVOffloadStats(
-            tiers=tiers,
-            store_queue_depth=len(self._stores),
-            loads_in_flight=loads_in_flight,
-            failures_total={r: c.get(k, 0.0) for k, r in self.FAILURES.items()},
-            load_seconds=snapshot,
-        )
+        return offload_stats(self, loads_in_flight)
 
     def stats(self) -> dict[str, float]:
-        out = dict(self.counters)
-        out["store_queue_depth"] = len(self._stores)
-        for tier in (self.host, self.disk):
-            if tier is not None:
-                out[f"{tier.medium}_used_bytes"] = tier.used_bytes
-                out[f"{tier.medium}_capacity_bytes"] = tier.capacity_bytes
-                out[f"{tier.medium}_blocks"] = len(tier.index)
-                out[f"{tier.medium}_evictions"] = tier.num_evictions
-        return out
+        return flat_stats(self)
 
     def check_integrity(self, idle: bool = True) -> None:
         with self.lock:

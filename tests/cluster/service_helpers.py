@@ -53,10 +53,11 @@ def wait_idle(svc, deadline_s: float = 30.0) -> dict:
 
 
 @contextlib.contextmanager
-def tiny_pd_service(disagg_min_tokens: int = 32, tracer: Any = None) -> Iterator:
+def tiny_pd_service(disagg_min_tokens: int = 32, tracer: Any = None, **options: Any) -> Iterator:
     """A 1 prefill + 1 decode ``ServiceThread`` of the tiny model on its own
     local Ray (2 CPUs); prompts of ``disagg_min_tokens`` or more take the
-    remote path; ``tracer`` as ``ServiceThread``'s. Ray is shut down on exit."""
+    remote path; ``tracer`` as ``ServiceThread``'s; ``options``: more serve
+    settings. Ray is shut down on exit."""
     import ray
 
     from tandem.cluster.cli.serve import ServiceThread
@@ -71,6 +72,7 @@ def tiny_pd_service(disagg_min_tokens: int = 32, tracer: Any = None) -> Iterator
         num_kv_blocks=256,
         max_num_seqs=16,
         max_model_len=512,
+        **options,
     )
     ray.init(include_dashboard=False, num_cpus=2, log_to_driver=False)
     try:

@@ -363,3 +363,20 @@ def test_defaults_are_the_fields_defaults():
     assert get(config, ("routing", "busy_threshold")) == 0.5
     assert config.health.engine_dead_after_s == 30.0
     assert config.limits.max_queued_outputs == 512
+
+
+def test_colocated_engines_with_host_tiers_get_nixl_to_lend_to_each_other():
+    # more than one colocated engine with a host KV tier: NIXL, so a tier prefix is lent
+    assert (
+        serve_config(colocated=2, kv_offloading_size=1.0).pool_engine("colocated").kv_connector
+        == "nixl"
+    )
+    per_pool = serve_config(colocated=2, colocated_engine={"kv_offloading_size": 1.0})
+    assert per_pool.pool_engine("colocated").kv_connector == "nixl"
+    # one engine, or no tiers: nobody to lend to, nothing to lend
+    assert (
+        serve_config(colocated=1, kv_offloading_size=1.0).pool_engine("colocated").kv_connector
+        is None
+    )
+    assert serve_config(colocated=2).pool_engine("colocated").kv_connector is None
+    assert serve_config(kv_offloading_size=1.0).pool_engine("decode").kv_connector == "nixl"

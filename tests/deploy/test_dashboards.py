@@ -134,6 +134,16 @@ def test_the_issue_panels_are_there():
         "tandem:num_preemptions_total",
         "tandem:disagg_decisions_total",
         "tandem:engine_last_step_seconds",
+        "tandem:kv_offload_used_bytes",
+        "tandem:kv_offload_capacity_bytes",
+        "tandem:kv_offload_stored_bytes_total",
+        "tandem:kv_offload_loaded_bytes_total",
+        "tandem:kv_offload_hits_total",
+        "tandem:kv_offload_evictions_total",
+        "tandem:kv_offload_load_seconds_bucket",
+        "tandem:kv_offload_store_queue_depth",
+        "tandem:kv_offload_loads_in_flight",
+        "tandem:kv_offload_failures_total",
     ):
         assert needed in pd, needed
 
@@ -142,8 +152,9 @@ def test_the_issue_panels_are_there():
 def test_every_queried_metric_is_exposed_by_a_running_service():
     """A real 1 prefill + 1 decode service on a local Ray, fed one remote and
     one local request and one rejected one; then every name the dashboards
-    query is a sample of /metrics, and latencies carry both paths."""
-    with tiny_pd_service(disagg_min_tokens=32) as svc:
+    query is a sample of /metrics, and latencies carry both paths. The engines
+    have host KV tiers, whose ``tandem:kv_offload_*`` families the dashboard shows."""
+    with tiny_pd_service(disagg_min_tokens=32, kv_offloading_size=0.01) as svc:
         client = openai.OpenAI(
             base_url=svc.base_url + "/v1", api_key="x", max_retries=0, timeout=60
         )

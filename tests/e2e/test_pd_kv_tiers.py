@@ -63,3 +63,43 @@ def test_prefill_tier_hit_is_cached_tokens_and_decode_reads_it(ckpt):
         h.wait_idle("D")
     finally:
         h.close()
+
+
+def test_decode_engine_holding_the_prompt_in_its_tier_skips_the_read(ckpt):
+    """A decode engine that served a prompt before has it in its own host tier: the
+    next handoff of that prompt loads the tier instead of READing P's blocks (P hears
+    "done" at once and frees them); tokens identical, both engines idle and whole."""
+    h = Harness()
+    try:
+        common = dict(BASE, model=ckpt, kv_connector="nixl", kv_lease_s=5.0)
+        h.start("P", EngineConfig(role="prefill", num_kv_blocks=64, **common))
+        h.start(
+            "D", EngineConfig(role="decode", num_kv_blocks=20, kv_offloading_size=0.01, **common)
+        )
+        g = torch.Generator().manual_seed(4)
+        prompt = torch.randint(3, 300, (64,), generator=g).tolist()  # 4 full blocks
+        sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        toks, _, _ = handoff(h, "a0", prompt, sp)
+        h.wait_idle("P"), h.wait_idle("D")
+        read = h.stats("D").kv_transfer.transfer_bytes_total
+        assert read > 0
+        for i in range(2):  # push the prompt out of D's 20-block device cache
+            filler = torch.randint(3, 300, (150,), generator=g).tolist()
+            h.send("D", EngineRequest(f"f{i}", filler, SamplingParams(max_tokens=2)))
+            h.wait_final(f"f{i}", "D")
+        end = time.monotonic() + 30
+        while True:
+            off = h.stats("D").kv_offload
+            if off.store_queue_depth == 0 and off.tiers[0].blocks >= 4:
+                break
+            assert time.monotonic() < end, off
+            time.sleep(0.05)
+        hits = h.stats("D").kv_offload.tiers[0].hits_total
+        toks2, _, _ = handoff(h, "a1", prompt, sp)
+        assert toks2 == toks
+        d = h.wait_idle("D")
+        assert d.kv_transfer.transfer_bytes_total == read  # no READ this time
+        assert d.kv_offload.tiers[0].hits_total >= hits + 3  # (a block may be on the device)
+        h.wait_idle("P")  # its held blocks were freed by D's "done"
+    finally:
+        h.close()

@@ -130,7 +130,7 @@ def test_a_load_that_raises_still_reports_and_unpins(tmp_path):
         def broken(job):
             raise RuntimeError("a bug in a load")
 
-        store._load_blocks = broken
+        store.copier.load_blocks = broken
         store.pin([b"k"])
         store.submit_load(LoadJob("r", [b"k"], [4], 1e18))
         assert store.flush(10)

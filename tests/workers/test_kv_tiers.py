@@ -273,6 +273,51 @@ def test_unwritable_disk_dir_is_a_start_up_error(tmp_path):
         )
 
 
+def test_tier_export_needs_a_nixl_connector(tmp_path):
+    with tiered("tiny", tmp_path, host_blocks=8) as llm:
+        with pytest.raises(ValueError, match="kv_connector nixl"):
+            llm.engine.kv_tier_export([b"x" * 32])
+
+
+@pytest.mark.parametrize("bad", ["unwritable", "another configuration"])
+def test_optional_disk_tier_warns_and_serves_host_only(bad, tmp_path, caplog):
+    """``--kv-offloading-disk-optional``: an unusable disk directory is a warning, a
+    ``disk_unusable`` failure, and service from the host tier alone."""
+    prompts = prompts_with_shared_prefixes(4)
+    want = reference("tiny", prompts)
+    root = tmp_path / "kv"
+    if bad == "unwritable":
+        (tmp_path / "a-file").write_text("x")
+        root = tmp_path / "a-file" / "kv"
+    else:  # a disk tier of block size 32 was here
+        with tiered("tiny", tmp_path, host_blocks=0, disk_blocks=8, block_size=32):
+            pass
+    kw = dict(kv_offloading_disk_optional=True, num_kv_blocks=12)
+    with caplog.at_level("WARNING", logger="tandem.kvtransfer.tiers.store"):
+        llm = LLM(
+            EngineConfig(
+                model="tiny",
+                dtype="float32",
+                kv_offloading_size=0.001,
+                kv_offloading_disk_dir=str(root),
+                kv_offloading_disk_size=0.01,
+                **kw,
+            )
+        )
+    with llm:
+        assert "--kv-offloading-disk-dir" in caplog.text and "host KV tier only" in caplog.text
+        store = tiers(llm)
+        assert store.disk is None and store.host is not None
+        got = llm.generate(prompt_token_ids=prompts, sampling_params=SP)
+        assert [r.token_ids for r in got] == want
+        settle(llm)
+        report = store.report(0)
+        assert [t.medium for t in report.tiers] == ["host"]
+        assert report.failures_total["disk_unusable"] == 1
+    with pytest.raises(ValueError, match="--kv-offloading-disk-optional needs"):
+        LLM(EngineConfig(model="tiny", kv_offloading_size=0.01, **kw))
+
+
 def test_late_and_aborted_loads_recompute_and_leak_nothing(tmp_path):
     prompt = list(range(30, 100))
     want = reference("tiny", [prompt])[0]
@@ -330,3 +375,46 @@ def test_reset_prefix_cache_empties_every_tier(tmp_path):
         (cold,) = llm.generate(prompt_token_ids=[prompt], sampling_params=SP)
         assert cold.num_cached_tokens == 0 and cold.token_ids == first.token_ids
         settle(llm)
+
+
+def test_tier_blocks_are_kv_events_naming_their_medium(tmp_path):
+    """With routing on, every block a tier gains or loses is a KV event naming its
+    medium ("host" / "disk"): a prefix index fed the engine's batches holds what each
+    tier holds, a snapshot lists the tiers too, and a reset empties them there."""
+    from tandem.cluster.routing.index import PrefixIndex
+
+    prompt = list(range(20, 90))
+    with tiered(
+        "tiny", tmp_path, host_blocks=4, disk_blocks=32, num_kv_blocks=6, kv_events=True
+    ) as llm:
+        eng = llm.engine
+        batches = []
+        publish = eng.kv_publisher.publish
+        eng.kv_publisher.publish = lambda b: (batches.append(b), publish(b))
+        index = PrefixIndex()
+        eid = eng.config.engine_id
+        index.add_engine(eid, "colocated", 6)
+
+        def synced() -> None:
+            settle(llm)
+            eng.publish_kv_events()
+            for b in batches:
+                assert index.apply(b)
+            batches.clear()
+            store = tiers(llm)
+            assert index.hashes_of(eid, "host") == set(store.host.index)
+            assert index.hashes_of(eid, "disk") == set(store.disk.index)
+            assert index.hashes_of(eid) == set(eng.scheduler.kv.pool.cached)
+            index.check_integrity()
+
+        llm.generate(prompt_token_ids=[prompt], sampling_params=SP)
+        synced()
+        llm.generate(prompt_token_ids=[[3] * 80], sampling_params=SP)  # host evicts (4 slots)
+        synced()
+        assert index.hashes_of(eid, "host") and index.hashes_of(eid, "disk")
+        assert tiers(llm).host.num_evictions > 0
+        snap = eng.kv_events_snapshot()
+        assert set(snap.tier_block_hashes["disk"]) == index.hashes_of(eid, "disk")
+        assert eng.reset_prefix_cache()
+        synced()
+        assert not index.hashes_of(eid, "host") and not index.hashes_of(eid, "disk")

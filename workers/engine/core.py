@@ -272,6 +272,18 @@ class EngineCore:
         setter(endpoints)
         return True
 
+    def kv_tier_export(self, block_hashes: list[bytes]) -> dict[str, Any] | None:
+        """Lend the leading ``block_hashes`` this engine's host KV tier holds to another
+        engine's NIXL READ (kvtransfer/tiers/export.py): the ``kv_transfer_params`` for
+        that engine's request, or None when the tier holds none of them."""
+        export = getattr(self.connector_scheduler, "export_host_prefix", None)
+        if export is None:
+            raise ValueError(
+                f"engine {self.config.engine_id} has no host KV tier beside a NIXL connector "
+                "(--kv-offloading-size with kv_connector nixl)"
+            )
+        return export([bytes(h) for h in block_hashes])
+
     def kv_transfer_address(self) -> tuple[str, int] | None:
         port = getattr(self.connector_worker, "side_channel_port", None)  # none: KV tiers only
         if not port:

@@ -65,6 +65,7 @@ class EngineService:
             "kv_transfer_address": engine.kv_transfer_address,
             "kv_rank_ports": engine.kv_rank_ports,
             "set_prefill_endpoints": engine.set_prefill_endpoints,
+            "kv_tier_export": engine.kv_tier_export,
         }
 
     # ---- the loop ----------------------------------------------------------------

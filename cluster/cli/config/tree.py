@@ -176,7 +176,7 @@ class ServeConfig:
         config = self.engine.replace(
             model=self.model,
             role=role,
-            kv_connector=None if role == "colocated" else "nixl",
+            kv_connector=self._kv_connector(role, overrides),
             kv_host="auto" if self.ray.address else "127.0.0.1",
             cluster_secret=cluster_secret,
             log_format=self.observability.log_format,
@@ -185,6 +185,16 @@ class ServeConfig:
         )
         check_pool_parallel(role, config, num_gpus)
         return config
+
+    def _kv_connector(self, role: str, overrides: dict[str, Any]) -> str | None:
+        """Prefill and decode engines exchange KV over NIXL. A colocated pool gets the
+        connector too when its engines keep a host KV tier and there is more than one
+        of them, so they lend tier prefixes to each other (kvtransfer/tiers/export.py)."""
+        if role != "colocated":
+            return "nixl"
+        tiers = overrides.get("kv_offloading_size", self.engine.kv_offloading_size)
+        lends = bool(tiers) and self.pools.pool(role).num_engines > 1
+        return "nixl" if lends else None
 
     def replace(self, **changes: Any) -> ServeConfig:
         return dataclasses.replace(self, **changes)

@@ -1,0 +1,184 @@
+"""KV events that name the medium (scheduler/kv_events.py) and the router's use of
+them (cluster/routing/index.py, policy.py): a prefix in an engine's host tier scores
+below a device hit of the same engine and above nothing, for its holder and (less)
+for the other engines, which can READ it over NIXL."""
+
+import msgspec
+
+from tandem.cluster.routing.index import PrefixIndex
+from tandem.scheduler.kv_events import (
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    KVEventRecorder,
+    KVSnapshot,
+)
+from tandem.wire.engine_protocol import EngineRequest, SamplingParams
+from tests.unit.test_kv_routing import BLOCK, SimCluster
+
+
+class _Tiers:  # what the recorder asks of kvtransfer/tiers' TierStore
+    def __init__(self) -> None:
+        self.events: list = []
+        self.index = {"host": [b"h1"]}
+
+    def take_events(self):
+        events, self.events = self.events, []
+        return events
+
+    def tier_hashes(self):
+        return self.index
+
+
+def test_medium_is_appended_with_device_as_default_on_the_wire():
+    new = msgspec.msgpack.encode(BlockStored([b"a"], None, 4, "host"))
+    # a batch from before the field: the last element missing decodes as device
+    old = msgspec.msgpack.encode(["BlockStored", [b"a"], None, 4])
+    assert msgspec.msgpack.decode(old, type=BlockStored).medium == "device"
+    assert msgspec.msgpack.decode(new, type=BlockStored).medium == "host"
+    assert msgspec.msgpack.decode(
+        msgspec.msgpack.encode(["BlockRemoved", [b"a"]]), type=BlockRemoved
+    ) == BlockRemoved([b"a"], "device")
+    snap = msgspec.msgpack.encode(["d0", 1, 2, [b"x"]])
+    assert msgspec.msgpack.decode(snap, type=KVSnapshot).tier_block_hashes == {}
+
+
+def test_recorder_takes_tier_changes_per_drain_and_in_snapshots():
+    rec = KVEventRecorder("e", 1, BLOCK)
+    rec.tiers = _Tiers()
+    rec.stored([b"d1"], None)
+    rec.tiers.events = [
+        ("host", b"h1", True),
+        ("host", b"h2", True),
+        ("disk", b"k1", True),
+        ("host", b"h0", False),
+    ]
+    rec.removed(b"d0")
+    batch = rec.drain(0.0)
+    kinds = [(type(ev).__name__, ev.medium, ev.block_hashes) for ev in batch.events]
+    assert kinds == [  # the step's device events, then the tiers' (taken at the drain)
+        ("BlockStored", "device", [b"d1"]),
+        ("BlockRemoved", "device", [b"d0"]),  # removals merged, flushed before a store
+        ("BlockStored", "host", [b"h1", b"h2"]),  # a run of one medium: one event
+        ("BlockStored", "disk", [b"k1"]),
+        ("BlockRemoved", "host", [b"h0"]),
+    ]
+    assert rec.drain(0.0) is None
+    assert rec.snapshot([b"d1"]).tier_block_hashes == {"host": [b"h1"]}
+
+
+def _batch(eid, seq, *events):
+    return KVEventBatch(eid, 1, seq, 0.0, list(events))
+
+
+def test_index_keeps_the_medium_per_engine_and_block():
+    idx = PrefixIndex()
+    for eid in ("a", "b"):
+        idx.add_engine(eid, "decode", 8)
+    h = [bytes([i]) * 32 for i in range(4)]
+    assert idx.apply(
+        _batch("a", 1, BlockStored(h[:1], None, 4), BlockStored(h[1:3], None, 8, "host"))
+    )
+    assert idx.apply(_batch("b", 1, BlockStored(h[3:], None, 4, "disk")))
+    assert idx.hashes_of("a") == {h[0]} and idx.hashes_of("a", "host") == set(h[1:3])
+    assert idx.match(h, ["a", "b"]) == {"a": 1, "b": 0}
+    # a: device h0 + own host h1 h2; b: a's host is a READ away, but not a's device h0
+    assert idx.match_below(h, ["a", "b"]) == {"a": 3, "b": 0}
+    assert idx.match_below(h[1:], ["a", "b"]) == {"a": 2, "b": 3}  # b's own disk h3
+    assert idx.match_below(h[1:], ["a", "b"], peers=False) == {"a": 2, "b": 0}
+    idx.check_integrity()
+    assert idx.apply(_batch("a", 2, BlockRemoved([h[2]], "host"), BlockRemoved([h[0]])))
+    assert idx.match_below(h[1:], ["a", "b"]) == {"a": 1, "b": 1}
+    snap = KVSnapshot("a", 1, 5, [h[0]], {"host": [h[3]]})
+    idx.load_snapshot(snap)
+    assert idx.hashes_of("a", "host") == {h[3]} and idx.hashes_of("a") == {h[0]}
+    idx.drop_engine_state("a", 2)  # restarted: its tiers' entries go too
+    assert not idx.hashes_of("a", "host")
+    idx.check_integrity()
+
+
+def test_host_tier_holder_scores_below_a_device_hit_and_above_nothing():
+    c = SimCluster({"d0": "decode", "d1": "decode", "d2": "decode"}, load_weight=0.0)
+    tokens = list(range(100, 133))  # 8 full blocks + 1 token
+    hashes = c.hashes(tokens).of("decode")
+    # d1's host tier holds the whole prefix, its device nothing
+    assert c.index.apply(_batch("d1", 1, BlockStored(hashes[:8], None, 32, "host")))
+    for eid in ("d0", "d2"):
+        assert c.index.apply(_batch(eid, 1, BlockStored([b"?" * 32], None, 4)))  # in sync
+    choice = c.route("decode", tokens)
+    assert choice.engine.engine_id == "d1" and choice.reason == "tier_hit"
+    assert choice.predicted_hit_tokens == 0  # a device hit is what the engine reports cached
+    # d0 and d2 can READ it from d1's host tier: they score above a prefix held nowhere
+    cost = _costs(c, tokens)
+    assert cost["d1"] < cost["d0"] == cost["d2"] < 1.0
+    # a device hit of the same length beats the tier
+    assert c.index.apply(_batch("d2", 2, BlockStored(hashes[:8], None, 32)))
+    choice = c.route("decode", tokens)
+    assert choice.engine.engine_id == "d2" and choice.reason == "prefix_hit"
+    c.index.check_integrity()
+
+
+def test_an_engine_that_stored_nothing_yet_reads_a_peers_host_tier():
+    idx = PrefixIndex()
+    for eid in ("a", "fresh"):
+        idx.add_engine(eid, "colocated", 8)
+    h = [bytes([i]) * 32 for i in range(3)]
+    assert idx.apply(_batch("a", 1, BlockStored(h[:2], None, 8, "host")))
+    assert idx.engines["fresh"].needs_resync  # no event from it yet: nothing of its own known
+    assert idx.match_below(h, ["a", "fresh"]) == {"a": 2, "fresh": 2}
+    assert idx.match_below(h, ["a", "fresh"], peers=False) == {"a": 2, "fresh": 0}
+    assert idx.host_run("a", h) == 2 and idx.host_run("a", h[1:]) == 1
+    assert idx.host_run("fresh", h) == 0 and idx.host_run("unknown", h) == 0
+
+
+def test_tier_lender_is_the_longest_host_run_beyond_the_readers_own():
+    from tandem.cluster.disagg.tier_lending import LENDER_ROLES
+    from tandem.cluster.routing.cluster_routing import ClusterRouting
+    from tandem.cluster.routing.policy import RoutingConfig
+    from tandem.cluster.routing.router import Router
+
+    assert LENDER_ROLES == {"decode": "prefill", "colocated": "colocated"}
+    router = Router()
+    routing = ClusterRouting(RoutingConfig("kv-aware"), router, {"colocated": 3})
+    info = {"block_size": BLOCK, "prefix_caching_hash_algo": "sha256", "num_kv_blocks": 64}
+    for eid in ("c0", "c1", "c2"):
+        router.add(eid, "colocated")
+        routing.on_connected(eid, "colocated", dict(info, epoch=1))
+    tokens = list(range(100, 133))  # 8 full blocks + 1 token
+    ph = routing.hashes(EngineRequest("r", tokens, SamplingParams(max_tokens=2)))
+    hashes = ph.of("colocated")
+    assert len(hashes) == 8
+    idx = routing.index
+    assert idx.apply(_batch("c1", 1, BlockStored(hashes, None, 32, "host")))
+    assert idx.apply(_batch("c2", 1, BlockStored(hashes[:3], None, 12, "host")))
+    assert idx.apply(_batch("c0", 1, BlockStored(hashes[:2], None, 8)))
+    reader = _Reader("c0")
+    found = routing.tier_lender(ph, "colocated", "colocated", reader, ["c1", "c2"])
+    assert found == ("c1", hashes[:8])  # every full block: the last token is past them
+    # the reader's own tiers hold as long a run: nothing to lend
+    assert idx.apply(_batch("c0", 2, BlockStored(hashes[2:], None, 24, "disk")))
+    assert routing.tier_lender(ph, "colocated", "colocated", reader, ["c1", "c2"]) is None
+    routing.count("tier_lend", "lent")
+    assert routing.decisions() == {"tier_lend/lent": 1}
+
+
+class _Reader:
+    def __init__(self, engine_id: str) -> None:
+        self.state = type("S", (), {"engine_id": engine_id})()
+
+
+def _costs(c: SimCluster, tokens) -> dict[str, float]:
+    """The policy's miss term per engine (its ``held`` tokens), via choose's pieces."""
+    from tandem.cluster.routing.policy import PEER_TIER_HIT_WEIGHT, TIER_HIT_WEIGHT
+
+    h = c.hashes(tokens).of("decode")
+    cands = [c.router.engines[e] for e in ("d0", "d1", "d2")]
+    hit = c.policy._hits(cands, h, len(tokens), BLOCK)
+    own = c.policy._hits(cands, h, len(tokens), BLOCK, below="own")
+    below = c.policy._hits(cands, h, len(tokens), BLOCK, below="peers")
+    n = len(tokens)
+    return {
+        e: (n - hit[e] - TIER_HIT_WEIGHT * (own[e] - hit[e])
+            - PEER_TIER_HIT_WEIGHT * (below[e] - own[e])) / n
+        for e in hit
+    }  # fmt: skip
