@@ -31,7 +31,7 @@ class SpecPlan:
 
     def __init__(self) -> None:
         self.segments: list[int] = []
-        self.states: list[Any] = []  # the runner's _ReqState of each
+        self.states: list[Any] = []  # the runner's ReqState of each
         self.requests: list[SpecRequest] = []
 
     def add(self, segment: int, state: Any, drafts: list[int], stream_key: int) -> None:
