@@ -65,6 +65,7 @@ class ModelRunner(StepPlanning, StepForward):
         piecewise_graphs: PiecewiseGraphRunner | None = None,
         prefill_attention: str = "auto",
         overlap: bool = False,
+        drafter: Any = None,  # workers.spec.draft_model.DraftModel
     ) -> None:
         self.model = model
         # each step's device work: on a thread of its own when steps overlap on
@@ -81,6 +82,8 @@ class ModelRunner(StepPlanning, StepForward):
         # prefix-free prefills through SDPA on their own K/V (kernels/prefill_attention.py)
         self.sdpa_prefills = use_sdpa_prefills(prefill_attention, self.device, kv_cache.dtype)
         self.requests: dict[str, ReqState] = {}
+        # speculative decoding with a draft model: fills the steps' MODEL_DRAFT slots
+        self.drafter = drafter
         # penalties / logit bias / bad words of the requests that use them
         self.extras = SamplingExtras(model.vocab_size, self.device)
         if self.device.type == "cpu":

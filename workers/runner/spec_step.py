@@ -61,4 +61,6 @@ def apply_result(spec: SpecPlan, result: SpecResult, block_size: int) -> None:
         num_computed = req.position + len(tokens) - 1  # last token + accepted drafts
         st.token_ids.extend(tokens)
         st.num_computed = num_computed
+        # a draft model's KV: valid for the accepted drafts it was fed (draft_model.py)
+        st.draft_computed = min(st.draft_computed, num_computed)
         del st.block_ids[-(-num_computed // block_size) :]

@@ -34,6 +34,7 @@ class StepForward:
     graphs: Any
     piecewise: Any
     sdpa_prefills: bool
+    drafter: Any
 
     @torch.inference_mode()
     def _run_step(self, plan: StepPlan, prev: StepHandle | None) -> StepResult:
@@ -47,9 +48,15 @@ class StepForward:
             # index tensors through pinned memory: a torch.tensor(..., device=cuda) would
             # be a hidden host wait for every kernel queued (kernels/metadata.py)
             src_t = list_to_device(src, self.device, torch.long)
-            self.kv_cache[list_to_device(dst, self.device, torch.long)] = self.kv_cache[src_t]
+            dst_t = list_to_device(dst, self.device, torch.long)
+            self.kv_cache[dst_t] = self.kv_cache[src_t]
+            if self.drafter is not None:
+                self.drafter.copy_blocks(src_t, dst_t)
         if not plan.segments:
             return StepResult()
+        if plan.spec is not None and self.drafter is not None:
+            # a draft model's proposal forwards fill the MODEL_DRAFT slots (workers/spec/)
+            self.drafter.fill(plan.spec, plan.segments)
         order, dense_step = self._order_for_dense(plan.segments, plan.spec)
         flat = flatten(plan.segments, order)
         dev = self.device

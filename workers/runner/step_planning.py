@@ -26,6 +26,7 @@ class ReqState:
         "prompt_lps",
         "stream_key",
         "pending",
+        "draft_computed",
     )
 
     def __init__(
@@ -49,6 +50,9 @@ class ReqState:
         self.stream_key = stream_key  # keys an unseeded request's random draws
         # (launched step, its sampled row) of the PLACEHOLDER at the end of token_ids
         self.pending: tuple[StepHandle, int] | None = None
+        # draft model (workers/spec/draft_model.py): positions whose draft KV is valid;
+        # 0 for every new copy, whatever computed the target's KV
+        self.draft_computed = 0
 
 
 class StepPlanning:
