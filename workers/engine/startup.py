@@ -33,7 +33,7 @@ from tandem.workers.config import EngineConfig
 from tandem.workers.graphs.build import StepGraphs, build_step_graphs
 from tandem.workers.graphs.memory import StepMemory, profile_step_memory
 from tandem.workers.runner.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for
-from tandem.workers.runner.model_runner import ModelRunner
+from tandem.workers.runner.model_runner import DEFAULT_DENSE_DECODE_BYTES, ModelRunner
 from tandem.workers.spec.loading import LoadedDraft, load_draft_model
 
 MAX_DEFAULT_MODEL_LEN = 4096
@@ -219,8 +219,16 @@ def build_runner(
     if loaded.draft is not None:
         from tandem.workers.spec.draft_model import DraftModel
 
+        dense_bytes = config.dense_decode_bytes
+        if dense_bytes is None:  # the runner's rule: CPU fp32 only
+            on_cpu_fp32 = loaded.device.type == "cpu" and loaded.dtype == torch.float32
+            dense_bytes = DEFAULT_DENSE_DECODE_BYTES if on_cpu_fp32 else 0
         drafter = DraftModel(
-            loaded.draft.model, cache.draft_kv_cache, config.block_size, config.prefill_attention
+            loaded.draft.model,
+            cache.draft_kv_cache,
+            config.block_size,
+            config.prefill_attention,
+            dense_bytes,
         )
     runner: Any = ModelRunner(
         loaded.model,

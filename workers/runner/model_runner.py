@@ -107,6 +107,8 @@ class ModelRunner(StepPlanning, StepForward):
         """Called by the engine loop while it has nothing to run."""
         if self.dense is not None:
             self.dense.release_if_idle(time.monotonic())
+        if self.drafter is not None:
+            self.drafter.release_if_idle(time.monotonic())
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step and wait for it (the synchronous loop)."""

@@ -43,6 +43,8 @@ class StepForward:
         if self.dense is not None:
             for rid in plan.dense_release:
                 self.dense.release(rid)
+        if self.drafter is not None:
+            self.drafter.release(plan.dense_release)
         if plan.copy_block_ids:  # a fork's partial last block, before anything writes
             src, dst = zip(*plan.copy_block_ids)
             # index tensors through pinned memory: a torch.tensor(..., device=cuda) would
@@ -166,22 +168,46 @@ class StepForward:
         positions: list[int],
         dense_step: DenseDecodeStep | None,
     ) -> StepMetadata:
-        dev, bs = self.device, self.block_size
-        if dense_step is None:
-            meta = AttentionMetadata.build(block_tables, seq_lens, query_lens, bs, dev)
-            meta.sdpa_prefills = self.sdpa_prefills
-            return meta
-        n = dense_step.num_segments  # the first n segments, dense_step.num_tokens tokens
-        dense_slots = []
-        token = 0
-        for table, num in zip(block_tables[:n], query_lens[:n]):
-            for pos in positions[token : token + num]:
-                dense_slots.append(table[pos // bs] * bs + pos % bs)
-            token += num
-        paged = None
-        slot_mapping = list_to_device(dense_slots, dev, torch.long)
-        if len(block_tables) > n:
-            paged = AttentionMetadata.build(block_tables[n:], seq_lens[n:], query_lens[n:], bs, dev)
-            paged.sdpa_prefills = self.sdpa_prefills
-            slot_mapping = torch.cat((slot_mapping, paged.slot_mapping.long()))
-        return SplitAttention(slot_mapping, dense_step, paged)
+        return step_metadata(
+            block_tables,
+            seq_lens,
+            query_lens,
+            positions,
+            dense_step,
+            self.device,
+            self.block_size,
+            self.sdpa_prefills,
+        )
+
+
+def step_metadata(
+    block_tables: list[list[int]],
+    seq_lens: list[int],
+    query_lens: list[int],
+    positions: list[int],
+    dense_step: DenseDecodeStep | None,
+    dev: torch.device,
+    bs: int,
+    sdpa_prefills: bool,
+) -> StepMetadata:
+    """A forward's attention metadata: the paged kernels' alone, or (CPU) the dense decode
+    rows of the first ``dense_step.num_segments`` sequences and the paged kernels' for the
+    rest (a draft model's forwards use it too, ``workers/spec/draft_model.py``)."""
+    if dense_step is None:
+        meta = AttentionMetadata.build(block_tables, seq_lens, query_lens, bs, dev)
+        meta.sdpa_prefills = sdpa_prefills
+        return meta
+    n = dense_step.num_segments  # the first n segments, dense_step.num_tokens tokens
+    dense_slots = []
+    token = 0
+    for table, num in zip(block_tables[:n], query_lens[:n]):
+        for pos in positions[token : token + num]:
+            dense_slots.append(table[pos // bs] * bs + pos % bs)
+        token += num
+    paged = None
+    slot_mapping = list_to_device(dense_slots, dev, torch.long)
+    if len(block_tables) > n:
+        paged = AttentionMetadata.build(block_tables[n:], seq_lens[n:], query_lens[n:], bs, dev)
+        paged.sdpa_prefills = sdpa_prefills
+        slot_mapping = torch.cat((slot_mapping, paged.slot_mapping.long()))
+    return SplitAttention(slot_mapping, dense_step, paged)

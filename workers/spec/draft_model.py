@@ -42,32 +42,57 @@ from typing import Any
 
 import torch
 
-from tandem.kernels import AttentionMetadata
 from tandem.kernels.metadata import host_to_device, list_to_device
 from tandem.kernels.prefill_attention import use_sdpa_prefills
 from tandem.scheduler.spec.proposer import MODEL_DRAFT
+from tandem.workers.runner.dense_decode import DenseDecodeKV
+from tandem.workers.runner.step_forward import step_metadata
 from tandem.workers.sampling.sampler import argmax_rows, mix_seed, sampling_probs, uniform_for
 from tandem.workers.sampling.spec_verify import inverse_cdf, is_greedy
 
 # keys the draft's own draws, apart from the sampler's and the acceptance test's
 _DRAFT_STREAM = 0x8CB92BA72F3D8DD7
+# CPU dense decode rows of the draft's own (workers/runner/dense_decode.py): queries up to
+# this many tokens take them (a proposal step, a short catch-up); longer catch-ups (a
+# prompt) take the paged kernels and drop the row
+_DENSE_MAX_QUERY = 17
 
 
 class DraftModel:
     """The runner's drafter (``ModelRunner.drafter``) for ``method: draft_model``."""
 
     def __init__(
-        self, model: Any, kv_cache: torch.Tensor, block_size: int, prefill_attention: str = "auto"
+        self,
+        model: Any,
+        kv_cache: torch.Tensor,
+        block_size: int,
+        prefill_attention: str = "auto",
+        dense_decode_bytes: int = 0,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = kv_cache.device
         self.sdpa_prefills = use_sdpa_prefills(prefill_attention, self.device, kv_cache.dtype)
+        # CPU fp32: dense decode rows over the draft's cache, as the runner's over the target's
+        self.dense = None
+        if dense_decode_bytes > 0:
+            num_heads = model.config.num_attention_heads
+            self.dense = DenseDecodeKV(kv_cache, num_heads, dense_decode_bytes)
         # figures: forwards run, tokens the draft computed again (catch-up), drafts made
         self.num_forwards = 0
         self.num_catch_up_tokens = 0
         self.num_drafted = 0
+
+    def release(self, req_ids: list[str]) -> None:
+        """Drop the dense rows of requests the runner forgot or copied anew (step stream)."""
+        if self.dense is not None:
+            for rid in req_ids:
+                self.dense.release(rid)
+
+    def release_if_idle(self, now_s: float) -> None:
+        if self.dense is not None:
+            self.dense.release_if_idle(now_s)
 
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """A fork's copied block, in the draft's cache too (its children start with
@@ -91,22 +116,19 @@ class DraftModel:
         probs: list[list[torch.Tensor]] = [[] for _ in work]
         for j in range(num_steps):
             rows = [m for m, (_, _, req) in enumerate(work) if len(req.drafts) > j]
-            ids, positions, tables, seq_lens, query_lens = [], [], [], [], []
+            queries = []  # (req_id, token ids, first position, block table)
             for m in rows:
                 i, st, req = work[m]
                 num_tokens = len(st.token_ids)  # L: the last token is t(L-1)
                 if j == 0:
                     start = min(st.draft_computed, num_tokens - 1)
-                    ids += st.token_ids[start:]
+                    ids = st.token_ids[start:]
                     self.num_catch_up_tokens += num_tokens - 1 - start
                 else:
                     start = num_tokens - 1 + j
-                    ids.append(drafts[m][-1])
-                positions += range(start, num_tokens + j)
-                tables.append(segments[i].block_ids)
-                seq_lens.append(num_tokens + j)
-                query_lens.append(num_tokens + j - start)
-            logits = self._forward(ids, positions, tables, seq_lens, query_lens)
+                    ids = [drafts[m][-1]]
+                queries.append((segments[i].req_id, ids, start, segments[i].block_ids))
+            logits = self._forward(queries)
             self._choose(logits, [work[m][2] for m in rows], j, rows, drafts, probs)
         for m, (i, st, req) in enumerate(work):
             k = len(req.drafts)
@@ -118,29 +140,54 @@ class DraftModel:
             st.draft_computed = len(st.token_ids) - 1 + k
             self.num_drafted += k
 
-    def _forward(
-        self,
-        ids: list[int],
-        positions: list[int],
-        tables: list[list[int]],
-        seq_lens: list[int],
-        query_lens: list[int],
-    ) -> torch.Tensor:
-        """The draft's logits at each sequence's last query token."""
+    def _forward(self, queries: list[tuple[str, list[int], int, list[int]]]) -> torch.Tensor:
+        """The draft's logits at each query's last token, in ``queries``' order. A query:
+        ``(req_id, token ids, position of the first, block table)``."""
         dev = self.device
-        meta = AttentionMetadata.build(tables, seq_lens, query_lens, self.block_size, dev)
-        meta.sdpa_prefills = self.sdpa_prefills
+        order, dense_step = self._order_for_dense(queries)
+        ids, positions, tables, seq_lens, query_lens = [], [], [], [], []
+        for m in order:
+            _, tokens, start, table = queries[m]
+            ids += tokens
+            positions += range(start, start + len(tokens))
+            tables.append(table)
+            seq_lens.append(start + len(tokens))
+            query_lens.append(len(tokens))
+        meta = step_metadata(
+            tables, seq_lens, query_lens, positions, dense_step, dev, self.block_size,
+            self.sdpa_prefills,
+        )  # fmt: skip
         ids_t = host_to_device(torch.tensor(ids, dtype=torch.long), dev)
         pos_t = host_to_device(torch.tensor(positions, dtype=torch.long), dev)
         hidden = self.model(ids_t, pos_t, self.kv_cache, meta)
         self.num_forwards += 1
-        last, row = [], -1
-        for n in query_lens:
+        last = [0] * len(queries)  # flat row of each query's last token, by query
+        row = -1
+        for m, n in zip(order, query_lens):
             row += n
-            last.append(row)
-        if len(last) != hidden.shape[0]:
+            last[m] = row
+        if last != list(range(hidden.shape[0])):
             hidden = hidden.index_select(0, list_to_device(last, dev, torch.long))
         return self.model.compute_logits(hidden).float()
+
+    def _order_for_dense(self, queries: list[tuple]) -> tuple[list[int], Any]:
+        """Query order: those on the dense rows first (by row), then the rest."""
+        everything = list(range(len(queries)))
+        if self.dense is None:
+            return everything, None
+        decodes, indices = [], []
+        for m, (rid, tokens, start, table) in enumerate(queries):
+            if len(tokens) <= _DENSE_MAX_QUERY:
+                decodes.append((rid, start, table, len(tokens)))
+                indices.append(m)
+            else:
+                self.dense.release(rid)  # a long catch-up: the paged kernels
+        chosen, step = self.dense.prepare(decodes)
+        if step is None:
+            return everything, None
+        first = [indices[c] for c in chosen]
+        taken = set(first)
+        return first + [m for m in everything if m not in taken], step
 
     def _choose(
         self,
