@@ -227,8 +227,15 @@ def test_ngram_proposer():
         ({"method": "medusa2", "num_speculative_tokens": 2}, "speculative_config.method"),
         ({"method": "eagle", "num_speculative_tokens": 2}, "speculative_config.method"),
         ({"method": "draft_model", "num_speculative_tokens": 2}, "speculative_config.model"),
-        ({"method": "draft_model", "model": "tiny", "num_speculative_tokens": 2,
-          "prompt_lookup_min": 2}, "speculative_config.prompt_lookup_min"),  # fmt: skip
+        (
+            {
+                "method": "draft_model",
+                "model": "tiny",
+                "num_speculative_tokens": 2,
+                "prompt_lookup_min": 2,
+            },
+            "speculative_config.prompt_lookup_min",
+        ),
         ({**NGRAM, "model": "tiny"}, "speculative_config.model"),
         ({**NGRAM, "prompt_lookup_min": 0}, "prompt_lookup_min"),
         ({**NGRAM, "prompt_lookup_max": 0}, "prompt_lookup_max"),

@@ -142,3 +142,43 @@ def test_draft_kv_shares_the_block_ids():
     assert mine.data_ptr() != target.data_ptr()
     assert not engine.runner.requests
     assert torch.count_nonzero(mine) > 0
+
+
+def test_draft_catches_up_after_steps_without_drafts():
+    """A request drafts, then decodes plainly for a while (a second request makes the
+    batch reach ``disable_by_batch_size``), then drafts again: the draft first recomputes
+    the positions the target computed without it, and acceptance stays near 1."""
+    from tandem.wire.engine_protocol import EngineRequest
+
+    long, short = prompts()[0], prompts()[2]
+    plain, _, _ = run([(long, greedy(40), 1), (short, greedy(10), 1)], None)
+    engine = EngineCore(
+        EngineConfig(
+            model="tiny", block_size=8, num_kv_blocks=64, max_num_batched_tokens=32,
+            speculative_config={**draft(), "disable_by_batch_size": 2},
+        )
+    )  # fmt: skip
+    tokens = {"a": [], "b": []}
+
+    def step() -> None:
+        for o in engine.step().outputs:
+            assert o.error is None, o.error
+            tokens[o.request_id].extend(o.new_token_ids)
+
+    assert engine.add_request(EngineRequest("a", long, greedy(40))) is None
+    while len(tokens["a"]) < 8:
+        step()
+    assert engine.scheduler.spec.stats.num_draft_tokens > 0
+    assert engine.add_request(EngineRequest("b", short, greedy(10))) is None
+    step()  # "b" was waiting when it was scheduled: "a" may still draft in this step
+    drafted = engine.scheduler.spec.stats.num_draft_tokens
+    while len(tokens["b"]) < 10:
+        step()
+    assert engine.scheduler.spec.stats.num_draft_tokens == drafted  # two running: no drafts
+    catch_up = engine.runner.drafter.num_catch_up_tokens
+    while engine.has_work():
+        step()
+    engine.check_integrity()
+    assert tokens["a"] == plain[0][0] and tokens["b"] == plain[1][0]
+    assert engine.runner.drafter.num_catch_up_tokens > catch_up  # the plain steps' tokens
+    assert acceptance(engine) > 0.95
