@@ -1,4 +1,4 @@
-"""Speculative decoding (n-gram prompt lookup) against plain decoding, on this machine.
+"""Speculative decoding (n-gram prompt lookup, a draft model) against plain decoding.
 
     .venv/bin/python benchmarks/spec_decode.py                     # batches 1, 8, 32
     .venv/bin/python benchmarks/spec_decode.py --batches 1 --output-len 48
@@ -12,7 +12,9 @@ smollm2 (SmolLM2-135M-Instruct from the built-in GGUF, fp32, CPU), greedy, EOS i
 
 For every batch and workload one engine serves the rows in turn: ``none`` (no drafts) and
 ``ngram`` with K = 2, 4, 8 (prompt_lookup_min 2, max 4; adaptive drafting on, as
-configured by default). The clock starts once every request has its first token, so the
+configured by default), and ``draft`` with K = 2, 4: smollm2 as its own draft model
+(``--draft-ks``; the draft shares the target's weights and has its own KV cache, so its
+acceptance is near 1 and its cost is K draft forwards of the target's size per step). The clock starts once every request has its first token, so the
 columns describe decoding only (after the first row the prompts are prefix-cache hits,
 which shortens the untimed part):
 
@@ -25,6 +27,11 @@ which shortens the untimed part):
     vs none      tok/cpu-s relative to the ``none`` row of the same batch and workload
     accept/pos   fraction of steps with drafts whose draft j was accepted, j = 1..K
     same         the tokens equal the ``none`` row's (greedy: they must)
+
+After the draft rows of a batch and workload, one line measures the draft's catch-up:
+every row after the first is a prefix-cache hit, so the draft recomputes each prompt in
+its first fill, as a decode engine's draft does after a P/D handoff (which carries no
+draft KV). It prints those fills' time against the median step of the draft rows.
 
 The speculative rows switch the engine's scheduler between configurations
 (``Scheduler.spec``); that is what ``--speculative-config`` sets at start.
@@ -133,6 +140,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--workloads", default="copy,chat")
     ap.add_argument("--ks", default="2,4,8")
+    ap.add_argument("--draft-ks", default="2,4", help="draft-model rows ('' for none)")
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--torch-threads", type=int, default=2)
@@ -146,11 +154,16 @@ def main() -> None:
             model="smollm2",
             dtype="float32",
             max_model_len=1024,
-            num_kv_blocks=4096,
+            num_kv_blocks=2048,  # and as many of the draft's
             max_num_batched_tokens=1024,
             max_num_seqs=64,
             torch_threads=args.torch_threads,
-            speculative_config={"method": "ngram", "num_speculative_tokens": 2},
+            # the runner gets a drafter; each row sets the scheduler's proposer
+            speculative_config={
+                "method": "draft_model",
+                "model": "smollm2",
+                "num_speculative_tokens": 2,
+            },  # fmt: skip
         )
     )
     tokenizer = load_tokenizer(engine.model_path)
@@ -164,9 +177,15 @@ def main() -> None:
     print("-" * len(header))
     kv = engine.scheduler.kv
     methods: list[tuple[str, Lookahead | None]] = [("none", None)]
-    for k in (int(x) for x in args.ks.split(",")):
+    for k in (int(x) for x in args.ks.split(",") if x):
         cfg = SpeculativeConfig("ngram", k, 2, 4, disable_by_batch_size=args.disable_by_batch_size)
         methods.append((f"ngram{k}", Lookahead(cfg, kv)))
+    for k in (int(x) for x in args.draft_ks.split(",") if x):
+        cfg = SpeculativeConfig("draft_model", k, disable_by_batch_size=args.disable_by_batch_size,
+                                model="smollm2")  # fmt: skip
+        methods.append((f"draft{k}", Lookahead(cfg, kv)))
+    fills = FillTimer(engine.runner.drafter)
+    steps = StepTimer(engine)
     run_id = 0
     for workload in args.workloads.split(","):
         for batch in (int(b) for b in args.batches.split(",")):
@@ -181,6 +200,7 @@ def main() -> None:
             for _ in range(args.repeats):  # interleaved: the machine's load drifts
                 for name, spec in methods:
                     engine.scheduler.spec = spec
+                    fills.on = steps.on = name.startswith("draft")
                     run_id += 1
                     before = _counts(spec)
                     rate, cpu_rate, row_gaps, tokens[name] = run_row(
@@ -202,7 +222,66 @@ def main() -> None:
                     f"{'yes' if tokens[name] == tokens['none'] else 'NO':4}  {accept[name]}",
                     flush=True,
                 )
+            if fills.calls:
+                print(f"{'':8} {batch:>5} draft catch-up: {fills.report(steps)}", flush=True)
+            fills.reset()
+            steps.reset()
     engine.shutdown()
+
+
+class FillTimer:
+    """Times the drafter's fills; a fill that recomputes at least ``CATCH_UP`` tokens
+    (a prompt) counts as a catch-up."""
+
+    CATCH_UP = 32
+
+    def __init__(self, drafter) -> None:
+        self.drafter, self.inner, self.on = drafter, drafter.fill, False
+        drafter.fill = self
+        self.reset()
+
+    def reset(self) -> None:
+        self.calls: list[tuple[int, float]] = []  # (tokens recomputed, seconds)
+
+    def __call__(self, spec, segments) -> None:
+        before, t = self.drafter.num_catch_up_tokens, time.perf_counter()
+        self.inner(spec, segments)
+        if self.on:
+            self.calls.append((self.drafter.num_catch_up_tokens - before, time.perf_counter() - t))
+
+    def report(self, steps: StepTimer) -> str:
+        big = [(n, s) for n, s in self.calls if n >= self.CATCH_UP]
+        rest = [s for n, s in self.calls if n < self.CATCH_UP]
+        step = statistics.median(steps.seconds) if steps.seconds else float("nan")
+        if not big:
+            return f"none of {self.CATCH_UP}+ tokens; median step {step * 1e3:.1f} ms"
+        tokens = sum(n for n, _ in big) / len(big)
+        seconds = sum(s for _, s in big) / len(big)
+        other = statistics.median(rest) if rest else float("nan")
+        return (
+            f"{len(big)} fills recomputing {tokens:.0f} tokens on average: {seconds * 1e3:.1f} ms "
+            f"each ({seconds / step:.1f} median steps of {step * 1e3:.1f} ms; a fill without "
+            f"catch-up {other * 1e3:.1f} ms)"
+        )
+
+
+class StepTimer:
+    """The engine's step times while ``on``."""
+
+    def __init__(self, engine) -> None:
+        self.inner, self.on = engine.step, False
+        engine.step = self
+        self.reset()
+
+    def reset(self) -> None:
+        self.seconds: list[float] = []
+
+    def __call__(self):
+        t = time.perf_counter()
+        out = self.inner()
+        if self.on:
+            self.seconds.append(time.perf_counter() - t)
+        return out
 
 
 def _counts(spec: Lookahead | None):

@@ -218,7 +218,8 @@ class EngineConfig:
         parse=_speculative_arg,
         metavar="JSON",
         help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
-        '"prompt_lookup_min": 2, "prompt_lookup_max": 5}\' (synchronous loop, TP 1)',
+        '"prompt_lookup_min": 2, "prompt_lookup_max": 5}\' or \'{"method": "draft_model", '
+        '"model": "smollm2", "num_speculative_tokens": 4}\' (synchronous loop, TP 1)',
     )
     # ---- tensor parallelism (workers/parallel/)
     tensor_parallel_size: int = option(

@@ -2,10 +2,13 @@
 
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
      "prompt_lookup_max": 5}
+    {"method": "draft_model", "model": "smollm2", "num_speculative_tokens": 4}
 
-Errors name the field (``speculative_config.num_speculative_tokens``). Methods other
-than ``ngram`` are recognised and refused by name: the draft-model, EAGLE and MTP
-proposers plug into the same verification path (``scheduler/spec/proposer.py``) but are
+Errors name the field (``speculative_config.num_speculative_tokens``). ``model`` names
+the draft as ``--model`` names the target (``tiny``, ``smollm2``, a local directory or
+GGUF file); the engine checks at start that it shares the target's vocabulary
+(``workers/spec/draft_model.py``). EAGLE and MTP are recognised and refused by name:
+they plug into the same seam as the draft model (``scheduler/spec/proposer.py``) but are
 not built yet.
 """
 
@@ -14,9 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 # vLLM's names of the proposers Tandem does not have yet: refused with a clear error
-PLANNED_METHODS = ("draft_model", "eagle", "eagle3", "mtp", "medusa")
+PLANNED_METHODS = ("eagle", "eagle3", "mtp", "medusa")
 MAX_SPECULATIVE_TOKENS = 16
 _FIELDS = (
     "method",
@@ -40,6 +43,12 @@ class SpeculativeConfig:
     # requests (None: always draft). Where a step is compute-bound, drafts cost more
     # than they save (docs/benchmarks.md: CPU, batch 32).
     disable_by_batch_size: int | None = None
+    # draft model: its name or path, resolved as --model is
+    model: str | None = None
+
+    @property
+    def uses_draft_model(self) -> bool:
+        return self.method == "draft_model"
 
     @classmethod
     def from_dict(cls, value: Any) -> SpeculativeConfig | None:
@@ -75,7 +84,17 @@ class SpeculativeConfig:
             raise ValueError(
                 f"{_PREFIX}.method must be one of {', '.join(METHODS)}, got {method!r}"
             )
-        if "model" in value:
+        model = value.get("model")
+        if method == "draft_model":
+            if not isinstance(model, str) or not model:
+                raise ValueError(
+                    f"{_PREFIX}.model is required for method 'draft_model' (a model name "
+                    f"or path, as --model), got {model!r}"
+                )
+            for name in ("prompt_lookup_min", "prompt_lookup_max"):
+                if name in value:
+                    raise ValueError(f"{_PREFIX}.{name} applies to method 'ngram' only")
+        elif "model" in value:
             raise ValueError(f"{_PREFIX}.model applies to method 'draft_model' only")
         k = _int(value, "num_speculative_tokens", None)
         if k is None:
@@ -103,14 +122,20 @@ class SpeculativeConfig:
         off = _int(value, "disable_by_batch_size", None)
         if off is not None and off < 1:
             raise ValueError(f"{_PREFIX}.disable_by_batch_size must be >= 1, got {off}")
-        return cls(method, k, lo, hi, off)
+        return cls(method, k, lo, hi, off, model if method == "draft_model" else None)
 
     def to_dict(self) -> dict[str, Any]:
+        if self.uses_draft_model:
+            shape: dict[str, Any] = {"model": self.model}
+        else:
+            shape = {
+                "prompt_lookup_min": self.prompt_lookup_min,
+                "prompt_lookup_max": self.prompt_lookup_max,
+            }
         return {
             "method": self.method,
             "num_speculative_tokens": self.num_speculative_tokens,
-            "prompt_lookup_min": self.prompt_lookup_min,
-            "prompt_lookup_max": self.prompt_lookup_max,
+            **shape,
             **(
                 {"disable_by_batch_size": self.disable_by_batch_size}
                 if self.disable_by_batch_size is not None

@@ -9,11 +9,18 @@ token, and the model runner verifies them in the step's one forward
 the drafts come from differs:
 
 - ``NgramProposer`` (here): prompt lookup, pure host code on the request's own tokens.
-- Seam for model-based proposers (a draft model, EAGLE heads, MTP layers): they need the
-  target's hidden states or a model of their own, so they run in the model runner right
-  after verification and hand their drafts back with the step's output; the scheduler
-  then stores them in ``Request.spec_token_ids`` exactly where ``NgramProposer``'s go,
-  and scheduling, KV slots, acceptance and the metrics stay the same.
+- ``ModelDraftSlots`` (here) for model-based proposers: the scheduler decides how many
+  drafts a request gets (the same cap, budget and limits as n-gram drafts) and schedules
+  that many ``MODEL_DRAFT`` slots, whose KV slots it allocates as for any draft; the model
+  runner fills them at the start of the step, before the verification forward
+  (``workers/spec/draft_model.py`` runs the draft model's proposal steps there), and
+  verifies them in the same forward. The draft's KV writes land in the slots the step
+  owns, so no block is held past the computed tokens between steps. EAGLE heads and MTP
+  layers plug in at the same place (the runner's ``drafter``), reading the target's
+  hidden states kept from the step before.
+
+Either way the drafts reach the verifier through ``SchedulerOutput.scheduled_spec_decode_
+tokens``, and acceptance, freeing rejected slots and the metrics are one path.
 """
 
 from __future__ import annotations
@@ -71,9 +78,23 @@ class NgramProposer:
         return token_ids[start : start + max_drafts]
 
 
+# a draft slot the model runner fills (workers/spec/draft_model.py)
+MODEL_DRAFT = -1
+
+
+class ModelDraftSlots:
+    """The scheduler's side of a model-based proposer: ``max_drafts`` slots, each a
+    ``MODEL_DRAFT`` the runner replaces with a drafted token before verifying."""
+
+    def propose(self, token_ids: list[int], max_drafts: int) -> list[int]:
+        return [MODEL_DRAFT] * max(max_drafts, 0)
+
+
 def make_proposer(config: SpeculativeConfig) -> Proposer:
     if config.method == "ngram":
         return NgramProposer(config)
+    if config.uses_draft_model:
+        return ModelDraftSlots()
     raise ValueError(f"speculative_config.method {config.method!r} has no proposer")
 
 

@@ -60,8 +60,11 @@ class _Sequences:
         return torch.randn(*shape, generator=self.gen)
 
 
-def _run_step(seqs: _Sequences, dense: DenseDecodeKV, step: dict[str, int]) -> list[str]:
+def _run_step(
+    seqs: _Sequences, dense: DenseDecodeKV, step: dict[str, int], verify: bool = False
+) -> list[str]:
     """One step of ``{seq: num_new_tokens}`` through both paths; asserts equal outputs.
+    ``verify``: queries of several tokens take dense rows too (speculative verification).
 
     Returns the sequences that took the dense path.
     """
@@ -73,6 +76,8 @@ def _run_step(seqs: _Sequences, dense: DenseDecodeKV, step: dict[str, int]) -> l
         query_lens[seq] = n
         if n == 1:
             decodes.append((seq, start, tables[seq]))
+        elif verify:
+            decodes.append((seq, start, tables[seq], n))
         else:
             dense.release(seq)
             others.append(seq)
@@ -191,3 +196,16 @@ def test_engine_with_a_two_row_budget_equals_transformers(make_checkpoint, monke
     llm.engine.runner.release_idle_memory()  # what the engine loop does while idle
     assert dense.num_rows == 0 and dense.capacity == 0
     llm.engine.check_integrity()
+
+
+def test_dense_rows_with_verification_queries_equal_paged_attention():
+    """Rows verifying drafts (several query tokens, each slot masked at its own position)
+    beside one-token rows, and a step where every row verifies: the paged kernels' output."""
+    seqs = _Sequences(seed=3)
+    dense = DenseDecodeKV(seqs.kv_cache, NUM_HEADS, max_bytes=1 << 30)
+    _run_step(seqs, dense, {"a": 6, "b": 9, "c": 4, "d": 11})
+    assert _run_step(seqs, dense, {"a": 1, "b": 1, "c": 1, "d": 1}) == ["a", "b", "c", "d"]
+    mixed = _run_step(seqs, dense, {"a": 1, "b": 4, "c": 1, "d": 3}, verify=True)
+    assert mixed == ["a", "b", "c", "d"]
+    assert _run_step(seqs, dense, {"b": 2, "d": 5}, verify=True) == ["b", "d"]
+    assert _run_step(seqs, dense, {"c": 3, "a": 1, "d": 1}, verify=True) == ["a", "c", "d"]

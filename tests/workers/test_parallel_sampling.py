@@ -87,7 +87,7 @@ class _TensorsBuiltOnDevice(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         caller = sys._getframe(1).f_code.co_filename
         if getattr(func, "__name__", "") == "tensor" and (kwargs or {}).get("device"):
-            if caller.endswith("model_runner.py"):
+            if caller.endswith(("model_runner.py", "step_forward.py", "step_planning.py")):
                 self.calls.append(f"tensor(device={kwargs['device']}) in {caller}")
         return func(*args, **(kwargs or {}))
 

@@ -1,7 +1,7 @@
 """Speculative decoding on the real SmolLM2-135M (built-in GGUF, fp32): greedy tokens
 identical with and without n-gram drafts on text that copies its prompt (drafts mostly
 accepted) and on free text, with chunked prefill, a stop token inside an accepted run,
-and two choices (n=2)."""
+and two choices (n=2); and with smollm2 drafting for itself as a draft model."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ CODE = """def at_output_limit(req, max_model_len):
 """
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
          "prompt_lookup_max": 4}  # fmt: skip
+DRAFT = {"method": "draft_model", "model": "smollm2", "num_speculative_tokens": 4}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -56,7 +57,9 @@ def generate(spec, requests):
     return tokens, stats
 
 
-def test_greedy_identical_on_smollm2():
+@pytest.fixture(scope="module")
+def cases():
+    """The requests and the plain engine's tokens for them."""
     from tandem.workers.checkpoints.loader import resolve_model_path
 
     tokenizer = load_tokenizer(resolve_model_path("smollm2"))
@@ -76,8 +79,23 @@ def test_greedy_identical_on_smollm2():
                               stop_token_ids=[stop_at]), 1),
     ]  # fmt: skip
     want, _ = generate(None, requests)
-    got, stats = generate(NGRAM, requests)
-    assert got == want
     assert want[("r0", 0)] == plain[("r0", 0)] and want[("r1", 0)] == want[("r1", 1)]
     assert len(want[("r2", 0)]) <= 21
+    return requests, want
+
+
+def test_greedy_identical_on_smollm2(cases):
+    requests, want = cases
+    got, stats = generate(NGRAM, requests)
+    assert got == want
     assert stats.spec_decode_num_accepted_tokens > stats.spec_decode_num_draft_tokens // 2
+
+
+def test_smollm2_drafting_for_itself(cases):
+    """smollm2 as its own draft model (shared weights, its own KV cache): the plain
+    engine's tokens, free text included, with nearly every draft accepted."""
+    requests, want = cases
+    got, stats = generate(DRAFT, requests)
+    assert got == want
+    assert stats.spec_decode_num_draft_tokens > 0
+    assert stats.spec_decode_num_accepted_tokens > 0.9 * stats.spec_decode_num_draft_tokens

@@ -95,3 +95,46 @@ def test_greedy_takes_the_longest_matching_prefix():
     masked = SamplingParams(temperature=0.0, min_tokens=3)
     eos_first = verify(logits, [SpecRequest([3, 1, 6], masked, 5, 1, 0)], eos_token_id=1)
     assert eos_first.token_ids == [[3, 0]]  # row 1's argmax (EOS) masked: lowest tied id
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5, seed=3)],
+)
+def test_drafts_drawn_from_q_keep_the_target_distribution(params):
+    """A draft model's drafts (``SpecRequest.draft_probs``): each drawn from its own q,
+    kept with probability min(1, p/q), else the token is drawn from max(p - q, 0). The
+    first token follows p0, and the second (after a kept first draft) p1."""
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(3, VOCAB, generator=g) * 1.5
+    # q: another distribution, with a token p gives mass to left out (q = 0 there)
+    q = torch.softmax(torch.randn(2, VOCAB, generator=g), dim=-1)
+    q[:, 1] = 0.0
+    q /= q.sum(dim=-1, keepdim=True)
+    num = 6000
+    drafts = torch.multinomial(q, num, replacement=True, generator=g).T.tolist()  # [num, 2]
+    requests = []
+    for i in range(num):
+        p = params if params.seed is None else SamplingParams(
+            temperature=params.temperature, top_k=params.top_k, seed=params.seed + i
+        )  # fmt: skip
+        requests.append(SpecRequest(drafts[i], p, 10, 3, stream_key=i, draft_probs=q))
+    result = verify(logits.repeat(num, 1), requests, eos_token_id=None)
+    probs = target_probs(logits, [params] * 3)
+    first, second = [0] * VOCAB, [0] * VOCAB
+    for tokens, d in zip(result.token_ids, drafts):
+        assert tokens[:-1] == d[: len(tokens) - 1]
+        first[tokens[0]] += 1
+        if len(tokens) >= 2:
+            second[tokens[1]] += 1
+    stat, dof = chi_square(first, probs[0].tolist())
+    assert stat < CRITICAL.get(dof, 30.0), (stat, dof, first)
+    # q is really used: the first draft is kept with probability sum(min(p, q)) (a
+    # point-mass test, also exact, would keep it with sum(p * q) only)
+    kept = sum(len(tokens) >= 2 for tokens in result.token_ids) / num
+    expected = float(torch.minimum(probs[0], q[0]).sum())
+    assert abs(kept - expected) < 4 * (expected * (1 - expected) / num) ** 0.5, (kept, expected)
+    assert abs(kept - float((probs[0] * q[0]).sum())) > 0.05
+    assert sum(second) > 500
+    stat, dof = chi_square(second, probs[1].tolist())
+    assert stat < CRITICAL.get(dof, 30.0), (stat, dof, second)

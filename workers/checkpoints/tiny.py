@@ -79,13 +79,17 @@ def ensure_tiny_model(cache_dir: str | None = None) -> str:
     return str(final)
 
 
-def write_tiny_checkpoint(out_dir: str) -> None:
-    """Write config, safetensors weights and tokenizer into ``out_dir``."""
+def write_tiny_checkpoint(out_dir: str, seed: int = SEED, **config_overrides: Any) -> None:
+    """Write config, safetensors weights and tokenizer into ``out_dir``. Another
+    ``seed`` or shape (``config_overrides``: e.g. ``num_hidden_layers``) gives another
+    random model with the same tokenizer (tests use one as a draft model)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(**TINY_CONFIG, architectures=["LlamaForCausalLM"], dtype="float32")
+    settings = {**TINY_CONFIG, **config_overrides}
+    vocab_size = settings["vocab_size"]
+    config = LlamaConfig(**settings, architectures=["LlamaForCausalLM"], dtype="float32")
     model = LlamaForCausalLM(config)
-    generator = torch.Generator().manual_seed(SEED)
+    generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in sorted(model.state_dict().items()):
             if name.endswith("norm.weight"):
@@ -94,7 +98,7 @@ def write_tiny_checkpoint(out_dir: str) -> None:
                 param.copy_(torch.randn(param.shape, generator=generator) * WEIGHT_STD)
         # Shrink the output rows of all but printable ASCII so greedy output
         # is mostly readable text (valid UTF-8) rather than random bytes.
-        readable = torch.zeros(VOCAB_SIZE, dtype=torch.bool)
+        readable = torch.zeros(vocab_size, dtype=torch.bool)
         readable[32:127] = True
         readable[10] = True
         model.lm_head.weight[~readable] *= 0.25

@@ -197,6 +197,9 @@ class EngineCore:
         if self.tp is not None:
             self.tp.check_integrity()
         self.request_clock.check_integrity(self.scheduler.requests)
+        drafter = getattr(self.runner, "drafter", None)  # draft model: its KV bookkeeping
+        if drafter is not None:
+            drafter.check(self.runner.requests)
         tiers = getattr(self.connector_worker, "store", None)  # KV tiers (kvtransfer/tiers/)
         if tiers is not None:
             idle = not self.scheduler.requests

@@ -1,13 +1,15 @@
 """One engine's start-up, in the order the memory budget needs it:
 
     load_engine_model   weights (rank 0's share under TP, the ranks started),
-                        dtype, end-of-sequence ids
+                        dtype, end-of-sequence ids; a draft model's
+                        (workers/spec/loading.py)
     size_kv_cache       context length; torch.compile of the forward
                         (workers/compile/) before the profile, so the profile
                         measures the forward the engine runs; one step's
                         activation and CUDA graph memory (workers/graphs/);
                         the KV blocks what is left holds (every TP rank
-                        agreeing); the cache allocated
+                        agreeing); the cache allocated (and a draft model's,
+                        with as many blocks: a block costs both)
     scheduler_config    the scheduler's limits over that cache
     make_connector      the KV connector's scheduler and worker sides
     build_runner        CUDA graphs over the real cache, the model runner
@@ -31,7 +33,8 @@ from tandem.workers.config import EngineConfig
 from tandem.workers.graphs.build import StepGraphs, build_step_graphs
 from tandem.workers.graphs.memory import StepMemory, profile_step_memory
 from tandem.workers.runner.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for
-from tandem.workers.runner.model_runner import ModelRunner
+from tandem.workers.runner.model_runner import DEFAULT_DENSE_DECODE_BYTES, ModelRunner
+from tandem.workers.spec.loading import LoadedDraft, load_draft_model
 
 MAX_DEFAULT_MODEL_LEN = 4096
 
@@ -46,6 +49,7 @@ class LoadedModel:
     extra_eos_ids: list[int]  # further end ids: stop tokens of every request
     device: torch.device
     tp: Any = None  # workers.parallel.executor.TPExecutor with TP > 1
+    draft: LoadedDraft | None = None  # speculative decoding with a draft model
 
 
 @dataclass
@@ -55,6 +59,7 @@ class SizedKVCache:
     kv_cache: Any  # workers.runner.kv_cache.allocate_kv_cache's cache
     compile_report: Any  # workers.compile.model.compile_before_sizing's report
     step_memory: StepMemory
+    draft_kv_cache: Any = None  # the draft model's: the same blocks, its own shape
 
 
 def load_engine_model(config: EngineConfig) -> LoadedModel:
@@ -73,15 +78,18 @@ def load_engine_model(config: EngineConfig) -> LoadedModel:
     else:
         model, hf_config = load_model(model_path, config.dtype, device)
     eos_ids = end_token_ids(hf_config)
+    dtype = next(model.parameters()).dtype
+    draft = load_draft_model(config.speculative(), model_path, model, dtype, device)
     return LoadedModel(
         model_path=model_path,
         model=model,
         hf_config=hf_config,
-        dtype=next(model.parameters()).dtype,
+        dtype=dtype,
         eos_token_id=eos_ids[0] if eos_ids else None,
         extra_eos_ids=eos_ids[1:],
         device=device,
         tp=tp,
+        draft=draft,
     )
 
 
@@ -95,9 +103,19 @@ def size_kv_cache(config: EngineConfig, loaded: LoadedModel) -> SizedKVCache:
         raise ValueError(
             f"max_model_len {max_len} exceeds the model's context length {m.max_context_len}"
         )
+    if loaded.draft is not None and max_len > loaded.draft.max_context_len:
+        raise ValueError(
+            f"max_model_len {max_len} exceeds the draft model's context length "
+            f"{loaded.draft.max_context_len} (speculative_config.model)"
+        )
     block_bytes = bytes_per_block(
         m.num_layers, config.block_size, m.num_kv_heads, m.head_dim, loaded.dtype
     )
+    if loaded.draft is not None:  # a block of the draft's KV per block of the target's
+        d = loaded.draft.model
+        block_bytes += bytes_per_block(
+            d.num_layers, config.block_size, d.num_kv_heads, d.head_dim, loaded.dtype
+        )
     # workers/compile/: torch.compile of the forward, first, so that the profile below
     # measures the forward the engine runs (the compiled graphs hold no cache)
     compile_report = compile_before_sizing(config, m)
@@ -126,7 +144,20 @@ def size_kv_cache(config: EngineConfig, loaded: LoadedModel) -> SizedKVCache:
         loaded.device,
         layout=config.kv_layout,
     )
-    return SizedKVCache(max_len, num_blocks, kv_cache, compile_report, step_memory)
+    draft_kv_cache = None
+    if loaded.draft is not None:
+        d = loaded.draft.model
+        draft_kv_cache = allocate_kv_cache(
+            num_blocks,
+            d.num_layers,
+            config.block_size,
+            d.num_kv_heads,
+            d.head_dim,
+            loaded.dtype,
+            loaded.device,
+            layout=config.kv_layout,
+        )
+    return SizedKVCache(max_len, num_blocks, kv_cache, compile_report, step_memory, draft_kv_cache)
 
 
 def scheduler_config(config: EngineConfig, num_blocks: int, max_model_len: int) -> SchedulerConfig:
@@ -184,6 +215,21 @@ def build_runner(
     graphs = build_step_graphs(
         config, loaded.model, cache.kv_cache, cache.max_model_len, cache.step_memory.graph_bytes
     )
+    drafter = None
+    if loaded.draft is not None:
+        from tandem.workers.spec.draft_model import DraftModel
+
+        dense_bytes = config.dense_decode_bytes
+        if dense_bytes is None:  # the runner's rule: CPU fp32 only
+            on_cpu_fp32 = loaded.device.type == "cpu" and loaded.dtype == torch.float32
+            dense_bytes = DEFAULT_DENSE_DECODE_BYTES if on_cpu_fp32 else 0
+        drafter = DraftModel(
+            loaded.draft.model,
+            cache.draft_kv_cache,
+            config.block_size,
+            config.prefill_attention,
+            dense_bytes,
+        )
     runner: Any = ModelRunner(
         loaded.model,
         cache.kv_cache,
@@ -196,6 +242,7 @@ def build_runner(
         piecewise_graphs=graphs.piecewise,
         prefill_attention=config.prefill_attention,
         overlap=overlap,
+        drafter=drafter,
     )
     if loaded.tp is not None:
         runner = loaded.tp.start(runner)

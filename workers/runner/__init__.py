@@ -1,6 +1,8 @@
 """The model runner: a ``SchedulerOutput`` in, sampled tokens out.
 
-    model_runner.py   ModelRunner: per-request copies, one flat batch per step
+    model_runner.py   ModelRunner: a step's entry points (launch, finish) and output
+    step_planning.py  its host half: per-request copies, each step's plan
+    step_forward.py   its device half: layout, forward, sampling, verification
     step_batch.py     a step's plan (loop thread) and its flat batch (where it runs)
     async_step.py     the step stream, launched steps and their results; the
                       overlapped loop (``--async-scheduling``) the engine steps with

@@ -32,7 +32,7 @@ class SpecPlan:
 
     def __init__(self) -> None:
         self.segments: list[int] = []
-        self.states: list[Any] = []  # the runner's _ReqState of each
+        self.states: list[Any] = []  # the runner's ReqState of each
         self.requests: list[SpecRequest] = []
         self.grammar: GrammarRows | None = None  # constrained requests' rows, per position
 
@@ -70,4 +70,6 @@ def apply_result(spec: SpecPlan, result: SpecResult, block_size: int) -> None:
         num_computed = req.position + len(tokens) - 1  # last token + accepted drafts
         st.token_ids.extend(tokens)
         st.num_computed = num_computed
+        # a draft model's KV: valid for the accepted drafts it was fed (draft_model.py)
+        st.draft_computed = min(st.draft_computed, num_computed)
         del st.block_ids[-(-num_computed // block_size) :]

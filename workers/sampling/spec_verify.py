@@ -14,10 +14,12 @@ accepted drafts plus one token of the target's:
 
 - greedy rows: the longest run of drafts equal to the row's argmax, then the argmax of
   the first row that disagrees (or of row K): the plain engine's tokens exactly;
-- random rows: rejection sampling against a draft that is one token with probability 1
-  (prompt lookup): d is kept with probability p(d); on rejection the token is drawn from
-  p with d removed, renormalised; after K kept drafts row K is drawn from p. Each token
-  is therefore distributed exactly as p, position by position.
+- random rows: rejection sampling. A draft drawn from a distribution q (a draft model,
+  ``SpecRequest.draft_probs``) is kept with probability min(1, p(d)/q(d)); on rejection
+  the token is drawn from max(p - q, 0), renormalised. A draft without a distribution
+  (prompt lookup) is a point mass, q(d) = 1: kept with probability p(d), on rejection
+  drawn from p with d removed. After K kept drafts row K is drawn from p. Each token is
+  therefore distributed exactly as p, position by position.
 
 The random numbers are pure functions of (the request's seed or stream key, position),
 as in the plain sampler: a seeded request's tokens do not depend on its batch mates, on
@@ -57,6 +59,9 @@ class SpecRequest:
     position: int  # index of the token row 0 samples (tokens before it)
     num_output: int  # output tokens the request has before this step
     stream_key: int  # its unseeded draws' key (Sampler.stream_key)
+    # [K, V]: the distribution each draft was drawn from (a draft model's sampled
+    # requests); None: the drafts are point masses (prompt lookup, greedy drafts)
+    draft_probs: torch.Tensor | None = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -163,6 +168,7 @@ def _rejection_sample(
     if draft_rows:
         p_draft = probs[list_to_device(draft_rows, device), list_to_device(draft_ids, device)]
         p_draft = p_draft.tolist()
+    q_draft = _draft_mass(requests, random_reqs)
     draw_rows, removed, uniforms = [], [], []
     local = taken = 0
     for i in random_reqs:
@@ -171,23 +177,51 @@ def _rejection_sample(
         accept_key = mix_seed(key, _ACCEPT_STREAM)
         k = len(r.drafts)
         j = 0
-        while j < k and uniform_for(accept_key, r.position + j) < p_draft[taken + j]:
+        # keep d with probability min(1, p(d) / q(d))
+        while (
+            j < k
+            and uniform_for(accept_key, r.position + j) * q_draft[taken + j] < p_draft[taken + j]
+        ):
             j += 1
         out[i] = list(r.drafts[:j])
         draw_rows.append(local + j)
-        removed.append(r.drafts[j] if j < k else -1)  # a rejected draft leaves the support
+        removed.append(j if j < k else -1)  # the rejected draft's index
         uniforms.append(uniform_for(key, r.position + j))
         local += k + 1
         taken += k
     dist = probs.index_select(0, list_to_device(draw_rows, device))
-    rejected = [m for m, t in enumerate(removed) if t >= 0]
-    if rejected:
+    point = [m for m, j in enumerate(removed) if j >= 0 and requests[random_reqs[m]].draft_probs
+             is None]  # fmt: skip
+    if any(j >= 0 for j in removed):
         dist = dist.clone()
-        dist[list_to_device(rejected, device), list_to_device([removed[m] for m in rejected],
-                                                              device)] = 0.0  # fmt: skip
+    if point:  # a rejected point-mass draft leaves the support
+        ids = [requests[random_reqs[m]].drafts[removed[m]] for m in point]
+        dist[list_to_device(point, device), list_to_device(ids, device)] = 0.0
+    for m, j in enumerate(removed):
+        q = requests[random_reqs[m]].draft_probs
+        if j >= 0 and q is not None:  # the residual max(p - q, 0)
+            residual = (dist[m] - q[j].to(dist.dtype)).clamp_(min=0.0)
+            if float(residual.sum()) > 0.0:
+                dist[m] = residual
     drawn = inverse_cdf(dist, uniforms).tolist()
     for i, token in zip(random_reqs, drawn):
         out[i].append(token)
+
+
+def _draft_mass(requests: list[SpecRequest], random_reqs: list[int]) -> list[float]:
+    """q(d) of every drafted position of the random requests, in order: 1.0 for point
+    masses."""
+    mass: list[float] = []
+    for i in random_reqs:
+        r = requests[i]
+        k = len(r.drafts)
+        if r.draft_probs is None:
+            mass += [1.0] * k
+        elif k:
+            q = r.draft_probs
+            rows = torch.arange(k, device=q.device)
+            mass += q[rows, list_to_device(r.drafts, q.device, torch.long)].tolist()
+    return mass
 
 
 def inverse_cdf(probs: torch.Tensor, uniforms: list[float]) -> torch.Tensor:
