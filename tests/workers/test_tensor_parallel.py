@@ -338,3 +338,25 @@ def test_commands_to_a_killed_worker_never_block(make_checkpoint, monkeypatch, e
             tp.sum_kv_stats({})
         assert time.monotonic() - start_s < 4.0 + 2.0
         monkeypatch.undo()
+
+
+def test_a_reply_read_by_the_liveness_check_still_reaches_its_waiter(make_checkpoint):
+    """The liveness check between polls reads every reply looking for a worker's error;
+    a reply that lands between ``_await``'s poll and that check must still count (it was
+    dropped once, and rank 0 then waited out its whole timeout for a READY it had read)."""
+    from tandem.workers.parallel.messages import CMD_KV_STATS, REPLY_KV_STATS
+
+    path = make_checkpoint("llama")
+    with LLM(_config(path, 2)) as llm:
+        tp = llm.engine.tp
+        tp._num_stats += 1
+        tp.broadcast(CMD_KV_STATS, tp._num_stats)
+        deadline = time.monotonic() + 60
+        while not tp._unread:  # the check reads the reply, as it would between two polls
+            assert tp._worker_trouble(wait_s=0.05) is None
+            assert time.monotonic() < deadline, "rank 1 never answered"
+        (reply,) = tp._await(REPLY_KV_STATS, 5.0, step=tp._num_stats)
+        assert reply.rank == 1 and not tp._unread
+        (out,) = llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=GREEDY)
+        assert out.finish_reason == "length"
+        llm.engine.check_integrity()

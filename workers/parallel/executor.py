@@ -36,6 +36,7 @@ finish; the Ray actor: the process exits, Ray restarts it with a new epoch).
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -107,6 +108,8 @@ class TPExecutor:
         self._ctx = zmq.Context()
         self._replies = self._ctx.socket(zmq.PULL)
         self._replies.setsockopt(zmq.LINGER, 0)
+        # replies read while looking for a worker's error, kept for ``_await``
+        self._unread: collections.deque[WorkerReply] = collections.deque()
         reply_port = self._replies.bind_to_random_port(f"tcp://{HOST}")
         ranks = list(range(1, self.size))
         self.heartbeats = HeartbeatBook(self._ctx, HOST, ranks, self.step_timeout_s / 2)
@@ -276,8 +279,11 @@ class TPExecutor:
         got: dict[int, WorkerReply] = {}
         deadline = time.monotonic() + timeout_s
         while len(got) < self.size - 1:
-            if self._replies.poll(_POLL_MS, zmq.POLLIN):
-                reply = self._dec.decode(self._replies.recv())
+            if self._unread or self._replies.poll(_POLL_MS, zmq.POLLIN):
+                if self._unread:
+                    reply = self._unread.popleft()
+                else:
+                    reply = self._dec.decode(self._replies.recv())
                 if reply.kind == REPLY_ERROR:
                     raise self._fail(reply.error or f"rank {reply.rank} failed")
                 if reply.kind == kind and reply.step == step:
@@ -313,6 +319,8 @@ class TPExecutor:
                 reply = self._dec.decode(self._replies.recv())
                 if reply.kind == REPLY_ERROR:
                     error = reply.error or f"rank {reply.rank} failed"
+                else:  # one ``_await`` is waiting for (it arrived after its poll)
+                    self._unread.append(reply)
             # a silent rank first: its live peers' collectives time out too and
             # report that as their own error
             reason = self._stale() or error or self._exited()
