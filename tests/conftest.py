@@ -17,6 +17,8 @@ if ROOT not in sys.path:
 # test processes ran. Set here, before torch is imported, so child processes inherit it.
 for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
+if "torch" in sys.modules:  # imported before this file (a plugin): set it there too
+    sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 def pytest_configure(config):

@@ -33,15 +33,6 @@ PROMPTS = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Two OpenMP threads stall badly on a shared 2-core machine (benchmarks/offline_throughput.py)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def gguf_path() -> str:
     return builtin_gguf_path("smollm2")

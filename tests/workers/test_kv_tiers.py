@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
 
 from tandem.wire.engine_protocol import EngineRequest, SamplingParams
 from tandem.workers.config import EngineConfig
@@ -17,14 +16,6 @@ from tandem.workers.engine.llm import LLM
 
 SP = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 GIB = 1 << 30
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def prompts_with_shared_prefixes(n: int = 6, length: int = 70, vocab: int = 200) -> list[list[int]]:

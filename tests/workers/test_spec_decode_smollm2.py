@@ -6,7 +6,6 @@ and two choices (n=2); and with smollm2 drafting for itself as a draft model."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tandem.wire.engine_protocol import EngineRequest, SamplingParams
 from tandem.workers.config import EngineConfig
@@ -25,14 +24,6 @@ CODE = """def at_output_limit(req, max_model_len):
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
          "prompt_lookup_max": 4}  # fmt: skip
 DRAFT = {"method": "draft_model", "model": "smollm2", "num_speculative_tokens": 4}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def generate(spec, requests):

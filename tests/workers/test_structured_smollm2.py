@@ -12,7 +12,6 @@ import re
 
 import jsonschema
 import pytest
-import torch
 
 from benchmarks.structured_schemas import SCHEMAS
 from tandem.wire.engine_protocol import EngineRequest, SamplingParams, StructuredOutputsParams
@@ -23,14 +22,6 @@ from tandem.workers.text.tokenizer import apply_chat_template
 pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 96
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
