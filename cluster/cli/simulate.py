@@ -18,6 +18,16 @@ from typing import Any
 from tandem.cluster.cli.trace_replay import add_trace_arguments
 
 VOCAB_SIZE = 32000  # prompts are token ids for the schedulers' prefix cache only
+# tandem profile: the engine settings a profile must share with the engines it
+# models (the step costs and the scheduler limits the simulator takes)
+ENGINE_LIMITS = {
+    "torch_threads": "CPU torch threads of the engine",
+    "num_kv_blocks": "KV cache blocks",
+    "block_size": "tokens per KV block",
+    "max_num_seqs": "requests per step at most",
+    "max_num_batched_tokens": "tokens per step at most",
+    "max_model_len": "prompt + output tokens at most",
+}
 
 
 def _add_workload(p: argparse.ArgumentParser) -> None:
@@ -181,11 +191,19 @@ def cmd_profile(args: argparse.Namespace) -> int:
             raise ValueError("--transfer-bytes-per-s must be > 0")
         if args.transfer_latency_ms < 0:
             raise ValueError("--transfer-latency-ms must be >= 0")
+        overrides = {}
+        for name in ENGINE_LIMITS:
+            v = getattr(args, name)
+            if v is not None:
+                if v < 1:
+                    raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+                overrides[name] = v
         profile = measure(
             model=args.model,
             repeats=args.repeats,
             transfer_bytes_per_s=args.transfer_bytes_per_s,
             transfer_latency_s=args.transfer_latency_ms / 1000.0,
+            engine_overrides=overrides,
         )
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -246,6 +264,13 @@ def add_parsers(sub: Any) -> None:
         default=2.0,
         help="P->D KV handoff fixed latency (not measured here)",
     )
+    for name, text in ENGINE_LIMITS.items():
+        p.add_argument(
+            "--" + name.replace("_", "-"),
+            type=int,
+            default=None,
+            help=f"{text} (as tandem serve's flag; give the served engine's value)",
+        )
     p.set_defaults(func=cmd_profile)
 
     s = sub.add_parser("simulate", help="replay a workload through simulated xPyD engines")

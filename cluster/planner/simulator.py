@@ -7,16 +7,20 @@ comes from the profile (profile.py): a step in which every scheduled request
 computes one token is a decode step, ``decode_s(batch size, context tokens
 the batch attends to)``; any other step costs ``prefill_s(scheduled tokens)``.
 The runner's sampled token is a constant (``ignore_eos``: a request stops at
-its trace length). Disaggregation is modelled as Tandem runs it: the prefill
-engine computes the prompt with ``max_tokens=1`` and keeps the blocks
+its trace length). Disaggregation is modelled as Tandem runs it
+(cluster/disagg/orchestration.py): the prefill engine computes the prompt
+with ``max_tokens=1``, its sampled token is the request's first token
+(streamed to the client at once: TTFT ends there) and it keeps the blocks
 (``held_for_send``); the decode engine, chosen least-loaded when the prefill
-ends, admits the request with ``num_tokens - 1`` tokens to load
-(``WAITING_FOR_REMOTE_KVS``), and the read finishes ``handoff_s(tokens)``
-after its blocks were allocated: then the decode engine computes the last
-prompt token (its first output) and the prefill engine frees its copy.
-Arrivals go to the prefill engine with the fewest prompt tokens left to
-compute. Nothing depends on wall time or hash order: a workload gives one
-result.
+ends, admits prompt + first token for the other ``output_len - 1`` tokens,
+with the prompt's tokens to load (``WAITING_FOR_REMOTE_KVS``). The read
+finishes ``handoff_s(tokens)`` after its blocks were allocated: then the
+decode engine computes the first token's KV (sampling the second token) and
+the prefill engine frees its copy. A request of one output token never goes
+to a prefill engine (the gateway does not split it): a decode engine
+computes it whole. Arrivals go to the prefill engine with the fewest prompt
+tokens left to compute. Nothing depends on wall time or hash order: a
+workload gives one result.
 """
 
 from __future__ import annotations
@@ -213,6 +217,14 @@ class Simulator:
     # ---- steps -------------------------------------------------------------------
 
     def _admit_prefill(self, i: int, req: SimRequest, records: list[_Record]) -> None:
+        if req.output_len <= 1:  # nothing to hand off: a decode engine computes it whole
+            e = min(self.accepting(self.decode), key=lambda x: (x.num_unfinished(), x.index))
+            sp = SamplingParams(max_tokens=req.output_len, ignore_eos=True)
+            try:
+                e.sched.add_request(Request(f"d{i}", req.prompt, sp, arrival_time=req.arrival_s))
+            except ValueError as exc:
+                records[i].error = str(exc)
+            return
         e = min(self.accepting(self.prefill), key=lambda x: (x.prompt_tokens_left(), x.index))
         sp = SamplingParams(max_tokens=1, ignore_eos=True)
         r = Request(
@@ -271,10 +283,15 @@ class Simulator:
             i = int(out.request_id[1:])
             if out.request_id[0] == "p":
                 if out.finish_reason is not None:
+                    # P's token is the first output token, streamed at once; D takes
+                    # prompt + that token for the rest
+                    records[i].token_times.extend([t] * len(out.new_token_ids))
                     req = reqs.get(out.request_id)
                     prompt = req.prompt_token_ids if req is not None else []
                     live[f"d{i}"] = i
-                    self._admit_decode(i, e.index, prompt, records[i].output_len)
+                    self._admit_decode(
+                        i, e.index, [*prompt, *out.new_token_ids], records[i].output_len - 1
+                    )
             else:
                 records[i].token_times.extend([t] * len(out.new_token_ids))
                 if out.finish_reason is not None:

@@ -48,17 +48,25 @@ def test_interpolation_is_piecewise_linear_and_extends_the_last_slope():
     assert mid == pytest.approx((0.005 + 0.008 + 0.01 + 0.03) / 4)
 
 
-def test_single_request_ttft_is_prefill_plus_handoff_plus_one_decode_step():
+def test_single_request_ttft_is_the_prefill_and_the_handoff_delays_the_second_token():
     p = profile()
     prompt = list(range(100, 400))  # 300 tokens
     [rec] = Simulator(p, 1, 1).run([SimRequest(0.5, prompt, 4)])
-    ttft = rec.token_times[0] - rec.arrival_s
-    # the decode engine loads all but the last prompt token and computes that one
-    assert ttft == pytest.approx(p.prefill_s(300) + p.handoff_s(299) + p.decode_s(1, 300))
-    assert p.handoff_s(299) == pytest.approx(0.002 + 299 * 4096 / 1e9)
+    # P's sampled token is the first token, streamed at once (cluster/disagg/orchestration.py)
+    assert rec.token_times[0] - rec.arrival_s == pytest.approx(p.prefill_s(300))
+    # D takes prompt + first token, reads the prompt's 300 tokens and computes the 301st
+    assert p.handoff_s(300) == pytest.approx(0.002 + 300 * 4096 / 1e9)
     itls = [b - a for a, b in zip(rec.token_times, rec.token_times[1:])]
-    assert itls == pytest.approx([p.decode_s(1, 301 + k) for k in range(3)])
+    assert itls == pytest.approx(
+        [p.handoff_s(300) + p.decode_s(1, 301), p.decode_s(1, 302), p.decode_s(1, 303)]
+    )
     assert len(rec.token_times) == 4
+
+
+def test_a_one_token_request_is_computed_whole_on_a_decode_engine():
+    p = profile()
+    [rec] = Simulator(p, 1, 1).run([SimRequest(0.0, list(range(200)), 1)])
+    assert rec.token_times == pytest.approx([p.prefill_s(200)])  # no handoff
 
 
 def _workload(seed: int, n: int = 120) -> list[SimRequest]:
@@ -91,11 +99,12 @@ def test_more_prefill_engines_shorten_the_prompt_queue():
     assert two["ttft_ms"]["p90"] < one["ttft_ms"]["p90"]
 
 
-def test_a_slow_handoff_costs_ttft_and_holds_prefill_blocks_until_read():
+def test_a_slow_handoff_delays_the_second_token_and_holds_prefill_blocks_until_read():
     w = [SimRequest(0.0, list(range(1000)), 3)]
     fast = Simulator(profile(), 1, 1).run(copy.deepcopy(w))[0]
     slow = Simulator(profile(bytes_per_s=1e6), 1, 1).run(copy.deepcopy(w))[0]
-    assert (slow.token_times[0] - fast.token_times[0]) == pytest.approx(999 * 4096 * (1e-6 - 1e-9))
+    assert slow.token_times[0] == fast.token_times[0]  # P's token does not wait for the read
+    assert (slow.token_times[1] - fast.token_times[1]) == pytest.approx(1000 * 4096 * (1e-6 - 1e-9))
 
 
 def test_a_prompt_longer_than_the_model_fails_that_request_only():
