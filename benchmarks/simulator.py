@@ -67,7 +67,14 @@ TINY_VOCAB = 262
 TARGET = 0.15
 
 
-def write_trace(path: str, num_requests: int, rate: float, seed: int) -> None:
+def write_trace(
+    path: str,
+    num_requests: int,
+    rate: float,
+    seed: int,
+    input_tokens: tuple[int, int] = INPUT_TOKENS,
+    output_tokens: tuple[int, int] = OUTPUT_TOKENS,
+) -> None:
     """A Mooncake JSONL trace: Poisson arrivals, uniform lengths, no shared blocks."""
     rng = random.Random(seed)
     t = 0.0
@@ -75,8 +82,8 @@ def write_trace(path: str, num_requests: int, rate: float, seed: int) -> None:
         for _ in range(num_requests):
             row = {
                 "timestamp": round(t * 1000.0, 3),
-                "input_length": rng.randint(*INPUT_TOKENS),
-                "output_length": rng.randint(*OUTPUT_TOKENS),
+                "input_length": rng.randint(*input_tokens),
+                "output_length": rng.randint(*output_tokens),
                 "hash_ids": [],
             }
             f.write(json.dumps(row) + "\n")

@@ -5,6 +5,7 @@ JSON, ``format: "tandem-profile/1"``::
     {
       "format": "tandem-profile/1",
       "model": "tiny", "device": "cpu", "measured_at": "2026-11-27T01:30:00Z",
+      "tensor_parallel_size": 1,              # optional, 1 when absent
       "prefill": {"batch_tokens": [16, 64, 256], "time_s": [0.002, 0.004, 0.011]},
       "decode": {
         "batch_sizes": [1, 4, 16],            # requests in the step
@@ -24,7 +25,9 @@ each axis adds its own edge slope to the grid's edge value (no slope below
 0), so growing batch and context together costs their sum, not a product. The handoff of a
 prompt of ``n`` tokens takes ``latency_s + n * kv_bytes_per_token /
 bytes_per_s``. ``scheduler`` holds the engine limits the profile was
-measured under; the simulator's schedulers use them.
+measured under; the simulator's schedulers use them. ``tensor_parallel_size``
+is the engine shape the profile describes (its devices, one engine): ``tandem
+plan`` given one profile per size searches the size of each pool.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 FORMAT = "tandem-profile/1"
+META_KEYS = ("model", "device", "measured_at", "tensor_parallel_size")
 
 
 def interp(xs: list[float], ys: list[float], x: float) -> float:
@@ -67,7 +71,8 @@ class Profile:
     decode_time_s: list[list[float]]
     transfer: TransferCost
     scheduler: dict[str, int] = field(default_factory=dict)
-    meta: dict[str, Any] = field(default_factory=dict)  # model, device, measured_at
+    # model, device, measured_at, tensor_parallel_size
+    meta: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _axis("prefill.batch_tokens", self.prefill_tokens)
@@ -80,6 +85,9 @@ class Profile:
             raise ValueError("decode.time_s must have one row per decode.batch_sizes entry")
         for row in self.decode_time_s:
             _times("decode.time_s", row, len(self.decode_context_tokens))
+        tp = self.meta.get("tensor_parallel_size", 1)
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ValueError("profile: tensor_parallel_size must be an integer >= 1")
         t = self.transfer
         if not _num(t.bytes_per_s) or t.bytes_per_s <= 0:
             raise ValueError("transfer.bytes_per_s must be a number > 0")
@@ -87,6 +95,11 @@ class Profile:
             raise ValueError("transfer.latency_s must be a number >= 0")
         if not _num(t.kv_bytes_per_token) or t.kv_bytes_per_token < 0:
             raise ValueError("transfer.kv_bytes_per_token must be a number >= 0")
+
+    @property
+    def tp_size(self) -> int:
+        """Devices of one engine (tensor-parallel workers)."""
+        return self.meta.get("tensor_parallel_size", 1)
 
     # ---- costs -------------------------------------------------------------------
 
@@ -147,7 +160,7 @@ class Profile:
                 decode_time_s=dec["time_s"],
                 transfer=TransferCost(tr["bytes_per_s"], tr["latency_s"], tr["kv_bytes_per_token"]),
                 scheduler=dict(obj.get("scheduler") or {}),
-                meta={k: obj[k] for k in ("model", "device", "measured_at") if k in obj},
+                meta={k: obj[k] for k in META_KEYS if k in obj},
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"profile: missing or malformed field {exc}") from None

@@ -57,8 +57,8 @@ class _Record:
 class _SimConnector:
     """The scheduler-side KV connector seam, on the virtual clock."""
 
-    def __init__(self, sim: Simulator, engine: int) -> None:
-        self.sim, self.engine = sim, engine
+    def __init__(self, sim: Simulator, engine: int, profile: Profile) -> None:
+        self.sim, self.engine, self.profile = sim, engine, profile
 
     def get_num_new_matched_tokens(self, request: Request, num_local: int) -> tuple[int, bool]:
         params = request.kv_transfer_params or {}
@@ -71,7 +71,8 @@ class _SimConnector:
         params = request.kv_transfer_params or {}
         if "sim_prefill_engine" not in params:
             return
-        done_s = self.sim.now_s + (self.sim.profile.handoff_s(num_external) if num_external else 0)
+        # the reading (decode) engine's transfer figures
+        done_s = self.sim.now_s + (self.profile.handoff_s(num_external) if num_external else 0)
         rid = request.request_id
         if num_external:
             self.sim.transfer_done(done_s, self.engine, rid, recving=True)
@@ -100,9 +101,14 @@ class _SimConnector:
 
 
 class _Engine:
-    def __init__(self, sim: Simulator, index: int, config: SchedulerConfig) -> None:
+    def __init__(
+        self, sim: Simulator, index: int, config: SchedulerConfig, profile: Profile | None = None
+    ) -> None:
         self.index = index
-        self.sched = Scheduler(config, _SimConnector(sim, index), engine_id=f"sim-{index}")
+        self.profile = profile or sim.profile  # its step costs
+        self.sched = Scheduler(
+            config, _SimConnector(sim, index, self.profile), engine_id=f"sim-{index}"
+        )
         self.busy_until: float | None = None
         self.step: SchedulerOutput | None = None
         self.recving: list[str] = []
@@ -128,7 +134,11 @@ class _Engine:
 
 
 class Simulator:
-    """``Simulator(profile, num_prefill, num_decode).run(requests)`` -> ``SimResult``."""
+    """``Simulator(profile, num_prefill, num_decode).run(requests)`` -> one
+    record per request. ``decode_profile``: the decode pool's engines when they differ
+    from the prefill pool's (another tensor-parallel size); each pool's
+    schedulers take its profile's limits, and a handoff costs what the
+    reading decode engine's profile says."""
 
     def __init__(
         self,
@@ -136,21 +146,22 @@ class Simulator:
         num_prefill: int,
         num_decode: int,
         scheduler_overrides: dict[str, Any] | None = None,
+        decode_profile: Profile | None = None,
     ) -> None:
         if num_prefill < 1:
             raise ValueError(f"--prefill must be >= 1, got {num_prefill}")
         if num_decode < 1:
             raise ValueError(f"--decode must be >= 1, got {num_decode}")
         self.profile = profile
-        fields = {"prefix_caching_hash_algo": "builtin", **profile.scheduler}
-        fields.update(scheduler_overrides or {})
-        try:
-            config = SchedulerConfig(**fields)
-        except TypeError as exc:
-            raise ValueError(f"profile: scheduler: {exc}") from None
-        self.config = config
+        self.decode_profile = decode_profile or profile
+        self.config = config = _scheduler_config(profile, scheduler_overrides)
+        dconfig = config
+        if decode_profile is not None:
+            dconfig = _scheduler_config(decode_profile, scheduler_overrides)
         self.prefill = [_Engine(self, i, config) for i in range(num_prefill)]
-        self.decode = [_Engine(self, num_prefill + i, config) for i in range(num_decode)]
+        self.decode = [
+            _Engine(self, num_prefill + i, dconfig, self.decode_profile) for i in range(num_decode)
+        ]
         self.engines = self.prefill + self.decode
         self.now_s = 0.0
         self.arrivals_left = 0  # requests of the run not arrived yet
@@ -257,14 +268,17 @@ class Simulator:
         so = e.sched.schedule()
         if so.total_num_scheduled_tokens == 0:
             return  # waiting for blocks or a handoff: an event wakes it
-        e.step, e.busy_until = so, t + self.step_cost(e.sched, so)
+        e.step, e.busy_until = so, t + self.step_cost(e.sched, so, e.profile)
 
-    def step_cost(self, sched: Scheduler, so: SchedulerOutput) -> float:
+    def step_cost(
+        self, sched: Scheduler, so: SchedulerOutput, profile: Profile | None = None
+    ) -> float:
+        profile = profile or self.profile
         counts = so.num_scheduled_tokens
         if all(n == 1 for n in counts.values()):
             context = sum(sched.requests[rid].num_computed_tokens for rid in counts)
-            return self.profile.decode_s(len(counts), context)
-        return self.profile.prefill_s(so.total_num_scheduled_tokens)
+            return profile.decode_s(len(counts), context)
+        return profile.prefill_s(so.total_num_scheduled_tokens)
 
     def _finish_step(self, e: _Engine, t: float, records: list[_Record], live: dict) -> None:
         so, e.step, e.busy_until = e.step, None, None
@@ -296,3 +310,12 @@ class Simulator:
                 records[i].token_times.extend([t] * len(out.new_token_ids))
                 if out.finish_reason is not None:
                     live.pop(out.request_id, None)
+
+
+def _scheduler_config(profile: Profile, overrides: dict[str, Any] | None) -> SchedulerConfig:
+    fields = {"prefix_caching_hash_algo": "builtin", **profile.scheduler}
+    fields.update(overrides or {})
+    try:
+        return SchedulerConfig(**fields)
+    except TypeError as exc:
+        raise ValueError(f"profile: scheduler: {exc}") from None

@@ -261,3 +261,89 @@ def test_the_seed_picks_the_synthetic_workload(capsys, profile_file):
 
     assert run("1") == run("1")
     assert run("1")["ttft_ms"] != run("2")["ttft_ms"]
+
+
+# ---- tensor parallelism per pool -----------------------------------------------------
+
+
+def tp2_profile() -> Profile:
+    """A TP-2 engine: two devices, prefill 1.8x and decode 1.4x as fast, twice the KV."""
+    base = profile(bytes_per_s=2e9)
+    return Profile(
+        prefill_tokens=base.prefill_tokens,
+        prefill_time_s=[t / 1.8 for t in base.prefill_time_s],
+        decode_batch_sizes=base.decode_batch_sizes,
+        decode_context_tokens=base.decode_context_tokens,
+        decode_time_s=[[t / 1.4 for t in row] for row in base.decode_time_s],
+        transfer=base.transfer,
+        scheduler={**SCHED, "num_kv_blocks": 2 * SCHED["num_kv_blocks"]},
+        meta={"model": "m", "tensor_parallel_size": 2},
+    )
+
+
+def test_each_pool_steps_and_reads_at_its_own_profile():
+    p1, p2 = profile(), tp2_profile()
+    [rec] = Simulator(p1, 1, 1, decode_profile=p2).run([SimRequest(0.0, list(range(300)), 3)])
+    gaps = [b - a for a, b in zip(rec.token_times, rec.token_times[1:])]
+    assert rec.token_times[0] == pytest.approx(p1.prefill_s(300))  # the prefill pool's
+    assert gaps == pytest.approx([p2.handoff_s(300) + p2.decode_s(1, 301), p2.decode_s(1, 302)])
+    assert p2.handoff_s(300) != p1.handoff_s(300)
+
+
+def test_plan_candidates_bound_engines_and_devices():
+    from tandem.cluster.cli.simulate import plan_candidates
+
+    assert plan_candidates([1], 3, None) == [(1, 1, 1, 1), (1, 1, 1, 2), (1, 2, 1, 1)]
+    got = plan_candidates([1, 2], 3, 4)
+    assert all(p + d <= 3 and p * tp + d * dtp <= 4 for tp, p, dtp, d in got)
+    assert (2, 1, 2, 1) in got and (2, 1, 1, 2) in got and (1, 2, 2, 1) in got
+    assert (2, 2, 1, 1) not in got and (2, 1, 2, 2) not in got  # 5 and 6 devices
+
+
+def test_plan_searches_the_tp_size_of_each_pool(capsys, profile_file, tmp_path):
+    tp2_file = tmp_path / "tp2.json"
+    save_profile(tp2_profile(), str(tp2_file))
+    args = ["plan", "--profile", profile_file, "--profile", str(tp2_file)]
+    args += ["--ttft-slo-ms", "300", "--itl-slo-ms", "20", "--max-engines", "3"]
+    args += ["--max-devices", "4", "--num-requests", "60", "--request-rate", "5", "--json"]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    from tandem.cluster.cli.simulate import plan_candidates
+
+    searched = sorted(
+        (r["prefill_tp"], r["prefill"], r["decode_tp"], r["decode"]) for r in out["splits"]
+    )
+    assert searched == sorted(plan_candidates([1, 2], 3, 4))
+    for r in out["splits"]:
+        assert r["devices"] == r["prefill"] * r["prefill_tp"] + r["decode"] * r["decode_tp"]
+        assert r["goodput_per_device"] == pytest.approx(r["goodput"] / r["devices"])
+    assert out["best"]["goodput_per_device"] == max(r["goodput_per_device"] for r in out["splits"])
+    # a TP-2 pool is faster than a TP-1 pool of the same engine count
+    by = {(r["prefill_tp"], r["prefill"], r["decode_tp"], r["decode"]): r for r in out["splits"]}
+    assert by[(2, 1, 2, 1)]["ttft_ms"]["p90"] < by[(1, 1, 1, 1)]["ttft_ms"]["p90"]
+    # the table names each pool's TP size
+    assert main([a for a in args if a != "--json"]) == 0
+    assert "1P(tp2)1D(tp2)" in capsys.readouterr().out
+
+
+def test_tp_profiles_bad_input_names_the_flag(capsys, profile_file, tmp_path):
+    plan = ["plan", "--ttft-slo-ms", "300", "--itl-slo-ms", "20"]
+    assert main([*plan, "--profile", profile_file, "--profile", profile_file]) == 2
+    assert "tensor_parallel_size 1" in capsys.readouterr().err
+    assert main([*plan, "--profile", profile_file, "--max-devices", "1"]) == 2
+    assert "--max-devices" in capsys.readouterr().err
+    tp4 = tmp_path / "tp4.json"
+    save_profile(
+        Profile(**{**tp2_profile().__dict__, "meta": {"tensor_parallel_size": 4}}), str(tp4)
+    )
+    assert main([*plan, "--profile", str(tp4), "--max-devices", "7"]) == 2
+    assert "no split fits" in capsys.readouterr().err
+    bad = tmp_path / "bad.json"
+    obj = tp2_profile().to_json()
+    obj["tensor_parallel_size"] = 0
+    bad.write_text(json.dumps(obj))
+    assert main([*plan, "--profile", str(bad)]) == 2
+    assert "tensor_parallel_size" in capsys.readouterr().err
+    sim = ["simulate", "--profile", profile_file, "--decode-profile", str(tmp_path / "no.json")]
+    assert main(sim) == 2
+    assert "--decode-profile" in capsys.readouterr().err
