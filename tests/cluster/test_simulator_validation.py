@@ -43,8 +43,9 @@ def test_predicted_ttft_and_itl_p50_are_within_a_loose_bound_of_a_real_1p1d_run(
     bench_sim.write_trace(trace, 12, 2.0, seed=5, input_tokens=(32, 256), output_tokens=(8, 32))
     warmup = str(tmp_path / "warmup.jsonl")
     bench_sim.write_trace(warmup, 3, 4.0, seed=6, input_tokens=(32, 64), output_tokens=(4, 8))
+    # tiny_pd_service's engines: 256 KV blocks, 16 sequences, 512 tokens (ENGINE)
     with tiny_pd_service(
-        disagg_min_tokens=0, router="least-load", max_num_batched_tokens=512, **ENGINE
+        disagg_min_tokens=0, router="least-load", max_num_batched_tokens=512, torch_threads=1
     ) as svc:
         asyncio.run(bench_sim.replay(svc.base_url, warmup, 1))
         real = asyncio.run(bench_sim.replay(svc.base_url, trace, 0))
