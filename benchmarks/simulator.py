@@ -17,7 +17,16 @@
    stream would carry several tokens in one chunk and the client's ITL would
    be a gap between chunks, not between tokens.
 4. Predicted: ``tandem simulate --trace`` with the same trace, split and
-   profile (the real schedulers on a virtual clock, cluster/planner/simulator.py).
+   profile (the real schedulers on a virtual clock, cluster/planner/simulator.py),
+   twice: with the engine-only profile ``tandem profile`` wrote, and with the
+   profile's ``service`` figures added (the serving path's latency per
+   request and the engine loop's overhead per step, which ``tandem profile``
+   cannot see: it times ``EngineCore.step`` in process). Those come from a
+   probe on the 1P1D service before its trace: 8 lone requests of 256 prompt
+   and 32 output tokens, 0.4 s apart; ITL p50 minus one batch-1 decode step
+   is the step overhead, TTFT p50 minus one prefill step (and the overhead)
+   the request latency. The probe is its own run, not the trace: nothing is
+   fitted to the figures being predicted.
 
 Printed: TTFT and ITL p50 / p99 per configuration, predicted, measured and
 the relative error ``(predicted - measured) / measured``. Target (issue 28):
@@ -65,6 +74,7 @@ OUTPUT_TOKENS = (16, 128)
 ASCII = range(32, 127)
 TINY_VOCAB = 262
 TARGET = 0.15
+PROBE_PROMPT, PROBE_OUTPUT = 256, 32
 
 
 def write_trace(
@@ -88,6 +98,29 @@ def write_trace(
             }
             f.write(json.dumps(row) + "\n")
             t += rng.expovariate(rate)
+
+
+def write_probe(path: str, num_requests: int, gap_s: float) -> None:
+    """Lone requests ``gap_s`` apart (none overlaps another): the serving path's figures."""
+    with open(path, "w") as f:
+        for i in range(num_requests):
+            row = {"timestamp": i * gap_s * 1000.0, "input_length": PROBE_PROMPT,
+                   "output_length": PROBE_OUTPUT, "hash_ids": []}  # fmt: skip
+            f.write(json.dumps(row) + "\n")
+
+
+def service_figures(profile: dict, probe: dict) -> dict:
+    """``profile`` (JSON) with its ``service`` section from the probe's medians:
+    each lone request's ITL is one decode step of batch 1 plus the loop's
+    overhead; its TTFT is the path's latency plus one prefill step (with that
+    overhead). Not fitted to the trace: the probe is its own run."""
+    from tandem.cluster.planner.profile import Profile
+
+    p = Profile.from_json(profile)
+    context = PROBE_PROMPT + PROBE_OUTPUT // 2
+    overhead = max(0.0, probe["itl_ms"]["p50"] / 1000 - p.decode_s(1, context))
+    latency = max(0.0, probe["ttft_ms"]["p50"] / 1000 - p.prefill_s(PROBE_PROMPT) - overhead)
+    return {**profile, "service": {"request_latency_s": latency, "step_overhead_s": overhead}}
 
 
 def _cli(*args: str, timeout_s: float = 600) -> str:
@@ -178,9 +211,12 @@ def _replay_in_process(url: str, trace: str, seed: int) -> dict:
 # ---- the served run --------------------------------------------------------------
 
 
-def serve_and_replay(prefill: int, decode: int, trace: str, warmup: str) -> dict:
+def serve_and_replay(
+    prefill: int, decode: int, trace: str, warmup: str, probe: str | None = None
+) -> tuple[dict, dict | None]:
     """One fresh service of ``prefill`` + ``decode`` tiny engines (Ray already
-    initialised): the warm-up trace, then ``trace``; the client's summary."""
+    initialised): the warm-up trace, the ``probe`` trace if given, then
+    ``trace``; the client's summaries of the trace and the probe."""
     from tandem.cluster.cli.serve import ServiceThread
     from tandem.cluster.cli.settings import serve_config
 
@@ -196,9 +232,10 @@ def serve_and_replay(prefill: int, decode: int, trace: str, warmup: str) -> dict
     with ServiceThread(config) as svc:
         # every engine's first steps (allocation, first kernels) are not its speed
         _replay_in_process(svc.base_url, warmup, 1)
+        probed = _replay_in_process(svc.base_url, probe, 2) if probe else None
         summary = _replay_in_process(svc.base_url, trace, 0)
         svc.run(svc.service.backend.call_all("check_integrity"))
-    return summary
+    return summary, probed
 
 
 def rel(predicted: float, measured: float) -> float:
@@ -259,24 +296,43 @@ def main() -> int:
             print(f"profile measured in {time.monotonic() - t0:.0f} s", flush=True)
         with open(profile) as f:
             measured_at = json.load(f).get("measured_at", "?")
-        rows = []
+        probe = os.path.join(tmp, "probe.jsonl")
+        write_probe(probe, 8, 0.4)
+        reals = {}
+        probed = None
         ray.init(include_dashboard=False, log_to_driver=False)
         try:
             for pre, dec in configs:
                 name = f"{pre}P{dec}D"
                 t0 = time.monotonic()
-                real = serve_and_replay(pre, dec, trace, warmup)
+                want_probe = probed is None and (pre, dec) == (1, 1)
+                real, got = serve_and_replay(pre, dec, trace, warmup, probe if want_probe else None)
+                probed = probed or got
                 loads.append(os.getloadavg()[0])
-                sim = simulate(profile, trace, pre, dec)
                 assert real["num_failed"] == 0, real["errors"]
                 print(
                     f"{name}: served and replayed in {time.monotonic() - t0:.0f} s, "
                     f"{real['num_completed']} requests, load {loads[-1]:.1f}",
                     flush=True,
                 )
-                rows.append((name, sim, real))
+                reals[name] = real
         finally:
             ray.shutdown()
+        with open(profile) as f:
+            engine_only = json.load(f)
+        variants = {"engine": profile}
+        if probed is not None:
+            served = os.path.join(tmp, "profile-served.json")
+            with_service = service_figures(engine_only, probed)
+            svc_fig = with_service["service"]
+            with open(served, "w") as f:
+                json.dump(with_service, f)
+            variants["engine + service"] = served
+        rows = {v: [] for v in variants}
+        for pre, dec in configs:
+            name = f"{pre}P{dec}D"
+            for v, path in variants.items():
+                rows[v].append((name, simulate(path, trace, pre, dec), reals[name]))
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     print(
         f"\nmachine: {machine()}; {now}; load average "
@@ -286,13 +342,22 @@ def main() -> int:
         f"{OUTPUT_TOKENS[0]}-{OUTPUT_TOKENS[1]} tokens, seed {args.seed}; "
         f"{time.monotonic() - started:.0f} s in all"
     )
-    print(table(rows))
-    worst = max(
-        abs(rel(sim[k]["p50"], real[k]["p50"]))
-        for _, sim, real in rows
-        for k in ("ttft_ms", "itl_ms")
-    )
-    print(f"\nworst p50 error: {worst:.1%} (target {TARGET:.0%})")
+    if probed is not None:
+        print(
+            f"service figures from {PROBE_PROMPT}-token lone requests on 1P1D: TTFT p50 "
+            f"{probed['ttft_ms']['p50']:.2f} ms, ITL p50 {probed['itl_ms']['p50']:.2f} ms -> "
+            f"request_latency_s {svc_fig['request_latency_s'] * 1000:.2f} ms, "
+            f"step_overhead_s {svc_fig['step_overhead_s'] * 1000:.3f} ms"
+        )
+    for v, vrows in rows.items():
+        print(f"\nprofile: {v}")
+        print(table(vrows))
+        worst = max(
+            abs(rel(sim[k]["p50"], real[k]["p50"]))
+            for _, sim, real in vrows
+            for k in ("ttft_ms", "itl_ms")
+        )
+        print(f"worst p50 error ({v}): {worst:.1%} (target {TARGET:.0%})")
     return 0
 
 

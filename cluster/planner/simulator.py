@@ -174,6 +174,8 @@ class Simulator:
 
     def run(self, requests: list[SimRequest]) -> list[_Record]:
         order = sorted(range(len(requests)), key=lambda i: (requests[i].arrival_s, i))
+        # a request reaches an engine the serving path's latency after the client sent it
+        entry = [r.arrival_s + self.profile.request_latency_s for r in requests]
         records = [_Record(r.arrival_s, r.output_len) for r in requests]
         live: dict[str, int] = {}
         next_arrival = 0
@@ -181,7 +183,7 @@ class Simulator:
         while True:
             self.arrivals_left = len(order) - next_arrival
             t = min(
-                requests[order[next_arrival]].arrival_s if next_arrival < len(order) else inf,
+                entry[order[next_arrival]] if next_arrival < len(order) else inf,
                 min((e.busy_until for e in self.engines if e.busy_until is not None), default=inf),
                 self._transfers[0][0] if self._transfers else inf,
                 self.next_tick_s(),
@@ -195,7 +197,7 @@ class Simulator:
             while self._transfers and self._transfers[0][0] <= t:  # 2. handoffs that end now
                 _, _, idx, rid, recving = heapq.heappop(self._transfers)
                 (self.engines[idx].recving if recving else self.engines[idx].sending).append(rid)
-            while next_arrival < len(order) and requests[order[next_arrival]].arrival_s <= t:
+            while next_arrival < len(order) and entry[order[next_arrival]] <= t:
                 i = order[next_arrival]  # 3. arrivals
                 next_arrival += 1
                 self._admit_prefill(i, requests[i], records)
@@ -277,8 +279,8 @@ class Simulator:
         counts = so.num_scheduled_tokens
         if all(n == 1 for n in counts.values()):
             context = sum(sched.requests[rid].num_computed_tokens for rid in counts)
-            return profile.decode_s(len(counts), context)
-        return profile.prefill_s(so.total_num_scheduled_tokens)
+            return profile.step_s(profile.decode_s(len(counts), context))
+        return profile.step_s(profile.prefill_s(so.total_num_scheduled_tokens))
 
     def _finish_step(self, e: _Engine, t: float, records: list[_Record], live: dict) -> None:
         so, e.step, e.busy_until = e.step, None, None
