@@ -347,3 +347,26 @@ def test_tp_profiles_bad_input_names_the_flag(capsys, profile_file, tmp_path):
     sim = ["simulate", "--profile", profile_file, "--decode-profile", str(tmp_path / "no.json")]
     assert main(sim) == 2
     assert "--decode-profile" in capsys.readouterr().err
+
+
+def test_service_figures_add_the_path_latency_once_and_the_loop_overhead_per_step(tmp_path):
+    p = profile()
+    p.request_latency_s, p.step_overhead_s = 0.004, 0.0005
+    [rec] = Simulator(p, 1, 1).run([SimRequest(1.0, list(range(300)), 3)])
+    assert rec.token_times[0] - rec.arrival_s == pytest.approx(0.004 + p.prefill_s(300) + 0.0005)
+    gaps = [b - a for a, b in zip(rec.token_times, rec.token_times[1:])]
+    assert gaps == pytest.approx(
+        [p.handoff_s(300) + p.decode_s(1, 301) + 0.0005, p.decode_s(1, 302) + 0.0005]
+    )
+    f = tmp_path / "p.json"
+    save_profile(p, str(f))
+    assert load_profile(str(f)).to_json()["service"] == {
+        "request_latency_s": 0.004,
+        "step_overhead_s": 0.0005,
+    }
+    obj = p.to_json()
+    obj["service"]["step_overhead_s"] = -1
+    f.write_text(json.dumps(obj))
+    with pytest.raises(ValueError, match=r"service\.step_overhead_s"):
+        load_profile(str(f))
+    assert "service" not in profile().to_json()  # engine-only profiles stay as they were
