@@ -18,10 +18,20 @@ from typing import Any
 from tandem.cluster.cli.trace_replay import add_trace_arguments
 
 VOCAB_SIZE = 32000  # prompts are token ids for the schedulers' prefix cache only
+# tandem profile: the engine settings a profile must share with the engines it
+# models (the step costs and the scheduler limits the simulator takes)
+ENGINE_LIMITS = {
+    "tensor_parallel_size": "workers per engine (the profile's engine shape)",
+    "torch_threads": "CPU torch threads of the engine",
+    "num_kv_blocks": "KV cache blocks",
+    "block_size": "tokens per KV block",
+    "max_num_seqs": "requests per step at most",
+    "max_num_batched_tokens": "tokens per step at most",
+    "max_model_len": "prompt + output tokens at most",
+}
 
 
 def _add_workload(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--profile", help="performance profile JSON (tandem profile writes one)")
     add_trace_arguments(p)
     p.add_argument("--num-requests", type=int, default=200, help="without --trace")
     p.add_argument("--request-rate", type=float, default=4.0, help="requests/s, without --trace")
@@ -87,13 +97,46 @@ def _profile(args: argparse.Namespace):
     return load_profile(args.profile)
 
 
-def simulate_one(profile, workload, prefill: int, decode: int, args) -> dict[str, Any]:
+def _profiles_by_tp(paths: list[str] | None) -> dict[int, Any]:
+    """``tandem plan``'s ``--profile`` files by tensor-parallel size: one
+    each, all of one model. ValueError naming the flag."""
+    from tandem.cluster.planner.profile import load_profile
+
+    if not paths:
+        raise ValueError("--profile is required (tandem profile --out FILE writes one)")
+    out: dict[int, Any] = {}
+    for path in paths:
+        prof = load_profile(path)
+        if prof.tp_size in out:
+            raise ValueError(
+                f"--profile {path}: a second profile for tensor_parallel_size {prof.tp_size}"
+            )
+        out[prof.tp_size] = prof
+    models = {p.meta.get("model") for p in out.values()} - {None}
+    if len(models) > 1:
+        raise ValueError(f"--profile: profiles of different models {sorted(models)}")
+    return dict(sorted(out.items()))
+
+
+def simulate_one(
+    profile, workload, prefill: int, decode: int, args, decode_profile=None
+) -> dict[str, Any]:
     from tandem.cluster.planner.metrics import summarize
     from tandem.cluster.planner.simulator import Simulator
 
-    records = Simulator(profile, prefill, decode).run(workload)
+    dprof = decode_profile or profile
+    records = Simulator(profile, prefill, decode, decode_profile=decode_profile).run(workload)
     s = summarize(records, args.ttft_slo_ms, args.itl_slo_ms)
-    s.update(prefill=prefill, decode=decode, goodput_per_engine=s["goodput"] / (prefill + decode))
+    devices = prefill * profile.tp_size + decode * dprof.tp_size
+    s.update(
+        prefill=prefill,
+        decode=decode,
+        prefill_tp=profile.tp_size,
+        decode_tp=dprof.tp_size,
+        devices=devices,
+        goodput_per_engine=s["goodput"] / (prefill + decode),
+        goodput_per_device=s["goodput"] / devices,
+    )
     return s
 
 
@@ -105,7 +148,15 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         if args.decode < 1:
             raise ValueError(f"--decode must be >= 1, got {args.decode}")
         profile = _profile(args)
-        s = simulate_one(profile, load_workload(args), args.prefill, args.decode, args)
+        dprof = None
+        if args.decode_profile:
+            from tandem.cluster.planner.profile import load_profile
+
+            try:
+                dprof = load_profile(args.decode_profile)
+            except ValueError as exc:
+                raise ValueError(str(exc).replace("--profile", "--decode-profile", 1)) from None
+        s = simulate_one(profile, load_workload(args), args.prefill, args.decode, args, dprof)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -120,17 +171,33 @@ def cmd_plan(args: argparse.Namespace) -> int:
             raise ValueError(
                 f"--max-engines must be >= 2 (one prefill, one decode), got {args.max_engines}"
             )
-        profile = _profile(args)
+        if args.max_devices is not None and args.max_devices < 2:
+            raise ValueError(f"--max-devices must be >= 2, got {args.max_devices}")
+        profiles = _profiles_by_tp(args.profile)
         workload = load_workload(args)
         rows = [
-            simulate_one(profile, workload, p, d, args)
-            for p in range(1, args.max_engines)
-            for d in range(1, args.max_engines - p + 1)
+            simulate_one(profiles[tp], workload, p, d, args, profiles[tdp])
+            for tp, p, tdp, d in plan_candidates(list(profiles), args.max_engines, args.max_devices)
         ]
+        if not rows:
+            raise ValueError(
+                f"--max-devices {args.max_devices}: no split fits (the smallest engines "
+                f"take {2 * min(profiles)} devices)"
+            )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    rows.sort(key=lambda r: (-r["goodput_per_engine"], r["prefill"] + r["decode"], r["prefill"]))
+    rows.sort(
+        key=lambda r: (
+            -r["goodput_per_device"],
+            r["devices"],
+            r["prefill"] + r["decode"],
+            r["prefill_tp"],
+            r["decode_tp"],
+            r["prefill"],
+        )
+    )
+    profile = profiles[min(profiles)]  # the SLA arithmetic: the smallest engine shape
     model = sla_estimate(workload, profile, args)
     if args.json:
         print(json.dumps({"best": rows[0], "splits": rows, "sla_model": model}, indent=2))
@@ -144,6 +211,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
             + ")"
         )
     return 0
+
+
+def plan_candidates(
+    tp_sizes: list[int], max_engines: int, max_devices: int | None
+) -> list[tuple[int, int, int, int]]:
+    """Every ``(prefill_tp, prefill engines, decode_tp, decode engines)`` with
+    P + D <= ``max_engines`` and, when given, P x prefill_tp + D x decode_tp
+    <= ``max_devices``."""
+    out = []
+    for tp in tp_sizes:
+        for dtp in tp_sizes:
+            for p in range(1, max_engines):
+                for d in range(1, max_engines - p + 1):
+                    if max_devices is None or p * tp + d * dtp <= max_devices:
+                        out.append((tp, p, dtp, d))
+    return out
 
 
 def sla_estimate(workload: list[Any], profile: Any, args: argparse.Namespace) -> dict[str, Any]:
@@ -181,11 +264,19 @@ def cmd_profile(args: argparse.Namespace) -> int:
             raise ValueError("--transfer-bytes-per-s must be > 0")
         if args.transfer_latency_ms < 0:
             raise ValueError("--transfer-latency-ms must be >= 0")
+        overrides = {}
+        for name in ENGINE_LIMITS:
+            v = getattr(args, name)
+            if v is not None:
+                if v < 1:
+                    raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+                overrides[name] = v
         profile = measure(
             model=args.model,
             repeats=args.repeats,
             transfer_bytes_per_s=args.transfer_bytes_per_s,
             transfer_latency_s=args.transfer_latency_ms / 1000.0,
+            engine_overrides=overrides,
         )
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -213,18 +304,30 @@ def format_summary(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def split_name(r: dict[str, Any]) -> str:
+    """``2P1D``, or ``2P(tp2)1D(tp1)`` when a pool's engines have several devices."""
+    if r.get("prefill_tp", 1) == 1 and r.get("decode_tp", 1) == 1:
+        return f"{r['prefill']}P{r['decode']}D"
+    return f"{r['prefill']}P(tp{r['prefill_tp']}){r['decode']}D(tp{r['decode_tp']})"
+
+
 def format_plan(rows: list[dict[str, Any]]) -> str:
-    head = f"{'split':>6} {'goodput/eng':>12} {'goodput':>9} {'TTFT p90':>10} {'ITL p90':>9}"
+    width = max(6, *(len(split_name(r)) for r in rows))
+    head = (
+        f"{'split':>{width}} {'devices':>7} {'goodput/dev':>12} {'goodput':>9} "
+        f"{'TTFT p90':>10} {'ITL p90':>9}"
+    )
     lines = [head]
     for r in rows:
         lines.append(
-            f"{r['prefill']}P{r['decode']}D".rjust(6)
-            + f" {r['goodput_per_engine']:12.3f} {r['goodput']:9.3f}"
+            split_name(r).rjust(width)
+            + f" {r['devices']:7d} {r['goodput_per_device']:12.3f} {r['goodput']:9.3f}"
             f" {r['ttft_ms']['p90']:10.1f} {r['itl_ms']['p90']:9.2f}"
         )
     b = rows[0]
     lines.append(
-        f"best: {b['prefill']}P{b['decode']}D ({b['goodput_per_engine']:.3f} req/s per engine)"
+        f"best: {split_name(b)} ({b['goodput_per_device']:.3f} req/s per device, "
+        f"{b['devices']} devices)"
     )
     return "\n".join(lines)
 
@@ -246,15 +349,40 @@ def add_parsers(sub: Any) -> None:
         default=2.0,
         help="P->D KV handoff fixed latency (not measured here)",
     )
+    for name, text in ENGINE_LIMITS.items():
+        p.add_argument(
+            "--" + name.replace("_", "-"),
+            type=int,
+            default=None,
+            help=f"{text} (as tandem serve's flag; give the served engine's value)",
+        )
     p.set_defaults(func=cmd_profile)
 
     s = sub.add_parser("simulate", help="replay a workload through simulated xPyD engines")
     s.add_argument("--prefill", type=int, default=1, help="prefill engines")
     s.add_argument("--decode", type=int, default=1, help="decode engines")
+    s.add_argument("--profile", help="performance profile JSON (tandem profile writes one)")
+    s.add_argument(
+        "--decode-profile",
+        help="the decode pool's profile when its engines differ (e.g. another TP size; "
+        "default: --profile)",
+    )
     _add_workload(s)
     s.set_defaults(func=cmd_simulate)
 
     q = sub.add_parser("plan", help="simulate every xPyD split up to --max-engines")
+    q.add_argument(
+        "--profile",
+        action="append",
+        help="performance profile JSON; repeat it with one profile per tensor-parallel size "
+        "to search each pool's TP size too",
+    )
     q.add_argument("--max-engines", type=int, default=4, help="P + D at most")
+    q.add_argument(
+        "--max-devices",
+        type=int,
+        default=None,
+        help="P x prefill TP + D x decode TP at most (default: no bound beyond --max-engines)",
+    )
     _add_workload(q)
     q.set_defaults(func=cmd_plan)

@@ -136,6 +136,7 @@ def measure(
             meta={
                 "model": model,
                 "device": engine.config.device,
+                "tensor_parallel_size": engine.config.tensor_parallel_size,
                 "measured_at": datetime.datetime.now(datetime.timezone.utc).strftime(
                     "%Y-%m-%dT%H:%M:%SZ"
                 ),

@@ -5,6 +5,7 @@ JSON, ``format: "tandem-profile/1"``::
     {
       "format": "tandem-profile/1",
       "model": "tiny", "device": "cpu", "measured_at": "2026-11-27T01:30:00Z",
+      "tensor_parallel_size": 1,              # optional, 1 when absent
       "prefill": {"batch_tokens": [16, 64, 256], "time_s": [0.002, 0.004, 0.011]},
       "decode": {
         "batch_sizes": [1, 4, 16],            # requests in the step
@@ -13,7 +14,8 @@ JSON, ``format: "tandem-profile/1"``::
       },
       "transfer": {"bytes_per_s": 1.0e9, "latency_s": 0.002, "kv_bytes_per_token": 4096},
       "scheduler": {"block_size": 16, "num_kv_blocks": 2048, "max_num_batched_tokens": 2048,
-                    "max_num_seqs": 64, "max_model_len": 2048}
+                    "max_num_seqs": 64, "max_model_len": 2048},
+      "service": {"request_latency_s": 0.008, "step_overhead_s": 0.0003}   # optional, 0 when absent
     }
 
 Costs between measured points are linear (bilinear on the decode grid).
@@ -24,7 +26,16 @@ each axis adds its own edge slope to the grid's edge value (no slope below
 0), so growing batch and context together costs their sum, not a product. The handoff of a
 prompt of ``n`` tokens takes ``latency_s + n * kv_bytes_per_token /
 bytes_per_s``. ``scheduler`` holds the engine limits the profile was
-measured under; the simulator's schedulers use them.
+measured under; the simulator's schedulers use them. ``tensor_parallel_size``
+is the engine shape the profile describes (its devices, one engine): ``tandem
+plan`` given one profile per size searches the size of each pool.
+``service`` (optional) holds what the serving path adds to the engine's own
+step: ``request_latency_s`` once per request (the gateway and the hops to the
+engine and back before the first token reaches the client) and
+``step_overhead_s`` per engine step (the engine loop's work around the step:
+outputs sent, inputs read). ``tandem profile`` times the engine alone and
+leaves them 0; benchmarks/simulator.py measures them with lone requests
+through a served 1P1D.
 """
 
 from __future__ import annotations
@@ -35,6 +46,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 FORMAT = "tandem-profile/1"
+META_KEYS = ("model", "device", "measured_at", "tensor_parallel_size")
 
 
 def interp(xs: list[float], ys: list[float], x: float) -> float:
@@ -67,7 +79,10 @@ class Profile:
     decode_time_s: list[list[float]]
     transfer: TransferCost
     scheduler: dict[str, int] = field(default_factory=dict)
-    meta: dict[str, Any] = field(default_factory=dict)  # model, device, measured_at
+    # model, device, measured_at, tensor_parallel_size
+    meta: dict[str, Any] = field(default_factory=dict)
+    request_latency_s: float = 0.0
+    step_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         _axis("prefill.batch_tokens", self.prefill_tokens)
@@ -80,6 +95,13 @@ class Profile:
             raise ValueError("decode.time_s must have one row per decode.batch_sizes entry")
         for row in self.decode_time_s:
             _times("decode.time_s", row, len(self.decode_context_tokens))
+        tp = self.meta.get("tensor_parallel_size", 1)
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ValueError("profile: tensor_parallel_size must be an integer >= 1")
+        for name in ("request_latency_s", "step_overhead_s"):
+            v = getattr(self, name)
+            if not _num(v) or v < 0:
+                raise ValueError(f"profile: service.{name} must be a number >= 0")
         t = self.transfer
         if not _num(t.bytes_per_s) or t.bytes_per_s <= 0:
             raise ValueError("transfer.bytes_per_s must be a number > 0")
@@ -88,10 +110,19 @@ class Profile:
         if not _num(t.kv_bytes_per_token) or t.kv_bytes_per_token < 0:
             raise ValueError("transfer.kv_bytes_per_token must be a number >= 0")
 
+    @property
+    def tp_size(self) -> int:
+        """Devices of one engine (tensor-parallel workers)."""
+        return self.meta.get("tensor_parallel_size", 1)
+
     # ---- costs -------------------------------------------------------------------
 
     def prefill_s(self, batch_tokens: int) -> float:
         return interp(self.prefill_tokens, self.prefill_time_s, batch_tokens)
+
+    def step_s(self, engine_step_s: float) -> float:
+        """A step's time in the served loop: the engine's step and the loop's overhead."""
+        return engine_step_s + self.step_overhead_s
 
     def decode_s(self, batch_size: float, context_tokens: float) -> float:
         bs, cs = self.decode_batch_sizes, self.decode_context_tokens
@@ -130,6 +161,16 @@ class Profile:
             },
             "transfer": asdict(self.transfer),
             "scheduler": self.scheduler,
+            **(
+                {
+                    "service": {
+                        "request_latency_s": self.request_latency_s,
+                        "step_overhead_s": self.step_overhead_s,
+                    }
+                }
+                if self.request_latency_s or self.step_overhead_s
+                else {}
+            ),
         }
 
     @classmethod
@@ -139,6 +180,7 @@ class Profile:
             raise ValueError(f"profile: format must be {FORMAT!r}")
         try:
             pre, dec, tr = obj["prefill"], obj["decode"], obj["transfer"]
+            svc = obj.get("service") or {}
             return cls(
                 prefill_tokens=pre["batch_tokens"],
                 prefill_time_s=pre["time_s"],
@@ -147,7 +189,9 @@ class Profile:
                 decode_time_s=dec["time_s"],
                 transfer=TransferCost(tr["bytes_per_s"], tr["latency_s"], tr["kv_bytes_per_token"]),
                 scheduler=dict(obj.get("scheduler") or {}),
-                meta={k: obj[k] for k in ("model", "device", "measured_at") if k in obj},
+                meta={k: obj[k] for k in META_KEYS if k in obj},
+                request_latency_s=svc.get("request_latency_s", 0.0),
+                step_overhead_s=svc.get("step_overhead_s", 0.0),
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"profile: missing or malformed field {exc}") from None

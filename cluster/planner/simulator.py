@@ -7,16 +7,20 @@ comes from the profile (profile.py): a step in which every scheduled request
 computes one token is a decode step, ``decode_s(batch size, context tokens
 the batch attends to)``; any other step costs ``prefill_s(scheduled tokens)``.
 The runner's sampled token is a constant (``ignore_eos``: a request stops at
-its trace length). Disaggregation is modelled as Tandem runs it: the prefill
-engine computes the prompt with ``max_tokens=1`` and keeps the blocks
+its trace length). Disaggregation is modelled as Tandem runs it
+(cluster/disagg/orchestration.py): the prefill engine computes the prompt
+with ``max_tokens=1``, its sampled token is the request's first token
+(streamed to the client at once: TTFT ends there) and it keeps the blocks
 (``held_for_send``); the decode engine, chosen least-loaded when the prefill
-ends, admits the request with ``num_tokens - 1`` tokens to load
-(``WAITING_FOR_REMOTE_KVS``), and the read finishes ``handoff_s(tokens)``
-after its blocks were allocated: then the decode engine computes the last
-prompt token (its first output) and the prefill engine frees its copy.
-Arrivals go to the prefill engine with the fewest prompt tokens left to
-compute. Nothing depends on wall time or hash order: a workload gives one
-result.
+ends, admits prompt + first token for the other ``output_len - 1`` tokens,
+with the prompt's tokens to load (``WAITING_FOR_REMOTE_KVS``). The read
+finishes ``handoff_s(tokens)`` after its blocks were allocated: then the
+decode engine computes the first token's KV (sampling the second token) and
+the prefill engine frees its copy. A request of one output token never goes
+to a prefill engine (the gateway does not split it): a decode engine
+computes it whole. Arrivals go to the prefill engine with the fewest prompt
+tokens left to compute. Nothing depends on wall time or hash order: a
+workload gives one result.
 """
 
 from __future__ import annotations
@@ -53,8 +57,8 @@ class _Record:
 class _SimConnector:
     """The scheduler-side KV connector seam, on the virtual clock."""
 
-    def __init__(self, sim: Simulator, engine: int) -> None:
-        self.sim, self.engine = sim, engine
+    def __init__(self, sim: Simulator, engine: int, profile: Profile) -> None:
+        self.sim, self.engine, self.profile = sim, engine, profile
 
     def get_num_new_matched_tokens(self, request: Request, num_local: int) -> tuple[int, bool]:
         params = request.kv_transfer_params or {}
@@ -67,7 +71,8 @@ class _SimConnector:
         params = request.kv_transfer_params or {}
         if "sim_prefill_engine" not in params:
             return
-        done_s = self.sim.now_s + (self.sim.profile.handoff_s(num_external) if num_external else 0)
+        # the reading (decode) engine's transfer figures
+        done_s = self.sim.now_s + (self.profile.handoff_s(num_external) if num_external else 0)
         rid = request.request_id
         if num_external:
             self.sim.transfer_done(done_s, self.engine, rid, recving=True)
@@ -96,9 +101,14 @@ class _SimConnector:
 
 
 class _Engine:
-    def __init__(self, sim: Simulator, index: int, config: SchedulerConfig) -> None:
+    def __init__(
+        self, sim: Simulator, index: int, config: SchedulerConfig, profile: Profile | None = None
+    ) -> None:
         self.index = index
-        self.sched = Scheduler(config, _SimConnector(sim, index), engine_id=f"sim-{index}")
+        self.profile = profile or sim.profile  # its step costs
+        self.sched = Scheduler(
+            config, _SimConnector(sim, index, self.profile), engine_id=f"sim-{index}"
+        )
         self.busy_until: float | None = None
         self.step: SchedulerOutput | None = None
         self.recving: list[str] = []
@@ -124,7 +134,11 @@ class _Engine:
 
 
 class Simulator:
-    """``Simulator(profile, num_prefill, num_decode).run(requests)`` -> ``SimResult``."""
+    """``Simulator(profile, num_prefill, num_decode).run(requests)`` -> one
+    record per request. ``decode_profile``: the decode pool's engines when they differ
+    from the prefill pool's (another tensor-parallel size); each pool's
+    schedulers take its profile's limits, and a handoff costs what the
+    reading decode engine's profile says."""
 
     def __init__(
         self,
@@ -132,21 +146,22 @@ class Simulator:
         num_prefill: int,
         num_decode: int,
         scheduler_overrides: dict[str, Any] | None = None,
+        decode_profile: Profile | None = None,
     ) -> None:
         if num_prefill < 1:
             raise ValueError(f"--prefill must be >= 1, got {num_prefill}")
         if num_decode < 1:
             raise ValueError(f"--decode must be >= 1, got {num_decode}")
         self.profile = profile
-        fields = {"prefix_caching_hash_algo": "builtin", **profile.scheduler}
-        fields.update(scheduler_overrides or {})
-        try:
-            config = SchedulerConfig(**fields)
-        except TypeError as exc:
-            raise ValueError(f"profile: scheduler: {exc}") from None
-        self.config = config
+        self.decode_profile = decode_profile or profile
+        self.config = config = _scheduler_config(profile, scheduler_overrides)
+        dconfig = config
+        if decode_profile is not None:
+            dconfig = _scheduler_config(decode_profile, scheduler_overrides)
         self.prefill = [_Engine(self, i, config) for i in range(num_prefill)]
-        self.decode = [_Engine(self, num_prefill + i, config) for i in range(num_decode)]
+        self.decode = [
+            _Engine(self, num_prefill + i, dconfig, self.decode_profile) for i in range(num_decode)
+        ]
         self.engines = self.prefill + self.decode
         self.now_s = 0.0
         self.arrivals_left = 0  # requests of the run not arrived yet
@@ -159,6 +174,8 @@ class Simulator:
 
     def run(self, requests: list[SimRequest]) -> list[_Record]:
         order = sorted(range(len(requests)), key=lambda i: (requests[i].arrival_s, i))
+        # a request reaches an engine the serving path's latency after the client sent it
+        entry = [r.arrival_s + self.profile.request_latency_s for r in requests]
         records = [_Record(r.arrival_s, r.output_len) for r in requests]
         live: dict[str, int] = {}
         next_arrival = 0
@@ -166,7 +183,7 @@ class Simulator:
         while True:
             self.arrivals_left = len(order) - next_arrival
             t = min(
-                requests[order[next_arrival]].arrival_s if next_arrival < len(order) else inf,
+                entry[order[next_arrival]] if next_arrival < len(order) else inf,
                 min((e.busy_until for e in self.engines if e.busy_until is not None), default=inf),
                 self._transfers[0][0] if self._transfers else inf,
                 self.next_tick_s(),
@@ -180,7 +197,7 @@ class Simulator:
             while self._transfers and self._transfers[0][0] <= t:  # 2. handoffs that end now
                 _, _, idx, rid, recving = heapq.heappop(self._transfers)
                 (self.engines[idx].recving if recving else self.engines[idx].sending).append(rid)
-            while next_arrival < len(order) and requests[order[next_arrival]].arrival_s <= t:
+            while next_arrival < len(order) and entry[order[next_arrival]] <= t:
                 i = order[next_arrival]  # 3. arrivals
                 next_arrival += 1
                 self._admit_prefill(i, requests[i], records)
@@ -213,6 +230,14 @@ class Simulator:
     # ---- steps -------------------------------------------------------------------
 
     def _admit_prefill(self, i: int, req: SimRequest, records: list[_Record]) -> None:
+        if req.output_len <= 1:  # nothing to hand off: a decode engine computes it whole
+            e = min(self.accepting(self.decode), key=lambda x: (x.num_unfinished(), x.index))
+            sp = SamplingParams(max_tokens=req.output_len, ignore_eos=True)
+            try:
+                e.sched.add_request(Request(f"d{i}", req.prompt, sp, arrival_time=req.arrival_s))
+            except ValueError as exc:
+                records[i].error = str(exc)
+            return
         e = min(self.accepting(self.prefill), key=lambda x: (x.prompt_tokens_left(), x.index))
         sp = SamplingParams(max_tokens=1, ignore_eos=True)
         r = Request(
@@ -245,14 +270,17 @@ class Simulator:
         so = e.sched.schedule()
         if so.total_num_scheduled_tokens == 0:
             return  # waiting for blocks or a handoff: an event wakes it
-        e.step, e.busy_until = so, t + self.step_cost(e.sched, so)
+        e.step, e.busy_until = so, t + self.step_cost(e.sched, so, e.profile)
 
-    def step_cost(self, sched: Scheduler, so: SchedulerOutput) -> float:
+    def step_cost(
+        self, sched: Scheduler, so: SchedulerOutput, profile: Profile | None = None
+    ) -> float:
+        profile = profile or self.profile
         counts = so.num_scheduled_tokens
         if all(n == 1 for n in counts.values()):
             context = sum(sched.requests[rid].num_computed_tokens for rid in counts)
-            return self.profile.decode_s(len(counts), context)
-        return self.profile.prefill_s(so.total_num_scheduled_tokens)
+            return profile.step_s(profile.decode_s(len(counts), context))
+        return profile.step_s(profile.prefill_s(so.total_num_scheduled_tokens))
 
     def _finish_step(self, e: _Engine, t: float, records: list[_Record], live: dict) -> None:
         so, e.step, e.busy_until = e.step, None, None
@@ -271,11 +299,25 @@ class Simulator:
             i = int(out.request_id[1:])
             if out.request_id[0] == "p":
                 if out.finish_reason is not None:
+                    # P's token is the first output token, streamed at once; D takes
+                    # prompt + that token for the rest
+                    records[i].token_times.extend([t] * len(out.new_token_ids))
                     req = reqs.get(out.request_id)
                     prompt = req.prompt_token_ids if req is not None else []
                     live[f"d{i}"] = i
-                    self._admit_decode(i, e.index, prompt, records[i].output_len)
+                    self._admit_decode(
+                        i, e.index, [*prompt, *out.new_token_ids], records[i].output_len - 1
+                    )
             else:
                 records[i].token_times.extend([t] * len(out.new_token_ids))
                 if out.finish_reason is not None:
                     live.pop(out.request_id, None)
+
+
+def _scheduler_config(profile: Profile, overrides: dict[str, Any] | None) -> SchedulerConfig:
+    fields = {"prefix_caching_hash_algo": "builtin", **profile.scheduler}
+    fields.update(overrides or {})
+    try:
+        return SchedulerConfig(**fields)
+    except TypeError as exc:
+        raise ValueError(f"profile: scheduler: {exc}") from None

@@ -48,17 +48,25 @@ def test_interpolation_is_piecewise_linear_and_extends_the_last_slope():
     assert mid == pytest.approx((0.005 + 0.008 + 0.01 + 0.03) / 4)
 
 
-def test_single_request_ttft_is_prefill_plus_handoff_plus_one_decode_step():
+def test_single_request_ttft_is_the_prefill_and_the_handoff_delays_the_second_token():
     p = profile()
     prompt = list(range(100, 400))  # 300 tokens
     [rec] = Simulator(p, 1, 1).run([SimRequest(0.5, prompt, 4)])
-    ttft = rec.token_times[0] - rec.arrival_s
-    # the decode engine loads all but the last prompt token and computes that one
-    assert ttft == pytest.approx(p.prefill_s(300) + p.handoff_s(299) + p.decode_s(1, 300))
-    assert p.handoff_s(299) == pytest.approx(0.002 + 299 * 4096 / 1e9)
+    # P's sampled token is the first token, streamed at once (cluster/disagg/orchestration.py)
+    assert rec.token_times[0] - rec.arrival_s == pytest.approx(p.prefill_s(300))
+    # D takes prompt + first token, reads the prompt's 300 tokens and computes the 301st
+    assert p.handoff_s(300) == pytest.approx(0.002 + 300 * 4096 / 1e9)
     itls = [b - a for a, b in zip(rec.token_times, rec.token_times[1:])]
-    assert itls == pytest.approx([p.decode_s(1, 301 + k) for k in range(3)])
+    assert itls == pytest.approx(
+        [p.handoff_s(300) + p.decode_s(1, 301), p.decode_s(1, 302), p.decode_s(1, 303)]
+    )
     assert len(rec.token_times) == 4
+
+
+def test_a_one_token_request_is_computed_whole_on_a_decode_engine():
+    p = profile()
+    [rec] = Simulator(p, 1, 1).run([SimRequest(0.0, list(range(200)), 1)])
+    assert rec.token_times == pytest.approx([p.prefill_s(200)])  # no handoff
 
 
 def _workload(seed: int, n: int = 120) -> list[SimRequest]:
@@ -91,11 +99,12 @@ def test_more_prefill_engines_shorten_the_prompt_queue():
     assert two["ttft_ms"]["p90"] < one["ttft_ms"]["p90"]
 
 
-def test_a_slow_handoff_costs_ttft_and_holds_prefill_blocks_until_read():
+def test_a_slow_handoff_delays_the_second_token_and_holds_prefill_blocks_until_read():
     w = [SimRequest(0.0, list(range(1000)), 3)]
     fast = Simulator(profile(), 1, 1).run(copy.deepcopy(w))[0]
     slow = Simulator(profile(bytes_per_s=1e6), 1, 1).run(copy.deepcopy(w))[0]
-    assert (slow.token_times[0] - fast.token_times[0]) == pytest.approx(999 * 4096 * (1e-6 - 1e-9))
+    assert slow.token_times[0] == fast.token_times[0]  # P's token does not wait for the read
+    assert (slow.token_times[1] - fast.token_times[1]) == pytest.approx(1000 * 4096 * (1e-6 - 1e-9))
 
 
 def test_a_prompt_longer_than_the_model_fails_that_request_only():
@@ -252,3 +261,112 @@ def test_the_seed_picks_the_synthetic_workload(capsys, profile_file):
 
     assert run("1") == run("1")
     assert run("1")["ttft_ms"] != run("2")["ttft_ms"]
+
+
+# ---- tensor parallelism per pool -----------------------------------------------------
+
+
+def tp2_profile() -> Profile:
+    """A TP-2 engine: two devices, prefill 1.8x and decode 1.4x as fast, twice the KV."""
+    base = profile(bytes_per_s=2e9)
+    return Profile(
+        prefill_tokens=base.prefill_tokens,
+        prefill_time_s=[t / 1.8 for t in base.prefill_time_s],
+        decode_batch_sizes=base.decode_batch_sizes,
+        decode_context_tokens=base.decode_context_tokens,
+        decode_time_s=[[t / 1.4 for t in row] for row in base.decode_time_s],
+        transfer=base.transfer,
+        scheduler={**SCHED, "num_kv_blocks": 2 * SCHED["num_kv_blocks"]},
+        meta={"model": "m", "tensor_parallel_size": 2},
+    )
+
+
+def test_each_pool_steps_and_reads_at_its_own_profile():
+    p1, p2 = profile(), tp2_profile()
+    [rec] = Simulator(p1, 1, 1, decode_profile=p2).run([SimRequest(0.0, list(range(300)), 3)])
+    gaps = [b - a for a, b in zip(rec.token_times, rec.token_times[1:])]
+    assert rec.token_times[0] == pytest.approx(p1.prefill_s(300))  # the prefill pool's
+    assert gaps == pytest.approx([p2.handoff_s(300) + p2.decode_s(1, 301), p2.decode_s(1, 302)])
+    assert p2.handoff_s(300) != p1.handoff_s(300)
+
+
+def test_plan_candidates_bound_engines_and_devices():
+    from tandem.cluster.cli.simulate import plan_candidates
+
+    assert plan_candidates([1], 3, None) == [(1, 1, 1, 1), (1, 1, 1, 2), (1, 2, 1, 1)]
+    got = plan_candidates([1, 2], 3, 4)
+    assert all(p + d <= 3 and p * tp + d * dtp <= 4 for tp, p, dtp, d in got)
+    assert (2, 1, 2, 1) in got and (2, 1, 1, 2) in got and (1, 2, 2, 1) in got
+    assert (2, 2, 1, 1) not in got and (2, 1, 2, 2) not in got  # 5 and 6 devices
+
+
+def test_plan_searches_the_tp_size_of_each_pool(capsys, profile_file, tmp_path):
+    tp2_file = tmp_path / "tp2.json"
+    save_profile(tp2_profile(), str(tp2_file))
+    args = ["plan", "--profile", profile_file, "--profile", str(tp2_file)]
+    args += ["--ttft-slo-ms", "300", "--itl-slo-ms", "20", "--max-engines", "3"]
+    args += ["--max-devices", "4", "--num-requests", "60", "--request-rate", "5", "--json"]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    from tandem.cluster.cli.simulate import plan_candidates
+
+    searched = sorted(
+        (r["prefill_tp"], r["prefill"], r["decode_tp"], r["decode"]) for r in out["splits"]
+    )
+    assert searched == sorted(plan_candidates([1, 2], 3, 4))
+    for r in out["splits"]:
+        assert r["devices"] == r["prefill"] * r["prefill_tp"] + r["decode"] * r["decode_tp"]
+        assert r["goodput_per_device"] == pytest.approx(r["goodput"] / r["devices"])
+    assert out["best"]["goodput_per_device"] == max(r["goodput_per_device"] for r in out["splits"])
+    # a TP-2 pool is faster than a TP-1 pool of the same engine count
+    by = {(r["prefill_tp"], r["prefill"], r["decode_tp"], r["decode"]): r for r in out["splits"]}
+    assert by[(2, 1, 2, 1)]["ttft_ms"]["p90"] < by[(1, 1, 1, 1)]["ttft_ms"]["p90"]
+    # the table names each pool's TP size
+    assert main([a for a in args if a != "--json"]) == 0
+    assert "1P(tp2)1D(tp2)" in capsys.readouterr().out
+
+
+def test_tp_profiles_bad_input_names_the_flag(capsys, profile_file, tmp_path):
+    plan = ["plan", "--ttft-slo-ms", "300", "--itl-slo-ms", "20"]
+    assert main([*plan, "--profile", profile_file, "--profile", profile_file]) == 2
+    assert "tensor_parallel_size 1" in capsys.readouterr().err
+    assert main([*plan, "--profile", profile_file, "--max-devices", "1"]) == 2
+    assert "--max-devices" in capsys.readouterr().err
+    tp4 = tmp_path / "tp4.json"
+    save_profile(
+        Profile(**{**tp2_profile().__dict__, "meta": {"tensor_parallel_size": 4}}), str(tp4)
+    )
+    assert main([*plan, "--profile", str(tp4), "--max-devices", "7"]) == 2
+    assert "no split fits" in capsys.readouterr().err
+    bad = tmp_path / "bad.json"
+    obj = tp2_profile().to_json()
+    obj["tensor_parallel_size"] = 0
+    bad.write_text(json.dumps(obj))
+    assert main([*plan, "--profile", str(bad)]) == 2
+    assert "tensor_parallel_size" in capsys.readouterr().err
+    sim = ["simulate", "--profile", profile_file, "--decode-profile", str(tmp_path / "no.json")]
+    assert main(sim) == 2
+    assert "--decode-profile" in capsys.readouterr().err
+
+
+def test_service_figures_add_the_path_latency_once_and_the_loop_overhead_per_step(tmp_path):
+    p = profile()
+    p.request_latency_s, p.step_overhead_s = 0.004, 0.0005
+    [rec] = Simulator(p, 1, 1).run([SimRequest(1.0, list(range(300)), 3)])
+    assert rec.token_times[0] - rec.arrival_s == pytest.approx(0.004 + p.prefill_s(300) + 0.0005)
+    gaps = [b - a for a, b in zip(rec.token_times, rec.token_times[1:])]
+    assert gaps == pytest.approx(
+        [p.handoff_s(300) + p.decode_s(1, 301) + 0.0005, p.decode_s(1, 302) + 0.0005]
+    )
+    f = tmp_path / "p.json"
+    save_profile(p, str(f))
+    assert load_profile(str(f)).to_json()["service"] == {
+        "request_latency_s": 0.004,
+        "step_overhead_s": 0.0005,
+    }
+    obj = p.to_json()
+    obj["service"]["step_overhead_s"] = -1
+    f.write_text(json.dumps(obj))
+    with pytest.raises(ValueError, match=r"service\.step_overhead_s"):
+        load_profile(str(f))
+    assert "service" not in profile().to_json()  # engine-only profiles stay as they were

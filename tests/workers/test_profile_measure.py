@@ -36,5 +36,13 @@ def test_profile_command_writes_json(tmp_path, monkeypatch, capsys):
     assert main(["profile", "--out", str(out), "--repeats", "1", "--transfer-latency-ms", "3"]) == 0
     assert json.loads(out.read_text())["format"] == "tandem-profile/1"
     assert load_profile(str(out)).transfer.latency_s == 0.003
+    # the served engine's settings: its limits land in the profile's scheduler
+    args = ["profile", "--out", str(out), "--repeats", "1", "--torch-threads", "1"]
+    assert main([*args, "--num-kv-blocks", "300", "--max-num-seqs", "7"]) == 0
+    prof = load_profile(str(out))
+    assert (prof.scheduler["num_kv_blocks"], prof.scheduler["max_num_seqs"]) == (300, 7)
+    assert prof.tp_size == 1
+    assert main([*args, "--max-num-seqs", "0"]) == 2
+    assert "--max-num-seqs" in capsys.readouterr().err
     assert main(["profile", "--out", str(out), "--transfer-bytes-per-s", "0"]) == 2
     assert "--transfer-bytes-per-s" in capsys.readouterr().err

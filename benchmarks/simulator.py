@@ -1,0 +1,365 @@
+"""The simulator against real runs: predicted vs measured TTFT and ITL.
+
+1. Profile: ``tandem profile`` times this box's engine (the ``tiny`` model,
+   one torch thread, the engine limits below) in its own process, unless
+   ``--profile FILE`` gives one measured earlier.
+2. Trace: one fixed synthetic Mooncake JSONL (no shared prefixes): Poisson
+   arrivals at ``--rate``, prompts of 64-512 tokens, answers of 16-128
+   tokens, seeded.
+3. Measured: for each configuration (1P1D, 1P2D, 2P1D) a real service
+   (local Ray, engine actors, NIXL over loopback, the gateway on 127.0.0.1,
+   ``--router least-load``) after a short warm-up, replayed by a client in
+   its own process. The client is ``tandem bench --trace``'s code
+   (cluster/cli/bench.py: its workload, stream reader and summary) with one
+   addition: ``logit_bias`` keeps the answers to printable ASCII. The tiny
+   model's tokens are bytes, and a byte that starts or continues a UTF-8
+   character is held by the detokenizer until the character is whole, so the
+   stream would carry several tokens in one chunk and the client's ITL would
+   be a gap between chunks, not between tokens.
+4. Predicted: ``tandem simulate --trace`` with the same trace, split and
+   profile (the real schedulers on a virtual clock, cluster/planner/simulator.py),
+   twice: with the engine-only profile ``tandem profile`` wrote, and with the
+   profile's ``service`` figures added (the serving path's latency per
+   request and the engine loop's overhead per step, which ``tandem profile``
+   cannot see: it times ``EngineCore.step`` in process). Those come from a
+   probe on the 1P1D service before its trace: 8 lone requests of 256 prompt
+   and 32 output tokens, 0.4 s apart; ITL p50 minus one batch-1 decode step
+   is the step overhead, TTFT p50 minus one prefill step (and the overhead)
+   the request latency. The probe is its own run, not the trace: nothing is
+   fitted to the figures being predicted.
+
+Printed: TTFT and ITL p50 / p99 per configuration, predicted, measured and
+the relative error ``(predicted - measured) / measured``. Target (issue 28):
+within 15% on TTFT p50 and ITL p50.
+
+Why the rate is low (default 2 req/s): the simulator gives every engine a
+machine of its own, with the speed the profile measured alone; here the
+engines of a configuration, the gateway and the client share two cores
+(with the other sessions' jobs). The rate keeps the engines' summed busy
+time well below the cores, so what is validated is the model (queueing,
+batching, the handoff, the scheduler's limits), not CPU contention the
+simulator is not meant to model.
+
+Run:  python benchmarks/simulator.py [--rate 2] [--num-requests 60] [--profile FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+CONFIGS = ((1, 1), (1, 2), (2, 1))
+# the served engines and the profiled one share these (step costs and scheduler limits)
+ENGINE = {
+    "torch_threads": 1,
+    "num_kv_blocks": 2048,
+    "block_size": 16,
+    "max_num_seqs": 32,
+    "max_num_batched_tokens": 2048,
+    "max_model_len": 4096,
+}
+INPUT_TOKENS = (64, 512)
+OUTPUT_TOKENS = (16, 128)
+# printable ASCII only: every token is a character of its own (see the docstring)
+ASCII = range(32, 127)
+TINY_VOCAB = 262
+TARGET = 0.15
+PROBE_PROMPT, PROBE_OUTPUT = 256, 32
+
+
+def write_trace(
+    path: str,
+    num_requests: int,
+    rate: float,
+    seed: int,
+    input_tokens: tuple[int, int] = INPUT_TOKENS,
+    output_tokens: tuple[int, int] = OUTPUT_TOKENS,
+) -> None:
+    """A Mooncake JSONL trace: Poisson arrivals, uniform lengths, no shared blocks."""
+    rng = random.Random(seed)
+    t = 0.0
+    with open(path, "w") as f:
+        for _ in range(num_requests):
+            row = {
+                "timestamp": round(t * 1000.0, 3),
+                "input_length": rng.randint(*input_tokens),
+                "output_length": rng.randint(*output_tokens),
+                "hash_ids": [],
+            }
+            f.write(json.dumps(row) + "\n")
+            t += rng.expovariate(rate)
+
+
+def write_probe(path: str, num_requests: int, gap_s: float) -> None:
+    """Lone requests ``gap_s`` apart (none overlaps another): the serving path's figures."""
+    with open(path, "w") as f:
+        for i in range(num_requests):
+            row = {"timestamp": i * gap_s * 1000.0, "input_length": PROBE_PROMPT,
+                   "output_length": PROBE_OUTPUT, "hash_ids": []}  # fmt: skip
+            f.write(json.dumps(row) + "\n")
+
+
+def service_figures(profile: dict, probe: dict) -> dict:
+    """``profile`` (JSON) with its ``service`` section from the probe's medians:
+    each lone request's ITL is one decode step of batch 1 plus the loop's
+    overhead; its TTFT is the path's latency plus one prefill step (with that
+    overhead). Not fitted to the trace: the probe is its own run."""
+    from tandem.cluster.planner.profile import Profile
+
+    p = Profile.from_json(profile)
+    context = PROBE_PROMPT + PROBE_OUTPUT // 2
+    overhead = max(0.0, probe["itl_ms"]["p50"] / 1000 - p.decode_s(1, context))
+    latency = max(0.0, probe["ttft_ms"]["p50"] / 1000 - p.prefill_s(PROBE_PROMPT) - overhead)
+    return {**profile, "service": {"request_latency_s": latency, "step_overhead_s": overhead}}
+
+
+def _cli(*args: str, timeout_s: float = 600) -> str:
+    out = subprocess.run(
+        [sys.executable, "-m", "tandem.cluster", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"tandem {args[0]} failed: {out.stderr[-2000:]}")
+    return out.stdout
+
+
+def measure_profile(path: str) -> None:
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE.items()]
+    _cli("profile", "--model", "tiny", "--out", path, *flags)
+
+
+def simulate(profile: str, trace: str, prefill: int, decode: int) -> dict:
+    out = _cli(
+        "simulate", "--profile", profile, "--trace", trace, "--prefill", str(prefill),
+        "--decode", str(decode), "--json",
+    )  # fmt: skip
+    return json.loads(out)
+
+
+# ---- the client (runs in its own process: --replay) ---------------------------------
+
+
+async def replay(url: str, trace: str, seed: int) -> dict:
+    """``tandem bench --trace``'s run with ASCII-only answers; its summary dict."""
+    import aiohttp
+
+    from tandem.cluster.cli import bench
+    from tandem.cluster.cli.trace_replay import trace_workload
+
+    config = bench.BenchConfig(url=url, trace=trace, seed=seed, request_timeout_s=300.0)
+    bias = {str(t): -100 for t in range(TINY_VOCAB) if t not in ASCII}
+    async with aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None)
+    ) as session:
+        model, vocab_size = await bench._server_info(session, config)
+        prompts, outs, offsets = trace_workload(trace, vocab_size, seed, 1.0, 512)
+
+        async def one(i: int) -> bench.RequestResult:
+            result = bench.RequestResult(prompt_len=len(prompts[i]))
+            payload = {
+                "model": model, "prompt": prompts[i], "max_tokens": outs[i],
+                "temperature": 0.0, "stream": True, "ignore_eos": True,
+                "stream_options": {"include_usage": True}, "logit_bias": bias,
+            }  # fmt: skip
+            start_s = time.perf_counter()
+            try:
+                await asyncio.wait_for(
+                    bench._stream(session, f"{url}/v1/completions", payload, start_s, result),
+                    config.request_timeout_s,
+                )
+            except asyncio.TimeoutError:
+                result.error = "timeout"
+            result.latency_s = time.perf_counter() - start_s
+            result.ok = not result.error and result.num_output_tokens > 0
+            return result
+
+        start_s = time.perf_counter()
+        tasks = []
+        for i in range(len(prompts)):
+            delay_s = start_s + offsets[i] - time.perf_counter()
+            if delay_s > 0:
+                await asyncio.sleep(delay_s)
+            tasks.append(asyncio.create_task(one(i)))
+        results = await asyncio.gather(*tasks)
+        duration_s = time.perf_counter() - start_s
+    return bench.summarize(list(results), duration_s, config)
+
+
+def _replay_in_process(url: str, trace: str, seed: int) -> dict:
+    out = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--replay", url, "--trace", trace,
+         "--seed", str(seed)],
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    if out.returncode != 0:
+        raise RuntimeError(f"replay failed: {out.stderr[-2000:]}")
+    return json.loads(out.stdout)
+
+
+# ---- the served run --------------------------------------------------------------
+
+
+def serve_and_replay(
+    prefill: int, decode: int, trace: str, warmup: str, probe: str | None = None
+) -> tuple[dict, dict | None]:
+    """One fresh service of ``prefill`` + ``decode`` tiny engines (Ray already
+    initialised): the warm-up trace, the ``probe`` trace if given, then
+    ``trace``; the client's summaries of the trace and the probe."""
+    from tandem.cluster.cli.serve import ServiceThread
+    from tandem.cluster.cli.settings import serve_config
+
+    config = serve_config(
+        model="tiny",
+        ray_dashboard=False,
+        prefill=prefill,
+        decode=decode,
+        router="least-load",
+        ray_namespace=f"bench-simulator-{os.getpid()}-{prefill}p{decode}d",
+        **ENGINE,
+    )
+    with ServiceThread(config) as svc:
+        # every engine's first steps (allocation, first kernels) are not its speed
+        _replay_in_process(svc.base_url, warmup, 1)
+        probed = _replay_in_process(svc.base_url, probe, 2) if probe else None
+        summary = _replay_in_process(svc.base_url, trace, 0)
+        svc.run(svc.service.backend.call_all("check_integrity"))
+    return summary, probed
+
+
+def rel(predicted: float, measured: float) -> float:
+    return (predicted - measured) / measured
+
+
+def table(rows: list[tuple[str, dict, dict]]) -> str:
+    lines = [
+        "| config | metric | predicted ms | measured ms | error |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for name, sim, real in rows:
+        for key, label in (("ttft_ms", "TTFT"), ("itl_ms", "ITL")):
+            for p in ("p50", "p99"):
+                err = rel(sim[key][p], real[key][p])
+                mark = " **over**" if p == "p50" and abs(err) > TARGET else ""
+                lines.append(
+                    f"| {name} | {label} {p} | {sim[key][p]:.2f} | {real[key][p]:.2f} "
+                    f"| {err:+.1%}{mark} |"
+                )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rate", type=float, default=2.0, help="arrivals per second of the trace")
+    p.add_argument("--num-requests", type=int, default=60)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", help="a profile measured earlier (default: measure one now)")
+    p.add_argument("--configs", default="1P1D,1P2D,2P1D")
+    p.add_argument("--replay", help=argparse.SUPPRESS)  # the client process
+    p.add_argument("--trace", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.replay:
+        print(json.dumps(asyncio.run(replay(args.replay, args.trace, args.seed))))
+        return 0
+    configs = []
+    for name in args.configs.split(","):
+        pre, _, dec = name.upper().rstrip("D").partition("P")
+        configs.append((int(pre), int(dec)))
+
+    import ray
+
+    from benchmarks._machine import machine
+
+    started = time.monotonic()
+    loads = [os.getloadavg()[0]]
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = os.path.join(tmp, "trace.jsonl")
+        warmup = os.path.join(tmp, "warmup.jsonl")
+        write_trace(trace, args.num_requests, args.rate, args.seed)
+        write_trace(warmup, 6, 4.0, args.seed + 1000)
+        profile = args.profile
+        if profile is None:
+            profile = os.path.join(tmp, "profile.json")
+            t0 = time.monotonic()
+            measure_profile(profile)
+            print(f"profile measured in {time.monotonic() - t0:.0f} s", flush=True)
+        with open(profile) as f:
+            measured_at = json.load(f).get("measured_at", "?")
+        probe = os.path.join(tmp, "probe.jsonl")
+        write_probe(probe, 8, 0.4)
+        reals = {}
+        probed = None
+        ray.init(include_dashboard=False, log_to_driver=False)
+        try:
+            for pre, dec in configs:
+                name = f"{pre}P{dec}D"
+                t0 = time.monotonic()
+                want_probe = probed is None and (pre, dec) == (1, 1)
+                real, got = serve_and_replay(pre, dec, trace, warmup, probe if want_probe else None)
+                probed = probed or got
+                loads.append(os.getloadavg()[0])
+                assert real["num_failed"] == 0, real["errors"]
+                print(
+                    f"{name}: served and replayed in {time.monotonic() - t0:.0f} s, "
+                    f"{real['num_completed']} requests, load {loads[-1]:.1f}",
+                    flush=True,
+                )
+                reals[name] = real
+        finally:
+            ray.shutdown()
+        with open(profile) as f:
+            engine_only = json.load(f)
+        variants = {"engine": profile}
+        if probed is not None:
+            served = os.path.join(tmp, "profile-served.json")
+            with_service = service_figures(engine_only, probed)
+            svc_fig = with_service["service"]
+            with open(served, "w") as f:
+                json.dump(with_service, f)
+            variants["engine + service"] = served
+        rows = {v: [] for v in variants}
+        for pre, dec in configs:
+            name = f"{pre}P{dec}D"
+            for v, path in variants.items():
+                rows[v].append((name, simulate(path, trace, pre, dec), reals[name]))
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    print(
+        f"\nmachine: {machine()}; {now}; load average "
+        + " ".join(f"{x:.1f}" for x in loads)
+        + f"; profile measured {measured_at}; trace: {args.num_requests} requests, Poisson "
+        f"{args.rate} req/s, prompts {INPUT_TOKENS[0]}-{INPUT_TOKENS[1]}, answers "
+        f"{OUTPUT_TOKENS[0]}-{OUTPUT_TOKENS[1]} tokens, seed {args.seed}; "
+        f"{time.monotonic() - started:.0f} s in all"
+    )
+    if probed is not None:
+        print(
+            f"service figures from {PROBE_PROMPT}-token lone requests on 1P1D: TTFT p50 "
+            f"{probed['ttft_ms']['p50']:.2f} ms, ITL p50 {probed['itl_ms']['p50']:.2f} ms -> "
+            f"request_latency_s {svc_fig['request_latency_s'] * 1000:.2f} ms, "
+            f"step_overhead_s {svc_fig['step_overhead_s'] * 1000:.3f} ms"
+        )
+    for v, vrows in rows.items():
+        print(f"\nprofile: {v}")
+        print(table(vrows))
+        worst = max(
+            abs(rel(sim[k]["p50"], real[k]["p50"]))
+            for _, sim, real in vrows
+            for k in ("ttft_ms", "itl_ms")
+        )
+        print(f"worst p50 error ({v}): {worst:.1%} (target {TARGET:.0%})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
