@@ -9,8 +9,10 @@ M/M/1 with that mean service time (conservative next to deterministic
 service): utilization ``rho = rate * s / N``, and the waiting time exceeds
 ``t`` with probability ``rho * exp(-(1 - rho) * t / s)``, so its p90 is
 ``0`` when ``rho <= 0.1`` and ``s * ln(10 * rho) / (1 - rho)`` otherwise.
-TTFT p90 = wait p90 + ``s`` + ``handoff_s(P - 1)`` + ``decode_s(1, P)`` (the
-decode engine computes the last prompt token, as in the simulator).
+TTFT p90 = wait p90 + ``s``: the prefill engine samples the first token and the
+gateway streams it at once (``cluster/disagg/orchestration.py``; the simulator
+does the same), so the handoff and the decode engine's first step are not on
+the path to the first token.
 
 Decode. Each of ``N`` engines holds ``c`` requests at once (Little's law:
 ``c = rate / N * O * itl``), each attending to ``P + O / 2`` tokens on
@@ -60,7 +62,7 @@ def prefill_ttft_p90_s(load: Load, profile: Profile, engines: int) -> float:
     if rho >= 1.0:
         return math.inf
     wait = 0.0 if rho <= 0.1 else s * math.log(10.0 * rho) / (1.0 - rho)
-    return wait + s + profile.handoff_s(p - 1) + profile.decode_s(1, p)
+    return wait + s
 
 
 def decode_itl_p90_s(load: Load, profile: Profile, engines: int, max_num_seqs: int = 256) -> float:
