@@ -10,8 +10,8 @@ and ``A`` tokens. That is a gain when
 
     A / D  >  B / (B + B0)         B0 = c0 / c  (BREAK_EVEN_BATCH)
 
-so the acceptance a draft must reach (``need``) grows with the batch: about 0.06 alone,
-0.33 at 8 requests, 0.67 at 32 (B0 = 16). The policy, per request:
+so the acceptance a draft must reach (``need``) grows with the batch: 0.11 alone, 0.5 at
+8 requests, 0.8 at 32 (B0 = 8). The policy, per request:
 
     start        until its first drafts are verified, a request goes by the batch's
                  measured acceptance: one draft while that reaches ``need``, else none
@@ -21,7 +21,7 @@ so the acceptance a draft must reach (``need``) grows with the batch: about 0.06
     none kept    cap halves (down to 1)
     off          when the request's own acceptance (``spec_rate``, halfway to each step's
                  kept fraction) falls below ``need``: after one miss at 32 requests, two
-                 at 8, five alone
+                 at 8, four alone
     while off    drafts nothing; probes with one draft on probe steps only (every
                  PROBE_STEPS steps, times ceil(B / B0)), so the probes of
                  many requests share a few steps instead of spreading over all of them;
@@ -38,9 +38,10 @@ from __future__ import annotations
 
 from tandem.scheduler.request import Request
 
-# c0 / c: the batch at which a step's per-row compute equals its fixed cost (the CPU
-# measurements in docs/benchmarks.md, issue #26, put smollm2 fp32 near 11-16)
-BREAK_EVEN_BATCH = 16
+# c0 / c: the batch at which a step's per-row compute equals its fixed cost (smollm2
+# fp32 on the CPU box: steps of 48, 100 and 202 ms at 1, 8 and 32 requests put it at
+# 6-15; docs/benchmarks.md, issue #26)
+BREAK_EVEN_BATCH = 8
 # steps between probe steps (times ceil(B / BREAK_EVEN_BATCH))
 PROBE_STEPS = 16
 # a request that keeps missing skips at most 2**MAX_BACKOFF - 1 probe steps
