@@ -25,7 +25,8 @@ which shortens the untimed part):
     ITL p50/p99  gap between two successive outputs of one request (an output may carry
                  several tokens when drafts are accepted), milliseconds
     vs none      tok/cpu-s relative to the ``none`` row of the same batch and workload
-    accept/pos   fraction of steps with drafts whose draft j was accepted, j = 1..K
+    accept/pos   fraction of steps with drafts whose draft j was accepted, j = 1..K, and
+                 how many of the row's engine steps carried any draft
     same         the tokens equal the ``none`` row's (greedy: they must)
 
 After the draft rows of a batch and workload, one line measures the draft's catch-up:
@@ -48,12 +49,14 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._machine import machine  # noqa: E402
+from tandem.scheduler.spec.adaptive import DraftPolicy  # noqa: E402
 from tandem.scheduler.spec.config import SpeculativeConfig  # noqa: E402
 from tandem.scheduler.spec.lookahead import Lookahead  # noqa: E402
 from tandem.wire.engine_protocol import EngineRequest, SamplingParams  # noqa: E402
@@ -147,6 +150,12 @@ def main() -> None:
     ap.add_argument(
         "--disable-by-batch-size", type=int, default=None, help="the speculative config's field"
     )
+    ap.add_argument(
+        "--before",
+        action="store_true",
+        help="also ngram rows with the adaptive policy before issue #26's batch-aware one "
+        "(rows 'ngramKv0': caps start at K, halve to 0, each request probes every 16 steps)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.torch_threads)
     engine = EngineCore(
@@ -176,15 +185,19 @@ def main() -> None:
     print(header)
     print("-" * len(header))
     kv = engine.scheduler.kv
-    methods: list[tuple[str, Lookahead | None]] = [("none", None)]
+    # (name, a fresh Lookahead for each batch and workload, as an engine starting anew)
+    methods: list[tuple[str, Callable[[], Lookahead] | None]] = [("none", None)]
+    dbs = args.disable_by_batch_size
     for k in (int(x) for x in args.ks.split(",") if x):
-        cfg = SpeculativeConfig("ngram", k, 2, 4, disable_by_batch_size=args.disable_by_batch_size)
-        methods.append((f"ngram{k}", Lookahead(cfg, kv)))
+        cfg = SpeculativeConfig("ngram", k, 2, 4, disable_by_batch_size=dbs)
+        methods.append((f"ngram{k}", lambda cfg=cfg: Lookahead(cfg, kv)))
+        if args.before:
+            methods.append((f"ngram{k}v0", lambda cfg=cfg: before_policy(Lookahead(cfg, kv))))
     for k in (int(x) for x in args.draft_ks.split(",") if x):
-        cfg = SpeculativeConfig("draft_model", k, disable_by_batch_size=args.disable_by_batch_size,
-                                model="smollm2")  # fmt: skip
-        methods.append((f"draft{k}", Lookahead(cfg, kv)))
+        cfg = SpeculativeConfig("draft_model", k, disable_by_batch_size=dbs, model="smollm2")
+        methods.append((f"draft{k}", lambda cfg=cfg: Lookahead(cfg, kv)))
     fills = FillTimer(engine.runner.drafter)
+    drafting = DraftingSteps(engine.scheduler)
     steps = StepTimer(engine)
     run_id = 0
     for workload in args.workloads.split(","):
@@ -197,12 +210,15 @@ def main() -> None:
             cpu_rates = {name: [] for name, _ in methods}
             gaps = {name: [] for name, _ in methods}
             tokens, accept = {}, {}
+            specs = {name: make() if make else None for name, make in methods}
             for _ in range(args.repeats):  # interleaved: the machine's load drifts
-                for name, spec in methods:
+                for name, _ in methods:
+                    spec = specs[name]
                     engine.scheduler.spec = spec
                     fills.on = steps.on = name.startswith("draft")
                     run_id += 1
                     before = _counts(spec)
+                    drafting.reset()
                     rate, cpu_rate, row_gaps, tokens[name] = run_row(
                         engine, prompts, args.output_len, f"r{run_id}"
                     )
@@ -210,6 +226,8 @@ def main() -> None:
                     cpu_rates[name].append(cpu_rate)
                     gaps[name] += row_gaps
                     accept[name] = _acceptance(spec, before)
+                    if spec is not None:
+                        accept[name] += f" ({drafting.report()})"
             base = statistics.median(cpu_rates["none"])
             for name, _ in methods:
                 tps = statistics.median(rates[name])
@@ -227,6 +245,65 @@ def main() -> None:
             fills.reset()
             steps.reset()
     engine.shutdown()
+
+
+class HalvingPolicy(DraftPolicy):
+    """The adaptive drafting before the batch-aware policy, for ``--before`` rows: a cap
+    starting at K, +1 when every draft is kept, the kept run + 1 when some are, halved
+    when none is; at 0 a one-draft probe every 16 steps of the request's own."""
+
+    def begin_step(self, num_running: int) -> None:
+        pass
+
+    def cap(self, req) -> int:
+        cap = self.k if req.spec_k < 0 else req.spec_k
+        if cap == 0:
+            req.spec_wait -= 1
+            if req.spec_wait > 0:
+                return 0
+            cap = 1
+        return cap
+
+    def update(self, req, num_drafts: int, num_accepted: int) -> None:
+        cap = self.k if req.spec_k < 0 else req.spec_k
+        if num_accepted == num_drafts:
+            req.spec_k = min(self.k, max(cap, num_accepted) + 1)
+        elif num_accepted:
+            req.spec_k = num_accepted + 1
+        else:
+            req.spec_k = cap // 2
+            if req.spec_k == 0:
+                req.spec_wait = 16
+
+    def check_integrity(self, running) -> None:
+        pass  # its counters have other bounds
+
+
+def before_policy(spec: Lookahead) -> Lookahead:
+    spec.policy = HalvingPolicy(spec.k)
+    return spec
+
+
+class DraftingSteps:
+    """How many of the scheduler's steps with several running requests carried drafts
+    (the steps a verification costs), out of how many."""
+
+    def __init__(self, scheduler) -> None:
+        self.scheduler, self.inner = scheduler, scheduler.schedule
+        scheduler.schedule = self
+        self.reset()
+
+    def reset(self) -> None:
+        self.steps = self.drafted = 0
+
+    def __call__(self):
+        out = self.inner()
+        self.steps += 1
+        self.drafted += bool(out.scheduled_spec_decode_tokens)
+        return out
+
+    def report(self) -> str:
+        return f"{self.drafted}/{self.steps} steps drafted"
 
 
 class FillTimer:

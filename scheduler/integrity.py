@@ -65,6 +65,7 @@ def check_integrity(sched: Scheduler, idle: bool = True) -> None:
             assert num_blocks <= cdiv(r.num_computed_tokens, sched.config.block_size), (
                 f"{r.request_id}: {num_blocks} blocks for {r.num_computed_tokens} tokens"
             )
+        sched.spec.policy.check_integrity(sched.running)
     for rid, parent in sched.fork_parents.items():
         assert sched.requests.get(rid) is parent, f"fork parent {rid} is not tracked"
     if idle:

@@ -74,6 +74,8 @@ class Request:
         "spec_token_ids",
         "spec_k",
         "spec_wait",
+        "spec_rate",
+        "spec_misses",
     )
 
     def __init__(
@@ -121,10 +123,13 @@ class Request:
         self.num_output_placeholders = 0
         # drafts scheduled with this step, not yet verified (scheduler/spec/lookahead.py)
         self.spec_token_ids: list[int] = []
-        # adaptive drafting: the request's own draft cap (-1: not set yet) and, while it
-        # is 0, the steps until a one-token probe
+        # adaptive drafting (scheduler/spec/adaptive.py): the request's own draft cap
+        # (-1: not set yet); while it is 0, the probe steps it still skips and its missed
+        # probes in a row; its measured acceptance per draft token
         self.spec_k = -1
         self.spec_wait = 0
+        self.spec_misses = 0
+        self.spec_rate = 1.0
 
     @classmethod
     def from_engine_request(cls, req: EngineRequest, eos_token_id: int | None) -> Request:

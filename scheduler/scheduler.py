@@ -197,7 +197,9 @@ class Scheduler:
         policies.order_running(cfg.policy, self.running)
 
         # 1. running requests, oldest first (prefill-first: prefills first)
-        spec = self.spec if self.spec is not None and self.spec.active(len(self.running)) else None
+        spec = self.spec
+        if spec is not None and not spec.begin_step(len(self.running)):
+            spec = None
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]

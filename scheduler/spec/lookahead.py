@@ -13,26 +13,22 @@ The drafts never enter ``all_token_ids`` before they are accepted, so prefix cac
 a rejected one. The step's tokens go through ``outputs.check_stop`` one by one, so EOS, stop ids,
 ``max_tokens`` and ``max_model_len`` cut an accepted run where the plain engine stops.
 
-Adaptive drafting: a rejected draft costs a token of compute and gives nothing, so each
-request keeps its own cap on drafts (``Request.spec_k``, starting at K): a step whose
-drafts were all accepted raises it by one (up to K), a step that kept some sets it to the
-kept run plus one, a step that kept none halves it. At 0 the request stops drafting and
-probes with one draft every ``PROBE_STEPS`` steps; an accepted probe starts it again.
-Free text, where prompt lookup mostly guesses wrong, then decodes as the plain engine
-does; text that copies keeps its drafts. The cap changes only how many tokens are
-drafted, never which are accepted, so outputs are the same either way.
+Adaptive drafting (``scheduler/spec/adaptive.py``): each request keeps its own cap on
+drafts (``Request.spec_k``), which starts at 1, grows only while drafts are kept, and
+switches the request off when its acceptance is below what a draft costs at the step's
+batch size; an off request probes with one draft on the rare probe steps. The cap
+changes only how many tokens are drafted, never which are accepted, so outputs are the
+same either way.
 """
 
 from __future__ import annotations
 
 from tandem.scheduler.kv_cache_manager import KVCacheManager
 from tandem.scheduler.request import Request
+from tandem.scheduler.spec.adaptive import DraftPolicy
 from tandem.scheduler.spec.config import SpeculativeConfig
 from tandem.scheduler.spec.proposer import can_speculate, make_proposer
 from tandem.wire.engine_protocol import SchedulerStats
-
-# steps a request whose draft cap fell to 0 waits before drafting one token again
-PROBE_STEPS = 16
 
 
 class SpecDecodeStats:
@@ -60,24 +56,30 @@ class Lookahead:
         self.proposer = make_proposer(config)
         self.kv = kv
         self.stats = SpecDecodeStats(self.k)
+        self.policy = DraftPolicy(self.k)
 
     def active(self, num_running: int) -> bool:
         """Do this step's requests draft? Not from ``disable_by_batch_size`` running on."""
         off = self.config.disable_by_batch_size
         return off is None or num_running < off
 
+    def begin_step(self, num_running: int) -> bool:
+        """A step with ``num_running`` running requests is being scheduled: do its
+        requests draft (``active``)? Tells the adaptive policy the step's batch."""
+        if not self.active(num_running):
+            return False
+        self.policy.begin_step(num_running)
+        return True
+
     def draft(self, req: Request, budget_left: int, max_model_len: int) -> list[int]:
         """Drafts for a decoding request about to be scheduled with one token, so that
         the step never samples past ``max_tokens`` or ``max_model_len``, nor goes over
         the budget (``budget_left``: tokens left after its one). Sets
         ``req.spec_token_ids``."""
-        cap = self.k if req.spec_k < 0 else req.spec_k
+        cap = self.policy.cap(req)
         if cap == 0:
-            req.spec_wait -= 1
-            if req.spec_wait > 0:
-                req.spec_token_ids = []
-                return req.spec_token_ids
-            cap = 1  # the probe
+            req.spec_token_ids = []
+            return req.spec_token_ids
         limit = min(
             cap,
             budget_left,
@@ -100,15 +102,7 @@ class Lookahead:
         assert 0 <= num_rejected <= len(drafts), (req.request_id, num_sampled, drafts)
         req.num_computed_tokens -= num_rejected
         self.kv.free_tail(req, req.num_computed_tokens)
-        cap = self.k if req.spec_k < 0 else req.spec_k
-        if num_accepted == len(drafts):
-            req.spec_k = min(self.k, max(cap, num_accepted) + 1)
-        elif num_accepted:
-            req.spec_k = num_accepted + 1
-        else:
-            req.spec_k = cap // 2
-            if req.spec_k == 0:
-                req.spec_wait = PROBE_STEPS
+        self.policy.update(req, len(drafts), num_accepted)
         stats = self.stats
         stats.num_drafts += 1
         stats.num_draft_tokens += len(drafts)
