@@ -21,6 +21,7 @@ from benchmarks import simulator as bench_sim
 from tandem.cluster.cli.trace_replay import trace_workload
 from tandem.cluster.planner.measure import measure
 from tandem.cluster.planner.metrics import summarize
+from tandem.cluster.planner.profile import Profile
 from tandem.cluster.planner.simulator import SimRequest, Simulator
 from tests.cluster.service_helpers import tiny_pd_service
 
@@ -43,17 +44,23 @@ def test_predicted_ttft_and_itl_p50_are_within_a_loose_bound_of_a_real_1p1d_run(
     bench_sim.write_trace(trace, 12, 2.0, seed=5, input_tokens=(32, 256), output_tokens=(8, 32))
     warmup = str(tmp_path / "warmup.jsonl")
     bench_sim.write_trace(warmup, 3, 4.0, seed=6, input_tokens=(32, 64), output_tokens=(4, 8))
+    probe = str(tmp_path / "probe.jsonl")
+    bench_sim.write_probe(probe, 6, 0.3)
     # tiny_pd_service's engines: 256 KV blocks, 16 sequences, 512 tokens (ENGINE)
     with tiny_pd_service(
         disagg_min_tokens=0, router="least-load", max_num_batched_tokens=512, torch_threads=1
     ) as svc:
         asyncio.run(bench_sim.replay(svc.base_url, warmup, 1))
+        probed = asyncio.run(bench_sim.replay(svc.base_url, probe, 2))
         real = asyncio.run(bench_sim.replay(svc.base_url, trace, 0))
         assert all(svc.run(svc.service.backend.call_all("check_integrity")).values())
     assert real["num_failed"] == 0, real["errors"]
     prompts, outs, offsets = trace_workload(trace, 32000, 0, 1.0, 512)
     work = [SimRequest(t, p, o) for p, o, t in zip(prompts, outs, offsets)]
-    sim = summarize(Simulator(profile, 1, 1).run(copy.deepcopy(work)))
+    # the serving path's own figures, probed on the same service just before the trace
+    # (as the benchmark does): they carry whatever the machine's load does to that path
+    served = Profile.from_json(bench_sim.service_figures(profile.to_json(), probed))
+    sim = summarize(Simulator(served, 1, 1).run(copy.deepcopy(work)))
     assert sim["num_completed"] == real["num_completed"] == 12
     for key in ("ttft_ms", "itl_ms"):
         predicted, measured = sim[key]["p50"], real[key]["p50"]
