@@ -278,7 +278,7 @@ def test_a_migrated_stream_resumes_speculation_with_the_same_tokens():
     (``StreamLedger.resubmission``: prompt + sent tokens) drafts again on the new engine
     (its proposer reads the request's tokens, nothing engine-local) and ends with the
     tokens of the undisturbed run, which greedy makes the plain engine's."""
-    from tandem.cluster.disagg.migration import StreamLedger
+    from tests.workers.spec_migration import migrate_mid_stream
 
     prompt, sp = prompts()[0], greedy(24)
     plain, _, _ = run([(prompt, sp, 1)], None)
@@ -297,24 +297,7 @@ def test_a_migrated_stream_resumes_speculation_with_the_same_tokens():
         engine.scheduler.spec.proposer = OracleProposer(oracle)
         return engine
 
-    first = speculating_engine()
-    request = EngineRequest("migrating", prompt, sp)
-    ledger = StreamLedger(request)
-    assert first.add_request(request) is None
-    while len(ledger.sent_token_ids) < 7:
-        for o in first.step().outputs:
-            ledger.record(o)
-    assert first.scheduler.spec.stats.num_drafts > 0
-    first.abort(["migrating"])  # the engine is lost
-    while first.has_work():
-        first.step()
-    first.check_integrity()
-
-    second = speculating_engine()
-    assert second.add_request(ledger.resubmission()) is None
-    while second.has_work():
-        for o in second.step().outputs:
-            ledger.record(o)
-    second.check_integrity()
-    assert second.scheduler.spec.stats.num_drafts > 0  # it speculated after the move
-    assert ledger.sent_token_ids == plain[0][0]
+    moved = migrate_mid_stream(speculating_engine, EngineRequest("migrating", prompt, sp), 7)
+    assert moved.first.scheduler.spec.stats.num_drafts > 0
+    assert moved.second.scheduler.spec.stats.num_drafts > 0  # it speculated after the move
+    assert moved.ledger.sent_token_ids == plain[0][0]

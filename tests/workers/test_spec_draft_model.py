@@ -190,8 +190,8 @@ def test_a_migrated_stream_resumes_drafting_with_the_same_tokens():
     never saw it: the draft recomputes the whole resubmitted context in its first fill,
     drafts again (nearly all accepted: its KV is valid) and the stream ends with the
     undisturbed run's tokens."""
-    from tandem.cluster.disagg.migration import StreamLedger
     from tandem.wire.engine_protocol import EngineRequest
+    from tests.workers.spec_migration import migrate_mid_stream
 
     prompt, sp = prompts()[0], greedy(24)
     plain, _, _ = run([(prompt, sp, 1)], None)
@@ -200,30 +200,12 @@ def test_a_migrated_stream_resumes_drafting_with_the_same_tokens():
         settings = dict(model="tiny", block_size=8, num_kv_blocks=64, max_num_batched_tokens=32)
         return EngineCore(EngineConfig(speculative_config=draft(), **settings))
 
-    first = drafting_engine()
-    request = EngineRequest("migrating", prompt, sp)
-    ledger = StreamLedger(request)
-    assert first.add_request(request) is None
-    while len(ledger.sent_token_ids) < 7:
-        for o in first.step().outputs:
-            ledger.record(o)
-    assert first.scheduler.spec.stats.num_drafts > 0
-    first.abort(["migrating"])  # the engine is lost
-    while first.has_work():
-        first.step()
-    first.check_integrity()
-
-    second = drafting_engine()
-    resubmitted = ledger.resubmission()
-    assert len(resubmitted.prompt_token_ids) == len(prompt) + len(ledger.sent_token_ids)
-    assert second.add_request(resubmitted) is None
-    while second.has_work():
-        for o in second.step().outputs:
-            assert o.error is None, o.error
-            ledger.record(o)
-    second.check_integrity()
+    moved = migrate_mid_stream(drafting_engine, EngineRequest("migrating", prompt, sp), 7)
+    assert moved.first.scheduler.spec.stats.num_drafts > 0
+    second, resubmitted = moved.second, moved.resubmitted
+    assert len(resubmitted.prompt_token_ids) == len(prompt) + moved.sent_before
     assert second.scheduler.spec.stats.num_drafts > 0  # it drafted after the move
     assert acceptance(second) > 0.9  # the draft's KV of the resubmitted context is valid
     # its first fill recomputed the resubmitted context (none of it was the draft's)
     assert second.runner.drafter.num_catch_up_tokens >= len(resubmitted.prompt_token_ids) - 1
-    assert ledger.sent_token_ids == plain[0][0]
+    assert moved.ledger.sent_token_ids == plain[0][0]

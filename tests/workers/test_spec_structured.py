@@ -224,10 +224,10 @@ def test_a_migrated_constrained_stream_speculates_on_with_the_same_tokens():
     does (prompt + sent tokens): the new engine rebuilds the matcher from the spec and the
     sent tokens, drafts again, and ends with the undisturbed run's tokens (greedy: the plain
     engine's), a valid output."""
-    from tandem.cluster.disagg.migration import StreamLedger
     from tandem.wire.engine_protocol import EngineRequest
     from tandem.workers.config import EngineConfig
     from tandem.workers.engine.core import EngineCore
+    from tests.workers.spec_migration import migrate_mid_stream
 
     prompt, sp = prompts()[0], constrained(AB, min_tokens=24)
     plain, _, _ = run([(prompt, sp, 1)], None)
@@ -236,26 +236,8 @@ def test_a_migrated_constrained_stream_speculates_on_with_the_same_tokens():
         return EngineCore(EngineConfig(model="tiny", speculative_config=NGRAM, block_size=8,
                                        num_kv_blocks=64, max_num_batched_tokens=32))  # fmt: skip
 
-    first = speculating_engine()
-    request = EngineRequest("migrating", prompt, sp)
-    ledger = StreamLedger(request)
-    assert first.add_request(request) is None
-    while len(ledger.sent_token_ids) < 9:
-        for o in first.step().outputs:
-            assert o.error is None, o.error
-            ledger.record(o)
-    first.abort(["migrating"])  # the engine is lost
-    while first.has_work():
-        first.step()
-    first.check_integrity()
-
-    second = speculating_engine()
-    assert second.add_request(ledger.resubmission()) is None
-    while second.has_work():
-        for o in second.step().outputs:
-            assert o.error is None, o.error
-            ledger.record(o)
-    second.check_integrity()
+    moved = migrate_mid_stream(speculating_engine, EngineRequest("migrating", prompt, sp), 9)
+    second, ledger = moved.second, moved.ledger
     assert second.scheduler.spec.stats.num_accepted_tokens > 0  # it speculated after the move
     assert ledger.sent_token_ids == plain[0][0]
     assert re.fullmatch("[ab]+", texts(second, [[ledger.sent_token_ids]])[0])

@@ -247,6 +247,21 @@ class DenseDecodeKV:
         self._resize(0, 0)
         return True
 
+    def order(
+        self, decodes: list[tuple], indices: list[int], num_queries: int
+    ) -> tuple[list[int], DenseDecodeStep | None]:
+        """``prepare`` for a step of ``num_queries`` queries, of which ``decodes`` are the
+        candidates (``indices``: their places among the queries): the queries' order with
+        those that take dense rows first (by row), then the rest, and the step (None, and
+        the order unchanged, when none fit the budget)."""
+        everything = list(range(num_queries))
+        chosen, step = self.prepare(decodes)
+        if step is None:
+            return everything, None
+        first = [indices[c] for c in chosen]
+        taken = set(first)
+        return first + [i for i in everything if i not in taken], step
+
     def prepare(self, decodes: list[tuple]) -> tuple[list[int], DenseDecodeStep | None]:
         """Give rows to this step's decode queries ``(req_id, position, block_ids)``, or
         ``(req_id, position, block_ids, num_tokens)`` for a query of ``num_tokens``

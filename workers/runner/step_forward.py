@@ -153,12 +153,7 @@ class StepForward:
                 decode_segments.append(i)
             else:
                 self.dense.release(seg.req_id)  # its KV is being (re)computed: stale row
-        chosen, step = self.dense.prepare(decodes)
-        if step is None:
-            return everything, None
-        first = [decode_segments[j] for j in chosen]
-        taken = set(first)
-        return first + [i for i in everything if i not in taken], step
+        return self.dense.order(decodes, decode_segments, len(segments))
 
     def _metadata(
         self,

@@ -182,12 +182,7 @@ class DraftModel:
                 indices.append(m)
             else:
                 self.dense.release(rid)  # a long catch-up: the paged kernels
-        chosen, step = self.dense.prepare(decodes)
-        if step is None:
-            return everything, None
-        first = [indices[c] for c in chosen]
-        taken = set(first)
-        return first + [m for m in everything if m not in taken], step
+        return self.dense.order(decodes, indices, len(queries))
 
     def _choose(
         self,
