@@ -23,9 +23,11 @@ from tandem.cluster.planner.autoscale import (
     SpeedCorrection,
 )
 from tandem.cluster.planner.config import PlannerConfig
-from tandem.cluster.planner.profile import Profile, TransferCost
 from tandem.cluster.planner.runner import PlannerRunner
 from tandem.cluster.planner.sla import Load, required
+from tests.unit.test_sla_planner import (
+    profile,  # the profile whose arithmetic is checked by hand there
+)
 
 INTERVAL = 10.0
 LOAD_CONFIG = PlannerConfig(
@@ -34,19 +36,6 @@ LOAD_CONFIG = PlannerConfig(
     planner_scale_out_cooldown_s=20.0,
     planner_scale_in_cooldown_s=60.0,
 )
-
-
-def profile() -> Profile:
-    # prefill 0.1 s a prompt; decode 0.01 + 0.001 x batch s (context-free); handoff 5 ms
-    return Profile(
-        prefill_tokens=[1, 10000],
-        prefill_time_s=[0.1, 0.1],
-        decode_batch_sizes=[1, 101],
-        decode_context_tokens=[1, 1_000_000],
-        decode_time_s=[[0.011, 0.011], [0.111, 0.111]],
-        transfer=TransferCost(bytes_per_s=1e9, latency_s=0.005, kv_bytes_per_token=0),
-        scheduler={"max_num_seqs": 256},
-    )
 
 
 def pool(n: int, waiting_total: float = 0.0, kv_total: float = 0.0, **kw) -> list[EngineSample]:
