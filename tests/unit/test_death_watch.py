@@ -21,7 +21,8 @@ import sys, zmq
 s = zmq.Context().socket(zmq.PULL)
 s.bind(sys.argv[1])
 print("bound", flush=True)
-s.recv()
+while True:  # never exits on its own: only the test's SIGKILL ends it
+    s.recv()
 """
 
 
