@@ -33,6 +33,22 @@ def pytest_configure(config):
         os.makedirs(os.environ["RAY_TMPDIR"], exist_ok=True)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _shared_ray_only_where_marked(request):
+    """Modules marked ``shared_ray`` reuse the test process's plain local Ray
+    (``tests/shared_ray.py``); every other module starts with none running, as it would alone."""
+    shared = sys.modules.get("tests.shared_ray")
+    if shared is not None and request.node.get_closest_marker("shared_ray") is None:
+        shared.stop()
+    yield
+
+
+def pytest_sessionfinish(session, exitstatus):
+    shared = sys.modules.get("tests.shared_ray")
+    if shared is not None:
+        shared.stop()
+
+
 def pytest_collection_modifyitems(config, items):
     """``gpu``-marked tests skip when (and only when) torch sees no CUDA device; the reason
     shows in the summary (``-ra``). On a GPU machine they run, and a failure fails."""

@@ -10,6 +10,8 @@ from typing import Any
 import httpx
 import openai
 
+from tests import shared_ray
+
 BUSY_FIELDS = (
     "num_running_reqs",
     "num_waiting_reqs",
@@ -54,12 +56,10 @@ def wait_idle(svc, deadline_s: float = 30.0) -> dict:
 
 @contextlib.contextmanager
 def tiny_pd_service(disagg_min_tokens: int = 32, tracer: Any = None, **options: Any) -> Iterator:
-    """A 1 prefill + 1 decode ``ServiceThread`` of the tiny model on its own
-    local Ray (2 CPUs); prompts of ``disagg_min_tokens`` or more take the
-    remote path; ``tracer`` as ``ServiceThread``'s; ``options``: more serve
-    settings. Ray is shut down on exit."""
-    import ray
-
+    """A 1 prefill + 1 decode ``ServiceThread`` of the tiny model on the test
+    process's shared local Ray (tests/shared_ray.py: mark the module
+    ``shared_ray``); prompts of ``disagg_min_tokens`` or more take the remote path; ``tracer`` as ``ServiceThread``'s; ``options``: more serve
+    settings."""
     from tandem.cluster.cli.serve import ServiceThread
     from tandem.cluster.cli.settings import serve_config
 
@@ -74,9 +74,9 @@ def tiny_pd_service(disagg_min_tokens: int = 32, tracer: Any = None, **options: 
         max_model_len=512,
         **options,
     )
-    ray.init(include_dashboard=False, num_cpus=2, log_to_driver=False)
+    shared_ray.start()
     try:
         with ServiceThread(config, tracer=tracer) as svc:
             yield svc
     finally:
-        ray.shutdown()
+        shared_ray.release()

@@ -18,11 +18,12 @@ import httpx
 import pytest
 
 from tandem.wire.engine_protocol import EngineRequest, SamplingParams
+from tests import shared_ray
 from tests.chaos.harness import Workload, serve_config, verdict
 from tests.chaos.service import engine, requests_on, reset_prefix_caches, stats, wait_ready
 from tests.cluster.test_kv_routing_service import RequestLog
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.shared_ray]
 
 KEY = "drain-test-admin-key"
 NUM_STREAMS = 8
@@ -31,11 +32,9 @@ MAX_TOKENS = 256  # streams still run when the drain lands (the CLI starts a pro
 
 @pytest.fixture(scope="module")
 def svc_refs():
-    import ray
-
     from tandem.cluster.cli.serve import ServiceThread
 
-    ray.init(include_dashboard=False, num_cpus=2, log_to_driver=False)
+    shared_ray.start()
     try:
         with ServiceThread(serve_config(f"drain-{os.getpid()}", admin_api_key=KEY)) as svc:
             ref = Workload(svc.base_url, "seeded", NUM_STREAMS, max_tokens=MAX_TOKENS)
@@ -43,7 +42,7 @@ def svc_refs():
             assert all(r.done and r.error is None for r in ref.results), ref.results
             yield svc, ref.results
     finally:
-        ray.shutdown()
+        shared_ray.release()
 
 
 @pytest.fixture(autouse=True)

@@ -14,9 +14,10 @@ import os
 import httpx
 import pytest
 
+from tests import shared_ray
 from tests.chaos.harness import serve_config
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.shared_ray]
 
 KEY = "engine-admin-test-key"
 ADMIN = {"Authorization": f"Bearer {KEY}"}
@@ -31,15 +32,13 @@ def cached_tokens(url: str) -> int:
 
 
 def test_reset_prefix_cache_and_profile_routes(tmp_path):
-    import ray
-
     from tandem.cluster.cli.serve import ServiceThread
 
     traces = tmp_path / "traces"
     config = serve_config(
         f"admin-{os.getpid()}", decode=1, admin_api_key=KEY, profile_dir=str(traces)
     )
-    ray.init(include_dashboard=False, num_cpus=2, log_to_driver=False)
+    shared_ray.start()
     try:
         with ServiceThread(config) as svc:
             url = svc.base_url
@@ -75,7 +74,7 @@ def test_reset_prefix_cache_and_profile_routes(tmp_path):
                 "decode-0": True,
             }
     finally:
-        ray.shutdown()
+        shared_ray.release()
 
 
 def test_routes_refuse_without_admin_key_and_without_profile_dir():

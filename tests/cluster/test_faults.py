@@ -24,8 +24,9 @@ import pytest
 from tandem.cluster.cli.serve import ServiceThread
 from tandem.cluster.cli.settings import serve_config
 from tandem.wire.engine_protocol import EngineRequest, SamplingParams
+from tests import shared_ray
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.shared_ray]
 
 ENGINE = {"num_kv_blocks": 256, "max_num_seqs": 16, "max_model_len": 1024}
 DEAD_AFTER_S = 8.0
@@ -34,9 +35,7 @@ PROMPT = "Slow is not dead"
 
 @pytest.fixture(scope="module")
 def svc():
-    import ray
-
-    ray.init(include_dashboard=False, num_cpus=2, log_to_driver=False)
+    shared_ray.start()
     config = serve_config(
         ray_dashboard=False,
         model="tiny",
@@ -52,7 +51,7 @@ def svc():
         with ServiceThread(config) as service:
             yield service
     finally:
-        ray.shutdown()
+        shared_ray.release()
 
 
 def engine(svc):

@@ -15,9 +15,10 @@ import pytest
 
 from tandem.cluster.cli.serve import ServiceThread
 from tandem.cluster.cli.settings import serve_config
+from tests import shared_ray
 from tests.cluster.service_helpers import client, disconnect_mid_stream, wait_idle
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.shared_ray]
 
 
 def _wait(what: str, cond, deadline_s: float = 30.0) -> None:
@@ -28,8 +29,6 @@ def _wait(what: str, cond, deadline_s: float = 30.0) -> None:
 
 
 def test_gateway_lends_a_peer_host_tier_prefix_to_the_chosen_engine():
-    import ray
-
     config = serve_config(
         model="tiny",
         ray_dashboard=False,
@@ -41,7 +40,7 @@ def test_gateway_lends_a_peer_host_tier_prefix_to_the_chosen_engine():
         kv_lease_s=10.0,
     )
     assert config.pool_engine("colocated").kv_connector == "nixl"  # tiers + 2 engines: lend
-    ray.init(include_dashboard=False, num_cpus=2, log_to_driver=False)
+    shared_ray.start()
     try:
         with ServiceThread(config) as svc:
             backend = svc.service.backend
@@ -111,7 +110,7 @@ def test_gateway_lends_a_peer_host_tier_prefix_to_the_chosen_engine():
             backend.undrain(x)
             _wait("x ready", lambda: ready(x))
     finally:
-        ray.shutdown()
+        shared_ray.release()
 
 
 def test_decode_engine_prefilling_itself_is_lent_the_prefill_engines_host_tier():

@@ -12,14 +12,13 @@ import pytest
 
 from tandem.cluster.cli.serve import ServiceThread
 from tandem.cluster.cli.settings import serve_config
+from tests import shared_ray
 from tests.cluster.service_helpers import client, wait_idle
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.shared_ray]
 
 
 def test_cached_tokens_from_the_host_tier_through_the_openai_client():
-    import ray
-
     config = serve_config(
         model="tiny",
         ray_dashboard=False,
@@ -29,7 +28,7 @@ def test_cached_tokens_from_the_host_tier_through_the_openai_client():
         max_num_seqs=4,
         kv_offloading_size=0.01,
     )
-    ray.init(include_dashboard=False, num_cpus=2, log_to_driver=False)
+    shared_ray.start()
     try:
         with ServiceThread(config) as svc:
             c = client(svc)
@@ -71,4 +70,4 @@ def test_cached_tokens_from_the_host_tier_through_the_openai_client():
             assert tier["medium"] == "host" and tier["hits"] > 0 and tier["used_bytes"] > 0
             wait_idle(svc)
     finally:
-        ray.shutdown()
+        shared_ray.release()

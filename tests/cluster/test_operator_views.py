@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.cluster.service_helpers import client, tiny_pd_service, wait_idle
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.shared_ray]
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINES = {"prefill-0": "prefill", "decode-0": "decode"}

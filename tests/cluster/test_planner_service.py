@@ -11,10 +11,11 @@ import time
 import httpx
 import pytest
 
+from tests import shared_ray
 from tests.chaos.harness import Workload, serve_config
 from tests.chaos.service import settle
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.shared_ray]
 
 
 def decode_engines(svc) -> int:
@@ -48,11 +49,9 @@ def wait_for(what: str, cond, deadline_s: float = 120.0) -> None:
 
 
 def test_load_planner_scales_the_decode_pool_in_and_out():
-    import ray
-
     from tandem.cluster.cli.serve import ServiceThread
 
-    ray.init(include_dashboard=False, num_cpus=2, log_to_driver=False)
+    shared_ray.start()
     config = serve_config(
         f"planner-{os.getpid()}",
         prefill=1,
@@ -96,4 +95,4 @@ def test_load_planner_scales_the_decode_pool_in_and_out():
             assert counted[("prefill", "hold", "at_min")] >= 1, counted
             assert settle(svc) == 0
     finally:
-        ray.shutdown()
+        shared_ray.release()

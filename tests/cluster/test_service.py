@@ -17,9 +17,10 @@ from tandem.cluster.cli.settings import serve_config
 from tandem.wire.engine_protocol import SamplingParams
 from tandem.workers.config import EngineConfig
 from tandem.workers.engine.llm import LLM
+from tests import shared_ray
 from tests.cluster.service_helpers import client, disconnect_mid_stream, wait_idle
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.shared_ray]
 
 ENGINE = {"num_kv_blocks": 256, "max_num_seqs": 64, "max_model_len": 1024}
 PROMPT = "The history of disaggregated serving"
@@ -31,11 +32,9 @@ def _config(**kw):
 
 @pytest.fixture(scope="module")
 def ray_local():
-    import ray
-
-    ray.init(include_dashboard=False, num_cpus=2, log_to_driver=False)
+    shared_ray.start()
     yield
-    ray.shutdown()
+    shared_ray.release()
 
 
 @pytest.fixture(scope="module")

@@ -12,9 +12,10 @@ import pytest
 
 from tandem.cluster.cli.serve import ServiceThread
 from tandem.cluster.cli.settings import serve_config
+from tests import shared_ray
 from tests.cluster.service_helpers import client, disconnect_mid_stream, wait_idle
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.shared_ray]
 
 # colocated: 2 sequences (children beyond wait) and the priority policy
 ENGINE = {"num_kv_blocks": 256, "max_model_len": 1024}
@@ -35,9 +36,7 @@ def _config(**kw):
 
 @pytest.fixture(scope="module")
 def services():
-    import ray
-
-    ray.init(include_dashboard=False, num_cpus=2, log_to_driver=False)
+    shared_ray.start()
     try:
         with (
             ServiceThread(_config(prefill=1, decode=1, kv_lease_s=5.0)) as disagg,
@@ -45,7 +44,7 @@ def services():
         ):
             yield disagg, colocated
     finally:
-        ray.shutdown()
+        shared_ray.release()
 
 
 def texts(svc, n, **kw):

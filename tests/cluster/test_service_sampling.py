@@ -10,9 +10,10 @@ import pytest
 
 from tandem.cluster.cli.serve import ServiceThread
 from tandem.cluster.cli.settings import serve_config
+from tests import shared_ray
 from tests.cluster.service_helpers import client, wait_idle
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.shared_ray]
 
 ENGINE = {"num_kv_blocks": 128, "max_num_seqs": 16, "max_model_len": 512}
 PROMPT = "The history of disaggregated serving, and of serving again"
@@ -25,15 +26,13 @@ def _service(**kw) -> ServiceThread:
 
 @pytest.fixture(scope="module")
 def services():
-    import ray
-
-    ray.init(include_dashboard=False, num_cpus=2, log_to_driver=False)
+    shared_ray.start()
     try:
         with _service(prefill=1, decode=1, kv_lease_s=5.0) as disagg:
             with _service(colocated=1, prefill=0, decode=0) as colocated:
                 yield disagg, colocated
     finally:
-        ray.shutdown()
+        shared_ray.release()
 
 
 def _completion(svc, **kw):

@@ -24,7 +24,7 @@ from tandem.cluster.planner.profile import Profile
 from tandem.cluster.planner.simulator import SimRequest, Simulator
 from tests.cluster.service_helpers import tiny_pd_service
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.shared_ray]
 
 ENGINE = {"num_kv_blocks": 256, "max_num_seqs": 16, "max_model_len": 512, "torch_threads": 1}
 # Loose: predicted within [measured / 20, measured x 20]. This test runs beside the other

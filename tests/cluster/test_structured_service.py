@@ -26,9 +26,10 @@ from tandem.wire.engine_protocol import SamplingParams, StructuredOutputsParams
 from tandem.workers.config import EngineConfig
 from tandem.workers.engine.llm import LLM
 from tandem.workers.text.tokenizer import apply_chat_template
+from tests import shared_ray
 from tests.cluster.service_helpers import client, wait_idle
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.shared_ray]
 
 ENGINE = {"num_kv_blocks": 256, "max_num_seqs": 16, "max_model_len": 1024}
 WEATHER = {
@@ -63,9 +64,7 @@ TIME = {
 
 @pytest.fixture(scope="module")
 def service():
-    import ray
-
-    ray.init(include_dashboard=False, num_cpus=2, log_to_driver=False)
+    shared_ray.start()
     config = serve_config(
         ray_dashboard=False, prefill=1, decode=1, kv_lease_s=5.0, disagg_min_tokens=4,
         enable_auto_tool_choice=True, tool_call_parser="hermes", **ENGINE,
@@ -74,7 +73,7 @@ def service():
         with ServiceThread(config) as svc:
             yield svc
     finally:
-        ray.shutdown()
+        shared_ray.release()
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from tandem.cluster.observability.logging_setup import make_handler
 from tandem.cluster.observability.tracing.otel import OtelTracer
 from tests.cluster.service_helpers import client, tiny_pd_service, wait_idle
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.shared_ray]
 DEADLINE_S = 60.0
 
 

@@ -23,6 +23,8 @@ TITLES = {
 # Grafana's built-in interval variable; everything else in our PromQL is plain.
 GRAFANA_VARIABLES = {"$__rate_interval": "5m"}
 
+pytestmark = pytest.mark.shared_ray
+
 
 def load(name: str) -> dict:
     return json.loads((DASHBOARDS / name).read_text())
