@@ -9,7 +9,6 @@ socket uses CURVE (``wire/auth.py``); ``Harness(secret=None)`` runs plain.
 from __future__ import annotations
 
 import itertools
-import multiprocessing as mp
 import time
 from typing import Any
 
@@ -28,6 +27,7 @@ from tandem.wire.engine_protocol import (
     UtilityResult,
 )
 from tandem.workers.config import EngineConfig
+from tests import forkserver
 
 _NEW = object()
 
@@ -50,7 +50,7 @@ class EngineProcess:
     def __init__(self, config: EngineConfig, output_addr: str) -> None:
         self.config = config
         self.input_addr = f"tcp://127.0.0.1:{free_port()}"
-        ctx = mp.get_context("spawn")
+        ctx = forkserver.context()  # a clean child without importing torch again
         # a daemonic process may not start children: a tensor-parallel engine's
         # workers are its children (kill() stops it; its workers follow)
         self.proc = ctx.Process(

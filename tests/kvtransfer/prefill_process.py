@@ -16,9 +16,10 @@ hands out kv_transfer_params for "finished prefills" and reports
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import time
 from typing import Any
+
+from tests import forkserver
 
 
 def kv_content(shape: tuple[int, ...], seed: int):
@@ -27,17 +28,6 @@ def kv_content(shape: tuple[int, ...], seed: int):
 
     gen = torch.Generator().manual_seed(seed)
     return torch.randn(shape, generator=gen, dtype=torch.float32)
-
-
-def _context() -> mp.context.BaseContext:
-    """``forkserver`` with torch preloaded: each child still starts from a
-    clean server process (no NIXL/UCX state of the parent, like ``spawn``)
-    but skips the multi-second torch import, which dominates on 2 cores."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(
-        ["torch", "tandem.kvtransfer.nixl_worker", "tandem.scheduler.request"]
-    )
-    return ctx
 
 
 def block_loop(seconds: float, how: str) -> None:
@@ -139,7 +129,7 @@ class ChildProcess:
     what = "child process"
 
     def __init__(self, target, args: tuple) -> None:
-        ctx = _context()
+        ctx = forkserver.context()
         self._conn, child = ctx.Pipe()
         self.process = ctx.Process(target=target, args=(child, *args), daemon=True)
         self.process.start()
