@@ -1,5 +1,6 @@
 import logging
 import os
+import re
 import sys
 
 import pytest
@@ -33,13 +34,23 @@ def pytest_configure(config):
         os.makedirs(os.environ["RAY_TMPDIR"], exist_ok=True)
 
 
+# what marks a module that may start Ray (or a service, a gateway process) on its own
+_RAY_OF_ITS_OWN = re.compile(
+    r"\bray\b|ServiceThread|cmd_serve|GatewayProcess|chaos_service|Cluster\(|\"serve\""
+)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _shared_ray_only_where_marked(request):
     """Modules marked ``shared_ray`` reuse the test process's plain local Ray
-    (``tests/shared_ray.py``); every other module starts with none running, as it would alone."""
+    (``tests/shared_ray.py``). A module that may start Ray, a service or a gateway process of its
+    own (its source names one) starts with none running, as it would alone; a module that never
+    touches Ray leaves the shared one up for the next."""
     shared = sys.modules.get("tests.shared_ray")
     if shared is not None and request.node.get_closest_marker("shared_ray") is None:
-        shared.stop()
+        with open(request.module.__file__, encoding="utf-8") as f:
+            if _RAY_OF_ITS_OWN.search(f.read()):
+                shared.stop()
     yield
 
 

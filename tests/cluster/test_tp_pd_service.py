@@ -31,7 +31,7 @@ from tandem.workers.engine.llm import LLM
 from tests.cluster.service_helpers import client, wait_idle
 from tests.cluster.test_service import ray_local  # noqa: F401 - the module's local Ray
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.shared_ray]
 
 ENGINE = {"num_kv_blocks": 128, "max_num_seqs": 8, "max_model_len": 512, "torch_threads": 1}
 PROMPTS = ["Tensor parallel prefill, then decode", "x" * 40 + " and a longer prompt of two blocks"]

@@ -27,7 +27,7 @@ from tests.cluster.service_helpers import client, wait_idle
 from tests.cluster.test_service import ray_local  # noqa: F401 - the module's local Ray
 from tests.cluster.test_tp_placement import bundle_in_use
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.shared_ray]
 
 ENGINE = {
     "num_kv_blocks": 64,
