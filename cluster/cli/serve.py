@@ -73,6 +73,7 @@ class Service:
         from tandem.cluster.disagg.ray_backend import RayBackend
         from tandem.cluster.engines.actor import free_port, node_ip
         from tandem.cluster.engines.pools import start_pools
+        from tandem.workers.checkpoints.hf_config import plain_config
         from tandem.workers.checkpoints.model_dir import resolve_model_dir
         from tandem.workers.text.tokenizer import load_tokenizer
 
@@ -102,6 +103,9 @@ class Service:
             self.config = config = with_pool_counts(config, pool_counts(self._handles))
         else:
             specs = pool_specs(config, secret)
+            model_config = plain_config(model_path)  # read once here, handed to every engine
+            for spec in specs:
+                spec.model_config = model_config
             self._handles = start_pools(
                 specs,
                 output_addr,

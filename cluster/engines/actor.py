@@ -49,7 +49,13 @@ def node_ip() -> str:
 class EngineActor:
     """Plain class; ``cluster.engines.pools`` wraps it with ``ray.remote``."""
 
-    def __init__(self, config: EngineConfig, output_addr: str, gateway_session: int = 0) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        output_addr: str,
+        gateway_session: int = 0,
+        model_config: dict | None = None,
+    ) -> None:
         from tandem.cluster.observability.logging_setup import configure_logging
         from tandem.workers.engine.core import EngineCore
         from tandem.workers.engine.service import EngineService
@@ -63,7 +69,9 @@ class EngineActor:
         # "auto": this node's address (multi-node clusters); else as given.
         host = node_ip() if config.kv_host in ("", "auto", "0.0.0.0") else config.kv_host
         self.config = config.replace(epoch=self.epoch, kv_host=host)
-        self.engine = EngineCore(self.config)
+        # the model's config as the gateway read it (hf_config.plain_config): this process
+        # never imports transformers' configuration classes (seconds of torch imports)
+        self.engine = EngineCore(self.config, model_config)
         self.service = EngineService(self.engine)
         self.input_addr = f"tcp://{host}:{free_port(host)}"
         self._thread = threading.Thread(

@@ -44,6 +44,9 @@ class PoolSpec:
     # Ray custom resources per engine (cluster.engines.placement): pins a pool to
     # the nodes that advertise them.
     resources: dict[str, float] = field(default_factory=dict)
+    # the model's config as plain attributes (workers.checkpoints.hf_config.plain_config),
+    # read once by the gateway and handed to every engine it starts; None: each reads its own
+    model_config: dict | None = None
 
 
 @dataclass
@@ -183,7 +186,11 @@ def start_engine(
         )
         if spec.num_gpus:
             cfg = cfg.replace(device="cuda")
-    actor = ray.remote(EngineActor).options(**options).remote(cfg, output_addr, gateway_session)
+    actor = (
+        ray.remote(EngineActor)
+        .options(**options)
+        .remote(cfg, output_addr, gateway_session, spec.model_config)
+    )
     return EngineHandle(engine_id, spec.role, actor, pg, namespace)
 
 

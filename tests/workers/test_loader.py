@@ -1,4 +1,5 @@
-"""Loader: path resolution, safetensors (single and sharded), dtype, clear errors."""
+"""Loader: path resolution, safetensors (single and sharded), dtype, clear errors, and the
+model an engine builds from the gateway's plain config."""
 
 from __future__ import annotations
 
@@ -11,7 +12,18 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tandem.workers.checkpoints import loader
+from tandem.workers.checkpoints.hf_config import config_namespace, end_token_ids, plain_config
 from tandem.workers.checkpoints.loader import load_model, resolve_dtype, resolve_model_path
+from tests.workers import hf_checkpoints
+from tests.workers.paged_session import PagedSession
+
+
+def _builtin_only(value) -> bool:
+    if isinstance(value, dict):
+        return all(_builtin_only(k) and _builtin_only(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return all(_builtin_only(v) for v in value)
+    return value is None or type(value) in (str, int, float, bool)
 
 
 def _params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -171,3 +183,21 @@ def test_unknown_hub_id_gives_clear_error(tmp_path, monkeypatch):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(ValueError, match="'tandem-test/no-such-model' is not 'tiny'.*hub"):
         loader.resolve_model_path("tandem-test/no-such-model", cache_dir=str(tmp_path))
+
+
+@pytest.mark.parametrize("arch", sorted(hf_checkpoints.ARCH_PRESETS))
+def test_model_from_the_plain_config_equals_the_directorys(make_checkpoint, arch):
+    """What an engine actor builds from the gateway's ``plain_config`` (a namespace, no
+    transformers configuration class) is the model its directory's config builds: same class,
+    same weights, same logits, same end ids."""
+    path = make_checkpoint(arch, seed=5)
+    plain = plain_config(path)
+    assert _builtin_only(plain)  # it travels to the engine without naming a transformers class
+    a, config = load_model(path, dtype="float32")
+    b, namespace = load_model(path, dtype="float32", hf_config=config_namespace(plain))
+    assert type(a) is type(b)
+    assert end_token_ids(namespace) == end_token_ids(config)
+    assert a.max_context_len == b.max_context_len
+    ids = [1, 5, 9, 2, 7, 3, 11, 4]
+    assert torch.equal(PagedSession(a, block_size=4).step({0: ids})[0],
+                       PagedSession(b, block_size=4).step({0: ids})[0])  # fmt: skip

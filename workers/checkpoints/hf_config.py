@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+from types import SimpleNamespace
 from typing import Any
 
 
@@ -30,6 +31,21 @@ def load_config(path: str) -> Any:
     if end_ids:
         config.eos_token_id = end_ids[0] if len(end_ids) == 1 else end_ids
     return config
+
+
+def plain_config(path: str) -> dict[str, Any]:
+    """``load_config(path)`` as plain attributes (its ``to_dict()``, end ids merged): what the
+    gateway hands each engine (``model_config``), as vLLM's front end hands its engine core the
+    model config. The engine then builds the model from ``config_namespace`` of it and never
+    imports transformers' configuration classes, which pull torch._dynamo and
+    torch.distributed.tensor where torch is installed: 2-3 CPU-seconds per engine start."""
+    return load_config(path).to_dict()
+
+
+def config_namespace(attrs: dict[str, Any]) -> SimpleNamespace:
+    """A read-only view of ``plain_config``'s dict with the config's attribute names (the model
+    code reads configs with ``getattr``; tensor-parallel workers get the same view)."""
+    return SimpleNamespace(**attrs)
 
 
 def end_token_ids(config: Any) -> list[int]:

@@ -175,18 +175,20 @@ def load_model(
     dtype: str | torch.dtype = "auto",
     device: str | torch.device = "cpu",
     max_model_len: int | None = None,
+    hf_config: Any = None,
 ) -> tuple[nn.Module, Any]:
     """Resolve, build and fill the model; returns ``(model, hf_config)``.
 
     The model is in eval mode on ``device`` with every weight loaded
     (``ValueError`` names missing/unexpected/mis-shaped ones). When
     ``max_model_len`` is given it must not exceed ``model.max_context_len``
-    (rope table size, sliding window).
+    (rope table size, sliding window). ``hf_config``: the model's config when the caller has
+    it already (``hf_config.config_namespace``); else read from the directory.
     """
     path = resolve_model_path(model)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"model directory {path!r} does not exist")
-    config = load_config(path)
+    config = hf_config if hf_config is not None else load_config(path)
     model_cls = get_model_class(
         getattr(config, "architectures", None), getattr(config, "model_type", None)
     )

@@ -37,9 +37,12 @@ logger = logging.getLogger(__name__)
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, model_config: dict | None = None) -> None:
+        """``model_config``: the model's config as plain attributes, when the caller read it
+        already (``workers.checkpoints.hf_config.plain_config``: the gateway sends it to
+        engine actors); None reads it from the model directory."""
         self.config = config
-        loaded = load_engine_model(config)
+        loaded = load_engine_model(config, model_config)
         self.model_path, self.model, self.hf_config = (
             loaded.model_path,
             loaded.model,

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from tandem.scheduler import SchedulerConfig
-from tandem.workers.checkpoints.hf_config import end_token_ids
+from tandem.workers.checkpoints.hf_config import config_namespace, end_token_ids
 from tandem.workers.checkpoints.loader import load_model, resolve_model_path
 from tandem.workers.compile.model import compile_before_sizing
 from tandem.workers.config import EngineConfig
@@ -62,9 +62,11 @@ class SizedKVCache:
     draft_kv_cache: Any = None  # the draft model's: the same blocks, its own shape
 
 
-def load_engine_model(config: EngineConfig) -> LoadedModel:
+def load_engine_model(config: EngineConfig, model_config: dict | None = None) -> LoadedModel:
     """This process's model. With ``tensor_parallel_size > 1`` this process
-    is rank 0 (``workers/parallel/``): the executor starts the other ranks."""
+    is rank 0 (``workers/parallel/``): the executor starts the other ranks.
+    ``model_config``: the model's config as ``hf_config.plain_config`` gives it (the gateway
+    read it once); None reads it here."""
     if config.torch_threads > 0:
         torch.set_num_threads(config.torch_threads)
     device = torch.device(config.device)
@@ -73,10 +75,11 @@ def load_engine_model(config: EngineConfig) -> LoadedModel:
     if config.tensor_parallel_size > 1:
         from tandem.workers.parallel.executor import TPExecutor
 
-        tp = TPExecutor(config, model_path)
+        tp = TPExecutor(config, model_path, model_config)
         model, hf_config = tp.model, tp.hf_config
     else:
-        model, hf_config = load_model(model_path, config.dtype, device)
+        given = config_namespace(model_config) if model_config is not None else None
+        model, hf_config = load_model(model_path, config.dtype, device, hf_config=given)
     eos_ids = end_token_ids(hf_config)
     dtype = next(model.parameters()).dtype
     draft = load_draft_model(config.speculative(), model_path, model, dtype, device)

@@ -41,7 +41,6 @@ import logging
 import threading
 import time
 import weakref
-from types import SimpleNamespace
 from typing import Any
 
 import msgspec
@@ -89,10 +88,12 @@ class TPExecutor:
     when the model cannot be split ``tensor_parallel_size`` ways.
     """
 
-    def __init__(self, config: EngineConfig, model_path: str) -> None:
+    def __init__(
+        self, config: EngineConfig, model_path: str, model_config: dict | None = None
+    ) -> None:
         import zmq
 
-        from tandem.workers.checkpoints.hf_config import load_config
+        from tandem.workers.checkpoints.hf_config import config_namespace, plain_config
         from tandem.workers.parallel.loading import load_rank_model
         from tandem.workers.parallel.plan import make_plan
 
@@ -100,7 +101,10 @@ class TPExecutor:
         self.step_timeout_s = config.tp_step_timeout_s
         self._started = False  # heartbeats count from start() on
         self._unresponsive: list[int] = []  # ranks to kill without asking first
-        self.hf_config = load_config(model_path)
+        # the model's config, as plain attributes (hf_config.plain_config): what rank 0 and
+        # every worker build from; the gateway's copy when it sent one
+        plain = model_config if model_config is not None else plain_config(model_path)
+        self.hf_config = config_namespace(plain)
         self.plan = make_plan(self.hf_config, self.size, 0)  # ValueError: nothing started yet
         self.failed: str | None = None
         self.procs: list[Any] = []
@@ -136,7 +140,7 @@ class TPExecutor:
                 spec = WorkerSpec(
                     config=config,
                     model_path=model_path,
-                    hf_config=SimpleNamespace(**self.hf_config.to_dict()),
+                    hf_config=self.hf_config,
                     rank=rank,
                     tp_size=self.size,
                     store_host=HOST,
