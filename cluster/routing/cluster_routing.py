@@ -20,6 +20,7 @@ from typing import Any
 
 from tandem.cluster.routing.hit_error import HitErrorHistogram
 from tandem.cluster.routing.index import PrefixIndex
+from tandem.cluster.routing.peer_load import PeerLoadChannel
 from tandem.cluster.routing.policy import (
     Choice,
     Plan,
@@ -70,6 +71,7 @@ class ClusterRouting:
         self.hit_error = HitErrorHistogram()
         self.notes = RouteNotes(self.name)
         self.subscriber: KVEventSubscriber | None = None
+        self.peer_load: PeerLoadChannel | None = None  # several gateways: share_load
         self._hashing: dict[str, tuple[int, str]] = {}  # role -> (block size, algo)
 
     @property
@@ -89,9 +91,21 @@ class ClusterRouting:
         self.subscriber = KVEventSubscriber(ctx, auth, self.index, snapshot, malformed_frames)
         return asyncio.create_task(self.subscriber.run())
 
+    def share_load(self, directory: str, index: int) -> PeerLoadChannel:
+        """Several gateways (``--api-server-count``): publish this gateway's
+        per-engine in-flight counts into ``directory`` and add the other
+        gateways' to the router's figures (peer_load.py), every policy alike.
+        Call on the running loop; ``close`` stops it."""
+        if self.peer_load is None:
+            self.peer_load = PeerLoadChannel(directory, index, self.policy.router)
+            self.peer_load.start()
+        return self.peer_load
+
     def close(self) -> None:
         if self.subscriber is not None:
             self.subscriber.close()
+        if self.peer_load is not None:
+            self.peer_load.close()
 
     def on_connected(self, engine_id: str, role: str, info: dict[str, Any]) -> None:
         """A (new) incarnation answered ``ready``: follow its event stream."""
