@@ -30,7 +30,7 @@ socket file (at start and each heartbeat) or from the peer's first
 datagram, and answers a new peer with its own counts at once.
 
 Why pushed, not polled: with the counts written to files and read by
-every gateway on a timer, 50 ms between reads recovered only 20-45% of
+every gateway on a timer, 50 ms between reads recovered only 22-47% of
 the loss at 20x (a burst's requests arrive milliseconds apart), and
 polling every 5 ms (which does recover it) costs each gateway about 100 us
 per tick even when idle. A datagram per change, batched at
