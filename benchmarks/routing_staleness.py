@@ -244,6 +244,8 @@ def simulate(
             t0 = time.perf_counter()
             num_received += channels[g].receive(now_s)
             share_s += time.perf_counter() - t0
+            if channels[g].owes_peers:  # a new peer: answered at once
+                changed(g)
         elif kind == "heartbeat":
             (g,) = args
             channels[g].heartbeat(now_s)

@@ -79,9 +79,9 @@ logger = logging.getLogger(__name__)
 
 MIN_INTERVAL_S = 0.005
 HEARTBEAT_S = 0.5
-EXPIRE_AFTER_S = 2.0
+EXPIRE_AFTER_S = 2.0  # checked at each datagram and heartbeat, so dropped within 2.5 s
 PREFIX, SUFFIX = "load-", ".sock"
-MAX_DATAGRAM_BYTES = 1 << 20
+MAX_DATAGRAM_BYTES = 1 << 16  # ~30 bytes per engine with work: about 2,000 engines
 
 
 class LoadRecord(msgspec.Struct):
@@ -104,8 +104,8 @@ def encode_record(record: LoadRecord) -> bytes:
 
 
 def decode_record(data: bytes) -> LoadRecord | None:
-    """A file's record; None when it is torn (a write half done), cut short
-    or not a record (bytes past the payload are an older, longer write's)."""
+    """A datagram's record; None when it is not one (cut short, its checksum
+    wrong, or not a ``LoadRecord``: a stranger writing to the socket)."""
     if len(data) < _HEADER.size:
         return None
     length, crc = _HEADER.unpack_from(data)
@@ -343,6 +343,8 @@ class PeerLoadChannel:
 
     def _on_readable(self) -> None:
         self._guarded(lambda: self.receive(self._clock()))
+        if self.owes_peers:  # a new peer: it gets our counts at once
+            self.changed()
 
     def _beat(self) -> None:
         self._guarded(lambda: self.heartbeat(self._clock()))
