@@ -12,8 +12,8 @@ directory its supervisor gives all of them, one file per gateway index
     <dir>/gateway-<i>.json   {"index", "pid", "time_s", "metrics": exposition text,
                               "counters": {requests_in_flight, finished, rejected, ...}}
 
-(``load-<i>.json`` beside them are the routers' per-engine in-flight counts,
-written every 50 ms when they change: ``cluster/routing/peer_load.py``)
+(``load-<i>.sock`` beside them are the routers' datagram sockets for their
+per-engine in-flight counts, sent on change: ``cluster/routing/peer_load.py``)
 
 and ``/metrics`` shows every gateway's families with a ``gateway="<i>"``
 label (its own live, the others as last published: at most about a second
