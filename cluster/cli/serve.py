@@ -203,6 +203,8 @@ async def _serve(config: ServeConfig) -> None:
         if index is not None:  # one of --api-server-count's gateways (cluster/cli/gateways.py)
             if app.state.peers is not None:
                 app.state.peers.ensure_started()
+                # the router adds the other gateways' in-flight counts (cluster/routing/peer_load.py)
+                svc.backend.routing.share_load(app.state.peers.directory, index)
             sock = reuse_port_socket(host, port)
             print(f"tandem: gateway {index} serving (pid {os.getpid()})", flush=True)
             await server.serve(sockets=[sock])

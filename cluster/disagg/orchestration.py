@@ -221,6 +221,7 @@ class Orchestrator:
         e.state.num_inflight += 1
         queued = len(request.prompt_token_ids) - choice.predicted_hit_tokens if observe else 0
         e.state.queued_prefill_tokens += queued
+        self.routing.load_changed()  # several gateways: the others hear of it (peer_load.py)
         try:
             try:
                 self.plane.send(e, b"R", request)
@@ -241,6 +242,7 @@ class Orchestrator:
                     observe = False
                     e.state.queued_prefill_tokens -= queued
                     queued = 0
+                    self.routing.load_changed()
                     self.routing.observe_hit(request.request_id, choice, out.num_cached_tokens)
                 yield out
                 if out.finished:
@@ -250,6 +252,7 @@ class Orchestrator:
         finally:
             e.state.num_inflight -= 1
             e.state.queued_prefill_tokens -= queued
+            self.routing.load_changed()
 
 
 def error_output(request_id: str, message: str) -> EngineOutput:

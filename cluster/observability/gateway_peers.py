@@ -12,6 +12,9 @@ directory its supervisor gives all of them, one file per gateway index
     <dir>/gateway-<i>.json   {"index", "pid", "time_s", "metrics": exposition text,
                               "counters": {requests_in_flight, finished, rejected, ...}}
 
+(``load-<i>.sock`` beside them are the routers' datagram sockets for their
+per-engine in-flight counts, sent on change: ``cluster/routing/peer_load.py``)
+
 and ``/metrics`` shows every gateway's families with a ``gateway="<i>"``
 label (its own live, the others as last published: at most about a second
 old); ``/cluster/state`` sums the counters and lists them per gateway. A

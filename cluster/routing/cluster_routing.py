@@ -15,11 +15,13 @@ kv-aware. Engines tell their block size and algorithm in ``ready``.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from tandem.cluster.routing.hit_error import HitErrorHistogram
 from tandem.cluster.routing.index import PrefixIndex
+from tandem.cluster.routing.peer_load import PeerLoadChannel
 from tandem.cluster.routing.policy import (
     Choice,
     Plan,
@@ -34,6 +36,8 @@ from tandem.scheduler.block_hash import hash_request_blocks
 from tandem.scheduler.kv_events import KVSnapshot
 from tandem.wire.engine_protocol import EngineRequest
 from tandem.wire.frames import FrameCounters
+
+logger = logging.getLogger(__name__)
 
 
 class PromptHashes:
@@ -70,6 +74,7 @@ class ClusterRouting:
         self.hit_error = HitErrorHistogram()
         self.notes = RouteNotes(self.name)
         self.subscriber: KVEventSubscriber | None = None
+        self.peer_load: PeerLoadChannel | None = None  # several gateways: share_load
         self._hashing: dict[str, tuple[int, str]] = {}  # role -> (block size, algo)
 
     @property
@@ -89,9 +94,34 @@ class ClusterRouting:
         self.subscriber = KVEventSubscriber(ctx, auth, self.index, snapshot, malformed_frames)
         return asyncio.create_task(self.subscriber.run())
 
+    def share_load(self, directory: str, index: int) -> PeerLoadChannel | None:
+        """Several gateways (``--api-server-count``): send this gateway's
+        per-engine in-flight counts to the others through ``directory`` and
+        add theirs to the router's figures (peer_load.py), every policy alike.
+        Call on the running loop; ``close`` stops it. None (logged) when the
+        channel cannot open: each gateway then routes on its own counts."""
+        if self.peer_load is None:
+            channel = PeerLoadChannel(directory, index, self.policy.router)
+            try:
+                channel.start()
+            except (OSError, ValueError) as exc:
+                channel.close()
+                logger.warning("in-flight counts not shared with the other gateways: %s", exc)
+                return None
+            self.peer_load = channel
+        return self.peer_load
+
+    def load_changed(self) -> None:
+        """The router's own in-flight counts changed (orchestration.py): the
+        other gateways hear of it within peer_load.MIN_INTERVAL_S."""
+        if self.peer_load is not None:
+            self.peer_load.changed()
+
     def close(self) -> None:
         if self.subscriber is not None:
             self.subscriber.close()
+        if self.peer_load is not None:
+            self.peer_load.close()
 
     def on_connected(self, engine_id: str, role: str, info: dict[str, Any]) -> None:
         """A (new) incarnation answered ``ready``: follow its event stream."""

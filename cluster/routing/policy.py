@@ -17,6 +17,8 @@ disaggregated request needs the prefill pool at all.
     e must do before it starts this prompt. The first two decode terms are
     that work in units of this prompt, so a holder that already has a
     backlog of prefills larger than the tokens it would save gives way.
+    With several gateways, ``inflight_e`` and ``queued_prefill_tokens_e`` are
+    every gateway's: this one's plus the others' as published (peer_load.py).
 
     Busy engines (decode / colocated): an engine whose load (the last term's
     parenthesis) is above ``busy_threshold`` is passed over while some other
@@ -220,13 +222,13 @@ class RoutingPolicy:
 
             def cost(e: EngineState) -> tuple[float, int, str]:
                 miss = n - held[e.engine_id]
-                value = miss + c.prefill_queue_weight * e.queued_prefill_tokens
+                value = miss + c.prefill_queue_weight * e.all_queued_prefill_tokens
                 return (value, tie(e), e.engine_id)
         else:
 
             def cost(e: EngineState) -> tuple[float, int, str]:
                 miss = (n - held[e.engine_id]) / n
-                queued = e.queued_prefill_tokens / n
+                queued = e.all_queued_prefill_tokens / n
                 value = c.hit_weight * miss + c.prefill_queue_weight * queued
                 return (value + c.load_weight * load(e), tie(e), e.engine_id)
 

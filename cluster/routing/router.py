@@ -3,6 +3,9 @@
     prefill pool: least queued prefill tokens (tokens sent, not yet answered)
     decode pool : lowest KV usage + running share (latest stats + in-flight here)
     colocated   : same rule as decode
+    in flight and queued prefill tokens count every gateway's: this one's
+    own, live, plus the others' as they last published them (several
+    gateways: peer_load.py)
     conditional disaggregation: prompts shorter than ``disagg_min_tokens``
     skip the prefill pool and prefill on the decode engine.
 
@@ -22,12 +25,25 @@ class EngineState:
     epoch: int = 0
     ready: bool = False
     max_num_seqs: int = 1
-    queued_prefill_tokens: int = 0
+    queued_prefill_tokens: int = 0  # this gateway's (see the module doc)
     num_inflight: int = 0
+    # the other gateways' counts, as published (peer_load.py; 0 with one gateway)
+    peer_queued_prefill_tokens: int = 0
+    peer_inflight: int = 0
     kv_cache_usage: float = 0.0
     num_running: int = 0
     num_waiting: int = 0
     info: dict = field(default_factory=dict)
+
+    @property
+    def all_inflight(self) -> int:
+        """Requests in flight on this engine from every gateway."""
+        return self.num_inflight + self.peer_inflight
+
+    @property
+    def all_queued_prefill_tokens(self) -> int:
+        """Queued prefill tokens on this engine from every gateway."""
+        return self.queued_prefill_tokens + self.peer_queued_prefill_tokens
 
 
 class Router:
@@ -55,7 +71,7 @@ class Router:
         cands = [e for e in self.ready_engines("prefill") if e.engine_id not in exclude]
         if not cands:
             return None
-        return min(cands, key=lambda e: (e.queued_prefill_tokens, e.num_inflight, e.engine_id))
+        return min(cands, key=lambda e: (e.all_queued_prefill_tokens, e.all_inflight, e.engine_id))
 
     def pick_generator(self, role: str, exclude: set[str] = frozenset()) -> EngineState | None:
         """Decode or colocated engine: least loaded by KV usage and running share."""
@@ -68,5 +84,5 @@ class Router:
 
 def load(e: EngineState) -> float:
     """KV usage + running share: 0 idle, about 2 when full on both."""
-    share = max(e.num_inflight, e.num_running + e.num_waiting) / max(e.max_num_seqs, 1)
+    share = max(e.all_inflight, e.num_running + e.num_waiting) / max(e.max_num_seqs, 1)
     return e.kv_cache_usage + share

@@ -15,9 +15,12 @@ undisturbed."""
 
 from __future__ import annotations
 
+import glob
 import os
 import re
+import shutil
 import signal
+import tempfile
 import time
 
 import httpx
@@ -186,9 +189,13 @@ def test_gateways_over_one_fleet_one_dies_and_comes_back(tmp_path, monkeypatch):
 
 def test_api_server_count_on_its_own_local_ray_with_a_generated_secret(tmp_path):
     """No --address and no secret file: the command starts Ray, the engines
-    and two gateways that join that Ray with the secret it generated."""
+    and two gateways that join that Ray with the secret it generated. Each
+    gateway's router opened its socket for the shared in-flight counts in
+    the supervisor's directory (cluster/routing/peer_load.py)."""
     env = {k: v for k, v in gateway_env().items() if k != "RAY_ADDRESS"}
     env["TANDEM_HOST"] = "127.0.0.1"
+    short_tmp = tempfile.mkdtemp(prefix="gw-")  # AF_UNIX paths: 108 bytes at most
+    env["TMPDIR"] = short_tmp  # where the supervisor makes its share directory
     fleet = GatewayProcess(
         ["--model", "tiny", "--colocated", "1", "--api-server-count", "2", "--no-ray-dashboard"],
         str(tmp_path / "fleet.log"),
@@ -198,6 +205,8 @@ def test_api_server_count_on_its_own_local_ray_with_a_generated_secret(tmp_path)
         wait_log(fleet, r"gateway \d serving", 2)
         fleet.wait_healthy(120)
         assert gateways_seen(fleet.url) == {0, 1}
+        sockets = glob.glob(os.path.join(short_tmp, "tandem-gw-*", "figures", "load-*.sock"))
+        assert sorted(os.path.basename(p) for p in sockets) == ["load-0.sock", "load-1.sock"]
         body = {"model": "tiny", "prompt": "hello", "max_tokens": 5, "temperature": 0.0}
         r = httpx.post(fleet.url + "/v1/completions", json=body, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5, r.text
@@ -205,5 +214,8 @@ def test_api_server_count_on_its_own_local_ray_with_a_generated_secret(tmp_path)
         log = fleet.log()
         assert log.count("tandem: stopped") == 3 and "exited with" not in log, log
         assert "leaving" not in log  # the command stopped the engines it started
+        assert "not shared" not in log  # peer_load's channel opened in both gateways
+        assert glob.glob(os.path.join(short_tmp, "tandem-gw-*")) == []  # removed at stop
     finally:
         fleet.crash()
+        shutil.rmtree(short_tmp, ignore_errors=True)
