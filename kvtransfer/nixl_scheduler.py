@@ -7,6 +7,11 @@ Prefill engine (P), a request sent with ``{"do_remote_decode": true}``::
     finishes any other way  -> nothing held, no params
     aborted while held      -> cancel_send: worker forgets the send
 
+A prefill request may also carry a prefix lent from a peer's host KV tier
+(``do_remote_prefill`` with ``remote_medium`` "host" beside ``do_remote_decode``,
+``params.py``): it loads that prefix as D loads P's blocks (below), then finishes
+and hands off as above.
+
 Decode engine (D), a request sent with P's params (``do_remote_prefill``)::
 
     get_num_new_matched_tokens -> (num_tokens - local hit, async) or (0, False)
@@ -239,7 +244,9 @@ class NixlSchedulerSide(KVConnectorSchedulerSide):
         if state is not None:
             if state.phase == _WAITING and not state.refusal:  # no load: let P free now
                 self._notify(request.request_id, state, NOTIF_DONE)
-            return False, None
+            if not state.params.do_remote_decode:
+                return False, None
+            # a prefill that borrowed its prefix (a peer's host tier) hands off as any
         raw = request.kv_transfer_params
         if not raw or not raw.get("do_remote_decode") or not self.config.serves_kv:
             return False, None

@@ -6,7 +6,8 @@
 Fields (absent when they did not happen):
     router                 the policy (round-robin | least-load | kv-aware)
     route_reason           P/D: the plan (remote_prefill, small_miss,
-                           decode_holds_prompt, short_prompt, no_prefill;
+                           decode_holds_prompt, tiers_hold_prompt, short_prompt,
+                           no_prefill;
                            after a migration migration_recompute or
                            migration_handoff);
                            colocated: the choice (prefix_hit, load, ...)
@@ -14,6 +15,7 @@ Fields (absent when they did not happen):
     decode_engine, decode_reason     the decode engine (P/D)
     engine, engine_reason            the colocated engine
     predicted_hit_tokens   the router's prefix hit on the engine that computed the prompt
+                           (a prefix a peer's host tier lent it included)
     actual_hit_tokens      that engine's reported hit (its first output)
 
 A migrated request's note describes its last attempt. Notes of requests
