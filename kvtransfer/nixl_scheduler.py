@@ -18,7 +18,8 @@ Decode engine (D), a request sent with P's params (``do_remote_prefill``)::
     update_state_after_alloc   -> LoadSpec for blocks [i0, i1) of the table,
                                   or a "done" notify when nothing is missing
     waiting for free blocks    -> "renew" notifies every lease_s / 3
-    finished before any load   -> "done" notify so P frees at once
+    finished before any load   -> "done" notify so P frees at once (also when it was
+                                  never scheduled: aborted while waiting)
     P not registered           -> a LoadSpec with an error: a load error
 
 Leases are durations on each side's own monotonic clock (``clock``): P's
@@ -240,7 +241,10 @@ class NixlSchedulerSide(KVConnectorSchedulerSide):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        state = self._remote.pop(request.request_id, None)
+        # a request finished before it was ever considered (aborted while waiting):
+        # its state is made now, so the peer hears "done" at once, not at its lease's end
+        state = self._remote_state(request)
+        self._remote.pop(request.request_id, None)
         if state is not None:
             if state.phase == _WAITING and not state.refusal:  # no load: let P free now
                 self._notify(request.request_id, state, NOTIF_DONE)

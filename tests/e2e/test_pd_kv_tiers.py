@@ -162,5 +162,20 @@ def test_prefill_engine_borrows_a_decode_engines_host_tier_before_it_prefills(ck
             d = h.wait_idle("D")  # P's "done" ended D's export: nothing pinned
             assert d.kv_transfer.sends_blocks_held == 0
             h.wait_idle("P")
+
+        # lent, then aborted on P (before, during or after its READ): nothing stays
+        # pinned on D, nothing held on P
+        assert h.call("P", "reset_prefix_cache") is True
+        lent = h.call("D", "kv_tier_export", args=[hashes])
+        req = EngineRequest("a2", prompt, sp)
+        h.send(
+            "P",
+            msgspec.structs.replace(
+                prefill_request(req), kv_transfer_params={**lent, "do_remote_decode": True}
+            ),
+        )
+        h.abort("P", "a2")
+        assert h.wait_idle("D").kv_transfer.sends_blocks_held == 0
+        assert h.wait_idle("P").kv_transfer.sends_blocks_held == 0
     finally:
         h.close()

@@ -200,6 +200,12 @@ def test_prefill_that_borrowed_and_is_aborted_before_its_read_tells_the_lender_d
     (notify,) = meta(conn).notifies
     assert notify == NotifySpec("r1", PEER, "p-req", "done")  # the lender unpins at once
     conn.check_integrity()
+    # aborted while still waiting, never considered by the scheduler: the same "done"
+    req = p_request("r2", 10, params=lent)
+    finish_prefill(req, RequestStatus.FINISHED_ABORTED)
+    assert conn.request_finished(req, []) == (False, None)
+    assert meta(conn).notifies == [NotifySpec("r2", PEER, "p-req", "done")]
+    conn.check_integrity()
 
 
 # ---- decode side ----------------------------------------------------------------
