@@ -97,6 +97,7 @@ class TierLending:
             return request
         self.routing.count("tier_lend", "lent")
         lent = int(params.get("num_tokens", 0))
+        self.routing.notes.lent(request.request_id, lender_id, lent)
         choice.predicted_hit_tokens = max(choice.predicted_hit_tokens, lent)
         return msgspec.structs.replace(request, kv_transfer_params={**own, **params})
 

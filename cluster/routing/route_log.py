@@ -17,6 +17,9 @@ Fields (absent when they did not happen):
     predicted_hit_tokens   the router's prefix hit on the engine that computed the prompt
                            (a prefix a peer's host tier lent it included)
     actual_hit_tokens      that engine's reported hit (its first output)
+    tier_lender, tier_lent_tokens    the engine whose host KV tier lent the engine that
+                           computed the prompt a prefix, and its tokens
+                           (cluster/disagg/tier_lending.py)
 
 A migrated request's note describes its last attempt. Notes of requests
 whose gateway never takes them (a backend driven without a gateway) are
@@ -62,6 +65,11 @@ class RouteNotes:
         note = self._note(request_id)
         note["predicted_hit_tokens"] = predicted_tokens
         note["actual_hit_tokens"] = actual_tokens
+
+    def lent(self, request_id: str, lender_id: str, num_tokens: int) -> None:
+        note = self._note(request_id)
+        note["tier_lender"] = lender_id
+        note["tier_lent_tokens"] = num_tokens
 
     def take(self, request_id: str) -> dict[str, Any]:
         """The request's fields, forgotten here (empty if it was never routed)."""

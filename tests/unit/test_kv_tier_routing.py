@@ -251,6 +251,11 @@ def test_a_prefill_engine_borrows_and_keeps_its_handoff_flag():
     assert actor.asked == [hashes[:5]]  # d1's run, longer than p0's device hit
     assert out.kv_transfer_params == {**lent, "do_remote_decode": True}
     assert choice.predicted_hit_tokens == 5 * BLOCK
+    assert routing.log_fields("r") == {  # the request's finished line names the lender
+        "router": "kv-aware",
+        "tier_lender": "d1",
+        "tier_lent_tokens": 5 * BLOCK,
+    }
     # the reader does not know d1 at its epoch: nothing asked
     engines["p0"].pushed_endpoints = (3, [["p0", 3, "h", 1]])
     assert asyncio.run(lending.lend(choice, prefill_request(request), ph)).kv_transfer_params == {
