@@ -7,13 +7,19 @@ Prefill engine (P), a request sent with ``{"do_remote_decode": true}``::
     finishes any other way  -> nothing held, no params
     aborted while held      -> cancel_send: worker forgets the send
 
+A prefill request may also carry a prefix lent from a peer's host KV tier
+(``do_remote_prefill`` with ``remote_medium`` "host" beside ``do_remote_decode``,
+``params.py``): it loads that prefix as D loads P's blocks (below), then finishes
+and hands off as above.
+
 Decode engine (D), a request sent with P's params (``do_remote_prefill``)::
 
     get_num_new_matched_tokens -> (num_tokens - local hit, async) or (0, False)
     update_state_after_alloc   -> LoadSpec for blocks [i0, i1) of the table,
                                   or a "done" notify when nothing is missing
     waiting for free blocks    -> "renew" notifies every lease_s / 3
-    finished before any load   -> "done" notify so P frees at once
+    finished before any load   -> "done" notify so P frees at once (also when it was
+                                  never scheduled: aborted while waiting)
     P not registered           -> a LoadSpec with an error: a load error
 
 Leases are durations on each side's own monotonic clock (``clock``): P's
@@ -235,11 +241,16 @@ class NixlSchedulerSide(KVConnectorSchedulerSide):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        state = self._remote.pop(request.request_id, None)
+        # a request finished before it was ever considered (aborted while waiting):
+        # its state is made now, so the peer hears "done" at once, not at its lease's end
+        state = self._remote_state(request)
+        self._remote.pop(request.request_id, None)
         if state is not None:
             if state.phase == _WAITING and not state.refusal:  # no load: let P free now
                 self._notify(request.request_id, state, NOTIF_DONE)
-            return False, None
+            if not state.params.do_remote_decode:
+                return False, None
+            # a prefill that borrowed its prefix (a peer's host tier) hands off as any
         raw = request.kv_transfer_params
         if not raw or not raw.get("do_remote_decode") or not self.config.serves_kv:
             return False, None

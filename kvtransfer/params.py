@@ -18,6 +18,13 @@ so the two machines' clocks never need to agree.
 No address travels: D looks ``(remote_engine_id, remote_epoch)`` up among
 the prefill engines the cluster registered with it (``prefill_registry.py``)
 and refuses the load when they are not there.
+
+A prefill engine that borrows a prefix (a peer's host KV tier lent it,
+``kvtransfer/tiers/export.py``) gets both directions in one request: the lent
+prefix's params (``do_remote_prefill``, ``remote_medium: "host"``) and
+``do_remote_decode``. It READs the prefix, computes the rest and then holds the
+whole prompt for D like any prefill. Both flags are refused together for a
+device-medium load (a decode request is never handed on).
 """
 
 from __future__ import annotations
@@ -63,8 +70,12 @@ class KVTransferParams(
 
     def validate(self) -> None:
         """Semantic checks beyond types. Raises ``ValueError`` naming the field."""
-        if self.do_remote_decode and self.do_remote_prefill:
-            _bad("do_remote_prefill", "cannot be set together with do_remote_decode")
+        if self.do_remote_decode and self.do_remote_prefill and self.remote_medium != "host":
+            _bad(
+                "do_remote_prefill",
+                'cannot be set together with do_remote_decode unless remote_medium is "host" '
+                "(a lent prefix read before a prefill)",
+            )
         if self.num_tokens < 0:
             _bad("num_tokens", f"must be >= 0, got {self.num_tokens}")
         if self.remote_medium not in ("device", "host"):

@@ -67,7 +67,9 @@ def finish_remote_load(
     # preemptable like any running request (a waiting request holding
     # blocks could deadlock the pool).
     sched.kv.cache_blocks(req, req.num_computed_tokens)
-    req.kv_transfer_params = None
+    # a prefill that borrowed its prefix (kvtransfer/params.py) still hands off
+    handoff = bool(req.kv_transfer_params and req.kv_transfer_params.get("do_remote_decode"))
+    req.kv_transfer_params = {"do_remote_decode": True} if handoff else None
     req.status = RequestStatus.RUNNING
     if req.first_scheduled_time is None:
         req.first_scheduled_time = time.time()

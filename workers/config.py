@@ -137,7 +137,8 @@ class EngineConfig:
     kv_offloading_size: float | None = option(
         None, section="offload", per_pool=True, metavar="GiB",
         help="host-memory KV tier of each engine in GiB (pinned on CUDA); unset: none. "
-        "A colocated pool of more than one engine with it gets NIXL: engines lend tier prefixes",
+        "Engines with it lend tier prefixes to each other over NIXL (prefill and decode "
+        "engines; a colocated pool of more than one engine gets NIXL for it)",
     )  # fmt: skip
     kv_offloading_disk_dir: str | None = option(
         None, section="offload", per_pool=True, metavar="DIR",

@@ -106,6 +106,13 @@ class Membership:
 
         decode = [e for e in engines if e.state.role == "decode" and e.answered]
         all_ok = await push_prefill_endpoints(decode, engines, call, self.call_timeout_s)
+        borrowers = [  # prefill engines with a host KV tier read their peers' tiers
+            e
+            for e in engines
+            if e.state.role == "prefill" and e.answered and e.state.info.get("kv_role") == "both"
+        ]
+        if borrowers:  # not needed for readiness: until then they are lent nothing
+            await push_prefill_endpoints(borrowers, engines, call, self.call_timeout_s)
         lenders = [  # colocated engines with NIXL (host KV tiers): each reads the others'
             e
             for e in engines
@@ -113,7 +120,7 @@ class Membership:
         ]
         if len(lenders) > 1:
             await push_prefill_endpoints(
-                lenders, engines, call, self.call_timeout_s, role="colocated"
+                lenders, engines, call, self.call_timeout_s, roles=("colocated",)
             )
         for e in engines:
             if not e.unregistered or not e.answered:

@@ -10,9 +10,11 @@ are built by ``kvtransfer/handoff.py``):
 
 The router plans each try (``cluster/routing``): which decode engine, and
 whether a prefill engine computes the prompt first (short prompts and
-prefix hits prefill on D). An engine chosen for a prefix only another
-engine's host KV tier holds gets it lent first (``tier_lending.py``). A prefill that fails is retried once on another
-prefill engine, else D prefills itself. Without prefill/decode pools, one
+prefix hits prefill on D). The engine that computes the prompt (the prefill
+engine, or D when P does not run, or a colocated engine) is lent the part of it
+another engine's host KV tier holds beyond its own, first (``tier_lending.py``).
+A prefill that fails is retried once on another prefill engine, else D
+prefills itself. Without prefill/decode pools, one
 colocated engine runs the whole request.
 
 A decode or colocated engine declared DEAD, restarted or drained raises
@@ -148,7 +150,7 @@ class Orchestrator:
         if choice is None:
             yield error_output(request.request_id, "no ready decode engine")
             return
-        if first is None:  # D computes the prompt: a prefill engine's host tier may lend
+        if first is None:  # D computes the prompt: a peer's host tier may lend
             request = await self.lending.lend(choice, request, hashes)
         async for out in self._stream(choice, request, q, first is None, n):
             yield out
@@ -181,8 +183,10 @@ class Orchestrator:
                 return None
             st = choice.engine
             tried.add(st.engine_id)
+            # a peer's host tier may hold more of the prompt than P does: P READs it first
+            lent_req = await self.lending.lend(choice, p_req, hashes)
             out = None
-            async for o in self._stream(choice, p_req, q, observe=True):
+            async for o in self._stream(choice, lent_req, q, observe=True):
                 out = o
             if out is None or out.finish_reason == FinishReason.ERROR:
                 logger.warning("prefill on %s failed: %s", st.engine_id, out and out.error)

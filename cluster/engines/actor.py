@@ -27,6 +27,7 @@ import msgspec
 
 from tandem.wire.auth import secret_fingerprint
 from tandem.workers.config import EngineConfig
+from tandem.workers.parallel.connector_hook import kv_role
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -102,6 +103,8 @@ class EngineActor:
             "max_num_seqs": self.config.max_num_seqs,
             "num_kv_blocks": self.engine.sched_config.num_kv_blocks,
             "kv_address": list(kv) if kv else None,
+            # "prefill" serves KV, "decode" reads peers', "both" (a host KV tier) does both
+            "kv_role": kv_role(self.config) if self.config.kv_connector else None,
             "kv_rank_ports": self.engine.kv_rank_ports(),
             "tp_worker_pids": [p.pid for p in self.engine.tp.procs] if self.engine.tp else [],
             # rank 1.. worker actors (workers/parallel/ray_workers.py): name, placement

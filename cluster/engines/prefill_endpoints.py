@@ -10,6 +10,11 @@ pushes the whole list where it differs::
       -> only then does the router send P requests (a handoff never names
          an incarnation D has not been told about)
 
+Engines that keep a host KV tier serve their KV too (kv role "both",
+``workers/parallel/connector_hook.py``): a decode engine with one reports a KV
+address and so joins the list, and a prefill engine with one gets the list as
+well, so each reads the others' lent tier prefixes (``cluster/disagg/tier_lending.py``).
+
 Runs on the gateway's event loop; every call has a deadline.
 """
 
@@ -25,15 +30,19 @@ logger = logging.getLogger(__name__)
 Endpoint = list[Any]  # [engine_id, epoch, host, port(, rank_ports)]
 
 
-def prefill_endpoints(engines: list[Any], role: str = "prefill") -> list[Endpoint]:
-    """The registered list: ``role`` engines (prefill; colocated ones lending their
-    host KV tiers to each other) that reported a KV address at their current epoch
-    (``state.info`` from ``ready()``), sorted by id."""
+PD_ROLES = ("prefill", "decode")
+
+
+def prefill_endpoints(engines: list[Any], roles: tuple[str, ...] = PD_ROLES) -> list[Endpoint]:
+    """The registered list: engines of ``roles`` (prefill, and decode engines with a
+    host KV tier; colocated ones lending their host KV tiers to each other) that
+    reported a KV address at their current epoch (``state.info`` from ``ready()``),
+    sorted by id."""
     out = []
     for e in engines:
         st = e.state
         address = st.info.get("kv_address") if st.info else None
-        if st.role == role and st.epoch and address:
+        if st.role in roles and st.epoch and address:
             endpoint = [st.engine_id, st.epoch, address[0], int(address[1])]
             rank_ports = st.info.get("kv_rank_ports")
             if rank_ports:  # a tensor-parallel engine: every rank's side channel
@@ -47,13 +56,13 @@ async def push_prefill_endpoints(
     all_engines: list[Any],
     call: Callable[[Any, list[Endpoint]], Awaitable[Any]],
     timeout_s: float,
-    role: str = "prefill",
+    roles: tuple[str, ...] = PD_ROLES,
 ) -> bool:
     """Send the registered list (from ``all_engines``) to every decode engine
     whose last acknowledged ``(epoch, list)`` (``e.pushed_endpoints``)
     differs. True when all of ``decode_engines`` hold the current list; a
     failed push is retried on the next round."""
-    endpoints = prefill_endpoints(all_engines, role)
+    endpoints = prefill_endpoints(all_engines, roles)
     targets = [
         e
         for e in decode_engines

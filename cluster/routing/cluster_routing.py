@@ -202,21 +202,24 @@ class ClusterRouting:
         self,
         hashes: PromptHashes,
         reader_role: str,
-        lender_role: str,
+        lender_roles: tuple[str, ...],
         reader: Any,
         lender_ids: list[str],
     ) -> tuple[str, list[bytes]] | None:
         """The engine of ``lender_ids`` whose host tier holds the longest leading run of
         the prompt's blocks, longer than the reader's own (device and own tiers), and
         that run's hashes; None when none does better (``cluster/disagg/tier_lending.py``).
-        Both pools must hash alike (block size, algorithm)."""
+        The pools must hash alike (block size, algorithm)."""
         if self.index is None or not lender_ids:
             return None
-        if self._hashing.get(reader_role) != self._hashing.get(lender_role):
+        hashing = self._hashing.get(reader_role)
+        if hashing is None or any(
+            self._hashing.get(role, hashing) != hashing for role in lender_roles
+        ):
             return None
         block_size = hashes.block_size(reader_role)
         cap = max_hit_blocks(len(hashes.request.prompt_token_ids), block_size)
-        blocks = hashes.of(lender_role)[:cap]
+        blocks = hashes.of(reader_role)[:cap]
         rid = reader.state.engine_id
         own = self.index.match_below(blocks, [rid], peers=False)[rid]
         runs = {eid: self.index.host_run(eid, blocks) for eid in lender_ids}

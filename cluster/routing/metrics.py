@@ -2,8 +2,9 @@
 
 tandem:router_decisions_total{role,reason}   engine choices; role "route"
     counts the disaggregation plan (remote_prefill, decode_holds_prompt,
-    small_miss, short_prompt, no_prefill); role "tier_lend" the gateway's asks
-    for a peer's host-tier prefix (lent, none, failed: cluster/disagg/tier_lending.py)
+    tiers_hold_prompt, small_miss, short_prompt, no_prefill); role "tier_lend"
+    the gateway's asks for a peer's host-tier prefix (lent, none, failed:
+    cluster/disagg/tier_lending.py)
 tandem:router_prefix_hit_error_tokens         predicted - reported prefix
     hit of the engine that computed the prompt (kv-aware only)
 """

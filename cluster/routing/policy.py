@@ -37,8 +37,11 @@ disaggregated request needs the prefill pool at all.
 
 Disaggregated plan (kv-aware): the decode engine D is chosen first. Then
     D holds every block it can take from cache  -> prefill on D ("decode_holds_prompt")
-    n - hit_D < disagg_min_tokens                -> prefill on D ("small_miss")
-    else                                         -> prefill engine by cost ("remote_prefill")
+    D's tiers or a peer's host tier hold them   -> prefill on D ("tiers_hold_prompt"):
+                                                   D loads or borrows them (KV tiers)
+    n - below_D < disagg_min_tokens             -> prefill on D ("small_miss")
+    else                                        -> prefill engine by cost ("remote_prefill")
+(``below_D``, below: what D has without computing, its device hit included.)
 The other policies keep the length rule: n < disagg_min_tokens -> on D.
 
 Migration plan (a stream moved off a lost decode engine, cluster/disagg/migration.py;
@@ -56,7 +59,9 @@ engine's host tier (``PrefixIndex.match_below``). The kv-aware cost uses
 in place of ``hit_e``, where ``own_e`` leaves other engines' tiers out: a block in
 e's own tier (a local load) scores below a device hit, a block in another engine's
 host tier (a NIXL READ) below that, and both above nothing. ``predicted_hit_tokens``
-and the disaggregated plan keep the device hit.
+keeps the device hit (``Choice.below_tokens`` is ``below_e``); the disaggregated plan
+weighs ``below_D``: a prompt the tiers hold, or all but fewer than
+``disagg_min_tokens`` of it, is not worth a prefill engine.
 
 ``hit`` never counts the block holding the prompt's last token (an engine
 always computes at least one token), exactly as the engine's scheduler does.
@@ -138,7 +143,8 @@ class RoutingConfig:
 class Choice:
     engine: EngineState
     reason: str
-    predicted_hit_tokens: int = 0
+    predicted_hit_tokens: int = 0  # on its device (what it will report cached)
+    below_tokens: int = 0  # without computing: device, own tiers, peers' host tiers
 
 
 @dataclass
@@ -237,7 +243,7 @@ class RoutingPolicy:
         if reason == "load" and below[best.engine_id] > 0:
             reason = "tier_hit"
         self._count(role, reason)
-        return Choice(best, reason, hit[best.engine_id])
+        return Choice(best, reason, hit[best.engine_id], below[best.engine_id])
 
     def _hits(
         self,
@@ -282,9 +288,12 @@ class RoutingPolicy:
             reason = "no_prefill"
         elif self.index is not None:
             full = max_hit_blocks(n, block_size) * block_size if block_size else 0
+            held = max(d.predicted_hit_tokens, d.below_tokens)  # KV tiers count
             if full and d.predicted_hit_tokens >= full:
                 reason = "decode_holds_prompt"
-            elif n - d.predicted_hit_tokens < self.router.disagg_min_tokens:
+            elif full and held >= full:
+                reason = "tiers_hold_prompt"
+            elif n - held < self.router.disagg_min_tokens:
                 reason = "small_miss"
             else:
                 reason = "remote_prefill"

@@ -6,7 +6,8 @@
 Fields (absent when they did not happen):
     router                 the policy (round-robin | least-load | kv-aware)
     route_reason           P/D: the plan (remote_prefill, small_miss,
-                           decode_holds_prompt, short_prompt, no_prefill;
+                           decode_holds_prompt, tiers_hold_prompt, short_prompt,
+                           no_prefill;
                            after a migration migration_recompute or
                            migration_handoff);
                            colocated: the choice (prefix_hit, load, ...)
@@ -14,7 +15,11 @@ Fields (absent when they did not happen):
     decode_engine, decode_reason     the decode engine (P/D)
     engine, engine_reason            the colocated engine
     predicted_hit_tokens   the router's prefix hit on the engine that computed the prompt
+                           (a prefix a peer's host tier lent it included)
     actual_hit_tokens      that engine's reported hit (its first output)
+    tier_lender, tier_lent_tokens    the engine whose host KV tier lent the engine that
+                           computed the prompt a prefix, and its tokens
+                           (cluster/disagg/tier_lending.py)
 
 A migrated request's note describes its last attempt. Notes of requests
 whose gateway never takes them (a backend driven without a gateway) are
@@ -60,6 +65,11 @@ class RouteNotes:
         note = self._note(request_id)
         note["predicted_hit_tokens"] = predicted_tokens
         note["actual_hit_tokens"] = actual_tokens
+
+    def lent(self, request_id: str, lender_id: str, num_tokens: int) -> None:
+        note = self._note(request_id)
+        note["tier_lender"] = lender_id
+        note["tier_lent_tokens"] = num_tokens
 
     def take(self, request_id: str) -> dict[str, Any]:
         """The request's fields, forgotten here (empty if it was never routed)."""

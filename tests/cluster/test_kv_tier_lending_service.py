@@ -4,7 +4,10 @@ engine X computed the prompt and pushed it out of its small device cache into it
 tier; with X drained, the router picks Y for the same prompt (reason "tier_hit"), the
 gateway asks X for ``kv_tier_export`` and sends Y the lent params, and Y READs the
 prefix: ``cached_tokens`` counts it, the text equals X's cold run, both engines pass
-check_integrity (no export left pinned) (cluster/disagg/tier_lending.py)."""
+check_integrity (no export left pinned) (cluster/disagg/tier_lending.py). Under P/D
+(1 prefill + 2 decode engines, each with a host tier) the lending goes every way:
+prefill -> decode, decode -> decode, and decode -> the prefill engine before it
+prefills."""
 
 from __future__ import annotations
 
@@ -113,43 +116,121 @@ def test_gateway_lends_a_peer_host_tier_prefix_to_the_chosen_engine():
         shared_ray.release()
 
 
-def test_decode_engine_prefilling_itself_is_lent_the_prefill_engines_host_tier():
-    # 1 prefill (host tier) + 1 decode engine: a max_tokens=1 request prefills on D
-    # ("no_prefill"), and P's host tier lends D the prefix P computed earlier
-    from tests.cluster.service_helpers import tiny_pd_service
+def test_pd_engines_lend_their_host_tiers_to_each_other():
+    """1 prefill + 2 decode engines, each with a host tier (kv role "both"): D is lent
+    P's tier when it computes the prompt itself; D is lent the other D's tier when the
+    plan counts the tiers as holding the prompt ("tiers_hold_prompt"); the prefill
+    engine borrows a decode engine's tier before it prefills, and computes only the
+    rest (cached tokens = the lent blocks); a client gone mid-stream leaves no pin."""
+    config = serve_config(
+        model="tiny",
+        ray_dashboard=False,
+        prefill=1,
+        decode=2,
+        disagg_min_tokens=32,
+        num_kv_blocks=64,
+        max_num_seqs=4,
+        max_model_len=512,
+        kv_offloading_size=0.01,
+        kv_lease_s=10.0,
+    )
+    shared_ray.start()
+    try:
+        with ServiceThread(config) as svc:
+            backend = svc.service.backend
+            index = backend.routing.index
+            c = client(svc)
+            (p,) = [eid for eid, e in backend.engines.items() if e.state.role == "prefill"]
+            d0, d1 = sorted(eid for eid, e in backend.engines.items() if e.state.role == "decode")
+            infos = {eid: e.state.info for eid, e in backend.engines.items()}
+            assert all(info["kv_role"] == "both" for info in infos.values()), infos
 
-    with tiny_pd_service(
-        router="kv-aware",
-        prefill_engine={"num_kv_blocks": 32, "kv_offloading_size": 0.01},
-        decode_engine={"num_kv_blocks": 32},
-    ) as svc:
-        backend = svc.service.backend
-        c = client(svc)
-        (p,) = [eid for eid, e in backend.engines.items() if e.state.role == "prefill"]
-        (d,) = [eid for eid, e in backend.engines.items() if e.state.role == "decode"]
+            def complete(prompt: str, max_tokens: int = 8, salt: str | None = None):
+                extra = {"cache_salt": salt} if salt else None
+                return c.completions.create(
+                    model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0,
+                    extra_body=extra,
+                )  # fmt: skip
 
-        def complete(prompt: str, max_tokens: int):
-            return c.completions.create(
-                model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0
-            )
+            def peers_of(eid: str) -> set[str]:
+                pushed = backend.engines[eid].pushed_endpoints
+                return {ep[0] for ep in pushed[1]} if pushed else set()
 
-        prompt = "Tell me about tiered KV caches and who reads them. " * 2
-        first = complete(prompt, 8)  # prefilled on P, handed off to D
-        for i in range(12):  # out of both device caches; P's blocks stay in its host tier
-            complete(f"Unrelated question {i}. " * 6, 2)
-        stats = wait_idle(svc)
-        full = (first.usage.prompt_tokens - 1) // 16
-        assert stats[p].kv_offload.tiers[0].blocks >= full > 0
-        index = backend.routing.index
-        _wait("P's host tier in the index", lambda: len(index.hashes_of(p, "host")) >= full)
-        before = stats[d].kv_transfer.transfer_bytes_total
+            def reset(eid: str) -> None:
+                """``eid`` forgets every prefix, device and tiers (the index hears it)."""
 
-        second = complete(prompt, 1)  # on D alone, P's host tier lends the prefix
-        decisions = backend.routing.decisions()
-        assert decisions.get("decode/tier_hit", 0) >= 1, decisions
-        assert decisions.get("tier_lend/lent") == 1, decisions
-        assert second.usage.prompt_tokens_details.cached_tokens == full * 16
-        assert second.choices[0].text and first.choices[0].text.startswith(second.choices[0].text)
-        stats = wait_idle(svc)  # check_integrity on both: P's export is over
-        assert stats[d].kv_transfer.transfer_bytes_total > before
-        assert stats[p].kv_transfer.sends_blocks_held == 0
+                async def call():
+                    return await backend.engines[eid].handle.actor.reset_prefix_cache.remote()
+
+                wait_idle(svc)
+                assert svc.run(call()) is True
+                _wait(f"{eid}'s tiers empty in the index", lambda: not index.hashes_of(eid, "host"))
+
+            def held(eid: str, num_blocks: int) -> None:
+                _wait(
+                    f"{eid}'s host tier in the index",
+                    lambda: len(index.hashes_of(eid, "host")) >= num_blocks,
+                )
+
+            def lent() -> int:
+                return backend.routing.decisions().get("tier_lend/lent", 0)
+
+            every = {p, d0, d1}
+            _wait("peers known", lambda: all(every <= peers_of(e) for e in every))
+            prompt = "Tell me about tiered KV caches and who reads them. " * 2
+            svc.run(backend.drain(d0, 30.0))
+            first = complete(prompt)  # P prefills, d1 decodes: both tiers store the prompt
+            assert first.usage.prompt_tokens_details.cached_tokens == 0
+            full = (first.usage.prompt_tokens - 1) // 16
+            held(p, full), held(d1, full)
+
+            # D computes the prompt (max_tokens=1: no P), P's host tier lends it
+            reset(d1)
+            one = complete(prompt, max_tokens=1)
+            assert lent() == 1, backend.routing.decisions()
+            assert one.usage.prompt_tokens_details.cached_tokens == full * 16
+            assert first.choices[0].text.startswith(one.choices[0].text)
+            held(d1, full)
+
+            # decode <-> decode: d0 (d1 drained) counts d1's tier as holding the prompt
+            reset(p)
+            backend.undrain(d0)
+            _wait("d0 ready", lambda: backend.engines[d0].state.ready)
+            svc.run(backend.drain(d1, 30.0))
+            before = wait_idle(svc)[d0].kv_transfer.transfer_bytes_total
+            second = complete(prompt)
+            decisions = backend.routing.decisions()
+            assert decisions.get("route/tiers_hold_prompt") == 1, decisions
+            assert lent() == 2, decisions
+            assert second.usage.prompt_tokens_details.cached_tokens == full * 16
+            assert second.choices[0].text == first.choices[0].text
+            stats = wait_idle(svc)  # check_integrity everywhere: d1's export is over
+            assert stats[d0].kv_transfer.transfer_bytes_total > before  # READ from d1
+            assert stats[d1].kv_transfer.sends_blocks_held == 0
+
+            # P borrows before it prefills: the prompt plus a new part worth a prefill
+            longer = prompt + "Now compare them with a single device cache, please. " * 3
+            cold = complete(longer, salt="cold")  # the same tokens, computed cold
+            assert cold.usage.prompt_tokens_details.cached_tokens == 0
+            reset(p)  # P holds nothing of it; d0's and d1's host tiers hold the prompt
+            third = complete(longer)
+            decisions = backend.routing.decisions()
+            assert lent() == 3, decisions
+            assert third.usage.prompt_tokens_details.cached_tokens == full * 16  # on P
+            assert third.choices[0].text == cold.choices[0].text
+            metrics = httpx.get(svc.base_url + "/metrics", timeout=10).text
+            assert 'router_decisions_total{reason="lent",role="tier_lend"} 3.0' in metrics
+            stats = wait_idle(svc)
+            assert all(s.kv_transfer.sends_blocks_held == 0 for s in stats.values())
+
+            # lent to P, then the client goes away: every pin and held block is freed
+            reset(p)  # a new second part: d0 holds only the prompt's blocks again
+            other = prompt + "Then explain why a peer would lend its host tier. " * 3
+            body = dict(model="tiny", prompt=other, max_tokens=64, stream=True)
+            disconnect_mid_stream(svc, body, 1)
+            assert lent() == 4, backend.routing.decisions()
+            stats = wait_idle(svc, deadline_s=60.0)
+            assert all(s.kv_transfer.sends_blocks_held == 0 for s in stats.values())
+            backend.undrain(d1)
+    finally:
+        shared_ray.release()

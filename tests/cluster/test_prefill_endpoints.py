@@ -29,6 +29,21 @@ def test_list_names_prefill_engines_with_an_address_at_their_epoch():
     ]
 
 
+def test_decode_engines_with_a_host_tier_lend_and_colocated_lists_stand_apart():
+    # a decode engine keeping a host KV tier serves its KV (kv role "both"): listed
+    engines = [
+        engine("prefill-0", "prefill", 5, ["10.0.0.1", 6000]),
+        engine("decode-0", "decode", 3, ["10.0.0.4", 6004]),
+        engine("decode-1", "decode", 2, None),  # no tier: reads only
+        engine("colocated-0", "colocated", 1, ["10.0.0.5", 6005]),
+    ]
+    assert prefill_endpoints(engines) == [
+        ["decode-0", 3, "10.0.0.4", 6004],
+        ["prefill-0", 5, "10.0.0.1", 6000],
+    ]
+    assert prefill_endpoints(engines, ("colocated",)) == [["colocated-0", 1, "10.0.0.5", 6005]]
+
+
 def test_pushed_once_per_change_and_retried_after_a_failure():
     p = engine("prefill-0", "prefill", 5, ["10.0.0.1", 6000])
     d0, d1 = engine("decode-0", "decode", 3), engine("decode-1", "decode", 4)

@@ -164,6 +164,50 @@ def test_cancel_after_meta_tells_the_worker():
     assert not conn.has_pending_work()
 
 
+def test_prefill_that_borrows_a_lent_prefix_reads_it_then_hands_off():
+    # a peer's host tier lent 2 blocks (kvtransfer/tiers/export.py): P READs them, computes
+    # the rest and holds the whole prompt for D
+    conn = make(clock=Clock(500.0))
+    lent = dict(d_params(8, [40, 41]), remote_medium="host", do_remote_decode=True)
+    req = p_request("r1", 10, params=lent)
+    assert conn.get_num_new_matched_tokens(req, 0) == (8, True)
+    assert conn.loads_from_own_tiers(req)  # cached tokens, recomputed if the READ fails
+    conn.update_state_after_alloc(req, [5, 6, 2], 8)
+    (load,) = meta(conn).loads
+    assert (load.local_block_ids, load.remote_block_ids, load.remote_medium) == (
+        [5, 6],
+        [40, 41],
+        "host",
+    )
+    conn.update_connector_output(KVConnectorOutput(finished_recving=["r1"]))
+    req.kv_transfer_params = {"do_remote_decode": True}  # as the scheduler leaves it loaded
+    finish_prefill(req)
+    delay, params = conn.request_finished(req, [5, 6, 2])
+    assert delay is True and params["remote_block_ids"] == [5, 6, 2]
+    assert params["num_tokens"] == 10 and "remote_medium" not in params  # P's device blocks
+    assert meta(conn).new_sends == [SendSpec("r1", 3, 560.0)]
+    conn.update_connector_output(KVConnectorOutput(finished_sending=["r1"]))
+    conn.check_integrity()
+
+
+def test_prefill_that_borrowed_and_is_aborted_before_its_read_tells_the_lender_done():
+    conn = make()
+    lent = dict(d_params(8, [40, 41]), remote_medium="host", do_remote_decode=True)
+    req = p_request("r1", 10, params=lent)
+    assert conn.get_num_new_matched_tokens(req, 0) == (8, True)
+    finish_prefill(req, RequestStatus.FINISHED_ABORTED)
+    assert conn.request_finished(req, []) == (False, None)  # nothing handed off
+    (notify,) = meta(conn).notifies
+    assert notify == NotifySpec("r1", PEER, "p-req", "done")  # the lender unpins at once
+    conn.check_integrity()
+    # aborted while still waiting, never considered by the scheduler: the same "done"
+    req = p_request("r2", 10, params=lent)
+    finish_prefill(req, RequestStatus.FINISHED_ABORTED)
+    assert conn.request_finished(req, []) == (False, None)
+    assert meta(conn).notifies == [NotifySpec("r2", PEER, "p-req", "done")]
+    conn.check_integrity()
+
+
 # ---- decode side ----------------------------------------------------------------
 
 

@@ -49,6 +49,14 @@ def test_bad_field_is_named(patch, field):
         KVTransferParams.from_dict({**FULL, **patch})
 
 
+def test_a_lent_host_prefix_may_come_with_do_remote_decode():
+    # a prefill engine borrows a peer's host tier prefix, then hands off to D
+    both = {**FULL, "do_remote_decode": True, "remote_medium": "host"}
+    assert KVTransferParams.from_dict(both).do_remote_decode
+    with pytest.raises(ValueError, match='unless remote_medium is "host"'):
+        KVTransferParams.from_dict({**FULL, "do_remote_decode": True})
+
+
 def test_unknown_field_is_named():
     with pytest.raises(ValueError, match="do_remote_prefil"):
         KVTransferParams.from_dict({"do_remote_prefil": True})

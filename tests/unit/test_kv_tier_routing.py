@@ -6,6 +6,7 @@ for the other engines, which can READ it over NIXL."""
 import msgspec
 
 from tandem.cluster.routing.index import PrefixIndex
+from tandem.cluster.routing.policy import Choice
 from tandem.scheduler.kv_events import (
     BlockRemoved,
     BlockStored,
@@ -137,7 +138,11 @@ def test_tier_lender_is_the_longest_host_run_beyond_the_readers_own():
     from tandem.cluster.routing.policy import RoutingConfig
     from tandem.cluster.routing.router import Router
 
-    assert LENDER_ROLES == {"decode": "prefill", "colocated": "colocated"}
+    assert LENDER_ROLES == {
+        "prefill": ("prefill", "decode"),  # P borrows before it prefills
+        "decode": ("prefill", "decode"),  # D computing the prompt, from P or another D
+        "colocated": ("colocated",),
+    }
     router = Router()
     routing = ClusterRouting(RoutingConfig("kv-aware"), router, {"colocated": 3})
     info = {"block_size": BLOCK, "prefix_caching_hash_algo": "sha256", "num_kv_blocks": 64}
@@ -153,13 +158,123 @@ def test_tier_lender_is_the_longest_host_run_beyond_the_readers_own():
     assert idx.apply(_batch("c2", 1, BlockStored(hashes[:3], None, 12, "host")))
     assert idx.apply(_batch("c0", 1, BlockStored(hashes[:2], None, 8)))
     reader = _Reader("c0")
-    found = routing.tier_lender(ph, "colocated", "colocated", reader, ["c1", "c2"])
+    found = routing.tier_lender(ph, "colocated", ("colocated",), reader, ["c1", "c2"])
     assert found == ("c1", hashes[:8])  # every full block: the last token is past them
     # the reader's own tiers hold as long a run: nothing to lend
     assert idx.apply(_batch("c0", 2, BlockStored(hashes[2:], None, 24, "disk")))
-    assert routing.tier_lender(ph, "colocated", "colocated", reader, ["c1", "c2"]) is None
+    assert routing.tier_lender(ph, "colocated", ("colocated",), reader, ["c1", "c2"]) is None
     routing.count("tier_lend", "lent")
     assert routing.decisions() == {"tier_lend/lent": 1}
+
+
+def test_disaggregated_plan_counts_the_tokens_tiers_hold():
+    c = SimCluster({"p0": "prefill", "d0": "decode", "d1": "decode"}, disagg_min_tokens=24)
+    tokens = list(range(100, 133))  # 8 full blocks + 1 token
+    hashes = c.hashes(tokens).of("decode")
+    for eid in ("d0", "d1", "p0"):
+        assert c.index.apply(_batch(eid, 1, BlockStored([b"?" * 32], None, 4)))  # in sync
+    plan = c.policy.plan_disaggregated(len(tokens), hashes, BLOCK, True)
+    assert plan.remote_prefill and plan.reason == "remote_prefill"  # held nowhere
+    # d1's host tier holds every full block: D borrows (or loads) it, no prefill engine
+    assert c.index.apply(_batch("d1", 2, BlockStored(hashes, None, 32, "host")))
+    plan = c.policy.plan_disaggregated(len(tokens), hashes, BLOCK, True)
+    assert not plan.remote_prefill and plan.reason == "tiers_hold_prompt"
+    assert plan.decode.predicted_hit_tokens == 0 and plan.decode.below_tokens == 32
+    # a longer prompt: the tiers hold 32 of 41 tokens, 9 to compute < 24: on D
+    longer = tokens + list(range(8))
+    plan = c.policy.plan_disaggregated(len(longer), c.hashes(longer).of("decode"), BLOCK, True)
+    assert not plan.remote_prefill and plan.reason == "small_miss"
+    # 32 tokens past the tier's prefix: worth a prefill engine (which may borrow it)
+    longest = tokens + list(range(32))
+    plan = c.policy.plan_disaggregated(len(longest), c.hashes(longest).of("decode"), BLOCK, True)
+    assert plan.remote_prefill and plan.reason == "remote_prefill"
+    assert c.policy.decisions[("route", "tiers_hold_prompt")] == 1
+    c.index.check_integrity()
+
+
+class _Actor:
+    """A lender's ``kv_tier_export`` as the gateway awaits it (a Ray method's shape)."""
+
+    def __init__(self, answer) -> None:
+        self.answer = answer
+        self.asked: list = []
+        self.kv_tier_export = self
+
+    def remote(self, run):
+        self.asked.append(run)
+
+        async def reply():
+            if isinstance(self.answer, Exception):
+                raise self.answer
+            return self.answer
+
+        return reply()
+
+
+def test_a_prefill_engine_borrows_and_keeps_its_handoff_flag():
+    import asyncio
+    from types import SimpleNamespace
+
+    from tandem.cluster.disagg.tier_lending import TierLending
+    from tandem.cluster.routing.cluster_routing import ClusterRouting
+    from tandem.cluster.routing.policy import RoutingConfig
+    from tandem.cluster.routing.router import Router
+    from tandem.kvtransfer.handoff import prefill_request
+
+    router = Router()
+    routing = ClusterRouting(RoutingConfig("kv-aware"), router, {"prefill": 1, "decode": 2})
+    info = {"block_size": BLOCK, "prefix_caching_hash_algo": "sha256", "num_kv_blocks": 64}
+    engines = {}
+    for eid, role in (("p0", "prefill"), ("d0", "decode"), ("d1", "decode")):
+        st = router.add(eid, role)
+        st.epoch = 3
+        routing.on_connected(eid, role, dict(info, epoch=1))  # the index's (events') epoch
+        engines[eid] = SimpleNamespace(
+            state=st, answered=True, pushed_endpoints=None, handle=SimpleNamespace()
+        )
+    endpoints = [[eid, 3, "h", 1] for eid in ("d1", "p0")]  # d0 has no host tier
+    for e in engines.values():
+        e.pushed_endpoints = (3, endpoints)
+    tokens = list(range(100, 133))
+    request = EngineRequest("r", tokens, SamplingParams(max_tokens=4))
+    ph = routing.hashes(request)
+    hashes = ph.of("prefill")
+    assert routing.index.apply(_batch("d1", 1, BlockStored(hashes[:5], None, 20, "host")))
+    assert routing.index.apply(_batch("p0", 1, BlockStored(hashes[:2], None, 8)))
+    lent = {"do_remote_prefill": True, "remote_medium": "host", "num_tokens": 5 * BLOCK}
+    actor = _Actor(lent)
+    engines["d1"].handle.actor = actor
+    lending = TierLending(engines, routing)
+    choice = Choice(router.engines["p0"], "prefix_hit", 2 * BLOCK)
+
+    out = asyncio.run(lending.lend(choice, prefill_request(request), ph))
+    assert actor.asked == [hashes[:5]]  # d1's run, longer than p0's device hit
+    assert out.kv_transfer_params == {**lent, "do_remote_decode": True}
+    assert choice.predicted_hit_tokens == 5 * BLOCK
+    assert routing.log_fields("r") == {  # the request's finished line names the lender
+        "router": "kv-aware",
+        "tier_lender": "d1",
+        "tier_lent_tokens": 5 * BLOCK,
+    }
+    # the reader does not know d1 at its epoch: nothing asked
+    engines["p0"].pushed_endpoints = (3, [["p0", 3, "h", 1]])
+    assert asyncio.run(lending.lend(choice, prefill_request(request), ph)).kv_transfer_params == {
+        "do_remote_decode": True
+    }
+    engines["p0"].pushed_endpoints = (3, endpoints)
+    # a decode engine computing the prompt borrows from the other decode engine
+    d_choice = Choice(router.engines["d0"], "load", 0)
+    assert asyncio.run(lending.lend(d_choice, request, ph)).kv_transfer_params == lent
+    # an error or nothing to lend: the request goes plain
+    actor.answer = TimeoutError("late")
+    assert asyncio.run(lending.lend(d_choice, request, ph)) is request
+    actor.answer = None
+    assert asyncio.run(lending.lend(d_choice, request, ph)) is request
+    assert routing.decisions() == {
+        "tier_lend/failed": 1,
+        "tier_lend/lent": 2,
+        "tier_lend/none": 1,
+    }
 
 
 class _Reader:

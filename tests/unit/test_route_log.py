@@ -26,11 +26,14 @@ def test_notes_follow_the_plan_and_are_taken_once():
     notes.planned("r2", "small_miss")
     assert "prefill_engine" not in notes.take("r2")
     notes.chosen("r3", "colocated", "colocated-2", "prefix_hit")
+    notes.lent("r3", "colocated-0", 48)  # a peer's host tier lent it the rest
     assert notes.take("r3") == {
         "router": "kv-aware",
         "engine": "colocated-2",
         "engine_reason": "prefix_hit",
         "route_reason": "prefix_hit",
+        "tier_lender": "colocated-0",
+        "tier_lent_tokens": 48,
     }
 
 

@@ -260,7 +260,12 @@ class EngineCore:
             quarantined_loads_total=raw.get("num_quarantined_loads_total", 0.0),
             loads_in_flight=int(raw.get("num_loads_in_flight", 0)),
             loads_in_quarantine=int(raw.get("num_loads_quarantined", 0)),
-            sends_blocks_held=int(raw.get("num_blocks_held_for_transfer", 0)),
+            sends_blocks_held=max(
+                int(raw.get("num_blocks_held_for_transfer", 0)),
+                # the scheduler side counts a hold from the moment it is made (a KV tier
+                # export, before the next step hands it to the worker)
+                int(getattr(self.connector_scheduler, "num_blocks_held_for_transfer", 0)),
+            ),
             transfer_seconds=self._transfer_seconds.snapshot(),
             **transport_fields(getattr(w, "transport_report", lambda: None)()),
         )

@@ -26,6 +26,15 @@ from typing import Any
 from tandem.workers.config import EngineConfig
 
 
+def kv_role(config: EngineConfig) -> str:
+    """The engine's NIXL role: a prefill engine serves its KV, a decode engine reads
+    peers'; an engine keeping a host KV tier does both, so it lends tier prefixes to
+    its peers and borrows theirs (kvtransfer/tiers/export.py), whatever its pool."""
+    if config.kv_offloading_size:
+        return "both"
+    return {"prefill": "prefill", "decode": "decode"}.get(config.role, "both")
+
+
 def kv_transfer_config(config: EngineConfig, hf_config: Any, rank: int = 0) -> Any:
     """The ``KVTransferConfig`` of rank ``rank`` of an engine (0: the engine core's)."""
     from tandem.kvtransfer.config import KVTransferConfig
@@ -36,7 +45,7 @@ def kv_transfer_config(config: EngineConfig, hf_config: Any, rank: int = 0) -> A
     model_kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     return KVTransferConfig(
         connector=c.kv_connector,
-        role={"prefill": "prefill", "decode": "decode"}.get(c.role, "both"),
+        role=kv_role(config),
         engine_id=c.engine_id,
         epoch=c.epoch,
         side_channel_host=c.kv_host,
