@@ -76,19 +76,28 @@ def decode_step(
         want = min(want, sched.config.max_num_batched_tokens - 1)
         if want <= 0:
             return 1, 0
-        if room < want:
+        if lag and room < want:  # a draft model's: as many drafts as it wants
             req.spec_hold = want  # waits (its draft catching up) for a step with room
             return 0, min(lag, spare + 1, chunk)
+        drafts = _propose(sched, spec, req, want)
+        if len(drafts) > room:
+            req.spec_token_ids, req.spec_hold = [], want  # waits for a step with room
+            return 0, 0
+        return 1 + len(drafts), lag
     if room < 1:
         if lag == 0:
             return 1, 0  # the budget is spent: no draft this step
         req.spec_hold = want  # drafts once its draft has caught up; decodes plainly now,
         # and the draft may compute the position of the last token too (its slot is held)
         return 1, min(lag + 1, spare, chunk)
-    drafts = spec.propose(req, min(want, room))
+    return 1 + len(_propose(sched, spec, req, min(want, room))), lag
+
+
+def _propose(sched: Scheduler, spec: Lookahead, req: Request, num: int) -> list[int]:
+    drafts = spec.propose(req, num)
     if drafts and req.sampling_params.structured_outputs is not None:
         drafts = structured_grammar.cut_drafts(sched, req)
-    return 1 + len(drafts), lag
+    return drafts
 
 
 def catch_up_only(
