@@ -11,7 +11,9 @@ finds their KV (prefix hits, as a decode engine finds a prefill engine's) and th
 finds none, as after a handoff. Two chat requests are already decoding (with drafts)
 when the eight arrive. Printed, for the window from the eight's arrival until they finish:
 
-    longest step    the slowest engine step (what every running request waits for)
+    longest step    the slowest engine step (what every running request waits for), and
+                    the most CPU time one step took (this process, one torch thread: on a
+                    shared box wall time also carries the other processes' load)
     step p50        the median step
     bg ITL max      the longest gap between two outputs of a background request
     first token     mean time from arrival to an arriving request's first output
@@ -68,7 +70,7 @@ def run_catch_up(args, machine: str, copy_prompts, chat_prompts, encode) -> None
     firsts: list[float] = []
 
     def step() -> float:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         outs = engine.step().outputs
         now = time.perf_counter()
         for o in outs:
@@ -79,9 +81,11 @@ def run_catch_up(args, machine: str, copy_prompts, chat_prompts, encode) -> None
                 firsts.append(now - arrived)
             tokens[o.request_id].extend(o.new_token_ids)
             last[o.request_id] = now
+        cpu.append(time.process_time() - c0)
         return now - t0
 
     arrived = None
+    cpu: list[float] = []  # CPU seconds of each step (one torch thread: its compute)
     bg_sp = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(background):
         tokens[f"bg{i}"] = []
@@ -94,6 +98,7 @@ def run_catch_up(args, machine: str, copy_prompts, chat_prompts, encode) -> None
         tokens[f"new{i}"] = []
         assert engine.add_request(EngineRequest(f"new{i}", p, sp)) is None
     steps, catch_ups = [], []
+    cpu.clear()
     while any(len(tokens[f"new{i}"]) < args.output_len for i in range(len(arriving))):
         before = drafter.num_catch_up_tokens
         steps.append(step())
@@ -114,12 +119,13 @@ def run_catch_up(args, machine: str, copy_prompts, chat_prompts, encode) -> None
         f"draft KV), {args.output_len} tokens each; 2 background chat requests decoding\n"
     )
     print(
-        f"{'steps':>5} {'longest step':>12} {'step p50':>8} {'bg ITL max':>10} "
+        f"{'steps':>5} {'longest step':>12} {'(CPU)':>7} {'step p50':>8} {'bg ITL max':>10} "
         f"{'first token':>11} {'window':>7}  catch-up (positions / steps / most)  tokens"
     )
     print(
-        f"{len(steps):>5} {max(steps) * 1e3:>10.0f}ms {statistics.median(steps) * 1e3:>6.0f}ms "
-        f"{max(gaps) * 1e3:>8.0f}ms {statistics.mean(firsts):>10.2f}s {window:>6.1f}s  "
+        f"{len(steps):>5} {max(steps) * 1e3:>10.0f}ms {max(cpu) * 1e3:>5.0f}ms "
+        f"{statistics.median(steps) * 1e3:>6.0f}ms {max(gaps) * 1e3:>8.0f}ms "
+        f"{statistics.mean(firsts):>10.2f}s {window:>6.1f}s  "
         f"{sum(catch_ups)} / {len(big)} / {max(catch_ups)}  {digest}"
     )
     engine.shutdown()
