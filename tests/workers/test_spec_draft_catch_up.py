@@ -174,3 +174,25 @@ def test_seeded_tokens_do_not_depend_on_the_catch_up_chunks(which, random_draft)
     # it waited: steps with its draft catching up and no token of its own
     assert any("w1-2" in c and "w1-2" not in s for s, c, _ in steps.records)
     assert engine.scheduler.spec.stats.num_drafts > 0
+
+
+def test_check_integrity_compares_the_scheduler_count_with_the_runner_one():
+    """The scheduler budgets the catch-up with its own count of each request's draft KV;
+    a count that drifted from the runner's is an integrity error naming the request."""
+    engine = EngineCore(EngineConfig(model="tiny", block_size=8, num_kv_blocks=64,
+                                     max_num_batched_tokens=BUDGET,
+                                     speculative_config=draft()))  # fmt: skip
+    prompt = long_prompts(1)[0]
+    assert engine.add_request(EngineRequest("r", prompt, greedy(30))) is None
+    drafter = engine.runner.drafter
+    while drafter.num_catch_up_tokens < BUDGET:  # its draft is catching up
+        engine.step()
+    (req,) = engine.scheduler.running
+    drafter.check(engine.runner.requests, engine.scheduler.running)
+    req.draft_computed -= 1
+    with pytest.raises(AssertionError, match="r: the runner holds draft KV"):
+        drafter.check(engine.runner.requests, engine.scheduler.running)
+    req.draft_computed += 1
+    while engine.has_work():
+        engine.step()
+    engine.check_integrity()
