@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/spec_decode.py                     # batches 1, 8, 32
     .venv/bin/python benchmarks/spec_decode.py --batches 1 --output-len 48
+    .venv/bin/python benchmarks/spec_decode.py --catch-up --budget 256 --output-len 8
 
 smollm2 (SmolLM2-135M-Instruct from the built-in GGUF, fp32, CPU), greedy, EOS ignored,
 ``--output-len`` tokens per request. Two workloads, chat-templated:
@@ -156,8 +157,20 @@ def main() -> None:
         help="also ngram rows with the adaptive policy before issue #26's batch-aware one "
         "(rows 'ngramKv0': caps start at K, halve to 0, each request probes every 16 steps)",
     )
+    ap.add_argument(
+        "--catch-up",
+        action="store_true",
+        help="instead of the table: the draft's catch-up on a P/D-like decode engine, "
+        "longest step and ITL (benchmarks/spec_catch_up.py)",
+    )
+    ap.add_argument("--budget", type=int, default=256, help="--catch-up's max_num_batched_tokens")
     args = ap.parse_args()
     torch.set_num_threads(args.torch_threads)
+    if args.catch_up:
+        from benchmarks.spec_catch_up import run_catch_up
+
+        run_catch_up(args, machine(), copy_prompts, chat_prompts, encode)
+        return
     engine = EngineCore(
         EngineConfig(
             model="smollm2",
@@ -320,9 +333,9 @@ class FillTimer:
     def reset(self) -> None:
         self.calls: list[tuple[int, float]] = []  # (tokens recomputed, seconds)
 
-    def __call__(self, spec, segments) -> None:
+    def __call__(self, spec, segments, catch_up=()) -> None:
         before, t = self.drafter.num_catch_up_tokens, time.perf_counter()
-        self.inner(spec, segments)
+        self.inner(spec, segments, catch_up)
         if self.on:
             self.calls.append((self.drafter.num_catch_up_tokens - before, time.perf_counter() - t))
 

@@ -136,6 +136,8 @@ def schedule_waiting(
 
 
 def new_request_data(sched: Scheduler, req: Request) -> NewRequestData:
+    """The runner's new copy of ``req`` (it holds no draft-model KV of it yet)."""
+    req.draft_computed = 0
     return NewRequestData(
         req_id=req.request_id,
         all_token_ids=list(req.all_token_ids),

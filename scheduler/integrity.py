@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tandem.scheduler import structured_grammar
+from tandem.scheduler import drafting, structured_grammar
 from tandem.scheduler.kv_cache_manager import cdiv
 from tandem.scheduler.request import RequestStatus
 from tandem.wire.engine_protocol import SchedulerStats
@@ -66,6 +66,7 @@ def check_integrity(sched: Scheduler, idle: bool = True) -> None:
                 f"{r.request_id}: {num_blocks} blocks for {r.num_computed_tokens} tokens"
             )
         sched.spec.policy.check_integrity(sched.running)
+        drafting.check_integrity(sched)
     for rid, parent in sched.fork_parents.items():
         assert sched.requests.get(rid) is parent, f"fork parent {rid} is not tracked"
     if idle:

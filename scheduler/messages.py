@@ -75,6 +75,11 @@ class SchedulerOutput(_Wire):
     # req id -> drafts scheduled after its last token (speculative decoding,
     # scheduler/spec/): the step computes them and samples each of their positions
     scheduled_spec_decode_tokens: dict[str, list[int]] = {}
+    # req id -> positions of a draft model's KV recomputed this step before the request's
+    # last token (scheduler/drafting.py): for a request with drafts, the first draft
+    # forward's catch-up; for one without, positions draft_computed .. + n (counted in
+    # total_num_scheduled_tokens)
+    draft_catch_up: dict[str, int] = {}
 
 
 class KVConnectorOutput(_Wire):

@@ -43,6 +43,7 @@ def preempt(sched: Scheduler, req: Request) -> None:
     req.num_computed_tokens = 0
     req.num_output_placeholders = 0  # an in-flight token is dropped and recomputed
     req.spec_token_ids = []  # its drafts are dropped with its blocks
+    req.draft_computed = 0  # and the runner's copy, with its draft KV
     req.num_preemptions += 1
     sched.num_preemptions += 1
     sched.waiting.prepend(req)

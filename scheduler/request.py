@@ -76,6 +76,8 @@ class Request:
         "spec_wait",
         "spec_rate",
         "spec_misses",
+        "spec_hold",
+        "draft_computed",
     )
 
     def __init__(
@@ -130,6 +132,11 @@ class Request:
         self.spec_wait = 0
         self.spec_misses = 0
         self.spec_rate = 1.0
+        # a draft model's catch-up (scheduler/drafting.py): the cap kept from the step
+        # that found its draft behind (0: none), and how many positions of the draft's KV
+        # the model runner holds (ReqState.draft_computed, mirrored: 0 for every new copy)
+        self.spec_hold = 0
+        self.draft_computed = 0
 
     @classmethod
     def from_engine_request(cls, req: EngineRequest, eos_token_id: int | None) -> Request:

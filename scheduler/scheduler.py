@@ -182,6 +182,7 @@ class Scheduler:
         cfg = self.config
         budget = cfg.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
+        catch_up: dict[str, int] = {}  # draft model: positions its draft recomputes
         new_reqs: list[NewRequestData] = []
         cached = CachedRequestData()
         preempted: list[str] = []
@@ -220,8 +221,13 @@ class Scheduler:
             if threshold and num_new > threshold:
                 num_new = threshold
             num_new = min(num_new, budget)
+            num_catch_up = 0  # a draft model's positions recomputed (scheduler/drafting.py)
             if spec is not None and num_new == 1:
-                num_new += drafting.num_drafts(self, spec, req, budget - 1)
+                num_new, num_catch_up = drafting.decode_step(self, spec, req, budget, i)
+                if num_new == 0:  # a seeded request waiting for its draft: no token
+                    budget -= drafting.catch_up_only(self, req, num_catch_up, catch_up, new_reqs)
+                    i += 1
+                    continue
             while True:
                 new_block_ids = self.kv.allocate_slots(req, num_new)
                 if new_block_ids is not None:
@@ -229,6 +235,8 @@ class Scheduler:
                 victim = policies.pick_victim(cfg.policy, self.running)
                 if self.running.index(victim) < i:
                     i -= 1
+                if victim is not req and victim.request_id in catch_up:
+                    budget += drafting.take_back(victim, catch_up, num_scheduled, new_reqs)
                 if victim is not req and victim.request_id in num_scheduled:
                     # The victim was already scheduled this step: take it back.
                     budget += num_scheduled.pop(victim.request_id)
@@ -247,7 +255,7 @@ class Scheduler:
             if new_block_ids is None:  # preempted itself; nothing after it can run
                 break
             num_scheduled[req.request_id] = num_new
-            budget -= num_new
+            budget -= num_new + drafting.record(catch_up, req, num_catch_up)
             i += 1
             if req.request_id in self.unseen_by_runner:
                 self.unseen_by_runner.discard(req.request_id)
@@ -269,6 +277,7 @@ class Scheduler:
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=preempted,
             scheduled_spec_decode_tokens=drafting.scheduled_drafts(self, num_scheduled),
+            draft_catch_up=catch_up,
         )
         self.finished_req_ids = []
         if self.pending_copies:
@@ -286,6 +295,7 @@ class Scheduler:
                 0, min(n, req.num_prompt_tokens - req.num_computed_tokens)
             )
             req.num_computed_tokens += n
+        drafting.advance(self, num_scheduled, catch_up)
         if self.structured is not None and self.structured.matchers:
             out.grammar_bitmask = structured_grammar.bitmask(self, num_scheduled)
         return out

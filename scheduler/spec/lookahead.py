@@ -76,21 +76,36 @@ class Lookahead:
         the step never samples past ``max_tokens`` or ``max_model_len``, nor goes over
         the budget (``budget_left``: tokens left after its one). Sets
         ``req.spec_token_ids``."""
-        cap = self.policy.cap(req)
-        if cap == 0:
-            req.spec_token_ids = []
-            return req.spec_token_ids
+        return self.propose(req, min(self.wanted(req, max_model_len), budget_left))
+
+    def wanted(self, req: Request, max_model_len: int) -> int:
+        """How many drafts a decoding request would carry this step, budget aside (0:
+        none): its cap (the one held while its draft caught up, else the policy's; asked
+        once per step), cut so that the step never samples past ``max_tokens`` or
+        ``max_model_len``. Clears ``req.spec_token_ids`` and the held cap."""
+        cap = req.spec_hold or self.policy.cap(req)
+        req.spec_hold = 0
+        req.spec_token_ids = []
+        if cap == 0 or not can_speculate(req):
+            return 0
         limit = min(
             cap,
-            budget_left,
             req.sampling_params.max_tokens - req.num_output_tokens - 1,
             max_model_len - req.num_tokens - 1,
         )
-        drafts = []
-        if limit > 0 and can_speculate(req):
-            drafts = self.proposer.propose(req.all_token_ids, limit)
-        req.spec_token_ids = drafts
-        return drafts
+        return max(limit, 0)
+
+    def propose(self, req: Request, num: int) -> list[int]:
+        """``num`` drafts at most (the proposer may find fewer); sets ``req.spec_token_ids``."""
+        req.spec_token_ids = self.proposer.propose(req.all_token_ids, num) if num > 0 else []
+        return req.spec_token_ids
+
+    def lag(self, req: Request) -> int:
+        """Positions before a decoding request's last token whose draft-model KV the
+        runner does not hold (0 for prompt lookup, which has no KV)."""
+        if not self.config.uses_draft_model:
+            return 0
+        return req.num_computed_tokens - req.draft_computed
 
     def accept(self, req: Request, num_sampled: int) -> None:
         """The step of ``req``'s drafts returned ``num_sampled`` tokens (accepted drafts
@@ -102,6 +117,8 @@ class Lookahead:
         assert 0 <= num_rejected <= len(drafts), (req.request_id, num_sampled, drafts)
         req.num_computed_tokens -= num_rejected
         self.kv.free_tail(req, req.num_computed_tokens)
+        if self.config.uses_draft_model:  # the draft's KV of rejected drafts is void
+            req.draft_computed = min(req.draft_computed, req.num_computed_tokens)
         self.policy.update(req, len(drafts), num_accepted)
         stats = self.stats
         stats.num_drafts += 1

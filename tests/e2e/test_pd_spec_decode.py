@@ -4,6 +4,7 @@ NIXL between a prefill and a decode process; the split's tokens equal one engine
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tandem.wire.engine_protocol import SamplingParams
 from tandem.workers.config import EngineConfig
@@ -15,6 +16,10 @@ pytestmark = pytest.mark.slow
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
          "prompt_lookup_max": 3}  # fmt: skip
+
+
+def draft_spec(ckpt: str) -> dict:
+    return {"method": "draft_model", "model": ckpt, "num_speculative_tokens": 4}
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +72,7 @@ def pd_draft(ckpt):
     h = Harness()
     try:
         common = dict(BASE, model=ckpt, kv_connector="nixl", kv_lease_s=3.0)
-        spec = {"method": "draft_model", "model": ckpt, "num_speculative_tokens": 4}
+        spec = draft_spec(ckpt)
         h.start("P", EngineConfig(role="prefill", **common))
         h.start(
             "D", EngineConfig(role="decode", kv_load_timeout_s=5.0, speculative_config=spec,
@@ -79,13 +84,26 @@ def pd_draft(ckpt):
 
 
 def test_decode_engine_drafts_with_a_draft_model(pd_draft, ckpt):
-    prompts = [[5, 6, 7, 8] * 12, list(range(20, 60)) * 2]
+    """D's draft recomputes each handed-off prompt, chunked by D's token budget (BASE's
+    64: the 150-token prompt takes several steps): greedy tokens equal one plain engine's,
+    seeded ones one speculating engine's (whose draft catches up after its own prefill,
+    chunked by the same budget; a seeded request waits for its draft, so neither depends
+    on how the catch-up was split)."""
+    g = torch.Generator().manual_seed(4)
+    long = torch.randint(3, 300, (150,), generator=g).tolist()
+    prompts = [[5, 6, 7, 8] * 12, list(range(20, 60)) * 2, long]
     greedy = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    seeded = SamplingParams(max_tokens=24, temperature=0.9, seed=42, ignore_eos=True)
     plain = LLM(EngineConfig(model=ckpt, **BASE))
+    spec = LLM(EngineConfig(model=ckpt, speculative_config=draft_spec(ckpt), **BASE))
     for i, prompt in enumerate(prompts):
         (want,) = plain.generate(prompt_token_ids=[prompt], sampling_params=greedy)
         toks, _, _ = handoff(pd_draft, f"g{i}", prompt, greedy)
         assert toks == want.token_ids, i
+    (want,) = spec.generate(prompt_token_ids=[long], sampling_params=seeded)
+    toks, _, _ = handoff(pd_draft, "s", long, seeded)
+    assert toks == want.token_ids
+    spec.engine.check_integrity()
     pd_draft.wait_idle("P")
     stats = pd_draft.wait_idle("D").scheduler
     # nearly every draft kept: the draft's KV of the prompt (recomputed on D) is valid

@@ -77,13 +77,16 @@ def test_stops_inside_an_accepted_run(where):
     prompt = prompts()[0]
     base, _, _ = run([(prompt, greedy(30), 1)], None)
     out = base[0][0]
-    config = {}
+    # a budget that holds the draft's catch-up of the prompt: the first decode step drafts
+    # (with budget 32 it would decode plainly while the draft caught up, one drafting step
+    # fewer before the stop; tests/workers/test_spec_draft_catch_up.py covers that)
+    config = {"max_num_batched_tokens": 64}
     if where == "stop_token":
         sp = greedy(30, stop_token_ids=[out[9]])
     elif where == "max_tokens":
         sp = greedy(10)
     else:
-        sp, config = greedy(30), {"max_model_len": len(prompt) + 11}
+        sp, config = greedy(30), {**config, "max_model_len": len(prompt) + 11}
     plain, plain_reasons, _ = run([(prompt, sp, 1)], None, **config)
     spec, reasons, engine = run([(prompt, sp, 1)], draft(k=6), **config)
     assert spec == plain and reasons == plain_reasons

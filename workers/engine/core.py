@@ -202,7 +202,7 @@ class EngineCore:
         self.request_clock.check_integrity(self.scheduler.requests)
         drafter = getattr(self.runner, "drafter", None)  # draft model: its KV bookkeeping
         if drafter is not None:
-            drafter.check(self.runner.requests)
+            drafter.check(self.runner.requests, self.scheduler.running)
         tiers = getattr(self.connector_worker, "store", None)  # KV tiers (kvtransfer/tiers/)
         if tiers is not None:
             idle = not self.scheduler.requests

@@ -71,6 +71,7 @@ class StepPlan:
         "wants_logprobs",
         "grammar",
         "spec",
+        "draft_catch_up",
     )
 
     def __init__(self) -> None:
@@ -90,6 +91,9 @@ class StepPlan:
         self.grammar: GrammarRows | None = None
         # requests with drafts (workers/runner/spec_step.py), outside sample_segments
         self.spec = None
+        # a draft model's catch-up of requests without drafts this step
+        # (workers/spec/draft_model.py): (state, req_id, token ids, first position, blocks)
+        self.draft_catch_up: list[tuple] = []
 
 
 class FlatBatch:

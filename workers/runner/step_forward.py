@@ -54,11 +54,12 @@ class StepForward:
             self.kv_cache[dst_t] = self.kv_cache[src_t]
             if self.drafter is not None:
                 self.drafter.copy_blocks(src_t, dst_t)
+        if self.drafter is not None and (plan.spec is not None or plan.draft_catch_up):
+            # a draft model's proposal forwards fill the MODEL_DRAFT slots, and its KV
+            # catches up where the scheduler gave it budget (workers/spec/)
+            self.drafter.fill(plan.spec, plan.segments, plan.draft_catch_up)
         if not plan.segments:
             return StepResult()
-        if plan.spec is not None and self.drafter is not None:
-            # a draft model's proposal forwards fill the MODEL_DRAFT slots (workers/spec/)
-            self.drafter.fill(plan.spec, plan.segments)
         order, dense_step = self._order_for_dense(plan.segments, plan.spec)
         flat = flatten(plan.segments, order)
         dev = self.device

@@ -171,6 +171,8 @@ class StepPlanning:
                 plan.sample_segments.append(len(plan.segments) - 1)
                 sampled.append(st)
                 st.prompt_lps = None  # complete once this step ran: sent with its token
+        if so.draft_catch_up:
+            self._plan_catch_up(so, plan)
         if plan.spec is not None and so.grammar_bitmask is not None:
             plan.spec.take_grammar(so.grammar_bitmask, plan.req_ids)
         if not sampled:
@@ -191,3 +193,20 @@ class StepPlanning:
             handle.sample_states.append((st, len(st.token_ids)))
             st.token_ids.append(PLACEHOLDER)
             st.pending = (handle, row)
+
+    def _plan_catch_up(self, so: SchedulerOutput, plan: StepPlan) -> None:
+        """The draft model's catch-up queries of the requests that do not draft this step
+        (``SchedulerOutput.draft_catch_up``; a drafting request's catch-up is its first
+        draft forward's): positions ``draft_computed`` on, never past the target's
+        computed tokens once this step ran (their slots are the request's)."""
+        spec_tokens = so.scheduled_spec_decode_tokens
+        bs = self.block_size
+        for rid, num in so.draft_catch_up.items():
+            if rid in spec_tokens:
+                continue
+            st = self.requests[rid]
+            start = st.draft_computed
+            end = min(start + num, st.num_computed)
+            if end > start:
+                blocks = st.block_ids[: -(-end // bs)]
+                plan.draft_catch_up.append((st, rid, st.token_ids[start:end], start, blocks))

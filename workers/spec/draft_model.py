@@ -23,10 +23,16 @@ this step (at most position L+k-2, and the step holds slots up to L-1+k).
 Which draft KV is valid is tracked per request by the runner, not per block: a request
 starts with ``draft_computed = 0`` whenever the runner gets a new copy of it (admission,
 a prefix hit, KV that came from a prefill engine or a KV tier, resumption after
-preemption, a forked child), and the draft recomputes its own missing positions in its
-next catch-up forward. The handoff from a prefill engine therefore carries no draft KV.
-Draft KV that is stale or missing can only lower acceptance: verification decides every
-emitted token from the target's logits, so outputs stay exact.
+preemption, a forked child), and the draft recomputes its own missing positions. The
+handoff from a prefill engine therefore carries no draft KV. The scheduler budgets that
+catch-up like a prefill (``scheduler/drafting.py``): a request with drafts recomputes its
+few missing positions in forward 0; a request further behind than the step's budget
+allows gets a chunk of ``SchedulerOutput.draft_catch_up`` per step instead (a query that
+rides in forward 0, or a forward of its own in a step without drafts, and needs no
+logits), and drafts once caught up. The scheduler mirrors ``draft_computed``
+(``Request.draft_computed``); ``check`` compares the two. Draft KV that is stale or
+missing can only lower acceptance: verification decides every emitted token from the
+target's logits, so outputs stay exact.
 
 Greedy requests draft the draft's argmax. Sampled requests draw each draft from the
 draft's own distribution ``q`` (the request's temperature, min-p, top-k, top-p applied to
@@ -100,16 +106,26 @@ class DraftModel:
         self.kv_cache[dst] = self.kv_cache[src]
 
     @torch.inference_mode()
-    def fill(self, spec: Any, segments: list[Any]) -> None:
+    def fill(self, spec: Any, segments: list[Any], catch_up: list[tuple] = ()) -> None:
         """Replace the ``MODEL_DRAFT`` slots of the step's drafting requests with drafted
         tokens: in their segments (the verification forward's query) and in their
         ``SpecRequest`` (what verification judges, with ``q`` for sampled requests).
-        ``spec``: the step's ``workers.runner.spec_step.SpecPlan``."""
+        ``spec``: the step's ``workers.runner.spec_step.SpecPlan`` (None: no drafts).
+        ``catch_up``: ``(state, req_id, token ids, first position, block table)`` of the
+        requests whose draft only catches up this step (``StepPlan.draft_catch_up``); their
+        queries ride in the first forward, which needs no logits of theirs."""
         work = []  # (segment index, state, SpecRequest)
-        for i, st, req in zip(spec.segments, spec.states, spec.requests, strict=True):
-            if req.drafts and req.drafts[0] == MODEL_DRAFT:
-                work.append((i, st, req))
+        if spec is not None:
+            for i, st, req in zip(spec.segments, spec.states, spec.requests, strict=True):
+                if req.drafts and req.drafts[0] == MODEL_DRAFT:
+                    work.append((i, st, req))
+        extra = [(rid, ids, start, table) for _, rid, ids, start, table in catch_up]
+        if extra:
+            self.num_catch_up_tokens += sum(len(ids) for _, ids, _, _ in extra)
         if not work:
+            if extra:
+                self._forward(extra, 0)
+                self._caught_up(catch_up)
             return
         num_steps = max(len(req.drafts) for _, _, req in work)
         drafts: list[list[int]] = [[] for _ in work]
@@ -128,8 +144,9 @@ class DraftModel:
                     start = num_tokens - 1 + j
                     ids = [drafts[m][-1]]
                 queries.append((segments[i].req_id, ids, start, segments[i].block_ids))
-            logits = self._forward(queries)
+            logits = self._forward(queries + extra if j == 0 else queries, len(queries))
             self._choose(logits, [work[m][2] for m in rows], j, rows, drafts, probs)
+        self._caught_up(catch_up)
         for m, (i, st, req) in enumerate(work):
             k = len(req.drafts)
             req.drafts = drafts[m]
@@ -140,9 +157,17 @@ class DraftModel:
             st.draft_computed = len(st.token_ids) - 1 + k
             self.num_drafted += k
 
-    def _forward(self, queries: list[tuple[str, list[int], int, list[int]]]) -> torch.Tensor:
-        """The draft's logits at each query's last token, in ``queries``' order. A query:
-        ``(req_id, token ids, position of the first, block table)``."""
+    @staticmethod
+    def _caught_up(catch_up: list[tuple]) -> None:
+        for st, _, ids, start, _ in catch_up:
+            st.draft_computed = start + len(ids)
+
+    def _forward(
+        self, queries: list[tuple[str, list[int], int, list[int]]], num_logits: int
+    ) -> torch.Tensor | None:
+        """The draft's logits at the last token of each of the first ``num_logits``
+        queries, in ``queries``' order (the rest only write their KV: a catch-up). A
+        query: ``(req_id, token ids, position of the first, block table)``."""
         dev = self.device
         order, dense_step = self._order_for_dense(queries)
         ids, positions, tables, seq_lens, query_lens = [], [], [], [], []
@@ -161,11 +186,14 @@ class DraftModel:
         pos_t = host_to_device(torch.tensor(positions, dtype=torch.long), dev)
         hidden = self.model(ids_t, pos_t, self.kv_cache, meta)
         self.num_forwards += 1
+        if not num_logits:
+            return None
         last = [0] * len(queries)  # flat row of each query's last token, by query
         row = -1
         for m, n in zip(order, query_lens):
             row += n
             last[m] = row
+        last = last[:num_logits]
         if last != list(range(hidden.shape[0])):
             hidden = hidden.index_select(0, list_to_device(last, dev, torch.long))
         return self.model.compute_logits(hidden).float()
@@ -212,11 +240,20 @@ class DraftModel:
         for n, m in enumerate(rows):
             drafts[m].append(chosen[n])
 
-    def check(self, states: dict[str, Any]) -> None:
+    def check(self, states: dict[str, Any], running: list[Any] = ()) -> None:
         """``check_integrity``: no request's draft KV counts past its computed tokens
-        (positions past them sit in blocks the request may not hold)."""
+        (positions past them sit in blocks the request may not hold), and the scheduler's
+        count of it (``Request.draft_computed``, ``running``: its running requests) is the
+        runner's (it budgets the catch-up with it, ``scheduler/drafting.py``)."""
         for rid, st in states.items():
             assert 0 <= st.draft_computed <= st.num_computed, (
                 f"{rid}: draft KV valid for {st.draft_computed} positions, "
                 f"{st.num_computed} computed"
             )
+        for req in running:
+            st = states.get(req.request_id)
+            if st is not None:
+                assert st.draft_computed == req.draft_computed, (
+                    f"{req.request_id}: the runner holds draft KV for {st.draft_computed} "
+                    f"positions, the scheduler counts {req.draft_computed}"
+                )
