@@ -101,10 +101,8 @@ class TPExecutor:
         self.step_timeout_s = config.tp_step_timeout_s
         self._started = False  # heartbeats count from start() on
         self._unresponsive: list[int] = []  # ranks to kill without asking first
-        # the model's config, as plain attributes (hf_config.plain_config): what rank 0 and
-        # every worker build from; the gateway's copy when it sent one
-        plain = model_config if model_config is not None else plain_config(model_path)
-        self.hf_config = config_namespace(plain)
+        # plain attributes (the gateway's when it sent them): what every rank builds from
+        self.hf_config = config_namespace(model_config or plain_config(model_path))
         self.plan = make_plan(self.hf_config, self.size, 0)  # ValueError: nothing started yet
         self.failed: str | None = None
         self.procs: list[Any] = []
