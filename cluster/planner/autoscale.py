@@ -363,6 +363,8 @@ class SlaPlanner:
             since = self.cooldowns.since_change(role, obs.time_s, n)
             row = {**inputs, "predicted_p90_ms": plan.p90_ms, "since_change_s": min(since, 1e9)}
             slo = "ttft_slo" if role == "prefill" else "itl_slo"
+            if role in breached and want < n:
+                want = n  # a pool missing its SLO now never shrinks, whatever the window says
             if n < least:
                 action, reason = SCALE_OUT, "below_min"
             elif want > n:
@@ -379,6 +381,7 @@ class SlaPlanner:
             else:
                 action = HOLD
                 reason = f"{slo}_met" if plan.feasible else f"{slo}_missed_at_max"
+                reason = breached.get(role, reason)
             if want != n:
                 self.cooldowns.changed(role, obs.time_s, want)
             out.append(Decision(role, action, reason, n, want, row))

@@ -82,7 +82,8 @@ class PlannerRunner:
                 wait = min(wait, self.watch_interval_s)
             await asyncio.sleep(max(0.0, wait))
             try:
-                if loop.time() >= due:
+                # without a watch every wake is a round (a sleep may end a hair early)
+                if not self.watch_interval_s or loop.time() >= due:
                     due = loop.time() + self.interval_s
                     await self.step()
                 else:

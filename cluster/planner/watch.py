@@ -21,7 +21,8 @@ the planner re-plans both pools with the window's load (``window_load``):
 the arrival rate since the last round, plus the queued requests drained over
 one interval (they must be served on top of what keeps arriving), and that
 window's mean prompt and asked-for output. Hysteresis and cooldowns are the
-round's own. Nothing here predicts, so noise cannot trigger it: in the
+round's own, and a pool that breaches never shrinks in a watch (arrivals
+that stopped while its queue drains are the next round's to judge). Nothing here predicts, so noise cannot trigger it: in the
 benchmark's decode-heavy phase a burst would need some 60 short prompts
 queued on one engine to breach a 2 s TTFT.
 """

@@ -300,3 +300,21 @@ def test_prefill_steps_correct_the_profiles_prefill_speed():
     pre, _ = required(Load(5.0, 1000, 100), slow, 300.0, 50.0, (1, 1), (16, 16))
     assert sizes["prefill"] == pre.engines == 7
     assert d.inputs["prefill_speed_factor"] == pytest.approx(factor)
+
+
+def test_a_breaching_pool_never_shrinks_in_a_watch():
+    """Arrivals stop while a queue drains: the window's load alone would need
+    one prefill engine, but the pool misses its SLO now, so it holds."""
+    planner = SlaPlanner(sla_config(planner_scale_in_cooldown_s=0.0), BOUNDS, profile())
+    planner.decide(Observation(0.0, {"prefill": prefill([0]), "decode": decode(1)}))
+    planner.decide(Observation(INTERVAL, {"prefill": prefill([0, 0]), "decode": decode(1)},
+                               **counters(50)))  # fmt: skip
+    # 2 s on, no arrivals, 3 queued on each of 4 engines: (3 + 1) x 0.1 s =
+    # 0.4 s > 0.3 s; the window's load is 0 + 12 / 10 = 1.2 req/s, for which
+    # one engine gives rho 0.12 and 0.121 s
+    assert ttft_p90(1.2, 1) <= 0.3
+    draining = Observation(12.0, {"prefill": prefill([3, 3, 3, 3]), "decode": decode(1)},
+                           **counters(50))  # fmt: skip
+    assert planner.watch(draining) == []
+    pre, _ = required(Load(1.2, 1000, 100), profile(), 300.0, 50.0, (1, 1), (16, 16))
+    assert pre.engines == 1  # what the window alone would have asked for
