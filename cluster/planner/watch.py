@@ -22,9 +22,10 @@ the arrival rate since the last round, plus the queued requests drained over
 one interval (they must be served on top of what keeps arriving), and that
 window's mean prompt and asked-for output. Hysteresis and cooldowns are the
 round's own, and a pool that breaches never shrinks in a watch (arrivals
-that stopped while its queue drains are the next round's to judge). Nothing here predicts, so noise cannot trigger it: in the
-benchmark's decode-heavy phase a burst would need some 60 short prompts
-queued on one engine to breach a 2 s TTFT.
+that stopped while its queue drains are the next round's to judge).
+Nothing here predicts, so noise cannot trigger it: in the benchmark's
+decode-heavy phase a burst would need some 100 short prompts queued on one
+engine to breach a 2 s TTFT.
 """
 
 from __future__ import annotations
