@@ -6,7 +6,10 @@ Each configuration replays it through the simulator (cluster/planner/
 simulator.py: the real schedulers on a virtual clock, the profile as the
 engines' speed): the fixed splits 1P3D, 2P2D, 3P1D, and the running sla
 planner (cluster/planner/autoscale.py) in the loop (cluster/planner/elastic.py:
-four slots, a new engine serving ``--cold-start-s`` after it was asked for).
+four slots, a new engine serving ``--cold-start-s`` after it was asked for),
+twice: with rounds only (every ``--interval-s``), and with its watch between
+rounds (every ``--watch-interval-s``: a re-plan on a measured SLO breach,
+cluster/planner/watch.py), as ``tandem serve --planner sla`` runs by default.
 Goodput counts requests meeting both SLOs (TTFT, and TPOT as
 ``vllm bench serve --goodput`` counts it) per second, per phase (by arrival)
 and over the whole trace. A phase's best fixed split is taken from each split
@@ -21,6 +24,7 @@ Targets (issue #28): in each phase >= 0.9x the best fixed split of that
 phase; over the whole trace >= 1.3x the best single fixed split.
 
 Run:  python benchmarks/planner.py [--phase-s 300] [--rate-a 16] [--rate-b 8] [--seed 0]
+                                  [--watch-interval-s 1]
 """
 
 from __future__ import annotations
@@ -103,6 +107,8 @@ def main() -> int:
     p.add_argument("--ttft-slo-ms", type=float, default=2000.0)
     p.add_argument("--itl-slo-ms", type=float, default=40.0)
     p.add_argument("--interval-s", type=float, default=10.0, help="planner interval")
+    p.add_argument("--watch-interval-s", type=float, default=1.0,
+                   help="the sla planner's watch between rounds (0: rounds only)")  # fmt: skip
     p.add_argument("--cold-start-s", type=float, default=15.0, help="engine start to serving")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
@@ -125,38 +131,50 @@ def main() -> int:
             done = Simulator(profile, prefill, decode).run(part)
             alone[(name, k)] = summarize(done, *slo)["num_good"] / args.phase_s
         print(f"{name}: {time.monotonic() - start:.1f} s to simulate", flush=True)
-    config = PlannerConfig(
-        planner="sla",
-        planner_profile=args.profile or "(built in)",
-        planner_interval_s=args.interval_s,
-        ttft_slo_ms=args.ttft_slo_ms,
-        itl_slo_ms=args.itl_slo_ms,
-        planner_scale_out_cooldown_s=0.0,
-        planner_scale_in_cooldown_s=3 * args.interval_s,
-    )
     bounds = {"prefill": (1, SLOTS - 1), "decode": (1, SLOTS - 1)}
-    sim = ElasticSimulator(
-        profile,
-        2,
-        2,
-        SlaPlanner(config, bounds, profile),
-        interval_s=args.interval_s,
-        cold_start_s=args.cold_start_s,
-        slots=SLOTS,
-    )
-    records = sim.run(requests)
-    path = " ".join(f"{int(t)}s:{p}P{d}D" for i, (t, p, d) in enumerate(sim.sizes)
-                    if i == 0 or sim.sizes[i - 1][1:] != (p, d))  # fmt: skip
-    rows.append(("sla planner", goodputs(records, args.phase_s, *slo), path))
-    best = [max(alone[(n, k)] for n, _, _ in rows[:-1]) for k in range(2)]
-    best.append(max(r[1][2] for r in rows[:-1]))
-    planned = rows[-1][1]
+    for label, watch_s in (
+        ("sla planner, rounds only", 0.0),
+        ("sla planner", args.watch_interval_s),
+    ):
+        if label == "sla planner" and not watch_s:
+            continue
+        config = PlannerConfig(
+            planner="sla",
+            planner_profile=args.profile or "(built in)",
+            planner_interval_s=args.interval_s,
+            planner_watch_interval_s=watch_s,
+            ttft_slo_ms=args.ttft_slo_ms,
+            itl_slo_ms=args.itl_slo_ms,
+            planner_scale_out_cooldown_s=0.0,
+            planner_scale_in_cooldown_s=3 * args.interval_s,
+        )
+        sim = ElasticSimulator(
+            profile,
+            2,
+            2,
+            SlaPlanner(config, bounds, profile),
+            interval_s=args.interval_s,
+            cold_start_s=args.cold_start_s,
+            slots=SLOTS,
+            watch_interval_s=watch_s,
+        )
+        records = sim.run(requests)
+        path = " ".join(f"{t:.0f}s:{p}P{d}D" for i, (t, p, d) in enumerate(sim.sizes)
+                        if i == 0 or sim.sizes[i - 1][1:] != (p, d))  # fmt: skip
+        watched = sum(1 for d in sim.decisions if "window_s" in d.inputs and d.action != "hold")
+        if watched:
+            path += f" ({watched} resizes between rounds)"
+        rows.append((label, goodputs(records, args.phase_s, *slo), path))
+    fixed = rows[: len(SPLITS)]
+    best = [max(alone[(n, k)] for n, _, _ in fixed) for k in range(2)]
+    best.append(max(r[1][2] for r in fixed))
     print(
         f"\nmachine: {machine()}; profile: {profile.meta or args.profile}; "
         f"{len(requests)} requests, phases of {args.phase_s:.0f} s (A: {args.rate_a}/s, "
         f"~256 in / ~512 out; B: {args.rate_b}/s, ~4096 in / ~32 out); SLOs TTFT "
         f"{args.ttft_slo_ms:.0f} ms, TPOT {args.itl_slo_ms:.0f} ms; planner every "
-        f"{args.interval_s:.0f} s, cold start {args.cold_start_s:.0f} s, seed {args.seed}"
+        f"{args.interval_s:.0f} s (watch every {args.watch_interval_s:g} s), cold start "
+        f"{args.cold_start_s:.0f} s, seed {args.seed}"
     )
     print(
         "| configuration | goodput A (req/s) | goodput B | goodput whole | "
@@ -167,11 +185,13 @@ def main() -> int:
         a1, b1 = alone.get((name, 0)), alone.get((name, 1))
         extra = f"{a1:.2f} | {b1:.2f}" if a1 is not None else "- | -"
         print(f"| {name} | {a:.2f} | {b:.2f} | {whole:.2f} | {extra} | {sizes} |")
-    print(
-        f"\nplanner / best fixed split: phase A {planned[0] / max(best[0], 1e-9):.2f}x "
-        f"(target >= 0.9), phase B {planned[1] / max(best[1], 1e-9):.2f}x (target >= 0.9), "
-        f"whole trace {planned[2] / max(best[2], 1e-9):.2f}x (target >= 1.3)"
-    )
+    print()
+    for name, planned, _ in rows[len(SPLITS) :]:
+        print(
+            f"{name} / best fixed split: phase A {planned[0] / max(best[0], 1e-9):.2f}x "
+            f"(target >= 0.9), phase B {planned[1] / max(best[1], 1e-9):.2f}x (target >= 0.9), "
+            f"whole trace {planned[2] / max(best[2], 1e-9):.2f}x (target >= 1.3)"
+        )
     return 0
 
 

@@ -160,7 +160,9 @@ class EngineStats(msgspec.Struct, forbid_unknown_fields=True):
     blocks held for transfer, prefix-cache queries and hits, preemptions and
     token counts. ``num_transfers_in_flight`` is KV reads in flight (decode
     engines; a prefill engine's pending sends show as blocks held).
-    ``last_step_s``: wall time of the engine's latest ``step()``.
+    ``last_step_s``: wall time of the engine's latest ``step()``;
+    ``last_step_num_tokens``: the tokens it computed (the planner compares the
+    two with its profile).
     """
 
     engine_id: str
@@ -180,6 +182,7 @@ class EngineStats(msgspec.Struct, forbid_unknown_fields=True):
     num_gateway_requests_aborted: int = 0  # requests of dropped gateways
     structured: StructuredOutputStats | None = None  # workers/structured/manager.py
     kv_offload: KVOffloadStats | None = None  # engines with KV tiers
+    last_step_num_tokens: int = 0
 
 
 # Decodes (and validates) an engine's stats payload; callers go through

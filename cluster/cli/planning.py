@@ -40,6 +40,7 @@ def observation(backend: Any, now: float) -> Observation:
                 kv_usage=st.kv_cache_usage,
                 num_steps=stats.num_steps if stats is not None else 0,
                 last_step_s=stats.last_step_s if stats is not None else 0.0,
+                last_step_tokens=stats.last_step_num_tokens if stats is not None else 0,
                 context_tokens=st.kv_cache_usage * blocks,
             )
         )
@@ -87,5 +88,6 @@ def start_planner(config: Any, backend: Any) -> asyncio.Task | None:
         lambda pool, n: scaler.scale(pool, n, source="planner"),
         record,
         pc.planner_interval_s,
+        pc.planner_watch_interval_s,
     )
     return asyncio.create_task(runner.run())

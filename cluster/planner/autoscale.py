@@ -30,16 +30,21 @@ oscillating. The profile's decode times are corrected by the engines'
 observed step times (``SpeedCorrection``): an engine's last step against the
 profile's time for its batch and context; an engine's first
 ``--planner-warmup-steps`` steps (a cold start: allocation, first kernels,
-graph capture) are not its speed and never count.
+graph capture) are not its speed and never count. Prefill times are
+corrected the same way (``prefill_speed``): a prefill engine's latest step
+against the profile's time for the tokens it computed. Between rounds,
+``SlaPlanner.watch`` re-plans at once on a measured TTFT or ITL breach
+(watch.py); without one it decides nothing.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tandem.cluster.planner import sla
+from tandem.cluster.planner import sla, watch
 from tandem.cluster.planner.config import PlannerConfig
 
 SCALE_OUT, SCALE_IN, HOLD = "scale_out", "scale_in", "hold"
@@ -55,6 +60,7 @@ class EngineSample:
     kv_usage: float = 0.0  # 0..1
     num_steps: int = 0  # cumulative, since the engine's start (its epoch)
     last_step_s: float = 0.0  # its latest step's duration
+    last_step_tokens: int = 0  # the tokens that step computed
     context_tokens: float = 0.0  # tokens its running batch attends to (about)
 
 
@@ -159,6 +165,12 @@ class Predictor:
         self.prompt_tokens = 0.0
         self.output_tokens = default_output_tokens
         self._last: Observation | None = None
+        self.load = sla.Load(0.0, 0.0, default_output_tokens)  # the latest prediction
+
+    @property
+    def last(self) -> Observation | None:
+        """The observation of the latest round (None before the first)."""
+        return self._last
 
     def observe(self, obs: Observation) -> sla.Load | None:
         """The predicted load; None at the first observation (no interval yet)."""
@@ -166,7 +178,8 @@ class Predictor:
         if last is None:
             return None
         if obs.time_s <= last.time_s:
-            return sla.Load(self.rate_avg, self.prompt_tokens, self.output_tokens)
+            self.load = sla.Load(self.rate_avg, self.prompt_tokens, self.output_tokens)
+            return self.load
         dt = obs.time_s - last.time_s
         arrivals = max(0, obs.arrivals - last.arrivals)
         finished = max(0, obs.finished - last.finished)
@@ -183,18 +196,33 @@ class Predictor:
         self.rate_avg = self.decay * self.rate_avg + (1.0 - self.decay) * rate
         if self.rate_avg < 1e-3 and not rate:
             self.rate_avg = 0.0  # a lull long enough is no traffic
-        return sla.Load(max(rate, self.rate_avg), self.prompt_tokens, self.output_tokens)
+        self.load = sla.Load(max(rate, self.rate_avg), self.prompt_tokens, self.output_tokens)
+        return self.load
 
 
 class SpeedCorrection:
-    """Observed decode step time over the profile's, from warm engines only."""
+    """Observed step time over the profile's, from warm engines only: by
+    default a decode engine's latest step against ``decode_s`` of its batch
+    and context; ``expected`` gives another pool's (0: the step says nothing)."""
 
-    def __init__(self, profile: Any, warmup_steps: int, smoothing: float = 0.5) -> None:
+    def __init__(
+        self,
+        profile: Any,
+        warmup_steps: int,
+        smoothing: float = 0.5,
+        expected: Callable[[EngineSample], float] | None = None,
+    ) -> None:
         self.profile = profile
         self.warmup_steps = warmup_steps
         self.smoothing = smoothing
+        self.expected = expected or self._decode_expected
         self.factor = 1.0
         self._prev: dict[str, EngineSample] = {}
+
+    def _decode_expected(self, e: EngineSample) -> float:
+        if not e.running:
+            return 0.0
+        return self.profile.decode_s(e.running, max(1.0, e.context_tokens))
 
     def observe(self, engines: list[EngineSample]) -> float:
         ratios = []
@@ -208,8 +236,8 @@ class SpeedCorrection:
                 and prev.num_steps >= self.warmup_steps
                 and e.num_steps > prev.num_steps  # it stepped in this interval
             )
-            if warm and e.running and e.last_step_s > 0:
-                expected = self.profile.decode_s(e.running, max(1.0, e.context_tokens))
+            if warm and e.last_step_s > 0:
+                expected = self.expected(e)
                 if expected > 0:
                     ratios.append(e.last_step_s / expected)
         self._prev = seen
@@ -221,16 +249,27 @@ class SpeedCorrection:
         return self.factor
 
 
-class ScaledProfile:
-    """A profile whose decode step times are multiplied by ``factor``."""
+def prefill_speed(profile: Any, warmup_steps: int) -> SpeedCorrection:
+    """A prefill engine's latest step against ``prefill_s`` of the tokens it
+    computed (steps that computed none say nothing)."""
 
-    def __init__(self, profile: Any, decode_factor: float) -> None:
+    def expected(e: EngineSample) -> float:
+        return profile.prefill_s(e.last_step_tokens) if e.last_step_tokens > 0 else 0.0
+
+    return SpeedCorrection(profile, warmup_steps, expected=expected)
+
+
+class ScaledProfile:
+    """A profile whose decode (and prefill) step times are multiplied by a factor."""
+
+    def __init__(self, profile: Any, decode_factor: float, prefill_factor: float = 1.0) -> None:
         self._p = profile
         self.decode_factor = decode_factor
+        self.prefill_factor = prefill_factor
         self.scheduler = profile.scheduler
 
     def prefill_s(self, batch_tokens: int) -> float:
-        return self._p.prefill_s(batch_tokens)
+        return self._p.prefill_s(batch_tokens) * self.prefill_factor
 
     def decode_s(self, batch_size: float, context_tokens: float) -> float:
         return self._p.decode_s(batch_size, context_tokens) * self.decode_factor
@@ -254,39 +293,85 @@ class SlaPlanner:
         self.profile = profile
         self.predictor = Predictor()
         self.speed = SpeedCorrection(profile, config.planner_warmup_steps)
+        self.prefill_speed = prefill_speed(profile, config.planner_warmup_steps)
         self.cooldowns = Cooldowns()
 
     def decide(self, obs: Observation) -> list[Decision]:
-        c = self.config
+        """A round: the next interval's load predicted from the last one."""
         load = self.predictor.observe(obs)
-        factor = self.speed.observe(obs.pools.get("decode", []))
-        current = tuple(len(obs.pools.get(r, [])) for r in self.POOLS)
+        self.speed.observe(obs.pools.get("decode", []))
+        self.prefill_speed.observe(obs.pools.get("prefill", []))
         if load is None:  # the first look: a baseline for the next interval's rates
-            return [Decision(r, HOLD, "baseline", n, n) for r, n in zip(self.POOLS, current)]
+            return [
+                Decision(r, HOLD, "baseline", n, n) for r, n in zip(self.POOLS, self._sizes(obs))
+            ]
+        return self._plan(obs, load, [])
+
+    def watch(self, obs: Observation) -> list[Decision]:
+        """Between rounds (watch.py): a re-plan on the traffic since the last
+        round when a breach is measured; [] when none is, or when the re-plan
+        changes nothing (engines already starting)."""
+        last = self.predictor.last
+        if last is None:
+            return []
+        win = watch.window(last, obs, self.predictor.load)
+        if win is None:
+            return []
+        found = watch.breaches(obs, win, self._corrected(), self.config)
+        if not found:
+            return []
+        load = watch.window_load(obs, win, self.config.planner_interval_s)
+        decisions = self._plan(obs, load, found, win.seconds)
+        return decisions if any(d.action != HOLD for d in decisions) else []
+
+    def _corrected(self) -> ScaledProfile:
+        """The profile at the engines' observed speed."""
+        return ScaledProfile(self.profile, self.speed.factor, self.prefill_speed.factor)
+
+    def _sizes(self, obs: Observation) -> tuple[int, ...]:
+        return tuple(len(obs.pools.get(r, [])) for r in self.POOLS)
+
+    def _plan(
+        self,
+        obs: Observation,
+        load: sla.Load,
+        found: list[watch.Breach],
+        window_s: float = 0.0,
+    ) -> list[Decision]:
+        c = self.config
+        current = self._sizes(obs)
         lo = tuple(self.bounds[r][0] for r in self.POOLS)
         hi = tuple(self.bounds[r][1] for r in self.POOLS)
         clamped = tuple(min(h, max(lo_, n)) for n, lo_, h in zip(current, lo, hi))
-        profile = ScaledProfile(self.profile, factor)
+        profile = self._corrected()
         target = sla.decide(load, profile, c.ttft_slo_ms, c.itl_slo_ms, clamped, lo, hi)
         need = sla.required(load, profile, c.ttft_slo_ms, c.itl_slo_ms, lo, hi)
         inputs = {
             "rate_per_s": load.rate,
             "prompt_tokens": load.prompt_tokens,
             "output_tokens": load.output_tokens,
-            "decode_speed_factor": factor,
+            "decode_speed_factor": profile.decode_factor,
+            "prefill_speed_factor": profile.prefill_factor,
         }
+        if found:  # a watch's re-plan: its window and every breach measured
+            inputs["window_s"] = window_s
+            for b in found:
+                inputs.update(b.inputs)
+        breached = {b.pool: b.reason for b in found}
         out = []
         for role, n, want, plan, least in zip(self.POOLS, current, target, need, lo):
             since = self.cooldowns.since_change(role, obs.time_s, n)
             row = {**inputs, "predicted_p90_ms": plan.p90_ms, "since_change_s": min(since, 1e9)}
             slo = "ttft_slo" if role == "prefill" else "itl_slo"
+            if role in breached and want < n:
+                want = n  # a pool missing its SLO now never shrinks, whatever the window says
             if n < least:
                 action, reason = SCALE_OUT, "below_min"
             elif want > n:
                 if since < c.planner_scale_out_cooldown_s:
                     action, reason, want = HOLD, "cooldown", n
                 else:
-                    action, reason = SCALE_OUT, slo
+                    action, reason = SCALE_OUT, breached.get(role, slo)
             elif want < n:
                 if since < c.planner_scale_in_cooldown_s:
                     action, reason, want = HOLD, "cooldown", n
@@ -296,6 +381,7 @@ class SlaPlanner:
             else:
                 action = HOLD
                 reason = f"{slo}_met" if plan.feasible else f"{slo}_missed_at_max"
+                reason = breached.get(role, reason)
             if want != n:
                 self.cooldowns.changed(role, obs.time_s, want)
             out.append(Decision(role, action, reason, n, want, row))

@@ -21,6 +21,11 @@ class PlannerConfig:
         "--planner-profile); each pool needs --POOL-max-engines",
     )
     planner_interval_s: float = option(10.0, help="seconds between the planner's decisions")
+    planner_watch_interval_s: float = option(
+        1.0,
+        help="sla: between decisions, look this often for a measured SLO breach (the prefill "
+        "queue's wait, the decode engines' step time) and re-plan at once on one; 0: off",
+    )
     planner_queue_high: float = option(
         4.0, help="load: scale a pool out when its requests waiting per ready engine exceed this"
     )
@@ -73,6 +78,7 @@ class PlannerConfig:
             "planner_scale_out_cooldown_s",
             "planner_scale_in_cooldown_s",
             "planner_warmup_steps",
+            "planner_watch_interval_s",
         ):
             if getattr(self, key) < 0:
                 raise ValueError(f"{key} (--{key.replace('_', '-')}) must be >= 0")

@@ -19,6 +19,13 @@ simplifications:
 
 ``slots`` caps prefill + decode engines (starting ones count, leaving ones do
 not): scale-ins apply first, then a pool grows only into free slots.
+
+``watch_interval_s`` (> 0, a planner with ``watch``: the sla planner) looks
+between rounds as the runner does (watch.py): decisions only on a measured
+breach, and the first round (the sla planner's baseline) comes at the first
+event instead of an interval in. The engines' figures are the ones the
+gateway holds: steps so far, the latest step's length and tokens, the
+context as KV usage x the engine's tokens.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ class ElasticSimulator(Simulator):
         cold_start_s: float,
         slots: int,
         scheduler_overrides: dict[str, Any] | None = None,
+        watch_interval_s: float = 0.0,
     ) -> None:
         super().__init__(profile, num_prefill, num_decode, scheduler_overrides)
         if num_prefill + num_decode > slots:
@@ -55,7 +63,11 @@ class ElasticSimulator(Simulator):
         self.gone: set[int] = set()  # left: hold nothing, never step again
         self.arrived = self.prompt_tokens = self.finished = self.output_tokens = 0
         self.requested_output_tokens = 0
-        self._next_tick = interval_s
+        self.watch_interval_s = watch_interval_s if hasattr(planner, "watch") else 0.0
+        # the next round; with a watch the first (the baseline) at the first event, as
+        # the runner does
+        self._next_tick = 0.0 if self.watch_interval_s else interval_s
+        self._next_watch = self.watch_interval_s or float("inf")
         self._open: set[int] | None = None  # requests not ended yet
         self.sizes: list[tuple[float, int, int]] = [(0.0, num_prefill, num_decode)]
         self.decisions: list[Any] = []
@@ -73,7 +85,8 @@ class ElasticSimulator(Simulator):
 
     def next_tick_s(self) -> float:
         busy = any(e.sched.has_unfinished_requests() for e in self.engines)
-        return self._next_tick if self.arrivals_left or busy else float("inf")
+        due = min(self._next_tick, self._next_watch)
+        return due if self.arrivals_left or busy else float("inf")
 
     def _admit_prefill(self, i: int, req: Any, records: list[_Record]) -> None:
         self.arrived += 1
@@ -82,15 +95,21 @@ class ElasticSimulator(Simulator):
         super()._admit_prefill(i, req, records)
 
     def on_tick(self, t: float, records: list[_Record]) -> None:
-        if t < self._next_tick:
+        if t < min(self._next_tick, self._next_watch):
             return
-        self._next_tick = t + self.interval_s
+        round_due = t >= self._next_tick
+        if round_due:
+            self._next_tick = t + self.interval_s
+        if self.watch_interval_s:
+            self._next_watch = t + self.watch_interval_s
         self._count_ended(records)
         for e in self.engines:  # leavers that hold nothing are gone
             if e.index in self.leaving and not e.sched.has_unfinished_requests():
                 self.gone.add(e.index)
         obs = self._observe(t)
-        decisions = self.planner.decide(obs)
+        decisions = self.planner.decide(obs) if round_due else self.planner.watch(obs)
+        if not decisions:
+            return
         self.decisions += decisions
         for d in sorted(decisions, key=lambda d: d.action != SCALE_IN):  # free slots first
             if d.action != HOLD:
@@ -110,6 +129,7 @@ class ElasticSimulator(Simulator):
             for e in self._members(pool):
                 s = e.sched
                 stats = s.make_stats()
+                tokens = self.config.num_kv_blocks * self.config.block_size
                 samples.append(
                     EngineSample(
                         engine_id=f"{role}-{e.index}",
@@ -117,6 +137,10 @@ class ElasticSimulator(Simulator):
                         running=stats.num_running_reqs,
                         waiting=stats.num_waiting_reqs + stats.num_waiting_for_remote_kvs,
                         kv_usage=stats.kv_cache_usage,
+                        num_steps=e.num_steps,
+                        last_step_s=e.last_step_s,
+                        last_step_tokens=e.last_step_tokens,
+                        context_tokens=stats.kv_cache_usage * tokens,
                     )
                 )
             pools[role] = samples

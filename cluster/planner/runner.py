@@ -7,6 +7,11 @@
                      /cluster/state), and unless it holds, scale(pool, target)
                      (the resize the admin route calls; removals first, so
                      a pool that grows finds the room another one left)
+    in between,      planner.watch(obs) (sla only; watch.py): decisions only
+    every watch      when a breach is measured and the re-plan changes a
+    interval         pool, then handled as a round's; with a watch the first
+                     round (sla's baseline) runs at the start, not an
+                     interval later, so the watch works from the start
 
 Nothing here knows the backend: ``cluster/cli/planning.py`` passes the three
 callables, and tests pass their own with a fake clock.
@@ -32,16 +37,24 @@ class PlannerRunner:
         scale: Callable[[str, int], Awaitable[Any]],
         record: Callable[[Decision], None],
         interval_s: float,
+        watch_interval_s: float = 0.0,  # 0: no watch between rounds
     ) -> None:
         self.planner = planner
         self.observe = observe
         self.scale = scale
         self.record = record
         self.interval_s = interval_s
+        self.watch_interval_s = watch_interval_s if hasattr(planner, "watch") else 0.0
 
     async def step(self) -> list[Decision]:
         """One round: every pool's decision, the resizes done."""
-        decisions = self.planner.decide(self.observe())
+        return await self._apply(self.planner.decide(self.observe()))
+
+    async def watch_step(self) -> list[Decision]:
+        """One look between rounds: decisions only on a measured breach."""
+        return await self._apply(self.planner.watch(self.observe()))
+
+    async def _apply(self, decisions: list[Decision]) -> list[Decision]:
         for d in decisions:
             figures = " ".join(f"{k}={v:.4g}" for k, v in sorted(d.inputs.items()))
             log = logger.debug if d.action == HOLD else logger.info
@@ -59,10 +72,22 @@ class PlannerRunner:
 
     async def run(self) -> None:
         """Forever (cancel to stop); a failed round is logged and the next one runs."""
+        loop = asyncio.get_running_loop()
+        due = loop.time() + self.interval_s  # the next round
+        if self.watch_interval_s:  # a watch needs its baseline (sla's first round) now
+            due = loop.time()
         while True:
-            await asyncio.sleep(self.interval_s)
+            wait = due - loop.time()
+            if self.watch_interval_s:
+                wait = min(wait, self.watch_interval_s)
+            await asyncio.sleep(max(0.0, wait))
             try:
-                await self.step()
+                # without a watch every wake is a round (a sleep may end a hair early)
+                if not self.watch_interval_s or loop.time() >= due:
+                    due = loop.time() + self.interval_s
+                    await self.step()
+                else:
+                    await self.watch_step()
             except asyncio.CancelledError:
                 raise
             except Exception:  # noqa: BLE001 - keep planning

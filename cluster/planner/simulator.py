@@ -111,6 +111,9 @@ class _Engine:
         )
         self.busy_until: float | None = None
         self.step: SchedulerOutput | None = None
+        self.num_steps = 0  # steps started, the latest one's length and tokens (stats)
+        self.last_step_s = 0.0
+        self.last_step_tokens = 0
         self.recving: list[str] = []
         self.sending: list[str] = []
 
@@ -270,7 +273,10 @@ class Simulator:
         so = e.sched.schedule()
         if so.total_num_scheduled_tokens == 0:
             return  # waiting for blocks or a handoff: an event wakes it
-        e.step, e.busy_until = so, t + self.step_cost(e.sched, so, e.profile)
+        cost = self.step_cost(e.sched, so, e.profile)
+        e.step, e.busy_until = so, t + cost
+        e.num_steps += 1
+        e.last_step_s, e.last_step_tokens = cost, so.total_num_scheduled_tokens
 
     def step_cost(
         self, sched: Scheduler, so: SchedulerOutput, profile: Profile | None = None

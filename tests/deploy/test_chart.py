@@ -82,7 +82,7 @@ AUTOSCALING = {  # KubeRay's autoscaler, pools that resize within min/max, the l
         "prefill": {"replicas": 1, "minReplicas": 1, "maxReplicas": 2},
         "decode": {"replicas": 2, "minReplicas": 0, "maxReplicas": 4, "enginesPerPod": 2},
     },
-    "serve": {"planner": {"mode": "load", "intervalS": 5}},
+    "serve": {"planner": {"mode": "load", "intervalS": 5, "watchIntervalS": 2}},
 }
 SCENARIOS = {
     "defaults": {},
@@ -285,6 +285,7 @@ def test_serve_command_passes_check_config_and_gpus_match(scenario, tmp_path):
         assert (pools["decode"]["min_engines"], pools["decode"]["max_engines"]) == (1, 8)
         assert (pools["prefill"]["min_engines"], pools["prefill"]["max_engines"]) == (1, 2)
         assert resolved["serve"]["planner_interval_s"] == 5
+        assert resolved["serve"]["planner_watch_interval_s"] == 2
     if scenario == "colocated-only":
         assert (
             pools["colocated"]["num_engines"] == 4

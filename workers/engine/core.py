@@ -223,6 +223,7 @@ class EngineCore:
             epoch=self.config.epoch,
             num_steps=self.num_steps,
             last_step_s=self.last_step_s,
+            last_step_num_tokens=self.last_step_num_tokens,
             scheduler=self.scheduler.make_stats(),
             num_transfers_in_flight=kv.loads_in_flight if kv is not None else 0,
             kv_transfer=kv,

@@ -124,6 +124,7 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- if ne $s.planner.mode "off" -}}
 {{- $_ := set $cfg "planner" $s.planner.mode -}}
 {{- $_ := set $cfg "planner_interval_s" $s.planner.intervalS -}}
+{{- if hasKey $s.planner "watchIntervalS" }}{{ $_ := set $cfg "planner_watch_interval_s" $s.planner.watchIntervalS }}{{ end -}}
 {{- $_ := set $cfg "ttft_slo_ms" $s.planner.ttftSloMs -}}
 {{- $_ := set $cfg "itl_slo_ms" $s.planner.itlSloMs -}}
 {{- if $s.planner.profile }}{{ $_ := set $cfg "planner_profile" $s.planner.profile }}{{ end -}}
