@@ -17,6 +17,11 @@ from tests.chaos.service import settle
 
 pytestmark = [pytest.mark.slow, pytest.mark.shared_ray]
 
+# long enough that the queue outlives a few planner rounds on a fast, quiet machine: with 96
+# tokens the tiny engines drained 12 streams before a round saw the queue (the test then
+# waited 120 s for a scale-out that had no reason to happen)
+STREAM_TOKENS = 480
+
 
 def decode_engines(svc) -> int:
     return sum(e.state.role == "decode" for e in svc.service.backend.engines.values())
@@ -80,14 +85,16 @@ def test_load_planner_scales_the_decode_pool_in_and_out():
                 e["source"] == "planner" and e["action"] == "scale_in" and e["outcome"] == "ok"
                 for e in state["scaling"]
             )
-            w = Workload(svc.base_url, "greedy", 12, max_tokens=96)
+            w = Workload(svc.base_url, "greedy", 12, max_tokens=STREAM_TOKENS)
             wait_for("a queue: decode back to 2", lambda: decode_engines(svc) == 2)
             assert not any(w.finish())
             assert all(r.done and r.error is None for r in w.results), w.results
             # the planner's inputs: the backend's own per-request counts
             traffic = svc.service.backend.orchestrator.traffic
-            assert (traffic.arrivals, traffic.finished) == (12, 12)
-            assert traffic.output_tokens == traffic.requested_output_tokens == 12 * 96
+            # a request is counted finished just after its last event reaches the client
+            wait_for("every request counted finished", lambda: traffic.finished == 12, 30.0)
+            assert traffic.arrivals == 12
+            assert traffic.output_tokens == traffic.requested_output_tokens == 12 * STREAM_TOKENS
             wait_for("idle again: decode to 1", lambda: decode_engines(svc) == 1)
             counted = planner_decisions(svc)
             assert counted[("decode", "scale_out", "queue_high")] >= 1, counted
