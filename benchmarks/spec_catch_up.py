@@ -37,17 +37,20 @@ from tandem.workers.engine.core import EngineCore
 from tandem.workers.text.tokenizer import load_tokenizer
 
 
-def run_catch_up(args, machine: str, copy_prompts, chat_prompts, encode) -> None:
-    budget = args.budget
-    engine = EngineCore(
+def self_drafting_engine(
+    torch_threads: int, num_kv_blocks: int, max_num_batched_tokens: int, max_num_seqs: int
+) -> EngineCore:
+    """smollm2 (fp32, CPU) with smollm2 as its own draft model, K = 2: both benchmarks' engine
+    (``max_model_len`` 1024; the draft's KV cache has as many blocks as the target's)."""
+    return EngineCore(
         EngineConfig(
             model="smollm2",
             dtype="float32",
             max_model_len=1024,
-            num_kv_blocks=1024,
-            max_num_batched_tokens=budget,
-            max_num_seqs=32,
-            torch_threads=args.torch_threads,
+            num_kv_blocks=num_kv_blocks,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            torch_threads=torch_threads,
             speculative_config={
                 "method": "draft_model",
                 "model": "smollm2",
@@ -55,6 +58,11 @@ def run_catch_up(args, machine: str, copy_prompts, chat_prompts, encode) -> None
             },  # fmt: skip
         )
     )
+
+
+def run_catch_up(args, machine: str, copy_prompts, chat_prompts, encode) -> None:
+    budget = args.budget
+    engine = self_drafting_engine(args.torch_threads, 1024, budget, 32)
     tok = load_tokenizer(engine.model_path)
     arriving = [encode(tok, t) for t in copy_prompts(8)]
     background = [encode(tok, t) for t in chat_prompts(2)]

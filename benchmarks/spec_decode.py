@@ -61,8 +61,6 @@ from tandem.scheduler.spec.adaptive import DraftPolicy  # noqa: E402
 from tandem.scheduler.spec.config import SpeculativeConfig  # noqa: E402
 from tandem.scheduler.spec.lookahead import Lookahead  # noqa: E402
 from tandem.wire.engine_protocol import EngineRequest, SamplingParams  # noqa: E402
-from tandem.workers.config import EngineConfig  # noqa: E402
-from tandem.workers.engine.core import EngineCore  # noqa: E402
 from tandem.workers.text.tokenizer import apply_chat_template, load_tokenizer  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -171,23 +169,10 @@ def main() -> None:
 
         run_catch_up(args, machine(), copy_prompts, chat_prompts, encode)
         return
-    engine = EngineCore(
-        EngineConfig(
-            model="smollm2",
-            dtype="float32",
-            max_model_len=1024,
-            num_kv_blocks=2048,  # and as many of the draft's
-            max_num_batched_tokens=1024,
-            max_num_seqs=64,
-            torch_threads=args.torch_threads,
-            # the runner gets a drafter; each row sets the scheduler's proposer
-            speculative_config={
-                "method": "draft_model",
-                "model": "smollm2",
-                "num_speculative_tokens": 2,
-            },  # fmt: skip
-        )
-    )
+    from benchmarks.spec_catch_up import self_drafting_engine
+
+    # the runner gets a drafter; each row sets the scheduler's proposer
+    engine = self_drafting_engine(args.torch_threads, 2048, 1024, 64)
     tokenizer = load_tokenizer(engine.model_path)
     print(f"machine: {machine()}; torch threads {args.torch_threads}")
     print(f"smollm2 fp32 CPU, greedy, {args.output_len} output tokens per request\n")
