@@ -240,6 +240,8 @@ class RayBackend(Backend):
         return out
 
     def metrics_snapshot(self) -> BackendMetrics:
+        # first: it expires the peers' records that are due, so the engines' peer counts match
+        peer_load = self.routing.peer_load.stats() if self.routing.peer_load else None
         engines = []
         for eid, e in self.engines.items():
             stats = e.stats or EngineStats(eid, e.state.role, e.state.epoch)
@@ -252,6 +254,10 @@ class RayBackend(Backend):
                     ready=e.state.ready,
                     num_restarts=e.num_restarts,
                     last_error=e.last_error,
+                    num_inflight=e.state.num_inflight,
+                    queued_prefill_tokens=e.state.queued_prefill_tokens,
+                    peer_inflight=e.state.peer_inflight,
+                    peer_queued_prefill_tokens=e.state.peer_queued_prefill_tokens,
                 )
             )
         return BackendMetrics(
@@ -271,6 +277,7 @@ class RayBackend(Backend):
             scaling_actions=self.scaler.log.counts() if self.scaler else {},
             scaling_events=list(self.scaler.log.events) if self.scaler else [],
             planner=self.scaler.log.planner if self.scaler else None,
+            peer_load=peer_load,
         )
 
     def pool_sizes(self) -> dict[str, int]:

@@ -48,6 +48,7 @@ from tandem.cluster.gateway.responses import SERVER_SEND
 from tandem.cluster.observability import dashboard
 from tandem.cluster.observability.gateway_peers import GatewayPeers
 from tandem.cluster.observability.metrics import EngineMetricsCollector, GatewayMetrics, render
+from tandem.cluster.observability.peer_load_metrics import PeerLoadCollector
 from tandem.cluster.observability.tracing.observer import Tracer
 from tandem.cluster.observability.tracing.record import TRACEPARENT
 
@@ -101,12 +102,15 @@ def create_app(
     registry = CollectorRegistry()
     gateway = Gateway(backend, GatewayMetrics(), limits, api, tracer=tracer)
     peers = None
+    # this gateway's own figures; the engines' (and the router's per engine) are cluster-wide
+    own = (gateway.observer.metrics, PeerLoadCollector(backend))
     if share_dir is not None and gateway_index is not None:
-        peers = GatewayPeers(share_dir, gateway_index, gateway.metrics, (gateway.observer.metrics,))
+        peers = GatewayPeers(share_dir, gateway_index, gateway.metrics, own)
         registry.register(peers)  # every gateway's own figures, labelled gateway="i"
     else:
         registry.register(gateway.metrics)
-        registry.register(gateway.observer.metrics)
+        for collector in own:
+            registry.register(collector)
     registry.register(EngineMetricsCollector(backend))
     app = _GatewayApp(title="tandem", docs_url=None, redoc_url=None, openapi_url=None, **_NO_OTEL)
     app.state.gateway = gateway

@@ -45,6 +45,14 @@ class EngineMetrics(msgspec.Struct):
     ready: bool = True
     num_restarts: int = 0
     last_error: str = ""
+    # The router's load figures for it (cluster/routing/router.py): requests this
+    # gateway sent there that have not ended, and their predicted uncached prompt
+    # tokens not yet prefilled; ``peer_*`` the other gateways' sums as they last
+    # published them (several gateways, cluster/routing/peer_load.py; else 0).
+    num_inflight: int = 0
+    queued_prefill_tokens: int = 0
+    peer_inflight: int = 0
+    peer_queued_prefill_tokens: int = 0
 
     @property
     def engine_id(self) -> str:
@@ -53,6 +61,36 @@ class EngineMetrics(msgspec.Struct):
     @property
     def role(self) -> str:
         return self.stats.role
+
+
+class PeerGateway(msgspec.Struct):
+    """Another gateway whose in-flight record this one holds (not expired)."""
+
+    index: int  # its ``--api-server-count`` index
+    pid: int
+    age_s: float  # since it wrote the record (wall clock; refreshed on change and every 0.5 s)
+    requests_in_flight: int  # its own requests on every engine, as the record says
+
+
+# Why an in-flight datagram between gateways was lost (PeerLoadStats.num_dropped):
+#   bad_datagram  one received that is no peer's record (cut, checksum, a stranger, our own index)
+#   send_refused  a send to a peer's socket refused (nobody reads it): that peer's counts dropped
+#   queue_full    a send to a peer whose queue was full: it gets the latest at the next flush
+DROP_REASONS = ("bad_datagram", "send_refused", "queue_full")
+
+
+class PeerLoadStats(msgspec.Struct):
+    """This gateway's end of the in-flight counts the gateways share
+    (``cluster/routing/peer_load.py``): its live peers and its counters,
+    cumulative since it started; ``num_dropped`` by ``DROP_REASONS``."""
+
+    gateway: int  # this gateway's index
+    expire_after_s: float  # a peer's record counts this long after it was written
+    peers: list[PeerGateway] = []  # by index
+    num_records_sent: int = 0
+    num_records_received: int = 0
+    num_records_expired: int = 0
+    num_dropped: dict[str, int] = {}
 
 
 class ErrorEvent(msgspec.Struct):
@@ -126,6 +164,8 @@ class BackendMetrics(msgspec.Struct):
     scaling_actions: dict[str, int] = {}
     scaling_events: list[ScalingEvent] = []
     planner: PlannerState | None = None
+    # Several gateways: this one's share of their in-flight counts (None with one)
+    peer_load: PeerLoadStats | None = None
 
 
 class Backend(abc.ABC):

@@ -15,7 +15,7 @@ scores engines:
       -> changed(): one flush at most every MIN_INTERVAL_S (batched)
       -> own = {engine: [num_inflight, queued_prefill_tokens]} (engines with work)
       -> one datagram [length u32][crc32 u32]{"index", "pid", "time_s", "seq",
-         "engines": own} to each peer's socket <dir>/load-<j>.sock
+         "engines": own, "closing"} to each peer's socket <dir>/load-<j>.sock
     gateway j: the socket is readable (its loop's reader)
       -> every datagram waiting; the latest per gateway replaces the one held
       -> EngineState.peer_inflight / peer_queued_prefill_tokens = the live peers' sums
@@ -46,8 +46,9 @@ hop and one loop turn old, against the 0.5 s of the engines' stats.
 
 Expiry: a record not refreshed for EXPIRE_AFTER_S (2 s, four heartbeats)
 counts no more. Its gateway died, or its loop has stalled that long (a
-clean exit sends empty counts and removes its socket, and a peer whose
-send to a gateway is refused drops that gateway's counts at once). Shorter would drop a live gateway whose
+clean exit sends a goodbye, ``closing``, so its peers forget it at once,
+and removes its socket; a peer whose send to a gateway is refused drops
+that gateway's counts at once). Shorter would drop a live gateway whose
 loop pauses (a collection, a slow call); longer would keep a dead
 gateway's claims in the load figure after the engines dropped its
 requests. Nothing goes unseen meanwhile: the requests of a gateway that
@@ -58,6 +59,12 @@ start, which replace its predecessor's.
 
 No I/O on the routing path: ``changed`` only schedules the flush; the
 reader sets plain fields the policy reads.
+
+What an operator sees (``stats``, read at each scrape of ``/metrics`` and
+``/cluster/state``): the live peers with the age of their record, records
+sent / received / expired, and datagrams lost by reason
+(``gateway.backend.DROP_REASONS``); per engine the router's own and peer
+counts (``observability/peer_load_metrics.py``, ``routing/metrics.py``).
 """
 
 from __future__ import annotations
@@ -73,6 +80,7 @@ from collections.abc import Callable
 
 import msgspec
 
+from tandem.cluster.gateway.backend import DROP_REASONS, PeerGateway, PeerLoadStats
 from tandem.cluster.routing.router import Router
 
 logger = logging.getLogger(__name__)
@@ -92,6 +100,7 @@ class LoadRecord(msgspec.Struct):
     time_s: float  # wall clock at the write
     seq: int
     engines: dict[str, tuple[int, int]]
+    closing: bool = False  # the sender's last word (a clean exit): forget it now
 
 
 _DECODER = msgspec.json.Decoder(LoadRecord)
@@ -136,6 +145,7 @@ class PeerLoad:
             raise ValueError(f"expire_after_s must be > 0, got {expire_after_s}")
         self.expire_after_s = expire_after_s
         self.records: dict[int, LoadRecord] = {}
+        self.num_expired = 0  # records forgotten for their age (not a goodbye, not a refusal)
 
     def update(self, record: LoadRecord) -> bool:
         """A record from peer ``record.index``: the latest wins (by ``seq`` for
@@ -151,10 +161,21 @@ class PeerLoad:
     def drop(self, index: int) -> None:
         self.records.pop(index, None)
 
+    def leave(self, record: LoadRecord) -> bool:
+        """Peer ``record.index`` said goodbye: forget it, unless the record
+        held is another process's (its successor already spoke). Returns
+        whether it was forgotten."""
+        held = self.records.get(record.index)
+        if held is not None and held.pid != record.pid:
+            return False
+        self.drop(record.index)
+        return True
+
     def live(self, now_s: float) -> list[LoadRecord]:
         """Records written within ``expire_after_s`` of ``now_s``; the others are forgotten."""
         for index in [i for i, r in self.records.items() if now_s - r.time_s > self.expire_after_s]:
             del self.records[index]
+            self.num_expired += 1
         return list(self.records.values())
 
     def totals(self, now_s: float) -> dict[str, tuple[int, int]]:
@@ -215,6 +236,8 @@ class PeerLoadChannel:
         self._timer: asyncio.TimerHandle | None = None
         self.num_sends = 0
         self.num_flushes = 0
+        self.num_received = 0  # peers' records decoded (the latest of each counts)
+        self.num_dropped = dict.fromkeys(DROP_REASONS, 0)
 
     def path(self, index: int) -> str:
         return os.path.join(self.directory, f"{PREFIX}{index}{SUFFIX}")
@@ -284,7 +307,9 @@ class PeerLoadChannel:
                 self.num_sends += 1
             except BlockingIOError:  # its queue is full: it gets the latest at the next flush
                 self._owed.add(index)
+                self.num_dropped["queue_full"] += 1
             except OSError:  # gone (refused, removed): found again by its socket or datagram
+                self.num_dropped["send_refused"] += 1
                 self._targets.pop(index, None)
                 self.peers.drop(index)
         return True
@@ -302,6 +327,13 @@ class PeerLoadChannel:
             num += 1
             record = decode_record(data)
             if record is None or record.index == self.index:
+                self.num_dropped["bad_datagram"] += 1
+                continue
+            self.num_received += 1
+            if record.closing:  # its socket is going too: no send to it until it is back
+                if self.peers.leave(record):
+                    self._targets.pop(record.index, None)
+                    self._owed.discard(record.index)
                 continue
             if self.peers.update(record) or record.index not in self._targets:
                 self._targets[record.index] = self.path(record.index)
@@ -314,6 +346,32 @@ class PeerLoadChannel:
         self.discover()
         self.publish(now_s, force=True)
         self.peers.apply(self.router, now_s)
+
+    def stats(self, now_s: float | None = None) -> PeerLoadStats:
+        """What this gateway holds of its peers now (``/cluster/state``,
+        ``/metrics``): the live ones with the age of their record, and the
+        channel's counters. Expires what is due first and sets the router's
+        peer counts to match, so the two never disagree."""
+        now_s = self._clock() if now_s is None else now_s
+        self.peers.apply(self.router, now_s)
+        peers = [
+            PeerGateway(
+                index=r.index,
+                pid=r.pid,
+                age_s=max(now_s - r.time_s, 0.0),
+                requests_in_flight=sum(max(n, 0) for n, _ in r.engines.values()),
+            )
+            for r in sorted(self.peers.records.values(), key=lambda r: r.index)
+        ]
+        return PeerLoadStats(
+            gateway=self.index,
+            expire_after_s=self.peers.expire_after_s,
+            peers=peers,
+            num_records_sent=self.num_sends,
+            num_records_received=self.num_received,
+            num_records_expired=self.peers.num_expired,
+            num_dropped=dict(self.num_dropped),
+        )
 
     # ---- on the event loop ------------------------------------------------------
 
@@ -358,16 +416,19 @@ class PeerLoadChannel:
             logger.exception("sharing this gateway's in-flight counts failed")
 
     def close(self) -> None:
-        """Stop, tell the others this gateway has nothing in flight, close and
-        remove its socket (a peer that missed the last word drops its counts
-        at its next send to it, or after the expiry)."""
+        """Stop, tell the others this gateway is leaving (they forget its
+        counts and stop sending to it), close and remove its socket (a peer
+        that missed the last word drops its counts at its next send to it,
+        or after the expiry)."""
         for handle in (self._timer, self._flush):
             if handle is not None:
                 handle.cancel()
         self._timer = self._flush = None
         if self._sock is not None:
             self._seq += 1
-            goodbye = encode_record(LoadRecord(self.index, self._pid, self._clock(), self._seq, {}))
+            goodbye = encode_record(
+                LoadRecord(self.index, self._pid, self._clock(), self._seq, {}, closing=True)
+            )
             for path in self._targets.values():
                 try:
                     self._sock.sendto(goodbye, path)

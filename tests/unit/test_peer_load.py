@@ -192,11 +192,15 @@ def test_a_dead_gateways_counts_expire_and_a_closed_ones_go_at_once(gateways):
     b.heartbeat(clock_b())
     assert peer_counts(b) == {"colocated-0": (0, 0), "colocated-1": (4, 0)}
     assert sorted(b.peers.records) == [2]
-    # c exits cleanly: its last word is "nothing in flight", its socket goes
+    # c exits cleanly: its last word is a goodbye, its socket goes
     c.close()
     assert not os.path.exists(c.path(2))
     b.receive(clock_b())
     assert peer_counts(b) == {"colocated-0": (0, 0), "colocated-1": (0, 0)}
+    assert b.peers.records == {} and 2 not in b._targets  # forgotten, not sent to
+    b.router.engines["colocated-0"].num_inflight = 1
+    b.publish(clock_b())
+    assert b.num_dropped["send_refused"] == 0  # nothing sent to c's removed socket
 
 
 def test_a_send_refused_drops_the_peers_counts(gateways):

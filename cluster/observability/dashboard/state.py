@@ -13,7 +13,13 @@ from typing import Any
 
 import msgspec
 
-from tandem.cluster.gateway.backend import Backend, EngineMetrics, PlannerState, ScalingEvent
+from tandem.cluster.gateway.backend import (
+    Backend,
+    EngineMetrics,
+    PeerLoadStats,
+    PlannerState,
+    ScalingEvent,
+)
 from tandem.cluster.observability.dashboard.rolling import RollingStats, WindowStats
 from tandem.cluster.observability.gateway_peers import cluster_counters
 from tandem.cluster.observability.metrics import GatewayMetrics
@@ -53,6 +59,17 @@ class EngineRow(msgspec.Struct):
     kv_tiers: list[TierRow] = []
     # speculative decoding: accepted / drafted tokens since start (-1: no drafts yet)
     spec_acceptance: float = -1.0
+    # The router's load figures (cluster/routing/router.py): requests not ended on
+    # the engine and their predicted uncached prompt tokens not yet prefilled.
+    # Without a suffix every gateway's (what the router scores: the same on every
+    # gateway within the sharing delay); "_here" this gateway's, "_peers" the other
+    # gateways' as they last published them (cluster/routing/peer_load.py).
+    requests_in_flight: int = 0
+    queued_prefill_tokens: int = 0
+    requests_in_flight_here: int = 0
+    queued_prefill_tokens_here: int = 0
+    requests_in_flight_peers: int = 0
+    queued_prefill_tokens_peers: int = 0
 
 
 class PoolRow(msgspec.Struct):
@@ -98,6 +115,9 @@ class ClusterState(msgspec.Struct):
     scaling: list[ScalingEvent] = []
     scaling_actions: dict[str, int] = {}  # "pool/action/outcome" -> count
     planner: PlannerState | None = None
+    # several gateways: this gateway's view of the others' in-flight records (its
+    # index, the live peers with their record's age, its counters); None with one
+    peer_load: PeerLoadStats | None = None
 
 
 def cluster_state(
@@ -157,6 +177,7 @@ def cluster_state(
         scaling=list(reversed(snapshot.scaling_events))[:MAX_RECENT_ERRORS],
         scaling_actions=dict(snapshot.scaling_actions),
         planner=snapshot.planner,
+        peer_load=snapshot.peer_load,
     )
 
 
@@ -192,4 +213,10 @@ def _engine(e: EngineMetrics) -> EngineRow:
             if q.spec_decode_num_draft_tokens
             else -1.0
         ),
+        requests_in_flight=e.num_inflight + e.peer_inflight,
+        queued_prefill_tokens=e.queued_prefill_tokens + e.peer_queued_prefill_tokens,
+        requests_in_flight_here=e.num_inflight,
+        queued_prefill_tokens_here=e.queued_prefill_tokens,
+        requests_in_flight_peers=e.peer_inflight,
+        queued_prefill_tokens_peers=e.peer_queued_prefill_tokens,
     )
