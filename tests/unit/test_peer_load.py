@@ -11,7 +11,11 @@ import socket
 
 import msgspec
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
 
+from tandem.cluster.observability.peer_load_metrics import peer_load_families
 from tandem.cluster.routing.cluster_routing import ClusterRouting
 from tandem.cluster.routing.index import PrefixIndex
 from tandem.cluster.routing.peer_load import (
@@ -169,6 +173,7 @@ def test_a_full_queue_is_owed_the_latest_counts(gateways):
         if a.owes_peers:
             break
     assert a.owes_peers, "b's queue never filled"
+    assert a.num_dropped == {"bad_datagram": 0, "send_refused": 0, "queue_full": 1}
     b.receive(clock())
     assert peer_counts(b)["colocated-0"] == (n - 1, 0)  # the last one that got through
     assert a.publish(clock()) and not a.owes_peers  # unchanged, sent to the owed peer
@@ -311,3 +316,89 @@ def test_cluster_routing_shares_on_its_loop_and_stops_at_close(share_dir, tmp_pa
         far.close()
 
     asyncio.run(main())
+
+
+def exposed(stats) -> dict[tuple[str, tuple], float]:
+    """``peer_load_families(stats)`` as a scrape parses them: (sample name,
+    labels) -> value."""
+
+    class One(Collector):
+        def collect(self):
+            return peer_load_families(stats)
+
+    registry = CollectorRegistry()
+    registry.register(One())
+    text = generate_latest(registry).decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if not s.name.endswith("_created")
+    }
+
+
+def dropped(reason: str) -> tuple[str, tuple]:
+    return ("tandem:peer_load_dropped_total", (("reason", reason),))
+
+
+def test_live_peers_their_age_and_expiry_as_the_metrics_show_them(gateways):
+    """b's view of a and c over real sockets: the live peers and their
+    record's age, a silent peer's expiry (counted, and the router's counts
+    follow at the same read), a bad datagram and a refused send."""
+    clock = Clock()
+    a, b, c = (gateways(i, clock) for i in range(3))
+    a.router.engines["colocated-0"].num_inflight = 3
+    c.router.engines["colocated-1"].num_inflight = 2
+    a.publish(clock()), c.publish(clock())
+    assert b.receive(clock()) == 2
+    stats = b.stats(clock())
+    assert stats.gateway == 1 and stats.expire_after_s == EXPIRE_AFTER_S
+    assert [(p.index, p.pid, p.age_s, p.requests_in_flight) for p in stats.peers] == [
+        (0, os.getpid(), 0.0, 3),
+        (2, os.getpid(), 0.0, 2),
+    ]
+    assert (stats.num_records_received, stats.num_records_expired) == (2, 0)
+    clock.now_s += 1.5
+    c.heartbeat(clock())  # c stays; a has gone silent (SIGKILL)
+    b.receive(clock())
+    m = exposed(b.stats(clock()))
+    assert m[("tandem:peer_gateways_live", ())] == 2
+    assert m[("tandem:peer_load_oldest_record_age_seconds", ())] == pytest.approx(1.5)
+    assert m[("tandem:peer_load_records_received_total", ())] == 3
+    clock.now_s += 0.6  # a's record is 2.1 s old: expired at this read, with no datagram
+    assert peer_counts(b)["colocated-0"] == (3, 0)  # until the read
+    stats = b.stats(clock())
+    assert [p.index for p in stats.peers] == [2] and stats.num_records_expired == 1
+    assert peer_counts(b) == {"colocated-0": (0, 0), "colocated-1": (2, 0)}
+    m = exposed(stats)
+    assert m[("tandem:peer_gateways_live", ())] == 1
+    assert m[("tandem:peer_load_oldest_record_age_seconds", ())] == pytest.approx(0.6)
+    assert m[("tandem:peer_load_records_expired_total", ())] == 1
+    assert m[dropped("bad_datagram")] == m[dropped("send_refused")] == 0
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+        s.sendto(b"not a record", b.path(1))
+    b.receive(clock())
+    # c dies with its socket file left: b's next send there is refused, c forgotten
+    c._sock.close()
+    c._sock = None
+    b.router.engines["colocated-1"].num_inflight = 1
+    b.publish(clock())
+    m = exposed(b.stats(clock()))
+    assert m[dropped("bad_datagram")] == 1 and m[dropped("send_refused")] == 1
+    assert m[dropped("queue_full")] == 0
+    assert m[("tandem:peer_gateways_live", ())] == 0
+    assert m[("tandem:peer_load_oldest_record_age_seconds", ())] == 0
+    assert m[("tandem:peer_load_records_sent_total", ())] == b.num_sends == 1  # to a's file
+    assert peer_counts(b) == {"colocated-0": (0, 0), "colocated-1": (0, 0)}
+
+
+def test_a_lone_gateway_exposes_the_families_at_zero():
+    m = exposed(None)
+    assert m == {
+        ("tandem:peer_gateways_live", ()): 0,
+        ("tandem:peer_load_oldest_record_age_seconds", ()): 0,
+        ("tandem:peer_load_records_sent_total", ()): 0,
+        ("tandem:peer_load_records_received_total", ()): 0,
+        ("tandem:peer_load_records_expired_total", ()): 0,
+        **{dropped(r): 0 for r in ("bad_datagram", "queue_full", "send_refused")},
+    }
