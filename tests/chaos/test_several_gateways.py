@@ -21,14 +21,16 @@ import re
 import shutil
 import signal
 import tempfile
+import threading
 import time
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tandem.cluster.engines.attach import find_engines, stop_engines
 from tests.chaos.gateway_proc import GatewayProcess, gateway_env
-from tests.chaos.harness import ENGINE, Workload, verdict
+from tests.chaos.harness import ENGINE, Workload, request_body, verdict
 from tests.chaos.service import settle_engines, stats
 
 pytestmark = pytest.mark.slow
@@ -78,6 +80,95 @@ def wait_cluster_counters(url: str, n: int, finished: int, deadline_s: float = 6
             return answers
         assert time.monotonic() < end, {g: b["counters"] for g, b in answers.items()}
         time.sleep(0.5)
+
+
+class HeldStreams:
+    """``num`` streamed completions, each on its own connection (the kernel
+    picks its gateway), read until ``release``: then the client closes them
+    (each gateway aborts its own). ``max_tokens`` keeps them running meanwhile."""
+
+    def __init__(self, base_url: str, num: int, max_tokens: int) -> None:
+        self.url = base_url + "/v1/completions"
+        self.started = [threading.Event() for _ in range(num)]
+        self.release = threading.Event()
+        self.errors: list[str] = []
+        self.threads = [
+            threading.Thread(target=self._run, args=(i, max_tokens), daemon=True)
+            for i in range(num)
+        ]
+        for t in self.threads:
+            t.start()
+
+    def _run(self, i: int, max_tokens: int) -> None:
+        try:
+            body = request_body("greedy", i, max_tokens=max_tokens)
+            with httpx.stream("POST", self.url, json=body, timeout=120) as r:
+                if r.status_code != 200:
+                    self.errors.append(f"stream {i}: HTTP {r.status_code}")
+                    return
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        self.started[i].set()
+                    if self.release.is_set():
+                        return
+            self.errors.append(f"stream {i} ended before its release")
+        except Exception as exc:  # noqa: BLE001 - reported by the test
+            self.errors.append(f"stream {i}: {exc!r}")
+
+    def wait_started(self, deadline_s: float = 60.0) -> None:
+        end = time.monotonic() + deadline_s
+        for i, ev in enumerate(self.started):
+            assert ev.wait(max(end - time.monotonic(), 0)), (i, self.errors)
+
+    def close(self) -> None:
+        self.release.set()
+        for t in self.threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in self.threads), "a held stream did not close"
+
+
+def wait_engine_in_flight(url: str, n: int, engine: str, num: int, deadline_s: float = 60.0):
+    """Until every one of the ``n`` gateways (fresh connections: the kernel
+    picks one; ``peer_load.gateway`` names it) answers ``/cluster/state`` with
+    ``num`` requests in flight on ``engine`` cluster-wide, its own and its
+    peers' adding up, each gateway's own count being the others' peer count,
+    every other gateway live, and ``num`` in flight in the gateways' counters.
+    Returns gateway index -> that engine's row."""
+    end = time.monotonic() + deadline_s
+    while True:
+        rows, peers, counters = {}, {}, {}
+        for _ in range(30):
+            body = httpx.get(url + "/cluster/state", timeout=10).json()
+            g = body["peer_load"]["gateway"]
+            rows[g] = next(e for e in body["engines"] if e["id"] == engine)
+            peers[g] = [p["index"] for p in body["peer_load"]["peers"]]
+            counters[g] = body["counters"]["requests_in_flight"]
+        here = sum(r["requests_in_flight_here"] for r in rows.values())
+        ok = (
+            len(rows) == n
+            and here == num
+            and all(
+                r["requests_in_flight"] == num
+                and r["requests_in_flight_peers"] == num - r["requests_in_flight_here"]
+                and peers[g] == sorted(set(range(n)) - {g})
+                and counters[g] == num
+                for g, r in rows.items()
+            )
+        )
+        if ok:
+            return rows
+        assert time.monotonic() < end, (rows, peers, counters)
+        time.sleep(0.25)
+
+
+def metric_samples(url: str) -> dict[tuple, float]:
+    """``/metrics`` of whichever gateway answers: (name, sorted labels) -> value."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+    }
 
 
 def identical(w: Workload, ref: Workload) -> int:
@@ -191,7 +282,10 @@ def test_api_server_count_on_its_own_local_ray_with_a_generated_secret(tmp_path)
     """No --address and no secret file: the command starts Ray, the engines
     and two gateways that join that Ray with the secret it generated. Each
     gateway's router opened its socket for the shared in-flight counts in
-    the supervisor's directory (cluster/routing/peer_load.py)."""
+    the supervisor's directory (cluster/routing/peer_load.py). With streams
+    in flight both gateways' /cluster/state show the same cluster-wide
+    counts per engine and /metrics the per-engine and per-gateway series;
+    once the clients close them, nothing is in flight anywhere."""
     env = {k: v for k, v in gateway_env().items() if k != "RAY_ADDRESS"}
     env["TANDEM_HOST"] = "127.0.0.1"
     short_tmp = tempfile.mkdtemp(prefix="gw-")  # AF_UNIX paths: 108 bytes at most
@@ -207,6 +301,31 @@ def test_api_server_count_on_its_own_local_ray_with_a_generated_secret(tmp_path)
         assert gateways_seen(fleet.url) == {0, 1}
         sockets = glob.glob(os.path.join(short_tmp, "tandem-gw-*", "figures", "load-*.sock"))
         assert sorted(os.path.basename(p) for p in sockets) == ["load-0.sock", "load-1.sock"]
+        held = HeldStreams(fleet.url, 4, max_tokens=3500)  # ~10 s or more of decoding
+        try:
+            held.wait_started()
+            rows = wait_engine_in_flight(fleet.url, 2, "colocated-0", 4)
+            assert rows[0]["requests_in_flight_here"] == rows[1]["requests_in_flight_peers"]
+            end = time.monotonic() + 30
+            while True:  # the other gateway's series arrive with its next publish (1 s)
+                m = metric_samples(fleet.url)
+                engine = (("engine", "colocated-0"), ("role", "colocated"))
+                live = [m.get(("tandem:peer_gateways_live", (("gateway", g),))) for g in "01"]
+                if m[("tandem:router_requests_in_flight", engine)] == 4 and live == [1, 1]:
+                    break
+                assert time.monotonic() < end, m
+                time.sleep(0.25)
+            for g in "01":
+                assert m[("tandem:peer_load_records_received_total", (("gateway", g),))] > 0
+                key = (
+                    "tandem:peer_load_dropped_total",
+                    (("gateway", g), ("reason", "bad_datagram")),
+                )
+                assert m[key] == 0
+        finally:
+            held.close()
+        assert held.errors == [], held.errors
+        wait_engine_in_flight(fleet.url, 2, "colocated-0", 0)  # every stream aborted
         body = {"model": "tiny", "prompt": "hello", "max_tokens": 5, "temperature": 0.0}
         r = httpx.post(fleet.url + "/v1/completions", json=body, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5, r.text
