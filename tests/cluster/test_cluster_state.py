@@ -31,12 +31,14 @@ from tandem.workers.checkpoints.tiny import build_tokenizer
 STATE_KEYS = {
     "time_s", "model", "ready", "not_ready_reason", "pools", "engines", "window", "series",
     "counters", "recent_errors", "gateways", "scaling", "scaling_actions", "planner",
+    "peer_load",
 }  # fmt: skip
 ENGINE_KEYS = {
     "id", "role", "epoch", "state", "ready", "running", "waiting", "waiting_for_remote_kv",
     "kv_usage", "blocks_held", "transfers_in_flight", "restarts", "last_error", "steps",
     "last_step_s", "preemptions", "prefix_cache_queries", "prefix_cache_hits", "kv_tiers",
-    "spec_acceptance",
+    "spec_acceptance", "requests_in_flight", "queued_prefill_tokens", "requests_in_flight_here",
+    "queued_prefill_tokens_here", "requests_in_flight_peers", "queued_prefill_tokens_peers",
 }  # fmt: skip
 WINDOW_KEYS = {
     "time_s", "span_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s",
@@ -136,6 +138,7 @@ def test_cluster_state_shape_and_values_move(tokenizer):
         state = before.json()
         assert set(state) == STATE_KEYS
         assert state["gateways"] == []  # one gateway: no per-gateway rows
+        assert state["peer_load"] is None  # nor in-flight counts shared with peers
         assert state["model"] == backend.model_name and state["ready"] is True
         (engine,) = state["engines"]
         assert set(engine) == ENGINE_KEYS

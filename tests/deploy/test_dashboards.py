@@ -121,6 +121,9 @@ def test_the_issue_panels_are_there():
         "tandem:orphans_aborted_total",
         "tandem:output_reader_restarts_total",
         "tandem:engine_restarts_total",
+        "tandem:peer_gateways_live",
+        "tandem:peer_load_oldest_record_age_seconds",
+        "tandem:peer_load_dropped_total",
     ):
         assert needed in overview, needed
     pd = " ".join(exprs(load("tandem-prefill-decode.json")))
@@ -146,6 +149,8 @@ def test_the_issue_panels_are_there():
         "tandem:kv_offload_store_queue_depth",
         "tandem:kv_offload_loads_in_flight",
         "tandem:kv_offload_failures_total",
+        "tandem:router_requests_in_flight",
+        "tandem:router_queued_prefill_tokens",
     ):
         assert needed in pd, needed
 
