@@ -181,8 +181,13 @@ class PeerLoad:
     def totals(self, now_s: float) -> dict[str, tuple[int, int]]:
         """Engine id -> the live peers' summed (in flight, queued prefill tokens);
         negative figures (a malformed record) count as 0."""
+        self.live(now_s)
+        return self.held_totals()
+
+    def held_totals(self) -> dict[str, tuple[int, int]]:
+        """``totals`` of the records held now, expiring none."""
         out: dict[str, tuple[int, int]] = {}
-        for rec in self.live(now_s):
+        for rec in self.records.values():
             for eid, (num_inflight, num_queued) in rec.engines.items():
                 a, b = out.get(eid, (0, 0))
                 out[eid] = (a + max(num_inflight, 0), b + max(num_queued, 0))
@@ -301,6 +306,7 @@ class PeerLoadChannel:
             return False
         data = encode_record(LoadRecord(self.index, self._pid, now_s, self._seq, counts))
         self._owed.clear()
+        num_refused = self.num_dropped["send_refused"]
         for index in sorted(to):
             try:
                 self._sock.sendto(data, self._targets[index])
@@ -312,6 +318,8 @@ class PeerLoadChannel:
                 self.num_dropped["send_refused"] += 1
                 self._targets.pop(index, None)
                 self.peers.drop(index)
+        if self.num_dropped["send_refused"] != num_refused:  # its counts leave the router now
+            self.peers.apply(self.router, now_s)
         return True
 
     def receive(self, now_s: float) -> int:
@@ -372,6 +380,18 @@ class PeerLoadChannel:
             num_records_expired=self.peers.num_expired,
             num_dropped=dict(self.num_dropped),
         )
+
+    def check_integrity(self) -> None:
+        """Every step leaves the router's peer counts equal to the held
+        records' sums (expiry happens at a step, never in between); no record
+        or target is this gateway's own; a peer owed a send is a known one."""
+        assert self.index not in self.peers.records, "a record of this gateway's own"
+        assert self.index not in self._targets, "this gateway sends to itself"
+        assert self._owed <= set(self._targets), f"owed unknown peers {self._owed}"
+        held = self.peers.held_totals()
+        for eid, st in self.router.engines.items():
+            shown = (st.peer_inflight, st.peer_queued_prefill_tokens)
+            assert shown == held.get(eid, (0, 0)), f"{eid}: router {shown}, records {held.get(eid)}"
 
     # ---- on the event loop ------------------------------------------------------
 
@@ -443,5 +463,6 @@ class PeerLoadChannel:
             except OSError:
                 pass
         self._loop = None
+        self.peers.records.clear()
         for st in self.router.engines.values():
             st.peer_inflight = st.peer_queued_prefill_tokens = 0

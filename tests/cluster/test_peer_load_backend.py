@@ -61,6 +61,8 @@ def test_a_request_in_flight_on_one_gateway_counts_on_the_others():
                 other.changed()
                 await until(lambda: backend.router.engines[eid].peer_inflight == 2, "no count")
                 shown_as(backend, eid, here=(1, 4), peers=(2, 10), peer_gateways=[(1, 2)])
+                backend.routing.peer_load.check_integrity()
+                other.check_integrity()
                 other.router.engines[eid].num_inflight = 0
                 other.router.engines[eid].queued_prefill_tokens = 0
                 other.changed()
@@ -74,6 +76,7 @@ def test_a_request_in_flight_on_one_gateway_counts_on_the_others():
                 other.close()  # its goodbye: this gateway forgets it at once
                 await until(lambda: not backend.metrics_snapshot().peer_load.peers, "no goodbye")
                 shown_as(backend, eid, here=(0, 0), peers=(0, 0), peer_gateways=[])
+                backend.routing.peer_load.check_integrity()
             finally:
                 other.close()
 
