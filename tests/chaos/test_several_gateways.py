@@ -59,16 +59,15 @@ def wait_log(proc: GatewayProcess, pattern: str, count: int, deadline_s: float =
 
 def wait_cluster_counters(url: str, n: int, finished: int, deadline_s: float = 60.0) -> dict:
     """Until every one of the ``n`` gateways (fresh connections: the kernel
-    picks one) answers ``/cluster/state`` with ``finished`` requests
-    cluster-wide, nothing in flight, and ``n`` gateway rows that sum to the
-    totals."""
+    picks one; ``peer_load.gateway`` names it) answers ``/cluster/state`` with
+    ``finished`` requests cluster-wide, nothing in flight, and ``n`` gateway
+    rows that sum to the totals."""
     end = time.monotonic() + deadline_s
     while True:
         answers = {}
         for _ in range(30):
             body = httpx.get(url + "/cluster/state", timeout=10).json()
-            health = httpx.get(url + "/health", timeout=10).json()
-            answers[health["gateway"]] = body
+            answers[body["peer_load"]["gateway"]] = body
         ok = len(answers) == n and all(
             b["counters"]["finished"] == {"length": finished}
             and b["counters"]["requests_in_flight"] == 0
@@ -80,6 +79,26 @@ def wait_cluster_counters(url: str, n: int, finished: int, deadline_s: float = 6
             return answers
         assert time.monotonic() < end, {g: b["counters"] for g, b in answers.items()}
         time.sleep(0.5)
+
+
+def wait_peers_live(url: str, n: int, deadline_s: float = 60.0) -> dict:
+    """Until every one of the ``n`` gateways answers ``/cluster/state`` with
+    the other ``n - 1`` as live peers of the shared in-flight counts; returns
+    gateway index -> its ``peer_load``."""
+    end = time.monotonic() + deadline_s
+    while True:
+        views = {}
+        for _ in range(30):
+            view = httpx.get(url + "/cluster/state", timeout=10).json()["peer_load"]
+            views[view["gateway"]] = view
+        ok = len(views) == n and all(
+            [p["index"] for p in v["peers"]] == sorted(set(range(n)) - {g})
+            for g, v in views.items()
+        )
+        if ok:
+            return views
+        assert time.monotonic() < end, views
+        time.sleep(0.25)
 
 
 class HeldStreams:
@@ -258,6 +277,14 @@ def test_gateways_over_one_fleet_one_dies_and_comes_back(tmp_path, monkeypatch):
         end = time.monotonic() + 60
         while gateways_seen(fleet.url, 30) != set(range(n)):
             assert time.monotonic() < end, "the restarted gateway does not serve"
+        # ... and shares its in-flight counts: the survivors had dropped the dead
+        # one's record (its socket refused their sends, or it expired) and hold the
+        # new one's
+        views = wait_peers_live(fleet.url, n)
+        assert next(p for p in views[0]["peers"] if p["index"] == 1)["pid"] != pids[1]
+        for g in (0, 2):
+            v = views[g]
+            assert v["num_dropped"]["send_refused"] + v["num_records_expired"] >= 1, v
         w = Workload(fleet.url, "greedy")
         assert not any(w.finish())
         assert identical(w, refs["greedy"]) == len(w.results)
