@@ -223,3 +223,47 @@ def test_dashboard_renders_in_headless_chromium(svc, tmp_path):
     assert states == ["alive", "alive"] and status == "ready"
     assert out_line.count("L") >= 1, out_line  # a line through at least two points
     assert screenshot.stat().st_size > 10_000
+
+
+def test_dashboard_shows_the_peer_gateways_split(tmp_path):
+    """With several gateways (``peer_load`` set) the engine rows split the
+    router's in-flight figure into this gateway's + its peers', and a line
+    names the live peers: the page of a ``NullBackend`` gateway whose state
+    answer is that of a gateway with one peer (the browser's fetch answered
+    from the test)."""
+    if not CHROMIUM.exists():
+        pytest.skip(f"{CHROMIUM} is missing (Debian package `chromium`)")
+    from playwright.sync_api import sync_playwright
+
+    from tandem.cluster.gateway.app import create_app, serve_in_thread
+    from tandem.cluster.gateway.null_backend import NullBackend
+    from tandem.workers.checkpoints.tiny import build_tokenizer
+
+    with serve_in_thread(create_app(NullBackend(build_tokenizer()))) as url:
+        body = httpx.get(url + "/cluster/state", timeout=30).json()
+        assert body["peer_load"] is None
+        body["engines"][0].update(
+            requests_in_flight=3, requests_in_flight_here=1, requests_in_flight_peers=2
+        )
+        peer = {"index": 1, "pid": 4321, "age_s": 0.125, "requests_in_flight": 2}
+        body["peer_load"] = {"gateway": 0, "expire_after_s": 2.0, "peers": [peer]}
+        with sync_playwright() as pw:
+            context = pw.chromium.launch_persistent_context(
+                str(tmp_path / "profile"),
+                executable_path=str(CHROMIUM),
+                headless=True,
+                args=CHROMIUM_ARGS,
+            )
+            try:
+                page = context.new_page()
+                page.route("**/cluster/state", lambda route: route.fulfill(json=body))
+                page.goto(url + "/dashboard", timeout=30_000)
+                page.wait_for_function(
+                    "() => document.querySelector('#engines td.in-flight')", timeout=30_000
+                )
+                cell = page.text_content("#engines td.in-flight")
+                line = page.text_content("#peer-load")
+            finally:
+                context.close()
+    assert cell == "3 (1 + 2)"
+    assert line == "gateway 0; live peers: 1 (0.13 s old, 2 in flight)"
