@@ -2,9 +2,11 @@
 (``tandem serve --api-server-count N``, ``cluster/cli/gateways.py``).
 
 What a gateway measures itself (requests, tokens, latency histograms,
-finish reasons, rejections: ``GatewayMetrics``) is its own slice; the
-engines' figures are already the same on every gateway (each polls every
-engine). So that ``/metrics`` and ``/cluster/state`` answer the same on
+finish reasons, rejections: ``GatewayMetrics``; its view of the others'
+shared in-flight records: ``peer_load_metrics.py``) is its own slice; the
+engines' figures, and the router's per-engine in-flight figures that add
+every gateway's, are already the same on every gateway (each polls every
+engine; the routers share their counts, ``cluster/routing/peer_load.py``). So that ``/metrics`` and ``/cluster/state`` answer the same on
 every gateway, each one publishes its slice about once a second into a
 directory its supervisor gives all of them, one file per gateway index
 (written whole, then renamed over the old one):
