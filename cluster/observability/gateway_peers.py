@@ -6,10 +6,11 @@ finish reasons, rejections: ``GatewayMetrics``; its view of the others'
 shared in-flight records: ``peer_load_metrics.py``) is its own slice; the
 engines' figures, and the router's per-engine in-flight figures that add
 every gateway's, are already the same on every gateway (each polls every
-engine; the routers share their counts, ``cluster/routing/peer_load.py``). So that ``/metrics`` and ``/cluster/state`` answer the same on
-every gateway, each one publishes its slice about once a second into a
-directory its supervisor gives all of them, one file per gateway index
-(written whole, then renamed over the old one):
+engine; the routers share their counts, ``cluster/routing/peer_load.py``).
+So that ``/metrics`` and ``/cluster/state`` answer the same on every
+gateway, each one publishes its slice about once a second into a directory
+its supervisor gives all of them, one file per gateway index (written
+whole, then renamed over the old one):
 
     <dir>/gateway-<i>.json   {"index", "pid", "time_s", "metrics": exposition text,
                               "counters": {requests_in_flight, finished, rejected, ...}}

@@ -7,12 +7,13 @@ tandem:router_decisions_total{role,reason}   engine choices; role "route"
     cluster/disagg/tier_lending.py)
 tandem:router_prefix_hit_error_tokens         predicted - reported prefix
     hit of the engine that computed the prompt (kv-aware only)
-tandem:router_requests_in_flight{engine,role}      the load the router scores
-tandem:router_queued_prefill_tokens{engine,role}   each engine with: every
-    gateway's requests not ended there (and their predicted uncached prompt
-    tokens not yet prefilled), this gateway's live plus the others' as they
-    last published them (peer_load.py). Cluster-wide: the same on every
-    gateway within the sharing delay, so these carry no ``gateway`` label.
+tandem:router_requests_in_flight{engine,role}
+tandem:router_queued_prefill_tokens{engine,role}
+    what the router scores each engine with: every gateway's requests not
+    ended there (and their predicted uncached prompt tokens not yet
+    prefilled), this gateway's live plus the others' as they last published
+    them (peer_load.py). Cluster-wide: the same on every gateway within the
+    sharing delay, so these carry no ``gateway`` label.
 """
 
 from __future__ import annotations
