@@ -328,7 +328,8 @@ def test_api_server_count_on_its_own_local_ray_with_a_generated_secret(tmp_path)
         assert gateways_seen(fleet.url) == {0, 1}
         sockets = glob.glob(os.path.join(short_tmp, "tandem-gw-*", "figures", "load-*.sock"))
         assert sorted(os.path.basename(p) for p in sockets) == ["load-0.sock", "load-1.sock"]
-        held = HeldStreams(fleet.url, 4, max_tokens=3500)  # ~10 s or more of decoding
+        # aborted by the client once checked (~2 s): 4000 tokens would take a minute or more
+        held = HeldStreams(fleet.url, 4, max_tokens=4000)
         try:
             held.wait_started()
             rows = wait_engine_in_flight(fleet.url, 2, "colocated-0", 4)
