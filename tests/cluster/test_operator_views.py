@@ -1,7 +1,8 @@
 """Operator views of a live 1 prefill + 1 decode service (tiny model, local
 Ray): every metric family docs/architecture.md lists is on ``/metrics``
 with its labels on every engine; ``/cluster/state`` moves under load; and
-``/dashboard`` renders in a real headless Chromium."""
+``/dashboard`` renders in a real headless Chromium (and, fed the state of a
+gateway with peers, splits each engine's in-flight count and names them)."""
 
 from __future__ import annotations
 
