@@ -58,6 +58,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks._cpu_account import CpuAccount  # noqa: E402
+
 CONFIGS = ((1, 1), (1, 2), (2, 1))
 # the served engines and the profiled one share these (step costs and scheduler limits)
 ENGINE = {
@@ -75,6 +77,7 @@ ASCII = range(32, 127)
 TINY_VOCAB = 262
 TARGET = 0.15
 PROBE_PROMPT, PROBE_OUTPUT = 256, 32
+IDLE_WINDOW_S = 2.0
 
 
 def write_trace(
@@ -123,6 +126,52 @@ def service_figures(profile: dict, probe: dict) -> dict:
     return {**profile, "service": {"request_latency_s": latency, "step_overhead_s": overhead}}
 
 
+def host_figures(profile: dict, probe: dict, background_cores: float | None) -> dict:
+    """``profile`` (JSON) with a ``host`` section and its ``service`` figures
+    taken apart from the contention the probe ran under.
+
+    - ``cores`` and ``engine_threads``: what ``tandem profile --shared-cores``
+      wrote (this box's cores, ``os.sched_getaffinity``; the profiled engine's
+      torch threads).
+    - ``cpu_per_token_s``: the serving path's CPU per streamed token, from the
+      probe: the gateway's process (this one: ``time.process_time``) and the
+      client's streaming loop, over the probe's output tokens, less what the
+      gateway's process burns idle (measured for ``IDLE_WINDOW_S`` before the
+      probe). It includes the per-request work (HTTP, tokenizing) spread over
+      the probe's 32 tokens.
+    - ``background_cores``: what the rest of the box (other sessions' jobs,
+      Ray's daemons) kept busy during the run being predicted: /proc/stat's
+      busy time less this service's processes (benchmarks/_cpu_account.py).
+      None: no background term (for the probe either).
+    - the ``service`` figures: the probe's lone requests ran at ``r`` = cores /
+      (engine threads + the probe's background) of their solo speed when that
+      is below 1, so the solo overhead is ITL p50 x r less the decode step,
+      and the path's latency is TTFT p50 less the (stretched) prefill step.
+    """
+    from tandem.cluster.planner.profile import Profile
+
+    # tandem profile --shared-cores wrote the cores and the engine's threads
+    base = profile.get("host") or {"cores": len(os.sched_getaffinity(0)),
+                                   "engine_threads": ENGINE["torch_threads"]}  # fmt: skip
+    cores, threads = float(base["cores"]), float(base["engine_threads"])
+    cpu = probe["cpu"]
+    client_s = probe.get("client_cpu_s", cpu["client"] * cpu["wall_s"])
+    idle = probe.get("idle_cpu", {}).get("gateway", 0.0)
+    path_cpu_s = max(0.0, cpu["gateway"] - idle) * cpu["wall_s"] + client_s
+    per_token = path_cpu_s / max(1, probe["total_output_tokens"])
+    others = 0.0 if background_cores is None else cpu["others"]
+    rate = min(1.0, cores / (threads + others))
+    p = Profile.from_json(profile)
+    context = PROBE_PROMPT + PROBE_OUTPUT // 2
+    overhead = max(0.0, probe["itl_ms"]["p50"] / 1000 * rate - p.decode_s(1, context))
+    step = (p.prefill_s(PROBE_PROMPT) + overhead) / rate
+    latency = max(0.0, probe["ttft_ms"]["p50"] / 1000 - step)
+    host = {"cores": cores, "engine_threads": threads, "cpu_per_token_s": per_token,
+            "background_cores": background_cores or 0.0}  # fmt: skip
+    service = {"request_latency_s": latency, "step_overhead_s": overhead}
+    return {**profile, "service": service, "host": host}
+
+
 def _cli(*args: str, timeout_s: float = 600) -> str:
     out = subprocess.run(
         [sys.executable, "-m", "tandem.cluster", *args],
@@ -137,7 +186,8 @@ def _cli(*args: str, timeout_s: float = 600) -> str:
 
 def measure_profile(path: str) -> None:
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE.items()]
-    _cli("profile", "--model", "tiny", "--out", path, *flags)
+    cores = str(len(os.sched_getaffinity(0)))  # the served engines share this box's cores
+    _cli("profile", "--model", "tiny", "--out", path, "--shared-cores", cores, *flags)
 
 
 def simulate(profile: str, trace: str, prefill: int, decode: int) -> dict:
@@ -185,6 +235,7 @@ async def replay(url: str, trace: str, seed: int) -> dict:
             result.ok = not result.error and result.num_output_tokens > 0
             return result
 
+        cpu0 = time.process_time()  # the client's CPU streaming (not its start-up)
         start_s = time.perf_counter()
         tasks = []
         for i in range(len(prompts)):
@@ -194,7 +245,8 @@ async def replay(url: str, trace: str, seed: int) -> dict:
             tasks.append(asyncio.create_task(one(i)))
         results = await asyncio.gather(*tasks)
         duration_s = time.perf_counter() - start_s
-    return bench.summarize(list(results), duration_s, config)
+        cpu_s = time.process_time() - cpu0
+    return {**bench.summarize(list(results), duration_s, config), "client_cpu_s": cpu_s}
 
 
 def _replay_in_process(url: str, trace: str, seed: int) -> dict:
@@ -230,12 +282,31 @@ def serve_and_replay(
         **ENGINE,
     )
     with ServiceThread(config) as svc:
+        pids = [e.local_pid for e in svc.service.backend.engines.values() if e.local_pid]
+        assert len(pids) == prefill + decode, pids
         # every engine's first steps (allocation, first kernels) are not its speed
         _replay_in_process(svc.base_url, warmup, 1)
-        probed = _replay_in_process(svc.base_url, probe, 2) if probe else None
+        probed = None
+        if probe:
+            # the gateway's process while nothing is served (Ray's driver threads,
+            # timers): not per token
+            acct = CpuAccount(pids)
+            time.sleep(IDLE_WINDOW_S)
+            idle = acct.stop()
+            acct = CpuAccount(pids)
+            probed = _replay_in_process(svc.base_url, probe, 2)
+            probed["cpu"] = acct.stop()
+            probed["idle_cpu"] = idle
+        acct = CpuAccount(pids)
         summary = _replay_in_process(svc.base_url, trace, 0)
+        summary["cpu"] = acct.stop()
         svc.run(svc.service.backend.call_all("check_integrity"))
     return summary, probed
+
+
+def cpu_line(cpu: dict) -> str:
+    parts = ("box", "engines", "gateway", "client", "others")
+    return ", ".join(f"{k} {cpu[k]:.2f}" for k in parts) + f" over {cpu['wall_s']:.1f} s"
 
 
 def rel(predicted: float, measured: float) -> float:
@@ -266,6 +337,8 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", help="a profile measured earlier (default: measure one now)")
     p.add_argument("--configs", default="1P1D,1P2D,2P1D")
+    p.add_argument("--save", help="keep the measured figures (profile, probe, runs) in this JSON")
+    p.add_argument("--measured", help="predict from a JSON --save kept instead of serving")
     p.add_argument("--replay", help=argparse.SUPPRESS)  # the client process
     p.add_argument("--trace", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -289,7 +362,13 @@ def main() -> int:
         write_trace(trace, args.num_requests, args.rate, args.seed)
         write_trace(warmup, 6, 4.0, args.seed + 1000)
         profile = args.profile
-        if profile is None:
+        if args.measured:
+            profile = os.path.join(tmp, "profile.json")
+            with open(args.measured) as f:
+                kept = json.load(f)
+            with open(profile, "w") as f:
+                json.dump(kept["profile"], f)
+        elif profile is None:
             profile = os.path.join(tmp, "profile.json")
             t0 = time.monotonic()
             measure_profile(profile)
@@ -300,9 +379,12 @@ def main() -> int:
         write_probe(probe, 8, 0.4)
         reals = {}
         probed = None
-        ray.init(include_dashboard=False, log_to_driver=False)
+        if args.measured:  # predict again from a run --save kept: no service started
+            reals, probed, loads = kept["real"], kept["probe"], kept["loads"]
+        else:
+            ray.init(include_dashboard=False, log_to_driver=False)
         try:
-            for pre, dec in configs:
+            for pre, dec in [] if args.measured else configs:
                 name = f"{pre}P{dec}D"
                 t0 = time.monotonic()
                 want_probe = probed is None and (pre, dec) == (1, 1)
@@ -316,23 +398,47 @@ def main() -> int:
                     flush=True,
                 )
                 reals[name] = real
+                print(f"{name}: cores busy " + cpu_line(real["cpu"]), flush=True)
         finally:
-            ray.shutdown()
+            if not args.measured:
+                ray.shutdown()
         with open(profile) as f:
             engine_only = json.load(f)
-        variants = {"engine": profile}
+        if args.save:
+            with open(args.save, "w") as f:
+                kept = {"profile": engine_only, "probe": probed, "real": reals, "loads": loads}
+                json.dump(kept, f, indent=1)
+        # per variant, per configuration: the profile to simulate with
+        variants = {"engine": {n: profile for n in reals}}
         if probed is not None:
             served = os.path.join(tmp, "profile-served.json")
             with_service = service_figures(engine_only, probed)
             svc_fig = with_service["service"]
             with open(served, "w") as f:
                 json.dump(with_service, f)
-            variants["engine + service"] = served
+            variants["engine + service"] = {n: served for n in reals}
+        if probed is not None and "cpu" in probed:
+            for v, bg in (("+ shared cores", False), ("+ shared cores + background", True)):
+                variants[v] = {}
+                for n, real in reals.items():
+                    path = os.path.join(tmp, f"profile-{n}-{bg}.json")
+                    fig = host_figures(engine_only, probed, real["cpu"]["others"] if bg else None)
+                    with open(path, "w") as f:
+                        json.dump(fig, f)
+                    variants[v][n] = path
+            print(
+                "host figures: "
+                + json.dumps(fig["host"])
+                + ", service "
+                + json.dumps(fig["service"])
+            )
         rows = {v: [] for v in variants}
+        sims = {}
         for pre, dec in configs:
             name = f"{pre}P{dec}D"
-            for v, path in variants.items():
-                rows[v].append((name, simulate(path, trace, pre, dec), reals[name]))
+            for v, paths in variants.items():
+                sims[v, name] = simulate(paths[name], trace, pre, dec)
+                rows[v].append((name, sims[v, name], reals[name]))
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     print(
         f"\nmachine: {machine()}; {now}; load average "
@@ -358,7 +464,28 @@ def main() -> int:
             for k in ("ttft_ms", "itl_ms")
         )
         print(f"worst p50 error ({v}): {worst:.1%} (target {TARGET:.0%})")
+    if all("cpu" in r for r in reals.values()):
+        print("\ncores busy while each trace ran (benchmarks/_cpu_account.py):")
+        print(cpu_table(reals, {n: sims["engine + service", n] for n in reals}))
     return 0
+
+
+def cpu_table(reals: dict, sims: dict) -> str:
+    """Measured cores per party, and the engines' CPU seconds against the
+    simulator's solo work (the profile's steps at its threads)."""
+    lines = [
+        "| config | box | engines | gateway | client | others | engine CPU s measured "
+        "| engine CPU s simulated |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for n, real in reals.items():
+        c = real["cpu"]
+        lines.append(
+            f"| {n} | {c['box']:.2f} | {c['engines']:.2f} | {c['gateway']:.2f} "
+            f"| {c['client']:.2f} | {c['others']:.2f} | {c['engines'] * c['wall_s']:.1f} "
+            f"| {sims[n].get('engine_cpu_s', 0.0):.1f} |"
+        )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
