@@ -68,3 +68,26 @@ class CpuAccount:
             "client": client / wall,
             "others": max(0.0, box - engines - gateway - client) / wall,
         }
+
+
+def cpu_line(cpu: dict) -> str:
+    parts = ("box", "engines", "gateway", "client", "others")
+    return ", ".join(f"{k} {cpu[k]:.2f}" for k in parts) + f" over {cpu['wall_s']:.1f} s"
+
+
+def cpu_table(reals: dict, sims: dict) -> str:
+    """Measured cores per party, and the engines' CPU seconds against the
+    simulator's solo work (the profile's steps at its threads)."""
+    lines = [
+        "| config | box | engines | gateway | client | others | engine CPU s measured "
+        "| engine CPU s simulated |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for n, real in reals.items():
+        c = real["cpu"]
+        lines.append(
+            f"| {n} | {c['box']:.2f} | {c['engines']:.2f} | {c['gateway']:.2f} "
+            f"| {c['client']:.2f} | {c['others']:.2f} | {c['engines'] * c['wall_s']:.1f} "
+            f"| {sims[n].get('engine_cpu_s', 0.0):.1f} |"
+        )
+    return "\n".join(lines)

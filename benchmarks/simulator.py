@@ -58,7 +58,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._cpu_account import CpuAccount  # noqa: E402
+from benchmarks._cpu_account import CpuAccount, cpu_line, cpu_table  # noqa: E402
 
 CONFIGS = ((1, 1), (1, 2), (2, 1))
 # the served engines and the profiled one share these (step costs and scheduler limits)
@@ -304,11 +304,6 @@ def serve_and_replay(
     return summary, probed
 
 
-def cpu_line(cpu: dict) -> str:
-    parts = ("box", "engines", "gateway", "client", "others")
-    return ", ".join(f"{k} {cpu[k]:.2f}" for k in parts) + f" over {cpu['wall_s']:.1f} s"
-
-
 def rel(predicted: float, measured: float) -> float:
     return (predicted - measured) / measured
 
@@ -468,24 +463,6 @@ def main() -> int:
         print("\ncores busy while each trace ran (benchmarks/_cpu_account.py):")
         print(cpu_table(reals, {n: sims["engine + service", n] for n in reals}))
     return 0
-
-
-def cpu_table(reals: dict, sims: dict) -> str:
-    """Measured cores per party, and the engines' CPU seconds against the
-    simulator's solo work (the profile's steps at its threads)."""
-    lines = [
-        "| config | box | engines | gateway | client | others | engine CPU s measured "
-        "| engine CPU s simulated |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for n, real in reals.items():
-        c = real["cpu"]
-        lines.append(
-            f"| {n} | {c['box']:.2f} | {c['engines']:.2f} | {c['gateway']:.2f} "
-            f"| {c['client']:.2f} | {c['others']:.2f} | {c['engines'] * c['wall_s']:.1f} "
-            f"| {sims[n].get('engine_cpu_s', 0.0):.1f} |"
-        )
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":
