@@ -18,27 +18,45 @@
    be a gap between chunks, not between tokens.
 4. Predicted: ``tandem simulate --trace`` with the same trace, split and
    profile (the real schedulers on a virtual clock, cluster/planner/simulator.py),
-   twice: with the engine-only profile ``tandem profile`` wrote, and with the
-   profile's ``service`` figures added (the serving path's latency per
-   request and the engine loop's overhead per step, which ``tandem profile``
-   cannot see: it times ``EngineCore.step`` in process). Those come from a
-   probe on the 1P1D service before its trace: 8 lone requests of 256 prompt
-   and 32 output tokens, 0.4 s apart; ITL p50 minus one batch-1 decode step
-   is the step overhead, TTFT p50 minus one prefill step (and the overhead)
-   the request latency. The probe is its own run, not the trace: nothing is
-   fitted to the figures being predicted.
+   four ways, each adding one measured input:
+
+   - ``engine``: the profile ``tandem profile`` wrote.
+   - ``engine + service``: its ``service`` figures (the serving path's latency
+     per request and the engine loop's overhead per step, which ``tandem
+     profile`` cannot see: it times ``EngineCore.step`` in process), from a
+     probe on the 1P1D service before its trace: 8 lone requests of 256 prompt
+     and 32 output tokens, 0.4 s apart; ITL p50 minus one batch-1 decode step
+     is the step overhead, TTFT p50 minus one prefill step (and the overhead)
+     the request latency.
+   - ``+ shared cores``: its ``host`` section (cluster/planner/contention.py):
+     the engines share this box's cores (``tandem profile --shared-cores``
+     with ``os.sched_getaffinity``; the engine's torch threads), and the
+     serving path's CPU per streamed token (the gateway's process and the
+     client's streaming loop during the probe, over its tokens, less the
+     gateway's idle CPU measured just before): steps that overlap beyond the
+     cores, and the per-token work, share them.
+   - ``+ shared cores + background``: also the rest of the box's demand
+     (other sessions' jobs, Ray's daemons) while that configuration's trace
+     ran, from /proc/stat less this service's processes, as steady threads.
+
+   The probe is its own run, not the trace, and the CPU figures are
+   accounting, not latencies: nothing is fitted to the figures predicted.
+   ``--save FILE`` keeps a run's measurements, ``--measured FILE`` predicts
+   from them again without serving.
 
 Printed: TTFT and ITL p50 / p99 per configuration, predicted, measured and
-the relative error ``(predicted - measured) / measured``. Target (issue 28):
-within 15% on TTFT p50 and ITL p50.
+the relative error ``(predicted - measured) / measured``, per way; then the
+cores each party kept busy during each trace (benchmarks/_cpu_account.py)
+and the engines' CPU seconds against the simulator's (the profile's steps x
+threads: a check of the engine-thread input). Target (issue 28): within 15%
+on TTFT p50 and ITL p50.
 
-Why the rate is low (default 2 req/s): the simulator gives every engine a
-machine of its own, with the speed the profile measured alone; here the
-engines of a configuration, the gateway and the client share two cores
-(with the other sessions' jobs). The rate keeps the engines' summed busy
-time well below the cores, so what is validated is the model (queueing,
-batching, the handoff, the scheduler's limits), not CPU contention the
-simulator is not meant to model.
+Why the rate is low (default 2 req/s): the engines of a configuration, the
+gateway and the client share two cores with the other sessions' jobs. The
+rate keeps the engines' summed busy time near a third of a core, so what is
+validated is mostly the model (queueing, batching, the handoff, the
+scheduler's limits); ``--rate`` higher makes the engines overlap and tests
+the shared-cores term harder.
 
 Run:  python benchmarks/simulator.py [--rate 2] [--num-requests 60] [--profile FILE]
 """
@@ -59,6 +77,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._cpu_account import CpuAccount, cpu_line, cpu_table  # noqa: E402
+from benchmarks._sim_tables import TARGET, rel, side_by_side, table  # noqa: E402
 
 CONFIGS = ((1, 1), (1, 2), (2, 1))
 # the served engines and the profiled one share these (step costs and scheduler limits)
@@ -75,7 +94,6 @@ OUTPUT_TOKENS = (16, 128)
 # printable ASCII only: every token is a character of its own (see the docstring)
 ASCII = range(32, 127)
 TINY_VOCAB = 262
-TARGET = 0.15
 PROBE_PROMPT, PROBE_OUTPUT = 256, 32
 IDLE_WINDOW_S = 2.0
 
@@ -304,27 +322,6 @@ def serve_and_replay(
     return summary, probed
 
 
-def rel(predicted: float, measured: float) -> float:
-    return (predicted - measured) / measured
-
-
-def table(rows: list[tuple[str, dict, dict]]) -> str:
-    lines = [
-        "| config | metric | predicted ms | measured ms | error |",
-        "|---|---|---:|---:|---:|",
-    ]
-    for name, sim, real in rows:
-        for key, label in (("ttft_ms", "TTFT"), ("itl_ms", "ITL")):
-            for p in ("p50", "p99"):
-                err = rel(sim[key][p], real[key][p])
-                mark = " **over**" if p == "p50" and abs(err) > TARGET else ""
-                lines.append(
-                    f"| {name} | {label} {p} | {sim[key][p]:.2f} | {real[key][p]:.2f} "
-                    f"| {err:+.1%}{mark} |"
-                )
-    return "\n".join(lines)
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rate", type=float, default=2.0, help="arrivals per second of the trace")
@@ -459,6 +456,8 @@ def main() -> int:
             for k in ("ttft_ms", "itl_ms")
         )
         print(f"worst p50 error ({v}): {worst:.1%} (target {TARGET:.0%})")
+    print("\np50 errors side by side (measured ms, then each way's error):")
+    print(side_by_side(rows))
     if all("cpu" in r for r in reals.values()):
         print("\ncores busy while each trace ran (benchmarks/_cpu_account.py):")
         print(cpu_table(reals, {n: sims["engine + service", n] for n in reals}))
