@@ -1,7 +1,8 @@
 """The simulator against real runs: predicted vs measured TTFT and ITL.
 
 1. Profile: ``tandem profile`` times this box's engine (the ``tiny`` model,
-   one torch thread, the engine limits below) in its own process, unless
+   one torch thread, the engine limits below; the fastest of 5 runs per
+   point) in its own process, unless
    ``--profile FILE`` gives one measured earlier.
 2. Trace: one fixed synthetic Mooncake JSONL (no shared prefixes): Poisson
    arrivals at ``--rate``, prompts of 64-512 tokens, answers of 16-128
@@ -24,7 +25,7 @@
    - ``engine + service``: its ``service`` figures (the serving path's latency
      per request and the engine loop's overhead per step, which ``tandem
      profile`` cannot see: it times ``EngineCore.step`` in process), from a
-     probe on the 1P1D service before its trace: 8 lone requests of 256 prompt
+     probe on the 1P1D service before its trace: 16 lone requests of 256 prompt
      and 32 output tokens, 0.4 s apart; ITL p50 minus one batch-1 decode step
      is the step overhead, TTFT p50 minus one prefill step (and the overhead)
      the request latency.
@@ -95,6 +96,9 @@ OUTPUT_TOKENS = (16, 128)
 ASCII = range(32, 127)
 TINY_VOCAB = 262
 PROBE_PROMPT, PROBE_OUTPUT = 256, 32
+# on a box other sessions load, the inputs are what moves most from run to run: more
+# lone requests in the probe, and the fastest of more timed runs per profile point
+PROBE_REQUESTS, PROFILE_REPEATS = 16, 5
 IDLE_WINDOW_S = 2.0
 
 
@@ -205,7 +209,9 @@ def _cli(*args: str, timeout_s: float = 600) -> str:
 def measure_profile(path: str) -> None:
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE.items()]
     cores = str(len(os.sched_getaffinity(0)))  # the served engines share this box's cores
-    _cli("profile", "--model", "tiny", "--out", path, "--shared-cores", cores, *flags)
+    repeats = str(PROFILE_REPEATS)
+    _cli("profile", "--model", "tiny", "--out", path, "--repeats", repeats, "--shared-cores", cores,
+         *flags)  # fmt: skip
 
 
 def simulate(profile: str, trace: str, prefill: int, decode: int) -> dict:
@@ -368,7 +374,7 @@ def main() -> int:
         with open(profile) as f:
             measured_at = json.load(f).get("measured_at", "?")
         probe = os.path.join(tmp, "probe.jsonl")
-        write_probe(probe, 8, 0.4)
+        write_probe(probe, PROBE_REQUESTS, 0.4)
         reals = {}
         probed = None
         if args.measured:  # predict again from a run --save kept: no service started
