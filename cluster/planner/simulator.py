@@ -303,7 +303,8 @@ class Simulator:
 
     def _reshare(self) -> None:
         share = self.share
-        if share.done("path"):
+        # done, or too little left to move the clock (a late time's float spacing)
+        if "path" in share.jobs() and (share.done("path") or share.finish_s("path") <= share.now_s):
             share.remove("path")
         for e in self.engines:
             if e.busy_until is not None:

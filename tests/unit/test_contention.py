@@ -62,9 +62,7 @@ def test_threads_per_engine_and_the_background_count_in_the_demand():
     ends = _run(CpuShare(2), {"a": (0.0, 0.010, 2), "b": (0.0, 0.010, 2)})
     assert ends == pytest.approx({"a": 0.020, "b": 0.020})
     # one thread against 1.5 cores of other processes on two cores: rate 2 / 2.5
-    assert _run(CpuShare(2, background=1.5), {"a": (0.0, 0.010, 1)}) == pytest.approx(
-        {"a": 0.0125}
-    )
+    assert _run(CpuShare(2, background=1.5), {"a": (0.0, 0.010, 1)}) == pytest.approx({"a": 0.0125})
     # a backlog that grows keeps its place: 3 ms + 2 ms more at 1 ms is 5 ms of work
     s = CpuShare(1)
     s.add("path", 0.003)
@@ -147,3 +145,13 @@ def test_host_section_round_trips_and_bad_fields_are_named(tmp_path):
         f.write_text(json.dumps(obj))
         with pytest.raises(ValueError, match=field.replace(".", r"\.")):
             load_profile(str(f))
+
+
+def test_late_clocks_still_end_every_backlog():
+    # at a day of simulated time the float spacing is ~1e-11 s: a backlog whose
+    # last crumbs cannot move the clock ends instead of waking the loop forever
+    p = profile()
+    p.host = _host(cores=1, cpu_per_token_s=3e-7, background_cores=0.3)
+    w = [SimRequest(86400.0 + i / 7, list(range(100 + i, 400 + i)), 9) for i in range(6)]
+    recs = Simulator(p, 2, 2).run(w)
+    assert all(len(r.token_times) == 9 for r in recs)
