@@ -1,7 +1,8 @@
 """The simulator against real runs: predicted vs measured TTFT and ITL.
 
 1. Profile: ``tandem profile`` times this box's engine (the ``tiny`` model,
-   one torch thread, the engine limits below) in its own process, unless
+   one torch thread, the engine limits below; the fastest of 5 runs per
+   point) in its own process, unless
    ``--profile FILE`` gives one measured earlier.
 2. Trace: one fixed synthetic Mooncake JSONL (no shared prefixes): Poisson
    arrivals at ``--rate``, prompts of 64-512 tokens, answers of 16-128
@@ -18,27 +19,45 @@
    be a gap between chunks, not between tokens.
 4. Predicted: ``tandem simulate --trace`` with the same trace, split and
    profile (the real schedulers on a virtual clock, cluster/planner/simulator.py),
-   twice: with the engine-only profile ``tandem profile`` wrote, and with the
-   profile's ``service`` figures added (the serving path's latency per
-   request and the engine loop's overhead per step, which ``tandem profile``
-   cannot see: it times ``EngineCore.step`` in process). Those come from a
-   probe on the 1P1D service before its trace: 8 lone requests of 256 prompt
-   and 32 output tokens, 0.4 s apart; ITL p50 minus one batch-1 decode step
-   is the step overhead, TTFT p50 minus one prefill step (and the overhead)
-   the request latency. The probe is its own run, not the trace: nothing is
-   fitted to the figures being predicted.
+   four ways, each adding one measured input:
+
+   - ``engine``: the profile ``tandem profile`` wrote.
+   - ``engine + service``: its ``service`` figures (the serving path's latency
+     per request and the engine loop's overhead per step, which ``tandem
+     profile`` cannot see: it times ``EngineCore.step`` in process), from a
+     probe on the 1P1D service before its trace: 16 lone requests of 256 prompt
+     and 32 output tokens, 0.4 s apart; ITL p50 minus one batch-1 decode step
+     is the step overhead, TTFT p50 minus one prefill step (and the overhead)
+     the request latency.
+   - ``+ shared cores``: its ``host`` section (cluster/planner/contention.py):
+     the engines share this box's cores (``tandem profile --shared-cores``
+     with ``os.sched_getaffinity``; the engine's torch threads), and the
+     serving path's CPU per streamed token (the gateway's process and the
+     client's streaming loop during the probe, over its tokens, less the
+     gateway's idle CPU measured just before): steps that overlap beyond the
+     cores, and the per-token work, share them.
+   - ``+ shared cores + background``: also the rest of the box's demand
+     (other sessions' jobs, Ray's daemons) while that configuration's trace
+     ran, from /proc/stat less this service's processes, as steady threads.
+
+   The probe is its own run, not the trace, and the CPU figures are
+   accounting, not latencies: nothing is fitted to the figures predicted.
+   ``--save FILE`` keeps a run's measurements, ``--measured FILE`` predicts
+   from them again without serving.
 
 Printed: TTFT and ITL p50 / p99 per configuration, predicted, measured and
-the relative error ``(predicted - measured) / measured``. Target (issue 28):
-within 15% on TTFT p50 and ITL p50.
+the relative error ``(predicted - measured) / measured``, per way; then the
+cores each party kept busy during each trace (benchmarks/_cpu_account.py)
+and the engines' CPU seconds against the simulator's (the profile's steps x
+threads: a check of the engine-thread input). Target (issue 28): within 15%
+on TTFT p50 and ITL p50.
 
-Why the rate is low (default 2 req/s): the simulator gives every engine a
-machine of its own, with the speed the profile measured alone; here the
-engines of a configuration, the gateway and the client share two cores
-(with the other sessions' jobs). The rate keeps the engines' summed busy
-time well below the cores, so what is validated is the model (queueing,
-batching, the handoff, the scheduler's limits), not CPU contention the
-simulator is not meant to model.
+Why the rate is low (default 2 req/s): the engines of a configuration, the
+gateway and the client share two cores with the other sessions' jobs. The
+rate keeps the engines' summed busy time near a third of a core, so what is
+validated is mostly the model (queueing, batching, the handoff, the
+scheduler's limits); ``--rate`` higher makes the engines overlap and tests
+the shared-cores term harder.
 
 Run:  python benchmarks/simulator.py [--rate 2] [--num-requests 60] [--profile FILE]
 """
@@ -58,6 +77,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks._cpu_account import CpuAccount, cpu_line, cpu_table  # noqa: E402
+from benchmarks._sim_tables import TARGET, rel, side_by_side, table  # noqa: E402
+
 CONFIGS = ((1, 1), (1, 2), (2, 1))
 # the served engines and the profiled one share these (step costs and scheduler limits)
 ENGINE = {
@@ -73,8 +95,11 @@ OUTPUT_TOKENS = (16, 128)
 # printable ASCII only: every token is a character of its own (see the docstring)
 ASCII = range(32, 127)
 TINY_VOCAB = 262
-TARGET = 0.15
 PROBE_PROMPT, PROBE_OUTPUT = 256, 32
+# on a box other sessions load, the inputs are what moves most from run to run: more
+# lone requests in the probe, and the fastest of more timed runs per profile point
+PROBE_REQUESTS, PROFILE_REPEATS = 16, 5
+IDLE_WINDOW_S = 2.0
 
 
 def write_trace(
@@ -123,6 +148,52 @@ def service_figures(profile: dict, probe: dict) -> dict:
     return {**profile, "service": {"request_latency_s": latency, "step_overhead_s": overhead}}
 
 
+def host_figures(profile: dict, probe: dict, background_cores: float | None) -> dict:
+    """``profile`` (JSON) with a ``host`` section and its ``service`` figures
+    taken apart from the contention the probe ran under.
+
+    - ``cores`` and ``engine_threads``: what ``tandem profile --shared-cores``
+      wrote (this box's cores, ``os.sched_getaffinity``; the profiled engine's
+      torch threads).
+    - ``cpu_per_token_s``: the serving path's CPU per streamed token, from the
+      probe: the gateway's process (this one: ``time.process_time``) and the
+      client's streaming loop, over the probe's output tokens, less what the
+      gateway's process burns idle (measured for ``IDLE_WINDOW_S`` before the
+      probe). It includes the per-request work (HTTP, tokenizing) spread over
+      the probe's 32 tokens.
+    - ``background_cores``: what the rest of the box (other sessions' jobs,
+      Ray's daemons) kept busy during the run being predicted: /proc/stat's
+      busy time less this service's processes (benchmarks/_cpu_account.py).
+      None: no background term (for the probe either).
+    - the ``service`` figures: the probe's lone requests ran at ``r`` = cores /
+      (engine threads + the probe's background) of their solo speed when that
+      is below 1, so the solo overhead is ITL p50 x r less the decode step,
+      and the path's latency is TTFT p50 less the (stretched) prefill step.
+    """
+    from tandem.cluster.planner.profile import Profile
+
+    # tandem profile --shared-cores wrote the cores and the engine's threads
+    base = profile.get("host") or {"cores": len(os.sched_getaffinity(0)),
+                                   "engine_threads": ENGINE["torch_threads"]}  # fmt: skip
+    cores, threads = float(base["cores"]), float(base["engine_threads"])
+    cpu = probe["cpu"]
+    client_s = probe.get("client_cpu_s", cpu["client"] * cpu["wall_s"])
+    idle = probe.get("idle_cpu", {}).get("gateway", 0.0)
+    path_cpu_s = max(0.0, cpu["gateway"] - idle) * cpu["wall_s"] + client_s
+    per_token = path_cpu_s / max(1, probe["total_output_tokens"])
+    others = 0.0 if background_cores is None else cpu["others"]
+    rate = min(1.0, cores / (threads + others))
+    p = Profile.from_json(profile)
+    context = PROBE_PROMPT + PROBE_OUTPUT // 2
+    overhead = max(0.0, probe["itl_ms"]["p50"] / 1000 * rate - p.decode_s(1, context))
+    step = (p.prefill_s(PROBE_PROMPT) + overhead) / rate
+    latency = max(0.0, probe["ttft_ms"]["p50"] / 1000 - step)
+    host = {"cores": cores, "engine_threads": threads, "cpu_per_token_s": per_token,
+            "background_cores": background_cores or 0.0}  # fmt: skip
+    service = {"request_latency_s": latency, "step_overhead_s": overhead}
+    return {**profile, "service": service, "host": host}
+
+
 def _cli(*args: str, timeout_s: float = 600) -> str:
     out = subprocess.run(
         [sys.executable, "-m", "tandem.cluster", *args],
@@ -137,7 +208,10 @@ def _cli(*args: str, timeout_s: float = 600) -> str:
 
 def measure_profile(path: str) -> None:
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE.items()]
-    _cli("profile", "--model", "tiny", "--out", path, *flags)
+    cores = str(len(os.sched_getaffinity(0)))  # the served engines share this box's cores
+    repeats = str(PROFILE_REPEATS)
+    _cli("profile", "--model", "tiny", "--out", path, "--repeats", repeats, "--shared-cores", cores,
+         *flags)  # fmt: skip
 
 
 def simulate(profile: str, trace: str, prefill: int, decode: int) -> dict:
@@ -185,6 +259,7 @@ async def replay(url: str, trace: str, seed: int) -> dict:
             result.ok = not result.error and result.num_output_tokens > 0
             return result
 
+        cpu0 = time.process_time()  # the client's CPU streaming (not its start-up)
         start_s = time.perf_counter()
         tasks = []
         for i in range(len(prompts)):
@@ -194,7 +269,8 @@ async def replay(url: str, trace: str, seed: int) -> dict:
             tasks.append(asyncio.create_task(one(i)))
         results = await asyncio.gather(*tasks)
         duration_s = time.perf_counter() - start_s
-    return bench.summarize(list(results), duration_s, config)
+        cpu_s = time.process_time() - cpu0
+    return {**bench.summarize(list(results), duration_s, config), "client_cpu_s": cpu_s}
 
 
 def _replay_in_process(url: str, trace: str, seed: int) -> dict:
@@ -230,33 +306,26 @@ def serve_and_replay(
         **ENGINE,
     )
     with ServiceThread(config) as svc:
+        pids = [e.local_pid for e in svc.service.backend.engines.values() if e.local_pid]
+        assert len(pids) == prefill + decode, pids
         # every engine's first steps (allocation, first kernels) are not its speed
         _replay_in_process(svc.base_url, warmup, 1)
-        probed = _replay_in_process(svc.base_url, probe, 2) if probe else None
+        probed = None
+        if probe:
+            # the gateway's process while nothing is served (Ray's driver threads,
+            # timers): not per token
+            acct = CpuAccount(pids)
+            time.sleep(IDLE_WINDOW_S)
+            idle = acct.stop()
+            acct = CpuAccount(pids)
+            probed = _replay_in_process(svc.base_url, probe, 2)
+            probed["cpu"] = acct.stop()
+            probed["idle_cpu"] = idle
+        acct = CpuAccount(pids)
         summary = _replay_in_process(svc.base_url, trace, 0)
+        summary["cpu"] = acct.stop()
         svc.run(svc.service.backend.call_all("check_integrity"))
     return summary, probed
-
-
-def rel(predicted: float, measured: float) -> float:
-    return (predicted - measured) / measured
-
-
-def table(rows: list[tuple[str, dict, dict]]) -> str:
-    lines = [
-        "| config | metric | predicted ms | measured ms | error |",
-        "|---|---|---:|---:|---:|",
-    ]
-    for name, sim, real in rows:
-        for key, label in (("ttft_ms", "TTFT"), ("itl_ms", "ITL")):
-            for p in ("p50", "p99"):
-                err = rel(sim[key][p], real[key][p])
-                mark = " **over**" if p == "p50" and abs(err) > TARGET else ""
-                lines.append(
-                    f"| {name} | {label} {p} | {sim[key][p]:.2f} | {real[key][p]:.2f} "
-                    f"| {err:+.1%}{mark} |"
-                )
-    return "\n".join(lines)
 
 
 def main() -> int:
@@ -266,6 +335,8 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", help="a profile measured earlier (default: measure one now)")
     p.add_argument("--configs", default="1P1D,1P2D,2P1D")
+    p.add_argument("--save", help="keep the measured figures (profile, probe, runs) in this JSON")
+    p.add_argument("--measured", help="predict from a JSON --save kept instead of serving")
     p.add_argument("--replay", help=argparse.SUPPRESS)  # the client process
     p.add_argument("--trace", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -289,7 +360,13 @@ def main() -> int:
         write_trace(trace, args.num_requests, args.rate, args.seed)
         write_trace(warmup, 6, 4.0, args.seed + 1000)
         profile = args.profile
-        if profile is None:
+        if args.measured:
+            profile = os.path.join(tmp, "profile.json")
+            with open(args.measured) as f:
+                kept = json.load(f)
+            with open(profile, "w") as f:
+                json.dump(kept["profile"], f)
+        elif profile is None:
             profile = os.path.join(tmp, "profile.json")
             t0 = time.monotonic()
             measure_profile(profile)
@@ -297,12 +374,15 @@ def main() -> int:
         with open(profile) as f:
             measured_at = json.load(f).get("measured_at", "?")
         probe = os.path.join(tmp, "probe.jsonl")
-        write_probe(probe, 8, 0.4)
+        write_probe(probe, PROBE_REQUESTS, 0.4)
         reals = {}
         probed = None
-        ray.init(include_dashboard=False, log_to_driver=False)
+        if args.measured:  # predict again from a run --save kept: no service started
+            reals, probed, loads = kept["real"], kept["probe"], kept["loads"]
+        else:
+            ray.init(include_dashboard=False, log_to_driver=False)
         try:
-            for pre, dec in configs:
+            for pre, dec in [] if args.measured else configs:
                 name = f"{pre}P{dec}D"
                 t0 = time.monotonic()
                 want_probe = probed is None and (pre, dec) == (1, 1)
@@ -316,23 +396,47 @@ def main() -> int:
                     flush=True,
                 )
                 reals[name] = real
+                print(f"{name}: cores busy " + cpu_line(real["cpu"]), flush=True)
         finally:
-            ray.shutdown()
+            if not args.measured:
+                ray.shutdown()
         with open(profile) as f:
             engine_only = json.load(f)
-        variants = {"engine": profile}
+        if args.save:
+            with open(args.save, "w") as f:
+                kept = {"profile": engine_only, "probe": probed, "real": reals, "loads": loads}
+                json.dump(kept, f, indent=1)
+        # per variant, per configuration: the profile to simulate with
+        variants = {"engine": {n: profile for n in reals}}
         if probed is not None:
             served = os.path.join(tmp, "profile-served.json")
             with_service = service_figures(engine_only, probed)
             svc_fig = with_service["service"]
             with open(served, "w") as f:
                 json.dump(with_service, f)
-            variants["engine + service"] = served
+            variants["engine + service"] = {n: served for n in reals}
+        if probed is not None and "cpu" in probed:
+            for v, bg in (("+ shared cores", False), ("+ shared cores + background", True)):
+                variants[v] = {}
+                for n, real in reals.items():
+                    path = os.path.join(tmp, f"profile-{n}-{bg}.json")
+                    fig = host_figures(engine_only, probed, real["cpu"]["others"] if bg else None)
+                    with open(path, "w") as f:
+                        json.dump(fig, f)
+                    variants[v][n] = path
+            print(
+                "host figures: "
+                + json.dumps(fig["host"])
+                + ", service "
+                + json.dumps(fig["service"])
+            )
         rows = {v: [] for v in variants}
+        sims = {}
         for pre, dec in configs:
             name = f"{pre}P{dec}D"
-            for v, path in variants.items():
-                rows[v].append((name, simulate(path, trace, pre, dec), reals[name]))
+            for v, paths in variants.items():
+                sims[v, name] = simulate(paths[name], trace, pre, dec)
+                rows[v].append((name, sims[v, name], reals[name]))
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     print(
         f"\nmachine: {machine()}; {now}; load average "
@@ -358,6 +462,11 @@ def main() -> int:
             for k in ("ttft_ms", "itl_ms")
         )
         print(f"worst p50 error ({v}): {worst:.1%} (target {TARGET:.0%})")
+    print("\np50 errors side by side (measured ms, then each way's error):")
+    print(side_by_side(rows))
+    if all("cpu" in r for r in reals.values()):
+        print("\ncores busy while each trace ran (benchmarks/_cpu_account.py):")
+        print(cpu_table(reals, {n: sims["engine + service", n] for n in reals}))
     return 0
 
 

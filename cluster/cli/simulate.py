@@ -125,8 +125,10 @@ def simulate_one(
     from tandem.cluster.planner.simulator import Simulator
 
     dprof = decode_profile or profile
-    records = Simulator(profile, prefill, decode, decode_profile=decode_profile).run(workload)
+    sim = Simulator(profile, prefill, decode, decode_profile=decode_profile)
+    records = sim.run(workload)
     s = summarize(records, args.ttft_slo_ms, args.itl_slo_ms)
+    s["engine_cpu_s"] = sim.engine_cpu_s  # the engines' solo work (threads x steps)
     devices = prefill * profile.tp_size + decode * dprof.tp_size
     s.update(
         prefill=prefill,
@@ -271,8 +273,11 @@ def cmd_profile(args: argparse.Namespace) -> int:
                 if v < 1:
                     raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
                 overrides[name] = v
+        if args.shared_cores is not None and not args.shared_cores > 0:
+            raise ValueError(f"--shared-cores must be > 0, got {args.shared_cores}")
         profile = measure(
             model=args.model,
+            shared_cores=args.shared_cores,
             repeats=args.repeats,
             transfer_bytes_per_s=args.transfer_bytes_per_s,
             transfer_latency_s=args.transfer_latency_ms / 1000.0,
@@ -348,6 +353,14 @@ def add_parsers(sub: Any) -> None:
         type=float,
         default=2.0,
         help="P->D KV handoff fixed latency (not measured here)",
+    )
+    p.add_argument(
+        "--shared-cores",
+        type=float,
+        default=None,
+        help="the engines of the deployment share this many CPU cores (a CPU box: nproc): "
+        "the simulator stretches steps that overlap beyond them. Leave it out when each "
+        "engine has a device of its own (GPU)",
     )
     for name, text in ENGINE_LIMITS.items():
         p.add_argument(

@@ -11,7 +11,11 @@ warm-up request runs first (its steps carry one-time costs: an engine's
 cold-start steps do not count as its speed). The handoff figures are not
 measured here (that needs two engines and a transport): they are given
 (``--transfer-bytes-per-s``, ``--transfer-latency-ms``), and the KV bytes
-per token come from the model's shape and dtype.
+per token come from the model's shape and dtype. With ``shared_cores``
+(``--shared-cores``: the engines of the deployment share that many cores, a
+CPU box) the profile gets a ``host`` section (contention.py) whose
+``engine_threads`` is what the profiled engine computes with: torch's
+threads in this process times the tensor-parallel workers.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import datetime
 import time
 from typing import Any
 
+from tandem.cluster.planner.contention import HostShare
 from tandem.cluster.planner.profile import Profile, TransferCost
 from tandem.wire.engine_protocol import EngineRequest, SamplingParams
 
@@ -72,6 +77,7 @@ def measure(
     transfer_bytes_per_s: float = 1.0e9,
     transfer_latency_s: float = 0.002,
     engine_overrides: dict[str, Any] | None = None,
+    shared_cores: float | None = None,
 ) -> Profile:
     from tandem.workers.config import EngineConfig
     from tandem.workers.engine.core import EngineCore
@@ -115,7 +121,14 @@ def measure(
                 t.drain()
             decode.append(row)
         sched = engine.sched_config
+        host = None
+        if shared_cores is not None:
+            import torch
+
+            threads = torch.get_num_threads() * engine.config.tensor_parallel_size
+            host = HostShare(cores=shared_cores, engine_threads=threads)
         return Profile(
+            host=host,
             prefill_tokens=list(prefill_tokens),
             prefill_time_s=prefill,
             decode_batch_sizes=list(batch_sizes),

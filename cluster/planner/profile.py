@@ -15,7 +15,9 @@ JSON, ``format: "tandem-profile/1"``::
       "transfer": {"bytes_per_s": 1.0e9, "latency_s": 0.002, "kv_bytes_per_token": 4096},
       "scheduler": {"block_size": 16, "num_kv_blocks": 2048, "max_num_batched_tokens": 2048,
                     "max_num_seqs": 64, "max_model_len": 2048},
-      "service": {"request_latency_s": 0.008, "step_overhead_s": 0.0003}   # optional, 0 when absent
+      "service": {"request_latency_s": 0.008, "step_overhead_s": 0.0003},  # optional, 0 when absent
+      "host": {"cores": 2, "engine_threads": 1, "cpu_per_token_s": 0.0003,
+               "background_cores": 0.0}                                      # optional
     }
 
 Costs between measured points are linear (bilinear on the decode grid).
@@ -35,7 +37,10 @@ engine and back before the first token reaches the client) and
 ``step_overhead_s`` per engine step (the engine loop's work around the step:
 outputs sent, inputs read). ``tandem profile`` times the engine alone and
 leaves them 0; benchmarks/simulator.py measures them with lone requests
-through a served 1P1D.
+through a served 1P1D. ``host`` (optional, contention.py) says that the
+engines share a host's cores and how: when set, the simulator stretches the
+steps of engines that compute at the same time beyond the cores (processor
+sharing); absent (a GPU deployment, one engine per device), it does not.
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ import bisect
 import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from tandem.cluster.planner.contention import HostShare
 
 FORMAT = "tandem-profile/1"
 META_KEYS = ("model", "device", "measured_at", "tensor_parallel_size")
@@ -83,6 +90,7 @@ class Profile:
     meta: dict[str, Any] = field(default_factory=dict)
     request_latency_s: float = 0.0
     step_overhead_s: float = 0.0
+    host: HostShare | None = None  # engines sharing a host's cores (None: a device each)
 
     def __post_init__(self) -> None:
         _axis("prefill.batch_tokens", self.prefill_tokens)
@@ -171,6 +179,7 @@ class Profile:
                 if self.request_latency_s or self.step_overhead_s
                 else {}
             ),
+            **({"host": self.host.to_json()} if self.host is not None else {}),
         }
 
     @classmethod
@@ -192,6 +201,7 @@ class Profile:
                 meta={k: obj[k] for k in META_KEYS if k in obj},
                 request_latency_s=svc.get("request_latency_s", 0.0),
                 step_overhead_s=svc.get("step_overhead_s", 0.0),
+                host=HostShare.from_json(obj["host"]) if obj.get("host") is not None else None,
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"profile: missing or malformed field {exc}") from None

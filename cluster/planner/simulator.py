@@ -21,6 +21,12 @@ to a prefill engine (the gateway does not split it): a decode engine
 computes it whole. Arrivals go to the prefill engine with the fewest prompt
 tokens left to compute. Nothing depends on wall time or hash order: a
 workload gives one result.
+
+With the profile's ``host`` section (engines sharing a host's cores,
+contention.py) a step's cost is its solo work, not its length: the engines'
+steps and the serving path's per-token CPU share the cores by processor
+sharing, and every step's end is computed again whenever a step starts or
+ends.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import heapq
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandem.cluster.planner.contention import CpuShare
 from tandem.cluster.planner.profile import Profile
 from tandem.scheduler.config import SchedulerConfig
 from tandem.scheduler.messages import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
@@ -110,6 +117,9 @@ class _Engine:
             config, _SimConnector(sim, index, self.profile), engine_id=f"sim-{index}"
         )
         self.busy_until: float | None = None
+        self.step_start_s = 0.0
+        host = self.profile.host or sim.profile.host
+        self.threads = host.engine_threads if host is not None else 1.0
         self.step: SchedulerOutput | None = None
         self.num_steps = 0  # steps started, the latest one's length and tokens (stats)
         self.last_step_s = 0.0
@@ -170,6 +180,11 @@ class Simulator:
         self.arrivals_left = 0  # requests of the run not arrived yet
         self._transfers: list[tuple[float, int, int, str, bool]] = []
         self._seq = 0
+        host = profile.host
+        # engines sharing the host's cores (None: each has a device of its own)
+        self.share = CpuShare(host.cores, host.background_cores) if host is not None else None
+        self.path_until: float | None = None  # the serving path's per-token backlog ends
+        self.engine_cpu_s = 0.0  # the engines' solo work (threads x step), for the stats
 
     def transfer_done(self, at_s: float, engine: int, rid: str, recving: bool) -> None:
         self._seq += 1
@@ -190,10 +205,13 @@ class Simulator:
                 min((e.busy_until for e in self.engines if e.busy_until is not None), default=inf),
                 self._transfers[0][0] if self._transfers else inf,
                 self.next_tick_s(),
+                self.path_until if self.path_until is not None else inf,
             )
             if t == inf:
                 break
             self.now_s = t
+            if self.share is not None:
+                self.share.advance(t)
             for e in self.engines:  # 1. steps that end now
                 if e.busy_until is not None and e.busy_until <= t:
                     self._finish_step(e, t, records, live)
@@ -209,6 +227,8 @@ class Simulator:
                 if e.busy_until is None:
                     e.deliver_transfers()
                     self._start_step(e, t)
+            if self.share is not None:  # 6. the cores' new shares: when each job ends
+                self._reshare()
         stuck = [rid for rid in live if not records[live[rid]].error]
         stuck += [e.sched.engine_id for e in self.engines if e.sched.has_unfinished_requests()]
         if stuck:
@@ -274,9 +294,22 @@ class Simulator:
         if so.total_num_scheduled_tokens == 0:
             return  # waiting for blocks or a handoff: an event wakes it
         cost = self.step_cost(e.sched, so, e.profile)
-        e.step, e.busy_until = so, t + cost
+        e.step, e.busy_until, e.step_start_s = so, t + cost, t
         e.num_steps += 1
         e.last_step_s, e.last_step_tokens = cost, so.total_num_scheduled_tokens
+        self.engine_cpu_s += cost * e.threads
+        if self.share is not None:
+            self.share.add(("engine", e.index), cost, e.threads)
+
+    def _reshare(self) -> None:
+        share = self.share
+        # done, or too little left to move the clock (a late time's float spacing)
+        if "path" in share.jobs() and (share.done("path") or share.finish_s("path") <= share.now_s):
+            share.remove("path")
+        for e in self.engines:
+            if e.busy_until is not None:
+                e.busy_until = share.finish_s(("engine", e.index))
+        self.path_until = share.finish_s("path") if "path" in share.jobs() else None
 
     def step_cost(
         self, sched: Scheduler, so: SchedulerOutput, profile: Profile | None = None
@@ -290,6 +323,9 @@ class Simulator:
 
     def _finish_step(self, e: _Engine, t: float, records: list[_Record], live: dict) -> None:
         so, e.step, e.busy_until = e.step, None, None
+        if self.share is not None:
+            self.share.remove(("engine", e.index))
+            e.last_step_s = t - e.step_start_s  # its length, stretched by the others
         reqs = e.sched.requests
         rids = list(so.num_scheduled_tokens)
         sampled = [
@@ -301,7 +337,10 @@ class Simulator:
         outs = e.sched.update_from_output(
             so, ModelRunnerOutput(req_ids=rids, sampled_token_ids=sampled)
         )
+        per_token = self.profile.host.cpu_per_token_s if self.share is not None else 0.0
         for out in outs.outputs:
+            if per_token and out.new_token_ids:  # the gateway streams them (and the client reads)
+                self.share.add("path", per_token * len(out.new_token_ids))
             i = int(out.request_id[1:])
             if out.request_id[0] == "p":
                 if out.finish_reason is not None:

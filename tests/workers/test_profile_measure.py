@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 from tandem.cluster.cli.main import main
+from tandem.cluster.planner.contention import HostShare
 from tandem.cluster.planner.measure import measure
 from tandem.cluster.planner.profile import load_profile
 from tandem.cluster.planner.simulator import SimRequest, Simulator
@@ -42,6 +43,12 @@ def test_profile_command_writes_json(tmp_path, monkeypatch, capsys):
     prof = load_profile(str(out))
     assert (prof.scheduler["num_kv_blocks"], prof.scheduler["max_num_seqs"]) == (300, 7)
     assert prof.tp_size == 1
+    assert prof.host is None  # a device per engine unless told otherwise
+    # engines sharing a CPU box: the cores given, the engine's own torch threads
+    assert main([*args, "--shared-cores", "2"]) == 0
+    assert load_profile(str(out)).host == HostShare(cores=2.0, engine_threads=1)
+    assert main([*args, "--shared-cores", "0"]) == 2
+    assert "--shared-cores" in capsys.readouterr().err
     assert main([*args, "--max-num-seqs", "0"]) == 2
     assert "--max-num-seqs" in capsys.readouterr().err
     assert main(["profile", "--out", str(out), "--transfer-bytes-per-s", "0"]) == 2
