@@ -144,7 +144,7 @@ def copy_speed(
             host_bytes=total if medium == "host" else 0,
             disk_dir=tmp if medium == "disk" else None,
             disk_bytes=2 * total if medium == "disk" else 0,
-            engine_id=f"bench-{medium}",
+            engine_id=f"bench-{medium}-{readers}",  # each row starts empty
             max_store_queue=num_blocks,
         )
         store = TierStore(cfg)

@@ -253,6 +253,13 @@ class DiskTier:
             f.write(header)
             f.write(memoryview(payload))
 
+    def _row(self, num_bytes: int) -> np.ndarray:
+        """This thread's page-aligned staging row, at least ``num_bytes`` long."""
+        row = getattr(self._staging, "row", None)
+        if row is None or row.nbytes < num_bytes:
+            row = self._staging.row = aligned_row(num_bytes)
+        return row
+
     def prefetch(self, keys: list[bytes]) -> None:
         """Ask the kernel to start reading these blocks' files now, all at once (a cold
         load then overlaps its reads instead of waiting for each file in turn)."""
@@ -271,11 +278,8 @@ class DiskTier:
         itself: on failure its bytes are garbage, and the block is recomputed);
         TierLoadError when the file is missing, of another key, torn or fails its
         checksum. The file goes whole into this thread's staging row first
-        (``read_file``), then the checked block into ``out``: see ``staging_row``."""
-        row = getattr(self._staging, "row", None)
-        if row is None or row.nbytes < self.row_bytes(key):
-            row = self._staging.row = aligned_row(self.row_bytes(key))
-        copy_bytes(out, self.read_file(key, row))
+        (``read_file``, which says why), then the checked block into ``out``."""
+        copy_bytes(out, self.read_file(key, self._row(self.row_bytes(key))))
 
     def row_bytes(self, key: bytes) -> int:
         """The staging row ``read_file`` needs for ``key``'s file."""
