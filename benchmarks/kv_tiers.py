@@ -8,7 +8,10 @@ trace, and what an idle tier costs a step.
    (host), the disk's sequential read of one file of the same size with its pages
    dropped from the page cache (disk; the tier's loads also read cold files), measured
    again after each disk row. One disk row per ``--disk-readers`` count (threads reading
-   a load's blocks at once; 1: one by one through a staging row).
+   a load's blocks at once; 1: one by one through a staging row); each disk row also
+   loads the same blocks again with their files in the page cache (the tier's own cost:
+   system calls, checksums, the copy into the cache, without the device's). With
+   ``--repeats N`` a disk row's figures are the medians of N rounds (the box is shared).
 2. A multi-turn trace (``cluster/cli/trace_replay.synthesize``: sessions that grow
    turn by turn over shared system prompts and documents) replayed one request at a
    time through a model (``--model``, tiny by default) in fp32, with a device cache of about a quarter of the trace's
@@ -106,7 +109,11 @@ def copy_speed(
     tmp: str,
     device: str = "cpu",
     disk_readers: tuple[int, ...] = (4,),
-) -> list[tuple[str, float, float, str]]:
+    repeats: int = 1,
+) -> list[tuple[str, float, float, float, str]]:
+    """Rows of (tier, store, load, load with the files in the page cache, ceiling), GB/s.
+    A disk row's loads (each from cold files) and its ceiling are the medians of
+    ``repeats`` rounds, the ceiling measured after each round's loads."""
     layers = block_bytes // (2 * 16 * 8 * 64 * 2)
     kv = torch.randn(num_blocks, layers, 2, 16, 8, 64).to(torch.bfloat16).to(device)
     total = num_blocks * block_bytes
@@ -137,7 +144,7 @@ def copy_speed(
             host_bytes=total if medium == "host" else 0,
             disk_dir=tmp if medium == "disk" else None,
             disk_bytes=2 * total if medium == "disk" else 0,
-            engine_id=f"bench-{medium}",
+            engine_id=f"bench-{medium}-{readers}",  # each row starts empty
             max_store_queue=num_blocks,
         )
         store = TierStore(cfg)
@@ -149,22 +156,33 @@ def copy_speed(
         store.submit_stores([StoreJob(i, k) for i, k in enumerate(keys)])
         assert store.flush(300)
         store_gbs = total / (time.perf_counter() - t) / 1e9
-        if medium == "disk":
-            for p in store.disk.root.rglob("*.kvb"):
-                _drop_cache(p)
-        load_gbs = total / _load_all(store, keys, num_blocks) / 1e9
+        loads, warms, ceilings = [], [], []
+        for _ in range(repeats if medium == "disk" else 1):
+            if medium == "disk":
+                for p in store.disk.root.rglob("*.kvb"):
+                    _drop_cache(p)
+            loads.append(total / _load_all(store, keys, num_blocks) / 1e9)
+            if medium == "disk":
+                # the same loads again, the files now in the page cache: the tier's own
+                # cost (system calls, checksums, the copies) without the device's
+                warms.append(total / _load_all(store, keys, num_blocks) / 1e9)
+                # the disk's ceiling right after the loads (the box's load drifts)
+                ceilings.append(_seq_read_gbs(src, tmp))
         store.check_integrity()
         store.close()
-        # the disk's ceiling is measured right after each disk row (the box's load drifts)
-        ceiling = ceiling_host if medium == "host" else _seq_read_gbs(src, tmp)
+        load_gbs = statistics.median(loads)
+        warm_gbs = statistics.median(warms) if warms else 0.0
+        ceiling = statistics.median(ceilings) if ceilings else ceiling_host
         if medium == "disk":
             what = "sequential read of one file, cold"
+            if repeats > 1:
+                what += f"; medians of {repeats}"
             medium = f"disk, {readers} reader{'s' * (readers > 1)}"
         elif device == "cuda":
             what = f"PCIe: one pinned->device copy_ of it all; device->pinned {ceiling_rows:.2f}"
         else:
             what = f"one copy_ of it all; {ceiling_rows:.2f} block by block"
-        rows.append((medium, store_gbs, load_gbs, f"{ceiling:.2f} ({what})"))
+        rows.append((medium, store_gbs, load_gbs, warm_gbs, f"{ceiling:.2f} ({what})"))
     return rows
 
 
@@ -385,6 +403,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--disk-readers", default="1,4", help="disk rows: reader threads per load (1: one by one)"
     )
+    ap.add_argument(
+        "--repeats", type=int, default=1, help="copy part: disk rounds per row (medians)"
+    )
     ap.add_argument("--parts", default="copy,trace,churn,step")
     ap.add_argument("--model", default="tiny", help="trace and step model (tiny, smollm2, ...)")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # PART:INDEX, in a child process
@@ -404,13 +425,19 @@ def main(argv: list[str] | None = None) -> int:
     if "copy" in parts:
         with tempfile.TemporaryDirectory() as tmp:
             readers = tuple(int(n) for n in args.disk_readers.split(","))
-            rows = copy_speed(args.blocks, args.block_kib * 1024, tmp, args.device, readers)
+            rows = copy_speed(
+                args.blocks, args.block_kib * 1024, tmp, args.device, readers, args.repeats
+            )
         print(
             f"\n1. copies of {args.blocks} blocks of {args.block_kib} KiB on {args.device} (GB/s)"
         )
-        print("| tier | store | load | ceiling | load / ceiling |\n| --- | --- | --- | --- | --- |")
-        for medium, s, ld, c in rows:
-            print(f"| {medium} | {s:.2f} | {ld:.2f} | {c} | {ld / float(c.split()[0]):.2f} |")
+        print(
+            "| tier | store | load | load, files in the page cache | ceiling | load / ceiling |"
+            "\n| --- | --- | --- | --- | --- | --- |"
+        )
+        for medium, s, ld, warm, c in rows:
+            w = f"{warm:.2f}" if warm else "-"
+            print(f"| {medium} | {s:.2f} | {ld:.2f} | {w} | {c} | {ld / float(c.split()[0]):.2f} |")
     if "trace" in parts:
         print_trace(_in_child("trace", args), args.model)
     if "churn" in parts:

@@ -306,6 +306,12 @@ class EngineConfig:
     kv_connector: str | None = option(
         None, section="identity", internal=True, help='"nixl" to exchange KV with peers'
     )
+    kv_borrows_tiers: bool = option(
+        False,
+        section="identity",
+        internal=True,
+        help="a prefill engine without a host KV tier reads peers' (another pool keeps one)",
+    )
     kv_host: str = option(
         "127.0.0.1", section="identity", internal=True, help="side-channel host peers connect to"
     )

@@ -58,7 +58,10 @@ engine's host tier (``PrefixIndex.match_below``). The kv-aware cost uses
 ``hit_e + TIER_HIT_WEIGHT * (own_e - hit_e) + PEER_TIER_HIT_WEIGHT * (below_e - own_e)``
 in place of ``hit_e``, where ``own_e`` leaves other engines' tiers out: a block in
 e's own tier (a local load) scores below a device hit, a block in another engine's
-host tier (a NIXL READ) below that, and both above nothing. ``predicted_hit_tokens``
+host tier (a NIXL READ) below that, and both above nothing. Only an engine that READs over
+NIXL (``kv_role`` "both" or "decode": a prefill engine serving only, or an engine
+without the connector, does not) counts other engines' tiers: for the rest
+``below_e`` is ``own_e``. ``predicted_hit_tokens``
 keeps the device hit (``Choice.below_tokens`` is ``below_e``); the disaggregated plan
 weighs ``below_D``: a prompt the tiers hold, or all but fewer than
 ``disagg_min_tokens`` of it, is not worth a prefill engine.
@@ -156,6 +159,13 @@ class Plan:
     reason: str
 
 
+def reads_peers(e: EngineState) -> bool:
+    """Can ``e`` READ a prefix from another engine over NIXL (its ``kv_role`` from
+    ``ready()``)? A prefill engine that only serves cannot, nor an engine without a
+    connector; an engine that has not said (a test's state) is taken to read."""
+    return e.info.get("kv_role", "both") in ("both", "decode")
+
+
 def max_hit_blocks(num_prompt_tokens: int, block_size: int) -> int:
     """Blocks an engine may take from cache: the last token is always computed."""
     return max(num_prompt_tokens - 1, 0) // block_size
@@ -212,6 +222,9 @@ class RoutingPolicy:
         hit = self._hits(cands, hashes, num_prompt_tokens, block_size)
         own = self._hits(cands, hashes, num_prompt_tokens, block_size, below="own")
         below = self._hits(cands, hashes, num_prompt_tokens, block_size, below="peers")
+        for e in cands:  # another engine's host tier counts only for an engine that READs
+            if not reads_peers(e):
+                below[e.engine_id] = own[e.engine_id]
         held = {  # tier tokens count a part of a device token (module doc)
             eid: h
             + TIER_HIT_WEIGHT * (own[eid] - h)

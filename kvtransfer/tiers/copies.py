@@ -17,7 +17,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from tandem.kvtransfer.tiers.disk import DiskFull, TierLoadError, checksum
+from tandem.kvtransfer.tiers.disk import (
+    DiskFull,
+    TierLoadError,
+    aligned_row,
+    checksum,
+    copy_bytes,
+)
 
 if TYPE_CHECKING:
     from tandem.kvtransfer.tiers.store import LoadJob, StoreJob, TierStore
@@ -32,9 +38,12 @@ class TierCopier:
         self.owner = store
         self.stream: Any = None
         self.staging: torch.Tensor | None = None
+        # one reader (CUDA, or disk_readers 1): a whole block file lands here, page
+        # aligned (DiskTier.read_file; pinned on CUDA), and its block is copied on
+        self.file_row: torch.Tensor | None = None
         self.disk_full_until = 0.0
-        # CPU: a load's disk blocks are read by these threads at once, each straight
-        # into its device block (the kernel overlaps the reads; no staging copy)
+        # CPU: a load's disk blocks are read by these threads at once, each through
+        # its own staging row into its device block (the kernel overlaps the reads)
         self.readers: concurrent.futures.ThreadPoolExecutor | None = None
 
     def open(self, block_bytes: int, device: torch.device) -> None:
@@ -47,6 +56,20 @@ class TierCopier:
                 self.owner.config.disk_readers, thread_name_prefix="kv-tiers-read"
             )
 
+    def file_block(self, key: bytes) -> torch.Tensor:
+        """``key``'s block read through ``file_row`` (checked): a view of it, good until
+        the next call (DiskTier.read_file)."""
+        disk = self.owner.disk
+        need = disk.row_bytes(key)
+        if self.file_row is None or self.file_row.numel() < need:
+            cuda = self.stream is not None
+            row = aligned_row(need, pin=cuda)
+            self.file_row = row if cuda else torch.from_numpy(row)
+        row = self.file_row.numpy()
+        block = disk.read_file(key, row)
+        start = block.ctypes.data - row.ctypes.data
+        return self.file_row[start : start + block.nbytes]
+
     def close(self) -> None:
         if self.readers is not None:
             self.readers.shutdown(wait=True, cancel_futures=True)
@@ -58,9 +81,9 @@ class TierCopier:
         """``sync=False`` (CUDA): leave the copy queued on the tier stream; the caller
         synchronizes it before the blocks are reported."""
         if self.stream is None:
-            # numpy's memcpy: torch's copy_ of one uint8 row runs 0.04-0.3 GB/s on the
-            # CPU box against 2.2 GB/s here (benchmarks/kv_tiers.py)
-            np.copyto(dst.numpy(), src.numpy())
+            # numpy: torch's copy_ of one uint8 row ran 0.04-0.3 GB/s on the CPU box
+            # (benchmarks/kv_tiers.py); a ufunc loop rather than memcpy (copy_bytes)
+            copy_bytes(dst.numpy(), src.numpy())
             return
         with torch.cuda.stream(self.stream):
             dst.copy_(src, non_blocking=True)
@@ -190,8 +213,7 @@ class TierCopier:
                         raise TierLoadError("host block checksum mismatch")
                     medium = "host"
                 elif on_disk:
-                    row = self.staging
-                    disk.read(key, row.numpy())
+                    row = self.file_block(key)
                     medium = "disk"
                 else:
                     raise TierLoadError("block left the tiers before its load")
@@ -204,7 +226,7 @@ class TierCopier:
                     elif on_disk:
                         disk.drop(key)
                 return job.block_ids[i:]
-            self.copy(s.kv[block_id], row, sync=medium == "disk")  # staging is reused
+            self.copy(s.kv[block_id], row, sync=medium == "disk")  # file_row is reused
             counters[f"{medium}_loaded_bytes"] += row.numel()
             counters[f"{medium}_hits"] += 1
         with s.lock:
@@ -212,9 +234,11 @@ class TierCopier:
         return []
 
     def load_blocks_parallel(self, job: LoadJob) -> list[int]:
-        """CPU with a disk tier: every disk block of the job is read at once by the
-        reader threads, straight into its device block (checksum verified there); host
-        blocks are copied meanwhile. Then the blocks are judged in order: the first one
+        """CPU with a disk tier: the job's disk files are announced to the kernel at once
+        (``posix_fadvise(WILLNEED)``: every read in flight together, the device's queue
+        deep), then the reader threads read them, each file through its own staging row
+        into its device block (``DiskTier.read``, checksum verified); host blocks are
+        copied meanwhile. Then the blocks are judged in order: the first one
         missing, late or bad ends the load (it and the rest are recomputed). No read is
         left running when this returns: a late one could land in a recomputed block."""
         s = self.owner
@@ -231,6 +255,9 @@ class TierCopier:
                     disk.touch(key)
                     entry = "disk"
                 where.append(entry)
+        cold = [job.keys[i] for i, entry in enumerate(where) if entry == "disk"]
+        if len(cold) > 1:  # the kernel reads them all at once; the readers copy them out
+            disk.prefetch(cold)
         reads = {
             i: self.readers.submit(disk.read, job.keys[i], kv[job.block_ids[i]].numpy())
             for i, entry in enumerate(where)

@@ -380,3 +380,21 @@ def test_colocated_engines_with_host_tiers_get_nixl_to_lend_to_each_other():
     )
     assert serve_config(colocated=2).pool_engine("colocated").kv_connector is None
     assert serve_config(kv_offloading_size=1.0).pool_engine("decode").kv_connector == "nixl"
+
+
+def test_a_prefill_engine_reads_peers_tiers_when_another_pool_keeps_one():
+    from tandem.workers.parallel.connector_hook import kv_role
+
+    # only the decode pool keeps a host tier: the prefill engine borrows from it
+    borrow = serve_config(decode_engine={"kv_offloading_size": 1.0})
+    p, d = borrow.pool_engine("prefill"), borrow.pool_engine("decode")
+    assert p.kv_borrows_tiers and not p.kv_offloading_size
+    assert (kv_role(p), kv_role(d)) == ("both", "both")
+    # no tier anywhere: a prefill engine only serves, a decode engine only reads
+    plain = serve_config()
+    assert not plain.pool_engine("prefill").kv_borrows_tiers
+    assert (kv_role(plain.pool_engine("prefill")), kv_role(plain.pool_engine("decode"))) == (
+        "prefill",
+        "decode",
+    )
+    assert not borrow.pool_engine("decode").kv_borrows_tiers  # it reads anyway

@@ -234,3 +234,87 @@ def test_pd_engines_lend_their_host_tiers_to_each_other():
             backend.undrain(d1)
     finally:
         shared_ray.release()
+
+
+def test_a_prefill_engine_without_a_tier_borrows_the_decode_engines():
+    """Only the decode pool keeps a host tier (a common deployment): the prefill engine
+    runs NIXL as "both" all the same (``kv_borrows_tiers``), so it is pushed its peers
+    and lent D's tier before it prefills: ``cached_tokens`` = the lent blocks, the text
+    of a cold run, the plan scoring P's borrowable prefix ("tier_hit"); a client gone
+    mid-stream after a lend leaves nothing pinned or held on either engine."""
+    config = serve_config(
+        model="tiny",
+        ray_dashboard=False,
+        prefill=1,
+        decode=1,
+        disagg_min_tokens=32,
+        num_kv_blocks=64,
+        max_num_seqs=4,
+        max_model_len=512,
+        decode_engine={"kv_offloading_size": 0.01},
+        kv_lease_s=10.0,
+        router="kv-aware",  # one engine per pool would route least-load
+    )
+    assert config.pool_engine("prefill").kv_offloading_size is None
+    shared_ray.start()
+    try:
+        with ServiceThread(config) as svc:
+            backend = svc.service.backend
+            index = backend.routing.index
+            c = client(svc)
+            (p,) = [eid for eid, e in backend.engines.items() if e.state.role == "prefill"]
+            (d,) = [eid for eid, e in backend.engines.items() if e.state.role == "decode"]
+            assert backend.engines[p].state.info["kv_role"] == "both"
+
+            def complete(prompt: str, max_tokens: int = 8, salt: str | None = None):
+                extra = {"cache_salt": salt} if salt else None
+                return c.completions.create(
+                    model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0,
+                    extra_body=extra,
+                )  # fmt: skip
+
+            def reset_p() -> None:
+                async def call():
+                    return await backend.engines[p].handle.actor.reset_prefix_cache.remote()
+
+                wait_idle(svc)
+                assert svc.run(call()) is True
+                _wait("P's blocks gone from the index", lambda: not index.hashes_of(p))
+
+            def lent() -> int:
+                return backend.routing.decisions().get("tier_lend/lent", 0)
+
+            pushed = lambda: backend.engines[p].pushed_endpoints  # noqa: E731
+            _wait("P to know D as a peer", lambda: pushed() and d in {ep[0] for ep in pushed()[1]})
+            prompt = "Tell me about tiered KV caches and who reads them. " * 2
+            first = complete(prompt)  # P prefills, D decodes: D's host tier stores it
+            full = (first.usage.prompt_tokens - 1) // 16
+            _wait("D's host tier in the index", lambda: len(index.hashes_of(d, "host")) >= full)
+            assert not index.hashes_of(p, "host")  # P keeps no tier
+
+            longer = prompt + "Now compare them with a single device cache, please. " * 3
+            cold = complete(longer, salt="cold")  # the same tokens, computed cold
+            assert cold.usage.prompt_tokens_details.cached_tokens == 0
+            reset_p()  # P holds nothing of it; D's host tier holds the prompt
+            before = wait_idle(svc)[p].kv_transfer.transfer_bytes_total
+            third = complete(longer)
+            decisions = backend.routing.decisions()
+            assert decisions.get("route/remote_prefill", 0) >= 3, decisions
+            assert decisions.get("prefill/tier_hit", 0) >= 1, decisions  # the plan saw it
+            assert lent() == 1, decisions
+            assert third.usage.prompt_tokens_details.cached_tokens == full * 16  # on P
+            assert third.choices[0].text == cold.choices[0].text
+            stats = wait_idle(svc)  # check_integrity on both
+            assert stats[p].kv_transfer.transfer_bytes_total > before  # READ from D's tier
+            assert all(s.kv_transfer.sends_blocks_held == 0 for s in stats.values())
+
+            # lent to P, then the client goes away: every pin and held block is freed
+            reset_p()
+            other = prompt + "Then explain why a peer would lend its host tier. " * 3
+            body = dict(model="tiny", prompt=other, max_tokens=64, stream=True)
+            disconnect_mid_stream(svc, body, 1)
+            assert lent() == 2, backend.routing.decisions()
+            stats = wait_idle(svc, deadline_s=60.0)
+            assert all(s.kv_transfer.sends_blocks_held == 0 for s in stats.values())
+    finally:
+        shared_ray.release()

@@ -106,8 +106,10 @@ def test_decode_engine_holding_the_prompt_in_its_tier_skips_the_read(ckpt):
         h.close()
 
 
-def test_prefill_engine_borrows_a_decode_engines_host_tier_before_it_prefills(ckpt):
-    """P (host tier, kv role "both") lacks a prefix D's host tier holds: D lends it
+@pytest.mark.parametrize("p_tier", [True, False], ids=["p-with-tier", "p-without-tier"])
+def test_prefill_engine_borrows_a_decode_engines_host_tier_before_it_prefills(ckpt, p_tier):
+    """P (host tier, kv role "both"; or, without a tier, ``kv_borrows_tiers``: the bare
+    NIXL connector as "both") lacks a prefix D's host tier holds: D lends it
     (``kv_tier_export``), P READs it over NIXL with ``do_remote_decode`` beside the lent
     params, computes only the rest (cached tokens = the lent blocks) and hands the whole
     prompt off to D as usual: tokens identical to one engine's. A lent READ that fails
@@ -126,7 +128,11 @@ def test_prefill_engine_borrows_a_decode_engines_host_tier_before_it_prefills(ck
     try:
         common = dict(BASE, model=ckpt, kv_connector="nixl", kv_lease_s=5.0)
         tier = dict(num_kv_blocks=64, kv_offloading_size=0.01, **common)
-        h.start("P", EngineConfig(role="prefill", **tier))
+        if p_tier:
+            h.start("P", EngineConfig(role="prefill", **tier))
+        else:  # no tier of its own: it reads as well as serves all the same
+            h.start("P", EngineConfig(role="prefill", num_kv_blocks=64, kv_borrows_tiers=True,
+                                      **common))  # fmt: skip
         h.start("D", EngineConfig(role="decode", **tier))
         host, port = h.call("D", "kv_transfer_address")  # a decode engine with a tier serves
         h.call("P", "set_prefill_endpoints", args=[[["D", 0, host, port]]])

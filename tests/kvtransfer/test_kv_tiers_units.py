@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from tandem.kvtransfer.tiers.config import TierConfig, fingerprint
-from tandem.kvtransfer.tiers.disk import DiskTier, TierLoadError, checksum
+from tandem.kvtransfer.tiers.disk import (
+    DiskTier,
+    TierLoadError,
+    aligned_row,
+    checksum,
+    copy_bytes,
+)
 from tandem.kvtransfer.tiers.host import HostTier
 from tandem.kvtransfer.tiers.store import LoadJob, StoreJob, TierStore
 from tandem.workers.config import EngineConfig
@@ -82,6 +88,50 @@ def test_disk_tier_accounting_reindex_and_file_checks(tmp_path):
     again.check_integrity()
     with pytest.raises(ValueError, match="--kv-offloading-disk-dir.*block_size"):
         DiskTier(str(tmp_path), "e0", 2 * size, BB, _fp(block_size=32), lambda k: False)
+
+
+def test_disk_reads_stage_the_whole_file_and_still_catch_every_bad_file(tmp_path):
+    """``read_file`` reads a block's file whole into a page-aligned row and returns the
+    checked block as a view of it; ``read`` copies that on. A file cut short, one byte
+    longer, flipped in the block, or not ours is a TierLoadError either way."""
+    size = 24 + 2 + BB  # header, key, block
+    disk = DiskTier(str(tmp_path), "e0", 8 * size, BB, _fp(), lambda k: False)
+    payload = np.arange(BB, dtype=np.uint8)
+    for key in (b"k1", b"k2"):
+        assert disk.reserve(key)
+        disk.write(key, payload, checksum(payload))
+        disk.commit(key, True)
+    row = aligned_row(disk.row_bytes(b"k1"))
+    assert row.ctypes.data % 4096 == 0 and row.nbytes == size + 1
+    block = disk.read_file(b"k1", row)
+    assert (block == payload).all() and block.ctypes.data == row.ctypes.data + size - BB
+    out = np.zeros(BB + 3, dtype=np.uint8)[3:]  # a destination at another offset
+    disk.read(b"k1", out)
+    assert (out == payload).all()
+    good = disk.path(b"k2").read_bytes()
+    for bad, match in (
+        (good[:-1], "wrong size"),
+        (good + b"x", "wrong size"),
+        (good[:-1] + bytes([good[-1] ^ 1]), "checksum"),
+        (b"XKVB" + good[4:], "not ours"),
+    ):
+        disk.path(b"k2").write_bytes(bad)
+        with pytest.raises(TierLoadError, match=match):
+            disk.read(b"k2", out)
+        with pytest.raises(TierLoadError, match=match):
+            disk.read_file(b"k2", row)
+    disk.path(b"k2").unlink()
+    with pytest.raises(TierLoadError, match="unreadable"):
+        disk.read(b"k2", out)
+
+
+@pytest.mark.parametrize("offset", [0, 1, 8, 56])
+def test_copy_bytes_copies_at_any_offset(offset):
+    src = np.random.default_rng(offset).integers(0, 255, 4096 + 61, dtype=np.uint8)
+    for n in (4096, 4096 + 61):  # a multiple of 8 and not
+        dst = np.zeros(n + offset, dtype=np.uint8)
+        copy_bytes(dst[offset:], src[:n])
+        assert (dst[offset:] == src[:n]).all() and not dst[:offset].any()
 
 
 def _store(tmp_path, **kw) -> TierStore:

@@ -297,3 +297,29 @@ def _costs(c: SimCluster, tokens) -> dict[str, float]:
             - PEER_TIER_HIT_WEIGHT * (below[e] - own[e])) / n
         for e in hit
     }  # fmt: skip
+
+
+def test_only_an_engine_that_reads_over_nixl_counts_a_peers_host_tier():
+    """A prefill engine serving only (kv role "prefill") cannot be lent a peer's tier:
+    the plan scores it on its own prefix; one that reads ("both": a tier of its own,
+    or ``kv_borrows_tiers``) counts the peer's tier and is chosen for it."""
+    from tandem.cluster.routing.policy import reads_peers
+
+    c = SimCluster({"p0": "prefill", "p1": "prefill", "d0": "decode"})
+    tokens = list(range(100, 133))  # 8 full blocks + 1 token
+    hashes = c.hashes(tokens).of("prefill")
+    assert c.index.apply(_batch("d0", 1, BlockStored(hashes, None, 32, "host")))
+    for eid in ("p0", "p1"):
+        assert c.index.apply(_batch(eid, 1, BlockStored([b"?" * 32], None, 4)))  # in sync
+    c.router.engines["p0"].info = {"kv_role": "prefill"}
+    c.router.engines["p1"].info = {"kv_role": "both"}
+    assert [reads_peers(c.router.engines[e]) for e in ("p0", "p1", "d0")] == [False, True, True]
+    choice = c.route("prefill", tokens)
+    assert choice.engine.engine_id == "p1" and choice.reason == "tier_hit"
+    assert choice.below_tokens == 32
+    # with no reader among them, nothing below counts: the plain cost picks
+    c.router.engines["p1"].info = {"kv_role": "prefill"}
+    choice = c.route("prefill", tokens)
+    assert choice.reason == "load" and choice.below_tokens == 0
+    # an engine without the connector (a colocated one with no peers) reads nothing
+    assert not reads_peers(type(choice.engine)("c0", "colocated", info={"kv_role": None}))

@@ -29,8 +29,12 @@ from tandem.workers.config import EngineConfig
 def kv_role(config: EngineConfig) -> str:
     """The engine's NIXL role: a prefill engine serves its KV, a decode engine reads
     peers'; an engine keeping a host KV tier does both, so it lends tier prefixes to
-    its peers and borrows theirs (kvtransfer/tiers/export.py), whatever its pool."""
+    its peers and borrows theirs (kvtransfer/tiers/export.py), whatever its pool. A
+    prefill engine without a tier does both too where another pool keeps one
+    (``kv_borrows_tiers``, set by ``tandem serve``): it borrows before it prefills."""
     if config.kv_offloading_size:
+        return "both"
+    if config.role == "prefill" and config.kv_borrows_tiers:
         return "both"
     return {"prefill": "prefill", "decode": "decode"}.get(config.role, "both")
 

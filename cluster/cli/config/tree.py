@@ -181,6 +181,7 @@ class ServeConfig:
             cluster_secret=cluster_secret,
             log_format=self.observability.log_format,
             kv_events=kv_events,
+            kv_borrows_tiers=role == "prefill" and self._lenders_keep_tiers(),
             **gpu_share(num_gpus, overrides, role),
         )
         check_pool_parallel(role, config, num_gpus)
@@ -195,6 +196,17 @@ class ServeConfig:
         tiers = overrides.get("kv_offloading_size", self.engine.kv_offloading_size)
         lends = bool(tiers) and self.pools.pool(role).num_engines > 1
         return "nixl" if lends else None
+
+    def _lenders_keep_tiers(self) -> bool:
+        """Does a prefill or decode pool keep a host KV tier? Then a prefill engine
+        may be lent a prefix before it prefills, so it reads as well as serves
+        (``kv_role`` "both"; cluster/disagg/tier_lending.py)."""
+        reach = self.pools.reach()  # a pool the planner may grow counts
+        return any(
+            self.pools.pool(r).engine.get("kv_offloading_size", self.engine.kv_offloading_size)
+            for r in ("prefill", "decode")
+            if reach.get(r)
+        )
 
     def replace(self, **changes: Any) -> ServeConfig:
         return dataclasses.replace(self, **changes)
