@@ -85,7 +85,7 @@ def measure(
     fields = {"enable_prefix_caching": False, "max_num_batched_tokens": max(2048, need)}
     fields.setdefault("max_model_len", need)
     fields.update(engine_overrides or {})
-    engine = EngineCore(EngineConfig(model=model, **fields))
+    engine = EngineCore(EngineConfig.from_flat(model=model, **fields))
     try:
         t = _Timer(engine)
         t.add(32, 4)  # warm-up
@@ -135,8 +135,8 @@ def measure(
             },
             meta={
                 "model": model,
-                "device": engine.config.device,
-                "tensor_parallel_size": engine.config.tensor_parallel_size,
+                "device": engine.config.model.device,
+                "tensor_parallel_size": engine.config.parallel.tensor_parallel_size,
                 "measured_at": datetime.datetime.now(datetime.timezone.utc).strftime(
                     "%Y-%m-%dT%H:%M:%SZ"
                 ),

@@ -42,7 +42,9 @@ def test_gateway_lends_a_peer_host_tier_prefix_to_the_chosen_engine():
         kv_offloading_size=0.01,
         kv_lease_s=10.0,
     )
-    assert config.pool_engine("colocated").kv_connector == "nixl"  # tiers + 2 engines: lend
+    assert (
+        config.pool_engine("colocated").kv_transfer.connector == "nixl"
+    )  # tiers + 2 engines: lend
     shared_ray.start()
     try:
         with ServiceThread(config) as svc:
