@@ -1,8 +1,8 @@
 """Engine configuration: every setting of one engine, as a tree of sections.
 
 This package owns ``EngineConfig`` (``engine.py``): one dataclass per concern
-(``sections.py``: model, cache, scheduler, parallel, graphs, kv_transfer,
-offload, output, runtime), each leaf carrying its default, help, flag and
+(``sections.py``: model, cache, offload, scheduler, parallel, graphs,
+kv_transfer, output, runtime), each leaf carrying its default, help, flag and
 whether a pool may set its own (``wire/config_fields.py``); the flat view of
 the tree by key (``from_flat``, ``replace``, ``flat``, ``engine_fields``); the
 engine flags generated from the leaves (``args.py``); and the checks run when a

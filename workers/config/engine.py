@@ -33,11 +33,11 @@ from tandem.workers.config.sections import (
 ENGINE_SECTIONS = {
     "model": "Engine: model and device",
     "cache": "Engine: KV cache",
+    "offload": "Engine: KV offloading tiers (host memory, disk)",
     "scheduler": "Engine: scheduling",
     "parallel": "Engine: tensor parallelism and threads",
     "graphs": "Engine: CUDA graphs, torch.compile, prefill attention",
     "kv_transfer": "Engine: KV transfer and KV events",
-    "offload": "Engine: KV offloading tiers (host memory, disk)",
     "output": "Engine: output backpressure",
     "runtime": "Engine: set by the command; test hooks",
 }
@@ -53,13 +53,13 @@ class EngineConfig:
 
     model: ModelConfig = _section(ModelConfig, ENGINE_SECTIONS["model"])
     cache: CacheConfig = _section(CacheConfig, ENGINE_SECTIONS["cache"])
+    offload: OffloadConfig = _section(OffloadConfig, ENGINE_SECTIONS["offload"])
     scheduler: EngineSchedulingConfig = _section(
         EngineSchedulingConfig, ENGINE_SECTIONS["scheduler"]
     )
     parallel: ParallelConfig = _section(ParallelConfig, ENGINE_SECTIONS["parallel"])
     graphs: GraphsConfig = _section(GraphsConfig, ENGINE_SECTIONS["graphs"])
     kv_transfer: KVTransferSection = _section(KVTransferSection, ENGINE_SECTIONS["kv_transfer"])
-    offload: OffloadConfig = _section(OffloadConfig, ENGINE_SECTIONS["offload"])
     output: OutputConfig = _section(OutputConfig, ENGINE_SECTIONS["output"])
     runtime: RuntimeConfig = _section(RuntimeConfig, ENGINE_SECTIONS["runtime"])
 

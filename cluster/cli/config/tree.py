@@ -9,8 +9,8 @@
                         ray_resources, engine overrides)       settings
                                                                (cluster/engines/placement.py)
       engine         EngineConfig             every pool's engine (workers/config/):
-                       model, cache, scheduler, parallel, graphs, kv_transfer,
-                       offload, output, runtime: one section each
+                       model, cache, offload, scheduler, parallel, graphs,
+                       kv_transfer, output, runtime: one section each
       limits         GatewayLimits            (cluster/gateway/edge/limits.py)
       routing        RoutingConfig            (cluster/routing/policy.py)
       migration      MigrationPolicy          (cluster/disagg/migration.py)
