@@ -53,6 +53,9 @@ def test_bad_value_names_the_setting():
         EngineConfig.from_flat(max_num_seqs=0)
     with pytest.raises(ValueError, match="kv_transport_probe"):
         EngineConfig.from_flat(kv_transport_probe="sometimes")
+    # a leaf named otherwise in its section is named by its key
+    with pytest.raises(ValueError, match="output_stall_timeout_s must be > 0"):
+        EngineConfig.from_flat(output_stall_timeout_s=0)
 
 
 def test_replace_copies_every_section_and_leaves_the_original():

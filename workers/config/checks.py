@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from tandem.kvtransfer.tiers.config import check_tier_fields
 from tandem.scheduler.block_hash import get_block_hasher
 from tandem.scheduler.spec.config import SpeculativeConfig
+from tandem.wire.config_fields import key_of
 from tandem.workers.graphs.sizes import capture_sizes, check_cuda_graph_mode, piecewise_sizes
 
 if TYPE_CHECKING:
@@ -21,16 +22,22 @@ PREFILL_ATTENTION_MODES = ("auto", "triton", "sdpa")
 COMPILE_MODEL_MODES = ("auto", "on", "off")
 
 
+def _key(section: object, name: str) -> str:
+    """The flat key of a section's leaf: what an error names."""
+    cls = type(section)
+    return key_of(cls, cls.__dataclass_fields__[name])  # type: ignore[attr-defined]
+
+
 def _at_least_one(section: object, *names: str) -> None:
     for name in names:
         if getattr(section, name) < 1:
-            raise ValueError(f"{name} must be >= 1, got {getattr(section, name)}")
+            raise ValueError(f"{_key(section, name)} must be >= 1, got {getattr(section, name)}")
 
 
 def _positive(section: object, *names: str) -> None:
     for name in names:
         if not getattr(section, name) > 0:
-            raise ValueError(f"{name} must be > 0, got {getattr(section, name)}")
+            raise ValueError(f"{_key(section, name)} must be > 0, got {getattr(section, name)}")
 
 
 def _one_of(value: str, key: str, allowed: tuple[str, ...]) -> None:
@@ -43,9 +50,9 @@ def check_engine_config(cfg: EngineConfig) -> None:
     cache, sched, par, graphs = cfg.cache, cfg.scheduler, cfg.parallel, cfg.graphs
     out, kv = cfg.output, cfg.kv_transfer
     _at_least_one(cache, "block_size")
-    _at_least_one(out, "output_hwm_messages", "output_backlog_messages")
+    _at_least_one(out, "hwm_messages", "backlog_messages")
     _at_least_one(kv, "kv_events_queue_batches")
-    _positive(out, "gateway_lost_after_s", "output_stall_timeout_s")
+    _positive(out, "gateway_lost_after_s", "stall_timeout_s")
     _positive(sched, "structured_outputs_compile_timeout_s")
     if isinstance(par.tensor_parallel_size, bool) or not (
         isinstance(par.tensor_parallel_size, int) and par.tensor_parallel_size >= 1

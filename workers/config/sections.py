@@ -275,10 +275,17 @@ class OffloadConfig:
 class OutputConfig:
     """Output backpressure towards the gateway (workers/engine/output_sender.py), profiling."""
 
-    output_hwm_messages: int = option(1000, per_pool=True, help="ZMQ send queue to the gateway")
-    output_backlog_messages: int = option(64, per_pool=True, help="outputs held before pausing")
-    output_stall_timeout_s: float = option(
-        60.0, per_pool=True, help="cut streams when the gateway reads nothing this long"
+    hwm_messages: int = option(
+        1000, key="output_hwm_messages", per_pool=True, help="ZMQ send queue to the gateway"
+    )
+    backlog_messages: int = option(
+        64, key="output_backlog_messages", per_pool=True, help="outputs held before pausing"
+    )
+    stall_timeout_s: float = option(
+        60.0,
+        key="output_stall_timeout_s",
+        per_pool=True,
+        help="cut streams when the gateway reads nothing this long",
     )
     profile_dir: str | None = option(
         None,

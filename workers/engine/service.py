@@ -115,14 +115,14 @@ class EngineService:
         def make_socket() -> Any:
             out = ctx.socket(zmq.PUSH)
             out.setsockopt(zmq.LINGER, 1000)
-            out.setsockopt(zmq.SNDHWM, self.config.output.output_hwm_messages)
+            out.setsockopt(zmq.SNDHWM, self.config.output.hwm_messages)
             auth.client(out)
             return out
 
         sessions = self.sessions
         outs = sessions.outs = GatewayOutputs(
             make_socket,
-            self.config.output.output_backlog_messages,
+            self.config.output.backlog_messages,
             self.config.output.gateway_lost_after_s,
         )
         if output_addr:
@@ -143,7 +143,7 @@ class EngineService:
                 for link, why in outs.lost():
                     sessions.drop(link.session, why)
                 if not outs.flush():
-                    for link in outs.stalled(self.config.output.output_stall_timeout_s):
+                    for link in outs.stalled(self.config.output.stall_timeout_s):
                         sessions.cut_streams(link)
                     if outs.full:  # read no input either: wait for the gateway
                         out_poller = zmq.Poller()
