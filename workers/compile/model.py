@@ -37,7 +37,7 @@ import torch
 
 from tandem.kernels import AttentionMetadata
 from tandem.workers.compile.attention_op import COMPILED_STEP, step_context
-from tandem.workers.config_checks import COMPILE_MODEL_MODES
+from tandem.workers.config.checks import COMPILE_MODEL_MODES
 from tandem.workers.runner.kv_cache import allocate_model_kv_cache
 
 logger = logging.getLogger(__name__)
