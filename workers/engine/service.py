@@ -85,7 +85,7 @@ class EngineService:
         it without waiting while requests run, and briefly while only
         transfers are in flight (``workers/engine/loop_wait.py``). A malformed input
         message is dropped and counted (``wire.frames``); with
-        ``config.cluster_secret`` both sockets use CURVE (``wire.auth``) and
+        ``config.runtime.cluster_secret`` both sockets use CURVE (``wire.auth``) and
         unauthenticated peers are refused. ``output_addr`` (may be empty:
         gateways ``join`` later) is the first gateway's, whose session is
         ``gateway_session``; each gateway gets its own output socket with a
