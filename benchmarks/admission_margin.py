@@ -27,7 +27,7 @@ from tandem.workers.engine.core import EngineCore
 
 def run(args: argparse.Namespace, margin: float) -> dict:
     engine = EngineCore(
-        EngineConfig(
+        EngineConfig.from_flat(
             model=args.model,
             block_size=16,
             num_kv_blocks=args.num_kv_blocks,

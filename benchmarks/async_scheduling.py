@@ -73,7 +73,7 @@ class Bench:
         from tandem.workers.engine.core import EngineCore
 
         self.engine = EngineCore(
-            EngineConfig(
+            EngineConfig.from_flat(
                 model=path,
                 device=args.device,
                 dtype=args.dtype,

@@ -104,7 +104,7 @@ def prefill_ms(engine: EngineCore, length: int, num_rounds: int) -> float:
 
 
 def make_engine(model: str, mode: str, args: argparse.Namespace) -> EngineCore:
-    config = EngineConfig(
+    config = EngineConfig.from_flat(
         model=model,
         device=args.device,
         dtype=args.dtype,

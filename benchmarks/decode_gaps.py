@@ -34,10 +34,10 @@ def measure(disaggregated: bool, ckpt: str) -> tuple[list[float], int]:
     try:
         common = dict(model=ckpt, num_kv_blocks=512, max_model_len=2048, torch_threads=1)
         if disaggregated:
-            h.start("P", EngineConfig(role="prefill", kv_connector="nixl", **common))
-            h.start("D", EngineConfig(role="decode", kv_connector="nixl", **common))
+            h.start("P", EngineConfig.from_flat(role="prefill", kv_connector="nixl", **common))
+            h.start("D", EngineConfig.from_flat(role="decode", kv_connector="nixl", **common))
         else:
-            h.start("D", EngineConfig(role="colocated", **common))
+            h.start("D", EngineConfig.from_flat(role="colocated", **common))
         rng = random.Random(0)
         sp = SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True)
         for i in range(4):

@@ -54,9 +54,9 @@ def main() -> None:
     try:
         common = dict(model="tiny", num_kv_blocks=64, max_model_len=256, torch_threads=1)
         kv = dict(kv_connector="nixl", kv_lease_s=600.0, kv_load_timeout_s=600.0)
-        h.start("C", EngineConfig(role="colocated", **common))
-        h.start("P", EngineConfig(role="prefill", **common, **kv))
-        h.start("D", EngineConfig(role="decode", **common, **kv))
+        h.start("C", EngineConfig.from_flat(role="colocated", **common))
+        h.start("P", EngineConfig.from_flat(role="prefill", **common, **kv))
+        h.start("D", EngineConfig.from_flat(role="decode", **common, **kv))
         sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
         warm = EngineRequest("warm", list(range(5, 45)), sp)  # handshake D -> P once
         h.send("P", prefill_request(warm))

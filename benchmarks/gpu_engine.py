@@ -132,7 +132,7 @@ def _engine(
     from tandem.workers.engine.core import EngineCore
 
     return EngineCore(
-        EngineConfig(
+        EngineConfig.from_flat(
             model=path,
             device="cuda",
             dtype="bfloat16",
@@ -247,7 +247,7 @@ def compile_rows(path: str, args: argparse.Namespace) -> list[tuple]:
     for mode in ("off", "on"):
         torch._dynamo.reset()
         engine = EngineCore(
-            EngineConfig(
+            EngineConfig.from_flat(
                 model=path, device="cuda", dtype="bfloat16", max_num_seqs=batch,
                 max_num_batched_tokens=max(8192, args.prefill_len), enable_prefix_caching=False,
                 gpu_memory_utilization=args.gpu_memory_utilization, compile_model=mode,

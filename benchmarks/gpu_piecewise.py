@@ -57,7 +57,7 @@ def _engine(path: str, mode: str, shapes: list[tuple[int, int]], args) -> object
     from tandem.workers.engine.core import EngineCore
 
     return EngineCore(
-        EngineConfig(
+        EngineConfig.from_flat(
             model=path,
             device="cuda",
             dtype="bfloat16",
@@ -71,7 +71,7 @@ def _engine(path: str, mode: str, shapes: list[tuple[int, int]], args) -> object
 
 
 def _sync(engine) -> None:
-    if engine.config.device.startswith("cuda"):
+    if engine.config.model.device.startswith("cuda"):
         torch.cuda.synchronize()
 
 

@@ -56,8 +56,8 @@ def run(requests: int, concurrency: int, num_kv_blocks: int, seed: int) -> list[
         try:
             h.start_all(
                 {
-                    "P": EngineConfig(role="prefill", **common),
-                    "D": EngineConfig(role="decode", **common),
+                    "P": EngineConfig.from_flat(role="prefill", **common),
+                    "D": EngineConfig.from_flat(role="decode", **common),
                 }
             )
             for start in range(0, requests, concurrency):

@@ -273,7 +273,7 @@ def _block_bytes(model: str) -> int:
     engine of a process is the one measured)."""
     from tandem.workers.engine.startup import load_engine_model
 
-    loaded = load_engine_model(EngineConfig(model=model, dtype="float32"))
+    loaded = load_engine_model(EngineConfig.from_flat(model=model, dtype="float32"))
     m = loaded.model
     return m.num_layers * 2 * 16 * m.num_kv_heads * m.head_dim * 4
 
@@ -293,7 +293,7 @@ def trace_one(tmp: str, model: str, index: int, block_bytes: int) -> dict:
                         "kv_offloading_disk_size": 8 * host}),
     ]  # fmt: skip
     name, extra = configs[index]
-    engine = EngineCore(EngineConfig(**base, num_kv_blocks=device_blocks, **extra))
+    engine = EngineCore(EngineConfig.from_flat(**base, num_kv_blocks=device_blocks, **extra))
     replay(engine, trace[:3], 1)  # warm-up (fresh prompts: ids t0.. are reused below)
     engine.scheduler.reset_prefix_cache()
     store = getattr(engine.connector_worker, "store", None)
@@ -323,7 +323,9 @@ def step_one(num_steps: int, model: str, index: int) -> dict:
     name, extra = STEP_CONFIGS[index]
     churn = index >= 2
     engine = EngineCore(
-        EngineConfig(model=model, dtype="float32", num_kv_blocks=40 if churn else 256, **extra)
+        EngineConfig.from_flat(
+            model=model, dtype="float32", num_kv_blocks=40 if churn else 256, **extra
+        )
     )
     n = 0
 

@@ -7,7 +7,7 @@ Every engine gets the same seeded random prompts, generates exactly ``--output-l
 prompt (greedy, EOS ignored, fp32) after a warm-up run, and is timed end to end (prefill and
 decode). Engines:
 
-    tandem      LLM(EngineConfig(...)).generate(prompt_token_ids=..., SamplingParams(...))
+    tandem      LLM(EngineConfig.from_flat(...)).generate(prompt_token_ids=..., SamplingParams(...))
     hf-cb       transformers' continuous batching, ``model.generate_batch`` (paged cache; pages
                 of 256 tokens, just enough of them, the same token budget per step as tandem)
     hf-static   transformers' ``model.generate`` on one static batch of all prompts
@@ -98,7 +98,7 @@ def run_tandem(path: str, args: argparse.Namespace) -> Callable[[Tokens, int], T
     blocks_per_seq = -(-(args.prompt_len + args.output_len) // 16)
     device, dtype = _device_dtype(args)
     llm = LLM(
-        EngineConfig(
+        EngineConfig.from_flat(
             model=path,
             device=device,
             dtype=dtype,

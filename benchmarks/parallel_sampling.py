@@ -62,7 +62,7 @@ def main() -> None:
     p.add_argument("--torch-threads", type=int, default=2)
     args = p.parse_args()
 
-    base = EngineConfig(
+    base = EngineConfig.from_flat(
         model=args.model,
         block_size=16,
         num_kv_blocks=2048,

@@ -43,7 +43,7 @@ def self_drafting_engine(
     """smollm2 (fp32, CPU) with smollm2 as its own draft model, K = 2: both benchmarks' engine
     (``max_model_len`` 1024; the draft's KV cache has as many blocks as the target's)."""
     return EngineCore(
-        EngineConfig(
+        EngineConfig.from_flat(
             model="smollm2",
             dtype="float32",
             max_model_len=1024,

@@ -77,7 +77,7 @@ def run(engine: EngineCore, batch: int, share: float, steps: int, tag: str) -> d
 def engine_part(model: str, batches: list[int], steps: int, rounds: int = 3) -> None:
     torch.set_num_threads(1)  # two OpenMP threads stall on this shared 2-core box
     max_seqs = max(batches)
-    config = EngineConfig(
+    config = EngineConfig.from_flat(
         model=model,
         num_kv_blocks=max_seqs * 4 + 16,
         max_num_seqs=max_seqs,

@@ -108,7 +108,7 @@ def run_row(engine: EngineCore, ids: list[list[int]], tag: str) -> dict:
 def spec_part(batches: list[int], ks: list[int], rounds: int) -> None:
     torch.set_num_threads(1)
     engine = EngineCore(
-        EngineConfig(
+        EngineConfig.from_flat(
             model="smollm2",
             dtype="float32",
             max_model_len=1024,

@@ -49,7 +49,7 @@ def _decode_steps(tp: int, args: argparse.Namespace) -> dict[str, float]:
     from tandem.workers.config import EngineConfig
     from tandem.workers.engine.llm import LLM
 
-    cfg = EngineConfig(
+    cfg = EngineConfig.from_flat(
         model=args.model,
         tensor_parallel_size=tp,
         torch_threads=1,

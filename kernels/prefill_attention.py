@@ -25,7 +25,7 @@ The fresh sequences of a step run in one of two ways:
   batched as ``[P, H, L, D]`` (a view when their rows are consecutive).
 
 ``AttentionMetadata.sdpa_prefills`` switches the split on (the model runner sets it from
-``EngineConfig.prefill_attention``, see ``use_sdpa_prefills``); the plan is built once per step
+``EngineConfig.graphs.prefill_attention``, see ``use_sdpa_prefills``); the plan is built once per step
 and cached in ``meta.derived`` for every layer.
 """
 
@@ -52,7 +52,7 @@ Rows = torch.Tensor | slice  # row indices; a slice when they are consecutive (n
 
 
 def use_sdpa_prefills(mode: str, device: torch.device | str, dtype: torch.dtype) -> bool:
-    """Whether a step's prefix-free prefills take SDPA, for ``EngineConfig.prefill_attention``.
+    """Whether a step's prefix-free prefills take SDPA, for ``EngineConfig.graphs.prefill_attention``.
 
     ``triton``: never (every query through ``kernels.dispatch.paged_attention``); ``sdpa``:
     always; ``auto``: the paged Triton kernel everywhere. Measured on an H200 (2026-11-26,

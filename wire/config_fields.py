@@ -40,7 +40,6 @@ MISSING = dataclasses.MISSING
 @dataclasses.dataclass(frozen=True)
 class OptionMeta:
     help: str
-    section: str | None = None  # engine fields: which section of EngineConfig
     per_pool: bool = False
     key: str | None = None  # YAML key / argparse dest; None = the field name
     flag: str | None = None  # None = derived from the key
@@ -83,6 +82,15 @@ def describe(cls: type, **metas: OptionMeta) -> None:
         if name not in names:
             raise ValueError(f"{cls.__name__} has no field {name!r}")
         _OVERLAY[(cls, name)] = meta
+
+
+def default_of(cls: type, name: str) -> Any:
+    """The default of field ``name`` of dataclass ``cls``: a config that exposes a
+    setting another class consumes takes that class's default instead of a copy."""
+    f = cls.__dataclass_fields__[name]  # type: ignore[attr-defined]
+    if f.default is MISSING:
+        raise TypeError(f"{cls.__name__}.{name} has no plain default")
+    return f.default
 
 
 def meta_of(cls: type, f: dataclasses.Field) -> OptionMeta | None:

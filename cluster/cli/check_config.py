@@ -15,7 +15,6 @@ API keys are printed as ``"<set>"``, never in clear.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 from typing import Any, TextIO
@@ -28,7 +27,7 @@ def resolved_config(config: ServeConfig) -> dict:
     """The settings by key, by section, and one entry per pool that would start."""
     pools = []
     for spec in pool_specs(config):
-        engine = dataclasses.asdict(spec.config)
+        engine = spec.config.flat()  # by flat key, as the YAML names them
         for key in ("engine_id", "epoch", "extra", "cluster_secret"):  # secret: per run
             engine.pop(key, None)
         pools.append(

@@ -52,7 +52,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             ignore_eos=args.ignore_eos,
         )
         sp.validate()
-        cfg = EngineConfig(model=args.model, **engine_overrides(args))
+        cfg = EngineConfig.from_flat(model=args.model, **engine_overrides(args))
         llm = LLM(cfg)
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)

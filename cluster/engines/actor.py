@@ -61,14 +61,18 @@ class EngineActor:
         from tandem.workers.engine.core import EngineCore
         from tandem.workers.engine.service import EngineService
 
-        configure_logging(config.log_format)  # Ray forwards these lines to the driver
+        configure_logging(config.runtime.log_format)  # Ray forwards these lines to the driver
         self.epoch = time.time_ns()
         # A restart by Ray re-runs this with the arguments of the first start:
         # the gateway serving now re-attaches it (its session is newer).
         self.gateway_session = gateway_session
         self._attach_lock = threading.Lock()
         # "auto": this node's address (multi-node clusters); else as given.
-        host = node_ip() if config.kv_host in ("", "auto", "0.0.0.0") else config.kv_host
+        host = (
+            node_ip()
+            if config.kv_transfer.side_channel_host in ("", "auto", "0.0.0.0")
+            else config.kv_transfer.side_channel_host
+        )
         self.config = config.replace(epoch=self.epoch, kv_host=host)
         # the model's config as the gateway read it (hf_config.plain_config): this process
         # never imports transformers' configuration classes (seconds of torch imports)
@@ -95,16 +99,16 @@ class EngineActor:
 
         kv = self.engine.kv_transfer_address()
         return {
-            "engine_id": self.config.engine_id,
-            "role": self.config.role,
+            "engine_id": self.config.runtime.engine_id,
+            "role": self.config.runtime.role,
             "epoch": self.epoch,
             "input_addr": self.input_addr,
             "max_model_len": self.engine.max_model_len,
-            "max_num_seqs": self.config.max_num_seqs,
+            "max_num_seqs": self.config.scheduler.max_num_seqs,
             "num_kv_blocks": self.engine.sched_config.num_kv_blocks,
             "kv_address": list(kv) if kv else None,
             # "prefill" serves KV, "decode" reads peers', "both" (a host KV tier) does both
-            "kv_role": kv_role(self.config) if self.config.kv_connector else None,
+            "kv_role": kv_role(self.config) if self.config.kv_transfer.connector else None,
             "kv_rank_ports": self.engine.kv_rank_ports(),
             "tp_worker_pids": [p.pid for p in self.engine.tp.procs] if self.engine.tp else [],
             # rank 1.. worker actors (workers/parallel/ray_workers.py): name, placement
@@ -113,15 +117,15 @@ class EngineActor:
                 for p in (self.engine.tp.procs if self.engine.tp else [])
                 if hasattr(p, "describe")
             ],
-            "block_size": self.config.block_size,
-            "prefix_caching_hash_algo": self.config.prefix_caching_hash_algo,
+            "block_size": self.config.cache.block_size,
+            "prefix_caching_hash_algo": self.config.cache.prefix_caching_hash_algo,
             "kv_events_addr": self.engine.kv_publisher.addr if self.engine.kv_publisher else None,
             "pid": os.getpid(),
             "node_id": ray.get_runtime_context().get_node_id(),
-            "model": self.config.model,
+            "model": self.config.model.name,
             "gateway_session": self.gateway_session,
             "gateways": list(self.service.gateway_sessions),  # a snapshot, any thread
-            "secret_fingerprint": secret_fingerprint(self.config.cluster_secret),
+            "secret_fingerprint": secret_fingerprint(self.config.runtime.cluster_secret),
         }
 
     def join(self, output_addr: str, gateway_session: int) -> dict[str, Any]:

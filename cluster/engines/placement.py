@@ -101,9 +101,9 @@ def gpu_share(num_gpus: float, overrides: dict[str, Any], role: str) -> dict[str
     engine section's value only when it is not the field's default."""
     if not 0 < num_gpus < 1:
         return overrides
-    from tandem.workers.config import EngineConfig
+    from tandem.workers.config import engine_leaf
 
-    default = EngineConfig.__dataclass_fields__["gpu_memory_utilization"].default
+    default = engine_leaf("gpu_memory_utilization").default
     util = overrides.get("gpu_memory_utilization")
     if util is None:
         return {**overrides, "gpu_memory_utilization": default * num_gpus}
@@ -173,13 +173,13 @@ class PoolConfig:
         if isinstance(self.num_engines, bool) or not isinstance(self.num_engines, int):
             raise ValueError(f"{self.role} must be an integer, got {self.num_engines!r}")
         self._check_bounds()
-        from tandem.workers.config import EngineConfig, engine_fields
+        from tandem.workers.config import engine_fields
 
         if not isinstance(self.engine, dict):
             raise ValueError(f"{self.role}_engine must be a mapping, got {self.engine!r}")
-        bad = set(self.engine) - {f.name for f in engine_fields()}
+        bad = set(self.engine) - {leaf.key for leaf in engine_fields()}
         if bad:
-            internal = bad & set(EngineConfig.__dataclass_fields__)
+            internal = bad & {leaf.key for leaf in engine_fields(internal=True)}
             why = f" ({', '.join(sorted(internal))}: set by tandem serve)" if internal else ""
             raise ValueError(f"--config: unknown keys in {self.role}_engine: {sorted(bad)}{why}")
 
@@ -322,7 +322,7 @@ def check_pool_parallel(role: str, config: Any, num_gpus: float) -> None:
     at least ``tensor_parallel_size`` and split into equal whole GPUs.
     ValueError names the fields.
     """
-    tp = config.tensor_parallel_size
+    tp = config.parallel.tensor_parallel_size
     if tp > 1 and num_gpus and num_gpus < tp:
         raise ValueError(
             f"{role}_num_gpus_per_engine ({num_gpus}) is less than the {role} engines' "
@@ -335,7 +335,7 @@ def check_pool_parallel(role: str, config: Any, num_gpus: float) -> None:
 def check_pools_split_model(model_path: str, specs: list[Any]) -> None:
     """Every pool's ``tensor_parallel_size`` splits the model (heads, KV heads,
     MLP); ValueError naming the pool and the model field, before anything starts."""
-    sizes = {s.role: s.config.tensor_parallel_size for s in specs}
+    sizes = {s.role: s.config.parallel.tensor_parallel_size for s in specs}
     if all(n == 1 for n in sizes.values()):
         return
     from tandem.workers.checkpoints.hf_config import load_config

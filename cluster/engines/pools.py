@@ -132,7 +132,7 @@ def start_pools(
     by the gateway whose session is ``gateway_session``."""
     check_names_free(specs, namespace)
     # one process per tensor-parallel rank shares the cores like an engine
-    total = sum(s.num_engines * s.config.tensor_parallel_size for s in specs)
+    total = sum(s.num_engines * s.config.parallel.tensor_parallel_size for s in specs)
     threads = default_torch_threads(total)
     return [
         start_engine(spec, i, output_addr, namespace, gateway_session, detached, threads)
@@ -162,9 +162,9 @@ def start_engine(
 
     engine_id = f"{spec.role}-{index}"
     cfg = spec.config.replace(engine_id=engine_id, role=spec.role)
-    if not spec.num_gpus and not cfg.torch_threads:
+    if not spec.num_gpus and not cfg.parallel.torch_threads:
         cfg = cfg.replace(torch_threads=torch_threads)
-    tp = cfg.tensor_parallel_size
+    tp = cfg.parallel.tensor_parallel_size
     options, bundles = engine_group_placement(spec.num_gpus, spec.resources, tp)
     options.update(
         name=engine_id,

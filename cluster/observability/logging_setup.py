@@ -11,7 +11,7 @@ timings as ``extra={"fields": {...}}``, which the JSON format writes as
 top-level keys and the text format appends as ``key=value``.
 
 The engine actors call ``configure_logging`` with the same format (it
-travels in ``EngineConfig.log_format``), so Ray's forwarded actor logs read
+travels in ``EngineConfig.runtime.log_format``), so Ray's forwarded actor logs read
 like the gateway's.
 """
 

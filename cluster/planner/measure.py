@@ -91,7 +91,7 @@ def measure(
     fields = {"enable_prefix_caching": False, "max_num_batched_tokens": max(2048, need)}
     fields.setdefault("max_model_len", need)
     fields.update(engine_overrides or {})
-    engine = EngineCore(EngineConfig(model=model, **fields))
+    engine = EngineCore(EngineConfig.from_flat(model=model, **fields))
     try:
         t = _Timer(engine)
         t.add(32, 4)  # warm-up
@@ -125,7 +125,7 @@ def measure(
         if shared_cores is not None:
             import torch
 
-            threads = torch.get_num_threads() * engine.config.tensor_parallel_size
+            threads = torch.get_num_threads() * engine.config.parallel.tensor_parallel_size
             host = HostShare(cores=shared_cores, engine_threads=threads)
         return Profile(
             host=host,
@@ -148,8 +148,8 @@ def measure(
             },
             meta={
                 "model": model,
-                "device": engine.config.device,
-                "tensor_parallel_size": engine.config.tensor_parallel_size,
+                "device": engine.config.model.device,
+                "tensor_parallel_size": engine.config.parallel.tensor_parallel_size,
                 "measured_at": datetime.datetime.now(datetime.timezone.utc).strftime(
                     "%Y-%m-%dT%H:%M:%SZ"
                 ),

@@ -2,7 +2,7 @@
 ``--kv-offloading-disk-size`` (vLLM's names), checked where the engine config is
 built so a bad value is a start-up error naming the flag.
 
-Standard library only: ``workers/config.py`` imports it for the check.
+Standard library only: ``workers/config/`` imports it for the check.
 """
 
 from __future__ import annotations
@@ -53,9 +53,9 @@ def _gib(value: Any, flag: str) -> float:
 def check_tier_fields(cfg: Any) -> None:
     """ValueError naming the flag for a bad combination of the tier fields of an
     ``EngineConfig`` (duck-typed)."""
-    host = cfg.kv_offloading_size
-    disk_dir = cfg.kv_offloading_disk_dir
-    disk = cfg.kv_offloading_disk_size
+    host = cfg.offload.kv_offloading_size
+    disk_dir = cfg.offload.kv_offloading_disk_dir
+    disk = cfg.offload.kv_offloading_disk_size
     if host is not None:
         _gib(host, "--kv-offloading-size")
     if disk is not None:
@@ -67,21 +67,21 @@ def check_tier_fields(cfg: Any) -> None:
             "--kv-offloading-disk-dir and --kv-offloading-disk-size go together: "
             "set both or neither"
         )
-    if cfg.kv_offloading_disk_optional and disk_dir is None:
+    if cfg.offload.kv_offloading_disk_optional and disk_dir is None:
         raise ValueError("--kv-offloading-disk-optional needs --kv-offloading-disk-dir")
     if host is None and disk is None:
         return
-    if not cfg.enable_prefix_caching:
+    if not cfg.cache.enable_prefix_caching:
         raise ValueError(
             "--kv-offloading-size / --kv-offloading-disk-size need prefix caching "
             "(drop --no-prefix-caching): tier blocks are found by their prefix hash"
         )
-    if cfg.tensor_parallel_size > 1:
+    if cfg.parallel.tensor_parallel_size > 1:
         raise ValueError(
             "--kv-offloading-size / --kv-offloading-disk-size need tensor_parallel_size 1 "
             "(the tiers hold whole blocks of one KV cache)"
         )
-    if disk_dir is not None and cfg.prefix_caching_hash_algo == "builtin":
+    if disk_dir is not None and cfg.cache.prefix_caching_hash_algo == "builtin":
         raise ValueError(
             "--kv-offloading-disk-dir needs a stable block hash: --prefix-caching-hash-algo "
             "builtin is seeded per process (use sha256 or xxhash128)"
@@ -92,18 +92,18 @@ def tier_config(cfg: Any) -> TierConfig:
     """The ``TierConfig`` of an ``EngineConfig`` (checked already). The engine's test
     hooks (``extra={"kv_tiers": {...}}``) may set the other fields."""
     fields = dict(
-        host_bytes=int((cfg.kv_offloading_size or 0) * GIB),
-        disk_dir=cfg.kv_offloading_disk_dir,
-        disk_bytes=int((cfg.kv_offloading_disk_size or 0) * GIB),
-        disk_optional=bool(cfg.kv_offloading_disk_optional),
-        engine_id=cfg.engine_id or "engine",
-        model=str(cfg.model),
-        hash_algo=cfg.prefix_caching_hash_algo,
-        block_size=cfg.block_size,
-        kv_layout=cfg.kv_layout,
-        load_timeout_s=cfg.kv_load_timeout_s,
+        host_bytes=int((cfg.offload.kv_offloading_size or 0) * GIB),
+        disk_dir=cfg.offload.kv_offloading_disk_dir,
+        disk_bytes=int((cfg.offload.kv_offloading_disk_size or 0) * GIB),
+        disk_optional=bool(cfg.offload.kv_offloading_disk_optional),
+        engine_id=cfg.runtime.engine_id or "engine",
+        model=str(cfg.model.name),
+        hash_algo=cfg.cache.prefix_caching_hash_algo,
+        block_size=cfg.cache.block_size,
+        kv_layout=cfg.cache.kv_layout,
+        load_timeout_s=cfg.kv_transfer.load_timeout_s,
     )
-    fields.update((cfg.extra or {}).get("kv_tiers", {}))
+    fields.update((cfg.runtime.extra or {}).get("kv_tiers", {}))
     return TierConfig(**fields)
 
 

@@ -154,8 +154,8 @@ def test_every_old_engine_flag_sets_every_pool(flag):
     args, field, value = OLD_ENGINE_FLAGS[flag]
     config = resolve_config(parse([flag, *args]))
     for role in ROLE_NAMES:
-        assert getattr(config.pool_engine(role), field) == value, role
-        assert getattr(defaults().pool_engine(role), field) != value
+        assert config.pool_engine(role).get(field) == value, role
+        assert defaults().pool_engine(role).get(field) != value
 
 
 @pytest.mark.parametrize("role", ROLE_NAMES)
@@ -164,10 +164,10 @@ def test_every_old_per_pool_flag_sets_only_its_pool(flag, role, caplog):
     args, field, value = OLD_ENGINE_FLAGS[flag]
     extra = args[1:]  # a flag this one needs (for all pools)
     config = resolve_config(parse([f"--{role}-{flag[2:]}", *args[:1], *extra]))
-    assert getattr(config.pool_engine(role), field) == value
+    assert config.pool_engine(role).get(field) == value
     for other in set(ROLE_NAMES) - {role}:
-        expected = getattr(resolve_config(parse(extra)).pool_engine(other), field)
-        assert getattr(config.pool_engine(other), field) == expected
+        expected = resolve_config(parse(extra)).pool_engine(other).get(field)
+        assert config.pool_engine(other).get(field) == expected
 
 
 # ---- hidden aliases -----------------------------------------------------------------
@@ -185,9 +185,9 @@ def test_hidden_pool_aliases_warn_naming_the_flag_and_still_apply(field, flag, v
     (record,) = caplog.records
     assert flag in record.getMessage()
     assert f"use --{field.replace('_', '-')}" in record.getMessage()
-    assert str(getattr(config.pool_engine(role), field)) == value  # applied as before
+    assert str(config.pool_engine(role).get(field)) == value  # applied as before
     other = next(r for r in ROLE_NAMES if r != role)
-    assert getattr(config.pool_engine(other), field) == getattr(defaults().engine, field)
+    assert config.pool_engine(other).get(field) == defaults().engine.get(field)
 
 
 def test_yaml_pool_keys_of_settings_one_for_every_pool_warn_too(tmp_path, caplog):
@@ -197,9 +197,12 @@ def test_yaml_pool_keys_of_settings_one_for_every_pool_warn_too(tmp_path, caplog
         config = resolve_config(parse(["--config", str(cfg)]))
     assert [r.getMessage().split(":")[0] for r in caplog.records] == ["decode_engine.device"]
     assert "use the top-level key device" in caplog.records[0].getMessage()
-    assert config.pool_engine("decode").device == "cuda"
-    assert config.pool_engine("decode").max_num_seqs == 9
-    assert config.pool_engine("prefill").max_num_seqs == defaults().engine.max_num_seqs
+    assert config.pool_engine("decode").model.device == "cuda"
+    assert config.pool_engine("decode").scheduler.max_num_seqs == 9
+    assert (
+        config.pool_engine("prefill").scheduler.max_num_seqs
+        == defaults().engine.scheduler.max_num_seqs
+    )
 
 
 # ---- YAML onto the tree -------------------------------------------------------------
@@ -256,7 +259,18 @@ def test_flat_and_section_yaml_give_the_same_tree(tmp_path):
     a = resolve_config(parse(["--config", str(flat)]))
     b = resolve_config(parse(["--config", str(nested)]))
     assert a == b
-    assert a.pool_engine("decode").max_num_seqs == 256 and a.health.engine_call_timeout_s == 2
+    # the engine by its sections, as --check-config prints it
+    nested.write_text(nested.read_text().replace(
+        "engine: {max_num_seqs: 64}", "engine: {scheduler: {max_num_seqs: 64}}"
+    ))  # fmt: skip
+    assert resolve_config(parse(["--config", str(nested)])) == a
+    nested.write_text("engine: {scheduler: {max_num_sequences: 64}}\n")
+    with pytest.raises(ValueError, match="engine.scheduler.max_num_sequences"):
+        resolve_config(parse(["--config", str(nested)]))
+    assert (
+        a.pool_engine("decode").scheduler.max_num_seqs == 256
+        and a.health.engine_call_timeout_s == 2
+    )
 
 
 def test_cli_wins_over_yaml_over_defaults(tmp_path):
@@ -264,7 +278,7 @@ def test_cli_wins_over_yaml_over_defaults(tmp_path):
     cfg.write_text("port: 9000\nmax_num_seqs: 16\nrouter: round-robin\n")
     config = resolve_config(parse(["--config", str(cfg), "--port", "9100"]))
     assert config.server.port == 9100  # CLI over YAML
-    assert config.engine.max_num_seqs == 16 and config.routing.router == "round-robin"
+    assert config.engine.scheduler.max_num_seqs == 16 and config.routing.router == "round-robin"
     assert config.server.host == defaults().server.host  # neither: the default
 
 
@@ -288,11 +302,14 @@ def test_per_pool_override_reaches_only_its_pool():
         max_num_seqs=16, decode_engine={"max_num_seqs": 200, "enforce_eager": True}
     )
     specs = {s.role: s.config for s in pool_specs(config)}
-    assert (specs["prefill"].max_num_seqs, specs["decode"].max_num_seqs) == (16, 200)
-    assert specs["decode"].enforce_eager and not specs["prefill"].enforce_eager
-    assert config.pool_engine("colocated").max_num_seqs == 16
+    assert (specs["prefill"].scheduler.max_num_seqs, specs["decode"].scheduler.max_num_seqs) == (
+        16,
+        200,
+    )
+    assert specs["decode"].graphs.enforce_eager and not specs["prefill"].graphs.enforce_eager
+    assert config.pool_engine("colocated").scheduler.max_num_seqs == 16
     cli = resolve_config(parse(["--max-num-seqs", "16", "--decode-max-num-seqs", "200"]))
-    assert [s.config.max_num_seqs for s in pool_specs(cli)] == [16, 200]
+    assert [s.config.scheduler.max_num_seqs for s in pool_specs(cli)] == [16, 200]
 
 
 # ---- the generated CLI --------------------------------------------------------------
@@ -368,18 +385,24 @@ def test_defaults_are_the_fields_defaults():
 def test_colocated_engines_with_host_tiers_get_nixl_to_lend_to_each_other():
     # more than one colocated engine with a host KV tier: NIXL, so a tier prefix is lent
     assert (
-        serve_config(colocated=2, kv_offloading_size=1.0).pool_engine("colocated").kv_connector
+        serve_config(colocated=2, kv_offloading_size=1.0)
+        .pool_engine("colocated")
+        .kv_transfer.connector
         == "nixl"
     )
     per_pool = serve_config(colocated=2, colocated_engine={"kv_offloading_size": 1.0})
-    assert per_pool.pool_engine("colocated").kv_connector == "nixl"
+    assert per_pool.pool_engine("colocated").kv_transfer.connector == "nixl"
     # one engine, or no tiers: nobody to lend to, nothing to lend
     assert (
-        serve_config(colocated=1, kv_offloading_size=1.0).pool_engine("colocated").kv_connector
+        serve_config(colocated=1, kv_offloading_size=1.0)
+        .pool_engine("colocated")
+        .kv_transfer.connector
         is None
     )
-    assert serve_config(colocated=2).pool_engine("colocated").kv_connector is None
-    assert serve_config(kv_offloading_size=1.0).pool_engine("decode").kv_connector == "nixl"
+    assert serve_config(colocated=2).pool_engine("colocated").kv_transfer.connector is None
+    assert (
+        serve_config(kv_offloading_size=1.0).pool_engine("decode").kv_transfer.connector == "nixl"
+    )
 
 
 def test_a_prefill_engine_reads_peers_tiers_when_another_pool_keeps_one():
@@ -388,13 +411,13 @@ def test_a_prefill_engine_reads_peers_tiers_when_another_pool_keeps_one():
     # only the decode pool keeps a host tier: the prefill engine borrows from it
     borrow = serve_config(decode_engine={"kv_offloading_size": 1.0})
     p, d = borrow.pool_engine("prefill"), borrow.pool_engine("decode")
-    assert p.kv_borrows_tiers and not p.kv_offloading_size
+    assert p.kv_transfer.borrows_tiers and not p.offload.kv_offloading_size
     assert (kv_role(p), kv_role(d)) == ("both", "both")
     # no tier anywhere: a prefill engine only serves, a decode engine only reads
     plain = serve_config()
-    assert not plain.pool_engine("prefill").kv_borrows_tiers
+    assert not plain.pool_engine("prefill").kv_transfer.borrows_tiers
     assert (kv_role(plain.pool_engine("prefill")), kv_role(plain.pool_engine("decode"))) == (
         "prefill",
         "decode",
     )
-    assert not borrow.pool_engine("decode").kv_borrows_tiers  # it reads anyway
+    assert not borrow.pool_engine("decode").kv_transfer.borrows_tiers  # it reads anyway

@@ -19,7 +19,7 @@ def test_half_a_gpu_each_packs_prefill_and_decode_with_default_memory_shares():
     specs = specs_for(["--prefill", "1", "--decode", "1", "--num-gpus-per-engine", "0.5"])
     for role in ("prefill", "decode"):
         assert specs[role].num_gpus == 0.5
-        assert specs[role].config.gpu_memory_utilization == pytest.approx(0.45)
+        assert specs[role].config.cache.gpu_memory_utilization == pytest.approx(0.45)
     options, bundle = engine_actor_placement(0.5, {})
     assert options == {"num_cpus": 0, "num_gpus": 0.5}
     assert bundle == {"GPU": 0.5, "CPU": 1}
@@ -34,15 +34,15 @@ def test_per_pool_fractions_and_memory_utilizations():
         ]
     )  # fmt: skip
     assert (specs["prefill"].num_gpus, specs["decode"].num_gpus) == (0.25, 0.75)
-    assert specs["prefill"].config.gpu_memory_utilization == 0.2
-    assert specs["decode"].config.gpu_memory_utilization == 0.7
+    assert specs["prefill"].config.cache.gpu_memory_utilization == 0.2
+    assert specs["decode"].config.cache.gpu_memory_utilization == 0.7
 
 
 def test_whole_gpus_stay_integers_and_keep_the_default_utilization():
     specs = specs_for(["--num-gpus-per-engine", "1", "--prefill-num-gpus-per-engine", "2"])
     assert (specs["prefill"].num_gpus, specs["decode"].num_gpus) == (2, 1)
     assert isinstance(specs["prefill"].num_gpus, int)
-    assert specs["decode"].config.gpu_memory_utilization == 0.9
+    assert specs["decode"].config.cache.gpu_memory_utilization == 0.9
     assert engine_actor_placement(0, {"tandem_decode": 1.0}) == (
         {"num_cpus": 0, "num_gpus": 0, "resources": {"tandem_decode": 1.0}},
         None,

@@ -42,7 +42,9 @@ def test_gateway_lends_a_peer_host_tier_prefix_to_the_chosen_engine():
         kv_offloading_size=0.01,
         kv_lease_s=10.0,
     )
-    assert config.pool_engine("colocated").kv_connector == "nixl"  # tiers + 2 engines: lend
+    assert (
+        config.pool_engine("colocated").kv_transfer.connector == "nixl"
+    )  # tiers + 2 engines: lend
     shared_ray.start()
     try:
         with ServiceThread(config) as svc:
@@ -255,7 +257,7 @@ def test_a_prefill_engine_without_a_tier_borrows_the_decode_engines():
         kv_lease_s=10.0,
         router="kv-aware",  # one engine per pool would route least-load
     )
-    assert config.pool_engine("prefill").kv_offloading_size is None
+    assert config.pool_engine("prefill").offload.kv_offloading_size is None
     shared_ray.start()
     try:
         with ServiceThread(config) as svc:

@@ -155,7 +155,7 @@ def test_half_gpu_engines_are_packed_two_per_gpu(two_groups):
         ]
     )  # fmt: skip
     specs = pool_specs(resolve_config(args))
-    assert [s.config.gpu_memory_utilization for s in specs] == [0.45, 0.45]
+    assert [s.config.cache.gpu_memory_utilization for s in specs] == [0.45, 0.45]
     handles = start_pools(specs, "tcp://127.0.0.1:1")
     try:
         for handle in handles:

@@ -16,7 +16,7 @@ def test_default_is_a_fresh_random_secret_handed_to_every_engine():
     a, b = cluster_secret(config), cluster_secret(config)
     assert len(a) == 32 and a != b
     specs = pool_specs(config, a)
-    assert [s.config.cluster_secret for s in specs] == [a, a]
+    assert [s.config.runtime.cluster_secret for s in specs] == [a, a]
     assert a.hex() not in repr(specs)
 
 

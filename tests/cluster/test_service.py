@@ -65,7 +65,7 @@ def greedy_completion(svc, prompt=PROMPT, max_tokens=12):
 def test_same_greedy_tokens_disagg_colocated_and_generate(disagg, colocated):
     a = greedy_completion(disagg)
     b = greedy_completion(colocated)
-    llm = LLM(EngineConfig(model="tiny", num_kv_blocks=64))
+    llm = LLM(EngineConfig.from_flat(model="tiny", num_kv_blocks=64))
     (c,) = llm.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     assert a.choices[0].text == b.choices[0].text == c.text
     assert a.usage.completion_tokens == 12

@@ -40,7 +40,11 @@ def service():
 
 @pytest.fixture(scope="module")
 def offline() -> LLM:
-    return LLM(EngineConfig(model="smollm2", num_kv_blocks=64, max_model_len=1024, torch_threads=1))
+    return LLM(
+        EngineConfig.from_flat(
+            model="smollm2", num_kv_blocks=64, max_model_len=1024, torch_threads=1
+        )
+    )
 
 
 def test_pd_completions_equal_tandem_generate(service, offline):

@@ -93,7 +93,7 @@ def test_migrated_stream_is_token_identical_with_seed_and_penalties():
     """One engine plays both: the lost run is aborted after 7 outputs, then
     the resubmission runs (the next token depends only on the sequence, the
     seed and the position, not on which engine samples it)."""
-    core = EngineCore(EngineConfig(model="tiny", num_kv_blocks=64, block_size=16))
+    core = EngineCore(EngineConfig.from_flat(model="tiny", num_kv_blocks=64, block_size=16))
     try:
         undisturbed = [t for o in run(core, request()) for t in o.new_token_ids]
         assert len(undisturbed) == PARAMS.max_tokens

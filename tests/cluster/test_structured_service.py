@@ -79,7 +79,9 @@ def service():
 @pytest.fixture(scope="module")
 def offline():
     with LLM(
-        EngineConfig(model="smollm2", num_kv_blocks=128, max_model_len=1024, torch_threads=1)
+        EngineConfig.from_flat(
+            model="smollm2", num_kv_blocks=128, max_model_len=1024, torch_threads=1
+        )
     ) as llm:
         yield llm
 

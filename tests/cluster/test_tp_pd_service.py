@@ -39,7 +39,7 @@ PROMPTS = ["Tensor parallel prefill, then decode", "x" * 40 + " and a longer pro
 
 @pytest.fixture(scope="module")
 def reference():
-    llm = LLM(EngineConfig(model="tiny", num_kv_blocks=64))
+    llm = LLM(EngineConfig.from_flat(model="tiny", num_kv_blocks=64))
     sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     return [r.text for r in llm.generate(PROMPTS, sp)]
 

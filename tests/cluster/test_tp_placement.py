@@ -46,8 +46,8 @@ def test_gpus_that_do_not_split_are_refused():
     with pytest.raises(ValueError, match="equal whole GPUs"):
         engine_group_placement(0.5, {}, 2)  # NCCL: one GPU per rank
     with pytest.raises(ValueError, match="prefill_num_gpus_per_engine"):
-        check_pool_parallel("prefill", EngineConfig(tensor_parallel_size=2), num_gpus=3)
-    check_pool_parallel("prefill", EngineConfig(tensor_parallel_size=2), num_gpus=4)
+        check_pool_parallel("prefill", EngineConfig.from_flat(tensor_parallel_size=2), num_gpus=3)
+    check_pool_parallel("prefill", EngineConfig.from_flat(tensor_parallel_size=2), num_gpus=4)
 
 
 def bundle_in_use(pg_id: str, index: int, wait_s: float = 30.0) -> bool:

@@ -64,7 +64,7 @@ def worker_actor_names() -> list[str]:
 def test_tp_worker_is_a_ray_actor_in_bundle_one_and_fails_with_its_engine():
     import ray
 
-    llm = LLM(EngineConfig(model="tiny", num_kv_blocks=64))
+    llm = LLM(EngineConfig.from_flat(model="tiny", num_kv_blocks=64))
     sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     (expected,) = [r.text for r in llm.generate([PROMPT], sp)]
 

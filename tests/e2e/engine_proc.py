@@ -56,7 +56,7 @@ class EngineProcess:
         self.proc = ctx.Process(
             target=_engine_main,
             args=(config, self.input_addr, output_addr),
-            daemon=config.tensor_parallel_size == 1,
+            daemon=config.parallel.tensor_parallel_size == 1,
         )
         self.proc.start()
 
@@ -100,7 +100,7 @@ class Harness:
                 sock.close()
                 if attempt == attempts - 1:
                     raise
-        if config.kv_connector:
+        if config.kv_transfer.connector:
             self._register_prefill_engines()
 
     def start_all(self, configs: dict[str, EngineConfig]) -> None:
@@ -114,7 +114,7 @@ class Harness:
             except EngineDied:
                 self.push[name].close()
                 self.start(name, config)
-        if any(c.kv_connector for c in configs.values()):
+        if any(c.kv_transfer.connector for c in configs.values()):
             self._register_prefill_engines()
 
     def _launch(self, name: str, config: EngineConfig) -> zmq.Socket:
@@ -135,14 +135,14 @@ class Harness:
         engines' side channels (D reads from nowhere else)."""
         endpoints = []
         for name, ep in self.engines.items():
-            if ep.config.role == "prefill" and ep.proc.is_alive():
+            if ep.config.runtime.role == "prefill" and ep.proc.is_alive():
                 host, port = self.call(name, "kv_transfer_address")
                 rank_ports = self.call(name, "kv_rank_ports")
                 endpoints.append(
-                    [name, ep.config.epoch, host, port, *([rank_ports] * bool(rank_ports))]
+                    [name, ep.config.runtime.epoch, host, port, *([rank_ports] * bool(rank_ports))]
                 )
         for name, ep in self.engines.items():
-            if ep.config.role == "decode" and ep.proc.is_alive():
+            if ep.config.runtime.role == "decode" and ep.proc.is_alive():
                 self.call(name, "set_prefill_endpoints", args=[endpoints])
 
     def send(self, name: str, req: EngineRequest) -> None:

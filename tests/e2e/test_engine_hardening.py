@@ -33,8 +33,8 @@ def pd():
     h = Harness()
     try:
         common = dict(BASE, kv_connector="nixl")
-        h.start("P", EngineConfig(role="prefill", **common))
-        h.start("D", EngineConfig(role="decode", kv_load_timeout_s=10.0, **common))
+        h.start("P", EngineConfig.from_flat(role="prefill", **common))
+        h.start("D", EngineConfig.from_flat(role="decode", kv_load_timeout_s=10.0, **common))
         pids = {n: e.proc.pid for n, e in h.engines.items()}
         yield h
         assert {n: e.proc.pid for n, e in h.engines.items()} == pids
@@ -44,7 +44,9 @@ def pd():
 
 @pytest.fixture(scope="module")
 def expected():
-    (out,) = LLM(EngineConfig(**BASE)).generate(prompt_token_ids=[PROMPT], sampling_params=SP)
+    (out,) = LLM(EngineConfig.from_flat(**BASE)).generate(
+        prompt_token_ids=[PROMPT], sampling_params=SP
+    )
     return out.token_ids
 
 

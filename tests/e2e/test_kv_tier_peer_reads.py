@@ -47,13 +47,13 @@ def test_engine_reads_a_prefix_only_another_engines_host_tier_holds(ckpt):
     g = torch.Generator().manual_seed(7)
     prompt = torch.randint(3, 300, (70,), generator=g).tolist()  # 4 full blocks + 6
     fillers = [torch.randint(3, 300, (150,), generator=g).tolist() for _ in range(2)]
-    with LLM(EngineConfig(model=ckpt, num_kv_blocks=64, **BASE)) as ref:
+    with LLM(EngineConfig.from_flat(model=ckpt, num_kv_blocks=64, **BASE)) as ref:
         (want,) = ref.generate(prompt_token_ids=[prompt], sampling_params=SP)
     h = Harness()
     try:
         common = dict(BASE, model=ckpt, kv_connector="nixl", kv_lease_s=5.0)
-        h.start("A", EngineConfig(num_kv_blocks=20, kv_offloading_size=0.01, **common))
-        h.start("B", EngineConfig(num_kv_blocks=64, **common))
+        h.start("A", EngineConfig.from_flat(num_kv_blocks=20, kv_offloading_size=0.01, **common))
+        h.start("B", EngineConfig.from_flat(num_kv_blocks=64, **common))
         host, port = h.call("A", "kv_transfer_address")
         h.call("B", "set_prefill_endpoints", args=[[["A", 0, host, port]]])
         h.send("A", EngineRequest("a0", prompt, SP))

@@ -44,8 +44,8 @@ def test_overlapped_prefill_and_decode_give_the_single_engine_tokens(ckpt):
     h = Harness()
     try:
         common = dict(BASE, model=ckpt, kv_connector="nixl", async_scheduling=True)
-        h.start("P", EngineConfig(role="prefill", **common))
-        h.start("D", EngineConfig(role="decode", kv_load_timeout_s=10.0, **common))
+        h.start("P", EngineConfig.from_flat(role="prefill", **common))
+        h.start("D", EngineConfig.from_flat(role="decode", kv_load_timeout_s=10.0, **common))
         for req in requests:  # every prefill at once: P batches them
             h.send("P", prefill_request(req))
         firsts = {req.request_id: h.wait_final(req.request_id, "P") for req in requests}

@@ -35,8 +35,8 @@ def pd(ckpt):
     h = Harness()
     try:
         common = dict(BASE, model=ckpt, kv_connector="nixl", kv_lease_s=3.0)
-        h.start("P", EngineConfig(role="prefill", **common))
-        h.start("D", EngineConfig(role="decode", kv_load_timeout_s=5.0, **common))
+        h.start("P", EngineConfig.from_flat(role="prefill", **common))
+        h.start("D", EngineConfig.from_flat(role="decode", kv_load_timeout_s=5.0, **common))
         yield h
     finally:
         h.close()
@@ -67,7 +67,7 @@ def test_greedy_split_equals_single_engine_and_transformers(pd, ckpt):
     lens = [1, BLOCK, 5 * BLOCK + 3, BUDGET + 29]  # 1 token, one block, many, > budget
     prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in lens]
     sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    single = LLM(EngineConfig(model=ckpt, **BASE)).generate(
+    single = LLM(EngineConfig.from_flat(model=ckpt, **BASE)).generate(
         prompt_token_ids=prompts, sampling_params=sp
     )
     hf = load_hf_model(ckpt)
@@ -110,7 +110,7 @@ def test_cache_salt_isolates_tenants_across_the_handoff(pd, ckpt):
     shared = torch.randint(3, 300, (3 * BLOCK,), generator=g).tolist()
     prompt = shared + torch.randint(3, 300, (2 * BLOCK + 5,), generator=g).tolist()
     sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    (single,) = LLM(EngineConfig(model=ckpt, **BASE)).generate(
+    (single,) = LLM(EngineConfig.from_flat(model=ckpt, **BASE)).generate(
         prompt_token_ids=[prompt], sampling_params=sp
     )
     # tenant A warms D's prefix cache with the 3 shared blocks
@@ -144,7 +144,7 @@ def test_cache_salt_isolates_tenants_across_the_handoff(pd, ckpt):
 def test_seeded_sampling_same_split_or_not(pd, ckpt):
     prompt = list(range(10, 60))
     sp = SamplingParams(max_tokens=10, temperature=1.0, top_k=50, seed=1234, ignore_eos=True)
-    (single,) = LLM(EngineConfig(model=ckpt, **BASE)).generate(
+    (single,) = LLM(EngineConfig.from_flat(model=ckpt, **BASE)).generate(
         prompt_token_ids=[prompt], sampling_params=sp
     )
     toks, _, _ = handoff(pd, "seeded", prompt, sp)
@@ -162,7 +162,7 @@ def test_penalties_and_prompt_logprobs_same_split_or_not(pd, ckpt):
         dict(temperature=1.0, seed=99, repetition_penalty=1.8, min_p=0.02),
         dict(temperature=0.0, repetition_penalty=2.0, bad_words_token_ids=[[7], [100, 101]]),
     ]
-    single = LLM(EngineConfig(model=ckpt, **BASE))
+    single = LLM(EngineConfig.from_flat(model=ckpt, **BASE))
     for i, kw in enumerate(cases):
         sp = SamplingParams(max_tokens=12, ignore_eos=True, prompt_logprobs=2, **kw)
         (want,) = single.generate(prompt_token_ids=[prompt], sampling_params=sp)
@@ -206,10 +206,10 @@ def test_prefill_killed_before_read(ckpt, policy):
     h = Harness()
     try:
         common = dict(BASE, model=ckpt, kv_connector="nixl", kv_lease_s=30.0)
-        h.start("P", EngineConfig(role="prefill", **common))
+        h.start("P", EngineConfig.from_flat(role="prefill", **common))
         h.start(
             "D",
-            EngineConfig(
+            EngineConfig.from_flat(
                 role="decode", kv_load_timeout_s=3.0, load_failure_policy=policy, **common
             ),
         )
@@ -222,7 +222,7 @@ def test_prefill_killed_before_read(ckpt, policy):
         h.send("D", decode_request(req, first))
         last = h.wait_final("k", "D", timeout_s=60)
         if policy == "recompute":
-            (single,) = LLM(EngineConfig(model=ckpt, **BASE)).generate(
+            (single,) = LLM(EngineConfig.from_flat(model=ckpt, **BASE)).generate(
                 prompt_token_ids=[prompt], sampling_params=sp
             )
             assert first.new_token_ids + h.tokens("k", "D") == single.token_ids
@@ -240,7 +240,7 @@ def test_decode_refuses_unregistered_prefill_engine_and_addresses(pd, ckpt):
     load fails; recompute policy -> D computes the prompt itself, reads nothing)."""
     prompt = list(range(30, 70))
     sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    (single,) = LLM(EngineConfig(model=ckpt, **BASE)).generate(
+    (single,) = LLM(EngineConfig.from_flat(model=ckpt, **BASE)).generate(
         prompt_token_ids=[prompt], sampling_params=sp
     )
     req = EngineRequest("real", prompt, sp)

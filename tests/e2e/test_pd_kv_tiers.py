@@ -34,9 +34,12 @@ def test_prefill_tier_hit_is_cached_tokens_and_decode_reads_it(ckpt):
     try:
         common = dict(BASE, model=ckpt, kv_connector="nixl", kv_lease_s=5.0)
         h.start(
-            "P", EngineConfig(role="prefill", num_kv_blocks=20, kv_offloading_size=0.01, **common)
+            "P",
+            EngineConfig.from_flat(
+                role="prefill", num_kv_blocks=20, kv_offloading_size=0.01, **common
+            ),
         )
-        h.start("D", EngineConfig(role="decode", num_kv_blocks=64, **common))
+        h.start("D", EngineConfig.from_flat(role="decode", num_kv_blocks=64, **common))
         g = torch.Generator().manual_seed(3)
         prompt = torch.randint(3, 300, (70,), generator=g).tolist()
         sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -73,9 +76,12 @@ def test_decode_engine_holding_the_prompt_in_its_tier_skips_the_read(ckpt):
     h = Harness()
     try:
         common = dict(BASE, model=ckpt, kv_connector="nixl", kv_lease_s=5.0)
-        h.start("P", EngineConfig(role="prefill", num_kv_blocks=64, **common))
+        h.start("P", EngineConfig.from_flat(role="prefill", num_kv_blocks=64, **common))
         h.start(
-            "D", EngineConfig(role="decode", num_kv_blocks=20, kv_offloading_size=0.01, **common)
+            "D",
+            EngineConfig.from_flat(
+                role="decode", num_kv_blocks=20, kv_offloading_size=0.01, **common
+            ),
         )
         g = torch.Generator().manual_seed(4)
         prompt = torch.randint(3, 300, (64,), generator=g).tolist()  # 4 full blocks
@@ -122,18 +128,18 @@ def test_prefill_engine_borrows_a_decode_engines_host_tier_before_it_prefills(ck
     prefix = torch.randint(3, 300, (64,), generator=g).tolist()  # 4 full blocks
     prompt = prefix + torch.randint(3, 300, (40,), generator=g).tolist()
     sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    with LLM(EngineConfig(model=ckpt, num_kv_blocks=64, **BASE)) as ref:
+    with LLM(EngineConfig.from_flat(model=ckpt, num_kv_blocks=64, **BASE)) as ref:
         (want,) = ref.generate(prompt_token_ids=[prompt], sampling_params=sp)
     h = Harness()
     try:
         common = dict(BASE, model=ckpt, kv_connector="nixl", kv_lease_s=5.0)
         tier = dict(num_kv_blocks=64, kv_offloading_size=0.01, **common)
         if p_tier:
-            h.start("P", EngineConfig(role="prefill", **tier))
+            h.start("P", EngineConfig.from_flat(role="prefill", **tier))
         else:  # no tier of its own: it reads as well as serves all the same
-            h.start("P", EngineConfig(role="prefill", num_kv_blocks=64, kv_borrows_tiers=True,
-                                      **common))  # fmt: skip
-        h.start("D", EngineConfig(role="decode", **tier))
+            h.start("P", EngineConfig.from_flat(role="prefill", num_kv_blocks=64,
+                                                kv_borrows_tiers=True, **common))  # fmt: skip
+        h.start("D", EngineConfig.from_flat(role="decode", **tier))
         host, port = h.call("D", "kv_transfer_address")  # a decode engine with a tier serves
         h.call("P", "set_prefill_endpoints", args=[[["D", 0, host, port]]])
         h.send("D", EngineRequest("d0", prefix + [7], SamplingParams(max_tokens=1)))

@@ -34,9 +34,9 @@ def pd(ckpt):
     h = Harness()
     try:
         common = dict(BASE, model=ckpt, kv_connector="nixl", kv_lease_s=3.0)
-        h.start("P", EngineConfig(role="prefill", **common))
+        h.start("P", EngineConfig.from_flat(role="prefill", **common))
         h.start(
-            "D", EngineConfig(role="decode", kv_load_timeout_s=5.0, speculative_config=NGRAM,
+            "D", EngineConfig.from_flat(role="decode", kv_load_timeout_s=5.0, speculative_config=NGRAM,
                               **common)
         )  # fmt: skip
         yield h
@@ -48,8 +48,8 @@ def test_decode_engine_speculates_and_equals_colocated(pd, ckpt):
     prompts = [[5, 6, 7, 8] * 12, list(range(20, 60)) * 2, [9, 10, 11] * 3]
     greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     seeded = SamplingParams(max_tokens=30, temperature=0.9, seed=42, ignore_eos=True)
-    plain = LLM(EngineConfig(model=ckpt, **BASE))
-    spec = LLM(EngineConfig(model=ckpt, speculative_config=NGRAM, **BASE))
+    plain = LLM(EngineConfig.from_flat(model=ckpt, **BASE))
+    spec = LLM(EngineConfig.from_flat(model=ckpt, speculative_config=NGRAM, **BASE))
     for i, prompt in enumerate(prompts):
         (want,) = plain.generate(prompt_token_ids=[prompt], sampling_params=greedy)
         toks, _, _ = handoff(pd, f"g{i}", prompt, greedy)
@@ -73,9 +73,9 @@ def pd_draft(ckpt):
     try:
         common = dict(BASE, model=ckpt, kv_connector="nixl", kv_lease_s=3.0)
         spec = draft_spec(ckpt)
-        h.start("P", EngineConfig(role="prefill", **common))
+        h.start("P", EngineConfig.from_flat(role="prefill", **common))
         h.start(
-            "D", EngineConfig(role="decode", kv_load_timeout_s=5.0, speculative_config=spec,
+            "D", EngineConfig.from_flat(role="decode", kv_load_timeout_s=5.0, speculative_config=spec,
                               **common)
         )  # fmt: skip
         yield h
@@ -94,8 +94,8 @@ def test_decode_engine_drafts_with_a_draft_model(pd_draft, ckpt):
     prompts = [[5, 6, 7, 8] * 12, list(range(20, 60)) * 2, long]
     greedy = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     seeded = SamplingParams(max_tokens=24, temperature=0.9, seed=42, ignore_eos=True)
-    plain = LLM(EngineConfig(model=ckpt, **BASE))
-    spec = LLM(EngineConfig(model=ckpt, speculative_config=draft_spec(ckpt), **BASE))
+    plain = LLM(EngineConfig.from_flat(model=ckpt, **BASE))
+    spec = LLM(EngineConfig.from_flat(model=ckpt, speculative_config=draft_spec(ckpt), **BASE))
     for i, prompt in enumerate(prompts):
         (want,) = plain.generate(prompt_token_ids=[prompt], sampling_params=greedy)
         toks, _, _ = handoff(pd_draft, f"g{i}", prompt, greedy)

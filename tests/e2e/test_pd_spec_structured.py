@@ -34,9 +34,9 @@ def pd():
     h = Harness()
     try:
         common = dict(TINY, kv_connector="nixl", kv_lease_s=3.0)
-        h.start("P", EngineConfig(role="prefill", **common))
+        h.start("P", EngineConfig.from_flat(role="prefill", **common))
         h.start(
-            "D", EngineConfig(role="decode", kv_load_timeout_s=5.0, speculative_config=NGRAM,
+            "D", EngineConfig.from_flat(role="decode", kv_load_timeout_s=5.0, speculative_config=NGRAM,
                               **common)
         )  # fmt: skip
         yield h
@@ -56,8 +56,8 @@ def test_constrained_split_speculates_and_equals_colocated(pd):
                                          structured_outputs=ab)),
     ]  # fmt: skip
     with (
-        LLM(EngineConfig(**TINY)) as plain,
-        LLM(EngineConfig(speculative_config=NGRAM, **TINY)) as spec,
+        LLM(EngineConfig.from_flat(**TINY)) as plain,
+        LLM(EngineConfig.from_flat(speculative_config=NGRAM, **TINY)) as spec,
     ):
         eos = plain.engine.eos_token_id
         for i, (prompt, sp) in enumerate(cases):

@@ -33,7 +33,9 @@ def engines(ckpt):
         common = dict(BASE, model=ckpt, kv_connector="nixl", kv_lease_s=10.0, torch_threads=1)
         h.start_all(
             {
-                f"{role[0].upper()}{tp}": EngineConfig(role=role, tensor_parallel_size=tp, **common)
+                f"{role[0].upper()}{tp}": EngineConfig.from_flat(
+                    role=role, tensor_parallel_size=tp, **common
+                )
                 for role, tp in (("prefill", 1), ("prefill", 2), ("decode", 2))
             }
         )
@@ -47,7 +49,7 @@ def test_tokens_and_bytes_across_tp_sizes(engines, ckpt, p_tp, d_tp):
     g = torch.Generator().manual_seed(10 * p_tp + d_tp)
     prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (5, 3 * BLOCK + 7)]
     sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    single = LLM(EngineConfig(model=ckpt, **BASE)).generate(
+    single = LLM(EngineConfig.from_flat(model=ckpt, **BASE)).generate(
         prompt_token_ids=prompts, sampling_params=sp
     )
     p, d = f"P{p_tp}", f"D{d_tp}"

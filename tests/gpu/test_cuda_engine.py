@@ -35,7 +35,7 @@ def _config(path: str, **changes) -> EngineConfig:
         num_kv_blocks=128,
     )
     base.update(changes)
-    return EngineConfig(**base)
+    return EngineConfig.from_flat(**base)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])

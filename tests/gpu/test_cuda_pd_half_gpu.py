@@ -43,8 +43,8 @@ def test_half_a_gpu_each_prefill_decode_handoff_equals_transformers(tmp_path):
     path = make_checkpoint("llama", tmp_path / "ckpt", **SHAPE)
     configs = _serve_configs(path)
     for config in configs.values():
-        assert config.gpu_memory_utilization == pytest.approx(0.45)
-        assert config.num_kv_blocks is None and config.kv_connector == "nixl"
+        assert config.cache.gpu_memory_utilization == pytest.approx(0.45)
+        assert config.cache.num_kv_blocks is None and config.kv_transfer.connector == "nixl"
     total = torch.cuda.get_device_properties(0).total_memory
     h = Harness()
     try:

@@ -40,7 +40,7 @@ BB = 64  # bytes per block in these tests
 )
 def test_bad_tier_flags_are_named(kw, flag):
     with pytest.raises(ValueError, match=flag):
-        EngineConfig(**kw)
+        EngineConfig.from_flat(**kw)
 
 
 def test_host_tier_lru_spares_pinned_keys():

@@ -34,7 +34,7 @@ def test_every_timed_step_has_exactly_d_plus_c_tokens_on_one_engine():
 
     shapes = [(1, 15), (4, 28), (3, 0)]
     engine = EngineCore(
-        EngineConfig(
+        EngineConfig.from_flat(
             model="tiny",
             max_num_seqs=max(d for d, _ in shapes) + 1,
             max_num_batched_tokens=max(d + c for d, c in shapes),
@@ -62,7 +62,7 @@ def test_many_decodes_with_long_prompts_settle_before_the_first_finishes():
     from tandem.workers.engine.core import EngineCore
 
     engine = EngineCore(
-        EngineConfig(
+        EngineConfig.from_flat(
             model="tiny",
             max_num_seqs=65,
             max_num_batched_tokens=256,

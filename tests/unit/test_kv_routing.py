@@ -240,11 +240,12 @@ def test_serve_flags_turn_events_on_only_for_kv_aware(tmp_path):
         args = build_parser().parse_args(["serve", *argv])
         return {s.role: s.config for s in pool_specs(resolve_config(args))}
 
-    assert not any(c.kv_events for c in specs([]).values())  # 1P + 1D: least-load
-    assert all(c.kv_events for c in specs(["--decode", "2"]).values())  # auto: kv-aware
-    assert all(c.kv_events for c in specs(["--router", "kv-aware"]).values())
+    assert not any(c.kv_transfer.kv_events for c in specs([]).values())  # 1P + 1D: least-load
+    assert all(c.kv_transfer.kv_events for c in specs(["--decode", "2"]).values())  # auto: kv-aware
+    assert all(c.kv_transfer.kv_events for c in specs(["--router", "kv-aware"]).values())
     assert not any(
-        c.kv_events for c in specs(["--colocated", "4", "--router", "round-robin"]).values()
+        c.kv_transfer.kv_events
+        for c in specs(["--colocated", "4", "--router", "round-robin"]).values()
     )
     args = build_parser().parse_args(["serve", "--router-load-weight", "0.5"])
     assert resolve_config(args).routing.load_weight == 0.5

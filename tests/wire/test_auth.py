@@ -102,8 +102,8 @@ def test_secret_file_and_config_validation(tmp_path):
     with pytest.raises(ValueError, match="cluster-secret-file .*at least 16 bytes, got 8"):
         read_secret_file(str(short))
     with pytest.raises(ValueError, match="EngineConfig.cluster_secret"):
-        EngineConfig(cluster_secret=b"short")
-    assert "cluster_secret" not in repr(EngineConfig(cluster_secret=SECRET))
+        EngineConfig.from_flat(cluster_secret=b"short")
+    assert "cluster_secret" not in repr(EngineConfig.from_flat(cluster_secret=SECRET))
 
 
 def test_disabled_auth_is_plain_zmq():

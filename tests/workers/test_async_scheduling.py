@@ -65,7 +65,9 @@ def run(
     config.setdefault("num_kv_blocks", 64)
     config.setdefault("block_size", 4)
     config.setdefault("max_num_batched_tokens", 32)
-    engine = EngineCore(EngineConfig(model=model, async_scheduling=async_scheduling, **config))
+    engine = EngineCore(
+        EngineConfig.from_flat(model=model, async_scheduling=async_scheduling, **config)
+    )
     if eos_token_id is not None:
         engine.eos_token_id = engine.runner.eos_token_id = eos_token_id
     if inline_stream:
@@ -226,7 +228,9 @@ def test_steps_overlap_on_the_step_thread(tiny_model_dir):
     """The next step is scheduled and launched before the previous step's tokens are read,
     and the forward runs on the step stream's thread."""
     engine = EngineCore(
-        EngineConfig(model=tiny_model_dir, num_kv_blocks=32, block_size=4, async_scheduling=True)
+        EngineConfig.from_flat(
+            model=tiny_model_dir, num_kv_blocks=32, block_size=4, async_scheduling=True
+        )
     )
     threads: set[str] = set()
     forward = engine.model.forward
@@ -260,12 +264,12 @@ def test_flag():
         "async_scheduling": False
     }
     # auto (None): on with CUDA (the H200 decode rows), off on CPU; an explicit value wins
-    assert EngineConfig().async_scheduling is None
-    assert not EngineConfig().uses_async_scheduling()
-    assert EngineConfig(device="cuda").uses_async_scheduling()
-    assert EngineConfig(device="cuda:1").uses_async_scheduling()
-    assert not EngineConfig(device="cuda", async_scheduling=False).uses_async_scheduling()
-    assert EngineConfig(async_scheduling=True).uses_async_scheduling()
+    assert EngineConfig.from_flat().scheduler.async_scheduling is None
+    assert not EngineConfig.from_flat().uses_async_scheduling()
+    assert EngineConfig.from_flat(device="cuda").uses_async_scheduling()
+    assert EngineConfig.from_flat(device="cuda:1").uses_async_scheduling()
+    assert not EngineConfig.from_flat(device="cuda", async_scheduling=False).uses_async_scheduling()
+    assert EngineConfig.from_flat(async_scheduling=True).uses_async_scheduling()
 
 
 def test_unseeded_draws_do_not_depend_on_batch_mates(tiny_model_dir):
@@ -290,7 +294,9 @@ def test_an_id_reused_after_a_stop_gets_none_of_the_old_tokens(tiny_model_dir):
     free, _ = run(tiny_model_dir, [EngineRequest("a", prompt, greedy)], async_scheduling=False)
     stop = free[("a", 0)].tokens[2]
     engine = EngineCore(
-        EngineConfig(model=tiny_model_dir, num_kv_blocks=32, block_size=4, async_scheduling=True)
+        EngineConfig.from_flat(
+            model=tiny_model_dir, num_kv_blocks=32, block_size=4, async_scheduling=True
+        )
     )
     first = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, stop_token_ids=[stop])
     engine.add_request(EngineRequest("a", prompt, first))
@@ -355,7 +361,7 @@ def test_piecewise_replays_read_the_tokens_in_flight(tmp_path):
 
 def _graph_llm(path: str, async_scheduling: bool, num_kv_blocks: int = 32) -> LLM:
     return LLM(
-        EngineConfig(
+        EngineConfig.from_flat(
             model=path,
             block_size=4,
             max_num_seqs=4,

@@ -61,7 +61,9 @@ def test_traced_forward_is_one_graph_with_eager_tokens(make_checkpoint):
     """``aot_eager``: dynamo + functionalisation with the op's fake, eager kernels (no codegen,
     seconds); ``fullgraph`` makes any graph break an error. Qwen3: Llama plus q/k norms."""
     path = make_checkpoint("qwen3", num_hidden_layers=2)
-    config = EngineConfig(model=path, block_size=4, max_num_batched_tokens=16, num_kv_blocks=64)
+    config = EngineConfig.from_flat(
+        model=path, block_size=4, max_num_batched_tokens=16, num_kv_blocks=64
+    )
     prompts = _prompts()
     eager = _generate(LLM(config), prompts)
     llm = LLM(config)
@@ -106,7 +108,9 @@ def test_compiled_before_sizing_the_profiling_step_runs_the_compiled_graphs(make
     ``max_num_batched_tokens`` step) runs the compiled graphs without compiling again; the same
     graphs then serve a real, larger cache with the eager model's hidden states."""
     path = make_checkpoint("llama", num_hidden_layers=2)
-    config = EngineConfig(model=path, block_size=4, max_num_batched_tokens=48, compile_model="on")
+    config = EngineConfig.from_flat(
+        model=path, block_size=4, max_num_batched_tokens=48, compile_model="on"
+    )
     eager, _ = load_model(path, "float32", "cpu")
     model, _ = load_model(path, "float32", "cpu")
     assert compile_before_sizing(config.replace(compile_model="auto"), model) is None
@@ -118,7 +122,9 @@ def test_compiled_before_sizing_the_profiling_step_runs_the_compiled_graphs(make
     dummy = allocate_kv_cache(
         1, model.num_layers, 4, model.num_kv_heads, model.head_dim, torch.float32, "cpu"
     )
-    profile_forward(model, dummy, 4, config.max_num_batched_tokens, 16, config.max_num_seqs)
+    profile_forward(
+        model, dummy, 4, config.scheduler.max_num_batched_tokens, 16, config.scheduler.max_num_seqs
+    )
     assert backend.num_calls == calls + 1  # the profiled forward is the compiled one
     assert backend.num_compiled == 2  # and the warm-up had already compiled it
     assert torch.count_nonzero(dummy) == 0
@@ -134,7 +140,7 @@ def test_compiled_before_sizing_the_profiling_step_runs_the_compiled_graphs(make
 def test_inductor_engine_tokens_equal_eager(tiny_model_dir, async_scheduling):
     """The engine with ``compile_model="on"``: inductor generates C++ on CPU (gcc); with the
     overlapped loop the forward runs on the step stream's thread."""
-    config = EngineConfig(model=tiny_model_dir, block_size=16, num_kv_blocks=64)
+    config = EngineConfig.from_flat(model=tiny_model_dir, block_size=16, num_kv_blocks=64)
     prompts = _prompts()
     eager = _generate(LLM(config), prompts)
     torch._dynamo.reset()
@@ -153,6 +159,6 @@ def test_modes_flag_and_field_errors():
     args = parser.parse_args(["--compile-model", "on"])
     assert engine_overrides(args) == {"compile_model": "on"}
     with pytest.raises(ValueError, match="compile_model must be one of auto, on, off"):
-        EngineConfig(compile_model="yes")
+        EngineConfig.from_flat(compile_model="yes")
     with pytest.raises(ValueError, match="compile_model 'on' needs tensor_parallel_size 1"):
-        EngineConfig(compile_model="on", tensor_parallel_size=2)
+        EngineConfig.from_flat(compile_model="on", tensor_parallel_size=2)

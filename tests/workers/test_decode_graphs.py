@@ -53,7 +53,7 @@ def test_no_bucket_means_eager():
 def test_bad_sizes_name_the_field():
     for sizes, max_num_seqs in (([0, 2], 8), ([16], 8), ([], 8)):
         with pytest.raises(ValueError, match="cuda_graph_sizes"):
-            EngineConfig(max_num_seqs=max_num_seqs, cuda_graph_sizes=sizes)
+            EngineConfig.from_flat(max_num_seqs=max_num_seqs, cuda_graph_sizes=sizes)
     for text in ("1,two", "", " , "):
         with pytest.raises(ValueError, match="cuda_graph_sizes"):
             parse_cuda_graph_sizes(text)
@@ -67,8 +67,8 @@ def test_flags_reach_the_config_and_pool_overrides():
     args = parser.parse_args(["--cuda-graph-sizes", "1,2,4", "--decode-enforce-eager"])
     assert engine_overrides(args) == {"cuda_graph_sizes": [1, 2, 4]}
     assert engine_overrides(args, prefix="decode-") == {"enforce_eager": True}
-    config = EngineConfig(max_num_seqs=4, **engine_overrides(args))
-    assert config.cuda_graph_sizes == [1, 2, 4] and not config.enforce_eager
+    config = EngineConfig.from_flat(max_num_seqs=4, **engine_overrides(args))
+    assert config.graphs.cuda_graph_sizes == [1, 2, 4] and not config.graphs.enforce_eager
     with pytest.raises(SystemExit):
         parser.parse_args(["--cuda-graph-sizes", "x"])
 
@@ -76,7 +76,7 @@ def test_flags_reach_the_config_and_pool_overrides():
 def test_cpu_engine_builds_no_graphs():
     model = torch.nn.Linear(1, 1)
     kv_cache = torch.zeros(4, 1, 2, 4, 1, 8)
-    graphs = build_step_graphs(EngineConfig(), model, kv_cache, 64)
+    graphs = build_step_graphs(EngineConfig.from_flat(), model, kv_cache, 64)
     assert graphs.decode is None and graphs.piecewise is None
 
 
@@ -169,7 +169,7 @@ PROMPTS = [[5, 9, 2, 7, 1], [3] * 9, [8, 4], [6, 6, 1]]
 
 
 def _llm(path: str, max_num_seqs: int = 4) -> LLM:
-    config = EngineConfig(
+    config = EngineConfig.from_flat(
         model=path,
         block_size=4,
         max_num_seqs=max_num_seqs,

@@ -44,7 +44,7 @@ def test_greedy_equals_transformers(make_checkpoint, arch):
     path = make_checkpoint(arch)
     block_size, budget = 16, 64
     llm = LLM(
-        EngineConfig(
+        EngineConfig.from_flat(
             model=path, block_size=block_size, max_num_batched_tokens=budget, num_kv_blocks=64
         )
     )
@@ -68,7 +68,9 @@ def test_shared_prefix_hits_and_tiny_cache_preemption(make_checkpoint, kv_layout
     sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
     # shared prefix: the first request warms the cache, the rest hit it
-    llm = LLM(EngineConfig(model=path, block_size=8, num_kv_blocks=64, kv_layout=kv_layout))
+    llm = LLM(
+        EngineConfig.from_flat(model=path, block_size=8, num_kv_blocks=64, kv_layout=kv_layout)
+    )
     first = llm.generate(prompt_token_ids=prompts[:1], sampling_params=sp)
     rest = llm.generate(prompt_token_ids=prompts[1:], sampling_params=sp)
     assert [r.token_ids for r in first + rest] == expected
@@ -78,7 +80,7 @@ def test_shared_prefix_hits_and_tiny_cache_preemption(make_checkpoint, kv_layout
 
     # 14 blocks of 8 for 4 requests needing up to 8 blocks each: preemption
     small = LLM(
-        EngineConfig(
+        EngineConfig.from_flat(
             model=path, block_size=8, num_kv_blocks=14, max_model_len=112, kv_layout=kv_layout
         )
     )
@@ -89,7 +91,7 @@ def test_shared_prefix_hits_and_tiny_cache_preemption(make_checkpoint, kv_layout
 
 
 def test_seeded_sampling(tiny_model_dir):
-    llm = LLM(EngineConfig(model=tiny_model_dir, num_kv_blocks=64))
+    llm = LLM(EngineConfig.from_flat(model=tiny_model_dir, num_kv_blocks=64))
     prompt = [[256, 72, 101, 108, 108, 111]]
 
     def run(**kw):
@@ -111,7 +113,7 @@ def test_seeded_sampling(tiny_model_dir):
 
 
 def test_bad_prompt_token_is_an_error_not_a_crash(tiny_model_dir):
-    llm = LLM(EngineConfig(model=tiny_model_dir, num_kv_blocks=16))
+    llm = LLM(EngineConfig.from_flat(model=tiny_model_dir, num_kv_blocks=16))
     (r,) = llm.generate(prompt_token_ids=[[1, 10**9]], sampling_params=GREEDY)
     assert r.finish_reason == "error" and "vocabulary" in r.error
     llm.engine.check_integrity()
@@ -121,7 +123,7 @@ def test_logprobs_match_transformers(make_checkpoint):
     path = make_checkpoint("qwen2")
     prompt = list(range(5, 30))
     sp = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=4)
-    llm = LLM(EngineConfig(model=path, num_kv_blocks=32))
+    llm = LLM(EngineConfig.from_flat(model=path, num_kv_blocks=32))
     rid_outputs = []
     from tandem.wire.engine_protocol import EngineRequest
 
@@ -177,7 +179,7 @@ def test_cli_generate_json_matches_llm(tiny_model_dir):
         .splitlines()
     )
     rows = [json.loads(line) for line in out]
-    llm = LLM(EngineConfig(model=tiny_model_dir, num_kv_blocks=32))
+    llm = LLM(EngineConfig.from_flat(model=tiny_model_dir, num_kv_blocks=32))
     sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     ref = llm.generate(["Hi"], sp, prompt_token_ids=[[256, 72, 105]])
     assert [r["token_ids"] for r in rows] == [r.token_ids for r in ref]

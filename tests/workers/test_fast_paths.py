@@ -171,7 +171,7 @@ def test_engine_with_a_two_row_budget_equals_transformers(make_checkpoint, monke
     path = make_checkpoint("llama")  # 2 layers, 2 KV heads, head_dim 16
     bytes_per_row = 128 * 2 * 2 * 2 * 16 * 4  # capacity 128: positions, layers, K/V, heads, dim
     monkeypatch.setattr(model_runner, "DEFAULT_DENSE_DECODE_BYTES", 2 * bytes_per_row)
-    llm = LLM(EngineConfig(model=path, block_size=8, num_kv_blocks=96))
+    llm = LLM(EngineConfig.from_flat(model=path, block_size=8, num_kv_blocks=96))
     dense = llm.engine.runner.dense
     num_dense, num_decodes = [], []
     prepare = dense.prepare

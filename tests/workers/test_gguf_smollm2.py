@@ -51,7 +51,7 @@ def hf(gguf_path):
 @pytest.fixture(scope="module")
 def llm() -> LLM:
     return LLM(
-        EngineConfig(
+        EngineConfig.from_flat(
             model="smollm2",
             dtype="float32",
             num_kv_blocks=64,

@@ -91,7 +91,7 @@ def test_greedy_tokens_equal_transformers_on_a_q4_0_file(make_checkpoint, tmp_pa
     path = str(tmp_path / "llama-q4.gguf")
     write_gguf_from_hf(make_checkpoint("llama", seed=4), path, "Q4_0")
     prompt = [5, 17, 42, 99, 3, 250, 7, 64, 128, 11, 2, 33, 71, 12, 200, 9, 44, 45, 46, 1]
-    llm = LLM(EngineConfig(model=path, num_kv_blocks=32, max_num_batched_tokens=8))
+    llm = LLM(EngineConfig.from_flat(model=path, num_kv_blocks=32, max_num_batched_tokens=8))
     (ours,) = llm.generate(
         prompt_token_ids=[prompt],
         sampling_params=SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),

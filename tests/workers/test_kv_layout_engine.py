@@ -26,7 +26,7 @@ def test_allocate_layouts_share_the_logical_shape():
     with pytest.raises(ValueError, match="kv_layout must be one of"):
         allocate_kv_cache(*args, layout="layers_first")
     with pytest.raises(ValueError, match="kv_layout must be blocks_first or head_major"):
-        EngineConfig(kv_layout="heads")
+        EngineConfig.from_flat(kv_layout="heads")
 
 
 def test_head_major_greedy_equals_transformers(make_checkpoint):
@@ -34,7 +34,7 @@ def test_head_major_greedy_equals_transformers(make_checkpoint):
     path = make_checkpoint("llama_head_dim48")
     block_size, budget = 16, 64
     llm = LLM(
-        EngineConfig(
+        EngineConfig.from_flat(
             model=path,
             block_size=block_size,
             max_num_batched_tokens=budget,

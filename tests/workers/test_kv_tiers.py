@@ -43,14 +43,14 @@ def settle(llm: LLM) -> None:
 
 
 def reference(model: str, prompts, **kw) -> list[list[int]]:
-    with LLM(EngineConfig(model=model, dtype="float32", num_kv_blocks=256, **kw)) as ref:
+    with LLM(EngineConfig.from_flat(model=model, dtype="float32", num_kv_blocks=256, **kw)) as ref:
         out = [r.token_ids for r in ref.generate(prompt_token_ids=prompts, sampling_params=SP)]
         ref.engine.check_integrity()
     return out
 
 
 def tiered(model: str, tmp_path, host_blocks: int, disk_blocks: int = 0, **kw) -> LLM:
-    probe = LLM(EngineConfig(model=model, dtype="float32", num_kv_blocks=4))
+    probe = LLM(EngineConfig.from_flat(model=model, dtype="float32", num_kv_blocks=4))
     bb = block_bytes(probe)
     probe.close()
     extra = {}
@@ -62,7 +62,7 @@ def tiered(model: str, tmp_path, host_blocks: int, disk_blocks: int = 0, **kw) -
     cfg = dict(model=model, dtype="float32", **kw, **extra)
     if host_blocks:
         cfg["kv_offloading_size"] = host_blocks * bb / GIB
-    return LLM(EngineConfig(**cfg))
+    return LLM(EngineConfig.from_flat(**cfg))
 
 
 @pytest.mark.parametrize(
@@ -261,7 +261,7 @@ def test_unwritable_disk_dir_is_a_start_up_error(tmp_path):
     blocker.write_text("x")
     with pytest.raises(ValueError, match="--kv-offloading-disk-dir"):
         LLM(
-            EngineConfig(
+            EngineConfig.from_flat(
                 model="tiny",
                 kv_offloading_disk_dir=str(blocker / "kv"),
                 kv_offloading_disk_size=0.01,
@@ -291,7 +291,7 @@ def test_optional_disk_tier_warns_and_serves_host_only(bad, tmp_path, caplog):
     kw = dict(kv_offloading_disk_optional=True, num_kv_blocks=12)
     with caplog.at_level("WARNING", logger="tandem.kvtransfer.tiers.store"):
         llm = LLM(
-            EngineConfig(
+            EngineConfig.from_flat(
                 model="tiny",
                 dtype="float32",
                 kv_offloading_size=0.001,
@@ -311,7 +311,7 @@ def test_optional_disk_tier_warns_and_serves_host_only(bad, tmp_path, caplog):
         assert [t.medium for t in report.tiers] == ["host"]
         assert report.failures_total["disk_unusable"] == 1
     with pytest.raises(ValueError, match="--kv-offloading-disk-optional needs"):
-        LLM(EngineConfig(model="tiny", kv_offloading_size=0.01, **kw))
+        LLM(EngineConfig.from_flat(model="tiny", kv_offloading_size=0.01, **kw))
 
 
 def test_late_and_aborted_loads_recompute_and_leak_nothing(tmp_path):
@@ -388,7 +388,7 @@ def test_tier_blocks_are_kv_events_naming_their_medium(tmp_path):
         publish = eng.kv_publisher.publish
         eng.kv_publisher.publish = lambda b: (batches.append(b), publish(b))
         index = PrefixIndex()
-        eid = eng.config.engine_id
+        eid = eng.config.runtime.engine_id
         index.add_engine(eid, "colocated", 6)
 
         def synced() -> None:

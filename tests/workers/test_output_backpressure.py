@@ -77,7 +77,7 @@ class Gateway:
 @pytest.fixture
 def served(tiny_model_dir, request):
     stall_s = getattr(request, "param", 600.0)
-    config = EngineConfig(
+    config = EngineConfig.from_flat(
         model=tiny_model_dir,
         num_kv_blocks=NUM_REQUESTS * 12,
         max_model_len=256,

@@ -43,7 +43,7 @@ def engine(tmp_path_factory):
     from tests.workers.hf_checkpoints import make_checkpoint
 
     path = make_checkpoint("llama", tmp_path_factory.mktemp("fork-llama"))
-    return EngineCore(EngineConfig(model=path, **BASE))
+    return EngineCore(EngineConfig.from_flat(model=path, **BASE))
 
 
 def prompt_of(num_tokens: int, seed: int = 3) -> list[int]:

@@ -43,15 +43,18 @@ def test_default_token_sizes_stop_at_512_or_the_step_budget():
 def test_bad_mode_and_token_sizes_name_the_field():
     for mode in ("full", "FULL", 3):
         with pytest.raises(ValueError, match="cuda_graph_mode"):
-            EngineConfig(cuda_graph_mode=mode)
+            EngineConfig.from_flat(cuda_graph_mode=mode)
     # vLLM's spellings of the modes we have
-    assert EngineConfig(cuda_graph_mode="FULL_AND_PIECEWISE").cuda_graph_mode == (
+    assert EngineConfig.from_flat(cuda_graph_mode="FULL_AND_PIECEWISE").graphs.cuda_graph_mode == (
         "full_and_piecewise"
     )
-    assert EngineConfig(cuda_graph_mode="FULL_DECODE_ONLY").cuda_graph_mode == "decode"
+    assert (
+        EngineConfig.from_flat(cuda_graph_mode="FULL_DECODE_ONLY").graphs.cuda_graph_mode
+        == "decode"
+    )
     for sizes in ([0], [17], []):
         with pytest.raises(ValueError, match="piecewise_graph_sizes"):
-            EngineConfig(max_num_batched_tokens=16, piecewise_graph_sizes=sizes)
+            EngineConfig.from_flat(max_num_batched_tokens=16, piecewise_graph_sizes=sizes)
     parser = argparse.ArgumentParser()
     add_engine_arguments(parser)
     for argv in (["--cuda-graph-mode", "full"], ["--piecewise-graph-sizes", "8,x"]):
@@ -68,7 +71,9 @@ def test_flags_reach_the_config_and_pool_overrides():
     )
     assert engine_overrides(args) == {"cuda_graph_mode": "full_and_piecewise"}
     assert engine_overrides(args, prefix="prefill-") == {"piecewise_graph_sizes": [8, 16]}
-    assert EngineConfig().cuda_graph_mode == "decode"  # today's behaviour stays the default
+    assert (
+        EngineConfig.from_flat().graphs.cuda_graph_mode == "decode"
+    )  # today's behaviour stays the default
 
 
 @pytest.mark.parametrize(

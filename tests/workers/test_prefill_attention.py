@@ -53,7 +53,7 @@ def test_sdpa_split_tokens_equal_transformers(
     prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (5, 11, 1)]
     later = [prompts[1][:8] + [9, 10]]  # shares two full blocks with prompts[1]
     params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
-    config = EngineConfig(
+    config = EngineConfig.from_flat(
         model=path,
         block_size=4,
         max_num_batched_tokens=8,
@@ -87,6 +87,6 @@ def test_flag_and_field_errors():
     add_engine_arguments(parser)
     args = parser.parse_args(["--prefill-attention", "sdpa"])
     assert engine_overrides(args) == {"prefill_attention": "sdpa"}
-    assert EngineConfig(**engine_overrides(args)).prefill_attention == "sdpa"
+    assert EngineConfig.from_flat(**engine_overrides(args)).graphs.prefill_attention == "sdpa"
     with pytest.raises(ValueError, match="prefill_attention must be one of auto, triton, sdpa"):
-        EngineConfig(prefill_attention="flash")
+        EngineConfig.from_flat(prefill_attention="flash")

@@ -15,7 +15,7 @@ PROMPT = list(range(40, 90))  # 50 tokens: 3 full blocks of 16 + 2 tokens
 
 @pytest.mark.parametrize("algo", HASH_ALGOS)
 def test_salted_prefix_hits_on_one_engine(algo):
-    llm = LLM(EngineConfig(model="tiny", num_kv_blocks=64, prefix_caching_hash_algo=algo))
+    llm = LLM(EngineConfig.from_flat(model="tiny", num_kv_blocks=64, prefix_caching_hash_algo=algo))
     sp = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
 
     def run(salt):
@@ -36,9 +36,9 @@ def test_salted_prefix_hits_on_one_engine(algo):
 
 
 def test_bad_salt_and_algo_are_named():
-    llm = LLM(EngineConfig(model="tiny", num_kv_blocks=16))
+    llm = LLM(EngineConfig.from_flat(model="tiny", num_kv_blocks=16))
     (r,) = llm.generate(prompt_token_ids=[[1, 2, 3]], cache_salt="")
     assert r.finish_reason == "error" and "cache_salt" in r.error
     llm.engine.check_integrity()
     with pytest.raises(ValueError, match="prefix_caching_hash_algo"):
-        EngineConfig(prefix_caching_hash_algo="sha1")
+        EngineConfig.from_flat(prefix_caching_hash_algo="sha1")

@@ -33,7 +33,9 @@ def run_until_final(core: EngineCore, request_ids: set[str]) -> dict[str, list[E
 
 def test_final_output_carries_ordered_timings_and_nothing_else_does(tiny_model_dir):
     core = EngineCore(
-        EngineConfig(model=tiny_model_dir, num_kv_blocks=64, max_num_batched_tokens=16, epoch=7)
+        EngineConfig.from_flat(
+            model=tiny_model_dir, num_kv_blocks=64, max_num_batched_tokens=16, epoch=7
+        )
     )
     sp = SamplingParams(max_tokens=5, ignore_eos=True, temperature=0.0)
     # 40 tokens at a budget of 16: a chunked prefill (three steps before the first token)
@@ -59,7 +61,7 @@ def test_final_output_carries_ordered_timings_and_nothing_else_does(tiny_model_d
 
 def test_preemptions_are_counted(tiny_model_dir):
     # 6 blocks of 16: two requests growing to 60 tokens cannot both fit
-    core = EngineCore(EngineConfig(model=tiny_model_dir, num_kv_blocks=6, block_size=16))
+    core = EngineCore(EngineConfig.from_flat(model=tiny_model_dir, num_kv_blocks=6, block_size=16))
     sp = SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.0)
     core.add_request(EngineRequest("a", list(range(3, 23)), sp))
     core.add_request(EngineRequest("b", list(range(30, 50)), sp))

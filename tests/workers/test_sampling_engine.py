@@ -35,7 +35,7 @@ def _run(llm: LLM, prompts, params) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def whole(tiny_model_dir):
-    return LLM(EngineConfig(model=tiny_model_dir, num_kv_blocks=64))
+    return LLM(EngineConfig.from_flat(model=tiny_model_dir, num_kv_blocks=64))
 
 
 @pytest.mark.parametrize("features", FEATURES)
@@ -47,7 +47,9 @@ def test_same_tokens_chunked_preempted_batched_or_handed_off(tiny_model_dir, who
     (plain,) = _run(whole, [PROMPT], [_params(**base)])
     assert alone != plain
     # chunked prefill (budget 16 tokens per step)
-    chunked = LLM(EngineConfig(model=tiny_model_dir, num_kv_blocks=64, max_num_batched_tokens=16))
+    chunked = LLM(
+        EngineConfig.from_flat(model=tiny_model_dir, num_kv_blocks=64, max_num_batched_tokens=16)
+    )
     assert _run(chunked, [PROMPT], [params]) == [alone]
     # batched with requests that use other features, or none
     mates = [_params(temperature=1.0), _params(**FEATURES[(FEATURES.index(features) + 1) % 4])]
@@ -66,7 +68,7 @@ def test_same_tokens_after_preemption(tiny_model_dir, whole):
     params = [_params(**f) for f in FEATURES]
     prompts = [PROMPT, PROMPT[5:], PROMPT[10:], PROMPT[::-1]]
     expected = _run(whole, prompts, params)
-    small = LLM(EngineConfig(model=tiny_model_dir, block_size=8, num_kv_blocks=16))
+    small = LLM(EngineConfig.from_flat(model=tiny_model_dir, block_size=8, num_kv_blocks=16))
     assert _run(small, prompts, params) == expected
     assert small.engine.scheduler.num_preemptions > 0
 
@@ -101,7 +103,7 @@ def test_prompt_logprobs_match_transformers_chunked_or_not_and_skip_the_cache(
 
     path = make_checkpoint("llama")
     prompt = [3, *range(40, 75), 9, 9, 9]
-    llm = LLM(EngineConfig(model=path, num_kv_blocks=64, block_size=8,
+    llm = LLM(EngineConfig.from_flat(model=path, num_kv_blocks=64, block_size=8,
                            max_num_batched_tokens=budget))  # fmt: skip
     # the same prompt first without: its blocks are cached, yet not used below
     _outputs(llm, EngineRequest("warm", prompt, _params(temperature=0.0, max_tokens=2)))

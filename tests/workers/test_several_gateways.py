@@ -75,7 +75,7 @@ class Gw:
 
 @pytest.fixture
 def engine(tiny_model_dir):
-    config = EngineConfig(
+    config = EngineConfig.from_flat(
         model=tiny_model_dir, num_kv_blocks=256, max_model_len=2048, gateway_lost_after_s=1.0
     )
     service = EngineService(EngineCore(config))

@@ -61,7 +61,7 @@ def run(
     """Every request to completion: per request, per choice, its tokens."""
     settings = dict(model="tiny", block_size=8, num_kv_blocks=64, max_num_batched_tokens=32)
     settings.update(config)
-    engine = EngineCore(EngineConfig(speculative_config=spec, **settings))
+    engine = EngineCore(EngineConfig.from_flat(speculative_config=spec, **settings))
     if oracle is not None:
         engine.scheduler.spec.proposer = OracleProposer(oracle)
     tokens: dict[str, dict[int, list[int]]] = {}
@@ -251,18 +251,20 @@ def test_ngram_proposer():
 )
 def test_config_errors_name_the_field(value, field):
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
-        EngineConfig(speculative_config=value)
+        EngineConfig.from_flat(speculative_config=value)
 
 
 def test_config_defaults_and_tp():
-    cfg = EngineConfig(speculative_config='{"method": "ngram", "num_speculative_tokens": 3}')
-    assert cfg.speculative_config == {
+    cfg = EngineConfig.from_flat(
+        speculative_config='{"method": "ngram", "num_speculative_tokens": 3}'
+    )
+    assert cfg.scheduler.speculative_config == {
         "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 5,
         "prompt_lookup_max": 5,
     }  # fmt: skip
-    assert EngineConfig(speculative_config={}).speculative_config is None
+    assert EngineConfig.from_flat(speculative_config={}).scheduler.speculative_config is None
     with pytest.raises(ValueError, match="tensor_parallel_size"):
-        EngineConfig(speculative_config=NGRAM, tensor_parallel_size=2)
+        EngineConfig.from_flat(speculative_config=NGRAM, tensor_parallel_size=2)
 
 
 def test_async_scheduling_runs_the_synchronous_loop():
@@ -286,7 +288,7 @@ def test_a_migrated_stream_resumes_speculation_with_the_same_tokens():
 
     def speculating_engine() -> EngineCore:
         engine = EngineCore(
-            EngineConfig(
+            EngineConfig.from_flat(
                 model="tiny",
                 speculative_config=NGRAM,
                 block_size=8,

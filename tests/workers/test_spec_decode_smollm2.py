@@ -28,7 +28,7 @@ DRAFT = {"method": "draft_model", "model": "smollm2", "num_speculative_tokens": 
 
 def generate(spec, requests):
     engine = EngineCore(
-        EngineConfig(
+        EngineConfig.from_flat(
             model="smollm2", dtype="float32", num_kv_blocks=96, max_num_batched_tokens=48,
             max_model_len=512, speculative_config=spec,
         )

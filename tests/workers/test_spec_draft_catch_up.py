@@ -85,7 +85,7 @@ def run(
     settings = dict(model="tiny", block_size=8, num_kv_blocks=200, max_model_len=256,
                     max_num_batched_tokens=BUDGET, max_num_seqs=16)  # fmt: skip
     settings.update(config)
-    engine = EngineCore(EngineConfig(speculative_config=spec, **settings))
+    engine = EngineCore(EngineConfig.from_flat(speculative_config=spec, **settings))
     steps = Steps(engine)
     tokens: dict[str, list[int]] = {}
     for w, wave in enumerate(waves):
@@ -179,7 +179,7 @@ def test_seeded_tokens_do_not_depend_on_the_catch_up_chunks(which, random_draft)
 def test_check_integrity_compares_the_scheduler_count_with_the_runner_one():
     """The scheduler budgets the catch-up with its own count of each request's draft KV;
     a count that drifted from the runner's is an integrity error naming the request."""
-    engine = EngineCore(EngineConfig(model="tiny", block_size=8, num_kv_blocks=64,
+    engine = EngineCore(EngineConfig.from_flat(model="tiny", block_size=8, num_kv_blocks=64,
                                      max_num_batched_tokens=BUDGET,
                                      speculative_config=draft()))  # fmt: skip
     prompt = long_prompts(1)[0]

@@ -130,10 +130,10 @@ def test_a_draft_with_another_vocabulary_is_refused(tmp_path):
     other = tmp_path / "other-vocab"
     write_tiny_checkpoint(str(other), vocab_size=300, num_hidden_layers=1)
     with pytest.raises(ValueError, match=r"speculative_config\.model"):
-        EngineCore(EngineConfig(model="tiny", speculative_config=draft(str(other)),
+        EngineCore(EngineConfig.from_flat(model="tiny", speculative_config=draft(str(other)),
                                 num_kv_blocks=16))  # fmt: skip
     with pytest.raises(ValueError, match=r"speculative_config\.model"):
-        EngineCore(EngineConfig(model="tiny", speculative_config=draft(str(tmp_path / "nope")),
+        EngineCore(EngineConfig.from_flat(model="tiny", speculative_config=draft(str(tmp_path / "nope")),
                                 num_kv_blocks=16))  # fmt: skip
 
 
@@ -156,7 +156,7 @@ def test_draft_catches_up_after_steps_without_drafts():
     long, short = prompts()[0], prompts()[2]
     plain, _, _ = run([(long, greedy(40), 1), (short, greedy(10), 1)], None)
     engine = EngineCore(
-        EngineConfig(
+        EngineConfig.from_flat(
             model="tiny", block_size=8, num_kv_blocks=64, max_num_batched_tokens=32,
             speculative_config={**draft(), "disable_by_batch_size": 2},
         )
@@ -201,7 +201,7 @@ def test_a_migrated_stream_resumes_drafting_with_the_same_tokens():
 
     def drafting_engine() -> EngineCore:
         settings = dict(model="tiny", block_size=8, num_kv_blocks=64, max_num_batched_tokens=32)
-        return EngineCore(EngineConfig(speculative_config=draft(), **settings))
+        return EngineCore(EngineConfig.from_flat(speculative_config=draft(), **settings))
 
     moved = migrate_mid_stream(drafting_engine, EngineRequest("migrating", prompt, sp), 7)
     assert moved.first.scheduler.spec.stats.num_drafts > 0

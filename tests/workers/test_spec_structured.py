@@ -233,7 +233,7 @@ def test_a_migrated_constrained_stream_speculates_on_with_the_same_tokens():
     plain, _, _ = run([(prompt, sp, 1)], None)
 
     def speculating_engine() -> EngineCore:
-        return EngineCore(EngineConfig(model="tiny", speculative_config=NGRAM, block_size=8,
+        return EngineCore(EngineConfig.from_flat(model="tiny", speculative_config=NGRAM, block_size=8,
                                        num_kv_blocks=64, max_num_batched_tokens=32))  # fmt: skip
 
     moved = migrate_mid_stream(speculating_engine, EngineRequest("migrating", prompt, sp), 9)

@@ -103,7 +103,9 @@ def test_profiling_step_runs_any_size_over_one_block_and_writes_nothing(
 
 
 def test_nothing_is_profiled_off_cuda_or_when_the_user_sized_the_cache(llama):
-    assert profile_step_memory(EngineConfig(), llama, 64) == StepMemory()
+    assert profile_step_memory(EngineConfig.from_flat(), llama, 64) == StepMemory()
     for sized in ({"num_kv_blocks": 8}, {"kv_cache_memory": GIB}, {"tensor_parallel_size": 2}):
-        config = EngineConfig(device="cuda", **sized)  # returns before touching the device
+        config = EngineConfig.from_flat(
+            device="cuda", **sized
+        )  # returns before touching the device
         assert profile_step_memory(config, llama, 64) == StepMemory()

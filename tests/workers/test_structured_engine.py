@@ -277,4 +277,4 @@ def test_compile_timeout_flag_is_checked():
     from tandem.workers.config import EngineConfig
 
     with pytest.raises(ValueError, match="structured_outputs_compile_timeout_s"):
-        EngineConfig(structured_outputs_compile_timeout_s=0)
+        EngineConfig.from_flat(structured_outputs_compile_timeout_s=0)

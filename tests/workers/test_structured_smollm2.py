@@ -26,7 +26,9 @@ MAX_TOKENS = 96
 
 @pytest.fixture(scope="module")
 def llm():
-    config = EngineConfig(model="smollm2", num_kv_blocks=512, max_model_len=1024, torch_threads=1)
+    config = EngineConfig.from_flat(
+        model="smollm2", num_kv_blocks=512, max_model_len=1024, torch_threads=1
+    )
     with LLM(config) as llm:
         yield llm
 

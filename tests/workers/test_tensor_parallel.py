@@ -33,7 +33,7 @@ def _prompts(vocab: int) -> list[list[int]]:
 
 
 def _config(path: str, tp: int, **kw) -> EngineConfig:
-    return EngineConfig(
+    return EngineConfig.from_flat(
         model=path,
         block_size=8,
         num_kv_blocks=48,
@@ -66,7 +66,7 @@ def test_split_that_does_not_divide_names_the_field(overrides, tp, field):
 
 def test_tensor_parallel_size_must_be_positive():
     with pytest.raises(ValueError, match="tensor_parallel_size"):
-        EngineConfig(tensor_parallel_size=0)
+        EngineConfig.from_flat(tensor_parallel_size=0)
 
 
 def test_kv_heads_split_or_replicated():
@@ -253,16 +253,18 @@ def test_stopped_worker_fails_the_engine_within_the_step_timeout(make_checkpoint
 
 def test_tp_step_timeout_must_be_positive():
     with pytest.raises(ValueError, match="tp_step_timeout_s"):
-        EngineConfig(tp_step_timeout_s=0)
+        EngineConfig.from_flat(tp_step_timeout_s=0)
 
 
 def test_pool_gpus_must_cover_the_tensor_parallel_size():
     from tandem.cluster.engines.placement import check_pool_parallel
 
     with pytest.raises(ValueError, match="decode_num_gpus_per_engine"):
-        check_pool_parallel("decode", EngineConfig(tensor_parallel_size=2), num_gpus=1)
-    check_pool_parallel("colocated", EngineConfig(tensor_parallel_size=2), num_gpus=0)  # CPU
-    check_pool_parallel("prefill", EngineConfig(tensor_parallel_size=2), num_gpus=2)
+        check_pool_parallel("decode", EngineConfig.from_flat(tensor_parallel_size=2), num_gpus=1)
+    check_pool_parallel(
+        "colocated", EngineConfig.from_flat(tensor_parallel_size=2), num_gpus=0
+    )  # CPU
+    check_pool_parallel("prefill", EngineConfig.from_flat(tensor_parallel_size=2), num_gpus=2)
 
 
 def test_serve_refuses_a_pool_size_that_does_not_split_the_model(tiny_model_dir):
@@ -270,8 +272,8 @@ def test_serve_refuses_a_pool_size_that_does_not_split_the_model(tiny_model_dir)
     from tandem.cluster.engines.pools import PoolSpec
 
     specs = [
-        PoolSpec("prefill", 1, EngineConfig(tensor_parallel_size=2)),
-        PoolSpec("decode", 1, EngineConfig(tensor_parallel_size=3)),
+        PoolSpec("prefill", 1, EngineConfig.from_flat(tensor_parallel_size=2)),
+        PoolSpec("decode", 1, EngineConfig.from_flat(tensor_parallel_size=3)),
     ]
     with pytest.raises(ValueError, match="decode pool: .*num_attention_heads"):
         check_pools_split_model(tiny_model_dir, specs)

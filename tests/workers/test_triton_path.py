@@ -28,7 +28,7 @@ def test_triton_path_tokens_equal_cpu_path_and_transformers(make_checkpoint, mon
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (5, 11)]
     params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
-    config = EngineConfig(
+    config = EngineConfig.from_flat(
         model=path, block_size=4, max_num_batched_tokens=8, num_kv_blocks=16, dense_decode_bytes=0
     )
 
@@ -87,7 +87,9 @@ def _decode_step_launches(path: str) -> Counter:
             counts["triton:" + kernel.fn.__name__] += 1
         return launch(kernel, grid)
 
-    config = EngineConfig(model=path, block_size=4, num_kv_blocks=16, dense_decode_bytes=0)
+    config = EngineConfig.from_flat(
+        model=path, block_size=4, num_kv_blocks=16, dense_decode_bytes=0
+    )
     engine = LLM(config.replace(dtype="bfloat16")).engine
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     for i in range(2):

@@ -37,14 +37,14 @@ import torch
 
 from tandem.kernels import AttentionMetadata
 from tandem.workers.compile.attention_op import COMPILED_STEP, step_context
-from tandem.workers.config_checks import COMPILE_MODEL_MODES
+from tandem.workers.config.checks import COMPILE_MODEL_MODES
 from tandem.workers.runner.kv_cache import allocate_model_kv_cache
 
 logger = logging.getLogger(__name__)
 
 
 def use_compile(mode: str, device: torch.device | str, tensor_parallel_size: int = 1) -> bool:
-    """Whether ``EngineConfig.compile_model`` compiles on this engine.
+    """Whether ``EngineConfig.graphs.compile_model`` compiles on this engine.
 
     ``auto`` runs eager (README, "torch.compile"): on CPU the compiled SmolLM2 decode step was
     7-8% faster on the quietest run (more under load) and prefill even, while every engine
@@ -117,15 +117,15 @@ def compile_model(
 def compile_before_sizing(
     config: Any, model: torch.nn.Module, backend: str | Callable[..., Any] = "inductor"
 ) -> CompileReport | None:
-    """Compile ``model``'s forward when ``config.compile_model`` asks for it on this engine
+    """Compile ``model``'s forward when ``config.graphs.compile_model`` asks for it on this engine
     (``use_compile``), before the KV cache exists: the warm-up runs over a one-block dummy cache
     of ``config``'s block size and layout, freed on return. None when the engine runs eager.
     Call it before ``profile_step_memory`` so the profile measures the compiled forward."""
-    device = torch.device(config.device)
-    if not use_compile(config.compile_model, device, config.tensor_parallel_size):
+    device = torch.device(config.model.device)
+    if not use_compile(config.graphs.compile_model, device, config.parallel.tensor_parallel_size):
         return None
     dummy = allocate_model_kv_cache(config, model, 1, device)
-    return compile_model(model, dummy, config.block_size, backend)
+    return compile_model(model, dummy, config.cache.block_size, backend)
 
 
 def _dummy_step(

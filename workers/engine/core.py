@@ -61,34 +61,36 @@ class EngineCore:
         self.connector_scheduler, self.connector_worker = make_connector(config, self.hf_config)
         # overlapped loop (workers/runner/async_step.py); TP ranks step in lockstep: synchronous.
         # Speculative decoding runs the synchronous loop too (workers/runner/spec_step.py).
-        self.speculating = config.speculative_config is not None
+        self.speculating = config.scheduler.speculative_config is not None
         overlap = config.uses_async_scheduling() and self.tp is None and not self.speculating
         if self.speculating and config.uses_async_scheduling():
             logger.warning(
                 "engine %s: speculative_config runs the synchronous loop; async_scheduling "
                 "is off for this engine",
-                config.engine_id,
+                config.runtime.engine_id,
             )
         scheduler_cls = AsyncScheduler if overlap else Scheduler
         self.structured = structured_manager(
             self.model_path,
             self.model.vocab_size,
             [self.eos_token_id, *self.extra_eos_ids],
-            compile_timeout_s=config.structured_outputs_compile_timeout_s,
+            compile_timeout_s=config.scheduler.structured_outputs_compile_timeout_s,
         )
         self.scheduler = scheduler_cls(
-            self.sched_config, self.connector_scheduler, config.engine_id, self.structured
+            self.sched_config, self.connector_scheduler, config.runtime.engine_id, self.structured
         )
         self.kv_events: KVEventRecorder | None = None
         self.kv_publisher: KVEventPublisher | None = None
-        if config.kv_events:  # scheduler/kv_events.py: only when routing needs them
-            self.kv_events = KVEventRecorder(config.engine_id, config.epoch, config.block_size)
+        if config.kv_transfer.kv_events:  # scheduler/kv_events.py: only when routing needs them
+            self.kv_events = KVEventRecorder(
+                config.runtime.engine_id, config.runtime.epoch, config.cache.block_size
+            )
             self.scheduler.kv.pool.events = self.kv_events
             self.kv_publisher = KVEventPublisher(
-                config.kv_host,
-                config.kv_events_port,
-                config.cluster_secret,
-                config.kv_events_queue_batches,
+                config.kv_transfer.side_channel_host,
+                config.kv_transfer.kv_events_port,
+                config.runtime.cluster_secret,
+                config.kv_transfer.kv_events_queue_batches,
             )
         attach = getattr(self.connector_scheduler, "attach", None)
         if attach is not None:  # KV tiers (kvtransfer/tiers/) follow the pool's blocks
@@ -103,7 +105,9 @@ class EngineCore:
         self._transfer_seconds = Histogram(
             (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
         )
-        self.request_clock = RequestClock(config.engine_id, config.epoch, config.role)
+        self.request_clock = RequestClock(
+            config.runtime.engine_id, config.runtime.epoch, config.runtime.role
+        )
 
     # ---- requests and steps ----------------------------------------------------
 
@@ -179,7 +183,7 @@ class EngineCore:
         """Every cached hash as of the last batch published (loop thread):
         a subscriber that saw a seq gap resyncs from this."""
         if self.kv_events is None:
-            raise ValueError(f"engine {self.config.engine_id} runs without kv_events")
+            raise ValueError(f"engine {self.config.runtime.engine_id} runs without kv_events")
         self.publish_kv_events()
         return self.kv_events.snapshot(list(self.scheduler.kv.pool.cached))
 
@@ -218,9 +222,9 @@ class EngineCore:
         peer = w if tiers is None else getattr(w, "peer", None)  # NIXL, also beside tiers
         kv = self._kv_stats(peer) if peer is not None else None
         return EngineStats(
-            engine_id=self.config.engine_id,
-            role=self.config.role,
-            epoch=self.config.epoch,
+            engine_id=self.config.runtime.engine_id,
+            role=self.config.runtime.role,
+            epoch=self.config.runtime.epoch,
             num_steps=self.num_steps,
             last_step_s=self.last_step_s,
             last_step_num_tokens=self.last_step_num_tokens,
@@ -280,7 +284,9 @@ class EngineCore:
         (``EngineService.call_in_loop``). Raises ``ValueError`` on a bad entry."""
         setter = getattr(self.connector_scheduler, "set_prefill_endpoints", None)
         if setter is None:
-            raise ValueError(f"engine {self.config.engine_id} has no KV connector that reads")
+            raise ValueError(
+                f"engine {self.config.runtime.engine_id} has no KV connector that reads"
+            )
         setter(endpoints)
         return True
 
@@ -291,7 +297,7 @@ class EngineCore:
         export = getattr(self.connector_scheduler, "export_host_prefix", None)
         if export is None:
             raise ValueError(
-                f"engine {self.config.engine_id} has no host KV tier beside a NIXL connector "
+                f"engine {self.config.runtime.engine_id} has no host KV tier beside a NIXL connector "
                 "(--kv-offloading-size with kv_connector nixl)"
             )
         return export([bytes(h) for h in block_hashes])
@@ -300,7 +306,7 @@ class EngineCore:
         port = getattr(self.connector_worker, "side_channel_port", None)  # none: KV tiers only
         if not port:
             return None
-        return (self.config.kv_host, port)
+        return (self.config.kv_transfer.side_channel_host, port)
 
     def kv_rank_ports(self) -> list[int]:
         """Every tensor-parallel rank's side-channel port, rank 0's first

@@ -34,7 +34,7 @@ class GatewaySessions:
 
     def __init__(self, engine: EngineCore) -> None:
         self.engine = engine
-        self.engine_id = engine.config.engine_id
+        self.engine_id = engine.config.runtime.engine_id
         self.outs: GatewayOutputs | None = None  # while the service's loop runs
         self._enc = msgspec.msgpack.Encoder()
         self.num_streams_cut = 0

@@ -11,6 +11,11 @@ import threading
 import msgspec
 
 from tandem.scheduler.kv_events import KVEventBatch
+from tandem.wire.config_fields import default_of
+from tandem.workers.config.sections import KVTransferSection
+
+# --kv-events-queue-batches (the engine's kv_transfer section)
+QUEUE_BATCHES: int = default_of(KVTransferSection, "kv_events_queue_batches")
 
 logger = logging.getLogger(__name__)
 
@@ -24,7 +29,7 @@ class KVEventPublisher:
     construction (``port`` 0: a free port); ``addr`` is where to connect."""
 
     def __init__(
-        self, host: str, port: int, secret: bytes | None, max_queued_batches: int = 1024
+        self, host: str, port: int, secret: bytes | None, max_queued_batches: int = QUEUE_BATCHES
     ) -> None:
         import zmq
 

@@ -28,9 +28,9 @@ class GenerationResult:
 class LLM:
     def __init__(self, config: EngineConfig | None = None, **overrides) -> None:
         config = (
-            (config or EngineConfig()).replace(**overrides)
+            (config or EngineConfig.from_flat()).replace(**overrides)
             if overrides
-            else (config or EngineConfig())
+            else (config or EngineConfig.from_flat())
         )
         self.engine = EngineCore(config)
         try:

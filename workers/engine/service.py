@@ -54,7 +54,10 @@ class EngineService:
         self.sessions = GatewaySessions(engine)  # the gateways served, their requests
         self._enc = msgspec.msgpack.Encoder()
         self.profiler = EngineProfiler(
-            self.config.profile_dir, self.config.engine_id, self.config.epoch, self.config.device
+            self.config.output.profile_dir,
+            self.config.runtime.engine_id,
+            self.config.runtime.epoch,
+            self.config.model.device,
         )
         # what a UtilityCall may call, by name (each runs on the loop thread)
         self._utilities: dict[str, Callable[..., Any]] = {
@@ -82,7 +85,7 @@ class EngineService:
         it without waiting while requests run, and briefly while only
         transfers are in flight (``workers/engine/loop_wait.py``). A malformed input
         message is dropped and counted (``wire.frames``); with
-        ``config.cluster_secret`` both sockets use CURVE (``wire.auth``) and
+        ``config.runtime.cluster_secret`` both sockets use CURVE (``wire.auth``) and
         unauthenticated peers are refused. ``output_addr`` (may be empty:
         gateways ``join`` later) is the first gateway's, whose session is
         ``gateway_session``; each gateway gets its own output socket with a
@@ -98,7 +101,7 @@ class EngineService:
 
         engine = self.engine
         ctx = zmq.Context()
-        self._auth = auth = PlaneAuth(ctx, self.config.cluster_secret)
+        self._auth = auth = PlaneAuth(ctx, self.config.runtime.cluster_secret)
         inp = ctx.socket(zmq.PULL)
         inp.setsockopt(zmq.LINGER, 0)
         inp.setsockopt(zmq.MAXMSGSIZE, ENGINE_INPUT.hard_limit)
@@ -112,13 +115,15 @@ class EngineService:
         def make_socket() -> Any:
             out = ctx.socket(zmq.PUSH)
             out.setsockopt(zmq.LINGER, 1000)
-            out.setsockopt(zmq.SNDHWM, self.config.output_hwm_messages)
+            out.setsockopt(zmq.SNDHWM, self.config.output.hwm_messages)
             auth.client(out)
             return out
 
         sessions = self.sessions
         outs = sessions.outs = GatewayOutputs(
-            make_socket, self.config.output_backlog_messages, self.config.gateway_lost_after_s
+            make_socket,
+            self.config.output.backlog_messages,
+            self.config.output.gateway_lost_after_s,
         )
         if output_addr:
             outs.add(gateway_session, output_addr, default=True)
@@ -133,12 +138,12 @@ class EngineService:
             while not self._shutdown.is_set():
                 if time.monotonic() >= next_heartbeat_s:
                     next_heartbeat_s = time.monotonic() + HEARTBEAT_INTERVAL_S
-                    sessions.heartbeat(self.config.epoch)
+                    sessions.heartbeat(self.config.runtime.epoch)
                 outs.poll_events()
                 for link, why in outs.lost():
                     sessions.drop(link.session, why)
                 if not outs.flush():
-                    for link in outs.stalled(self.config.output_stall_timeout_s):
+                    for link in outs.stalled(self.config.output.stall_timeout_s):
                         sessions.cut_streams(link)
                     if outs.full:  # read no input either: wait for the gateway
                         out_poller = zmq.Poller()

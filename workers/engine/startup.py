@@ -67,19 +67,19 @@ def load_engine_model(config: EngineConfig, model_config: dict | None = None) ->
     is rank 0 (``workers/parallel/``): the executor starts the other ranks.
     ``model_config``: the model's config as ``hf_config.plain_config`` gives it (the gateway
     read it once); None reads it here."""
-    if config.torch_threads > 0:
-        torch.set_num_threads(config.torch_threads)
-    device = torch.device(config.device)
-    model_path = resolve_model_path(config.model)
+    if config.parallel.torch_threads > 0:
+        torch.set_num_threads(config.parallel.torch_threads)
+    device = torch.device(config.model.device)
+    model_path = resolve_model_path(config.model.name)
     tp = None
-    if config.tensor_parallel_size > 1:
+    if config.parallel.tensor_parallel_size > 1:
         from tandem.workers.parallel.executor import TPExecutor
 
         tp = TPExecutor(config, model_path, model_config)
         model, hf_config = tp.model, tp.hf_config
     else:
         given = config_namespace(model_config) if model_config is not None else None
-        model, hf_config = load_model(model_path, config.dtype, device, hf_config=given)
+        model, hf_config = load_model(model_path, config.model.dtype, device, hf_config=given)
     eos_ids = end_token_ids(hf_config)
     dtype = next(model.parameters()).dtype
     draft = load_draft_model(config.speculative(), model_path, model, dtype, device)
@@ -101,7 +101,7 @@ def size_kv_cache(config: EngineConfig, loaded: LoadedModel) -> SizedKVCache:
     ``max_model_len`` unset: the model's context, capped at
     ``MAX_DEFAULT_MODEL_LEN`` and at what the cache holds."""
     m = loaded.model
-    max_len = config.max_model_len or min(m.max_context_len, MAX_DEFAULT_MODEL_LEN)
+    max_len = config.model.max_model_len or min(m.max_context_len, MAX_DEFAULT_MODEL_LEN)
     if max_len > m.max_context_len:
         raise ValueError(
             f"max_model_len {max_len} exceeds the model's context length {m.max_context_len}"
@@ -112,12 +112,12 @@ def size_kv_cache(config: EngineConfig, loaded: LoadedModel) -> SizedKVCache:
             f"{loaded.draft.max_context_len} (speculative_config.model)"
         )
     block_bytes = bytes_per_block(
-        m.num_layers, config.block_size, m.num_kv_heads, m.head_dim, loaded.dtype
+        m.num_layers, config.cache.block_size, m.num_kv_heads, m.head_dim, loaded.dtype
     )
     if loaded.draft is not None:  # a block of the draft's KV per block of the target's
         d = loaded.draft.model
         block_bytes += bytes_per_block(
-            d.num_layers, config.block_size, d.num_kv_heads, d.head_dim, loaded.dtype
+            d.num_layers, config.cache.block_size, d.num_kv_heads, d.head_dim, loaded.dtype
         )
     # workers/compile/: torch.compile of the forward, first, so that the profile below
     # measures the forward the engine runs (the compiled graphs hold no cache)
@@ -126,26 +126,26 @@ def size_kv_cache(config: EngineConfig, loaded: LoadedModel) -> SizedKVCache:
     step_memory = profile_step_memory(config, m, max_len)
     num_blocks = num_blocks_for(
         block_bytes=block_bytes,
-        num_kv_blocks=config.num_kv_blocks,
-        kv_cache_memory=config.kv_cache_memory,
-        gpu_memory_utilization=config.gpu_memory_utilization,
+        num_kv_blocks=config.cache.num_kv_blocks,
+        kv_cache_memory=config.cache.kv_cache_memory,
+        gpu_memory_utilization=config.cache.gpu_memory_utilization,
         device=loaded.device,
         step_bytes=step_memory.num_bytes,
     )
     if loaded.tp is not None:
         num_blocks = loaded.tp.agree_num_blocks(num_blocks)
-    if config.max_model_len is None:
+    if config.model.max_model_len is None:
         # Default: the model's length, but never more than the cache holds.
-        max_len = min(max_len, num_blocks * config.block_size)
+        max_len = min(max_len, num_blocks * config.cache.block_size)
     kv_cache = allocate_kv_cache(
         num_blocks,
         m.num_layers,
-        config.block_size,
+        config.cache.block_size,
         m.num_kv_heads,
         m.head_dim,
         loaded.dtype,
         loaded.device,
-        layout=config.kv_layout,
+        layout=config.cache.kv_layout,
     )
     draft_kv_cache = None
     if loaded.draft is not None:
@@ -153,32 +153,27 @@ def size_kv_cache(config: EngineConfig, loaded: LoadedModel) -> SizedKVCache:
         draft_kv_cache = allocate_kv_cache(
             num_blocks,
             d.num_layers,
-            config.block_size,
+            config.cache.block_size,
             d.num_kv_heads,
             d.head_dim,
             loaded.dtype,
             loaded.device,
-            layout=config.kv_layout,
+            layout=config.cache.kv_layout,
         )
     return SizedKVCache(max_len, num_blocks, kv_cache, compile_report, step_memory, draft_kv_cache)
 
 
 def scheduler_config(config: EngineConfig, num_blocks: int, max_model_len: int) -> SchedulerConfig:
-    return SchedulerConfig(
+    """The scheduler's config: the scheduling section whole, the sizes start-up
+    resolved, and the cache and KV-load settings the scheduler shares."""
+    return SchedulerConfig.of(
+        config.scheduler,
         num_kv_blocks=num_blocks,
-        block_size=config.block_size,
-        max_num_batched_tokens=config.max_num_batched_tokens,
-        max_num_seqs=config.max_num_seqs,
         max_model_len=max_model_len,
-        enable_chunked_prefill=config.enable_chunked_prefill,
-        long_prefill_token_threshold=config.long_prefill_token_threshold,
-        enable_prefix_caching=config.enable_prefix_caching,
-        prefix_caching_hash_algo=config.prefix_caching_hash_algo,
-        policy=config.policy,
-        kv_admission_margin=config.kv_admission_margin,
-        max_num_partial_prefills=config.max_num_partial_prefills,
-        max_long_partial_prefills=config.max_long_partial_prefills,
-        load_failure_policy=config.load_failure_policy,
+        block_size=config.cache.block_size,
+        enable_prefix_caching=config.cache.enable_prefix_caching,
+        prefix_caching_hash_algo=config.cache.prefix_caching_hash_algo,
+        load_failure_policy=config.kv_transfer.load_failure_policy,
         speculative=config.speculative(),
     )
 
@@ -187,12 +182,12 @@ def make_connector(config: EngineConfig, hf_config: Any) -> tuple[Any, Any]:
     """``(scheduler side, worker side)`` of the configured KV connector, or
     ``(None, None)`` without one."""
     tiers = None
-    if config.kv_offloading_size or config.kv_offloading_disk_size:  # kvtransfer/tiers/
+    if config.offload.kv_offloading_size or config.offload.kv_offloading_disk_size:  # tiers
         from tandem.kvtransfer.tiers.config import tier_config
         from tandem.kvtransfer.tiers.connector import create_tier_connector
 
         tiers = create_tier_connector(tier_config(config))
-    if not config.kv_connector:
+    if not config.kv_transfer.connector:
         return tiers or (None, None)
     from tandem.kvtransfer.registry import create_connector
     from tandem.workers.parallel.connector_hook import kv_transfer_config
@@ -222,28 +217,28 @@ def build_runner(
     if loaded.draft is not None:
         from tandem.workers.spec.draft_model import DraftModel
 
-        dense_bytes = config.dense_decode_bytes
+        dense_bytes = config.cache.dense_decode_bytes
         if dense_bytes is None:  # the runner's rule: CPU fp32 only
             on_cpu_fp32 = loaded.device.type == "cpu" and loaded.dtype == torch.float32
             dense_bytes = DEFAULT_DENSE_DECODE_BYTES if on_cpu_fp32 else 0
         drafter = DraftModel(
             loaded.draft.model,
             cache.draft_kv_cache,
-            config.block_size,
-            config.prefill_attention,
+            config.cache.block_size,
+            config.graphs.prefill_attention,
             dense_bytes,
         )
     runner: Any = ModelRunner(
         loaded.model,
         cache.kv_cache,
-        config.block_size,
+        config.cache.block_size,
         loaded.eos_token_id,
         connector=connector_worker,
-        seed=config.seed,
-        dense_decode_bytes=config.dense_decode_bytes,
+        seed=config.model.seed,
+        dense_decode_bytes=config.cache.dense_decode_bytes,
         decode_graphs=graphs.decode,
         piecewise_graphs=graphs.piecewise,
-        prefill_attention=config.prefill_attention,
+        prefill_attention=config.graphs.prefill_attention,
         overlap=overlap,
         drafter=drafter,
     )

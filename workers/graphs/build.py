@@ -61,25 +61,27 @@ def make_step_graphs(
     max_model_len: int,
     backend: GraphBackend,
 ) -> StepGraphs:
-    """The runners ``config.cuda_graph_mode`` asks for, not yet captured, on ``backend``
+    """The runners ``config.graphs.cuda_graph_mode`` asks for, not yet captured, on ``backend``
     (any device: the CPU tests pass ``EagerBackend``). ``config``: an ``EngineConfig``."""
-    mode = "none" if config.enforce_eager else config.cuda_graph_mode
+    mode = "none" if config.graphs.enforce_eager else config.graphs.cuda_graph_mode
     graphs = StepGraphs()
     if uses_full_decode(mode):
-        sizes = capture_sizes(config.max_num_seqs, config.cuda_graph_sizes)
+        sizes = capture_sizes(config.scheduler.max_num_seqs, config.graphs.cuda_graph_sizes)
         graphs.decode = DecodeGraphRunner(
-            model, kv_cache, config.block_size, max_model_len, sizes, backend
+            model, kv_cache, config.cache.block_size, max_model_len, sizes, backend
         )
     if uses_piecewise(mode):
-        sizes = piecewise_sizes(config.max_num_batched_tokens, config.piecewise_graph_sizes)
+        sizes = piecewise_sizes(
+            config.scheduler.max_num_batched_tokens, config.graphs.piecewise_graph_sizes
+        )
         graphs.piecewise = PiecewiseGraphRunner(
             model,
             kv_cache,
-            config.block_size,
+            config.cache.block_size,
             sizes,
             backend,
             sdpa_prefills=use_sdpa_prefills(
-                config.prefill_attention, kv_cache.device, kv_cache.dtype
+                config.graphs.prefill_attention, kv_cache.device, kv_cache.dtype
             ),
         )
     return graphs

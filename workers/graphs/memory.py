@@ -108,10 +108,10 @@ def profile_forward(
 def profile_step_memory(config: Any, model: torch.nn.Module, max_model_len: int) -> StepMemory:
     """Measure (CUDA) the activation peak of the largest step and the memory of the graphs
     ``config`` asks for; zeros where nothing is reserved (module docstring)."""
-    device = torch.device(config.device)
-    if device.type != "cuda" or config.num_kv_blocks is not None:
+    device = torch.device(config.model.device)
+    if device.type != "cuda" or config.cache.num_kv_blocks is not None:
         return StepMemory()
-    if config.kv_cache_memory is not None or config.tensor_parallel_size > 1:
+    if config.cache.kv_cache_memory is not None or config.parallel.tensor_parallel_size > 1:
         return StepMemory()
     start = time.perf_counter()
     dtype = next(model.parameters()).dtype
@@ -122,11 +122,11 @@ def profile_step_memory(config: Any, model: torch.nn.Module, max_model_len: int)
     profile_forward(
         model,
         dummy,
-        config.block_size,
-        config.max_num_batched_tokens,
+        config.cache.block_size,
+        config.scheduler.max_num_batched_tokens,
         max_model_len,
-        config.max_num_seqs,
-        use_sdpa_prefills(config.prefill_attention, device, dtype),
+        config.scheduler.max_num_seqs,
+        use_sdpa_prefills(config.graphs.prefill_attention, device, dtype),
     )
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_reserved(device)
@@ -145,7 +145,7 @@ def profile_step_memory(config: Any, model: torch.nn.Module, max_model_len: int)
         "CUDA graphs %.1f MiB; both come out of the KV-cache budget",
         memory.seconds,
         activation_bytes / 2**20,
-        config.max_num_batched_tokens,
+        config.scheduler.max_num_batched_tokens,
         graph_bytes / 2**20,
     )
     return memory

@@ -218,9 +218,9 @@ class DecodeGraphRunner:
 def graphs_allowed(config: Any, device: torch.device) -> bool:
     """CUDA graphs of any kind: only on CUDA, without ``enforce_eager``, and on one GPU (a
     rank-0 capture would issue collectives the other ranks never join; TP engines run eager)."""
-    if device.type != "cuda" or config.enforce_eager:
+    if device.type != "cuda" or config.graphs.enforce_eager:
         return False
-    if getattr(config, "tensor_parallel_size", 1) > 1:
+    if config.parallel.tensor_parallel_size > 1:
         logger.info("tensor-parallel engine: CUDA graphs off (eager steps)")
         return False
     return True

@@ -32,48 +32,52 @@ def kv_role(config: EngineConfig) -> str:
     its peers and borrows theirs (kvtransfer/tiers/export.py), whatever its pool. A
     prefill engine without a tier does both too where another pool keeps one
     (``kv_borrows_tiers``, set by ``tandem serve``): it borrows before it prefills."""
-    if config.kv_offloading_size:
+    if config.offload.kv_offloading_size:
         return "both"
-    if config.role == "prefill" and config.kv_borrows_tiers:
+    if config.runtime.role == "prefill" and config.kv_transfer.borrows_tiers:
         return "both"
-    return {"prefill": "prefill", "decode": "decode"}.get(config.role, "both")
+    return {"prefill": "prefill", "decode": "decode"}.get(config.runtime.role, "both")
 
 
 def kv_transfer_config(config: EngineConfig, hf_config: Any, rank: int = 0) -> Any:
-    """The ``KVTransferConfig`` of rank ``rank`` of an engine (0: the engine core's)."""
+    """The ``KVTransferConfig`` of rank ``rank`` of an engine (0: the engine core's):
+    the kv_transfer section whole (its fields carry the connector's names), and
+    what the connector learns from the other sections and the rank."""
+    import dataclasses
+
     from tandem.kvtransfer.config import KVTransferConfig
 
-    c = config
-    tp = c.tensor_parallel_size
+    names = {f.name for f in dataclasses.fields(KVTransferConfig)}
+    section = {
+        f.name: getattr(config.kv_transfer, f.name)
+        for f in dataclasses.fields(config.kv_transfer)
+        if f.name in names
+    }
+    tp = config.parallel.tensor_parallel_size
     heads = hf_config.num_attention_heads
     model_kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    if rank:  # other ranks: a free port, and one transport probe per engine (rank 0's)
+        section.update(side_channel_port=0, transport_probe="off")
     return KVTransferConfig(
-        connector=c.kv_connector,
+        **section,
         role=kv_role(config),
-        engine_id=c.engine_id,
-        epoch=c.epoch,
-        side_channel_host=c.kv_host,
-        side_channel_port=c.kv_port if rank == 0 else 0,  # other ranks: a free port
-        lease_s=c.kv_lease_s,
-        load_timeout_s=c.kv_load_timeout_s,
-        load_failure_policy=c.load_failure_policy,
-        block_size=c.block_size,
-        model_name=c.model,
-        kv_layout=c.kv_layout,
-        cluster_secret=c.cluster_secret,
+        engine_id=config.runtime.engine_id,
+        epoch=config.runtime.epoch,
+        block_size=config.cache.block_size,
+        model_name=config.model.name,
+        kv_layout=config.cache.kv_layout,
+        cluster_secret=config.runtime.cluster_secret,
         tp_size=tp,
         tp_rank=rank,
         num_kv_heads=model_kv_heads if tp > 1 else None,
-        device=c.device,
-        # one transport probe per engine (rank 0), not per rank
-        transport_probe=c.kv_transport_probe if rank == 0 else "off",
+        device=config.model.device,
     )
 
 
 def make_rank_connector(config: EngineConfig, hf_config: Any, rank: int) -> Any:
     """Rank ``rank``'s connector worker side, or None without a connector.
     (The pair's scheduler side is plain state, unused here: the engine core's plans.)"""
-    if not config.kv_connector:
+    if not config.kv_transfer.connector:
         return None
     from tandem.kvtransfer.registry import create_connector
 

@@ -72,7 +72,7 @@ logger = logging.getLogger(__name__)
 STARTUP_TIMEOUT_S = 600.0  # spawn + import + load of every worker
 STARTUP_COLLECTIVE_TIMEOUT_S = 600.0  # joining the group, agreeing on the KV size
 STATS_TIMEOUT_S = 30.0
-# steps wait EngineConfig.tp_step_timeout_s
+# steps wait EngineConfig.parallel.tp_step_timeout_s
 # connector stats() keys that add up over ranks (each rank reads its own heads)
 SUMMED_KV_STATS = ("kv_transfer_bytes_total", "num_descriptors")
 _POLL_MS = 20
@@ -80,7 +80,7 @@ HOST = "127.0.0.1"
 
 
 class TPExecutor:
-    """Start ``config.tensor_parallel_size - 1`` workers and load rank 0's shard.
+    """Start ``config.parallel.tensor_parallel_size - 1`` workers and load rank 0's shard.
 
     Then the engine core calls ``agree_num_blocks`` (a collective every rank
     makes) and ``start(runner)`` (waits until every worker is ready) and steps
@@ -97,8 +97,8 @@ class TPExecutor:
         from tandem.workers.parallel.loading import load_rank_model
         from tandem.workers.parallel.plan import make_plan
 
-        self.size = config.tensor_parallel_size
-        self.step_timeout_s = config.tp_step_timeout_s
+        self.size = config.parallel.tensor_parallel_size
+        self.step_timeout_s = config.parallel.tp_step_timeout_s
         self._started = False  # heartbeats count from start() on
         self._unresponsive: list[int] = []  # ranks to kill without asking first
         # plain attributes (the gateway's when it sent them): what every rank builds from
@@ -151,7 +151,7 @@ class TPExecutor:
                 self.procs.append(launcher.start(spec))
             weakref.finalize(self, _kill, self.procs)  # an engine dropped without shutdown()
             self._await(REPLY_HELLO, STARTUP_TIMEOUT_S)
-            device = torch.device(config.device)
+            device = torch.device(config.model.device)
             self.group = TPGroup.connect(
                 store, 0, self.size, device, STARTUP_COLLECTIVE_TIMEOUT_S, self.step_timeout_s
             )
@@ -159,7 +159,7 @@ class TPExecutor:
                 load_rank_model,
                 model_path,
                 self.hf_config,
-                config.dtype,
+                config.model.dtype,
                 device,
                 self.plan,
                 self.group,

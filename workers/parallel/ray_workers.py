@@ -192,7 +192,7 @@ def ray_launcher(config: Any, tp_size: int) -> RayLauncher | None:
     pg = get_current_placement_group()
     if pg is not None and len(pg.bundle_specs) < tp_size:
         pg = None  # a one-bundle group from before: the actor holds every GPU
-    if pg is None and config.device != "cpu":
+    if pg is None and config.model.device != "cpu":
         return None
-    prefix = f"{ACTOR_PREFIX}-{config.engine_id}-{config.epoch}"
+    prefix = f"{ACTOR_PREFIX}-{config.runtime.engine_id}-{config.runtime.epoch}"
     return RayLauncher(pg, ctx.get_node_id(), prefix, ctx.namespace)

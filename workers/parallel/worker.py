@@ -46,7 +46,7 @@ from tandem.workers.parallel.messages import (
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 100
-# test hooks (EngineConfig.extra): when this step's command arrives, exit
+# test hooks (EngineConfig.runtime.extra): when this step's command arrives, exit
 # without a word, or raise (an error reply, then exit)
 FAULT_EXIT_AT_STEP = "tp_fault_exit_at_step"
 FAULT_RAISE_AT_STEP = "tp_fault_raise_at_step"
@@ -64,13 +64,13 @@ def kv_blocks_for_model(config: Any, model: Any, device: torch.device) -> int:
 
     dtype = next(model.parameters()).dtype
     block_bytes = bytes_per_block(
-        model.num_layers, config.block_size, model.num_kv_heads, model.head_dim, dtype
+        model.num_layers, config.cache.block_size, model.num_kv_heads, model.head_dim, dtype
     )
     return num_blocks_for(
         block_bytes=block_bytes,
-        num_kv_blocks=config.num_kv_blocks,
-        kv_cache_memory=config.kv_cache_memory,
-        gpu_memory_utilization=config.gpu_memory_utilization,
+        num_kv_blocks=config.cache.num_kv_blocks,
+        kv_cache_memory=config.cache.kv_cache_memory,
+        gpu_memory_utilization=config.cache.gpu_memory_utilization,
         device=device,
     )
 
@@ -93,7 +93,7 @@ def run_worker(spec: WorkerSpec) -> None:
 
     connector = None
     code = 0
-    step_timeout_s = spec.config.tp_step_timeout_s
+    step_timeout_s = spec.config.parallel.tp_step_timeout_s
     heartbeat = HeartbeatSender(
         ctx, spec.heartbeat_addr, spec.rank, heartbeat_interval_s(step_timeout_s)
     )
@@ -128,17 +128,21 @@ def _build_rank(spec: WorkerSpec) -> tuple[Any, Any]:
     from tandem.workers.runner.model_runner import ModelRunner
 
     config = spec.config
-    if config.torch_threads > 0:
-        torch.set_num_threads(config.torch_threads)
-    device = rank_device(config.device, spec.rank if spec.device_index < 0 else spec.device_index)
+    if config.parallel.torch_threads > 0:
+        torch.set_num_threads(config.parallel.torch_threads)
+    device = rank_device(
+        config.model.device, spec.rank if spec.device_index < 0 else spec.device_index
+    )
     if device.type == "cuda":
         torch.cuda.set_device(device)
     store = make_store(spec.rank, spec.tp_size, spec.store_host, spec.store_port, spec.timeout_s)
     group = TPGroup.connect(
-        store, spec.rank, spec.tp_size, device, spec.timeout_s, config.tp_step_timeout_s
+        store, spec.rank, spec.tp_size, device, spec.timeout_s, config.parallel.tp_step_timeout_s
     )
     plan = make_plan(spec.hf_config, spec.tp_size, spec.rank)
-    model = load_rank_model(spec.model_path, spec.hf_config, config.dtype, device, plan, group)
+    model = load_rank_model(
+        spec.model_path, spec.hf_config, config.model.dtype, device, plan, group
+    )
     num_blocks = group.min_int(kv_blocks_for_model(config, model, device))
     kv_cache = allocate_model_kv_cache(config, model, num_blocks, device)
     connector = make_rank_connector(config, spec.hf_config, spec.rank)
@@ -146,12 +150,12 @@ def _build_rank(spec: WorkerSpec) -> tuple[Any, Any]:
     runner = ModelRunner(
         model,
         kv_cache,
-        config.block_size,
+        config.cache.block_size,
         end_ids[0] if end_ids else None,
         connector=connector,
-        seed=config.seed,
-        dense_decode_bytes=config.dense_decode_bytes,
-        prefill_attention=config.prefill_attention,
+        seed=config.model.seed,
+        dense_decode_bytes=config.cache.dense_decode_bytes,
+        prefill_attention=config.graphs.prefill_attention,
     )
     return runner, connector
 
@@ -161,8 +165,8 @@ def _serve(spec: WorkerSpec, commands: Any, runner: Any, reply: Any) -> None:
 
     dec = msgspec.msgpack.Decoder(WorkerCommand)
     meta_type = getattr(runner.connector, "metadata_type", None)
-    exit_step = spec.config.extra.get(FAULT_EXIT_AT_STEP)
-    raise_step = spec.config.extra.get(FAULT_RAISE_AT_STEP)
+    exit_step = spec.config.runtime.extra.get(FAULT_EXIT_AT_STEP)
+    raise_step = spec.config.runtime.extra.get(FAULT_RAISE_AT_STEP)
     parent = multiprocessing.parent_process()
     while True:
         if not commands.poll(IDLE_POLL_MS, zmq.POLLIN):

@@ -176,10 +176,10 @@ def allocate_model_kv_cache(
     return allocate_kv_cache(
         num_blocks,
         model.num_layers,
-        config.block_size,
+        config.cache.block_size,
         model.num_kv_heads,
         model.head_dim,
         next(model.parameters()).dtype,
         torch.device(device),
-        layout=config.kv_layout,
+        layout=config.cache.kv_layout,
     )

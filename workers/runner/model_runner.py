@@ -34,6 +34,8 @@ import torch
 
 from tandem.kernels.prefill_attention import use_sdpa_prefills
 from tandem.scheduler.messages import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
+from tandem.wire.config_fields import default_of
+from tandem.workers.config.sections import GraphsConfig
 from tandem.workers.graphs.piecewise import PiecewiseGraphRunner
 from tandem.workers.graphs.runner import DecodeGraphRunner
 from tandem.workers.runner.async_step import StepHandle, StepResult, StepStream
@@ -63,7 +65,7 @@ class ModelRunner(StepPlanning, StepForward):
         dense_decode_bytes: int | None = None,
         decode_graphs: DecodeGraphRunner | None = None,
         piecewise_graphs: PiecewiseGraphRunner | None = None,
-        prefill_attention: str = "auto",
+        prefill_attention: str = default_of(GraphsConfig, "prefill_attention"),
         overlap: bool = False,
         drafter: Any = None,  # workers.spec.draft_model.DraftModel
     ) -> None:

@@ -51,6 +51,8 @@ import torch
 from tandem.kernels.metadata import host_to_device, list_to_device
 from tandem.kernels.prefill_attention import use_sdpa_prefills
 from tandem.scheduler.spec.proposer import MODEL_DRAFT
+from tandem.wire.config_fields import default_of
+from tandem.workers.config.sections import GraphsConfig
 from tandem.workers.runner.dense_decode import DenseDecodeKV
 from tandem.workers.runner.step_forward import step_metadata
 from tandem.workers.sampling.sampler import argmax_rows, mix_seed, sampling_probs, uniform_for
@@ -72,7 +74,7 @@ class DraftModel:
         model: Any,
         kv_cache: torch.Tensor,
         block_size: int,
-        prefill_attention: str = "auto",
+        prefill_attention: str = default_of(GraphsConfig, "prefill_attention"),
         dense_decode_bytes: int = 0,
     ) -> None:
         self.model = model

@@ -33,8 +33,15 @@ import numpy as np
 
 from tandem.scheduler.engine_stats import Histogram, StructuredOutputStats
 from tandem.scheduler.request import Request
+from tandem.wire.config_fields import default_of
 from tandem.wire.engine_protocol import StructuredOutputsParams
+from tandem.workers.config.sections import EngineSchedulingConfig
 from tandem.workers.structured.backend import GrammarBackend, Matcher, bitmask_width
+
+# --structured-outputs-compile-timeout-s (the engine's scheduling section)
+COMPILE_TIMEOUT_S: float = default_of(
+    EngineSchedulingConfig, "structured_outputs_compile_timeout_s"
+)
 
 _COMPILE_BOUNDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _MASK_BOUNDS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05)
@@ -86,7 +93,7 @@ class StructuredOutputManager:
         vocab_size: int,
         *,
         num_workers: int = 1,
-        compile_timeout_s: float = 30.0,
+        compile_timeout_s: float = COMPILE_TIMEOUT_S,
         max_cache_entries: int = 512,
     ) -> None:
         self._make_backend = make_backend
@@ -282,7 +289,7 @@ def structured_manager(
     vocab_size: int,
     eos_token_ids: list[int | None],
     backend: str = "llguidance",
-    compile_timeout_s: float = 30.0,
+    compile_timeout_s: float = COMPILE_TIMEOUT_S,
 ) -> StructuredOutputManager:
     """The engine's manager; the tokenizer is loaded on the first compile (pool thread)."""
     eos = [t for t in eos_token_ids if t is not None]

@@ -9,13 +9,12 @@ and the defaults.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
 from tandem.cluster.cli.config.keys import all_settings, defaults, get
 from tandem.cluster.cli.config.load import pool_dest
 from tandem.cluster.engines.placement import ROLES
-from tandem.wire.config_fields import add_option, hints, key_of, meta_of
-from tandem.workers.config import HIDDEN_POOL_FLAGS, EngineConfig, engine_fields, main_flags
+from tandem.wire.config_fields import add_option
+from tandem.workers.config import HIDDEN_POOL_FLAGS, engine_fields, main_flags
 
 POOL_GROUP = "Per-pool engine settings"
 
@@ -61,21 +60,20 @@ def _add_pool_arguments(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
         "the engine settings marked [per pool], for one pool: over --X and the YAML's "
         "top-level keys (YAML: under prefill_engine, decode_engine, colocated_engine)",
     )
-    for f in engine_fields():
-        meta = meta_of(EngineConfig, f)
-        if meta.yaml_only or not (meta.per_pool or f.name in HIDDEN_POOL_FLAGS):
+    for leaf in engine_fields():
+        meta = leaf.meta
+        if meta.yaml_only or not (meta.per_pool or leaf.key in HIDDEN_POOL_FLAGS):
             continue
-        default = f.default if f.default is not dataclasses.MISSING else None
         for role in ROLES:
             add_option(
                 group,
-                key=key_of(EngineConfig, f),
+                key=leaf.key,
                 meta=meta,
-                hint=hints(EngineConfig)[f.name],
-                default=default,
-                dest=pool_dest(role, f.name),
+                hint=leaf.hint,
+                default=leaf.default,
+                dest=pool_dest(role, leaf.key),
                 prefix=f"{role}-",
-                help=f"the {role} pool's {main_flags(f.name)}",
+                help=f"the {role} pool's {main_flags(leaf.key)}",
                 hidden=not meta.per_pool,
                 show_default=False,
             )

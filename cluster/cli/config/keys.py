@@ -7,7 +7,7 @@ flat key (the YAML key and the argparse dest, unique), its help group::
     ("routing", "busy_threshold")          router_busy_threshold   Routing
     ("pools", "decode", "num_engines")     decode                  Pools and placement
     ("pools", "decode", "engine")          decode_engine           (a mapping: YAML only)
-    ("engine", "max_num_seqs")             max_num_seqs            Engine: scheduling
+    ("engine", "scheduler", "max_num_seqs") max_num_seqs           Engine: scheduling
 
 ``build(values)`` makes the tree from ``{path: value}``: every section starts
 from its default and takes the values given under it, so each default is
@@ -24,7 +24,7 @@ from typing import Any
 from tandem.cluster.cli.config.tree import SECTION_TITLES, ServeConfig
 from tandem.cluster.engines.placement import ROLES
 from tandem.wire.config_fields import OptionMeta, coerce, hints, key_of, meta_of
-from tandem.workers.config import ENGINE_SECTIONS, EngineConfig
+from tandem.workers.config import ENGINE_SECTIONS, EngineConfig, find_leaf
 
 Path = tuple[str, ...]
 
@@ -64,6 +64,8 @@ def _walk(cls: type, path: Path, group: str, role: str | None) -> list[Setting]:
         hint = hints(cls)[f.name]
         if _is_section(hint):
             title = SECTION_TITLES.get(f.name, group) if not path else group
+            if cls is EngineConfig:
+                title = ENGINE_SECTIONS[f.name]
             sub_role = f.name if f.name in ROLES and cls.__name__ == "PoolsConfig" else role
             out += _walk(hint, path + (f.name,), title, sub_role)
             continue
@@ -71,9 +73,7 @@ def _walk(cls: type, path: Path, group: str, role: str | None) -> list[Setting]:
         if role:
             key = key.format(role=role)
         leaf_group = group
-        if cls is EngineConfig:
-            leaf_group = ENGINE_SECTIONS[meta.section]
-        elif not path:
+        if not path:
             leaf_group = SECTION_TITLES.get(f.name, group)
         out.append(Setting(path + (f.name,), key, cls, f, meta, hint, leaf_group, role))
     return out
@@ -127,12 +127,12 @@ def coerce_setting(setting: Setting, value: Any) -> Any:
     return coerce(value, setting.hint, setting.key, setting.meta.parse)
 
 
-def coerce_engine_value(name: str, value: Any, where: str) -> Any:
-    """A value of one engine field (``where``: ``decode_engine.max_num_seqs``)."""
-    f = EngineConfig.__dataclass_fields__.get(name)
-    if f is None:
+def coerce_engine_value(key: str, value: Any, where: str) -> Any:
+    """A value of one engine setting (``where``: ``decode_engine.max_num_seqs``)."""
+    leaf = find_leaf(key)
+    if leaf is None:
         return value  # PoolConfig names the unknown key
-    return coerce(value, hints(EngineConfig)[name], where, meta_of(EngineConfig, f).parse)
+    return coerce(value, leaf.hint, where, leaf.meta.parse)
 
 
 def build(values: dict[Path, Any]) -> ServeConfig:

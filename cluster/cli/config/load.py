@@ -7,8 +7,11 @@ under ``config``)::
     prefill: 2                      pools:
     router_busy_threshold: 0.8        prefill: {num_engines: 2}
     max_num_seqs: 64                routing: {busy_threshold: 0.8}
-    decode_engine:                  engine: {max_num_seqs: 64}
+    decode_engine:                  engine: {scheduler: {max_num_seqs: 64}}
       max_num_seqs: 256
+
+The engine mapping also takes flat engine keys (``engine: {max_num_seqs: 64}``,
+the form ``--check-config`` printed before the engine had sections).
 
 ``<pool>_engine`` (``pools.<pool>.engine``) holds engine keys for one pool. An
 unknown key is an error naming it. Settings that are one for every pool (model,
@@ -36,7 +39,7 @@ from tandem.cluster.cli.config.keys import (
 from tandem.cluster.cli.config.tree import ServeConfig
 from tandem.cluster.engines.placement import ROLES
 from tandem.wire.config_fields import hints, meta_of
-from tandem.workers.config import EngineConfig, engine_fields, main_flags
+from tandem.workers.config import EngineConfig, engine_fields, find_leaf, main_flags
 
 logger = logging.getLogger("tandem.config")
 
@@ -80,8 +83,8 @@ def _pool_engine_keys(values: Values, role: str, mapping: Any, where: str) -> No
         if name in IGNORED_ENGINE_KEYS:
             logger.warning("%s.%s is ignored: %s", where, name, IGNORED_ENGINE_KEYS[name])
             continue
-        f = EngineConfig.__dataclass_fields__.get(name)
-        meta = meta_of(EngineConfig, f) if f else None
+        leaf = find_leaf(name)
+        meta = leaf.meta if leaf else None
         if meta is not None and not meta.internal and not meta.per_pool:
             logger.warning(
                 "%s.%s: %s is one setting for every pool; use the top-level key %s "
@@ -101,6 +104,10 @@ def _section(values: Values, cls: type, path: Path, mapping: dict, unknown: list
         f = fields.get(name)
         meta = meta_of(cls, f) if f else None
         dotted = ".".join(path + (name,))
+        leaf = find_leaf(name) if cls is EngineConfig and f is None else None
+        if leaf is not None and not leaf.meta.internal:  # engine: {max_num_seqs: 64}
+            values.values[path + (leaf.section, leaf.name)] = value
+            continue
         if f is None or meta is None or meta.internal:
             unknown.append(dotted)
             continue
@@ -135,7 +142,7 @@ def mapping_values(mapping: dict[str, Any], source: str = "--config") -> Values:
         else:
             unknown.append(key)
     if unknown:
-        internal = sorted(set(unknown) & set(EngineConfig.__dataclass_fields__))
+        internal = sorted(set(unknown) & {leaf.key for leaf in engine_fields(internal=True)})
         why = f" ({', '.join(internal)}: set by tandem serve)" if internal else ""
         raise ValueError(f"{source}: unknown keys {sorted(unknown)}{why}")
     return values
@@ -162,23 +169,22 @@ def args_values(args: argparse.Namespace) -> Values:
         v = getattr(args, s.key, None)
         if v is not None and not s.meta.yaml_only:
             values.values[s.path] = v
-    for f in engine_fields():
-        meta = meta_of(EngineConfig, f)
+    for leaf in engine_fields():
         for role in ROLES:
-            v = getattr(args, pool_dest(role, f.name), None)
+            v = getattr(args, pool_dest(role, leaf.key), None)
             if v is None:
                 continue
-            if not meta.per_pool:
-                flag = "--" + role + "-" + main_flags(f.name).removeprefix("--")
+            if not leaf.meta.per_pool:
+                flag = "--" + role + "-" + main_flags(leaf.key).removeprefix("--")
                 logger.warning(
                     "%s: %s is one setting for every pool; use %s "
                     "(applied to the %s pool only, as before)",
                     flag,
-                    f.name,
-                    main_flags(f.name),
+                    leaf.key,
+                    main_flags(leaf.key),
                     role,
                 )
-            values.pools[role][f.name] = v
+            values.pools[role][leaf.key] = v
     return values
 
 

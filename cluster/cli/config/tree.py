@@ -8,7 +8,9 @@
                        (num_engines, num_gpus_per_engine,      per-pool engine
                         ray_resources, engine overrides)       settings
                                                                (cluster/engines/placement.py)
-      engine         EngineConfig             every pool's engine (workers/config.py)
+      engine         EngineConfig             every pool's engine (workers/config/):
+                       model, cache, offload, scheduler, parallel, graphs,
+                       kv_transfer, output, runtime: one section each
       limits         GatewayLimits            (cluster/gateway/edge/limits.py)
       routing        RoutingConfig            (cluster/routing/policy.py)
       migration      MigrationPolicy          (cluster/disagg/migration.py)
@@ -41,7 +43,7 @@ from tandem.cluster.observability.tracing.settings import ObservabilityConfig
 from tandem.cluster.planner.config import PlannerConfig
 from tandem.cluster.routing.policy import RoutingConfig
 from tandem.wire.config_fields import OptionMeta, describe, option
-from tandem.workers.config import EngineConfig
+from tandem.workers.config import EngineConfig, engine_leaf
 
 
 @dataclass(frozen=True)
@@ -169,9 +171,9 @@ class ServeConfig:
         KV events for kv-aware routing, log format, the secret)."""
         num_gpus, _ = self.pools.placement(role)
         overrides = dict(self.pools.pool(role).engine)
-        default_util = EngineConfig.__dataclass_fields__["gpu_memory_utilization"].default
-        if self.engine.gpu_memory_utilization != default_util:  # given for every pool
-            overrides.setdefault("gpu_memory_utilization", self.engine.gpu_memory_utilization)
+        util = self.engine.cache.gpu_memory_utilization
+        if util != engine_leaf("gpu_memory_utilization").default:  # given for every pool
+            overrides.setdefault("gpu_memory_utilization", util)
         kv_events = self.routing.resolve(self.pools.reach()) == "kv-aware"
         config = self.engine.replace(
             model=self.model,
@@ -193,7 +195,7 @@ class ServeConfig:
         of them, so they lend tier prefixes to each other (kvtransfer/tiers/export.py)."""
         if role != "colocated":
             return "nixl"
-        tiers = overrides.get("kv_offloading_size", self.engine.kv_offloading_size)
+        tiers = overrides.get("kv_offloading_size", self.engine.offload.kv_offloading_size)
         lends = bool(tiers) and self.pools.pool(role).num_engines > 1
         return "nixl" if lends else None
 
@@ -203,7 +205,9 @@ class ServeConfig:
         (``kv_role`` "both"; cluster/disagg/tier_lending.py)."""
         reach = self.pools.reach()  # a pool the planner may grow counts
         return any(
-            self.pools.pool(r).engine.get("kv_offloading_size", self.engine.kv_offloading_size)
+            self.pools.pool(r).engine.get(
+                "kv_offloading_size", self.engine.offload.kv_offloading_size
+            )
             for r in ("prefill", "decode")
             if reach.get(r)
         )
