@@ -72,7 +72,10 @@ def start_planner(config: Any, backend: Any) -> asyncio.Task | None:
         from tandem.cluster.planner.profile import load_profile
 
         profile = load_profile(pc.planner_profile)
-    planner = make_planner(pc, bounds, profile)
+    # no pool moves here: a running engine cannot change pool yet (its KV connector
+    # role, engine id and per-pool settings are fixed at its start; moves.py), so the
+    # planner asks for a stop and a start instead
+    planner = make_planner(pc, bounds, profile, moves=False)
     state = scaler.log.planner = PlannerState(pc.planner, pc.planner_interval_s)
 
     def record(d: Decision) -> None:

@@ -83,10 +83,13 @@ class _SimConnector:
         rid = request.request_id
         if num_external:
             self.sim.transfer_done(done_s, self.engine, rid, recving=True)
-        # the prefill engine frees its copy when the read ends
-        self.sim.transfer_done(
-            done_s, params["sim_prefill_engine"], params["sim_prefill_id"], False
-        )
+        # the prefill engine frees its copy when the (first) read ends; a stream
+        # migrated off a moving engine (elastic.py) has no prefill engine (None)
+        if params["sim_prefill_engine"] is not None and not params.get("sim_read"):
+            self.sim.transfer_done(
+                done_s, params["sim_prefill_engine"], params["sim_prefill_id"], False
+            )
+        params["sim_read"] = True
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
         return None
