@@ -26,7 +26,8 @@ Only a deployment that can move an engine asks for moves: the simulator
 (elastic.py, ``switch_s``) can; the running service cannot yet (an engine's
 pool fixes its KV connector role, its engine id and its per-pool engine
 settings at its start: docs/architecture.md, "Pool moves"), so
-``cluster/cli/planning.py`` builds the planner without them.
+``cluster/cli/planning.py`` builds the planner without them: it asks for
+moves only once the backend's scaler has a ``move_engine`` (``pool_mover``).
 """
 
 from __future__ import annotations

@@ -208,3 +208,21 @@ def test_in_the_simulator_a_moving_decode_engines_streams_migrate_token_for_toke
     assert [len(r.token_times) for r in records] == [r.output_len for r in records]
     assert all(not r.error and r.token_times == sorted(r.token_times) for r in records)
     assert [r.token_times for r in run()[1]] == [r.token_times for r in records]
+
+
+def test_the_service_asks_for_moves_only_from_a_scaler_that_can_move():
+    from tandem.cluster.cli.planning import pool_mover
+    from tandem.cluster.disagg.scaling import PoolScaler
+
+    assert not hasattr(PoolScaler, "move_engine")  # today's service: no move
+    assert pool_mover(object()) is None
+    calls = []
+
+    class Mover:
+        async def move_engine(self, pool: str, dest: str, source: str = "admin") -> dict:
+            calls.append((pool, dest, source))
+            return {}
+
+    move = pool_mover(Mover())
+    asyncio.run(move("decode", "prefill"))
+    assert calls == [("decode", "prefill", "planner")]
