@@ -19,10 +19,14 @@ simplifications:
 
     move        (``switch_s`` given: a planner asking for pool moves, moves.py)
                 the engine takes no new request in its pool; a decode engine's
-                streams migrate to the other decode engines once its step and
-                its handoffs in flight end (each stream's context is read as a
-                handoff at the profile's transfer figures, then it continues
-                token for token); a prefill engine finishes what it holds.
+                streams migrate once its step and its handoffs in flight end,
+                as the service's drain migrates them (cluster/disagg/
+                migration.py): a context of at least
+                ``migration_handoff_min_tokens`` is prefilled again by a
+                prefill engine (which samples the next token) and handed off
+                to the least loaded other decode engine, a shorter one is
+                recomputed there; either continues token for token. A
+                prefill engine finishes what it holds.
                 Then it serves in the other pool ``switch_s`` later (the
                 drain's and the re-registration's fixed cost: an input, from
                 measured figures, benchmarks/planner.py), with no cold start
@@ -64,6 +68,7 @@ class ElasticSimulator(Simulator):
         scheduler_overrides: dict[str, Any] | None = None,
         watch_interval_s: float = 0.0,
         switch_s: float | None = None,
+        migration_handoff_min_tokens: int = 256,  # the service's MigrationPolicy default
     ) -> None:
         super().__init__(profile, num_prefill, num_decode, scheduler_overrides)
         if num_prefill + num_decode > slots:
@@ -74,6 +79,8 @@ class ElasticSimulator(Simulator):
         self.moving: dict[int, tuple[int, str]] = {}  # leaving index -> (joining index, from)
         self.moves: list[tuple[float, str, str]] = []  # (time, from, to) per move asked for
         self.migrated = 0  # streams moved off a moving decode engine
+        self.reprefilled = 0  # of them, continued by a fresh prefill handoff
+        self.handoff_min_tokens = migration_handoff_min_tokens
         self.planner = planner
         self.interval_s = interval_s
         self.cold_start_s = cold_start_s
@@ -231,27 +238,42 @@ class ElasticSimulator(Simulator):
                 del self.moving[old_i]
 
     def _migrate_streams(self, old: _Engine) -> None:
-        """Every stream on ``old`` continues on another decode engine: a stream
-        that has its KV is read from ``old`` (prompt + what it produced, for the
-        tokens left); one still queued for its handoff is admitted as it was."""
+        """Every stream on ``old`` continues elsewhere (module doc); one still
+        waiting for its handoff is admitted to another decode engine as it
+        was (its prefill engine still holds its KV)."""
         targets = [e for e in self.accepting(self.decode) if e.index != old.index]
         if not targets:
             return
+        prefill = [e for e in self.prefill if e.index not in self.leaving
+                   and self.joins_at.get(e.index, 0.0) <= self.now_s]  # fmt: skip
         for rid, r in list(old.sched.requests.items()):
             if r.is_finished:
                 continue
-            # the scheduler drops kv_transfer_params once the read is planned
-            params = r.kv_transfer_params
-            if r.num_output_tokens:  # it has its KV: read it, continue where it was
-                prompt, params = list(r.all_token_ids), {"sim_prefill_engine": None}
-                left = r.sampling_params.max_tokens - r.num_output_tokens
-            else:  # not started: its prefill engine (if any) still holds its KV
-                prompt, left = list(r.prompt_token_ids), r.sampling_params.max_tokens
+            i = int(rid[1:])
+            tokens, params = list(r.all_token_ids), r.kv_transfer_params
+            left = r.sampling_params.max_tokens - r.num_output_tokens
+            if not r.num_output_tokens:  # not started: as it was
+                tokens, left = list(r.prompt_token_ids), r.sampling_params.max_tokens
                 params = dict(params) if params else None
             old.sched.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
             self.migrated += 1
+            if (
+                r.num_output_tokens
+                and left > 1
+                and prefill
+                and (len(tokens) - 1 >= self.handoff_min_tokens)
+            ):  # a fresh prefill handoff: P samples the next token, then D reads
+                p = min(prefill, key=lambda x: (x.prompt_tokens_left(), x.index))
+                sp = SamplingParams(max_tokens=1, ignore_eos=True)
+                self.reprefilled += 1
+                pid = f"p{i}.m{self.migrated}"  # p<i> may still be held on its engine
+                p.sched.add_request(Request(pid, tokens, sp, arrival_time=self.now_s,
+                                            kv_transfer_params={"sim_hold": True}))  # fmt: skip
+                continue
+            if r.num_output_tokens:
+                params = None  # recomputed by the decode engine
             e = min(targets, key=lambda x: (x.num_unfinished(), x.index))
             sp = SamplingParams(max_tokens=left, ignore_eos=True)
             e.sched.add_request(
-                Request(rid, prompt, sp, arrival_time=self.now_s, kv_transfer_params=params)
+                Request(rid, tokens, sp, arrival_time=self.now_s, kv_transfer_params=params)
             )

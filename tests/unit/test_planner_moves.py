@@ -194,20 +194,28 @@ def test_in_the_simulator_a_moving_decode_engines_streams_migrate_token_for_toke
             return pair([Decision("prefill", SCALE_OUT, "test", n_p, n_p + 1),
                          Decision("decode", SCALE_IN, "test", n_d, n_d - 1)])  # fmt: skip
 
-    def run():
+    def run(handoff_min_tokens: int = 256):
         sim = ElasticSimulator(prof, 1, 2, MoveOnce(), interval_s=2.0, cold_start_s=60.0,
-                               slots=3, switch_s=0.25)  # fmt: skip
+                               slots=3, switch_s=0.25,
+                               migration_handoff_min_tokens=handoff_min_tokens)  # fmt: skip
         return sim, sim.run(requests)  # check_integrity() on every engine inside
 
+    # contexts of 300+ tokens: prefilled again by the prefill engine, then handed off
     sim, records = run()
     ((t_move, src, dst),) = sim.moves
-    assert (src, dst) == ("decode", "prefill") and sim.migrated >= 1
+    assert (src, dst) == ("decode", "prefill")
+    assert sim.migrated >= 1 and sim.reprefilled == sim.migrated
     moved_to = sim.prefill[-1]
     assert t_move < sim.joins_at[moved_to.index] <= t_move + 1.0  # drained, then 0.25 s
     assert moved_to.num_steps > 0  # it computed the late prompts
     assert [len(r.token_times) for r in records] == [r.output_len for r in records]
     assert all(not r.error and r.token_times == sorted(r.token_times) for r in records)
     assert [r.token_times for r in run()[1]] == [r.token_times for r in records]
+    # below the handoff threshold: the other decode engine recomputes them
+    sim, records = run(handoff_min_tokens=10_000)
+    assert sim.migrated >= 1 and sim.reprefilled == 0
+    assert [len(r.token_times) for r in records] == [r.output_len for r in records]
+    assert all(not r.error and r.token_times == sorted(r.token_times) for r in records)
 
 
 def test_the_service_asks_for_moves_only_from_a_scaler_that_can_move():
