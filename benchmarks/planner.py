@@ -18,8 +18,9 @@ measured for the parts of a move that are not modelled step by step: a decode
 scale-in's drain and stop (0.22 s max, benchmarks/scaling.py, docs/
 benchmarks.md "Elastic pools") plus one health probe interval (0.5 s, the
 gateway's ``health_interval_s``: the prefill registry is pushed after each
-probe, and a prefill engine is ready once registered); the migrated streams'
-KV reads are simulated at the profile's transfer figures.
+probe, and a prefill engine is ready once registered); the migrated streams
+are simulated step by step as the service migrates them (a fresh prefill
+handoff for a context of 256 tokens or more, elastic.py).
 Goodput counts requests meeting both SLOs (TTFT, and TPOT as
 ``vllm bench serve --goodput`` counts it) per second, per phase (by arrival)
 and over the whole trace. A phase's best fixed split is taken from each split
