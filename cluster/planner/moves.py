@@ -13,8 +13,10 @@ in, cooldowns), then ``pair`` turns a pool that grows beside one that
 shrinks into moves: ``min(growth, shrink)`` engines change pool instead of
 one pool stopping engines while the other starts new ones. A pool shrinks
 only when the model says its survivors meet its SLO (with the scale-in
-margin), so a move never takes an engine the source pool needs. What is
-left of either change stays a scale out or a scale in.
+margin), so a move never takes an engine the source pool needs; the
+source's scale-in cooldown and the watch's rule (a pool that breaches never
+shrinks) hold for a move as for a scale-in. What is left of either change
+stays a scale out or a scale in.
 
 Each side of a move is a ``Decision`` of its pool: ``move_in`` (the growing
 pool) and ``move_out`` (the shrinking one), ``moved`` engines of the change
