@@ -10,6 +10,17 @@ four slots, a new engine serving ``--cold-start-s`` after it was asked for),
 twice: with rounds only (every ``--interval-s``), and with its watch between
 rounds (every ``--watch-interval-s``: a re-plan on a measured SLO breach,
 cluster/planner/watch.py), as ``tandem serve --planner sla`` runs by default.
+A third planner row lets the planner move engines between the pools
+(cluster/planner/moves.py: a draining engine of the pool with a surplus
+serves in the other ``--switch-s`` after its streams migrated, instead of a
+new engine's ``--cold-start-s``). ``--switch-s`` defaults to what the service
+measured for the parts of a move that are not modelled step by step: a decode
+scale-in's drain and stop (0.22 s max, benchmarks/scaling.py, docs/
+benchmarks.md "Elastic pools") plus one health probe interval (0.5 s, the
+gateway's ``health_interval_s``: the prefill registry is pushed after each
+probe, and a prefill engine is ready once registered); the migrated streams
+are simulated step by step as the service migrates them (a fresh prefill
+handoff for a context of 256 tokens or more, elastic.py).
 Goodput counts requests meeting both SLOs (TTFT, and TPOT as
 ``vllm bench serve --goodput`` counts it) per second, per phase (by arrival)
 and over the whole trace. A phase's best fixed split is taken from each split
@@ -24,7 +35,7 @@ Targets (issue #28): in each phase >= 0.9x the best fixed split of that
 phase; over the whole trace >= 1.3x the best single fixed split.
 
 Run:  python benchmarks/planner.py [--phase-s 300] [--rate-a 16] [--rate-b 8] [--seed 0]
-                                  [--watch-interval-s 1]
+                                  [--watch-interval-s 1] [--switch-s 0.72]
 """
 
 from __future__ import annotations
@@ -46,6 +57,9 @@ from tandem.cluster.planner.profile import Profile, TransferCost, load_profile  
 from tandem.cluster.planner.simulator import SimRequest, Simulator  # noqa: E402
 
 SLOTS = 4
+# measured parts of a move (module doc): decode scale-in max + one health probe interval
+MEASURED_DRAIN_S = 0.22
+HEALTH_INTERVAL_S = 0.5
 SPLITS = [(p, SLOTS - p) for p in range(1, SLOTS)]
 
 
@@ -110,6 +124,9 @@ def main() -> int:
     p.add_argument("--watch-interval-s", type=float, default=1.0,
                    help="the sla planner's watch between rounds (0: rounds only)")  # fmt: skip
     p.add_argument("--cold-start-s", type=float, default=15.0, help="engine start to serving")
+    p.add_argument("--switch-s", type=float, default=MEASURED_DRAIN_S + HEALTH_INTERVAL_S,
+                   help="a pool move's fixed cost, drain to serving in the other pool "
+                   "(default: measured, module doc)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     profile = load_profile(args.profile) if args.profile else gpu_shaped_profile()
@@ -132,11 +149,12 @@ def main() -> int:
             alone[(name, k)] = summarize(done, *slo)["num_good"] / args.phase_s
         print(f"{name}: {time.monotonic() - start:.1f} s to simulate", flush=True)
     bounds = {"prefill": (1, SLOTS - 1), "decode": (1, SLOTS - 1)}
-    for label, watch_s in (
-        ("sla planner, rounds only", 0.0),
-        ("sla planner", args.watch_interval_s),
+    for label, watch_s, switch_s in (
+        ("sla planner, rounds only", 0.0, None),
+        ("sla planner", args.watch_interval_s, None),
+        ("sla planner, pool moves", args.watch_interval_s, args.switch_s),
     ):
-        if label == "sla planner" and not watch_s:
+        if label != "sla planner, rounds only" and not watch_s:
             continue
         config = PlannerConfig(
             planner="sla",
@@ -152,11 +170,12 @@ def main() -> int:
             profile,
             2,
             2,
-            SlaPlanner(config, bounds, profile),
+            SlaPlanner(config, bounds, profile, moves=switch_s is not None),
             interval_s=args.interval_s,
             cold_start_s=args.cold_start_s,
             slots=SLOTS,
             watch_interval_s=watch_s,
+            switch_s=switch_s,
         )
         records = sim.run(requests)
         path = " ".join(f"{t:.0f}s:{p}P{d}D" for i, (t, p, d) in enumerate(sim.sizes)
@@ -164,6 +183,8 @@ def main() -> int:
         watched = sum(1 for d in sim.decisions if "window_s" in d.inputs and d.action != "hold")
         if watched:
             path += f" ({watched} resizes between rounds)"
+        if sim.moves:
+            path += f" ({len(sim.moves)} engines moved)"
         rows.append((label, goodputs(records, args.phase_s, *slo), path))
     fixed = rows[: len(SPLITS)]
     best = [max(alone[(n, k)] for n, _, _ in fixed) for k in range(2)]
@@ -174,7 +195,7 @@ def main() -> int:
         f"~256 in / ~512 out; B: {args.rate_b}/s, ~4096 in / ~32 out); SLOs TTFT "
         f"{args.ttft_slo_ms:.0f} ms, TPOT {args.itl_slo_ms:.0f} ms; planner every "
         f"{args.interval_s:.0f} s (watch every {args.watch_interval_s:g} s), cold start "
-        f"{args.cold_start_s:.0f} s, seed {args.seed}"
+        f"{args.cold_start_s:.0f} s, pool move {args.switch_s:g} s, seed {args.seed}"
     )
     print(
         "| configuration | goodput A (req/s) | goodput B | goodput whole | "

@@ -72,7 +72,8 @@ def start_planner(config: Any, backend: Any) -> asyncio.Task | None:
         from tandem.cluster.planner.profile import load_profile
 
         profile = load_profile(pc.planner_profile)
-    planner = make_planner(pc, bounds, profile)
+    move = pool_mover(scaler)
+    planner = make_planner(pc, bounds, profile, moves=move is not None)
     state = scaler.log.planner = PlannerState(pc.planner, pc.planner_interval_s)
 
     def record(d: Decision) -> None:
@@ -89,5 +90,18 @@ def start_planner(config: Any, backend: Any) -> asyncio.Task | None:
         record,
         pc.planner_interval_s,
         pc.planner_watch_interval_s,
+        move,
     )
     return asyncio.create_task(runner.run())
+
+
+def pool_mover(scaler: Any) -> Any:
+    """``move(source, destination)`` when the backend can move an engine between
+    pools (a ``move_engine(source, destination, source=...)`` on its scaler), else
+    None: then the planner asks for no move, only a stop and a start. No backend has
+    one yet: a running engine's KV connector role, engine id and per-pool settings
+    are fixed at its start (docs/architecture.md, "Pool moves")."""
+    move_engine = getattr(scaler, "move_engine", None)
+    if move_engine is None:
+        return None
+    return lambda pool, dest: move_engine(pool, dest, source="planner")

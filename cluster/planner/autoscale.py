@@ -34,7 +34,9 @@ graph capture) are not its speed and never count. Prefill times are
 corrected the same way (``prefill_speed``): a prefill engine's latest step
 against the profile's time for the tokens it computed. Between rounds,
 ``SlaPlanner.watch`` re-plans at once on a measured TTFT or ITL breach
-(watch.py); without one it decides nothing.
+(watch.py); without one it decides nothing. Where the deployment can move
+an engine between pools (``moves=True``: moves.py), a pool that grows takes
+the other pool's surplus by the same model before any new engine starts.
 """
 
 from __future__ import annotations
@@ -44,10 +46,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandem.cluster.planner import moves as pool_moves
 from tandem.cluster.planner import sla, watch
 from tandem.cluster.planner.config import PlannerConfig
+from tandem.cluster.planner.moves import HOLD, MOVE_IN, MOVE_OUT, SCALE_IN, SCALE_OUT
 
-SCALE_OUT, SCALE_IN, HOLD = "scale_out", "scale_in", "hold"
+__all__ = ["HOLD", "MOVE_IN", "MOVE_OUT", "SCALE_IN", "SCALE_OUT"]
 
 
 @dataclass(frozen=True)
@@ -80,11 +84,13 @@ class Observation:
 @dataclass(frozen=True)
 class Decision:
     pool: str
-    action: str  # scale_out | scale_in | hold
+    action: str  # scale_out | scale_in | hold | move_in | move_out (moves.py)
     reason: str
     current: int
     target: int
     inputs: dict[str, float] = field(default_factory=dict)
+    moved: int = 0  # move_in / move_out: engines of the change that change pool
+    source: str = ""  # move_in / move_out: the pool the moved engines leave
 
 
 Bounds = dict[str, tuple[int, int]]  # role -> (min engines, max engines)
@@ -281,7 +287,9 @@ class ScaledProfile:
 class SlaPlanner:
     POOLS = ("prefill", "decode")
 
-    def __init__(self, config: PlannerConfig, bounds: Bounds, profile: Any) -> None:
+    def __init__(
+        self, config: PlannerConfig, bounds: Bounds, profile: Any, moves: bool = False
+    ) -> None:
         missing = [r for r in self.POOLS if r not in bounds]
         if missing or set(bounds) - set(self.POOLS):
             raise ValueError(
@@ -295,6 +303,7 @@ class SlaPlanner:
         self.speed = SpeedCorrection(profile, config.planner_warmup_steps)
         self.prefill_speed = prefill_speed(profile, config.planner_warmup_steps)
         self.cooldowns = Cooldowns()
+        self.moves = moves  # the deployment can move an engine between pools (moves.py)
 
     def decide(self, obs: Observation) -> list[Decision]:
         """A round: the next interval's load predicted from the last one."""
@@ -385,13 +394,16 @@ class SlaPlanner:
             if want != n:
                 self.cooldowns.changed(role, obs.time_s, want)
             out.append(Decision(role, action, reason, n, want, row))
-        return out
+        return pool_moves.pair(out) if self.moves else out
 
 
-def make_planner(config: PlannerConfig, bounds: Bounds, profile: Any = None) -> Any:
-    """The planner ``config.planner`` names (None when off)."""
+def make_planner(
+    config: PlannerConfig, bounds: Bounds, profile: Any = None, moves: bool = False
+) -> Any:
+    """The planner ``config.planner`` names (None when off); ``moves``: the
+    deployment can move an engine between pools (moves.py), sla only."""
     if config.planner == "load":
         return LoadPlanner(config, bounds)
     if config.planner == "sla":
-        return SlaPlanner(config, bounds, profile)
+        return SlaPlanner(config, bounds, profile, moves)
     return None

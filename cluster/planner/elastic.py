@@ -17,6 +17,20 @@ simplifications:
                 and its slot is free at once (the service's drain takes well
                 under a second: benchmarks/scaling.py)
 
+    move        (``switch_s`` given: a planner asking for pool moves, moves.py)
+                the engine takes no new request in its pool; a decode engine's
+                streams migrate once its step and its handoffs in flight end,
+                as the service's drain migrates them (cluster/disagg/
+                migration.py): a context of at least
+                ``migration_handoff_min_tokens`` is prefilled again by a
+                prefill engine (which samples the next token) and handed off
+                to the least loaded other decode engine, a shorter one is
+                recomputed there; either continues token for token. A
+                prefill engine finishes what it holds.
+                Then it serves in the other pool ``switch_s`` later (the
+                drain's and the re-registration's fixed cost: an input, from
+                measured figures, benchmarks/planner.py), with no cold start
+
 ``slots`` caps prefill + decode engines (starting ones count, leaving ones do
 not): scale-ins apply first, then a pool grows only into free slots.
 
@@ -32,9 +46,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from tandem.cluster.planner.autoscale import HOLD, SCALE_IN, EngineSample, Observation
+from tandem.cluster.planner.autoscale import EngineSample, Observation
+from tandem.cluster.planner.moves import plan
 from tandem.cluster.planner.profile import Profile
 from tandem.cluster.planner.simulator import Simulator, _Engine, _Record
+from tandem.scheduler.request import Request, RequestStatus
+from tandem.wire.engine_protocol import SamplingParams
 
 
 class ElasticSimulator(Simulator):
@@ -50,10 +67,20 @@ class ElasticSimulator(Simulator):
         slots: int,
         scheduler_overrides: dict[str, Any] | None = None,
         watch_interval_s: float = 0.0,
+        switch_s: float | None = None,
+        migration_handoff_min_tokens: int = 256,  # the service's MigrationPolicy default
     ) -> None:
         super().__init__(profile, num_prefill, num_decode, scheduler_overrides)
         if num_prefill + num_decode > slots:
             raise ValueError(f"{num_prefill}P{num_decode}D does not fit {slots} slots")
+        if switch_s is not None and switch_s < 0:
+            raise ValueError(f"switch_s must be >= 0, got {switch_s}")
+        self.switch_s = switch_s  # None: engines cannot move between pools
+        self.moving: dict[int, tuple[int, str]] = {}  # leaving index -> (joining index, from)
+        self.moves: list[tuple[float, str, str]] = []  # (time, from, to) per move asked for
+        self.migrated = 0  # streams moved off a moving decode engine
+        self.reprefilled = 0  # of them, continued by a fresh prefill handoff
+        self.handoff_min_tokens = migration_handoff_min_tokens
         self.planner = planner
         self.interval_s = interval_s
         self.cold_start_s = cold_start_s
@@ -95,6 +122,8 @@ class ElasticSimulator(Simulator):
         super()._admit_prefill(i, req, records)
 
     def on_tick(self, t: float, records: list[_Record]) -> None:
+        if self.moving:
+            self._progress_moves(t)
         if t < min(self._next_tick, self._next_watch):
             return
         round_due = t >= self._next_tick
@@ -111,9 +140,11 @@ class ElasticSimulator(Simulator):
         if not decisions:
             return
         self.decisions += decisions
-        for d in sorted(decisions, key=lambda d: d.action != SCALE_IN):  # free slots first
-            if d.action != HOLD:
-                self._resize(d.pool, d.target)
+        for kind, pool, arg in plan(decisions, self.switch_s is not None):  # free slots first
+            if kind == "move":
+                self._move(pool, arg, t)
+            else:
+                self._resize(pool, arg)
         self.sizes.append((t, len(self._members(self.prefill)), len(self._members(self.decode))))
 
     # ---- the planner's view and its resizes ---------------------------------------
@@ -175,3 +206,74 @@ class ElasticSimulator(Simulator):
             self._open.discard(i)
             self.finished += 1
             self.output_tokens += len(records[i].token_times)
+
+    # ---- pool moves ----------------------------------------------------------------
+
+    def _pool(self, role: str) -> list[_Engine]:
+        return self.prefill if role == "prefill" else self.decode
+
+    def _move(self, source: str, dest: str, t: float) -> None:
+        """One engine of ``source`` (the least busy, newest first) to ``dest``."""
+        members = self._members(self._pool(source))
+        if len(members) <= 1:
+            return
+        old = min(members, key=lambda e: (e.num_unfinished(), -e.index))
+        self.leaving.add(old.index)
+        new = _Engine(self, len(self.engines), self.config)
+        self.engines.append(new)
+        self._pool(dest).append(new)
+        self.joins_at[new.index] = float("inf")  # until the old one has drained
+        self.moving[old.index] = (new.index, source)
+        self.moves.append((t, source, dest))
+
+    def _progress_moves(self, t: float) -> None:
+        for old_i, (new_i, source) in list(self.moving.items()):
+            old = self.engines[old_i]
+            s = old.sched
+            if source == "decode" and old.busy_until is None and not s.waiting_for_remote:
+                self._migrate_streams(old)
+            if not s.has_unfinished_requests():
+                self.gone.add(old_i)
+                self.joins_at[new_i] = t + self.switch_s
+                del self.moving[old_i]
+
+    def _migrate_streams(self, old: _Engine) -> None:
+        """Every stream on ``old`` continues elsewhere (module doc); one still
+        waiting for its handoff is admitted to another decode engine as it
+        was (its prefill engine still holds its KV)."""
+        targets = [e for e in self.accepting(self.decode) if e.index != old.index]
+        if not targets:
+            return
+        prefill = [e for e in self.prefill if e.index not in self.leaving
+                   and self.joins_at.get(e.index, 0.0) <= self.now_s]  # fmt: skip
+        for rid, r in list(old.sched.requests.items()):
+            if r.is_finished:
+                continue
+            i = int(rid[1:])
+            tokens, params = list(r.all_token_ids), r.kv_transfer_params
+            left = r.sampling_params.max_tokens - r.num_output_tokens
+            if not r.num_output_tokens:  # not started: as it was
+                tokens, left = list(r.prompt_token_ids), r.sampling_params.max_tokens
+                params = dict(params) if params else None
+            old.sched.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
+            self.migrated += 1
+            if (
+                r.num_output_tokens
+                and left > 1
+                and prefill
+                and (len(tokens) - 1 >= self.handoff_min_tokens)
+            ):  # a fresh prefill handoff: P samples the next token, then D reads
+                p = min(prefill, key=lambda x: (x.prompt_tokens_left(), x.index))
+                sp = SamplingParams(max_tokens=1, ignore_eos=True)
+                self.reprefilled += 1
+                pid = f"p{i}.m{self.migrated}"  # p<i> may still be held on its engine
+                p.sched.add_request(Request(pid, tokens, sp, arrival_time=self.now_s,
+                                            kv_transfer_params={"sim_hold": True}))  # fmt: skip
+                continue
+            if r.num_output_tokens:
+                params = None  # recomputed by the decode engine
+            e = min(targets, key=lambda x: (x.num_unfinished(), x.index))
+            sp = SamplingParams(max_tokens=left, ignore_eos=True)
+            e.sched.add_request(
+                Request(rid, tokens, sp, arrival_time=self.now_s, kv_transfer_params=params)
+            )

@@ -6,7 +6,9 @@
                      (record(decision): tandem:planner_decisions_total,
                      /cluster/state), and unless it holds, scale(pool, target)
                      (the resize the admin route calls; removals first, so
-                     a pool that grows finds the room another one left)
+                     a pool that grows finds the room another one left); a
+                     pool move (moves.py) is move(source, destination) when
+                     the backend can move an engine, else the two resizes
     in between,      planner.watch(obs) (sla only; watch.py): decisions only
     every watch      when a breach is measured and the re-plan changes a
     interval         pool, then handled as a round's; with a watch the first
@@ -24,7 +26,8 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from tandem.cluster.planner.autoscale import HOLD, SCALE_IN, Decision, Observation
+from tandem.cluster.planner.autoscale import HOLD, Decision, Observation
+from tandem.cluster.planner.moves import plan
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +41,9 @@ class PlannerRunner:
         record: Callable[[Decision], None],
         interval_s: float,
         watch_interval_s: float = 0.0,  # 0: no watch between rounds
+        move: Callable[[str, str], Awaitable[Any]] | None = None,  # source, destination
     ) -> None:
+        self.move = move
         self.planner = planner
         self.observe = observe
         self.scale = scale
@@ -61,13 +66,14 @@ class PlannerRunner:
             log("planner: %s %s %d -> %d (%s) %s", d.pool, d.action, d.current, d.target,
                 d.reason, figures)  # fmt: skip
             self.record(d)
-        for d in sorted(decisions, key=lambda d: d.action != SCALE_IN):  # free room first
-            if d.action == HOLD:
-                continue
+        for kind, pool, arg in plan(decisions, self.move is not None):  # free room first
             try:
-                await self.scale(d.pool, d.target)
+                if kind == "move":
+                    await self.move(pool, arg)
+                else:
+                    await self.scale(pool, arg)
             except ValueError as exc:  # refused (bounds changed, a pool not owned here)
-                logger.warning("planner: resize of %s to %d refused: %s", d.pool, d.target, exc)
+                logger.warning("planner: %s of %s (%s) refused: %s", kind, pool, arg, exc)
         return decisions
 
     async def run(self) -> None:

@@ -83,10 +83,13 @@ class _SimConnector:
         rid = request.request_id
         if num_external:
             self.sim.transfer_done(done_s, self.engine, rid, recving=True)
-        # the prefill engine frees its copy when the read ends
-        self.sim.transfer_done(
-            done_s, params["sim_prefill_engine"], params["sim_prefill_id"], False
-        )
+        # the prefill engine frees its copy when the (first) read ends; a stream
+        # migrated off a moving engine (elastic.py) has no prefill engine (None)
+        if params["sim_prefill_engine"] is not None and not params.get("sim_read"):
+            self.sim.transfer_done(
+                done_s, params["sim_prefill_engine"], params["sim_prefill_id"], False
+            )
+        params["sim_read"] = True
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
         return None
@@ -275,16 +278,13 @@ class Simulator:
         except ValueError as exc:
             records[i].error = str(exc)
 
-    def _admit_decode(self, i: int, prefill_engine: int, prompt: list[int], out_len: int) -> None:
+    def _admit_decode(
+        self, i: int, prefill_engine: int, prompt: list[int], out_len: int, prefill_id: str = ""
+    ) -> None:
         e = min(self.accepting(self.decode), key=lambda x: (x.num_unfinished(), x.index))
         sp = SamplingParams(max_tokens=out_len, ignore_eos=True)
-        r = Request(
-            f"d{i}",
-            prompt,
-            sp,
-            arrival_time=self.now_s,
-            kv_transfer_params={"sim_prefill_engine": prefill_engine, "sim_prefill_id": f"p{i}"},
-        )
+        params = {"sim_prefill_engine": prefill_engine, "sim_prefill_id": prefill_id or f"p{i}"}
+        r = Request(f"d{i}", prompt, sp, arrival_time=self.now_s, kv_transfer_params=params)
         e.sched.add_request(r)  # the prefill engine accepted the same prompt
 
     def _start_step(self, e: _Engine, t: float) -> None:
@@ -341,7 +341,7 @@ class Simulator:
         for out in outs.outputs:
             if per_token and out.new_token_ids:  # the gateway streams them (and the client reads)
                 self.share.add("path", per_token * len(out.new_token_ids))
-            i = int(out.request_id[1:])
+            i = int(out.request_id[1:].partition(".")[0])  # p<i>.m<n>: a migration's prefill
             if out.request_id[0] == "p":
                 if out.finish_reason is not None:
                     # P's token is the first output token, streamed at once; D takes
@@ -350,9 +350,9 @@ class Simulator:
                     req = reqs.get(out.request_id)
                     prompt = req.prompt_token_ids if req is not None else []
                     live[f"d{i}"] = i
-                    self._admit_decode(
-                        i, e.index, [*prompt, *out.new_token_ids], records[i].output_len - 1
-                    )
+                    left = records[i].output_len - len(records[i].token_times)
+                    tokens = [*prompt, *out.new_token_ids]
+                    self._admit_decode(i, e.index, tokens, left, out.request_id)
             else:
                 records[i].token_times.extend([t] * len(out.new_token_ids))
                 if out.finish_reason is not None:
