@@ -26,9 +26,10 @@ import threading
 import time
 from typing import Any
 
+import msgspec
 import torch
 
-from tandem.kvtransfer.tiers.config import TierConfig, fingerprint
+from tandem.kvtransfer.tiers.config import TierConfig, disk_name, fingerprint
 from tandem.kvtransfer.tiers.copies import TierCopier
 from tandem.kvtransfer.tiers.disk import DiskTier
 from tandem.kvtransfer.tiers.host import HostTier
@@ -40,24 +41,23 @@ logger = logging.getLogger(__name__)
 LOAD_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
 
-class StoreJob:
-    __slots__ = ("block_id", "key", "cancelled")
+class StoreJob(msgspec.Struct, array_like=True):
+    """A device block to copy into the tiers (msgspec: it rides a step's plan to the
+    other tensor-parallel ranks, kvtransfer/tiers/ranks.py)."""
 
-    def __init__(self, block_id: int, key: bytes) -> None:
-        self.block_id = block_id
-        self.key = key
-        self.cancelled = False
+    block_id: int
+    key: bytes
+    cancelled: bool = False
 
 
-class LoadJob:
-    __slots__ = ("req_id", "keys", "block_ids", "deadline", "cancelled")
+class LoadJob(msgspec.Struct, array_like=True):
+    """One request's run of tier blocks to copy into its device blocks."""
 
-    def __init__(self, req_id: str, keys: list[bytes], block_ids: list[int], deadline: float):
-        self.req_id = req_id
-        self.keys = keys
-        self.block_ids = block_ids
-        self.deadline = deadline
-        self.cancelled = False
+    req_id: str
+    keys: list[bytes]
+    block_ids: list[int]
+    deadline: float  # this process's time.monotonic()
+    cancelled: bool = False
 
 
 def _counters() -> dict[str, float]:
@@ -106,7 +106,7 @@ class TierStore:
             )
             try:
                 self.disk = DiskTier(
-                    cfg.disk_dir, cfg.engine_id, cfg.disk_bytes, block_bytes, fp, self._pinned
+                    cfg.disk_dir, disk_name(cfg), cfg.disk_bytes, block_bytes, fp, self._pinned
                 )
             except ValueError as exc:  # names the flag
                 if not cfg.disk_optional:
@@ -211,9 +211,11 @@ class TierStore:
         return held, slots
 
     def submit_load(self, job: LoadJob) -> None:
-        """Queue a load whose keys ``pin`` holds; the thread unpins them."""
+        """Queue a load whose keys ``pin`` holds; the thread unpins them. A tensor-parallel
+        rank > 0 queues it behind the stores submitted before it: rank 0 matched keys its
+        own stores committed, and this rank's copies of them are in that queue."""
         with self.lock:
-            self._loads.append(job)
+            (self._stores if self.config.tp_rank else self._loads).append(job)
             self._wake.notify()
 
     def store_now(self, job: StoreJob) -> None:
@@ -261,11 +263,14 @@ class TierStore:
             self.disk is not None and key not in self.disk and not self.copier.disk_full()
         )
 
-    def cancel(self, key: bytes) -> None:
-        """The device block behind a pending store is being reused."""
+    def cancel(self, key: bytes) -> bool:
+        """The device block behind a pending store is being reused. True: a store was
+        pending (and is void now)."""
         job = self.pending.get(key)
-        if job is not None:
-            job.cancelled = True
+        if job is None or job.cancelled:
+            return False
+        job.cancelled = True
+        return True
 
     def cancel_all(self) -> None:
         with self.lock:
@@ -288,6 +293,17 @@ class TierStore:
                     dropped += 1
             self.counters["resets"] += 1
         return dropped
+
+    def drop(self, keys: list[bytes]) -> None:
+        """Forget ``keys`` in every tier (a load of them failed on some rank: the next
+        computation of those blocks stores them again on every rank). Pinned keys stay."""
+        with self.lock:
+            for key in keys:
+                if self._pinned(key):
+                    continue
+                for tier in self.tiers():
+                    if key in tier:
+                        tier.drop(key)
 
     def poll(self) -> list[tuple[str, list[int]]]:
         with self.lock:

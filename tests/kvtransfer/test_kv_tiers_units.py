@@ -35,7 +35,10 @@ BB = 64  # bytes per block in these tests
         (dict(kv_offloading_disk_dir="/x"), "--kv-offloading-disk-size go together"),
         (dict(kv_offloading_disk_dir="", kv_offloading_disk_size=1), "--kv-offloading-disk-dir"),
         (dict(kv_offloading_size=1, enable_prefix_caching=False), "--no-prefix-caching"),
-        (dict(kv_offloading_size=1, tensor_parallel_size=2), "tensor_parallel_size 1"),
+        (
+            dict(kv_offloading_size=1, tensor_parallel_size=2, kv_connector="nixl"),
+            "need kv_connector unset",
+        ),
     ],
 )
 def test_bad_tier_flags_are_named(kw, flag):
