@@ -211,9 +211,8 @@ class TierStore:
         return held, slots
 
     def submit_load(self, job: LoadJob) -> None:
-        """Queue a load whose keys ``pin`` holds; the thread unpins them. A tensor-parallel
-        rank > 0 queues it behind the stores submitted before it: rank 0 matched keys its
-        own stores committed, and this rank's copies of them are in that queue."""
+        """Queue a load whose keys ``pin`` holds; the thread unpins them. A TP rank > 0
+        queues it behind the stores sent before it (its blocks' copies, ranks.py)."""
         with self.lock:
             (self._stores if self.config.tp_rank else self._loads).append(job)
             self._wake.notify()
@@ -264,8 +263,7 @@ class TierStore:
         )
 
     def cancel(self, key: bytes) -> bool:
-        """The device block behind a pending store is being reused. True: a store was
-        pending (and is void now)."""
+        """The device block behind a pending store is being reused (True: it was)."""
         job = self.pending.get(key)
         if job is None or job.cancelled:
             return False
@@ -295,15 +293,11 @@ class TierStore:
         return dropped
 
     def drop(self, keys: list[bytes]) -> None:
-        """Forget ``keys`` in every tier (a load of them failed on some rank: the next
-        computation of those blocks stores them again on every rank). Pinned keys stay."""
+        """Forget ``keys`` (not pinned) in every tier (tensor parallelism, ranks.py)."""
         with self.lock:
-            for key in keys:
-                if self._pinned(key):
-                    continue
-                for tier in self.tiers():
-                    if key in tier:
-                        tier.drop(key)
+            for key, tier in [(k, t) for k in keys if not self._pinned(k) for t in self.tiers()]:
+                if key in tier:
+                    tier.drop(key)
 
     def poll(self) -> list[tuple[str, list[int]]]:
         with self.lock:

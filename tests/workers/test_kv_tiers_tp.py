@@ -13,6 +13,7 @@ import pytest
 from tandem.wire.engine_protocol import SamplingParams
 from tandem.workers.config import EngineConfig
 from tandem.workers.engine.llm import LLM
+from tandem.workers.parallel.messages import CMD_KV_STATS, REPLY_KV_STATS
 from tests.workers.hf_checkpoints import make_config
 
 pytestmark = pytest.mark.slow
@@ -66,7 +67,8 @@ def settle(llm: LLM) -> None:
 
 def rank_stats(llm: LLM) -> list[dict[str, float]]:
     """Every rank's tier counters, rank 0 first."""
-    return [llm.engine.connector_worker.store.stats(), *llm.engine.tp.worker_kv_stats()]
+    replies = llm.engine.tp.ask_workers(CMD_KV_STATS, REPLY_KV_STATS)
+    return [llm.engine.connector_worker.store.stats(), *(r.kv_stats for r in replies)]
 
 
 def tokens(llm: LLM, prompts) -> list[list[int]]:

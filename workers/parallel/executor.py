@@ -247,34 +247,27 @@ class TPExecutor:
         rank sees: rank 0's stand). Engine loop thread, between steps."""
         if self.failed is not None:
             return rank0
-        replies = self.worker_kv_stats()
+        replies = self.ask_workers(CMD_KV_STATS, REPLY_KV_STATS)
         out = dict(rank0)
         for key in SUMMED_KV_STATS:
-            out[key] = rank0.get(key, 0.0) + sum(stats.get(key, 0.0) for stats in replies)
+            out[key] = rank0.get(key, 0.0) + sum(r.kv_stats.get(key, 0.0) for r in replies)
         return out
 
-    def worker_kv_stats(self) -> list[dict[str, float]]:
-        """Ranks 1..N-1's connector ``stats()``, in rank order (loop thread)."""
+    def ask_workers(self, kind: int, reply: int, idle: bool = False) -> list[WorkerReply]:
+        """Every worker's answer to ``kind`` (``CMD_KV_STATS``, ``CMD_CHECK``), rank order."""
         self._check_alive()
         self._num_stats += 1
-        self.broadcast(CMD_KV_STATS, self._num_stats)
-        replies = self._await(REPLY_KV_STATS, STATS_TIMEOUT_S, step=self._num_stats)
-        return [r.kv_stats for r in replies]
+        self.broadcast(kind, self._num_stats, idle=idle)
+        return self._await(reply, STATS_TIMEOUT_S, step=self._num_stats)
 
     def check_integrity(self, idle: bool = True) -> None:
         """The merged KV outputs, then every worker's own connector state (KV tiers:
         kvtransfer/tiers/ranks.py); AssertionError naming the rank."""
-        if self.failed is not None:
-            return
-        self._kv.check_integrity()
-        if not self.check_ranks:
-            return
-        self._check_alive()
-        self._num_stats += 1
-        self.broadcast(CMD_CHECK, self._num_stats, idle=idle)
-        for reply in self._await(REPLY_CHECK, STATS_TIMEOUT_S, step=self._num_stats):
-            if reply.error:
-                raise AssertionError(reply.error)
+        if self.failed is None:
+            self._kv.check_integrity()
+            for r in self.ask_workers(CMD_CHECK, REPLY_CHECK, idle) if self.check_ranks else []:
+                if r.error:
+                    raise AssertionError(r.error)
 
     # ---- failure -----------------------------------------------------------
 
