@@ -36,7 +36,7 @@ class TierMeta(msgspec.Struct):
     loads: list[LoadJob] = []
     stores: list[StoreJob] = []  # blocks this step computes
     evict_stores: list[StoreJob] = []  # store_policy "eviction", before the step
-    cancels: list[bytes] = []  # keys whose pending store rank 0 cancelled (block reused)
+    cancels: list[bytes] = []  # keys whose device block is reused: a pending store is void
     aborted: list[str] = []  # requests whose load rank 0 cancelled (aborted)
     drops: list[bytes] = []  # keys to forget: a load of them failed on some rank
     reset: bool = False  # reset_prefix_cache: forget every unpinned block
@@ -78,8 +78,8 @@ class TierPoolEvents:
                 if store.register(job):
                     self.side.evict_stores.append(job)
             return
-        # its store, queued or not yet, is void (on every rank)
-        if self.side.store.cancel(block_hash) and self.side.tp:
+        self.side.store.cancel(block_hash)  # its store, queued or not yet, is void
+        if self.side.tp:  # on every rank: one may still copy what rank 0 committed
             self.side.cancels.append(block_hash)
 
     def cleared(self) -> None:

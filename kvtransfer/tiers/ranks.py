@@ -19,7 +19,8 @@ scheduler, which recomputes from the first bad block on every rank: never a
 mix of loaded and recomputed heads. The failed block is then forgotten on every
 rank (``TierMeta.drops``) so its recomputation stores it again everywhere.
 Rank r's tiers can hold a key rank 0 does not (harmless: LRU evicts it) or lack
-one (a store dropped on a full queue: that load recomputes).
+one (a store dropped on a full queue, or cancelled on rank r because its block was
+reused before rank r's copy while rank 0's had committed): that load recomputes.
 """
 
 from __future__ import annotations

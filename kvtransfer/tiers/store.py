@@ -262,13 +262,11 @@ class TierStore:
             self.disk is not None and key not in self.disk and not self.copier.disk_full()
         )
 
-    def cancel(self, key: bytes) -> bool:
-        """The device block behind a pending store is being reused (True: it was)."""
+    def cancel(self, key: bytes) -> None:
+        """The device block behind a pending store is being reused."""
         job = self.pending.get(key)
-        if job is None or job.cancelled:
-            return False
-        job.cancelled = True
-        return True
+        if job is not None:
+            job.cancelled = True
 
     def cancel_all(self) -> None:
         with self.lock:
