@@ -85,8 +85,8 @@ def check_tier_fields(cfg: Any) -> None:
     if cfg.tensor_parallel_size > 1 and cfg.kv_connector:
         raise ValueError(
             "--kv-offloading-size / --kv-offloading-disk-size with tensor_parallel_size > 1 "
-            f"need kv_connector unset (got {cfg.kv_connector!r}): lending and borrowing tier "
-            "blocks between engines (NIXL) is for tensor_parallel_size 1 engines only"
+            f"need kv_connector unset, got {cfg.kv_connector!r} (prefill and decode pools "
+            "exchange KV over NIXL): tier blocks cross engines only at tensor_parallel_size 1"
         )
     if disk_dir is not None and cfg.prefix_caching_hash_algo == "builtin":
         raise ValueError(
