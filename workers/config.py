@@ -138,9 +138,7 @@ class EngineConfig:
         None, section="offload", per_pool=True, metavar="GiB",
         help="host-memory KV tier of each engine in GiB (pinned on CUDA); unset: none. "
         "Engines with it lend tier prefixes to each other over NIXL (prefill and decode "
-        "engines; a colocated pool of more than one engine gets NIXL for it). With "
-        "--tensor-parallel-size > 1 each rank keeps this much for its KV shard, colocated "
-        "pools only (no NIXL lending)",
+        "engines; a colocated pool of more than one engine gets NIXL for it)",
     )  # fmt: skip
     kv_offloading_disk_dir: str | None = option(
         None, section="offload", per_pool=True, metavar="DIR",

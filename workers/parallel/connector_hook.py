@@ -75,13 +75,15 @@ def make_rank_connector(config: EngineConfig, hf_config: Any, rank: int) -> Any:
     (The pair's scheduler side is plain state, unused here: the engine core's plans.)
     KV tiers: the rank's own tiers, following rank 0's plan (kvtransfer/tiers/ranks.py;
     with a NIXL connector they are refused at config time)."""
-    if config.kv_offloading_size or config.kv_offloading_disk_size:
-        import dataclasses
+    import dataclasses
 
-        from tandem.kvtransfer.tiers.config import tier_config
+    from tandem.kvtransfer.tiers.config import tier_config
+
+    tiers = tier_config(config)
+    if tiers.enabled:
         from tandem.kvtransfer.tiers.ranks import create_rank_tiers
 
-        return create_rank_tiers(dataclasses.replace(tier_config(config), tp_rank=rank))
+        return create_rank_tiers(dataclasses.replace(tiers, tp_rank=rank))
     if not config.kv_connector:
         return None
     from tandem.kvtransfer.registry import create_connector

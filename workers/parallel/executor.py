@@ -124,7 +124,7 @@ class TPExecutor:
         self.num_steps = 0
         self._num_stats = 0
         # workers keep state of their own to check (KV tiers: kvtransfer/tiers/ranks.py)
-        self.check_ranks = bool(config.kv_offloading_size or config.kv_offloading_disk_size)
+        self.check_ranks = False
         self.worker_kv_ports: list[int] = []  # ranks 1.. side channels (prefill engines)
         # seconds rank 0 spent encoding + sending steps, and waiting for the
         # workers' replies after its own forward (benchmarks/tensor_parallel.py)
@@ -189,6 +189,7 @@ class TPExecutor:
             raise
         self.heartbeats.restart_clock()
         self._started = True
+        self.check_ranks = getattr(runner.connector, "store", None) is not None  # KV tiers
         return TPRunner(self, runner)
 
     # ---- steps -------------------------------------------------------------
