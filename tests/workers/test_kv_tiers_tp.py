@@ -2,8 +2,9 @@
 (gloo) whose ranks each keep their own KV shard's blocks in host and disk tiers.
 Greedy fp32 tokens equal the TP=1 engine's without tiers while prefixes are evicted
 to host and disk and loaded back on both ranks; a load failing on rank 1 only is
-recomputed on both; the disk tier of each rank survives a restart and a TP=1 engine
-never reads it. Every scenario ends with ``check_integrity()``, which checks every
+recomputed on both (a hook corrupting its host tier, or its disk files flipped), the
+failed block forgotten and stored again on both; the disk tier of each rank survives a
+restart and a TP=1 engine never reads it. Every scenario ends with ``check_integrity()``, which checks every
 rank's tiers (nothing pinned, loading or leaked)."""
 
 from __future__ import annotations
@@ -172,6 +173,29 @@ def test_a_load_failing_on_one_rank_is_recomputed_on_every_rank(checkpoint, want
             if r.num_cached_tokens == 32:
                 break
         assert r.num_cached_tokens == 32
+
+
+def test_corrupt_disk_blocks_of_one_rank_are_recomputed_on_both(checkpoint, want, tmp_path):
+    prompts = prompts_with_shared_prefixes()
+    kw = dict(disk_blocks=64, disk_dir=tmp_path / "kv", num_kv_blocks=12, max_num_seqs=2)
+    with engine(checkpoint, 2, **kw) as llm:
+        assert tokens(llm, prompts[:1]) == want[:1]
+        settle(llm)
+    files = sorted((tmp_path / "kv" / "engine-0.tp2-rank1").rglob("*.kvb"))
+    assert len(files) == 5  # prompt 0 and its output: 42 tokens, 5 full blocks
+    for f in files:  # a flipped byte in each of rank 1's blocks; rank 0's are intact
+        data = bytearray(f.read_bytes())
+        data[-5] ^= 0xFF
+        f.write_bytes(bytes(data))
+    with engine(checkpoint, 2, **kw) as llm:  # an empty device cache: the disk is all
+        (r,) = llm.generate(prompt_token_ids=prompts[:1], sampling_params=SP)
+        assert r.token_ids == want[0] and r.num_cached_tokens == 0
+        settle(llm)
+        rank0, rank1 = rank_stats(llm)
+        assert rank0.get("load_failures", 0) == 0 and rank0["disk_hits"] > 0
+        assert rank1["load_failures"] == 1 and rank1.get("disk_hits", 0) == 0
+        # the bad block was forgotten on both ranks, so its recomputation stored it on both
+        assert rank0["disk_stored_blocks"] == rank1["disk_stored_blocks"] == 1
 
 
 def test_late_and_aborted_loads_and_a_reset_reach_every_rank(checkpoint, want):
