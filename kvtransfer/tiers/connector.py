@@ -25,7 +25,7 @@ import msgspec
 from tandem.kvtransfer.base import KVConnectorSchedulerSide, KVConnectorWorkerSide
 from tandem.kvtransfer.compat import STORAGE_ORDER
 from tandem.kvtransfer.tiers.config import TierConfig
-from tandem.kvtransfer.tiers.store import LoadJob, StoreJob, TierStore
+from tandem.kvtransfer.tiers.store import LoadJob, StoreJob, TierStore, forget
 
 
 class TierMeta(msgspec.Struct):
@@ -207,7 +207,7 @@ class TierSchedulerSide(KVConnectorSchedulerSide):
         everywhere (else rank 0 would keep matching a key another rank lacks)."""
         for key, block_id in zip(job.keys, job.block_ids, strict=True):
             if block_id in invalid:
-                self.store.drop([key])
+                forget(self.store, [key])
                 self.drops.append(key)
                 return
 

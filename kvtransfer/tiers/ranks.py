@@ -30,7 +30,7 @@ from typing import Any
 
 from tandem.kvtransfer.tiers.config import TierConfig
 from tandem.kvtransfer.tiers.connector import TierMeta, TierWorkerSide
-from tandem.kvtransfer.tiers.store import LoadJob, TierStore
+from tandem.kvtransfer.tiers.store import LoadJob, TierStore, forget
 
 
 class TierRankSide(TierWorkerSide):
@@ -53,7 +53,7 @@ class TierRankSide(TierWorkerSide):
             if job is not None:
                 job.cancelled = True
         if metadata.drops:
-            store.drop(metadata.drops)
+            forget(store, metadata.drops)
         if metadata.loads and store.config.corrupt_host_on_rank == store.config.tp_rank:
             self._corrupt_host()
         now = time.monotonic()

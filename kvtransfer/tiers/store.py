@@ -290,13 +290,6 @@ class TierStore:
             self.counters["resets"] += 1
         return dropped
 
-    def drop(self, keys: list[bytes]) -> None:
-        """Forget ``keys`` (not pinned) in every tier (tensor parallelism, ranks.py)."""
-        with self.lock:
-            for key, tier in [(k, t) for k in keys if not self._pinned(k) for t in self.tiers()]:
-                if key in tier:
-                    tier.drop(key)
-
     def poll(self) -> list[tuple[str, list[int]]]:
         with self.lock:
             done, self._done = self._done, []
@@ -367,3 +360,12 @@ class TierStore:
                 assert not self._done, "finished tier loads nobody collected"
                 if self.host is not None and not self.pending:
                     assert not self.host.reserved, "host tier slots reserved by no store"
+
+
+def forget(store: TierStore, keys: list[bytes]) -> None:
+    """Drop ``keys`` (those no load pins) from every tier of ``store`` (tensor
+    parallelism: a block some rank failed to load, kvtransfer/tiers/ranks.py)."""
+    with store.lock:
+        for key, tier in [(k, t) for k in keys if not store.pins[k] for t in store.tiers()]:
+            if key in tier:
+                tier.drop(key)
