@@ -2,6 +2,7 @@
 trace, and what an idle tier costs a step.
 
     python benchmarks/kv_tiers.py            (about 2-3 minutes on the 2-core CPU box)
+    python benchmarks/kv_tiers.py --parts trace --tp 2   (the trace, TP=2 engines)
 
 1. Store and load GB/s per tier through ``TierStore`` (the tier thread, checksums
    included) next to its ceiling: one ``copy_`` of the same bytes in one process
@@ -253,13 +254,13 @@ def _in_child(part: str, args: argparse.Namespace) -> list:
     import subprocess
 
     out = []
-    block_bytes = _block_bytes(args.model) if part == "trace" else 0
+    block_bytes = _block_bytes(args.model) // args.tp if part == "trace" else 0
     # the step configurations alternate, three times each (the box's load drifts)
     order = {"trace": range(len(TRACE_CONFIGS)), "step": [0, 1] * 3, "churn": [2, 3, 4] * 3}[part]
     for index in order:
         cmd = [sys.executable, __file__, "--one", f"{part}:{index}:{block_bytes}",
                "--model", args.model, "--steps", str(args.steps),
-               "--threads", str(args.threads)]  # fmt: skip
+               "--threads", str(args.threads), "--tp", str(args.tp)]  # fmt: skip
         res = subprocess.run(cmd, capture_output=True, text=True, check=True)
         out.append(json.loads(res.stdout.strip().splitlines()[-1]))
     return out
@@ -278,8 +279,12 @@ def _block_bytes(model: str) -> int:
     return m.num_layers * 2 * 16 * m.num_kv_heads * m.head_dim * 4
 
 
-def trace_one(tmp: str, model: str, index: int, block_bytes: int) -> dict:
+def trace_one(tmp: str, model: str, index: int, block_bytes: int, tp: int = 1) -> dict:
+    """``block_bytes``: of one rank's shard; with ``tp`` > 1 every rank's tier is as large
+    (kvtransfer/tiers/ranks.py)."""
     base = dict(model=model, dtype="float32", max_model_len=512, max_num_batched_tokens=512)
+    if tp > 1:
+        base.update(tensor_parallel_size=tp, torch_threads=1)
     trace = trace_prompts(256)  # token ids every model here has
     distinct = len({tuple(p[: (k + 1) * 16]) for p, _ in trace for k in range(len(p) // 16)})
     device_blocks = max(distinct // 4, 40)
@@ -380,7 +385,8 @@ def _timed(fn, spent: list[float]):
 def print_trace(trace_rows: list[dict], model: str) -> None:
     device_blocks, distinct = trace_rows[0]["device_blocks"], trace_rows[0]["distinct"]
     print(
-        f"\n2. multi-turn trace, {model} fp32, device cache {device_blocks} blocks, "
+        f"\n2. multi-turn trace, {model} fp32, TP={trace_rows[0].get('tp', 1)}, "
+        f"device cache {device_blocks} blocks, "
         f"{distinct} distinct blocks in the trace"
     )
     print(
@@ -410,6 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--parts", default="copy,trace,churn,step")
     ap.add_argument("--model", default="tiny", help="trace and step model (tiny, smollm2, ...)")
+    ap.add_argument("--tp", type=int, default=1, help="trace part: tensor_parallel_size")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # PART:INDEX, in a child process
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -419,7 +426,8 @@ def main(argv: list[str] | None = None) -> int:
         part, index, block_bytes = args.one.split(":")
         if part == "trace":
             with tempfile.TemporaryDirectory() as tmp:
-                print(json.dumps(trace_one(tmp, args.model, int(index), int(block_bytes))))
+                row = trace_one(tmp, args.model, int(index), int(block_bytes), args.tp)
+                print(json.dumps(row | {"tp": args.tp}))
         else:  # step, churn
             print(json.dumps(step_one(args.steps, args.model, int(index))))
         return 0

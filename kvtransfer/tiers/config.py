@@ -38,6 +38,12 @@ class TierConfig:
     # threads reading a load's disk blocks at once, each straight into its device block
     # (CPU; benchmarks/kv_tiers.py measured 1 / 2 / 4 / 8, docs/benchmarks.md)
     disk_readers: int = 4
+    # tensor parallelism: each rank keeps its own KV shard's blocks (kvtransfer/tiers/ranks.py)
+    tp_size: int = 1
+    tp_rank: int = 0
+    # test hook: this rank (> 0) flips every byte of its host tier as its first load
+    # arrives, so that rank's loads fail their checksum while rank 0's succeed
+    corrupt_host_on_rank: int = 0
 
     @property
     def enabled(self) -> bool:
@@ -76,10 +82,11 @@ def check_tier_fields(cfg: Any) -> None:
             "--kv-offloading-size / --kv-offloading-disk-size need prefix caching "
             "(drop --no-prefix-caching): tier blocks are found by their prefix hash"
         )
-    if cfg.parallel.tensor_parallel_size > 1:
+    if cfg.parallel.tensor_parallel_size > 1 and cfg.kv_transfer.connector:
         raise ValueError(
-            "--kv-offloading-size / --kv-offloading-disk-size need tensor_parallel_size 1 "
-            "(the tiers hold whole blocks of one KV cache)"
+            "--kv-offloading-size / --kv-offloading-disk-size with tensor_parallel_size > 1 "
+            f"need kv_connector unset, got {cfg.kv_transfer.connector!r} (prefill and decode pools "
+            "exchange KV over NIXL): tier blocks cross engines only at tensor_parallel_size 1"
         )
     if disk_dir is not None and cfg.cache.prefix_caching_hash_algo == "builtin":
         raise ValueError(
@@ -102,6 +109,7 @@ def tier_config(cfg: Any) -> TierConfig:
         block_size=cfg.cache.block_size,
         kv_layout=cfg.cache.kv_layout,
         load_timeout_s=cfg.kv_transfer.load_timeout_s,
+        tp_size=cfg.parallel.tensor_parallel_size,
     )
     fields.update((cfg.runtime.extra or {}).get("kv_tiers", {}))
     return TierConfig(**fields)
@@ -117,7 +125,17 @@ def fingerprint(config: TierConfig, dtype: str, block_shape: tuple[int, ...]) ->
         "block_shape": list(block_shape),
         "block_size": config.block_size,
         "hash_algo": config.hash_algo,
-    }
+    } | (
+        # a rank's shard: another TP size (or rank) splits the KV heads otherwise
+        {"tp_size": config.tp_size, "tp_rank": config.tp_rank} if config.tp_size > 1 else {}
+    )
+
+
+def disk_name(config: TierConfig) -> str:
+    """The engine's (tensor-parallel: the rank's) directory under the disk tier's."""
+    if config.tp_size == 1:
+        return config.engine_id
+    return f"{config.engine_id}.tp{config.tp_size}-rank{config.tp_rank}"
 
 
 def fingerprint_id(fp: dict[str, Any]) -> str:

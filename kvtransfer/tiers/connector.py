@@ -25,16 +25,21 @@ import msgspec
 from tandem.kvtransfer.base import KVConnectorSchedulerSide, KVConnectorWorkerSide
 from tandem.kvtransfer.compat import STORAGE_ORDER
 from tandem.kvtransfer.tiers.config import TierConfig
-from tandem.kvtransfer.tiers.store import LoadJob, StoreJob, TierStore
+from tandem.kvtransfer.tiers.store import LoadJob, StoreJob, TierStore, forget
 
 
 class TierMeta(msgspec.Struct):
     """One step's tier work (the runner reads ``loads`` to order loads after the
-    step in flight)."""
+    step in flight). Under tensor parallelism every rank gets the same plan
+    (kvtransfer/tiers/ranks.py); the last four fields are for ranks > 0 only."""
 
-    loads: list[Any] = []  # LoadJob
-    stores: list[Any] = []  # StoreJob: blocks this step computes
-    evict_stores: list[Any] = []  # StoreJob: store_policy "eviction", before the step
+    loads: list[LoadJob] = []
+    stores: list[StoreJob] = []  # blocks this step computes
+    evict_stores: list[StoreJob] = []  # store_policy "eviction", before the step
+    cancels: list[bytes] = []  # keys whose device block is reused: a pending store is void
+    aborted: list[str] = []  # requests whose load rank 0 cancelled (aborted)
+    drops: list[bytes] = []  # keys to forget: a load of them failed on some rank
+    reset: bool = False  # reset_prefix_cache: forget every unpinned block
 
 
 class TierPoolEvents:
@@ -74,6 +79,8 @@ class TierPoolEvents:
                     self.side.evict_stores.append(job)
             return
         self.side.store.cancel(block_hash)  # its store, queued or not yet, is void
+        if self.side.tp:  # on every rank: one may still copy what rank 0 committed
+            self.side.cancels.append(block_hash)
 
     def cleared(self) -> None:
         if self.inner is not None:
@@ -97,6 +104,12 @@ class TierSchedulerSide(KVConnectorSchedulerSide):
         self.evict_stores: list[StoreJob] = []
         self._new_loads: list[LoadJob] = []
         self._landed: set[str] = set()  # loads reported this step (loads_from_own_tiers)
+        # tensor parallelism: what ranks > 0 must repeat on their own tiers (TierMeta)
+        self.tp = config.tp_size > 1
+        self.cancels: list[bytes] = []
+        self.aborted: list[str] = []
+        self.drops: list[bytes] = []
+        self._resets = 0.0  # the store's reset count the ranks have heard of
 
     def attach(self, pool: Any) -> None:
         """Follow ``pool``'s published and evicted blocks (call after the KV events
@@ -163,6 +176,11 @@ class TierSchedulerSide(KVConnectorSchedulerSide):
             loads=self._new_loads, stores=self.new_stores, evict_stores=self.evict_stores
         )
         self._new_loads, self.new_stores, self.evict_stores = [], [], []
+        if self.tp:
+            resets = self.store.counters.get("resets", 0.0)
+            meta.cancels, meta.aborted, meta.drops = self.cancels, self.aborted, self.drops
+            meta.reset, self._resets = resets != self._resets, resets
+            self.cancels, self.aborted, self.drops = [], [], []
         return meta
 
     def request_finished(self, request: Any, block_ids: list[int]):
@@ -170,12 +188,28 @@ class TierSchedulerSide(KVConnectorSchedulerSide):
         job = self.loading.get(request.request_id)
         if job is not None:
             job.cancelled = True  # aborted mid-load: stop copying; blocks freed when it ends
+            if self.tp:
+                self.aborted.append(request.request_id)
         return False, None
 
     def update_connector_output(self, connector_output: Any) -> None:
+        invalid = set(connector_output.invalid_block_ids) if self.tp else ()
         for rid in connector_output.finished_recving:
-            if self.loading.pop(rid, None) is not None:
+            job = self.loading.pop(rid, None)
+            if job is not None:
                 self._landed.add(rid)
+                if invalid:
+                    self._forget_failed(job, invalid)
+
+    def _forget_failed(self, job: LoadJob, invalid: set[int]) -> None:
+        """Tensor parallelism: a block some rank could not load (missing, corrupt or
+        late there) is forgotten on every rank, so its recomputation stores it again
+        everywhere (else rank 0 would keep matching a key another rank lacks)."""
+        for key, block_id in zip(job.keys, job.block_ids, strict=True):
+            if block_id in invalid:
+                forget(self.store, [key])
+                self.drops.append(key)
+                return
 
     def has_pending_work(self) -> bool:
         return bool(self.loading)
@@ -183,6 +217,7 @@ class TierSchedulerSide(KVConnectorSchedulerSide):
     def check_integrity(self, idle: bool = True) -> None:
         if idle:
             assert not self.loading, f"tier loads still tracked: {sorted(self.loading)}"
+            assert not self.aborted, f"aborted tier loads not told to the ranks: {self.aborted}"
 
 
 class TierWorkerSide(KVConnectorWorkerSide):

@@ -26,9 +26,10 @@ import threading
 import time
 from typing import Any
 
+import msgspec
 import torch
 
-from tandem.kvtransfer.tiers.config import TierConfig, fingerprint
+from tandem.kvtransfer.tiers.config import TierConfig, disk_name, fingerprint
 from tandem.kvtransfer.tiers.copies import TierCopier
 from tandem.kvtransfer.tiers.disk import DiskTier
 from tandem.kvtransfer.tiers.host import HostTier
@@ -40,24 +41,23 @@ logger = logging.getLogger(__name__)
 LOAD_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
 
-class StoreJob:
-    __slots__ = ("block_id", "key", "cancelled")
+class StoreJob(msgspec.Struct, array_like=True):
+    """A device block to copy into the tiers (msgspec: it rides a step's plan to the
+    other tensor-parallel ranks, kvtransfer/tiers/ranks.py)."""
 
-    def __init__(self, block_id: int, key: bytes) -> None:
-        self.block_id = block_id
-        self.key = key
-        self.cancelled = False
+    block_id: int
+    key: bytes
+    cancelled: bool = False
 
 
-class LoadJob:
-    __slots__ = ("req_id", "keys", "block_ids", "deadline", "cancelled")
+class LoadJob(msgspec.Struct, array_like=True):
+    """One request's run of tier blocks to copy into its device blocks."""
 
-    def __init__(self, req_id: str, keys: list[bytes], block_ids: list[int], deadline: float):
-        self.req_id = req_id
-        self.keys = keys
-        self.block_ids = block_ids
-        self.deadline = deadline
-        self.cancelled = False
+    req_id: str
+    keys: list[bytes]
+    block_ids: list[int]
+    deadline: float  # this process's time.monotonic()
+    cancelled: bool = False
 
 
 def _counters() -> dict[str, float]:
@@ -106,7 +106,7 @@ class TierStore:
             )
             try:
                 self.disk = DiskTier(
-                    cfg.disk_dir, cfg.engine_id, cfg.disk_bytes, block_bytes, fp, self._pinned
+                    cfg.disk_dir, disk_name(cfg), cfg.disk_bytes, block_bytes, fp, self._pinned
                 )
             except ValueError as exc:  # names the flag
                 if not cfg.disk_optional:
@@ -211,9 +211,10 @@ class TierStore:
         return held, slots
 
     def submit_load(self, job: LoadJob) -> None:
-        """Queue a load whose keys ``pin`` holds; the thread unpins them."""
+        """Queue a load whose keys ``pin`` holds; the thread unpins them. A TP rank > 0
+        queues it behind the stores sent before it (its blocks' copies, ranks.py)."""
         with self.lock:
-            self._loads.append(job)
+            (self._stores if self.config.tp_rank else self._loads).append(job)
             self._wake.notify()
 
     def store_now(self, job: StoreJob) -> None:
@@ -359,3 +360,12 @@ class TierStore:
                 assert not self._done, "finished tier loads nobody collected"
                 if self.host is not None and not self.pending:
                     assert not self.host.reserved, "host tier slots reserved by no store"
+
+
+def forget(store: TierStore, keys: list[bytes]) -> None:
+    """Drop ``keys`` (those no load pins) from every tier of ``store`` (tensor
+    parallelism: a block some rank failed to load, kvtransfer/tiers/ranks.py)."""
+    with store.lock:
+        for key, tier in [(k, t) for k in keys if not store.pins[k] for t in store.tiers()]:
+            if key in tier:
+                tier.drop(key)

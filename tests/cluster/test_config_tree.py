@@ -403,6 +403,11 @@ def test_colocated_engines_with_host_tiers_get_nixl_to_lend_to_each_other():
     assert (
         serve_config(kv_offloading_size=1.0).pool_engine("decode").kv_transfer.connector == "nixl"
     )
+    # tensor parallelism: every rank keeps its own tiers, lent to nobody (kvtransfer/tiers/ranks.py)
+    tp = serve_config(colocated=2, kv_offloading_size=1.0, tensor_parallel_size=2)
+    assert tp.pool_engine("colocated").kv_transfer.connector is None
+    with pytest.raises(ValueError, match="need kv_connector unset"):
+        serve_config(prefill=1, decode=1, kv_offloading_size=1.0, tensor_parallel_size=2)
 
 
 def test_a_prefill_engine_reads_peers_tiers_when_another_pool_keeps_one():

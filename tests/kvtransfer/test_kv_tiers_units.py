@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from tandem.kvtransfer.tiers.config import TierConfig, fingerprint
+from tandem.kvtransfer.tiers.config import TierConfig, disk_name, fingerprint
 from tandem.kvtransfer.tiers.disk import (
     DiskTier,
     TierLoadError,
@@ -35,7 +35,10 @@ BB = 64  # bytes per block in these tests
         (dict(kv_offloading_disk_dir="/x"), "--kv-offloading-disk-size go together"),
         (dict(kv_offloading_disk_dir="", kv_offloading_disk_size=1), "--kv-offloading-disk-dir"),
         (dict(kv_offloading_size=1, enable_prefix_caching=False), "--no-prefix-caching"),
-        (dict(kv_offloading_size=1, tensor_parallel_size=2), "tensor_parallel_size 1"),
+        (
+            dict(kv_offloading_size=1, tensor_parallel_size=2, kv_connector="nixl"),
+            "need kv_connector unset",
+        ),
     ],
 )
 def test_bad_tier_flags_are_named(kw, flag):
@@ -88,6 +91,19 @@ def test_disk_tier_accounting_reindex_and_file_checks(tmp_path):
     again.check_integrity()
     with pytest.raises(ValueError, match="--kv-offloading-disk-dir.*block_size"):
         DiskTier(str(tmp_path), "e0", 2 * size, BB, _fp(block_size=32), lambda k: False)
+
+
+def test_a_tensor_parallel_rank_keeps_its_own_fingerprinted_directory(tmp_path):
+    """TP=1 keeps ``<dir>/<engine id>`` and its fingerprint; rank r of TP=N keeps its
+    own directory, and its fingerprint names N and r, so no other split reads it."""
+    assert disk_name(TierConfig(engine_id="e0")) == "e0"
+    assert disk_name(TierConfig(engine_id="e0", tp_size=2, tp_rank=1)) == "e0.tp2-rank1"
+    assert "tp_size" not in _fp()
+    disk = DiskTier(str(tmp_path), "e0", 1 << 20, BB, _fp(tp_size=2, tp_rank=1), lambda k: False)
+    disk.check_integrity()
+    for other in (_fp(), _fp(tp_size=2, tp_rank=0), _fp(tp_size=4, tp_rank=1)):
+        with pytest.raises(ValueError, match="--kv-offloading-disk-dir.*tp_"):
+            DiskTier(str(tmp_path), "e0", 1 << 20, BB, other, lambda k: False)
 
 
 def test_disk_reads_stage_the_whole_file_and_still_catch_every_bad_file(tmp_path):

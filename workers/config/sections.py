@@ -260,7 +260,9 @@ class OffloadConfig:
         None, per_pool=True, metavar="GiB",
         help="host-memory KV tier of each engine in GiB (pinned on CUDA); unset: none. "
         "Engines with it lend tier prefixes to each other over NIXL (prefill and decode "
-        "engines; a colocated pool of more than one engine gets NIXL for it)",
+        "engines; a colocated pool of more than one engine gets NIXL for it). With "
+        "--tensor-parallel-size > 1 each rank keeps this much for its KV shard, in colocated "
+        "pools only (no lending over NIXL)",
     )  # fmt: skip
     kv_offloading_disk_dir: str | None = option(
         None, per_pool=True, metavar="DIR",

@@ -202,7 +202,7 @@ class EngineCore:
     def check_integrity(self) -> bool:
         self.scheduler.check_integrity()
         if self.tp is not None:
-            self.tp.check_integrity()
+            self.tp.check_integrity(idle=not self.scheduler.requests)
         self.request_clock.check_integrity(self.scheduler.requests)
         drafter = getattr(self.runner, "drafter", None)  # draft model: its KV bookkeeping
         if drafter is not None:

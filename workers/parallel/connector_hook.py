@@ -76,7 +76,18 @@ def kv_transfer_config(config: EngineConfig, hf_config: Any, rank: int = 0) -> A
 
 def make_rank_connector(config: EngineConfig, hf_config: Any, rank: int) -> Any:
     """Rank ``rank``'s connector worker side, or None without a connector.
-    (The pair's scheduler side is plain state, unused here: the engine core's plans.)"""
+    (The pair's scheduler side is plain state, unused here: the engine core's plans.)
+    KV tiers: the rank's own tiers, following rank 0's plan (kvtransfer/tiers/ranks.py;
+    with a NIXL connector they are refused at config time)."""
+    import dataclasses
+
+    from tandem.kvtransfer.tiers.config import tier_config
+
+    tiers = tier_config(config)
+    if tiers.enabled:
+        from tandem.kvtransfer.tiers.ranks import create_rank_tiers
+
+        return create_rank_tiers(dataclasses.replace(tiers, tp_rank=rank))
     if not config.kv_transfer.connector:
         return None
     from tandem.kvtransfer.registry import create_connector

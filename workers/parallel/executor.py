@@ -52,10 +52,12 @@ from tandem.workers.config import EngineConfig
 from tandem.workers.parallel.group import TPGroup, make_store
 from tandem.workers.parallel.heartbeat import HeartbeatBook
 from tandem.workers.parallel.messages import (
+    CMD_CHECK,
     CMD_KV_STATS,
     CMD_RELEASE_IDLE,
     CMD_STEP,
     CMD_STOP,
+    REPLY_CHECK,
     REPLY_ERROR,
     REPLY_HELLO,
     REPLY_KV_STATS,
@@ -121,6 +123,8 @@ class TPExecutor:
         self._kv = ConnectorOutputMerger(self.size)
         self.num_steps = 0
         self._num_stats = 0
+        # workers keep state of their own to check (KV tiers: kvtransfer/tiers/ranks.py)
+        self.check_ranks = False
         self.worker_kv_ports: list[int] = []  # ranks 1.. side channels (prefill engines)
         # seconds rank 0 spent encoding + sending steps, and waiting for the
         # workers' replies after its own forward (benchmarks/tensor_parallel.py)
@@ -185,6 +189,7 @@ class TPExecutor:
             raise
         self.heartbeats.restart_clock()
         self._started = True
+        self.check_ranks = getattr(runner.connector, "store", None) is not None  # KV tiers
         return TPRunner(self, runner)
 
     # ---- steps -------------------------------------------------------------
@@ -209,10 +214,10 @@ class TPExecutor:
             out.kv_connector_output = self._kv.merge(outputs)
         return out
 
-    def broadcast(self, kind: int, seq: int = 0) -> None:
+    def broadcast(self, kind: int, seq: int = 0, idle: bool = False) -> None:
         """A command without a scheduler output (``CMD_RELEASE_IDLE``,
-        ``CMD_KV_STATS``) to every worker; ``seq`` matches its replies."""
-        frame = self._enc.encode(WorkerCommand(kind, seq))
+        ``CMD_KV_STATS``, ``CMD_CHECK``) to every worker; ``seq`` matches its replies."""
+        frame = self._enc.encode(WorkerCommand(kind, seq, idle=idle))
         self._send(frame)
 
     def _send(self, frame: bytes) -> None:
@@ -243,18 +248,27 @@ class TPExecutor:
         rank sees: rank 0's stand). Engine loop thread, between steps."""
         if self.failed is not None:
             return rank0
-        self._check_alive()
-        self._num_stats += 1
-        self.broadcast(CMD_KV_STATS, self._num_stats)
-        replies = self._await(REPLY_KV_STATS, STATS_TIMEOUT_S, step=self._num_stats)
+        replies = self.ask_workers(CMD_KV_STATS, REPLY_KV_STATS)
         out = dict(rank0)
         for key in SUMMED_KV_STATS:
             out[key] = rank0.get(key, 0.0) + sum(r.kv_stats.get(key, 0.0) for r in replies)
         return out
 
-    def check_integrity(self) -> None:
+    def ask_workers(self, kind: int, reply: int, idle: bool = False) -> list[WorkerReply]:
+        """Every worker's answer to ``kind`` (``CMD_KV_STATS``, ``CMD_CHECK``), rank order."""
+        self._check_alive()
+        self._num_stats += 1
+        self.broadcast(kind, self._num_stats, idle=idle)
+        return self._await(reply, STATS_TIMEOUT_S, step=self._num_stats)
+
+    def check_integrity(self, idle: bool = True) -> None:
+        """The merged KV outputs, then every worker's own connector state (KV tiers:
+        kvtransfer/tiers/ranks.py); AssertionError naming the rank."""
         if self.failed is None:
             self._kv.check_integrity()
+            for r in self.ask_workers(CMD_CHECK, REPLY_CHECK, idle) if self.check_ranks else []:
+                if r.error:
+                    raise AssertionError(r.error)
 
     # ---- failure -----------------------------------------------------------
 

@@ -20,6 +20,7 @@ CMD_STEP = 0
 CMD_STOP = 1
 CMD_RELEASE_IDLE = 2  # rank 0 freed its idle dense-decode copy: free yours (same state)
 CMD_KV_STATS = 3  # reply with your KV connector's stats()
+CMD_CHECK = 4  # run your KV connector's check_integrity(idle): REPLY_CHECK, error if it fails
 
 REPLY_HELLO = 0  # process up, about to join the process group
 REPLY_READY = 1  # weights loaded, KV cache allocated, runner built
@@ -27,6 +28,7 @@ REPLY_STEP = 2  # a step done
 REPLY_ERROR = 3  # the worker failed (it exits right after sending this)
 REPLY_KV_STATS = 4
 REPLY_HEARTBEAT = 5  # from the worker's heartbeat thread (workers/parallel/heartbeat.py)
+REPLY_CHECK = 6  # CMD_CHECK done; ``error``: the failed check (the worker goes on)
 
 
 class WorkerFailed(RuntimeError):
@@ -40,6 +42,7 @@ class WorkerCommand(msgspec.Struct, array_like=True, omit_defaults=True):
     # kv_connector_metadata travels as plain data; the rank's connector
     # declares its type (``metadata_type``) and the worker converts it back
     scheduler_output: SchedulerOutput | None = None
+    idle: bool = False  # CMD_CHECK: the engine holds no request
 
 
 class WorkerReply(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -30,9 +30,11 @@ import torch
 
 from tandem.workers.parallel.heartbeat import HeartbeatSender, heartbeat_interval_s
 from tandem.workers.parallel.messages import (
+    CMD_CHECK,
     CMD_KV_STATS,
     CMD_RELEASE_IDLE,
     CMD_STOP,
+    REPLY_CHECK,
     REPLY_ERROR,
     REPLY_HELLO,
     REPLY_KV_STATS,
@@ -181,6 +183,9 @@ def _serve(spec: WorkerSpec, commands: Any, runner: Any, reply: Any) -> None:
             stats = runner.connector.stats() if runner.connector is not None else {}
             reply(REPLY_KV_STATS, step=cmd.step, kv_stats=stats)
             continue
+        if cmd.kind == CMD_CHECK:
+            reply(REPLY_CHECK, step=cmd.step, error=_check(spec.rank, runner.connector, cmd.idle))
+            continue
         if cmd.kind == CMD_RELEASE_IDLE:
             # never on this process's own clock: the dense rows decide the token
             # order of a step, which must be the same on every rank
@@ -196,3 +201,15 @@ def _serve(spec: WorkerSpec, commands: Any, runner: Any, reply: Any) -> None:
             so.kv_connector_metadata = msgspec.convert(so.kv_connector_metadata, meta_type)
         out = runner.execute(so)
         reply(REPLY_STEP, step=cmd.step, kv_connector_output=out.kv_connector_output)
+
+
+def _check(rank: int, connector: Any, idle: bool) -> str | None:
+    """The connector's ``check_integrity(idle)`` failure, as rank 0 will raise it."""
+    check = getattr(connector, "check_integrity", None)
+    if check is None:
+        return None
+    try:
+        check(idle)
+    except AssertionError as exc:
+        return f"rank {rank}: {exc}"
+    return None

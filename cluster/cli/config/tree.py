@@ -192,11 +192,13 @@ class ServeConfig:
     def _kv_connector(self, role: str, overrides: dict[str, Any]) -> str | None:
         """Prefill and decode engines exchange KV over NIXL. A colocated pool gets the
         connector too when its engines keep a host KV tier and there is more than one
-        of them, so they lend tier prefixes to each other (kvtransfer/tiers/export.py)."""
+        of them, so they lend tier prefixes to each other (kvtransfer/tiers/export.py);
+        not under tensor parallelism, where each rank keeps its own tiers (no lending)."""
         if role != "colocated":
             return "nixl"
         tiers = overrides.get("kv_offloading_size", self.engine.offload.kv_offloading_size)
-        lends = bool(tiers) and self.pools.pool(role).num_engines > 1
+        tp = overrides.get("tensor_parallel_size", self.engine.parallel.tensor_parallel_size)
+        lends = bool(tiers) and self.pools.pool(role).num_engines > 1 and tp == 1
         return "nixl" if lends else None
 
     def _lenders_keep_tiers(self) -> bool:
