@@ -13,8 +13,9 @@ Rank 0 lives in the engine core process (the scheduler runs once, there)::
 Workers are local processes (``torch.multiprocessing`` forkserver) for
 ``tandem generate``; when the engine core is a Ray actor they are Ray actors
 in the bundles of its placement group (``workers/parallel/ray_workers.py``).
-Either way ``pick_launcher`` hands back a ``start(spec)`` whose handles
-answer ``pid``, ``exitcode``, ``join``, ``terminate`` and ``kill``.
+Either way ``pick_launcher`` (``workers/parallel/launch.py``) hands back a
+``start(spec)`` whose handles answer ``pid``, ``exitcode``, ``join``,
+``terminate`` and ``kill``.
 
 Failure makes the engine fail as one unit, never hang: a worker that exits
 or raises makes the step (or the start) raise ``WorkerFailed`` naming the
@@ -51,12 +52,12 @@ from tandem.scheduler.messages import ModelRunnerOutput, SchedulerOutput
 from tandem.workers.config import EngineConfig
 from tandem.workers.parallel.group import TPGroup, make_store
 from tandem.workers.parallel.heartbeat import HeartbeatBook
+from tandem.workers.parallel.launch import first_exit, kill_all, pick_launcher, stop_workers
 from tandem.workers.parallel.messages import (
     CMD_CHECK,
     CMD_KV_STATS,
     CMD_RELEASE_IDLE,
     CMD_STEP,
-    CMD_STOP,
     REPLY_CHECK,
     REPLY_ERROR,
     REPLY_HELLO,
@@ -153,7 +154,7 @@ class TPExecutor:
                     timeout_s=STARTUP_COLLECTIVE_TIMEOUT_S,
                 )
                 self.procs.append(launcher.start(spec))
-            weakref.finalize(self, _kill, self.procs)  # an engine dropped without shutdown()
+            weakref.finalize(self, kill_all, self.procs)  # an engine dropped without shutdown()
             self._await(REPLY_HELLO, STARTUP_TIMEOUT_S)
             device = torch.device(config.model.device)
             self.group = TPGroup.connect(
@@ -339,16 +340,10 @@ class TPExecutor:
                     self._unread.append(reply)
             # a silent rank first: its live peers' collectives time out too and
             # report that as their own error
-            reason = self._stale() or error or self._exited()
+            reason = self._stale() or error or first_exit(self.procs)
             if reason is not None or time.monotonic() >= deadline:
                 return reason
             time.sleep(_POLL_MS / 1000)
-
-    def _exited(self) -> str | None:
-        for rank, proc in enumerate(self.procs, start=1):
-            if proc.exitcode is not None:
-                return f"rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
-        return None
 
     def _stale(self) -> str | None:
         """Ranks whose heartbeat is older than ``stale_after_s`` (they are
@@ -383,23 +378,7 @@ class TPExecutor:
             self._shutdown(timeout_s)
 
     def _shutdown(self, timeout_s: float) -> None:
-        import zmq
-
-        stop = msgspec.msgpack.encode(WorkerCommand(CMD_STOP))
-        for sock in self._commands:
-            try:
-                sock.send(stop, flags=zmq.NOBLOCK)
-            except zmq.ZMQError:  # the worker is gone or not connected
-                pass
-        deadline = time.monotonic() + timeout_s
-        for proc in self.procs:
-            proc.join(max(0.0, deadline - time.monotonic()))
-            if proc.exitcode is None:
-                proc.terminate()
-                proc.join(2.0)
-            if proc.exitcode is None:
-                proc.kill()
-                proc.join(2.0)
+        stop_workers(self._commands, self.procs, timeout_s)
         for sock in [*self._commands, self._replies]:
             sock.close()
         self._commands = []
@@ -429,42 +408,3 @@ class TPRunner:
         self.runner.release_idle_memory()
         if held and dense.capacity == 0:
             self.executor.broadcast(CMD_RELEASE_IDLE)
-
-
-def _kill(procs: list[Any]) -> None:
-    for proc in procs:
-        if proc.exitcode is None:
-            proc.kill()
-
-
-class ProcessLauncher:
-    """Ranks as local processes, children of the engine core process."""
-
-    def __init__(self) -> None:
-        self._ctx = worker_context()
-
-    def start(self, spec: WorkerSpec) -> Any:
-        from tandem.workers.parallel.worker import run_worker
-
-        proc = self._ctx.Process(target=run_worker, args=(spec,), name=f"tp-rank-{spec.rank}")
-        proc.daemon = True
-        proc.start()
-        return proc
-
-
-def pick_launcher(config: EngineConfig, tp_size: int) -> Any:
-    """Ray worker actors inside a Ray engine actor, else local processes."""
-    from tandem.workers.parallel.ray_workers import ray_launcher
-
-    return ray_launcher(config, tp_size) or ProcessLauncher()
-
-
-def worker_context() -> Any:
-    """Workers start from a forkserver that imported torch and the worker code
-    once per engine-core process: each start skips those seconds of imports
-    (a fork of the server, which runs no threads, unlike this process)."""
-    ctx = torch.multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(
-        ["torch", "tandem.workers.parallel.worker", "tandem.workers.runner.model_runner"]
-    )
-    return ctx
