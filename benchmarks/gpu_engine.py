@@ -74,12 +74,18 @@ def no_gpu_message() -> str | None:
     return None
 
 
-def make_1b_checkpoint(tmp_dir: str) -> str:
+def make_1b_checkpoint(tmp_dir: str, max_position_embeddings: int | None = None) -> str:
+    """The seeded random 1B-shaped checkpoint (bf16, written from CUDA); a longer
+    ``max_position_embeddings`` (Llama-3.2-1B's own is 131072) lets a profile measure long
+    contexts."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     path = os.path.join(tmp_dir, "llama-1b-shaped")
     torch.manual_seed(SEED)
-    config = LlamaConfig(**ONE_B_CONFIG, eos_token_id=2, bos_token_id=1, pad_token_id=0)
+    shape = dict(ONE_B_CONFIG)
+    if max_position_embeddings:
+        shape["max_position_embeddings"] = max_position_embeddings
+    config = LlamaConfig(**shape, eos_token_id=2, bos_token_id=1, pad_token_id=0)
     with torch.device("cuda"):
         model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(path)

@@ -7,7 +7,11 @@
 #   bash benchmarks/gpu_session.sh parts   # <= 9.5 min: gpu_piecewise, prefill_attention, gpu_nixl
 #   bash benchmarks/gpu_session.sh extras  # <= 9.5 min (optional): gpu_engine --compile-only,
 #                                          #   async_scheduling on CUDA bf16, kv_transfer on CUDA
-#   bash benchmarks/gpu_session.sh all     # all four, where no per-command limit applies
+#   bash benchmarks/gpu_session.sh wave3   # <= 9.5 min: wave 3 on CUDA (issues #25, #26, #28): the
+#                                          #   tiers' and speculation's GPU tests, the host tier's
+#                                          #   copies against PCIe, a planner profile of the 1B
+#                                          #   shape, spec_decode's rows on the 1B shape
+#   bash benchmarks/gpu_session.sh all     # the first four, where no per-command limit applies
 #   GPU_DEADLINE_S=500 bash benchmarks/gpu_session.sh tests parts
 #                                          # several parts in one command under one deadline:
 #                                          #   a stage starts only with >= 40 s left and is cut
@@ -21,14 +25,15 @@
 #   tests: gpu-tests.log gpu-tests.xml kernels.log   engine: gpu-engine.txt
 #   parts: gpu-piecewise.txt prefill-attention.txt gpu-nixl.txt
 #   extras: gpu-compile.txt async-scheduling.txt kv-transfer.txt
+#   wave3: wave3-tests.log kv-tiers.txt profile-1b.json spec-decode.txt
 # Every stage has its own timeout, so a hang costs that stage, not the command; the summary
 # gives each stage's exit status and seconds. Exit status: 0 only if every stage passed.
 set -u -o pipefail
 
 parts=("${@:-tests}")
 for part in "${parts[@]}"; do
-    case "$part" in tests | engine | parts | extras | all) ;; *)
-        echo "usage: $0 tests|engine|parts|extras|all [more parts]" >&2
+    case "$part" in tests | engine | parts | extras | wave3 | all) ;; *)
+        echo "usage: $0 tests|engine|parts|extras|wave3|all [more parts]" >&2
         exit 2
         ;;
     esac
@@ -145,6 +150,28 @@ run_extras() {
         python3 benchmarks/kv_transfer.py --device cuda
 }
 
+run_wave3() {
+    # tiers (pinned host tier, copy stream) and speculation (graphs for plain decode, drafts
+    # verified outside them) token-identical on CUDA
+    stage "wave3 tests" 240 "$out/wave3-tests.log" \
+        python3 -m pytest -p no:cacheprovider -v -ra --timeout 150 --durations=10 \
+        tests/gpu/test_cuda_spec_decode.py tests/gpu/test_cuda_kv_tiers.py
+    # #25: host tier store/load GB/s next to one pinned<->device copy_ (the PCIe ceiling)
+    stage "kv_tiers.py cuda copy" 90 "$out/kv-tiers.txt" \
+        python3 benchmarks/kv_tiers.py --device cuda --parts copy --disk-readers 4
+    # #28: the planner's per-engine profile of the 1B shape (bf16) on this GPU
+    stage "tandem profile 1b" 150 "$out/profile.log" bash -c '
+        ckpt=$(python3 -c "import tempfile; from benchmarks.gpu_engine import make_1b_checkpoint as m; print(m(tempfile.mkdtemp(), 131072))") &&
+        python3 -m tandem.cluster profile --model "$ckpt" --device cuda --dtype bfloat16 \
+            --max-num-seqs 256 --repeats 3 --out "$0/profile-1b.json" \
+            --prefill-tokens 128,512,2048,8192 --decode-batch-sizes 1,16,64,256 \
+            --decode-context-tokens 1024,8192,32768 && cat "$0/profile-1b.json"' "$out"
+    # #26: the issue's rows on the 1B shape (random weights, smollm2's tokenizer in gpu/)
+    stage "spec_decode.py 1b" 240 "$out/spec-decode.txt" \
+        python3 benchmarks/spec_decode.py --model 1b --device cuda --torch-threads 4 \
+        --batches 1,8,32 --output-len 64 --repeats 2
+}
+
 export -f environment # timeout runs programs, not shell functions
 stage environment 30 "$out/env.txt" bash -c environment
 for part in "${parts[@]}"; do
@@ -153,6 +180,7 @@ for part in "${parts[@]}"; do
     engine) run_engine ;;
     parts) run_parts ;;
     extras) run_extras ;;
+    wave3) run_wave3 ;;
     all)
         run_tests
         run_engine

@@ -38,14 +38,23 @@ from tandem.workers.text.tokenizer import load_tokenizer
 
 
 def self_drafting_engine(
-    torch_threads: int, num_kv_blocks: int, max_num_batched_tokens: int, max_num_seqs: int
+    torch_threads: int,
+    num_kv_blocks: int,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+    model: str = "smollm2",
+    device: str = "cpu",
+    dtype: str = "float32",
 ) -> EngineCore:
     """smollm2 (fp32, CPU) with smollm2 as its own draft model, K = 2: both benchmarks' engine
-    (``max_model_len`` 1024; the draft's KV cache has as many blocks as the target's)."""
+    (``max_model_len`` 1024; the draft's KV cache has as many blocks as the target's).
+    ``spec_decode.py --model/--device/--dtype`` put another model (drafting for itself) on
+    another device."""
     return EngineCore(
         EngineConfig.from_flat(
-            model="smollm2",
-            dtype="float32",
+            model=model,
+            device=device,
+            dtype=dtype,
             max_model_len=1024,
             num_kv_blocks=num_kv_blocks,
             max_num_batched_tokens=max_num_batched_tokens,
@@ -53,7 +62,7 @@ def self_drafting_engine(
             torch_threads=torch_threads,
             speculative_config={
                 "method": "draft_model",
-                "model": "smollm2",
+                "model": model,
                 "num_speculative_tokens": 2,
             },  # fmt: skip
         )

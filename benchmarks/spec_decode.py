@@ -162,8 +162,30 @@ def main() -> None:
         "longest step and ITL (benchmarks/spec_catch_up.py)",
     )
     ap.add_argument("--budget", type=int, default=256, help="--catch-up's max_num_batched_tokens")
+    ap.add_argument(
+        "--model",
+        default="smollm2",
+        help="the target, drafting for itself in the draft rows: smollm2, tiny, a checkpoint "
+        "directory, or 1b (a seeded random Llama-3.2-1B-shaped checkpoint written on CUDA, "
+        "benchmarks/gpu_engine.py's, with --tokenizer's files: the GPU rows)",
+    )
+    ap.add_argument("--device", default="cpu", help="cpu | cuda")
+    ap.add_argument("--dtype", default=None, help="default float32 (bfloat16 for --model 1b)")
+    ap.add_argument(
+        "--tokenizer",
+        default=os.path.join(ROOT, "gpu", "smollm2-tokenizer"),
+        help="--model 1b: a directory with the tokenizer and chat template to write beside it "
+        "(`python benchmarks/spec_decode.py --save-tokenizer DIR` writes smollm2's)",
+    )
+    ap.add_argument(
+        "--save-tokenizer", default=None, help="write smollm2's tokenizer files to DIR and exit"
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.torch_threads)
+    if args.save_tokenizer:
+        save_smollm2_tokenizer(args.save_tokenizer)
+        return
+    dtype = args.dtype or ("bfloat16" if args.model == "1b" else "float32")
     if args.catch_up:
         from benchmarks.spec_catch_up import run_catch_up
 
@@ -172,10 +194,17 @@ def main() -> None:
     from benchmarks.spec_catch_up import self_drafting_engine
 
     # the runner gets a drafter; each row sets the scheduler's proposer
-    engine = self_drafting_engine(args.torch_threads, 2048, 1024, 64)
+    model, label = target_model(args)
+    engine = self_drafting_engine(
+        args.torch_threads, 2048, 1024, 64, model=model, device=args.device, dtype=dtype
+    )
     tokenizer = load_tokenizer(engine.model_path)
+    on_gpu = args.device == "cuda"
     print(f"machine: {machine()}; torch threads {args.torch_threads}")
-    print(f"smollm2 fp32 CPU, greedy, {args.output_len} output tokens per request\n")
+    if on_gpu:
+        print(f"device: {torch.cuda.get_device_name(0)}")
+    print(f"{label} {dtype} {args.device}, greedy, {args.output_len} output tokens per request")
+    print(f"vs none: {'tok/s (wall)' if on_gpu else 'tok/cpu-s'} against the none row\n")
     header = (
         f"{'workload':8} {'batch':>5} {'method':8} {'tok/s':>8} {'tok/cpu-s':>9} {'vs none':>8} "
         f"{'ITL p50':>8} {'ITL p99':>8}  {'same':4}  accept/pos"
@@ -192,7 +221,7 @@ def main() -> None:
         if args.before:
             methods.append((f"ngram{k}v0", lambda cfg=cfg: before_policy(Lookahead(cfg, kv))))
     for k in (int(x) for x in args.draft_ks.split(",") if x):
-        cfg = SpeculativeConfig("draft_model", k, disable_by_batch_size=dbs, model="smollm2")
+        cfg = SpeculativeConfig("draft_model", k, disable_by_batch_size=dbs, model=model)
         methods.append((f"draft{k}", lambda cfg=cfg: Lookahead(cfg, kv)))
     fills = FillTimer(engine.runner.drafter)
     drafting = DraftingSteps(engine.scheduler)
@@ -226,13 +255,15 @@ def main() -> None:
                     accept[name] = _acceptance(spec, before)
                     if spec is not None:
                         accept[name] += f" ({drafting.report()})"
-            base = statistics.median(cpu_rates["none"])
+            # on a GPU the host's CPU time is not the cost: compare wall-clock rates there
+            compared = rates if on_gpu else cpu_rates
+            base = statistics.median(compared["none"])
             for name, _ in methods:
                 tps = statistics.median(rates[name])
                 cpu_tps = statistics.median(cpu_rates[name])
                 print(
                     f"{workload:8} {batch:>5} {name:8} {tps:>8.1f} {cpu_tps:>9.1f} "
-                    f"{cpu_tps / base:>7.2f}x "
+                    f"{statistics.median(compared[name]) / base:>7.2f}x "
                     f"{percentile(gaps[name], 0.5) * 1e3:>8.1f} "
                     f"{percentile(gaps[name], 0.99) * 1e3:>8.1f}  "
                     f"{'yes' if tokens[name] == tokens['none'] else 'NO':4}  {accept[name]}",
@@ -243,6 +274,34 @@ def main() -> None:
             fills.reset()
             steps.reset()
     engine.shutdown()
+
+
+def target_model(args) -> tuple[str, str]:
+    """(the engine's ``model``, the label printed) for ``--model``."""
+    if args.model != "1b":
+        return args.model, args.model
+    import shutil
+    import tempfile
+
+    from benchmarks.gpu_engine import make_1b_checkpoint
+
+    if args.device != "cuda":
+        raise SystemExit("--model 1b is written on CUDA: add --device cuda")
+    if not os.path.isdir(args.tokenizer):
+        raise SystemExit(f"--tokenizer {args.tokenizer}: no such directory (--save-tokenizer)")
+    path = make_1b_checkpoint(tempfile.mkdtemp(prefix="spec-1b-"))
+    for name in os.listdir(args.tokenizer):
+        shutil.copy(os.path.join(args.tokenizer, name), path)
+    return path, "random Llama-3.2-1B shape (smollm2's tokenizer)"
+
+
+def save_smollm2_tokenizer(out: str) -> None:
+    """smollm2's tokenizer and chat template (from the built-in GGUF's converted directory)
+    as plain files, a few MB: what ``--model 1b`` reads on a GPU box without the GGUF."""
+    from tandem.workers.checkpoints.loader import resolve_model_path
+
+    load_tokenizer(resolve_model_path("smollm2")).save_pretrained(out)
+    print(f"wrote {out}: {sorted(os.listdir(out))}")
 
 
 class HalvingPolicy(DraftPolicy):

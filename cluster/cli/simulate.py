@@ -275,8 +275,14 @@ def cmd_profile(args: argparse.Namespace) -> int:
                 overrides[name] = v
         if args.shared_cores is not None and not args.shared_cores > 0:
             raise ValueError(f"--shared-cores must be > 0, got {args.shared_cores}")
+        for name in ("device", "dtype"):
+            if getattr(args, name) is not None:
+                overrides[name] = getattr(args, name)
         profile = measure(
             model=args.model,
+            prefill_tokens=_grid(args.prefill_tokens, "--prefill-tokens"),
+            batch_sizes=_grid(args.decode_batch_sizes, "--decode-batch-sizes"),
+            context_tokens=_grid(args.decode_context_tokens, "--decode-context-tokens"),
             shared_cores=args.shared_cores,
             repeats=args.repeats,
             transfer_bytes_per_s=args.transfer_bytes_per_s,
@@ -289,6 +295,19 @@ def cmd_profile(args: argparse.Namespace) -> int:
     save_profile(profile, args.out)
     print(f"wrote {args.out}")
     return 0
+
+
+def _grid(text: str | None, flag: str) -> list[int] | None:
+    """A comma-separated grid of positive integers, ascending; None: measure's default."""
+    if not text:
+        return None
+    try:
+        points = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} takes comma-separated integers, got {text!r}") from None
+    if not points or min(points) < 1 or points != sorted(set(points)):
+        raise ValueError(f"{flag} takes distinct ascending integers >= 1, got {text!r}")
+    return points
 
 
 def format_summary(s: dict[str, Any]) -> str:
@@ -369,6 +388,24 @@ def add_parsers(sub: Any) -> None:
             default=None,
             help=f"{text} (as tandem serve's flag; give the served engine's value)",
         )
+    p.add_argument("--device", default=None, help="cpu or cuda (as tandem serve's flag)")
+    p.add_argument("--dtype", default=None, help="the engine's dtype (as tandem serve's flag)")
+    p.add_argument(
+        "--prefill-tokens",
+        default=None,
+        help="prefill grid: prompt tokens per point, comma-separated (default 16,64,128,256,512; "
+        "a GPU profile wants larger steps, e.g. 128,512,2048,8192)",
+    )
+    p.add_argument(
+        "--decode-batch-sizes",
+        default=None,
+        help="decode grid: requests per step (default 1,4,16; on a GPU e.g. 1,16,64,256)",
+    )
+    p.add_argument(
+        "--decode-context-tokens",
+        default=None,
+        help="decode grid: KV tokens the whole batch attends to (default 64,512,2048)",
+    )
     p.set_defaults(func=cmd_profile)
 
     s = sub.add_parser("simulate", help="replay a workload through simulated xPyD engines")

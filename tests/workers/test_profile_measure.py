@@ -53,3 +53,25 @@ def test_profile_command_writes_json(tmp_path, monkeypatch, capsys):
     assert "--max-num-seqs" in capsys.readouterr().err
     assert main(["profile", "--out", str(out), "--transfer-bytes-per-s", "0"]) == 2
     assert "--transfer-bytes-per-s" in capsys.readouterr().err
+
+
+def test_profile_command_grid_device_and_dtype(tmp_path, capsys):
+    out = tmp_path / "grid.json"
+    grid = [
+        "--prefill-tokens",
+        "16,48",
+        "--decode-batch-sizes",
+        "1,3",
+        "--decode-context-tokens",
+        "24",
+    ]
+    args = ["profile", "--out", str(out), "--repeats", "1", "--device", "cpu", "--dtype", "float32"]
+    assert main([*args, *grid]) == 0
+    prof = load_profile(str(out))
+    assert prof.prefill_tokens == [16, 48]
+    assert (prof.decode_batch_sizes, prof.decode_context_tokens) == ([1, 3], [24])
+    assert prof.meta["device"] == "cpu"
+    assert prof.transfer.kv_bytes_per_token % 4 == 0  # float32 KV
+    for bad in ("16,x", "48,16", "0,16", ","):
+        assert main([*args, "--prefill-tokens", bad]) == 2
+        assert "--prefill-tokens" in capsys.readouterr().err
