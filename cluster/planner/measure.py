@@ -2,8 +2,9 @@
 its performance profile (profile.py).
 
 Prefill: one request of ``n`` prompt tokens (``max_tokens=1``, prefix caching
-off) for each ``n`` in the prefill grid; the time of the step that computes
-it, the fastest of ``repeats`` runs (other load on a shared machine only
+off) for each ``n`` in the prefill grid; the time of the steps from its arrival
+until it is done (timing one step would time a launch under CUDA's overlapped
+loop, or one chunk of a split prompt), the fastest of ``repeats`` runs (other load on a shared machine only
 adds time). Decode: ``b`` requests whose prompts add up
 to ``C`` context tokens for each (``b``, ``C``) of the grid, prefilled first,
 then the fastest of ``repeats`` decode steps of the whole batch. A
@@ -63,6 +64,14 @@ class _Timer:
         self.engine.step()
         return time.perf_counter() - t0
 
+    def drain_s(self) -> float:
+        """Every step until the engine is idle: a prompt's whole prefill, also when the
+        engine splits it over steps or overlaps steps (CUDA's default async scheduling
+        returns a step's tokens from the next step)."""
+        t0 = time.perf_counter()
+        self.drain()
+        return time.perf_counter() - t0
+
     def drain(self) -> None:
         while self.engine.has_work():
             self.engine.step()
@@ -101,8 +110,7 @@ def measure(
             samples = []
             for _ in range(repeats):
                 t.add(n, 1)
-                samples.append(t.step_s())
-                t.drain()
+                samples.append(t.drain_s())
             prefill.append(min(samples))
         decode = []
         for b in batch_sizes:
