@@ -78,6 +78,7 @@ class Request:
         "spec_misses",
         "spec_hold",
         "draft_computed",
+        "ngram_index",
     )
 
     def __init__(
@@ -125,6 +126,9 @@ class Request:
         self.num_output_placeholders = 0
         # drafts scheduled with this step, not yet verified (scheduler/spec/lookahead.py)
         self.spec_token_ids: list[int] = []
+        # prompt lookup's index of this request's n-grams (scheduler/spec/proposer.py),
+        # built on its first lookup and extended as tokens are appended
+        self.ngram_index: Any = None
         # adaptive drafting (scheduler/spec/adaptive.py): the request's own draft cap
         # (-1: not set yet); while it is 0, the probe steps it still skips and its missed
         # probes in a row; its measured acceptance per draft token

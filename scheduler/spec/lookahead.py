@@ -97,7 +97,11 @@ class Lookahead:
 
     def propose(self, req: Request, num: int) -> list[int]:
         """``num`` drafts at most (the proposer may find fewer); sets ``req.spec_token_ids``."""
-        req.spec_token_ids = self.proposer.propose(req.all_token_ids, num) if num > 0 else []
+        for_request = getattr(self.proposer, "propose_for", None)
+        if for_request is not None:  # keeps per-request state: asked every step
+            req.spec_token_ids = for_request(req, num)
+        else:
+            req.spec_token_ids = self.proposer.propose(req.all_token_ids, num) if num > 0 else []
         return req.spec_token_ids
 
     def lag(self, req: Request) -> int:

@@ -46,11 +46,30 @@ class NgramProposer:
 
         tokens   ... a b c d e ... x a b c | <- suffix "a b c" seen before
         drafts                               d e ...
+
+    ``propose_for`` keeps an index per request (``Request.ngram_index``): every n-gram of
+    its tokens -> where its most recent occurrence ends, extended by the tokens appended
+    since the last lookup. A lookup then costs a few dictionary reads whatever the
+    request's length, where scanning the tokens costs tens of microseconds per request
+    and step (a third of a 1.8 ms decode step at batch 32 on an H200). ``propose`` scans
+    a bare token list (the same answer, no state).
     """
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.min_n = config.prompt_lookup_min
         self.max_n = config.prompt_lookup_max
+
+    def propose_for(self, req: Request, max_drafts: int) -> list[int]:
+        tokens = req.all_token_ids
+        index = req.ngram_index
+        if index is None or index.num_indexed > len(tokens):
+            index = req.ngram_index = NgramIndex(self.min_n, self.max_n)
+        # occurrences that end before the last token: the suffix itself ends there
+        index.extend(tokens, len(tokens) - 1)
+        if max_drafts <= 0:
+            return []
+        start = index.follower(tokens)
+        return [] if start < 0 else tokens[start : start + max_drafts]
 
     def propose(self, token_ids: list[int], max_drafts: int) -> list[int]:
         num_tokens = len(token_ids)
@@ -76,6 +95,36 @@ class NgramProposer:
             return []
         start = int(ends[np.flatnonzero(matched >= best)[-1]]) + 1
         return token_ids[start : start + max_drafts]
+
+
+class NgramIndex:
+    """One request's n-grams (``min_n`` .. ``max_n`` tokens) -> the position where the most
+    recent of their occurrences ends, over the positions ``< num_indexed``."""
+
+    __slots__ = ("min_n", "max_n", "ends", "num_indexed")
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n, self.max_n = min_n, max_n
+        self.ends: dict[tuple[int, ...], int] = {}
+        self.num_indexed = 0
+
+    def extend(self, tokens: list[int], upto: int) -> None:
+        """Index the n-grams ending at positions ``num_indexed .. upto - 1``."""
+        ends, lo, hi = self.ends, self.min_n, self.max_n
+        for end in range(self.num_indexed, upto):
+            for n in range(lo, min(hi, end + 1) + 1):
+                ends[tuple(tokens[end - n + 1 : end + 1])] = end
+        self.num_indexed = max(self.num_indexed, upto)
+
+    def follower(self, tokens: list[int]) -> int:
+        """Where the tokens after the longest indexed suffix's latest occurrence start
+        (-1: no suffix of ``min_n`` tokens or more occurred)."""
+        num = len(tokens)
+        for n in range(min(self.max_n, num - 1), self.min_n - 1, -1):
+            end = self.ends.get(tuple(tokens[num - n :]))
+            if end is not None:
+                return end + 1
+        return -1
 
 
 # a draft slot the model runner fills (workers/spec/draft_model.py)

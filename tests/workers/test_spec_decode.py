@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tandem.scheduler.request import Request
 from tandem.scheduler.spec.config import SpeculativeConfig
 from tandem.scheduler.spec.proposer import NgramProposer
 from tandem.wire.engine_protocol import EngineRequest, SamplingParams, StructuredOutputsParams
@@ -220,6 +221,28 @@ def test_ngram_proposer():
     assert p.propose([1, 1], 0) == []
     long = NgramProposer(SpeculativeConfig.from_dict({**NGRAM, "prompt_lookup_min": 2}))
     assert long.propose([7, 1, 8, 2, 1], 2) == []  # only a 1-gram matches
+
+
+@pytest.mark.parametrize(("lo", "hi"), [(1, 3), (2, 4), (3, 3)])
+def test_indexed_lookup_equals_the_scan(lo, hi):
+    """``propose_for`` (a per-request index extended as tokens are appended, one or a few
+    at a time as accepted runs append them) drafts what scanning the tokens drafts."""
+    p = NgramProposer(SpeculativeConfig.from_dict({**NGRAM, "prompt_lookup_min": lo,
+                                                   "prompt_lookup_max": hi}))  # fmt: skip
+    g = torch.Generator().manual_seed(lo * 10 + hi)
+    for vocab in (3, 8, 40):
+        prompt = torch.randint(0, vocab, (int(torch.randint(1, 30, (1,), generator=g)),),
+                               generator=g).tolist()  # fmt: skip
+        req = Request("r", prompt, greedy(200))
+        while req.num_tokens < 160:
+            k = int(torch.randint(0, 6, (1,), generator=g))
+            assert p.propose_for(req, k) == p.propose(list(req.all_token_ids), k)
+            for t in torch.randint(0, vocab, (int(torch.randint(1, 5, (1,), generator=g)),),
+                                   generator=g).tolist():  # fmt: skip
+                req.append_output_token(t)
+        assert req.ngram_index.num_indexed < req.num_tokens - 1  # indexed on lookups only
+        p.propose_for(req, 0)
+        assert req.ngram_index.num_indexed == req.num_tokens - 1
 
 
 @pytest.mark.parametrize(
