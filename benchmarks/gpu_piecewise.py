@@ -173,8 +173,14 @@ def main() -> int:
             for d, c in shapes:
                 ms[mode].append(step_ms(engine, d, c, args))
                 print(f"  {mode} {d}+{c}: {ms[mode][-1]:.2f} ms/step", flush=True)
-            del engine
+            # every reference to the engine's CUDA memory goes before the next engine sizes
+            # its KV cache from what is free (on 2026-11-27 the first engine's graphs, held
+            # by ``graphs``, left the second a negative budget)
+            engine.shutdown()
+            del engine, graphs, mem
             _release()
+            left = torch.cuda.memory_allocated() / 2**20
+            print(f"  after {mode}: {left:.0f} MiB still allocated", flush=True)
 
     gpu = torch.cuda.get_device_name()
     print(f"GPU:      {gpu}; {datetime.date.today().isoformat()}; torch {torch.__version__}")

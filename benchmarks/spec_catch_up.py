@@ -45,6 +45,7 @@ def self_drafting_engine(
     model: str = "smollm2",
     device: str = "cpu",
     dtype: str = "float32",
+    **engine_fields,
 ) -> EngineCore:
     """smollm2 (fp32, CPU) with smollm2 as its own draft model, K = 2: both benchmarks' engine
     (``max_model_len`` 1024; the draft's KV cache has as many blocks as the target's).
@@ -65,6 +66,7 @@ def self_drafting_engine(
                 "model": model,
                 "num_speculative_tokens": 2,
             },  # fmt: skip
+            **engine_fields,
         )
     )
 

@@ -170,6 +170,12 @@ def main() -> None:
         "benchmarks/gpu_engine.py's, with --tokenizer's files: the GPU rows)",
     )
     ap.add_argument("--device", default="cpu", help="cpu | cuda")
+    ap.add_argument(
+        "--cuda-graph-mode",
+        default=None,
+        help="CUDA: the engine's --cuda-graph-mode (default: the engine's); full_and_piecewise "
+        "puts drafted steps in piecewise graphs, decode-only steps in full ones",
+    )
     ap.add_argument("--dtype", default=None, help="default float32 (bfloat16 for --model 1b)")
     ap.add_argument(
         "--tokenizer",
@@ -195,15 +201,20 @@ def main() -> None:
 
     # the runner gets a drafter; each row sets the scheduler's proposer
     model, label = target_model(args)
+    graphs = {"cuda_graph_mode": args.cuda_graph_mode} if args.cuda_graph_mode else {}
     engine = self_drafting_engine(
-        args.torch_threads, 2048, 1024, 64, model=model, device=args.device, dtype=dtype
+        args.torch_threads, 2048, 1024, 64, model=model, device=args.device, dtype=dtype, **graphs
     )
     tokenizer = load_tokenizer(engine.model_path)
     on_gpu = args.device == "cuda"
     print(f"machine: {machine()}; torch threads {args.torch_threads}")
     if on_gpu:
         print(f"device: {torch.cuda.get_device_name(0)}")
-    print(f"{label} {dtype} {args.device}, greedy, {args.output_len} output tokens per request")
+    print(
+        f"{label} {dtype} {args.device}"
+        + (f" (cuda_graph_mode {engine.config.graphs.cuda_graph_mode})" if on_gpu else "")
+        + f", greedy, {args.output_len} output tokens per request"
+    )
     print(f"vs none: {'tok/s (wall)' if on_gpu else 'tok/cpu-s'} against the none row\n")
     header = (
         f"{'workload':8} {'batch':>5} {'method':8} {'tok/s':>8} {'tok/cpu-s':>9} {'vs none':>8} "
