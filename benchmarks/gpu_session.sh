@@ -20,6 +20,12 @@
 # Run from the checkout's root on the GPU box. The offline image lacks msgspec, pyzmq and
 # nixl: copy /work/shared/gpu into the checkout as ./gpu (ignored: `echo /gpu/ >>
 # .git/info/exclude`), carry it, and this script sources gpu/setup.sh (GPU_SETUP overrides).
+# Since structured outputs (issue #27) the engine also imports llguidance, which neither the
+# image nor shared/gpu has: add its wheel to gpu/wheels (setup.sh installs every wheel there):
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#       --implementation cp --platform manylinux_2_31_x86_64 -d gpu/wheels llguidance==1.9.1
+# The wave3 part's --model 1b rows also read smollm2's tokenizer from gpu/smollm2-tokenizer:
+#   .venv/bin/python benchmarks/spec_decode.py --save-tokenizer gpu/smollm2-tokenizer
 # Logs go to $OUT (the device tool's folder; default ./gpu-out), at most 5 files a part:
 #   every part: env.txt summary.txt
 #   tests: gpu-tests.log gpu-tests.xml kernels.log   engine: gpu-engine.txt

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from tandem.kvtransfer.tiers import device_copies
 from tandem.kvtransfer.tiers.disk import (
     DiskFull,
     TierLoadError,
@@ -117,9 +118,15 @@ class TierCopier:
             return
         row = host.data[slot] if slot is not None else self.staging
         try:
-            self.copy(row, s.kv[job.block_id])
+            if self.stream is not None:  # CUDA: the host tier's check is the device's
+                check = device_copies.store_checked(self, row, s.kv[job.block_id])
+            else:
+                self.copy(row, s.kv[job.block_id])
             payload = row.numpy()
-            check = checksum(payload)
+            if self.stream is None or want_disk:  # disk files carry xxh3 on every device
+                disk_check = checksum(payload)
+            if self.stream is None:
+                check = disk_check
         except BaseException:
             with s.lock:  # give back what was reserved, then let the thread log it
                 if slot is not None:
@@ -144,7 +151,7 @@ class TierCopier:
                 s.forget(job)
                 return
         if want_disk:
-            self.store_disk(key, payload, check)
+            self.store_disk(key, payload, disk_check)
         with s.lock:
             s.forget(job)
 
@@ -185,6 +192,8 @@ class TierCopier:
                 self.stream.synchronize()
 
     def load_blocks(self, job: LoadJob) -> list[int]:
+        if self.stream is not None:
+            return device_copies.load_blocks(self, job)
         if self.readers is not None:
             return self.load_blocks_parallel(job)
         s = self.owner
