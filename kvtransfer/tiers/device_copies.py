@@ -77,45 +77,54 @@ def store_checked(copier: TierCopier, row: torch.Tensor, block: torch.Tensor) ->
 
 def load_blocks(copier: TierCopier, job: LoadJob) -> list[int]:
     """``TierCopier.load_blocks`` on CUDA: host blocks copied back to back and checked
-    together on the device; disk blocks as on CPU (read, xxh3-checked, copied)."""
+    together on the device; disk blocks as on CPU (read, xxh3-checked, copied). The
+    run's entries are looked up under one lock (its keys are pinned: only this thread's
+    stores evict), and the copies are queued inside one stream context."""
     s = copier.owner
     host, disk, counters, kv = s.host, s.disk, s.counters, s.kv
     start = time.monotonic()
-    if disk is not None:
-        with s.lock:
-            cold = [k for k in job.keys if k in disk and (host is None or k not in host)]
-        if len(cold) > 1:
-            disk.prefetch(cold)
-    pending: list[tuple[int, bytes, int]] = []  # (index in the job, key, stored checksum)
-    for i, (key, block_id) in enumerate(zip(job.keys, job.block_ids, strict=True)):
-        if job.cancelled or time.monotonic() > job.deadline:
-            counters["load_timeouts"] += 1
-            return _settle(copier, job, pending, i)
-        with s.lock:
+    where: list[Any] = []  # per block: its host slot and checksum, "disk", or None (gone)
+    with s.lock:
+        for key in job.keys:
             entry = host.index.get(key) if host is not None else None
-            on_disk = disk is not None and key in disk
             if entry is not None:
                 host.touch(key)
-            elif on_disk:
+                where.append((entry.slot, entry.checksum))
+            elif disk is not None and key in disk:
                 disk.touch(key)
-        if entry is not None:
-            copier.copy(kv[block_id], host.data[entry.slot], sync=False)
-            pending.append((i, key, entry.checksum))
-            continue
-        try:
-            if not on_disk:
-                raise TierLoadError("block left the tiers before its load")
-            row = copier.file_block(key)
-        except TierLoadError as exc:
-            logger.warning("KV tier load of request %s: %s; recomputing", job.req_id, exc)
-            counters["load_failures"] += 1
-            if on_disk:
-                with s.lock:
-                    disk.drop(key)
-            return _settle(copier, job, pending, i)
-        copier.copy(kv[block_id], row, sync=True)  # file_row is reused
-        counters["disk_loaded_bytes"] += row.numel()
-        counters["disk_hits"] += 1
+                where.append("disk")
+            else:
+                where.append(None)
+    cold = [k for k, w in zip(job.keys, where, strict=True) if w == "disk"]
+    if len(cold) > 1:
+        disk.prefetch(cold)
+    pending: list[tuple[int, bytes, int]] = []  # (index in the job, key, stored checksum)
+    data = host.data if host is not None else None
+    with torch.cuda.stream(copier.stream):
+        for i, (key, block_id) in enumerate(zip(job.keys, job.block_ids, strict=True)):
+            if job.cancelled or time.monotonic() > job.deadline:
+                counters["load_timeouts"] += 1
+                return _settle(copier, job, pending, i)
+            entry = where[i]
+            if entry is not None and entry != "disk":
+                kv[block_id].copy_(data[entry[0]], non_blocking=True)
+                pending.append((i, key, entry[1]))
+                continue
+            try:
+                if entry is None:
+                    raise TierLoadError("block left the tiers before its load")
+                row = copier.file_block(key)
+            except TierLoadError as exc:
+                logger.warning("KV tier load of request %s: %s; recomputing", job.req_id, exc)
+                counters["load_failures"] += 1
+                if entry == "disk":
+                    with s.lock:
+                        disk.drop(key)
+                return _settle(copier, job, pending, i)
+            kv[block_id].copy_(row, non_blocking=True)
+            copier.stream.synchronize()  # file_row is reused
+            counters["disk_loaded_bytes"] += row.numel()
+            counters["disk_hits"] += 1
     failed = _settle(copier, job, pending, len(job.keys))
     if not failed:
         with s.lock:
