@@ -47,7 +47,7 @@ from tandem.cluster.gateway.backend import PlannerState, ScalingEvent
 
 logger = logging.getLogger(__name__)
 
-SCALE_OUT, SCALE_IN = "scale_out", "scale_in"
+SCALE_OUT, SCALE_IN = "scale_out", "scale_in"  # and "move": pool_move.py
 
 
 class ScalingLog:
@@ -84,10 +84,13 @@ class PoolScaler:
         gateway_session: int,
         detached: bool = False,
         owner: bool = True,
+        moves_off: str | None = "not configured",
     ) -> None:
         """``specs``: the running pools' specs (what a new engine gets);
         ``pools``: their bounds and the timeouts. ``owner``: this gateway
-        started the engines (not ``--attach``): only then may it resize."""
+        started the engines (not ``--attach``): only then may it resize.
+        ``moves_off``: why an engine may not move between the prefill and
+        decode pools (``ServeConfig.pool_moves_off()``), None when it may."""
         self.backend = backend
         self.specs = {s.role: s for s in specs}
         self.pools = pools
@@ -96,6 +99,7 @@ class PoolScaler:
         self.gateway_session = gateway_session
         self.detached = detached
         self.owner = owner
+        self.moves_off = moves_off
         self.log = ScalingLog()
         self.starting: dict[str, EngineHandle] = {}  # engine id -> started, not yet ready
         self._lock = asyncio.Lock()
@@ -152,6 +156,18 @@ class PoolScaler:
                 "stopped": stopped,
                 "failed": failed,
             }
+
+    async def move_engine(self, source_pool: str, dest_pool: str, source: str = "admin",
+                          engine_id: str | None = None) -> dict[str, Any]:  # fmt: skip
+        """Move one engine of ``source_pool`` (``engine_id``, else the least
+        loaded) to ``dest_pool`` while serving (``pool_move.py``): drained,
+        switched, registered again. ValueError naming the field when refused."""
+        from tandem.cluster.disagg import pool_move
+
+        pool_move.check_move(self, source_pool, dest_pool, engine_id, source)
+        async with self._lock:
+            pool_move.check_move(self, source_pool, dest_pool, engine_id, source)  # still so
+            return await pool_move.move_engine(self, source_pool, dest_pool, engine_id, source)
 
     # ---- scale out -------------------------------------------------------------
 

@@ -131,6 +131,14 @@ class PlannerDecision(msgspec.Struct):
     inputs: dict[str, float] = {}
 
 
+class PoolMoves(msgspec.Struct):
+    """Whether an engine may move between the prefill and decode pools
+    (``cluster/disagg/pool_move.py``), and why not (``cluster/engines/pool_moves.py``)."""
+
+    enabled: bool = False
+    reason: str = ""
+
+
 class PlannerState(msgspec.Struct):
     mode: str = "off"  # off | load | sla
     interval_s: float = 0.0
@@ -164,6 +172,7 @@ class BackendMetrics(msgspec.Struct):
     scaling_actions: dict[str, int] = {}
     scaling_events: list[ScalingEvent] = []
     planner: PlannerState | None = None
+    pool_moves: PoolMoves | None = None  # None: a backend without pools
     # Several gateways: this one's share of their in-flight counts (None with one)
     peer_load: PeerLoadStats | None = None
 
@@ -260,6 +269,14 @@ class Backend(abc.ABC):
         naming the field when refused (no such pool, outside its
         min/max)."""
         raise ValueError("pool: this backend has no engine pools to resize")
+
+    async def move_engine(
+        self, source_pool: str, dest_pool: str, engine_id: str | None = None
+    ) -> dict[str, Any]:
+        """Move one engine of ``source_pool`` (``engine_id``, else the least
+        loaded) to ``dest_pool`` while serving (admin API): drained first, its
+        streams migrate. ValueError naming the field when refused."""
+        raise ValueError("pool: this backend has no engine pools to move between")
 
     async def reset_prefix_cache(self) -> dict[str, bool]:
         """Every engine drops its unused cached blocks; per engine whether it

@@ -1,0 +1,207 @@
+"""Pool moves on the real service (cluster/disagg/pool_move.py): local Ray, the
+tiny model, 1 prefill + 2 decode engines at start, moves on (alike pools).
+
+- 1P2D -> 2P1D by moving a decode engine while 8 seeded streams run: every
+  stream identical to the undisturbed run; the moved engine then serves
+  prefill (its counters under the prefill role grow); /cluster/state, the
+  scaling log and metrics show it; then back to 1P2D the same way, streams
+  running again; every engine idle with check_integrity(), no block held.
+- refusals: the busy engine refuses set_role (naming role); a pool's last
+  engine, an unknown pool or engine, the same pool: 400 naming the field;
+  the pools stay as they were.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from tests.chaos.harness import Workload, serve_config, verdict
+from tests.chaos.service import reset_prefix_caches, settle, stats
+
+pytestmark = pytest.mark.slow
+
+KEY = "pool-move-test-admin-key"
+NUM_STREAMS = 8
+MAX_TOKENS = 96
+
+
+@pytest.fixture(scope="module")
+def svc_refs():
+    import ray
+
+    from tandem.cluster.cli.serve import ServiceThread
+
+    ray.init(include_dashboard=False, num_cpus=2, log_to_driver=False)
+    config = serve_config(
+        f"pool-move-{os.getpid()}",
+        admin_api_key=KEY,
+        prefill=1,
+        decode=2,
+        prefill_max_engines=2,
+        decode_max_engines=2,
+    )
+    try:
+        with ServiceThread(config) as svc:
+            refs = Workload(svc.base_url, "seeded", NUM_STREAMS, max_tokens=MAX_TOKENS)
+            assert not any(refs.finish())
+            for r in refs.results:
+                assert r.done and r.error is None and r.finish_reason == "length", r
+            yield svc, refs.results
+    finally:
+        ray.shutdown()
+
+
+def move(svc, source_pool: str, dest_pool: str, key: str = KEY, **extra) -> httpx.Response:
+    return httpx.post(
+        f"{svc.base_url}/admin/pools/move",
+        json={"source_pool": source_pool, "dest_pool": dest_pool, **extra},
+        headers={"Authorization": f"Bearer {key}"},
+        timeout=300,
+    )
+
+
+def ids(svc, role: str) -> set[str]:
+    return {eid for eid, e in svc.service.backend.engines.items() if e.state.role == role}
+
+
+def cluster_state(svc) -> dict:
+    return httpx.get(svc.base_url + "/cluster/state", timeout=30).json()
+
+
+def metric(svc, name: str, **labels: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(svc.base_url + "/metrics", timeout=30).text
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return s.value
+    return 0.0
+
+
+def moved_under_load(svc, refs, source_pool: str, dest_pool: str) -> dict:
+    """Move one engine while NUM_STREAMS streams run; every stream identical."""
+    reset_prefix_caches(svc)
+    w = Workload(svc.base_url, "seeded", NUM_STREAMS, max_tokens=MAX_TOKENS)
+    w.wait_tokens(4)
+    r = move(svc, source_pool, dest_pool)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["moved"] and body["error"] is None, body
+    assert body["drain_s"] >= 0 and body["switch_s"] >= 0 and body["register_s"] >= 0, body
+    hung = w.finish()
+    verdicts = [verdict(r, x, h) for r, x, h in zip(w.results, refs, hung, strict=True)]
+    assert verdicts == ["identical"] * NUM_STREAMS, [r for r in w.results if r.error]
+    return body
+
+
+def assert_registered_as(svc, engine_id: str, role: str) -> None:
+    """The gateway's record, the engine's own word, the index and the handle agree."""
+    import ray
+
+    backend = svc.service.backend
+    e = backend.engines[engine_id]
+    assert (e.state.role, e.handle.role, e.state.ready) == (role, role, True)
+    assert ray.get(e.handle.actor.ready.remote(), timeout=30)["role"] == role
+    assert stats(e.handle).role == role
+    index = backend.routing.index
+    if index is not None:
+        assert index.engines[engine_id].role == role
+        index.check_integrity()
+
+
+def test_decode_engine_moves_to_prefill_under_load_and_back(svc_refs):
+    svc, refs = svc_refs
+    assert cluster_state(svc)["pool_moves"] == {"enabled": True, "reason": ""}
+    body = moved_under_load(svc, refs, "decode", "prefill")
+    moved = body["engine_id"]
+    assert moved in {"decode-0", "decode-1"}, body
+    assert ids(svc, "prefill") == {"prefill-0", moved}
+    assert ids(svc, "decode") == {"decode-0", "decode-1"} - {moved}
+    assert_registered_as(svc, moved, "prefill")
+    pools = {p["role"]: (p["engines"], p["ready"]) for p in cluster_state(svc)["pools"]}
+    assert pools == {"prefill": (2, 2), "decode": (1, 1)}, pools
+    assert metric(svc, "tandem:pool_engines", pool="prefill") == 2
+    assert metric(svc, "tandem:scaling_actions_total", pool="prefill", action="move",
+                  outcome="ok") == 1  # fmt: skip
+    events = cluster_state(svc)["scaling"]
+    assert any(
+        (e["pool"], e["action"], e["outcome"], e["engine_id"]) == ("prefill", "move", "ok", moved)
+        and e["detail"] == "decode -> prefill"
+        for e in events
+    ), events
+
+    # it serves prefill now: its prompt tokens grow under the prefill role
+    handle = svc.service.backend.engines[moved].handle
+    before = stats(handle).scheduler.num_prompt_tokens
+    deadline = time.monotonic() + 120
+    while stats(handle).scheduler.num_prompt_tokens == before:
+        assert time.monotonic() < deadline, "the moved engine took no prefill"
+        reset_prefix_caches(svc)
+        more = Workload(svc.base_url, "greedy", NUM_STREAMS, max_tokens=4)
+        assert not any(more.finish()) and all(r.error is None for r in more.results)
+    assert svc.service.backend.engines[moved].state.role == "prefill"
+    labels = {"engine": moved, "role": "prefill"}
+    deadline = time.monotonic() + 30  # the gateway's stats refresh with its health probe
+    while metric(svc, "tandem:prompt_tokens_computed_total", **labels) <= before:
+        assert time.monotonic() < deadline, "no prompt tokens under the prefill role"
+        time.sleep(0.1)
+    assert settle(svc) == 0, "blocks still held"
+
+    # and back: a prefill engine moves to decode while streams run (its handoffs finish)
+    back = moved_under_load(svc, refs, "prefill", "decode")
+    assert back["engine_id"] == moved, back  # the one named decode-N goes back: names stay tidy
+    assert ids(svc, "prefill") == {"prefill-0"} and ids(svc, "decode") == {"decode-0", "decode-1"}
+    assert_registered_as(svc, back["engine_id"], "decode")
+    assert settle(svc) == 0, "blocks still held"
+
+
+def test_refusals_name_the_field_and_change_nothing(svc_refs):
+    import ray
+
+    svc, refs = svc_refs
+    before = {role: ids(svc, role) for role in ("prefill", "decode")}
+    (prefill_id,) = before["prefill"]  # an engine moved there and back keeps its name
+    cases = [
+        ("prefill", "decode", {}, "source_pool", "--prefill-min-engines"),
+        ("decode", "decode", {}, "dest_pool", "already"),
+        ("colocated", "prefill", {}, "source_pool", "colocated"),
+        ("decode", "prefill", {"engine_id": "decode-9"}, "engine_id", "decode-9"),
+        ("decode", "prefill", {"engine_id": prefill_id}, "engine_id", prefill_id),
+    ]
+    for source_pool, dest_pool, extra, param, named in cases:
+        r = move(svc, source_pool, dest_pool, **extra)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == param and named in error["message"], error
+    assert move(svc, "decode", "prefill", key="wrong").status_code == 401
+    p = subprocess.run(
+        [sys.executable, "-m", "tandem.cluster", "scale", "--move", "prefill:decode",
+         "--url", svc.base_url],
+        env=dict(os.environ, TANDEM_ADMIN_API_KEY=KEY),
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert p.returncode == 2 and "--prefill-min-engines" in p.stderr, p.stderr
+    assert metric(svc, "tandem:scaling_actions_total", pool="decode", action="move",
+                  outcome="refused") >= 1  # fmt: skip
+
+    # an engine holding streams refuses to switch, naming role, and serves on
+    reset_prefix_caches(svc)
+    w = Workload(svc.base_url, "seeded", NUM_STREAMS, max_tokens=MAX_TOKENS)
+    w.wait_tokens(2)
+    busy = max(ids(svc, "decode"), key=lambda eid: len(svc.service.backend.engines[eid].requests))
+    actor = svc.service.backend.engines[busy].handle.actor
+    with pytest.raises(ray.exceptions.RayTaskError, match=r"role: engine \S+ holds"):
+        ray.get(actor.set_role.remote("prefill"), timeout=30)
+    hung = w.finish()
+    verdicts = [verdict(r, x, h) for r, x, h in zip(w.results, refs, hung, strict=True)]
+    assert verdicts == ["identical"] * NUM_STREAMS
+    assert {role: ids(svc, role) for role in ("prefill", "decode")} == before
+    assert ray.get(actor.ready.remote(), timeout=30)["role"] == "decode"
+    assert settle(svc) == 0, "blocks still held"
