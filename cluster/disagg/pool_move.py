@@ -49,8 +49,7 @@ from typing import Any
 import msgspec
 
 from tandem.cluster.disagg import drain
-from tandem.cluster.disagg.engine import Engine
-from tandem.cluster.disagg.scaling import _cause, _index
+from tandem.cluster.disagg.engine import Engine, cause_text, engine_index
 from tandem.cluster.engines.pool_moves import MOVE_ROLES
 from tandem.cluster.engines.pools import stop_pools
 
@@ -107,7 +106,7 @@ def pick(members: list[Engine], engine_id: str | None, dest_pool: str) -> Engine
     def key(e: Engine) -> tuple:
         held = e.state.num_inflight if e.state.role == "prefill" else len(e.requests)
         named_elsewhere = not e.state.engine_id.startswith(dest_pool + "-")
-        return (held + e.state.queued_prefill_tokens, named_elsewhere, -_index(e))
+        return (held + e.state.queued_prefill_tokens, named_elsewhere, -engine_index(e))
 
     return min(ready, key=key)
 
@@ -128,7 +127,7 @@ async def move_engine(scaler: Any, source_pool: str, dest_pool: str, engine_id: 
     try:
         drained = await drain.drain(backend.members, backend.plane, eid, timeout_s)
     except Exception as exc:  # noqa: BLE001 - it stays where it is
-        drained = {"idle": False, "error": _cause(exc)}
+        drained = {"idle": False, "error": cause_text(exc)}
     result["migrated"] = drained.get("migrated", 0)
     result["drain_s"] = loop.time() - t0
     if not drained.get("idle"):
@@ -141,7 +140,9 @@ async def move_engine(scaler: Any, source_pool: str, dest_pool: str, engine_id: 
         return _timed(_back(scaler, e, result, str(exc), source), t0, loop)
     except Exception as exc:  # noqa: BLE001 - no answer: put the engine's role back
         await _restore(backend, e, source_pool)
-        return _timed(_back(scaler, e, result, f"switch failed: {_cause(exc)}", source), t0, loop)
+        return _timed(
+            _back(scaler, e, result, f"switch failed: {cause_text(exc)}", source), t0, loop
+        )
     result["switch_s"] = loop.time() - t1
     t2 = loop.time()
     rejoin(backend, e, dest_pool, info)
@@ -152,7 +153,7 @@ async def move_engine(scaler: Any, source_pool: str, dest_pool: str, engine_id: 
             rejoin(backend, e, source_pool, await _set_role(backend, e, source_pool))
             error = await _wait_registered(backend, e, loop.time() + timeout_s)
         except Exception as exc:  # noqa: BLE001
-            error = _cause(exc)
+            error = cause_text(exc)
         if error is not None:  # neither pool takes it: out, and stopped
             backend.remove_engine(eid)
             await asyncio.to_thread(stop_pools, [e.handle])
@@ -190,7 +191,7 @@ async def _wait_registered(backend: Any, e: Engine, deadline: float) -> str | No
             await members.check(e)
             await members.register_prefill_engines()
         except Exception as exc:  # noqa: BLE001 - it died while joining
-            return f"failed while joining the {e.state.role} pool: {_cause(exc)}"
+            return f"failed while joining the {e.state.role} pool: {cause_text(exc)}"
         if not e.state.ready:
             await asyncio.sleep(0.02)
     return None

@@ -180,7 +180,9 @@ class ServeConfig:
         """Why an engine may not move between the prefill and decode pools
         (None: it may; cluster/engines/pool_moves.py)."""
         if self.ray.attach:
-            return "this gateway adopted its engines (--attach): the one that started them moves them"
+            return (
+                "this gateway adopted its engines (--attach): the one that started them moves them"
+            )
         engines = {r: self._pool_engine(r) for r in MOVE_ROLES}
         return moves_blocker(self.pools, engines, self.pools.pool_moves)
 
