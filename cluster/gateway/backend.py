@@ -103,10 +103,11 @@ class ErrorEvent(msgspec.Struct):
 
 
 class ScalingEvent(msgspec.Struct):
-    """One engine a pool resize started or stopped (``cluster/disagg/scaling.py``).
-    ``action``: ``scale_out`` | ``scale_in``; ``outcome``: ``ok`` | ``failed``
-    | ``refused`` (outside the pool's min/max); ``source``: ``admin`` or
-    ``planner``."""
+    """One engine a pool resize started or stopped (``cluster/disagg/scaling.py``),
+    or one that moved into ``pool`` (``move``: ``cluster/disagg/pool_move.py``).
+    ``action``: ``scale_out`` | ``scale_in`` | ``move``; ``outcome``: ``ok`` |
+    ``failed`` | ``refused`` (outside the pool's min/max, or pools that cannot
+    move engines); ``source``: ``admin`` or ``planner``."""
 
     time_s: float  # wall clock
     pool: str

@@ -205,3 +205,32 @@ def test_refusals_name_the_field_and_change_nothing(svc_refs):
     assert {role: ids(svc, role) for role in ("prefill", "decode")} == before
     assert ray.get(actor.ready.remote(), timeout=30)["role"] == "decode"
     assert settle(svc) == 0, "blocks still held"
+
+
+def test_a_moved_engine_that_ray_restarts_serves_its_new_pool(svc_refs):
+    """Ray restarts an actor with its first arguments (the decode role): the
+    gateway's probe sees the role differ and switches it back before it
+    registers (Membership._restore_role)."""
+    import ray
+
+    from tests.chaos.service import wait_ready, wait_restarted
+
+    svc, refs = svc_refs
+    r = move(svc, "decode", "prefill")
+    assert r.status_code == 200 and r.json()["moved"], r.text
+    moved = r.json()["engine_id"]
+    e = svc.service.backend.engines[moved]
+    epoch, pid = e.state.epoch, ray.get(e.handle.actor.ready.remote(), timeout=30)["pid"]
+    ray.kill(e.handle.actor, no_restart=False)
+    wait_restarted(e.handle.actor, pid)
+    wait_ready(svc, moved, new_epoch_after=epoch)
+    assert_registered_as(svc, moved, "prefill")
+    reset_prefix_caches(svc)
+    w = Workload(svc.base_url, "seeded", NUM_STREAMS, max_tokens=MAX_TOKENS)
+    hung = w.finish()
+    verdicts = [verdict(r, x, h) for r, x, h in zip(w.results, refs, hung, strict=True)]
+    assert verdicts == ["identical"] * NUM_STREAMS, [r for r in w.results if r.error]
+    back = move(svc, "prefill", "decode", engine_id=moved)
+    assert back.status_code == 200 and back.json()["moved"], back.text
+    assert ids(svc, "prefill") == {"prefill-0"} and ids(svc, "decode") == {"decode-0", "decode-1"}
+    assert settle(svc) == 0, "blocks still held"

@@ -22,6 +22,7 @@ from tandem.scheduler.kv_events import KVEventRecorder, KVSnapshot
 from tandem.wire.engine_protocol import EngineOutput, EngineOutputs, EngineRequest, FinishReason
 from tandem.workers.config import EngineConfig
 from tandem.workers.engine.kv_events_publisher import KVEventPublisher
+from tandem.workers.engine.pool_role import switch_role
 from tandem.workers.engine.request_clock import RequestClock
 from tandem.workers.engine.startup import (
     build_runner,
@@ -197,40 +198,9 @@ class EngineCore:
         self.publish_kv_events()
         return done
 
-    # ---- pool moves --------------------------------------------------------------
-
     def set_role(self, role: str) -> None:
-        """Serve in the ``role`` pool from now on (``cluster/disagg/pool_move.py``).
-        Only an engine started for pool moves (``kv_pool_moves``: its connector
-        serves and reads, whatever its pool) and only while it holds nothing: no
-        request, no block kept for a peer's read, no transfer in flight (the
-        gateway drains it first). Prefill and decode work are per request
-        (``kv_transfer_params``), so the role is what the engine reports: its
-        stats and its requests' timings. Loop thread only; ValueError naming
-        ``role`` when refused."""
-        eid, current = self.config.runtime.engine_id, self.config.runtime.role
-        if role not in ("prefill", "decode"):
-            raise ValueError(f"role: an engine moves to the prefill or decode pool, not {role!r}")
-        if current not in ("prefill", "decode") or not self.config.kv_transfer.pool_moves:
-            raise ValueError(
-                f"role: engine {eid} ({current}) was not started for pool moves "
-                "(kv_pool_moves: its NIXL connector must serve and read)"
-            )
-        busy = self.busy_reason()
-        if busy:
-            raise ValueError(f"role: engine {eid} holds {busy}; drain it before it moves")
-        self.config = self.config.replace(role=role)
-        self.request_clock.role = role
-
-    def busy_reason(self) -> str:
-        """What the engine still holds ("" when idle): requests, blocks kept for
-        a peer, transfers or outputs pending."""
-        sched = self.scheduler
-        if sched.requests:
-            return f"{len(sched.requests)} requests"
-        if sched.has_work():
-            return "transfers or outputs pending"
-        return ""
+        """Serve in the ``role`` pool from now on, while idle (``pool_role.py``)."""
+        switch_role(self, role)
 
     # ---- state and stats -------------------------------------------------------
 
