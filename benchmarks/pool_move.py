@@ -2,7 +2,7 @@
 
 A real service (local Ray, the `tiny` model, 1 prefill + 2 decode engines, pools
 alike so engines may move) runs STREAMS concurrent seeded streams; once each has
-a few tokens, one decode engine moves to the prefill pool (POST
+a few tokens, the decode engine holding the most streams moves to the prefill pool (POST
 /admin/pools/move, cluster/disagg/pool_move.py), and in the next half-round a
 prefill engine moves back, streams running again. Per move, the phases the
 gateway times: drain (no new work; its decode streams migrate; a prefill
@@ -40,11 +40,23 @@ SIMULATOR_SWITCH_S = 0.72  # benchmarks/planner.py's --switch-s default
 PHASES = ("drain_s", "switch_s", "register_s", "total_s")
 
 
+def busiest(svc, pool: str) -> str:
+    """The engine of ``pool`` holding the most streams: the move with the most to migrate."""
+
+    async def held() -> dict[str, int]:
+        engines = svc.service.backend.engines.values()
+        return {e.state.engine_id: len(e.requests) for e in engines if e.state.role == pool}
+
+    counts = svc.run(held())
+    return max(sorted(counts), key=counts.get)
+
+
 def move(svc, source_pool: str, dest_pool: str) -> tuple[float, dict]:
+    engine_id = busiest(svc, source_pool) if source_pool == "decode" else None
     start = time.monotonic()
     r = httpx.post(
         f"{svc.base_url}/admin/pools/move",
-        json={"source_pool": source_pool, "dest_pool": dest_pool},
+        json={"source_pool": source_pool, "dest_pool": dest_pool, "engine_id": engine_id},
         headers={"Authorization": "Bearer bench"},
         timeout=600,
     )
