@@ -9,6 +9,10 @@ tiny model, 1 prefill + 2 decode engines at start, moves on (alike pools).
 - refusals: the busy engine refuses set_role (naming role); a pool's last
   engine, an unknown pool or engine, the same pool: 400 naming the field;
   the pools stay as they were.
+- a moved engine that Ray restarts (its constructor's role is its first
+  pool's) is switched back to its new pool before it registers.
+- failures roll back: a refused switch leaves the engine undrained in its
+  pool; a registration that does not finish puts it back in the old pool.
 """
 
 from __future__ import annotations
@@ -255,4 +259,56 @@ def test_a_moved_engine_that_ray_restarts_serves_its_new_pool(svc_refs):
     back = move(svc, "prefill", "decode", engine_id=moved)
     assert back.status_code == 200 and back.json()["moved"], back.text
     assert ids(svc, "prefill") == {"prefill-0"} and ids(svc, "decode") == {"decode-0", "decode-1"}
+    assert settle(svc) == 0, "blocks still held"
+
+
+def test_a_move_that_fails_leaves_the_engine_whole_in_its_pool(svc_refs, monkeypatch):
+    """Failures roll back (cluster/disagg/pool_move.py): a switch the engine refuses
+    leaves it undrained in its pool; a registration in the new pool that does not
+    finish switches it back and registers it in the old one. Never half in both."""
+    from tandem.cluster.disagg import pool_move
+
+    svc, refs = svc_refs
+    before = {role: ids(svc, role) for role in ("prefill", "decode")}
+
+    async def refused(backend, e, role):  # a request reached it after its drain
+        raise ValueError(f"role: engine {e.state.engine_id} holds 1 requests")
+
+    monkeypatch.setattr(pool_move, "_set_role", refused)
+    r = move(svc, "decode", "prefill", engine_id="decode-1")
+    monkeypatch.undo()
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert not body["moved"] and body["error"].startswith("role: engine decode-1 holds"), body
+    deadline = time.monotonic() + 30  # undrained: the next health probe makes it ready
+    while not svc.service.backend.engines["decode-1"].state.ready:
+        assert time.monotonic() < deadline, "decode-1 not serving again"
+        time.sleep(0.05)
+    assert_registered_as(svc, "decode-1", "decode")
+    assert {role: ids(svc, role) for role in ("prefill", "decode")} == before
+    assert metric(svc, "tandem:scaling_actions_total", pool="prefill", action="move",
+                  outcome="failed") == 1  # fmt: skip
+
+    real = pool_move._wait_registered
+    pools_tried = []
+
+    async def first_fails(backend, e, deadline):
+        pools_tried.append(e.state.role)
+        if len(pools_tried) == 1:
+            return f"not registered in the {e.state.role} pool in time"
+        return await real(backend, e, deadline)
+
+    monkeypatch.setattr(pool_move, "_wait_registered", first_fails)
+    r = move(svc, "decode", "prefill", engine_id="decode-1")
+    monkeypatch.undo()
+    body = r.json()
+    assert not body["moved"] and "not registered in the prefill pool" in body["error"], body
+    assert pools_tried == ["prefill", "decode"]
+    assert_registered_as(svc, "decode-1", "decode")
+    assert {role: ids(svc, role) for role in ("prefill", "decode")} == before
+    reset_prefix_caches(svc)
+    w = Workload(svc.base_url, "seeded", NUM_STREAMS, max_tokens=MAX_TOKENS)
+    hung = w.finish()
+    verdicts = [verdict(r, x, h) for r, x, h in zip(w.results, refs, hung, strict=True)]
+    assert verdicts == ["identical"] * NUM_STREAMS, [r for r in w.results if r.error]
     assert settle(svc) == 0, "blocks still held"
