@@ -312,3 +312,23 @@ def test_a_move_that_fails_leaves_the_engine_whole_in_its_pool(svc_refs, monkeyp
     verdicts = [verdict(r, x, h) for r, x, h in zip(w.results, refs, hung, strict=True)]
     assert verdicts == ["identical"] * NUM_STREAMS, [r for r in w.results if r.error]
     assert settle(svc) == 0, "blocks still held"
+
+
+def test_the_planner_moves_through_the_same_call(svc_refs):
+    """``--planner sla`` moves engines where the pools are alike: the runner's
+    ``move`` (cluster/cli/planning.py ``pool_mover``) is the scaler's move_engine,
+    logged with source planner."""
+    from tandem.cluster.cli.planning import pool_mover
+
+    svc, _ = svc_refs
+    planner_move = pool_mover(svc.service.backend.scaler)
+    assert planner_move is not None
+    body = svc.run(planner_move("decode", "prefill"))
+    assert body["moved"], body
+    event = cluster_state(svc)["scaling"][0]  # newest first
+    assert (event["action"], event["source"], event["engine_id"]) == (
+        "move", "planner", body["engine_id"],
+    )  # fmt: skip
+    assert svc.run(planner_move("prefill", "decode"))["moved"]
+    assert ids(svc, "prefill") == {"prefill-0"} and ids(svc, "decode") == {"decode-0", "decode-1"}
+    assert settle(svc) == 0, "blocks still held"
