@@ -176,6 +176,10 @@ def rejoin(backend: Any, e: Engine, role: str, info: dict[str, Any]) -> None:
     e.unregistered = True
     e.pushed_endpoints = None
     e.draining = False
+    # drained and idle, it owes nothing; a prefill engine still lists the streams it
+    # prefilled (for aborts of blocks it no longer holds): in the decode pool a drain or
+    # a death would take them for its own streams and fail them where they run
+    e.requests.clear()
     if e.stats is not None:
         e.stats = msgspec.structs.replace(e.stats, role=role)
     backend.routing.on_moved(e.state.engine_id, role, info)

@@ -26,7 +26,7 @@ import httpx
 import pytest
 
 from tests.chaos.harness import Workload, serve_config, verdict
-from tests.chaos.service import reset_prefix_caches, settle, stats
+from tests.chaos.service import requests_on, reset_prefix_caches, settle, stats
 
 pytestmark = pytest.mark.slow
 
@@ -180,6 +180,8 @@ def test_decode_engine_moves_to_prefill_under_load_and_back(svc_refs):
     r = move(svc, "prefill", "decode")
     assert r.status_code == 200 and r.json()["moved"], r.text
     assert r.json()["engine_id"] == moved, r.json()
+    # the streams it prefilled decode elsewhere: not listed as its own in the decode pool
+    assert not requests_on(svc, moved)
     hung = w.finish()
     verdicts = [verdict(r, x, h) for r, x, h in zip(w.results, refs, hung, strict=True)]
     assert verdicts == ["identical"] * NUM_STREAMS, [r for r in w.results if r.error]
