@@ -190,7 +190,7 @@ def test_decode_engine_moves_to_prefill_under_load_and_back(svc_refs):
     assert settle(svc) == 0, "blocks still held"
 
 
-def test_refusals_name_the_field_and_change_nothing(svc_refs):
+def test_refusals_name_the_field_and_change_nothing(svc_refs, monkeypatch):
     import ray
 
     svc, refs = svc_refs
@@ -209,6 +209,15 @@ def test_refusals_name_the_field_and_change_nothing(svc_refs):
         error = r.json()["error"]
         assert error["param"] == param and named in error["message"], error
     assert move(svc, "decode", "prefill", key="wrong").status_code == 401
+    # pools whose engines differ (what ServeConfig.pool_moves_off() would say of them:
+    # tests/cluster/test_pool_move_config.py) refuse every move, and /cluster/state says why
+    why = "the pools' engines differ in max_num_seqs (prefill 128, decode 8: ...)"
+    monkeypatch.setattr(svc.service.backend.scaler, "moves_off", why)
+    assert cluster_state(svc)["pool_moves"] == {"enabled": False, "reason": why}
+    r = move(svc, "decode", "prefill")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "pool_moves", r.text
+    assert why in r.json()["error"]["message"]
+    monkeypatch.undo()
     p = subprocess.run(
         [sys.executable, "-m", "tandem.cluster", "scale", "--move", "prefill:decode",
          "--url", svc.base_url],
