@@ -325,10 +325,10 @@ def test_a_move_that_fails_leaves_the_engine_whole_in_its_pool(svc_refs, monkeyp
     assert settle(svc) == 0, "blocks still held"
 
 
-def test_the_planner_moves_through_the_same_call(svc_refs):
+def test_the_planner_and_the_cli_move_through_the_same_call(svc_refs):
     """``--planner sla`` moves engines where the pools are alike: the runner's
     ``move`` (cluster/cli/planning.py ``pool_mover``) is the scaler's move_engine,
-    logged with source planner."""
+    logged with source planner; ``tandem scale --move`` calls the admin route."""
     from tandem.cluster.cli.planning import pool_mover
 
     svc, _ = svc_refs
@@ -341,5 +341,22 @@ def test_the_planner_moves_through_the_same_call(svc_refs):
         "move", "planner", body["engine_id"],
     )  # fmt: skip
     assert svc.run(planner_move("prefill", "decode"))["moved"]
+    assert ids(svc, "prefill") == {"prefill-0"} and ids(svc, "decode") == {"decode-0", "decode-1"}
+    # tandem scale --move, the command-line client of the admin route: there and back
+    p = subprocess.run(
+        [sys.executable, "-m", "tandem.cluster", "scale", "--move", "decode:prefill",
+         "--engine-id", "decode-1", "--url", svc.base_url],
+        env=dict(os.environ, TANDEM_ADMIN_API_KEY=KEY),
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert p.returncode == 0 and '"moved": true' in p.stdout, p.stderr
+    assert ids(svc, "prefill") == {"prefill-0", "decode-1"}
+    p = subprocess.run(
+        [sys.executable, "-m", "tandem.cluster", "scale", "--move", "prefill:decode",
+         "--engine-id", "decode-1", "--url", svc.base_url],
+        env=dict(os.environ, TANDEM_ADMIN_API_KEY=KEY),
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert p.returncode == 0 and '"moved": true' in p.stdout, p.stderr
     assert ids(svc, "prefill") == {"prefill-0"} and ids(svc, "decode") == {"decode-0", "decode-1"}
     assert settle(svc) == 0, "blocks still held"
