@@ -20,7 +20,10 @@ benchmarks.md "Elastic pools") plus one health probe interval (0.5 s, the
 gateway's ``health_interval_s``: the prefill registry is pushed after each
 probe, and a prefill engine is ready once registered); the migrated streams
 are simulated step by step as the service migrates them (a fresh prefill
-handoff for a context of 256 tokens or more, elastic.py).
+handoff for a context of 256 tokens or more, elastic.py). The service's own
+move (cluster/disagg/pool_move.py), measured by benchmarks/pool_move.py, takes
+0.20 s with six streams migrating: it registers the engine itself instead of
+waiting for a probe; the default stays the upper figure the results were run with.
 Goodput counts requests meeting both SLOs (TTFT, and TPOT as
 ``vllm bench serve --goodput`` counts it) per second, per phase (by arrival)
 and over the whole trace. A phase's best fixed split is taken from each split

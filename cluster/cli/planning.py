@@ -97,11 +97,10 @@ def start_planner(config: Any, backend: Any) -> asyncio.Task | None:
 
 def pool_mover(scaler: Any) -> Any:
     """``move(source, destination)`` when the backend can move an engine between
-    pools (a ``move_engine(source, destination, source=...)`` on its scaler), else
-    None: then the planner asks for no move, only a stop and a start. No backend has
-    one yet: a running engine's KV connector role, engine id and per-pool settings
-    are fixed at its start (docs/architecture.md, "Pool moves")."""
+    pools (a ``move_engine(source, destination, source=...)`` on its scaler, and
+    the service's pools alike: ``moves_off`` None; cluster/disagg/pool_move.py),
+    else None: then the planner asks for no move, only a stop and a start."""
     move_engine = getattr(scaler, "move_engine", None)
-    if move_engine is None:
+    if move_engine is None or getattr(scaler, "moves_off", None) is not None:
         return None
     return lambda pool, dest: move_engine(pool, dest, source="planner")

@@ -139,6 +139,7 @@ class Service:
                 namespace=namespace,
                 gateway_session=session,
                 detached=config.ray.detach_engines,
+                moves_off=config.pool_moves_off(),
             )
         self.backend = backend
         await backend.start()

@@ -74,3 +74,18 @@ class ErrorLog:
         self.events.append(ErrorEvent(time.time(), source, message))
         if engine is not None:
             engine.last_error = message
+
+
+def engine_index(e: Engine) -> int:
+    """N of an engine named ``<role>-N`` (0 when not so named): the newest has the highest."""
+    try:
+        return int(e.state.engine_id.rsplit("-", 1)[1])
+    except (IndexError, ValueError):
+        return 0
+
+
+def cause_text(exc: BaseException) -> str:
+    """One line naming why a Ray call failed (its cause's type and last line)."""
+    cause = getattr(exc, "cause", None) or exc
+    text = str(cause).strip().splitlines()
+    return f"{type(cause).__name__}: {text[-1] if text else ''}"[:500]

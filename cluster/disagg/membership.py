@@ -156,6 +156,8 @@ class Membership:
         e.answered = info is not None
         if info is not None and info["epoch"] != e.state.epoch:
             self._connect(e, info)
+            if info.get("role") != e.state.role and e.state.role in ("prefill", "decode"):
+                await self._restore_role(e)
         if not e.state.epoch:
             return  # not up yet
         liveness = e.health.liveness()
@@ -174,6 +176,20 @@ class Membership:
             except Exception as exc:  # noqa: BLE001 - stale stats are not a verdict
                 logger.debug("engine %s stats: %r", eid, exc)
         e.state.ready = not e.unregistered and not e.draining  # see register_prefill_engines
+
+    async def _restore_role(self, e: Engine) -> None:
+        """A restart by Ray re-ran the constructor of an engine that had moved
+        (cluster/disagg/pool_move.py) with its first pool's role: it serves the
+        pool it moved to (idle: nothing is sent before it registers)."""
+        eid, role = e.state.engine_id, e.state.role
+        ref = e.handle.actor.set_role.remote(role)
+        try:
+            e.state.info = await asyncio.wait_for(_await_ref(ref), self.call_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - it serves all the same; only its label differs
+            logger.warning(
+                "engine %s restarted in its first pool; set_role(%s): %r", eid, role, exc
+            )
+            self.errors.add(eid, f"restarted in its first pool; set_role({role}) failed", e)
 
     async def _join(self, e: Engine, info: dict[str, Any]) -> dict[str, Any]:
         """``e`` does not serve this gateway (yet): join it

@@ -27,7 +27,7 @@ from tandem.cluster.disagg.orchestration import Orchestrator
 from tandem.cluster.disagg.scaling import PoolScaler
 from tandem.cluster.engines.health import EngineHealth
 from tandem.cluster.engines.pools import EngineHandle
-from tandem.cluster.gateway.backend import Backend, BackendMetrics, EngineMetrics
+from tandem.cluster.gateway.backend import Backend, BackendMetrics, EngineMetrics, PoolMoves
 from tandem.cluster.routing.cluster_routing import ClusterRouting
 from tandem.cluster.routing.policy import RoutingConfig
 from tandem.cluster.routing.router import Router
@@ -212,6 +212,13 @@ class RayBackend(Backend):
             raise ValueError("pool: this gateway does not own its engine pools")
         return await self.scaler.scale(role, engines)
 
+    async def move_engine(
+        self, source_pool: str, dest_pool: str, engine_id: str | None = None
+    ) -> dict[str, Any]:
+        if self.scaler is None:
+            raise ValueError("pool: this gateway does not own its engine pools")
+        return await self.scaler.move_engine(source_pool, dest_pool, engine_id=engine_id)
+
     async def reset_prefix_cache(self) -> dict[str, bool]:
         return await self._call_every("reset_prefix_cache")
 
@@ -277,8 +284,15 @@ class RayBackend(Backend):
             scaling_actions=self.scaler.log.counts() if self.scaler else {},
             scaling_events=list(self.scaler.log.events) if self.scaler else [],
             planner=self.scaler.log.planner if self.scaler else None,
+            pool_moves=self._pool_moves(),
             peer_load=peer_load,
         )
+
+    def _pool_moves(self) -> PoolMoves:
+        if self.scaler is None:
+            return PoolMoves(False, "this gateway does not own its engine pools (--attach)")
+        why = self.scaler.moves_off
+        return PoolMoves(why is None, why or "")
 
     def pool_sizes(self) -> dict[str, int]:
         """Engines per running pool (those still starting are not counted)."""

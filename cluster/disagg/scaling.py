@@ -33,7 +33,7 @@ import time
 from typing import Any
 
 from tandem.cluster.disagg import drain
-from tandem.cluster.disagg.engine import Engine
+from tandem.cluster.disagg.engine import Engine, cause_text, engine_index
 from tandem.cluster.engines.placement import PoolsConfig
 from tandem.cluster.engines.pools import (
     EngineHandle,
@@ -47,7 +47,7 @@ from tandem.cluster.gateway.backend import PlannerState, ScalingEvent
 
 logger = logging.getLogger(__name__)
 
-SCALE_OUT, SCALE_IN = "scale_out", "scale_in"
+SCALE_OUT, SCALE_IN = "scale_out", "scale_in"  # and "move": pool_move.py
 
 
 class ScalingLog:
@@ -84,10 +84,13 @@ class PoolScaler:
         gateway_session: int,
         detached: bool = False,
         owner: bool = True,
+        moves_off: str | None = "not configured",
     ) -> None:
         """``specs``: the running pools' specs (what a new engine gets);
         ``pools``: their bounds and the timeouts. ``owner``: this gateway
-        started the engines (not ``--attach``): only then may it resize."""
+        started the engines (not ``--attach``): only then may it resize.
+        ``moves_off``: why an engine may not move between the prefill and
+        decode pools (``ServeConfig.pool_moves_off()``), None when it may."""
         self.backend = backend
         self.specs = {s.role: s for s in specs}
         self.pools = pools
@@ -96,6 +99,7 @@ class PoolScaler:
         self.gateway_session = gateway_session
         self.detached = detached
         self.owner = owner
+        self.moves_off = moves_off
         self.log = ScalingLog()
         self.starting: dict[str, EngineHandle] = {}  # engine id -> started, not yet ready
         self._lock = asyncio.Lock()
@@ -153,6 +157,18 @@ class PoolScaler:
                 "failed": failed,
             }
 
+    async def move_engine(self, source_pool: str, dest_pool: str, source: str = "admin",
+                          engine_id: str | None = None) -> dict[str, Any]:  # fmt: skip
+        """Move one engine of ``source_pool`` (``engine_id``, else the least
+        loaded) to ``dest_pool`` while serving (``pool_move.py``): drained,
+        switched, registered again. ValueError naming the field when refused."""
+        from tandem.cluster.disagg import pool_move
+
+        pool_move.check_move(self, source_pool, dest_pool, engine_id, source)
+        async with self._lock:
+            pool_move.check_move(self, source_pool, dest_pool, engine_id, source)  # still so
+            return await pool_move.move_engine(self, source_pool, dest_pool, engine_id, source)
+
     # ---- scale out -------------------------------------------------------------
 
     def _free_index(self, role: str) -> int:
@@ -202,7 +218,7 @@ class PoolScaler:
                 "no node offers the pool's resources?"
             )
         except Exception as exc:  # noqa: BLE001 - its constructor failed, or it died
-            return f"failed to start: {_cause(exc)}"
+            return f"failed to start: {cause_text(exc)}"
         e = self.backend.add_engine(handle)
         members = self.backend.members
         while not e.state.ready:
@@ -214,7 +230,7 @@ class PoolScaler:
                 await members.register_prefill_engines()
             except Exception as exc:  # noqa: BLE001 - it died while joining
                 self.backend.remove_engine(e.state.engine_id)
-                return f"failed while joining: {_cause(exc)}"
+                return f"failed while joining: {cause_text(exc)}"
             if not e.state.ready:
                 await asyncio.sleep(0.1)
         return None
@@ -228,7 +244,7 @@ class PoolScaler:
 
         def key(e: Engine) -> tuple:
             held = e.state.num_inflight if role == "prefill" else len(e.requests)
-            return (e.state.ready, held + e.state.queued_prefill_tokens, -_index(e))
+            return (e.state.ready, held + e.state.queued_prefill_tokens, -engine_index(e))
 
         return sorted(self.members(role), key=key)[:count]
 
@@ -243,7 +259,7 @@ class PoolScaler:
         try:
             result = await drain.drain(self.backend.members, self.backend.plane, eid, timeout_s)
         except Exception as exc:  # noqa: BLE001 - stop it anyway; its streams moved
-            result = {"idle": False, "migrated": 0, "error": _cause(exc)}
+            result = {"idle": False, "migrated": 0, "error": cause_text(exc)}
         self.backend.remove_engine(eid)
         await asyncio.to_thread(stop_pools, [e.handle])
         detail = "" if result.get("idle") else "not idle at the drain deadline"
@@ -262,19 +278,6 @@ class PoolScaler:
         self.starting.clear()
         if handles:
             await asyncio.to_thread(stop_pools, handles)
-
-
-def _index(e: Engine) -> int:
-    try:
-        return int(e.state.engine_id.rsplit("-", 1)[1])
-    except (IndexError, ValueError):
-        return 0
-
-
-def _cause(exc: BaseException) -> str:
-    cause = getattr(exc, "cause", None) or exc
-    text = str(cause).strip().splitlines()
-    return f"{type(cause).__name__}: {text[-1] if text else ''}"[:500]
 
 
 async def _await_ref(ref: Any) -> Any:

@@ -2,7 +2,7 @@
 
 The actor owns an EngineCore whose loop runs on a background thread, fed by
 ZMQ (the data plane). Ray method calls are control only: ``ready`` (address,
-epoch), ``stats``, ``check_integrity``, ``set_prefill_endpoints``,
+epoch), ``stats``, ``check_integrity``, ``set_prefill_endpoints``, ``set_role``,
 ``kv_tier_export``, ``kv_events_snapshot``, ``attach``, ``shutdown``. Each start (including a
 restart by Ray after a crash) gets a new epoch, so peers and the router never
 reuse state of a previous incarnation.
@@ -149,6 +149,18 @@ class EngineActor:
         aborted here and it gets no more outputs. Returns how many."""
         with self._attach_lock:
             return self.service.call_in_loop(lambda: self.service.leave_gateway(gateway_session))
+
+    def set_role(self, role: str) -> dict[str, Any]:
+        """Serve in the ``role`` pool from now on (a pool move,
+        ``cluster/disagg/pool_move.py``): refused with a ValueError naming ``role``
+        while the engine holds a request, or when it was not started for moves
+        (``EngineCore.set_role``). Returns ``ready()``'s answer under the new role.
+        A restart by Ray starts it in its first pool again: the gateway moves it
+        back (``cluster/disagg/membership.py``)."""
+        with self._attach_lock:
+            self.service.call_in_loop(lambda: self.engine.set_role(role))
+            self.config = self.config.replace(role=role)
+            return self.ready()
 
     def stats(self) -> bytes:
         """The engine's ``EngineStats``, msgpack-encoded: the gateway decodes

@@ -71,7 +71,8 @@ def adopt_engines(
     """The engines of ``namespace`` a gateway for ``model`` holding the
     secret with ``fingerprint`` may adopt: those answering ``ready()``
     (restarting ones are waited for up to ``timeout_s``); actors dead for
-    good are left out. ``AttachError`` naming the flag when none is found,
+    good are left out. Each one's pool is the role it reports (a moved engine
+    keeps its name). ``AttachError`` naming the flag when none is found,
     one does not answer, serves another model or holds another secret."""
     import ray
 
@@ -101,6 +102,9 @@ def adopt_engines(
                 f"--attach: {h.engine_id} in namespace {namespace!r} holds another cluster "
                 "secret; pass the --cluster-secret-file its gateway was started with"
             )
+        # an engine that moved pools (cluster/disagg/pool_move.py) keeps its name: its pool
+        # is the role it reports
+        h.role = info.get("role", h.role)
         adopted.append(h)
     if not adopted:
         raise AttachError(f"--attach: every engine actor in namespace {namespace!r} is dead")

@@ -252,6 +252,13 @@ class PoolsConfig:
         help="a resize waits this long for a removed engine to finish its handoffs and "
         "move its streams before stopping it",
     )
+    pool_moves: bool = option(
+        True,
+        help="an engine may move between the prefill and decode pools while serving "
+        "(POST /admin/pools/move, tandem scale --move, the sla planner) where both pools' "
+        "engines have the same settings and resources; their NIXL connectors then serve "
+        "and read from the start (cluster/engines/pool_moves.py)",
+    )
 
     def __post_init__(self) -> None:
         object.__setattr__(

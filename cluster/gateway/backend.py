@@ -103,10 +103,11 @@ class ErrorEvent(msgspec.Struct):
 
 
 class ScalingEvent(msgspec.Struct):
-    """One engine a pool resize started or stopped (``cluster/disagg/scaling.py``).
-    ``action``: ``scale_out`` | ``scale_in``; ``outcome``: ``ok`` | ``failed``
-    | ``refused`` (outside the pool's min/max); ``source``: ``admin`` or
-    ``planner``."""
+    """One engine a pool resize started or stopped (``cluster/disagg/scaling.py``),
+    or one that moved into ``pool`` (``move``: ``cluster/disagg/pool_move.py``).
+    ``action``: ``scale_out`` | ``scale_in`` | ``move``; ``outcome``: ``ok`` |
+    ``failed`` | ``refused`` (outside the pool's min/max, or pools that cannot
+    move engines); ``source``: ``admin`` or ``planner``."""
 
     time_s: float  # wall clock
     pool: str
@@ -129,6 +130,14 @@ class PlannerDecision(msgspec.Struct):
     current: int
     target: int
     inputs: dict[str, float] = {}
+
+
+class PoolMoves(msgspec.Struct):
+    """Whether an engine may move between the prefill and decode pools
+    (``cluster/disagg/pool_move.py``), and why not (``cluster/engines/pool_moves.py``)."""
+
+    enabled: bool = False
+    reason: str = ""
 
 
 class PlannerState(msgspec.Struct):
@@ -164,6 +173,7 @@ class BackendMetrics(msgspec.Struct):
     scaling_actions: dict[str, int] = {}
     scaling_events: list[ScalingEvent] = []
     planner: PlannerState | None = None
+    pool_moves: PoolMoves | None = None  # None: a backend without pools
     # Several gateways: this one's share of their in-flight counts (None with one)
     peer_load: PeerLoadStats | None = None
 
@@ -260,6 +270,14 @@ class Backend(abc.ABC):
         naming the field when refused (no such pool, outside its
         min/max)."""
         raise ValueError("pool: this backend has no engine pools to resize")
+
+    async def move_engine(
+        self, source_pool: str, dest_pool: str, engine_id: str | None = None
+    ) -> dict[str, Any]:
+        """Move one engine of ``source_pool`` (``engine_id``, else the least
+        loaded) to ``dest_pool`` while serving (admin API): drained first, its
+        streams migrate. ValueError naming the field when refused."""
+        raise ValueError("pool: this backend has no engine pools to move between")
 
     async def reset_prefix_cache(self) -> dict[str, bool]:
         """Every engine drops its unused cached blocks; per engine whether it

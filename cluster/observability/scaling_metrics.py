@@ -1,7 +1,8 @@
 """Elastic pools on ``/metrics`` (``cluster/disagg/scaling.py``, the planner):
 
     tandem:pool_engines{pool}                              gauge: engines in the pool now
-    tandem:scaling_actions_total{pool, action, outcome}    engines started / stopped
+    tandem:scaling_actions_total{pool, action, outcome}    engines started / stopped /
+                                                           moved in (action "move")
     tandem:planner_decisions_total{pool, action, reason}   the running planner's decisions
 
 A gateway that does not own its pools (``--attach``) reports the sizes it
@@ -30,7 +31,8 @@ def scaling_families(snapshot: BackendMetrics) -> Iterator[Metric]:
     yield sizes
     yield _by_three(
         "scaling_actions",
-        "Engines a pool resize started (scale_out) or stopped (scale_in), by outcome.",
+        "Engines a pool resize started (scale_out) or stopped (scale_in), or that moved "
+        "into the pool from the other one (move), by outcome.",
         ("pool", "action", "outcome"),
         snapshot.scaling_actions,
     )

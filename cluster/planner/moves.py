@@ -25,11 +25,11 @@ whole change. ``plan`` orders what an actuator does: the moves, then the
 scale-ins, then the scale-outs.
 
 Only a deployment that can move an engine asks for moves: the simulator
-(elastic.py, ``switch_s``) can; the running service cannot yet (an engine's
-pool fixes its KV connector role, its engine id and its per-pool engine
-settings at its start: docs/architecture.md, "Pool moves"), so
-``cluster/cli/planning.py`` builds the planner without them: it asks for
-moves only once the backend's scaler has a ``move_engine`` (``pool_mover``).
+(elastic.py, ``switch_s``) can; the running service can where its prefill and
+decode engines are alike (cluster/engines/pool_moves.py: then they start with
+NIXL role "both" and cluster/disagg/pool_move.py moves one), so
+``cluster/cli/planning.py`` asks for moves only from a scaler whose
+``moves_off`` is None (``pool_mover``); otherwise a change is a stop and a start.
 """
 
 from __future__ import annotations

@@ -141,6 +141,16 @@ class ClusterRouting:
         if self.index is not None:
             self.index.remove_engine(engine_id)
 
+    def on_moved(self, engine_id: str, role: str, info: dict[str, Any]) -> None:
+        """The engine serves in pool ``role`` now (cluster/disagg/pool_move.py): the
+        blocks it caches are still there, so its entries stay; only its role changes."""
+        if self.index is None:
+            return
+        self._hashing[role] = (info["block_size"], info["prefix_caching_hash_algo"])
+        entry = self.index.engines.get(engine_id)
+        if entry is not None:
+            entry.role = role
+
     def hashes(self, request: EngineRequest) -> PromptHashes:
         return PromptHashes(request, self._hashing if self.index is not None else {})
 

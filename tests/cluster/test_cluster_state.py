@@ -31,7 +31,7 @@ from tandem.workers.checkpoints.tiny import build_tokenizer
 STATE_KEYS = {
     "time_s", "model", "ready", "not_ready_reason", "pools", "engines", "window", "series",
     "counters", "recent_errors", "gateways", "scaling", "scaling_actions", "planner",
-    "peer_load",
+    "peer_load", "pool_moves",
 }  # fmt: skip
 ENGINE_KEYS = {
     "id", "role", "epoch", "state", "ready", "running", "waiting", "waiting_for_remote_kv",

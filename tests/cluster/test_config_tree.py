@@ -418,8 +418,9 @@ def test_a_prefill_engine_reads_peers_tiers_when_another_pool_keeps_one():
     p, d = borrow.pool_engine("prefill"), borrow.pool_engine("decode")
     assert p.kv_transfer.borrows_tiers and not p.offload.kv_offloading_size
     assert (kv_role(p), kv_role(d)) == ("both", "both")
-    # no tier anywhere: a prefill engine only serves, a decode engine only reads
-    plain = serve_config()
+    # no tier anywhere, no pool moves: a prefill engine only serves, a decode engine only
+    # reads (with moves, the default, both do both: tests/cluster/test_pool_move_config.py)
+    plain = serve_config(pool_moves=False)
     assert not plain.pool_engine("prefill").kv_transfer.borrows_tiers
     assert (kv_role(plain.pool_engine("prefill")), kv_role(plain.pool_engine("decode"))) == (
         "prefill",

@@ -11,6 +11,8 @@ import asyncio
 import dataclasses
 import random
 
+import pytest
+
 from tandem.cluster.planner.autoscale import (
     HOLD,
     MOVE_IN,
@@ -221,8 +223,15 @@ def test_in_the_simulator_a_moving_decode_engines_streams_migrate_token_for_toke
 def test_the_service_asks_for_moves_only_from_a_scaler_that_can_move():
     from tandem.cluster.cli.planning import pool_mover
     from tandem.cluster.disagg.scaling import PoolScaler
+    from tandem.cluster.engines.placement import PoolsConfig
 
-    assert not hasattr(PoolScaler, "move_engine")  # today's service: no move
+    def scaler(moves_off: str | None) -> PoolScaler:
+        return PoolScaler(None, [], PoolsConfig(), output_addr="", namespace="",
+                          gateway_session=0, moves_off=moves_off)  # fmt: skip
+
+    # the service's scaler moves only where its pools are alike (cluster/engines/pool_moves.py)
+    assert pool_mover(scaler("the pools' engines differ in max_num_seqs")) is None
+    assert pool_mover(scaler(None)) is not None
     assert pool_mover(object()) is None
     calls = []
 
@@ -234,3 +243,43 @@ def test_the_service_asks_for_moves_only_from_a_scaler_that_can_move():
     move = pool_mover(Mover())
     asyncio.run(move("decode", "prefill"))
     assert calls == [("decode", "prefill", "planner")]
+
+
+def test_a_move_between_unlike_pools_is_refused_naming_why():
+    """The check before any engine is touched (cluster/disagg/pool_move.py): pools whose
+    engines differ, a pool's last engine, a full destination, an unknown engine."""
+    from types import SimpleNamespace
+
+    from tandem.cluster.disagg.pool_move import check_move
+    from tandem.cluster.disagg.scaling import PoolScaler
+    from tandem.cluster.engines.placement import PoolConfig, PoolsConfig
+
+    def engine(eid: str, role: str) -> SimpleNamespace:
+        return SimpleNamespace(state=SimpleNamespace(engine_id=eid, role=role, ready=True))
+
+    engines = {e.state.engine_id: e for e in (engine("prefill-0", "prefill"),
+               engine("decode-0", "decode"), engine("decode-1", "decode"))}  # fmt: skip
+    pools = PoolsConfig(
+        prefill=PoolConfig("prefill", 1, max_engines=2), decode=PoolConfig("decode", 2)
+    )
+
+    def refusal(moves_off, source_pool, dest_pool, engine_id=None, cfg=pools) -> str:
+        s = PoolScaler(SimpleNamespace(engines=engines), [], cfg, output_addr="",
+                       namespace="", gateway_session=0, moves_off=moves_off)  # fmt: skip
+        with pytest.raises(ValueError) as info:
+            check_move(s, source_pool, dest_pool, engine_id)
+        if not str(info.value).startswith(("source_pool", "dest_pool")) or s.log.events:
+            assert s.log.events[-1].outcome == "refused"  # counted once the pools are known
+        return str(info.value)
+
+    why = "the pools' engines differ in max_num_seqs (prefill 128, decode 8: ...)"
+    text = refusal(why, "decode", "prefill")
+    assert text.startswith("pool_moves: ") and why in text
+    assert "--prefill-min-engines" in refusal(None, "prefill", "decode")
+    full = PoolsConfig(
+        prefill=PoolConfig("prefill", 1, max_engines=1), decode=PoolConfig("decode", 2)
+    )
+    assert refusal(None, "decode", "prefill", cfg=full).startswith("dest_pool: ")
+    assert "--prefill-max-engines" in refusal(None, "decode", "prefill", cfg=full)
+    assert refusal(None, "decode", "prefill", "decode-7").startswith("engine_id: ")
+    assert refusal(None, "decode", "colocated").startswith("dest_pool: ")

@@ -220,6 +220,13 @@ class KVTransferSection:
         internal=True,
         help="a prefill engine without a host KV tier reads peers' (another pool keeps one)",
     )
+    pool_moves: bool = option(
+        False,
+        key="kv_pool_moves",
+        internal=True,
+        help="the engine may move between the prefill and decode pools: it runs NIXL as "
+        '"both" from its start (cluster/disagg/pool_move.py)',
+    )
     side_channel_host: str = option(
         _kv("side_channel_host"), key="kv_host", internal=True,
         help="side-channel host peers connect to",

@@ -22,6 +22,7 @@ from tandem.scheduler.kv_events import KVEventRecorder, KVSnapshot
 from tandem.wire.engine_protocol import EngineOutput, EngineOutputs, EngineRequest, FinishReason
 from tandem.workers.config import EngineConfig
 from tandem.workers.engine.kv_events_publisher import KVEventPublisher
+from tandem.workers.engine.pool_role import switch_role
 from tandem.workers.engine.request_clock import RequestClock
 from tandem.workers.engine.startup import (
     build_runner,
@@ -197,10 +198,15 @@ class EngineCore:
         self.publish_kv_events()
         return done
 
+    def set_role(self, role: str) -> None:
+        """Serve in the ``role`` pool from now on, while idle (``pool_role.py``)."""
+        switch_role(self, role)
+
     # ---- state and stats -------------------------------------------------------
 
     def check_integrity(self) -> bool:
         self.scheduler.check_integrity()
+        assert self.request_clock.role == self.config.runtime.role, "role changed halfway"
         if self.tp is not None:
             self.tp.check_integrity(idle=not self.scheduler.requests)
         self.request_clock.check_integrity(self.scheduler.requests)

@@ -31,10 +31,14 @@ def kv_role(config: EngineConfig) -> str:
     peers'; an engine keeping a host KV tier does both, so it lends tier prefixes to
     its peers and borrows theirs (kvtransfer/tiers/export.py), whatever its pool. A
     prefill engine without a tier does both too where another pool keeps one
-    (``kv_borrows_tiers``, set by ``tandem serve``): it borrows before it prefills."""
+    (``kv_borrows_tiers``, set by ``tandem serve``): it borrows before it prefills. So does
+    an engine that may move between the prefill and decode pools (``kv_pool_moves``): its
+    connector serves either pool's requests without being rebuilt."""
     if config.offload.kv_offloading_size:
         return "both"
     if config.runtime.role == "prefill" and config.kv_transfer.borrows_tiers:
+        return "both"
+    if config.kv_transfer.pool_moves:  # it may switch pools while serving: serves and reads
         return "both"
     return {"prefill": "prefill", "decode": "decode"}.get(config.runtime.role, "both")
 

@@ -36,6 +36,7 @@ from typing import Any
 from tandem.cluster.disagg.migration import MigrationPolicy
 from tandem.cluster.engines.health import HealthConfig
 from tandem.cluster.engines.placement import ROLES, PoolsConfig, check_pool_parallel, gpu_share
+from tandem.cluster.engines.pool_moves import MOVE_ROLES, moves_blocker
 from tandem.cluster.engines.pools import RayConfig
 from tandem.cluster.gateway.api.config import ApiSettings
 from tandem.cluster.gateway.edge.limits import GatewayLimits
@@ -168,7 +169,24 @@ class ServeConfig:
     def pool_engine(self, role: str, cluster_secret: bytes | None = None) -> EngineConfig:
         """The engine config of one pool: the engine section, the pool's own
         settings over it, and what ``tandem serve`` sets (role, connector,
-        KV events for kv-aware routing, log format, the secret)."""
+        KV events for kv-aware routing, log format, the secret, and
+        ``kv_pool_moves`` where engines may move between the pools)."""
+        config = self._pool_engine(role, cluster_secret)
+        if role in MOVE_ROLES and self.pool_moves_off() is None:
+            config = config.replace(kv_pool_moves=True)
+        return config
+
+    def pool_moves_off(self) -> str | None:
+        """Why an engine may not move between the prefill and decode pools
+        (None: it may; cluster/engines/pool_moves.py)."""
+        if self.ray.attach:
+            return (
+                "this gateway adopted its engines (--attach): the one that started them moves them"
+            )
+        engines = {r: self._pool_engine(r) for r in MOVE_ROLES}
+        return moves_blocker(self.pools, engines, self.pools.pool_moves)
+
+    def _pool_engine(self, role: str, cluster_secret: bytes | None = None) -> EngineConfig:
         num_gpus, _ = self.pools.placement(role)
         overrides = dict(self.pools.pool(role).engine)
         util = self.engine.cache.gpu_memory_utilization

@@ -6,6 +6,10 @@
     POST /admin/pools/{prefill|decode|colocated} {"engines": N}
                                                     -> 200 {"pool", "before", "engines",
                                                        "started", "stopped", "failed"}
+    POST /admin/pools/move {"source_pool": "decode", "dest_pool": "prefill"(, "engine_id")}
+                                                    -> 200 {"engine_id", "moved", "migrated",
+                                                       "drain_s", "switch_s", "register_s",
+                                                       "total_s", "error", ...}
     POST /reset_prefix_cache                        -> 200 {"reset": bool, "engines": {id: bool}}
     POST /start_profile                             -> 200 {"engines": {id: bool}}
     POST /stop_profile                              -> 200 {"engines": {id: trace path}}
@@ -30,6 +34,13 @@ token-identically). It answers when the resize is done; a size outside the
 pool's ``--{pool}-min-engines`` / ``--{pool}-max-engines`` is 400 naming the
 flag, and an engine that failed to start is listed under ``failed`` (the
 pool serves on with the others). ``tandem scale`` is its client.
+
+The move route takes one engine out of a pool and puts the same process in
+the other (``cluster/disagg/pool_move.py``): drained first (its streams
+migrate), switched, registered again. 400 naming the field when refused (the
+pools' engines differ: ``pool_moves``; a pool's last engine or its max: the
+pool's flag); 200 with ``moved`` false and ``error`` when it could not move
+(the engine serves on in its pool). ``tandem scale --move`` is its client.
 """
 
 from __future__ import annotations
@@ -52,6 +63,15 @@ class DrainRequest(msgspec.Struct, forbid_unknown_fields=True):
 
 class ScaleRequest(msgspec.Struct, forbid_unknown_fields=True):
     engines: int
+
+
+class MoveRequest(msgspec.Struct, forbid_unknown_fields=True):
+    source_pool: str
+    dest_pool: str
+    engine_id: str | None = None
+
+
+MOVE_FIELDS = ("source_pool", "dest_pool", "engine_id", "pool_moves", "pool")
 
 
 def add_admin_routes(app: FastAPI, backend: Backend, admin_api_key: str | None) -> None:
@@ -82,6 +102,17 @@ def add_admin_routes(app: FastAPI, backend: Backend, admin_api_key: str | None) 
             return msgspec.json.decode(body, type=kind)
         except msgspec.DecodeError as exc:
             raise ProtocolError(f"invalid admin request: {exc}", param=param) from None
+
+    @app.post("/admin/pools/move", include_in_schema=False)  # before /admin/pools/{pool}
+    async def move_engine(request: Request) -> JSONResponse:
+        req = await parse(request, MoveRequest, "source_pool")
+        try:
+            result = await backend.move_engine(req.source_pool, req.dest_pool, req.engine_id)
+        except ValueError as exc:
+            text = str(exc)
+            param = next((f for f in MOVE_FIELDS if text.startswith(f + ":")), "source_pool")
+            raise ProtocolError(text, param=param) from None
+        return JSONResponse(result)
 
     @app.post("/admin/pools/{pool}", include_in_schema=False)
     async def scale_pool(pool: str, request: Request) -> JSONResponse:

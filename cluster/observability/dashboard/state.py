@@ -18,6 +18,7 @@ from tandem.cluster.gateway.backend import (
     EngineMetrics,
     PeerLoadStats,
     PlannerState,
+    PoolMoves,
     ScalingEvent,
 )
 from tandem.cluster.observability.dashboard.rolling import RollingStats, WindowStats
@@ -115,6 +116,8 @@ class ClusterState(msgspec.Struct):
     scaling: list[ScalingEvent] = []
     scaling_actions: dict[str, int] = {}  # "pool/action/outcome" -> count
     planner: PlannerState | None = None
+    # may an engine move between the prefill and decode pools, and why not
+    pool_moves: PoolMoves | None = None
     # several gateways: this gateway's view of the others' in-flight records (its
     # index, the live peers with their record's age, its counters); None with one
     peer_load: PeerLoadStats | None = None
@@ -177,6 +180,7 @@ def cluster_state(
         scaling=list(reversed(snapshot.scaling_events))[:MAX_RECENT_ERRORS],
         scaling_actions=dict(snapshot.scaling_actions),
         planner=snapshot.planner,
+        pool_moves=snapshot.pool_moves,
         peer_load=snapshot.peer_load,
     )
 
