@@ -27,6 +27,31 @@ def profile() -> Profile:
 LOAD = Load(rate=20.0, prompt_tokens=512, output_tokens=100)
 
 
+def test_prefill_batches_queued_prompts_into_full_steps():
+    """A GPU-like profile (a step's cost mostly fixed up to 2048 tokens): queued prompts
+    share steps of max_num_batched_tokens, so an engine serves many more prompts/s than
+    one prompt per step; the TTFT still includes a prompt's own step."""
+    gpu = Profile(
+        prefill_tokens=[128, 2048, 8192],
+        prefill_time_s=[0.012, 0.0125, 0.051],
+        decode_batch_sizes=[1, 256],
+        decode_context_tokens=[1, 1_000_000],
+        decode_time_s=[[0.001, 0.001], [0.005, 0.005]],
+        transfer=TransferCost(bytes_per_s=1e9, latency_s=0.005, kv_bytes_per_token=0),
+        scheduler={"max_num_seqs": 256, "max_num_batched_tokens": 8192},
+    )
+    load = Load(rate=300.0, prompt_tokens=256, output_tokens=512)
+    share = 256 * 0.051 / 8192  # 1.6 ms of a full step, not its own step's 12 ms
+    rho = 300.0 * share / 1
+    want = share * math.log(10 * rho) / (1 - rho) + gpu.prefill_s(256)
+    assert prefill_ttft_p90_s(load, gpu, 1) == pytest.approx(want)
+    pre, _ = required(load, gpu, ttft_slo_ms=1000.0, itl_slo_ms=15.0)
+    assert pre.engines == 1  # one prompt per step would need 300 * 0.012 = 3.6 engines
+    # without a batch budget in the profile, a prompt costs its own step (the old model)
+    alone = Profile(**{**gpu.__dict__, "scheduler": {"max_num_seqs": 256}})
+    assert prefill_ttft_p90_s(load, alone, 3) == math.inf
+
+
 def test_prefill_count_matches_hand_arithmetic():
     # rho = 20 * 0.1 / N; wait p90 = 0.1 * ln(10 rho) / (1 - rho);
     # TTFT p90 = wait + 0.1 (prefill; P's sampled token is streamed at once)
