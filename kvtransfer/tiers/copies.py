@@ -4,7 +4,12 @@
 ``TierStore`` owns the index, the lock and the queues; ``TierCopier`` does the byte
 work one job at a time on the tier thread, taking the lock only to reserve, commit or
 look up entries. On CUDA the copies run on a stream of their own (the host tier is
-pinned); on CPU they are numpy memcpys.
+pinned); on CPU they are numpy ufunc copies between numpy views of the device cache and
+the host tier, made once (indexing a torch tensor and taking its numpy view cost
+several microseconds a block, a tenth of a 256 KiB copy).
+
+Every copy into or out of the host tier is checked by its block's xxh3-64 checksum:
+computed on the bytes just copied, while the block is still in the core's cache.
 """
 
 from __future__ import annotations
@@ -26,11 +31,13 @@ from tandem.kvtransfer.tiers.disk import (
 )
 
 if TYPE_CHECKING:
+    from tandem.kvtransfer.tiers.host import HostEntry
     from tandem.kvtransfer.tiers.store import LoadJob, StoreJob, TierStore
 
 logger = logging.getLogger(__name__)
 
 DISK_FULL_RETRY_S = 60.0
+DISK = "disk"  # locate(): the block is read from the disk tier
 
 
 class TierCopier:
@@ -45,10 +52,17 @@ class TierCopier:
         # CPU: a load's disk blocks are read by these threads at once, each through
         # its own staging row into its device block (the kernel overlaps the reads)
         self.readers: concurrent.futures.ThreadPoolExecutor | None = None
+        # numpy views, one row a block: the device cache (CPU only) and the host tier
+        self.kv_rows: np.ndarray | None = None
+        self.host_rows: np.ndarray | None = None
 
     def open(self, block_bytes: int, device: torch.device) -> None:
         cuda = device.type == "cuda"
         self.staging = torch.empty((block_bytes,), dtype=torch.uint8, pin_memory=cuda)
+        if self.owner.host is not None:
+            self.host_rows = self.owner.host.data.numpy()
+        if not cuda:
+            self.kv_rows = self.owner.kv.numpy()
         if cuda:
             self.stream = torch.cuda.Stream(device=device)
         elif self.owner.disk is not None and self.owner.config.disk_readers > 1:
@@ -92,6 +106,17 @@ class TierCopier:
 
     # ---- stores --------------------------------------------------------------------------
 
+    def copy_out(self, block_id: int, slot: int | None) -> np.ndarray:
+        """Copy a device block into a host slot (None: the staging row, a disk-only
+        store); the copied bytes."""
+        if self.kv_rows is not None:
+            row = self.host_rows[slot] if slot is not None else self.staging.numpy()
+            copy_bytes(row, self.kv_rows[block_id])
+            return row
+        row_t = self.owner.host.data[slot] if slot is not None else self.staging
+        self.copy(row_t, self.owner.kv[block_id])
+        return row_t.numpy()
+
     def store(self, job: StoreJob) -> None:
         s = self.owner
         host, disk, key, counters = s.host, s.disk, job.key, s.counters
@@ -115,11 +140,9 @@ class TierCopier:
             with s.lock:
                 s.forget(job)
             return
-        row = host.data[slot] if slot is not None else self.staging
         try:
-            self.copy(row, s.kv[job.block_id])
-            payload = row.numpy()
-            check = checksum(payload)
+            payload = self.copy_out(job.block_id, slot)
+            check = checksum(payload)  # the bytes just copied: in the core's cache
         except BaseException:
             with s.lock:  # give back what was reserved, then let the thread log it
                 if slot is not None:
@@ -184,118 +207,102 @@ class TierCopier:
             if self.stream is not None:
                 self.stream.synchronize()
 
-    def load_blocks(self, job: LoadJob) -> list[int]:
-        if self.readers is not None:
-            return self.load_blocks_parallel(job)
-        s = self.owner
-        host, disk, counters = s.host, s.disk, s.counters
-        start = time.monotonic()
-        if disk is not None:
-            with s.lock:
-                cold = [k for k in job.keys if k in disk and (host is None or k not in host)]
-            if len(cold) > 1:
-                disk.prefetch(cold)
-        for i, (key, block_id) in enumerate(zip(job.keys, job.block_ids, strict=True)):
-            if job.cancelled or time.monotonic() > job.deadline:
-                counters["load_timeouts"] += 1
-                return job.block_ids[i:]
-            with s.lock:
-                entry = host.index.get(key) if host is not None else None
-                on_disk = disk is not None and key in disk
-                if entry is not None:
-                    host.touch(key)
-                elif on_disk:
-                    disk.touch(key)
-            try:
-                if entry is not None:
-                    row = host.data[entry.slot]
-                    if checksum(row.numpy()) != entry.checksum:
-                        raise TierLoadError("host block checksum mismatch")
-                    medium = "host"
-                elif on_disk:
-                    row = self.file_block(key)
-                    medium = "disk"
-                else:
-                    raise TierLoadError("block left the tiers before its load")
-            except TierLoadError as exc:
-                logger.warning("KV tier load of request %s: %s; recomputing", job.req_id, exc)
-                counters["load_failures"] += 1
-                with s.lock:
-                    if entry is not None:
-                        host.drop(key)
-                    elif on_disk:
-                        disk.drop(key)
-                return job.block_ids[i:]
-            self.copy(s.kv[block_id], row, sync=medium == "disk")  # file_row is reused
-            counters[f"{medium}_loaded_bytes"] += row.numel()
-            counters[f"{medium}_hits"] += 1
-        with s.lock:
-            s.load_seconds.observe(time.monotonic() - start)
-        return []
+    def load_host(self, block_id: int, entry: HostEntry) -> bool:
+        """Copy a host slot into a device block; False when the bytes fail the slot's
+        checksum (the device block then holds garbage: it is recomputed).
 
-    def load_blocks_parallel(self, job: LoadJob) -> list[int]:
-        """CPU with a disk tier: the job's disk files are announced to the kernel at once
-        (``posix_fadvise(WILLNEED)``: every read in flight together, the device's queue
-        deep), then the reader threads read them, each file through its own staging row
-        into its device block (``DiskTier.read``, checksum verified); host blocks are
-        copied meanwhile. Then the blocks are judged in order: the first one
-        missing, late or bad ends the load (it and the rest are recomputed). No read is
-        left running when this returns: a late one could land in a recomputed block."""
+        CPU: the copy first, then the checksum of the destination, which the copy
+        left in the core's cache (a block of 256 KiB fits the L2): the check reads no
+        DRAM, so a checked load costs little more than the copy (``checksum`` before
+        the copy would read the slot from DRAM once more; benchmarks/kv_tiers.py's
+        copy part). CUDA: the copy is queued on the tier stream and the pinned slot is
+        checked while the DMA engine reads it."""
+        if self.kv_rows is not None:
+            dst = self.kv_rows[block_id]
+            copy_bytes(dst, self.host_rows[entry.slot])
+            return checksum(dst) == entry.checksum
         s = self.owner
-        host, disk, counters, kv = s.host, s.disk, s.counters, s.kv
-        assert self.readers is not None and disk is not None and kv is not None
-        start = time.monotonic()
-        where: list[Any] = []  # per block: its host entry, "disk", or None (gone)
-        with s.lock:  # pinned keys stay; only this thread's stores evict
+        self.copy(s.kv[block_id], s.host.data[entry.slot], sync=False)
+        return checksum(self.host_rows[entry.slot]) == entry.checksum
+
+    def locate(self, job: LoadJob) -> list[Any]:
+        """Per block of the job: its host entry, ``DISK``, or None (in no tier). One
+        lock for the job: its keys are pinned, so no tier evicts them, and only this
+        thread drops entries."""
+        s = self.owner
+        host, disk = s.host, s.disk
+        where: list[Any] = []
+        with s.lock:
             for key in job.keys:
                 entry = host.index.get(key) if host is not None else None
                 if entry is not None:
                     host.touch(key)
-                elif key in disk:
+                elif disk is not None and key in disk:
                     disk.touch(key)
-                    entry = "disk"
+                    entry = DISK
                 where.append(entry)
-        cold = [job.keys[i] for i, entry in enumerate(where) if entry == "disk"]
-        if len(cold) > 1:  # the kernel reads them all at once; the readers copy them out
+        return where
+
+    def load_blocks(self, job: LoadJob) -> list[int]:
+        """The job's blocks in order; the first one missing, late or bad ends the load
+        (it and the rest are recomputed). A load's cold disk files are announced to the
+        kernel at once (``posix_fadvise(WILLNEED)``: every read in flight together, the
+        device's queue deep). With reader threads (CPU, ``disk_readers`` > 1) they read
+        the disk blocks meanwhile, each file through its own staging row straight into
+        its device block (``DiskTier.read``, checksum verified); without, each file is
+        read here in turn through ``file_row``. No read is left running when this
+        returns: a late one could land in a recomputed block."""
+        s = self.owner
+        host, disk, counters = s.host, s.disk, s.counters
+        start = time.monotonic()
+        where = self.locate(job)
+        cold = [job.keys[i] for i, entry in enumerate(where) if entry is DISK]
+        if len(cold) > 1:
             disk.prefetch(cold)
-        reads = {
-            i: self.readers.submit(disk.read, job.keys[i], kv[job.block_ids[i]].numpy())
-            for i, entry in enumerate(where)
-            if entry == "disk" and not job.cancelled
-        }
+        reads: dict[int, concurrent.futures.Future] = {}
+        if self.readers is not None and cold and not job.cancelled:
+            reads = {
+                i: self.readers.submit(disk.read, job.keys[i], self.kv_rows[job.block_ids[i]])
+                for i, entry in enumerate(where)
+                if entry is DISK
+            }
+        hits = {"host": 0, "disk": 0}
         try:
             for i, (key, block_id) in enumerate(zip(job.keys, job.block_ids, strict=True)):
-                entry = where[i]
                 if job.cancelled or time.monotonic() > job.deadline:
                     counters["load_timeouts"] += 1
                     return job.block_ids[i:]
+                entry = where[i]
                 try:
                     if entry is None:
                         raise TierLoadError("block left the tiers before its load")
-                    if entry == "disk":
+                    if entry is not DISK:
+                        if not self.load_host(block_id, entry):
+                            raise TierLoadError("host block checksum mismatch")
+                    elif i in reads:
                         reads[i].result()
-                        counters["disk_loaded_bytes"] += disk.block_bytes
-                        counters["disk_hits"] += 1
-                        continue
-                    row = host.data[entry.slot]
-                    if checksum(row.numpy()) != entry.checksum:
-                        raise TierLoadError("host block checksum mismatch")
+                    else:  # file_row is reused: the copy must be done before the next
+                        self.copy(s.kv[block_id], self.file_block(key), sync=True)
                 except TierLoadError as exc:
                     logger.warning("KV tier load of request %s: %s; recomputing", job.req_id, exc)
                     counters["load_failures"] += 1
                     with s.lock:
-                        if entry == "disk":
+                        if entry is DISK:
                             disk.drop(key)
                         elif entry is not None:
                             host.drop(key)
                     return job.block_ids[i:]
-                self.copy(kv[block_id], row)
-                counters["host_loaded_bytes"] += row.numel()
-                counters["host_hits"] += 1
+                hits["disk" if entry is DISK else "host"] += 1
         finally:
             for future in reads.values():
                 future.cancel()
             concurrent.futures.wait(list(reads.values()))
+            block_bytes = s.kv.shape[1]
+            for medium, n in hits.items():
+                if not n:
+                    continue
+                counters[f"{medium}_loaded_bytes"] += n * block_bytes
+                counters[f"{medium}_hits"] += n
         with s.lock:
             s.load_seconds.observe(time.monotonic() - start)
         return []

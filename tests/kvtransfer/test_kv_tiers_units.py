@@ -205,3 +205,37 @@ def test_a_load_that_raises_still_reports_and_unpins(tmp_path):
         store.check_integrity()
     finally:
         store.close()
+
+
+def test_host_loads_are_byte_exact_and_a_flipped_byte_is_a_miss(tmp_path):
+    """The host tier checks each block on the bytes just copied into the device block
+    (copies.py, ``load_host``): a good load is byte-exact, a slot with one byte flipped
+    fails the check, is dropped, and it and the rest of its run are reported bad."""
+    store = TierStore(TierConfig(host_bytes=8 * 256, engine_id="u"))
+    kv = torch.arange(8 * 64, dtype=torch.float32).reshape(8, 1, 2, 4, 2, 4)
+    store.open(kv, (0, 1, 2, 3, 4, 5))  # 256-byte blocks
+    try:
+        want = kv.reshape(8, -1).clone()
+        store.submit_stores([StoreJob(i, bytes([i])) for i in range(3)])
+        assert store.flush(10)
+        entries = [store.host.index[bytes([i])] for i in range(3)]
+        for i, entry in enumerate(entries):
+            assert checksum(store.host.data[entry.slot].numpy()) == entry.checksum
+            assert torch.equal(store.host.data[entry.slot], want[i].view(torch.uint8))
+        kv.zero_()
+        keys = [bytes([i]) for i in range(3)]
+        store.pin(keys)
+        store.submit_load(LoadJob("good", keys, [5, 6, 7], 1e18))
+        assert store.flush(10) and store.poll() == [("good", [])]
+        assert torch.equal(kv.reshape(8, -1)[5:8], want[:3])
+        store.host.data[entries[1].slot][17] ^= 1
+        store.pin(keys)
+        store.submit_load(LoadJob("bad", keys, [5, 6, 7], 1e18))
+        assert store.flush(10) and store.poll() == [("bad", [6, 7])]
+        assert keys[1] not in store.host and keys[0] in store.host and keys[2] in store.host
+        stats = store.stats()
+        assert stats["load_failures"] == 1 and stats["host_hits"] == 4
+        assert stats["host_loaded_bytes"] == 4 * 256
+        store.check_integrity()
+    finally:
+        store.close()
