@@ -45,12 +45,12 @@ class TierCopier:
         self.owner = store
         self.stream: Any = None
         self.staging: torch.Tensor | None = None
-        # one reader (CUDA, or disk_readers 1): a whole block file lands here, page
-        # aligned (DiskTier.read_file; pinned on CUDA), and its block is copied on
+        # CUDA: a whole block file lands here, pinned and page aligned
+        # (DiskTier.read_file), and its block is copied on to the device
         self.file_row: torch.Tensor | None = None
         self.disk_full_until = 0.0
-        # CPU: a load's disk blocks are read by these threads at once, each through
-        # its own staging row into its device block (the kernel overlaps the reads)
+        # CPU: a load's disk blocks are read by these threads at once, each straight
+        # into its device block (the kernel overlaps the reads)
         self.readers: concurrent.futures.ThreadPoolExecutor | None = None
         # numpy views, one row a block: the device cache (CPU only) and the host tier
         self.kv_rows: np.ndarray | None = None
@@ -248,10 +248,10 @@ class TierCopier:
         (it and the rest are recomputed). A load's cold disk files are announced to the
         kernel at once (``posix_fadvise(WILLNEED)``: every read in flight together, the
         device's queue deep). With reader threads (CPU, ``disk_readers`` > 1) they read
-        the disk blocks meanwhile, each file through its own staging row straight into
-        its device block (``DiskTier.read``, checksum verified); without, each file is
-        read here in turn through ``file_row``. No read is left running when this
-        returns: a late one could land in a recomputed block."""
+        the disk blocks meanwhile, each file straight into its device block
+        (``DiskTier.read``, checksum verified); without, each file is read here in
+        turn (CPU: the same way; CUDA: through ``file_row``, then copied). No read is
+        left running when this returns: a late one could land in a recomputed block."""
         s = self.owner
         host, disk, counters = s.host, s.disk, s.counters
         start = time.monotonic()
@@ -281,6 +281,8 @@ class TierCopier:
                             raise TierLoadError("host block checksum mismatch")
                     elif i in reads:
                         reads[i].result()
+                    elif self.kv_rows is not None:  # CPU: straight into the block
+                        disk.read(key, self.kv_rows[block_id])
                     else:  # file_row is reused: the copy must be done before the next
                         self.copy(s.kv[block_id], self.file_block(key), sync=True)
                 except TierLoadError as exc:
