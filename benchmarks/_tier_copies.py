@@ -6,8 +6,10 @@ Host (CPU): each round measures, back to back in the same seconds (the box's loa
   - ``1 thread``: one thread copying block by block (numpy), as the tier thread does;
   - ``2 threads``: two threads block by block, half the blocks each (would a second core
     help a load?);
-  - ``checked``: one thread copying block by block and taking each block's xxh3-64 right
-    after its copy, the least a checked copy costs (no queue, no index, no lock);
+  - ``copy, xxh3``: one thread copying block by block and taking each block's xxh3-64
+    right after its copy, from the core's cache: the least a checked copy costs (no
+    queue, no index, no lock); ``xxh3, copy``: the checksum of the source first, from
+    DRAM (the order the tier's loads used before session 10);
   - the tier: every block stored (the tier full, each store evicting), then loaded.
   The ratios are each round's load over that round's ceiling, the median over rounds.
 Host (CUDA): the ceiling is PCIe, one pinned->device ``copy_`` of it all.
@@ -97,10 +99,12 @@ def cpu_ceilings(src: torch.Tensor, dst: torch.Tensor) -> dict[str, float]:
     srcn, dstn = src.numpy(), dst.numpy()
     n = len(srcn)
 
-    def rows(lo: int, hi: int, check: bool = False) -> None:
+    def rows(lo: int, hi: int, check: str = "") -> None:
         for i in range(lo, hi):
+            if check == "before":
+                xxhash.xxh3_64_intdigest(srcn[i])
             dstn[i] = srcn[i]
-            if check:
+            if check == "after":
                 xxhash.xxh3_64_intdigest(dstn[i])
 
     def two() -> None:
@@ -114,7 +118,8 @@ def cpu_ceilings(src: torch.Tensor, dst: torch.Tensor) -> dict[str, float]:
         "copy_ all": _timed(lambda: dst.copy_(src)),
         "1 thread": _timed(lambda: rows(0, n)),
         "2 threads": _timed(two),
-        "checked": _timed(lambda: rows(0, n, True)),
+        "copy, xxh3": _timed(lambda: rows(0, n, "after")),
+        "xxh3, copy": _timed(lambda: rows(0, n, "before")),
     }
 
 
