@@ -10,12 +10,14 @@ import os
 
 import pytest
 
+from tandem.kvtransfer.tiers.disk import header_bytes
 from tandem.wire.engine_protocol import EngineRequest, SamplingParams
 from tandem.workers.config import EngineConfig
 from tandem.workers.engine.llm import LLM
 
 SP = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 GIB = 1 << 30
+FILE_HEADER = header_bytes(32)  # a block file's header page (sha256 keys)
 
 
 def prompts_with_shared_prefixes(n: int = 6, length: int = 70, vocab: int = 200) -> list[list[int]]:
@@ -57,7 +59,7 @@ def tiered(model: str, tmp_path, host_blocks: int, disk_blocks: int = 0, **kw) -
     if disk_blocks:
         extra = dict(
             kv_offloading_disk_dir=str(tmp_path / "kv"),
-            kv_offloading_disk_size=(disk_blocks * (bb + 64)) / GIB,
+            kv_offloading_disk_size=(disk_blocks * (bb + FILE_HEADER)) / GIB,
         )
     cfg = dict(model=model, dtype="float32", **kw, **extra)
     if host_blocks:
