@@ -12,6 +12,8 @@ Host (CPU): each round measures, back to back in the same seconds (the box's loa
     DRAM (the order the tier's loads used before session 10);
   - the tier: every block stored (the tier full, each store evicting), then loaded.
   The ratios are each round's load over that round's ceiling, the median over rounds.
+  On a shared box the same ratio is also given in thread CPU time (the tier thread's
+  against the copying thread's), which time spent waiting for a core does not count.
 Host (CUDA): the ceiling is PCIe, one pinned->device ``copy_`` of it all.
 Disk: each round loads the blocks from cold files (their pages dropped), again with the
   files in the page cache (the tier's own cost), then reads one file of the same bytes
@@ -114,7 +116,11 @@ def cpu_ceilings(src: torch.Tensor, dst: torch.Tensor) -> dict[str, float]:
         for t in threads:
             t.join()
 
+    cpu = time.thread_time()
+    rows(0, n)
+    cpu = time.thread_time() - cpu
     return {
+        "cpu: 1 thread": cpu,
         "copy_ all": _timed(lambda: dst.copy_(src)),
         "1 thread": _timed(lambda: rows(0, n)),
         "2 threads": _timed(two),
@@ -161,15 +167,20 @@ def host_rounds(kv: torch.Tensor, keys: list[bytes], repeats: int, device: str) 
             salt = r.to_bytes(2, "little")  # new keys: every store copies and evicts
             gbs["store"] = total / _store_all(store, keys, salt) / 1e9
             loaded = [salt + k for k in keys]
+            clock = time.pthread_getcpuclockid(store._thread.ident)  # the tier thread's
+            cpu = time.clock_gettime(clock)
             gbs["load"] = total / _load_all(store, loaded, num_blocks) / 1e9
+            gbs["cpu: load"] = total / (time.clock_gettime(clock) - cpu) / 1e9
             runs.append(gbs)
         store.check_integrity()
     finally:
         store.close()
     out = {k: statistics.median(g[k] for g in runs) for k in runs[0]}
     for k in runs[0]:
-        if k not in ("store", "load"):
+        if k not in ("store", "load") and not k.startswith("cpu"):
             out[f"load / {k}"] = statistics.median(g["load"] / g[k] for g in runs)
+    if "cpu: 1 thread" in out:
+        out["cpu: ratio"] = statistics.median(g["cpu: load"] / g["cpu: 1 thread"] for g in runs)
     return out
 
 
@@ -218,7 +229,9 @@ def copy_part(
     kib = block_bytes // 1024
     print(f"\n1. copies of {num_blocks} blocks of {kib} KiB on {device} (GB/s)")
     host = host_rounds(kv, keys, max(repeats, 1), device)
-    ceilings = [k for k in host if k not in ("store", "load") and not k.startswith("load /")]
+    ceilings = [
+        k for k in host if k not in ("store", "load") and not k.startswith(("load /", "cpu"))
+    ]
     print(f"host tier, medians of {max(repeats, 1)} rounds:")
     print("| store | load | " + " | ".join(f"ceiling: {k}" for k in ceilings) + " | "
           + " | ".join(f"load / {k}" for k in ceilings) + " |")  # fmt: skip
@@ -226,7 +239,12 @@ def copy_part(
     print(f"| {host['store']:.2f} | {host['load']:.2f} | "
           + " | ".join(f"{host[k]:.2f}" for k in ceilings) + " | "
           + " | ".join(f"{host['load / ' + k]:.2f}" for k in ceilings) + " |")  # fmt: skip
-    if device != "cpu":
+    if "cpu: ratio" in host:
+        print(f"per CPU-second (thread CPU time: what another process's use of the cores "
+              f"does not count): the tier thread loads {host['cpu: load']:.2f} GB, one "
+              f"thread copies {host['cpu: 1 thread']:.2f} GB block by block; "
+              f"load / 1 thread {host['cpu: ratio']:.2f}")  # fmt: skip
+    if device != "cpu" or not readers:
         return
     print(f"disk tier, medians of {repeats} rounds (ceiling: one file read sequentially, cold)")
     print("| readers | store | load, cold | load, files in the page cache | ceiling | "

@@ -11,7 +11,7 @@ trace, and what an idle tier costs a step.
    disk's sequential read of one file of the same size with its pages dropped from the
    page cache (disk; the tier's loads also read cold files). One disk row per
    ``--disk-readers`` count (threads reading a load's blocks at once; 1: one by one
-   through a staging row); each disk row also loads the same blocks again with their
+   on the tier thread); each disk row also loads the same blocks again with their
    files in the page cache (the tier's own cost without the device's). With
    ``--repeats N`` every figure is the median of N rounds (the box is shared).
 2. A multi-turn trace (``cluster/cli/trace_replay.synthesize``: sessions that grow
@@ -267,7 +267,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu", help="cpu | cuda (copy speeds only on cuda)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument(
-        "--disk-readers", default="1,4", help="disk rows: reader threads per load (1: one by one)"
+        "--disk-readers",
+        default="1,4",
+        help='disk rows: reader threads per load (1: one by one; "": no disk rows)',
     )
     ap.add_argument(
         "--repeats", type=int, default=1, help="copy part: disk rounds per row (medians)"
@@ -292,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     parts = args.parts.split(",")
     if "copy" in parts:
         with tempfile.TemporaryDirectory() as tmp:
-            readers = tuple(int(n) for n in args.disk_readers.split(","))
+            readers = tuple(int(n) for n in args.disk_readers.split(",") if n)  # "": none
             copy_part(args.blocks, args.block_kib * 1024, tmp, args.device, readers, args.repeats)
     if "trace" in parts:
         print_trace(_in_child("trace", args), args.model)
