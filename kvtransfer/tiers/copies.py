@@ -4,12 +4,13 @@
 ``TierStore`` owns the index, the lock and the queues; ``TierCopier`` does the byte
 work one job at a time on the tier thread, taking the lock only to reserve, commit or
 look up entries. On CUDA the copies run on a stream of their own (the host tier is
-pinned); on CPU they are numpy ufunc copies between numpy views of the device cache and
-the host tier, made once (indexing a torch tensor and taking its numpy view cost
-several microseconds a block, a tenth of a 256 KiB copy).
+pinned) and the host tier's check is computed on the device (device_copies.py); on CPU
+they are numpy ufunc copies between numpy views of the device cache and the host tier,
+made once (indexing a torch tensor and taking its numpy view cost several microseconds a
+block, against about 20 for a 256 KiB copy).
 
-Every copy into or out of the host tier is checked by its block's xxh3-64 checksum:
-computed on the bytes just copied, while the block is still in the core's cache.
+On CPU every copy into or out of the host tier is checked by its block's xxh3-64
+checksum, computed on the bytes just copied while the block is still in the core's cache.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from tandem.kvtransfer.tiers import device_copies
 from tandem.kvtransfer.tiers.disk import (
     DiskFull,
     TierLoadError,
@@ -52,7 +54,7 @@ class TierCopier:
         # CPU: a load's disk blocks are read by these threads at once, each straight
         # into its device block (the kernel overlaps the reads)
         self.readers: concurrent.futures.ThreadPoolExecutor | None = None
-        # numpy views, one row a block: the device cache (CPU only) and the host tier;
+        # CPU: numpy views, one row a block, of the device cache and the host tier;
         # *_words: the same rows as uint64 where both allow it (the ufunc copies 8
         # bytes a lane; made once, a view a copy costs a microsecond), else uint8
         self.kv_rows: np.ndarray | None = None
@@ -63,9 +65,9 @@ class TierCopier:
     def open(self, block_bytes: int, device: torch.device) -> None:
         cuda = device.type == "cuda"
         self.staging = torch.empty((block_bytes,), dtype=torch.uint8, pin_memory=cuda)
-        if self.owner.host is not None:
-            self.host_rows = self.owner.host.data.numpy()
-        if not cuda:
+        if not cuda:  # numpy, not torch: torch's copy_ of one uint8 row ran 0.04-0.3 GB/s
+            if self.owner.host is not None:
+                self.host_rows = self.owner.host.data.numpy()
             self.kv_rows = self.owner.kv.numpy()
             rows = [r for r in (self.kv_rows, self.host_rows) if r is not None]
             words = block_bytes % 8 == 0 and all(r.ctypes.data % 8 == 0 for r in rows)
@@ -100,34 +102,17 @@ class TierCopier:
     def disk_full(self) -> bool:
         return time.monotonic() < self.disk_full_until
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, sync: bool = True) -> None:
-        """``sync=False`` (CUDA): leave the copy queued on the tier stream; the caller
-        synchronizes it before the blocks are reported."""
-        if self.stream is None:
-            # numpy: torch's copy_ of one uint8 row ran 0.04-0.3 GB/s on the CPU box
-            # (benchmarks/kv_tiers.py); a ufunc loop rather than memcpy (copy_bytes)
-            copy_bytes(dst.numpy(), src.numpy())
-            return
-        with torch.cuda.stream(self.stream):
-            dst.copy_(src, non_blocking=True)
-        if sync:
-            self.stream.synchronize()
-
     # ---- stores --------------------------------------------------------------------------
 
     def copy_out(self, block_id: int, slot: int | None) -> np.ndarray:
-        """Copy a device block into a host slot (None: the staging row, a disk-only
+        """CPU: copy a device block into a host slot (None: the staging row, a disk-only
         store); the copied bytes."""
-        if self.kv_rows is not None:
-            if slot is None:
-                row = self.staging.numpy()
-                copy_bytes(row, self.kv_rows[block_id])
-                return row
-            np.positive(self.kv_words[block_id], out=self.host_words[slot])  # a copy
-            return self.host_rows[slot]
-        row_t = self.owner.host.data[slot] if slot is not None else self.staging
-        self.copy(row_t, self.owner.kv[block_id])
-        return row_t.numpy()
+        if slot is None:
+            row = self.staging.numpy()
+            copy_bytes(row, self.kv_rows[block_id])
+            return row
+        np.positive(self.kv_words[block_id], out=self.host_words[slot])  # a copy
+        return self.host_rows[slot]
 
     def store(self, job: StoreJob) -> None:
         s = self.owner
@@ -153,8 +138,15 @@ class TierCopier:
                 s.forget(job)
             return
         try:
-            payload = self.copy_out(job.block_id, slot)
-            check = checksum(payload)  # the bytes just copied: in the core's cache
+            if self.stream is not None:  # CUDA: the host tier's check is the device's
+                row = host.data[slot] if slot is not None else self.staging
+                check = device_copies.store_checked(self, row, s.kv[job.block_id])
+                payload = row.numpy()
+                if want_disk:  # disk files carry xxh3 on every device
+                    disk_check = checksum(payload)
+            else:
+                payload = self.copy_out(job.block_id, slot)
+                check = disk_check = checksum(payload)  # the bytes just copied: cached
         except BaseException:
             with s.lock:  # give back what was reserved, then let the thread log it
                 if slot is not None:
@@ -179,7 +171,7 @@ class TierCopier:
                 s.forget(job)
                 return
         if want_disk:
-            self.store_disk(key, payload, check)
+            self.store_disk(key, payload, disk_check)
         with s.lock:
             s.forget(job)
 
@@ -220,21 +212,15 @@ class TierCopier:
                 self.stream.synchronize()
 
     def load_host(self, block_id: int, entry: HostEntry) -> bool:
-        """Copy a host slot into a device block; False when the bytes fail the slot's
-        checksum (the device block then holds garbage: it is recomputed).
+        """CPU: copy a host slot into a device block; False when the bytes fail the
+        slot's checksum (the device block then holds garbage: it is recomputed).
 
-        CPU: the copy first, then the checksum of the destination, which the copy
-        left in the core's cache (a block of 256 KiB fits the L2): the check reads no
-        DRAM, so a checked load costs little more than the copy (``checksum`` before
-        the copy would read the slot from DRAM once more; benchmarks/kv_tiers.py's
-        copy part). CUDA: the copy is queued on the tier stream and the pinned slot is
-        checked while the DMA engine reads it."""
-        if self.kv_rows is not None:
-            np.positive(self.host_words[entry.slot], out=self.kv_words[block_id])  # a copy
-            return checksum(self.kv_rows[block_id]) == entry.checksum
-        s = self.owner
-        self.copy(s.kv[block_id], s.host.data[entry.slot], sync=False)
-        return checksum(self.host_rows[entry.slot]) == entry.checksum
+        The copy first, then the checksum of the destination, which the copy left in
+        the core's cache (a block of 256 KiB fits the L2): the check reads no DRAM, so
+        a checked load costs little more than the copy (``checksum`` before the copy
+        would read the slot from DRAM once more; benchmarks/kv_tiers.py's copy part)."""
+        np.positive(self.host_words[entry.slot], out=self.kv_words[block_id])  # a copy
+        return checksum(self.kv_rows[block_id]) == entry.checksum
 
     def locate(self, job: LoadJob) -> list[Any]:
         """Per block of the job: its host entry, ``DISK``, or None (in no tier). One
@@ -261,8 +247,11 @@ class TierCopier:
         device's queue deep). With reader threads (CPU, ``disk_readers`` > 1) they read
         the disk blocks meanwhile, each file straight into its device block
         (``DiskTier.read``, checksum verified); without, each file is read here in
-        turn (CPU: the same way; CUDA: through ``file_row``, then copied). No read is
-        left running when this returns: a late one could land in a recomputed block."""
+        turn, the same way. No read is
+        left running when this returns: a late one could land in a recomputed block.
+        CUDA: ``device_copies.load_blocks``."""
+        if self.stream is not None:
+            return device_copies.load_blocks(self, job)
         s = self.owner
         host, disk, counters = s.host, s.disk, s.counters
         start = time.monotonic()
@@ -292,10 +281,8 @@ class TierCopier:
                             raise TierLoadError("host block checksum mismatch")
                     elif i in reads:
                         reads[i].result()
-                    elif self.kv_rows is not None:  # CPU: straight into the block
+                    else:  # straight into the block
                         disk.read(key, self.kv_rows[block_id])
-                    else:  # file_row is reused: the copy must be done before the next
-                        self.copy(s.kv[block_id], self.file_block(key), sync=True)
                 except TierLoadError as exc:
                     logger.warning("KV tier load of request %s: %s; recomputing", job.req_id, exc)
                     counters["load_failures"] += 1

@@ -53,3 +53,26 @@ def test_cuda_tiers_give_identical_tokens(async_scheduling, tmp_path):
             settle(llm)
     finally:
         llm.close()
+
+
+def test_cuda_corrupted_host_blocks_are_misses(tmp_path):
+    """The host tier's check on CUDA is computed on the device (device_copies.py): a
+    corrupted slot fails it, and the request recomputes with the same tokens."""
+    prompts = prompts_with_shared_prefixes(4)
+    want = reference("tiny", prompts, device="cuda")
+    llm = tiered("tiny", tmp_path, host_blocks=64, num_kv_blocks=8, device="cuda")
+    try:
+        llm.generate(prompt_token_ids=prompts, sampling_params=SP)
+        settle(llm)
+        got = llm.generate(prompt_token_ids=prompts, sampling_params=SP)
+        assert [r.token_ids for r in got] == want
+        settle(llm)
+        assert tiers(llm).stats()["host_hits"] > 0
+        tiers(llm).host.data.bitwise_not_()
+        got = llm.generate(prompt_token_ids=prompts, sampling_params=SP)
+        assert [r.token_ids for r in got] == want
+        assert all(r.num_cached_tokens <= 48 for r in got)
+        settle(llm)
+        assert tiers(llm).stats()["load_failures"] > 0
+    finally:
+        llm.close()
