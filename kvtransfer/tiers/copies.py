@@ -51,6 +51,7 @@ class TierCopier:
         # (DiskTier.read_file), and its block is copied on to the device
         self.file_row: torch.Tensor | None = None
         self.disk_full_until = 0.0
+        self.announced: set[bytes] = set()  # the read-ahead of the last load (locate)
         # CPU: a load's disk blocks are read by these threads at once, each straight
         # into its device block (the kernel overlaps the reads)
         self.readers: concurrent.futures.ThreadPoolExecutor | None = None
@@ -222,13 +223,16 @@ class TierCopier:
         np.positive(self.host_words[entry.slot], out=self.kv_words[block_id])  # a copy
         return checksum(self.kv_rows[block_id]) == entry.checksum
 
-    def locate(self, job: LoadJob) -> list[Any]:
-        """Per block of the job: its host entry, ``DISK``, or None (in no tier). One
+    def locate(self, job: LoadJob) -> tuple[list[Any], list[bytes]]:
+        """Per block of the job: its host entry, ``DISK``, or None (in no tier); and the
+        disk-only keys of the load queued next (read ahead: announced to the kernel
+        with this load's, so the device has work at the seam between two loads). One
         lock for the job: its keys are pinned, so no tier evicts them, and only this
         thread drops entries."""
         s = self.owner
         host, disk = s.host, s.disk
         where: list[Any] = []
+        ahead: list[bytes] = []
         with s.lock:
             for key in job.keys:
                 entry = host.index.get(key) if host is not None else None
@@ -238,7 +242,10 @@ class TierCopier:
                     disk.touch(key)
                     entry = DISK
                 where.append(entry)
-        return where
+            nxt = s.next_load()
+            if nxt is not None and disk is not None:
+                ahead = [k for k in nxt.keys if k in disk and (host is None or k not in host)]
+        return where, ahead
 
     def load_blocks(self, job: LoadJob) -> list[int]:
         """The job's blocks in order; the first one missing, late or bad ends the load
@@ -255,10 +262,13 @@ class TierCopier:
         s = self.owner
         host, disk, counters = s.host, s.disk, s.counters
         start = time.monotonic()
-        where = self.locate(job)
+        where, ahead = self.locate(job)
         cold = [job.keys[i] for i, entry in enumerate(where) if entry is DISK]
-        if len(cold) > 1:
-            disk.prefetch(cold)
+        if len(cold) > 1 or ahead:  # not those the load before announced
+            fresh = [k for k in cold if k not in self.announced] + ahead
+            if fresh:
+                disk.prefetch(fresh)
+        self.announced = set(ahead)
         reads: dict[int, concurrent.futures.Future] = {}
         if self.readers is not None and cold and not job.cancelled:
             reads = {

@@ -263,3 +263,32 @@ def test_a_format_1_directory_is_another_configuration(tmp_path):
     disk = DiskTier(str(tmp_path), "e0", 1 << 20, BB, _fp(), lambda k: False)
     assert disk.num_reindexed == 0 and not old_file.exists()
     disk.check_integrity()
+
+
+def test_a_load_announces_the_next_queued_loads_disk_files(tmp_path):
+    """Read-ahead (copies.py, ``locate``): a load announces its own disk files and those
+    of the load queued behind it; the next load then skips what was announced for it."""
+    store = TierStore(
+        TierConfig(disk_dir=str(tmp_path), disk_bytes=1 << 20, engine_id="u", disk_readers=1)
+    )
+    kv = torch.arange(8 * 64, dtype=torch.float32).reshape(8, 1, 2, 4, 2, 4)
+    store.open(kv, (0, 1, 2, 3, 4, 5))  # 256-byte blocks
+    try:
+        want = kv.reshape(8, -1).clone()
+        keys = [bytes([i]) * 4 for i in range(4)]
+        store.submit_stores([StoreJob(i, k) for i, k in enumerate(keys)])
+        assert store.flush(10)
+        announced: list[list[bytes]] = []
+        store.disk.prefetch = announced.append
+        first = LoadJob("a", keys[:2], [4, 5], 1e18)
+        second = LoadJob("b", keys[2:], [6, 7], 1e18)
+        store.next_load = lambda: second  # queued behind the first
+        kv.zero_()
+        assert store.copier.load_blocks(first) == []
+        store.next_load = lambda: None
+        assert store.copier.load_blocks(second) == []
+        assert announced == [keys[:2] + keys[2:]]  # the second load's were announced
+        assert torch.equal(kv.reshape(8, -1)[4:8], want[:4])
+        store.check_integrity()
+    finally:
+        store.close()
