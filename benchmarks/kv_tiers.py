@@ -5,14 +5,15 @@ trace, and what an idle tier costs a step.
     python benchmarks/kv_tiers.py --parts trace --tp 2   (the trace, TP=2 engines)
 
 1. Store and load GB/s per tier through ``TierStore`` (the tier thread, checksums
-   included) next to its ceiling: one ``copy_`` of the same bytes in one process
-   (host), the disk's sequential read of one file of the same size with its pages
-   dropped from the page cache (disk; the tier's loads also read cold files), measured
-   again after each disk row. One disk row per ``--disk-readers`` count (threads reading
-   a load's blocks at once; 1: one by one through a staging row); each disk row also
-   loads the same blocks again with their files in the page cache (the tier's own cost:
-   system calls, checksums, the copy into the cache, without the device's). With
-   ``--repeats N`` a disk row's figures are the medians of N rounds (the box is shared).
+   included) next to its ceilings, measured in the same rounds (benchmarks/_tier_copies.py
+   says which): plain copies of the same bytes in one process (host: all at once, one
+   thread block by block, two threads, one thread with each block's checksum); the
+   disk's sequential read of one file of the same size with its pages dropped from the
+   page cache (disk; the tier's loads also read cold files). One disk row per
+   ``--disk-readers`` count (threads reading a load's blocks at once; 1: one by one
+   on the tier thread); each disk row also loads the same blocks again with their
+   files in the page cache (the tier's own cost without the device's). With
+   ``--repeats N`` every figure is the median of N rounds (the box is shared).
 2. A multi-turn trace (``cluster/cli/trace_replay.synthesize``: sessions that grow
    turn by turn over shared system prompts and documents) replayed one request at a
    time through a model (``--model``, tiny by default) in fp32, with a device cache of about a quarter of the trace's
@@ -25,7 +26,6 @@ trace, and what an idle tier costs a step.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import tempfile
@@ -36,155 +36,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from benchmarks._tier_copies import copy_part  # noqa: E402
 from tandem.cluster.cli.trace_replay import SynthConfig, TraceRequest, synthesize, synthesize_prompt  # noqa: E402
-from tandem.kvtransfer.tiers.config import TierConfig  # noqa: E402
-from tandem.kvtransfer.tiers.store import LoadJob, StoreJob, TierStore  # noqa: E402
 from tandem.wire.engine_protocol import EngineRequest, SamplingParams  # noqa: E402
 from tandem.workers.config import EngineConfig  # noqa: E402
 from tandem.workers.engine.core import EngineCore  # noqa: E402
 
 GIB = 1 << 30
-
-
-# ---- 1. copy speed ---------------------------------------------------------------------
-
-
-def _drop_cache(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
-def _load_all(store: TierStore, keys: list[bytes], num_blocks: int) -> float:
-    store.pin(keys)
-    start = time.perf_counter()
-    step = 64
-    for i in range(0, len(keys), step):
-        part = keys[i : i + step]
-        store.submit_load(
-            LoadJob(f"r{i}", part, [j % num_blocks for j in range(i, i + len(part))], 1e18)
-        )
-    done = 0
-    while done < len(range(0, len(keys), step)):
-        done += len(store.poll())
-        time.sleep(0.0005)
-    return time.perf_counter() - start
-
-
-def _pcie(src: torch.Tensor) -> tuple[float, float]:
-    """GB/s of one device->pinned and one pinned->device copy of ``src`` (CUDA)."""
-    host = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
-    out = []
-    for dst, frm in ((host, src), (src, host)):
-        dst.copy_(frm)
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        dst.copy_(frm)
-        torch.cuda.synchronize()
-        out.append(src.numel() / (time.perf_counter() - t) / 1e9)
-    return out[0], out[1]
-
-
-def _seq_read_gbs(src: torch.Tensor, tmp: str) -> float:
-    """A cold sequential read of one file of ``src``'s bytes (1 MiB reads)."""
-    big = Path(tmp) / "seq.bin"
-    with open(big, "wb") as f:
-        f.write(memoryview(src.numpy()))
-    _drop_cache(big)
-    buf = bytearray(1 << 20)
-    t = time.perf_counter()
-    with open(big, "rb", buffering=0) as f:
-        while f.readinto(buf):
-            pass
-    gbs = src.numel() / (time.perf_counter() - t) / 1e9
-    big.unlink()
-    return gbs
-
-
-def copy_speed(
-    num_blocks: int,
-    block_bytes: int,
-    tmp: str,
-    device: str = "cpu",
-    disk_readers: tuple[int, ...] = (4,),
-    repeats: int = 1,
-) -> list[tuple[str, float, float, float, str]]:
-    """Rows of (tier, store, load, load with the files in the page cache, ceiling), GB/s.
-    A disk row's loads (each from cold files) and its ceiling are the medians of
-    ``repeats`` rounds, the ceiling measured after each round's loads."""
-    layers = block_bytes // (2 * 16 * 8 * 64 * 2)
-    kv = torch.randn(num_blocks, layers, 2, 16, 8, 64).to(torch.bfloat16).to(device)
-    total = num_blocks * block_bytes
-    keys = [i.to_bytes(4, "little") * 8 for i in range(num_blocks)]
-    rows = []
-    # ceilings
-    src = kv.reshape(num_blocks, -1).view(torch.uint8)
-    if device == "cuda":
-        d2h, h2d = _pcie(src)
-        ceiling_host = h2d
-        ceiling_rows = d2h
-        src = src.cpu()
-    else:
-        dst = torch.empty_like(src)
-        dst.copy_(src)
-        t = time.perf_counter()
-        dst.copy_(src)
-        ceiling_host = total / (time.perf_counter() - t) / 1e9
-        srcn, dstn = src.numpy(), dst.numpy()
-        t = time.perf_counter()
-        for i in range(num_blocks):
-            dstn[i] = srcn[i]
-        ceiling_rows = total / (time.perf_counter() - t) / 1e9
-    media = [("host", 0)] + [("disk", n) for n in disk_readers]
-    for medium, readers in media:
-        cfg = TierConfig(
-            disk_readers=readers,
-            host_bytes=total if medium == "host" else 0,
-            disk_dir=tmp if medium == "disk" else None,
-            disk_bytes=2 * total if medium == "disk" else 0,
-            engine_id=f"bench-{medium}-{readers}",  # each row starts empty
-            max_store_queue=num_blocks,
-        )
-        store = TierStore(cfg)
-        store.open(kv, (0, 1, 2, 3, 4, 5))
-        # steady state: the tier is full (its pages touched) and every store evicts
-        store.submit_stores([StoreJob(i, b"w" + k) for i, k in enumerate(keys)])
-        assert store.flush(300)
-        t = time.perf_counter()
-        store.submit_stores([StoreJob(i, k) for i, k in enumerate(keys)])
-        assert store.flush(300)
-        store_gbs = total / (time.perf_counter() - t) / 1e9
-        loads, warms, ceilings = [], [], []
-        for _ in range(repeats if medium == "disk" else 1):
-            if medium == "disk":
-                for p in store.disk.root.rglob("*.kvb"):
-                    _drop_cache(p)
-            loads.append(total / _load_all(store, keys, num_blocks) / 1e9)
-            if medium == "disk":
-                # the same loads again, the files now in the page cache: the tier's own
-                # cost (system calls, checksums, the copies) without the device's
-                warms.append(total / _load_all(store, keys, num_blocks) / 1e9)
-                # the disk's ceiling right after the loads (the box's load drifts)
-                ceilings.append(_seq_read_gbs(src, tmp))
-        store.check_integrity()
-        store.close()
-        load_gbs = statistics.median(loads)
-        warm_gbs = statistics.median(warms) if warms else 0.0
-        ceiling = statistics.median(ceilings) if ceilings else ceiling_host
-        if medium == "disk":
-            what = "sequential read of one file, cold"
-            if repeats > 1:
-                what += f"; medians of {repeats}"
-            medium = f"disk, {readers} reader{'s' * (readers > 1)}"
-        elif device == "cuda":
-            what = f"PCIe: one pinned->device copy_ of it all; device->pinned {ceiling_rows:.2f}"
-        else:
-            what = f"one copy_ of it all; {ceiling_rows:.2f} block by block"
-        rows.append((medium, store_gbs, load_gbs, warm_gbs, f"{ceiling:.2f} ({what})"))
-    return rows
 
 
 # ---- 2. multi-turn trace ------------------------------------------------------------------
@@ -409,7 +267,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu", help="cpu | cuda (copy speeds only on cuda)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument(
-        "--disk-readers", default="1,4", help="disk rows: reader threads per load (1: one by one)"
+        "--disk-readers",
+        default="1,4",
+        help='disk rows: reader threads per load (1: one by one; "": no disk rows)',
     )
     ap.add_argument(
         "--repeats", type=int, default=1, help="copy part: disk rounds per row (medians)"
@@ -434,20 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     parts = args.parts.split(",")
     if "copy" in parts:
         with tempfile.TemporaryDirectory() as tmp:
-            readers = tuple(int(n) for n in args.disk_readers.split(","))
-            rows = copy_speed(
-                args.blocks, args.block_kib * 1024, tmp, args.device, readers, args.repeats
-            )
-        print(
-            f"\n1. copies of {args.blocks} blocks of {args.block_kib} KiB on {args.device} (GB/s)"
-        )
-        print(
-            "| tier | store | load | load, files in the page cache | ceiling | load / ceiling |"
-            "\n| --- | --- | --- | --- | --- | --- |"
-        )
-        for medium, s, ld, warm, c in rows:
-            w = f"{warm:.2f}" if warm else "-"
-            print(f"| {medium} | {s:.2f} | {ld:.2f} | {w} | {c} | {ld / float(c.split()[0]):.2f} |")
+            readers = tuple(int(n) for n in args.disk_readers.split(",") if n)  # "": none
+            copy_part(args.blocks, args.block_kib * 1024, tmp, args.device, readers, args.repeats)
     if "trace" in parts:
         print_trace(_in_child("trace", args), args.model)
     if "churn" in parts:

@@ -4,7 +4,13 @@
 ``TierStore`` owns the index, the lock and the queues; ``TierCopier`` does the byte
 work one job at a time on the tier thread, taking the lock only to reserve, commit or
 look up entries. On CUDA the copies run on a stream of their own (the host tier is
-pinned); on CPU they are numpy memcpys.
+pinned) and the host tier's check is computed on the device (device_copies.py); on CPU
+they are numpy ufunc copies between numpy views of the device cache and the host tier,
+made once (indexing a torch tensor and taking its numpy view cost several microseconds a
+block, against about 20 for a 256 KiB copy).
+
+On CPU every copy into or out of the host tier is checked by its block's xxh3-64
+checksum, computed on the bytes just copied while the block is still in the core's cache.
 """
 
 from __future__ import annotations
@@ -27,11 +33,13 @@ from tandem.kvtransfer.tiers.disk import (
 )
 
 if TYPE_CHECKING:
+    from tandem.kvtransfer.tiers.host import HostEntry
     from tandem.kvtransfer.tiers.store import LoadJob, StoreJob, TierStore
 
 logger = logging.getLogger(__name__)
 
 DISK_FULL_RETRY_S = 60.0
+DISK = "disk"  # locate(): the block is read from the disk tier
 
 
 class TierCopier:
@@ -39,17 +47,34 @@ class TierCopier:
         self.owner = store
         self.stream: Any = None
         self.staging: torch.Tensor | None = None
-        # one reader (CUDA, or disk_readers 1): a whole block file lands here, page
-        # aligned (DiskTier.read_file; pinned on CUDA), and its block is copied on
+        # CUDA: a whole block file lands here, pinned and page aligned
+        # (DiskTier.read_file), and its block is copied on to the device
         self.file_row: torch.Tensor | None = None
         self.disk_full_until = 0.0
-        # CPU: a load's disk blocks are read by these threads at once, each through
-        # its own staging row into its device block (the kernel overlaps the reads)
+        self.announced: set[bytes] = set()  # the read-ahead of the last load (locate)
+        # CPU: a load's disk blocks are read by these threads at once, each straight
+        # into its device block (the kernel overlaps the reads)
         self.readers: concurrent.futures.ThreadPoolExecutor | None = None
+        # CPU: numpy views, one row a block, of the device cache and the host tier;
+        # *_words: the same rows as uint64 where both allow it (the ufunc copies 8
+        # bytes a lane; made once, a view a copy costs a microsecond), else uint8
+        self.kv_rows: np.ndarray | None = None
+        self.host_rows: np.ndarray | None = None
+        self.kv_words: np.ndarray | None = None
+        self.host_words: np.ndarray | None = None
 
     def open(self, block_bytes: int, device: torch.device) -> None:
         cuda = device.type == "cuda"
         self.staging = torch.empty((block_bytes,), dtype=torch.uint8, pin_memory=cuda)
+        if not cuda:  # numpy, not torch: torch's copy_ of one uint8 row ran 0.04-0.3 GB/s
+            if self.owner.host is not None:
+                self.host_rows = self.owner.host.data.numpy()
+            self.kv_rows = self.owner.kv.numpy()
+            rows = [r for r in (self.kv_rows, self.host_rows) if r is not None]
+            words = block_bytes % 8 == 0 and all(r.ctypes.data % 8 == 0 for r in rows)
+            self.kv_words = self.kv_rows.view(np.uint64) if words else self.kv_rows
+            if self.host_rows is not None:
+                self.host_words = self.host_rows.view(np.uint64) if words else self.host_rows
         if cuda:
             self.stream = torch.cuda.Stream(device=device)
         elif self.owner.disk is not None and self.owner.config.disk_readers > 1:
@@ -78,20 +103,17 @@ class TierCopier:
     def disk_full(self) -> bool:
         return time.monotonic() < self.disk_full_until
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, sync: bool = True) -> None:
-        """``sync=False`` (CUDA): leave the copy queued on the tier stream; the caller
-        synchronizes it before the blocks are reported."""
-        if self.stream is None:
-            # numpy: torch's copy_ of one uint8 row ran 0.04-0.3 GB/s on the CPU box
-            # (benchmarks/kv_tiers.py); a ufunc loop rather than memcpy (copy_bytes)
-            copy_bytes(dst.numpy(), src.numpy())
-            return
-        with torch.cuda.stream(self.stream):
-            dst.copy_(src, non_blocking=True)
-        if sync:
-            self.stream.synchronize()
-
     # ---- stores --------------------------------------------------------------------------
+
+    def copy_out(self, block_id: int, slot: int | None) -> np.ndarray:
+        """CPU: copy a device block into a host slot (None: the staging row, a disk-only
+        store); the copied bytes."""
+        if slot is None:
+            row = self.staging.numpy()
+            copy_bytes(row, self.kv_rows[block_id])
+            return row
+        np.positive(self.kv_words[block_id], out=self.host_words[slot])  # a copy
+        return self.host_rows[slot]
 
     def store(self, job: StoreJob) -> None:
         s = self.owner
@@ -116,17 +138,16 @@ class TierCopier:
             with s.lock:
                 s.forget(job)
             return
-        row = host.data[slot] if slot is not None else self.staging
         try:
             if self.stream is not None:  # CUDA: the host tier's check is the device's
+                row = host.data[slot] if slot is not None else self.staging
                 check = device_copies.store_checked(self, row, s.kv[job.block_id])
+                payload = row.numpy()
+                if want_disk:  # disk files carry xxh3 on every device
+                    disk_check = checksum(payload)
             else:
-                self.copy(row, s.kv[job.block_id])
-            payload = row.numpy()
-            if self.stream is None or want_disk:  # disk files carry xxh3 on every device
-                disk_check = checksum(payload)
-            if self.stream is None:
-                check = disk_check
+                payload = self.copy_out(job.block_id, slot)
+                check = disk_check = checksum(payload)  # the bytes just copied: cached
         except BaseException:
             with s.lock:  # give back what was reserved, then let the thread log it
                 if slot is not None:
@@ -191,120 +212,107 @@ class TierCopier:
             if self.stream is not None:
                 self.stream.synchronize()
 
-    def load_blocks(self, job: LoadJob) -> list[int]:
-        if self.stream is not None:
-            return device_copies.load_blocks(self, job)
-        if self.readers is not None:
-            return self.load_blocks_parallel(job)
-        s = self.owner
-        host, disk, counters = s.host, s.disk, s.counters
-        start = time.monotonic()
-        if disk is not None:
-            with s.lock:
-                cold = [k for k in job.keys if k in disk and (host is None or k not in host)]
-            if len(cold) > 1:
-                disk.prefetch(cold)
-        for i, (key, block_id) in enumerate(zip(job.keys, job.block_ids, strict=True)):
-            if job.cancelled or time.monotonic() > job.deadline:
-                counters["load_timeouts"] += 1
-                return job.block_ids[i:]
-            with s.lock:
-                entry = host.index.get(key) if host is not None else None
-                on_disk = disk is not None and key in disk
-                if entry is not None:
-                    host.touch(key)
-                elif on_disk:
-                    disk.touch(key)
-            try:
-                if entry is not None:
-                    row = host.data[entry.slot]
-                    if checksum(row.numpy()) != entry.checksum:
-                        raise TierLoadError("host block checksum mismatch")
-                    medium = "host"
-                elif on_disk:
-                    row = self.file_block(key)
-                    medium = "disk"
-                else:
-                    raise TierLoadError("block left the tiers before its load")
-            except TierLoadError as exc:
-                logger.warning("KV tier load of request %s: %s; recomputing", job.req_id, exc)
-                counters["load_failures"] += 1
-                with s.lock:
-                    if entry is not None:
-                        host.drop(key)
-                    elif on_disk:
-                        disk.drop(key)
-                return job.block_ids[i:]
-            self.copy(s.kv[block_id], row, sync=medium == "disk")  # file_row is reused
-            counters[f"{medium}_loaded_bytes"] += row.numel()
-            counters[f"{medium}_hits"] += 1
-        with s.lock:
-            s.load_seconds.observe(time.monotonic() - start)
-        return []
+    def load_host(self, block_id: int, entry: HostEntry) -> bool:
+        """CPU: copy a host slot into a device block; False when the bytes fail the
+        slot's checksum (the device block then holds garbage: it is recomputed).
 
-    def load_blocks_parallel(self, job: LoadJob) -> list[int]:
-        """CPU with a disk tier: the job's disk files are announced to the kernel at once
-        (``posix_fadvise(WILLNEED)``: every read in flight together, the device's queue
-        deep), then the reader threads read them, each file through its own staging row
-        into its device block (``DiskTier.read``, checksum verified); host blocks are
-        copied meanwhile. Then the blocks are judged in order: the first one
-        missing, late or bad ends the load (it and the rest are recomputed). No read is
-        left running when this returns: a late one could land in a recomputed block."""
+        The copy first, then the checksum of the destination, which the copy left in
+        the core's cache (a block of 256 KiB fits the L2): the check reads no DRAM, so
+        a checked load costs little more than the copy (``checksum`` before the copy
+        would read the slot from DRAM once more; benchmarks/kv_tiers.py's copy part)."""
+        np.positive(self.host_words[entry.slot], out=self.kv_words[block_id])  # a copy
+        return checksum(self.kv_rows[block_id]) == entry.checksum
+
+    def locate(self, job: LoadJob) -> tuple[list[Any], list[bytes]]:
+        """Per block of the job: its host entry, ``DISK``, or None (in no tier); and the
+        disk-only keys of the load queued next (read ahead: announced to the kernel
+        with this load's, so the device has work at the seam between two loads). One
+        lock for the job: its keys are pinned, so no tier evicts them, and only this
+        thread drops entries."""
         s = self.owner
-        host, disk, counters, kv = s.host, s.disk, s.counters, s.kv
-        assert self.readers is not None and disk is not None and kv is not None
-        start = time.monotonic()
-        where: list[Any] = []  # per block: its host entry, "disk", or None (gone)
-        with s.lock:  # pinned keys stay; only this thread's stores evict
+        host, disk = s.host, s.disk
+        where: list[Any] = []
+        ahead: list[bytes] = []
+        with s.lock:
             for key in job.keys:
                 entry = host.index.get(key) if host is not None else None
                 if entry is not None:
                     host.touch(key)
-                elif key in disk:
+                elif disk is not None and key in disk:
                     disk.touch(key)
-                    entry = "disk"
+                    entry = DISK
                 where.append(entry)
-        cold = [job.keys[i] for i, entry in enumerate(where) if entry == "disk"]
-        if len(cold) > 1:  # the kernel reads them all at once; the readers copy them out
-            disk.prefetch(cold)
-        reads = {
-            i: self.readers.submit(disk.read, job.keys[i], kv[job.block_ids[i]].numpy())
-            for i, entry in enumerate(where)
-            if entry == "disk" and not job.cancelled
-        }
+            nxt = s.next_load()
+            if nxt is not None and disk is not None:
+                ahead = [k for k in nxt.keys if k in disk and (host is None or k not in host)]
+        return where, ahead
+
+    def load_blocks(self, job: LoadJob) -> list[int]:
+        """The job's blocks in order; the first one missing, late or bad ends the load
+        (it and the rest are recomputed). A load's cold disk files are announced to the
+        kernel at once (``posix_fadvise(WILLNEED)``: every read in flight together, the
+        device's queue deep). With reader threads (CPU, ``disk_readers`` > 1) they read
+        the disk blocks meanwhile, each file straight into its device block
+        (``DiskTier.read``, checksum verified); without, each file is read here in
+        turn, the same way. No read is
+        left running when this returns: a late one could land in a recomputed block.
+        CUDA: ``device_copies.load_blocks``."""
+        if self.stream is not None:
+            return device_copies.load_blocks(self, job)
+        s = self.owner
+        host, disk, counters = s.host, s.disk, s.counters
+        start = time.monotonic()
+        where, ahead = self.locate(job)
+        cold = [job.keys[i] for i, entry in enumerate(where) if entry is DISK]
+        if len(cold) > 1 or ahead:  # not those the load before announced
+            fresh = [k for k in cold if k not in self.announced] + ahead
+            if fresh:
+                disk.prefetch(fresh)
+        self.announced = set(ahead)
+        reads: dict[int, concurrent.futures.Future] = {}
+        if self.readers is not None and cold and not job.cancelled:
+            reads = {
+                i: self.readers.submit(disk.read, job.keys[i], self.kv_rows[job.block_ids[i]])
+                for i, entry in enumerate(where)
+                if entry is DISK
+            }
+        hits = {"host": 0, "disk": 0}
         try:
             for i, (key, block_id) in enumerate(zip(job.keys, job.block_ids, strict=True)):
-                entry = where[i]
                 if job.cancelled or time.monotonic() > job.deadline:
                     counters["load_timeouts"] += 1
                     return job.block_ids[i:]
+                entry = where[i]
                 try:
                     if entry is None:
                         raise TierLoadError("block left the tiers before its load")
-                    if entry == "disk":
+                    if entry is not DISK:
+                        if not self.load_host(block_id, entry):
+                            raise TierLoadError("host block checksum mismatch")
+                    elif i in reads:
                         reads[i].result()
-                        counters["disk_loaded_bytes"] += disk.block_bytes
-                        counters["disk_hits"] += 1
-                        continue
-                    row = host.data[entry.slot]
-                    if checksum(row.numpy()) != entry.checksum:
-                        raise TierLoadError("host block checksum mismatch")
+                    else:  # straight into the block
+                        disk.read(key, self.kv_rows[block_id])
                 except TierLoadError as exc:
                     logger.warning("KV tier load of request %s: %s; recomputing", job.req_id, exc)
                     counters["load_failures"] += 1
                     with s.lock:
-                        if entry == "disk":
+                        if entry is DISK:
                             disk.drop(key)
                         elif entry is not None:
                             host.drop(key)
                     return job.block_ids[i:]
-                self.copy(kv[block_id], row)
-                counters["host_loaded_bytes"] += row.numel()
-                counters["host_hits"] += 1
+                hits["disk" if entry is DISK else "host"] += 1
         finally:
             for future in reads.values():
                 future.cancel()
             concurrent.futures.wait(list(reads.values()))
+            block_bytes = s.kv.shape[1]
+            for medium, n in hits.items():
+                if not n:
+                    continue
+                counters[f"{medium}_loaded_bytes"] += n * block_bytes
+                counters[f"{medium}_hits"] += n
         with s.lock:
             s.load_seconds.observe(time.monotonic() - start)
         return []

@@ -2,9 +2,19 @@
 
     <--kv-offloading-disk-dir>/<engine id>/
         fingerprint.json          model, dtype, layout, block shape, block size, hash algo
-        blocks/<2 hex>/<key hex>.kvb   header + the block's bytes
+        blocks/<2 hex>/<key hex>.kvb   header page + the block's bytes
 
-    header  magic "TKVB", version, key length, payload length, xxh3-64 checksum, key
+    header page  magic "TKVB", version, key length, payload length, xxh3-64 checksum,
+                 key, zeros up to the next multiple of 4 KiB
+    block        the block's bytes, at that 4 KiB boundary (format 2; format 1 put
+                 them right after the key, 56 bytes in)
+
+A load reads a file with one ``readv`` straight into the device block: its bytes start
+on a page of the file, so the kernel's copy out of the page cache runs from a page
+boundary into a block that starts on a cache line, at matching offsets within a cache
+line (the fast case of the CPU's string copy), and no staging copy follows. The block's
+checksum is then taken on the bytes just read, still in the core's cache. The layout is
+also the one ``O_DIRECT`` needs (the block at an aligned file offset).
 
 A file is written to ``.tmp`` and renamed, so a reader sees a whole file or none;
 a file torn by a crash, flipped on disk or renamed fails its checksum (or key)
@@ -38,9 +48,26 @@ logger = logging.getLogger(__name__)
 FLAG = "--kv-offloading-disk-dir"
 _HEADER = struct.Struct("<4sHHQQ")
 _MAGIC = b"TKVB"
-_VERSION = 1
+_VERSION = 2  # the fingerprint's "format" (config.py): another is a mismatch
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 PAGE = 4096
+
+
+def header_bytes(key_len: int) -> int:
+    """A block file's header page(s): the header and key, padded to a page."""
+    return -(-(_HEADER.size + key_len) // PAGE) * PAGE
+
+
+def _rest(buffers: list[memoryview], n: int) -> list[memoryview]:
+    """What of ``buffers`` a read of ``n`` bytes left unfilled."""
+    out = []
+    for b in buffers:
+        if n >= len(b):
+            n -= len(b)
+        else:
+            out.append(b[n:])
+            n = 0
+    return out
 
 
 def checksum(data: Any) -> int:
@@ -159,7 +186,7 @@ class DiskTier:
                 st = path.stat()
             except (ValueError, OSError):
                 continue
-            if st.st_size != _HEADER.size + len(key) + self.block_bytes:
+            if st.st_size != self.file_size(key):
                 path.unlink(missing_ok=True)
                 continue
             found.append((st.st_mtime_ns, key, st.st_size))
@@ -186,6 +213,9 @@ class DiskTier:
         h = key.hex()
         return f"{self._blocks}/{h[:2]}/{h}.kvb"
 
+    def file_size(self, key: bytes) -> int:
+        return header_bytes(len(key)) + self.block_bytes
+
     def touch(self, key: bytes) -> None:
         self.index.move_to_end(key)
 
@@ -206,7 +236,7 @@ class DiskTier:
     def reserve(self, key: bytes) -> bool:
         """Make room for one more file (evicting least recently used ones); False when
         the pinned files fill the tier."""
-        size = _HEADER.size + len(key) + self.block_bytes
+        size = self.file_size(key)
         while self.used_bytes + size > self.capacity_bytes:
             if not self._evict_one():
                 return False
@@ -216,7 +246,7 @@ class DiskTier:
 
     def commit(self, key: bytes, ok: bool) -> None:
         self.writing.discard(key)
-        size = _HEADER.size + len(key) + self.block_bytes
+        size = self.file_size(key)
         if ok and key not in self.index:
             self.index[key] = size
             self._changed(key, True)
@@ -237,6 +267,7 @@ class DiskTier:
         path = self.path(key)
         tmp = path.with_suffix(".tmp")
         header = _HEADER.pack(_MAGIC, _VERSION, len(key), payload.nbytes, check) + key
+        header += bytes(header_bytes(len(key)) - len(header))
         try:
             path.parent.mkdir(exist_ok=True)
             self._write_file(tmp, header, payload)
@@ -253,12 +284,12 @@ class DiskTier:
             f.write(header)
             f.write(memoryview(payload))
 
-    def _row(self, num_bytes: int) -> np.ndarray:
-        """This thread's page-aligned staging row, at least ``num_bytes`` long."""
-        row = getattr(self._staging, "row", None)
-        if row is None or row.nbytes < num_bytes:
-            row = self._staging.row = aligned_row(num_bytes)
-        return row
+    def _head(self, hlen: int) -> tuple[memoryview, memoryview]:
+        """This thread's buffers for ``read``: a header page and one byte past a block."""
+        head = getattr(self._staging, "head", None)
+        if head is None or len(head[0]) != hlen:
+            head = self._staging.head = (memoryview(aligned_row(hlen)), memoryview(bytearray(1)))
+        return head
 
     def prefetch(self, keys: list[bytes]) -> None:
         """Ask the kernel to start reading these blocks' files now, all at once (a cold
@@ -274,39 +305,43 @@ class DiskTier:
                 os.close(fd)
 
     def read(self, key: bytes, out: np.ndarray) -> None:
-        """Read a block's bytes into ``out`` (uint8, block_bytes; may be the device block
-        itself: on failure its bytes are garbage, and the block is recomputed);
-        TierLoadError when the file is missing, of another key, torn or fails its
-        checksum. The file goes whole into this thread's staging row first
-        (``read_file``, which says why), then the checked block into ``out``."""
-        copy_bytes(out, self.read_file(key, self._row(self.row_bytes(key))))
+        """Read a block's file straight into ``out`` (uint8, block_bytes: the device
+        block itself; on failure its bytes are garbage, and the block is recomputed):
+        one ``readv`` into this thread's header page, ``out`` and a byte past it (a
+        longer file is torn), then the checks. TierLoadError when the file is missing,
+        of another key, torn or fails its checksum."""
+        hlen = header_bytes(len(key))
+        head, tail = self._head(hlen)
+        self._readv(key, [head, memoryview(out), tail], hlen + self.block_bytes)
+        self._check(key, head, out)
 
     def row_bytes(self, key: bytes) -> int:
         """The staging row ``read_file`` needs for ``key``'s file."""
-        return _HEADER.size + len(key) + self.block_bytes + 1
+        return self.file_size(key) + 1
 
     def read_file(self, key: bytes, row: Any) -> np.ndarray:
-        """Read a block's file into ``row`` (uint8, page-aligned, a header, the block
-        and a byte past it), check it, and return the block's bytes: a view of ``row``.
-        TierLoadError when the file is missing, of another key, torn or fails its
-        checksum. One ``readv`` a file (plus one per short read): three system calls a
-        block, no Python file object.
-
-        Why whole files into a page-aligned row rather than the block straight into
-        the device block: the block starts ``len(header)`` bytes into the file, so the
-        kernel's copy out of the page cache would run with its source and destination
-        at different offsets within a cache line, which the CPU's string copy (``rep
-        movsb``) does slowly; into the row the offsets match. The block then goes on
-        with ``copy_bytes`` (docs/benchmarks.md, "KV cache tiers")."""
-        hlen = _HEADER.size + len(key)
+        """Read a block's file whole into ``row`` (uint8, page-aligned, ``row_bytes``
+        long; CUDA: a pinned row, copied to the device from there), check it, and
+        return the block's bytes: a page-aligned view of ``row``. TierLoadError as
+        ``read``."""
+        hlen = header_bytes(len(key))
         want = hlen + self.block_bytes
         view = memoryview(row)[: want + 1]  # a byte past the block: a longer file is torn
+        self._readv(key, [view], want)
+        block = np.frombuffer(view[hlen:want], dtype=np.uint8)
+        self._check(key, view, block)
+        return block
+
+    def _readv(self, key: bytes, buffers: list[memoryview], want: int) -> None:
+        """Fill ``buffers`` from ``key``'s file: exactly ``want`` bytes, or TierLoadError.
+        One ``readv`` a file (plus one per short read): three system calls a block, no
+        Python file object."""
         try:
             fd = os.open(self.file_name(key), os.O_RDONLY)
             try:
-                n = os.readv(fd, [view])
+                n = os.readv(fd, buffers)
                 while 0 < n < want:  # a short read: go on reading
-                    more = os.readv(fd, [view[n:]])
+                    more = os.readv(fd, _rest(buffers, n))
                     if not more:
                         break
                     n += more
@@ -316,19 +351,19 @@ class DiskTier:
             raise TierLoadError(f"disk block unreadable: {exc}") from exc
         if n != want:
             raise TierLoadError("disk block file has the wrong size")
-        magic, version, key_len, length, check = _HEADER.unpack_from(view)
+
+    def _check(self, key: bytes, head: memoryview, block: np.ndarray) -> None:
+        magic, version, key_len, length, check = _HEADER.unpack_from(head)
         if (magic, version, length) != (_MAGIC, _VERSION, self.block_bytes):
             raise TierLoadError("disk block file header is not ours")
-        if view[_HEADER.size : hlen] != key or key_len != len(key):
+        if head[_HEADER.size : _HEADER.size + len(key)] != key or key_len != len(key):
             raise TierLoadError("disk block file holds another block")
-        block = np.frombuffer(view[hlen:want], dtype=np.uint8)
-        if checksum(block) != check:
+        if checksum(block) != check:  # the bytes just read: in the core's cache
             raise TierLoadError("disk block checksum mismatch")
-        return block
 
     def check_integrity(self) -> None:
         total = sum(self.index.values())
-        pending = sum(_HEADER.size + len(k) + self.block_bytes for k in self.writing)
+        pending = sum(self.file_size(k) for k in self.writing)
         assert total + pending == self.used_bytes, (
             f"disk tier accounting drift: {total}+{pending} != {self.used_bytes}"
         )

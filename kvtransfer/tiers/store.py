@@ -295,6 +295,10 @@ class TierStore:
             done, self._done = self._done, []
         return done
 
+    def next_load(self) -> LoadJob | None:
+        """Under the lock: the load queued next, if any (the copier reads ahead)."""
+        return self._loads[0] if self._loads else None
+
     def queue_depth(self) -> int:
         return len(self._stores)
 

@@ -4,6 +4,8 @@ and the store's cancelled and dropped jobs."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -71,7 +73,7 @@ def _fp(**kw):
 
 
 def test_disk_tier_accounting_reindex_and_file_checks(tmp_path):
-    size = 28 + 2 + BB  # header + key + payload
+    size = 4096 + BB  # the header page (header, key, zeros) + payload
     disk = DiskTier(str(tmp_path), "e0", 2 * size, BB, _fp(), lambda k: False)
     data = {k: np.full(BB, i, dtype=np.uint8) for i, k in enumerate((b"k1", b"k2", b"k3"))}
     for key, payload in data.items():
@@ -107,10 +109,12 @@ def test_a_tensor_parallel_rank_keeps_its_own_fingerprinted_directory(tmp_path):
 
 
 def test_disk_reads_stage_the_whole_file_and_still_catch_every_bad_file(tmp_path):
-    """``read_file`` reads a block's file whole into a page-aligned row and returns the
-    checked block as a view of it; ``read`` copies that on. A file cut short, one byte
-    longer, flipped in the block, or not ours is a TierLoadError either way."""
-    size = 24 + 2 + BB  # header, key, block
+    """Format 2: the block starts on the file's second page. ``read_file`` reads a
+    block's file whole into a page-aligned row and returns the checked block as a
+    page-aligned view of it; ``read`` reads the block straight into its destination. A
+    file cut short, one byte longer, flipped in the block, or not ours is a
+    TierLoadError either way."""
+    size = 4096 + BB  # the header page, the block
     disk = DiskTier(str(tmp_path), "e0", 8 * size, BB, _fp(), lambda k: False)
     payload = np.arange(BB, dtype=np.uint8)
     for key in (b"k1", b"k2"):
@@ -120,7 +124,8 @@ def test_disk_reads_stage_the_whole_file_and_still_catch_every_bad_file(tmp_path
     row = aligned_row(disk.row_bytes(b"k1"))
     assert row.ctypes.data % 4096 == 0 and row.nbytes == size + 1
     block = disk.read_file(b"k1", row)
-    assert (block == payload).all() and block.ctypes.data == row.ctypes.data + size - BB
+    assert (block == payload).all() and block.ctypes.data == row.ctypes.data + 4096
+    assert disk.path(b"k1").read_bytes()[4096:] == payload.tobytes()
     out = np.zeros(BB + 3, dtype=np.uint8)[3:]  # a destination at another offset
     disk.read(b"k1", out)
     assert (out == payload).all()
@@ -202,6 +207,88 @@ def test_a_load_that_raises_still_reports_and_unpins(tmp_path):
         assert store.flush(10)
         assert store.poll() == [("r", [4])]  # recomputed, never left waiting
         assert store.stats()["failures"] == 1
+        store.check_integrity()
+    finally:
+        store.close()
+
+
+def test_host_loads_are_byte_exact_and_a_flipped_byte_is_a_miss(tmp_path):
+    """The host tier checks each block on the bytes just copied into the device block
+    (copies.py, ``load_host``): a good load is byte-exact, a slot with one byte flipped
+    fails the check, is dropped, and it and the rest of its run are reported bad."""
+    store = TierStore(TierConfig(host_bytes=8 * 256, engine_id="u"))
+    kv = torch.arange(8 * 64, dtype=torch.float32).reshape(8, 1, 2, 4, 2, 4)
+    store.open(kv, (0, 1, 2, 3, 4, 5))  # 256-byte blocks
+    try:
+        want = kv.reshape(8, -1).clone()
+        store.submit_stores([StoreJob(i, bytes([i])) for i in range(3)])
+        assert store.flush(10)
+        entries = [store.host.index[bytes([i])] for i in range(3)]
+        for i, entry in enumerate(entries):
+            assert checksum(store.host.data[entry.slot].numpy()) == entry.checksum
+            assert torch.equal(store.host.data[entry.slot], want[i].view(torch.uint8))
+        kv.zero_()
+        keys = [bytes([i]) for i in range(3)]
+        store.pin(keys)
+        store.submit_load(LoadJob("good", keys, [5, 6, 7], 1e18))
+        assert store.flush(10) and store.poll() == [("good", [])]
+        assert torch.equal(kv.reshape(8, -1)[5:8], want[:3])
+        store.host.data[entries[1].slot][17] ^= 1
+        store.pin(keys)
+        store.submit_load(LoadJob("bad", keys, [5, 6, 7], 1e18))
+        assert store.flush(10) and store.poll() == [("bad", [6, 7])]
+        assert keys[1] not in store.host and keys[0] in store.host and keys[2] in store.host
+        stats = store.stats()
+        assert stats["load_failures"] == 1 and stats["host_hits"] == 4
+        assert stats["host_loaded_bytes"] == 4 * 256
+        store.check_integrity()
+    finally:
+        store.close()
+
+
+def test_a_format_1_directory_is_another_configuration(tmp_path):
+    """Format 2 moved the block to the file's second page: a directory written by
+    format 1 (its fingerprint says so) is a start-up error naming the flag (or, with
+    --kv-offloading-disk-optional, host-only service: tests/workers/test_kv_tiers.py),
+    and a block file of the old layout is dropped at re-index (its size differs)."""
+    old = dict(_fp(), format=1)
+    root = tmp_path / "e0"
+    (root / "blocks" / "6b").mkdir(parents=True)
+    (root / "fingerprint.json").write_text(json.dumps(old, sort_keys=True))
+    with pytest.raises(ValueError, match=r"--kv-offloading-disk-dir.*differs in format: \[1\]"):
+        DiskTier(str(tmp_path), "e0", 1 << 20, BB, _fp(), lambda k: False)
+    (root / "fingerprint.json").unlink()
+    old_file = root / "blocks" / "6b" / (b"k1".hex() + ".kvb")
+    old_file.write_bytes(bytes(24 + 2 + BB))  # format 1: header, key, block
+    disk = DiskTier(str(tmp_path), "e0", 1 << 20, BB, _fp(), lambda k: False)
+    assert disk.num_reindexed == 0 and not old_file.exists()
+    disk.check_integrity()
+
+
+def test_a_load_announces_the_next_queued_loads_disk_files(tmp_path):
+    """Read-ahead (copies.py, ``locate``): a load announces its own disk files and those
+    of the load queued behind it; the next load then skips what was announced for it."""
+    store = TierStore(
+        TierConfig(disk_dir=str(tmp_path), disk_bytes=1 << 20, engine_id="u", disk_readers=1)
+    )
+    kv = torch.arange(8 * 64, dtype=torch.float32).reshape(8, 1, 2, 4, 2, 4)
+    store.open(kv, (0, 1, 2, 3, 4, 5))  # 256-byte blocks
+    try:
+        want = kv.reshape(8, -1).clone()
+        keys = [bytes([i]) * 4 for i in range(4)]
+        store.submit_stores([StoreJob(i, k) for i, k in enumerate(keys)])
+        assert store.flush(10)
+        announced: list[list[bytes]] = []
+        store.disk.prefetch = announced.append
+        first = LoadJob("a", keys[:2], [4, 5], 1e18)
+        second = LoadJob("b", keys[2:], [6, 7], 1e18)
+        store.next_load = lambda: second  # queued behind the first
+        kv.zero_()
+        assert store.copier.load_blocks(first) == []
+        store.next_load = lambda: None
+        assert store.copier.load_blocks(second) == []
+        assert announced == [keys[:2] + keys[2:]]  # the second load's were announced
+        assert torch.equal(kv.reshape(8, -1)[4:8], want[:4])
         store.check_integrity()
     finally:
         store.close()

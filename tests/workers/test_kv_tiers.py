@@ -6,16 +6,19 @@ loads. Every scenario ends with ``check_integrity()`` of the engine and every ti
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
 
+from tandem.kvtransfer.tiers.disk import header_bytes
 from tandem.wire.engine_protocol import EngineRequest, SamplingParams
 from tandem.workers.config import EngineConfig
 from tandem.workers.engine.llm import LLM
 
 SP = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 GIB = 1 << 30
+FILE_HEADER = header_bytes(32)  # a block file's header page (sha256 keys)
 
 
 def prompts_with_shared_prefixes(n: int = 6, length: int = 70, vocab: int = 200) -> list[list[int]]:
@@ -57,7 +60,7 @@ def tiered(model: str, tmp_path, host_blocks: int, disk_blocks: int = 0, **kw) -
     if disk_blocks:
         extra = dict(
             kv_offloading_disk_dir=str(tmp_path / "kv"),
-            kv_offloading_disk_size=(disk_blocks * (bb + 64)) / GIB,
+            kv_offloading_disk_size=(disk_blocks * (bb + FILE_HEADER)) / GIB,
         )
     cfg = dict(model=model, dtype="float32", **kw, **extra)
     if host_blocks:
@@ -275,7 +278,7 @@ def test_tier_export_needs_a_nixl_connector(tmp_path):
             llm.engine.kv_tier_export([b"x" * 32])
 
 
-@pytest.mark.parametrize("bad", ["unwritable", "another configuration"])
+@pytest.mark.parametrize("bad", ["unwritable", "another configuration", "format 1"])
 def test_optional_disk_tier_warns_and_serves_host_only(bad, tmp_path, caplog):
     """``--kv-offloading-disk-optional``: an unusable disk directory is a warning, a
     ``disk_unusable`` failure, and service from the host tier alone."""
@@ -285,6 +288,11 @@ def test_optional_disk_tier_warns_and_serves_host_only(bad, tmp_path, caplog):
     if bad == "unwritable":
         (tmp_path / "a-file").write_text("x")
         root = tmp_path / "a-file" / "kv"
+    elif bad == "format 1":  # an older Tandem's directory: block files of format 1
+        with tiered("tiny", tmp_path, host_blocks=0, disk_blocks=8):
+            pass
+        fp = root / "engine-0" / "fingerprint.json"
+        fp.write_text(json.dumps(dict(json.loads(fp.read_text()), format=1), sort_keys=True))
     else:  # a disk tier of block size 32 was here
         with tiered("tiny", tmp_path, host_blocks=0, disk_blocks=8, block_size=32):
             pass
@@ -302,6 +310,8 @@ def test_optional_disk_tier_warns_and_serves_host_only(bad, tmp_path, caplog):
         )
     with llm:
         assert "--kv-offloading-disk-dir" in caplog.text and "host KV tier only" in caplog.text
+        if bad == "format 1":
+            assert "differs in format" in caplog.text
         store = tiers(llm)
         assert store.disk is None and store.host is not None
         got = llm.generate(prompt_token_ids=prompts, sampling_params=SP)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 
+from tandem.kvtransfer.tiers.disk import header_bytes
 from tandem.wire.engine_protocol import EngineRequest, SamplingParams
 from tandem.workers.config import EngineConfig
 from tandem.workers.engine.llm import LLM
@@ -21,6 +22,7 @@ pytestmark = pytest.mark.slow
 
 SP = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 GIB = 1 << 30
+FILE_HEADER = header_bytes(32)  # a block file's header page (sha256 keys)
 BLOCK = 8
 
 
@@ -56,7 +58,7 @@ def engine(path: str, tp: int, host_blocks: int = 0, disk_blocks: int = 0, disk_
         cfg["kv_offloading_size"] = host_blocks * bb / GIB
     if disk_blocks:
         cfg["kv_offloading_disk_dir"] = str(disk_dir)
-        cfg["kv_offloading_disk_size"] = disk_blocks * (bb + 64) / GIB
+        cfg["kv_offloading_disk_size"] = disk_blocks * (bb + FILE_HEADER) / GIB
     return LLM(EngineConfig.from_flat(**cfg))
 
 
