@@ -7,7 +7,7 @@
 smollm2 (SmolLM2-135M-Instruct from the built-in GGUF, fp32, CPU), greedy, EOS ignored,
 ``--output-len`` tokens per request. Two workloads, chat-templated:
 
-    copy   a function of this repository (150-420 tokens) to repeat with a comment added:
+    copy   a function of this repository (130-420 tokens) to repeat with a comment added:
            most of the answer is in the prompt
     chat   open questions: nothing to copy
 

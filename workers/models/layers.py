@@ -73,10 +73,10 @@ def lm_head_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
     On CPU in float32, ``F.linear`` with 2 to ``SMALL_LOGITS_ROWS`` rows (a speculative
     verification at batch 1: the last token and its drafts) runs MKL's general matmul,
-    which repacks the whole weight (113 MiB for smollm2's 49k vocabulary) on every call:
-    2 rows cost 2.5-3x one row, which is a matrix-vector product. ``weight @ hidden.T``
-    streams the weight once, as the one-row product does: 2-5 rows then cost about what
-    one row does (one torch thread, this repository's CPU box; issue #26 in
+    which does not stream the weight (113 MiB for smollm2's 49k vocabulary) the way the
+    one-row matrix-vector product does (it packs it, as far as we can tell): 2 rows cost
+    2.2-2.7x one row. ``weight @ hidden.T`` takes another kernel, which streams it: 2-5
+    rows then cost about what one row does (one torch thread, this repository's CPU box; issue #26 in
     docs/benchmarks.md). One row and larger batches keep ``F.linear``. The values are
     the same matmul's up to float32 rounding order (greedy outputs are unchanged).
     """
