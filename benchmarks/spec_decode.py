@@ -115,8 +115,7 @@ def copy_prompts(n: int) -> list[str]:
             if 300 <= len(code) <= 1200:
                 functions.append(code.rstrip("\n"))
     return [
-        f"{COPY_INSTRUCTION}\n\n```python\n{functions[i % len(functions)]}\n```"
-        for i in range(n)
+        f"{COPY_INSTRUCTION}\n\n```python\n{functions[i % len(functions)]}\n```" for i in range(n)
     ]
 
 
