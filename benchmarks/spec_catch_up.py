@@ -5,7 +5,7 @@ by the token budget (issue #26). ``benchmarks/spec_decode.py --catch-up`` runs i
         .venv/bin/python benchmarks/spec_decode.py --catch-up --budget 256
 
 One smollm2 engine (fp32, CPU) with smollm2 as its own draft model (K = 2). The P/D shape
-without a second process: the eight copy-workload prompts (about 310 tokens each) are
+without a second process: the eight copy-workload prompts (about 260 tokens each) are
 prefilled once with ``max_tokens`` 1, so that when they arrive again together the target
 finds their KV (prefix hits, as a decode engine finds a prefill engine's) and the draft
 finds none, as after a handoff. Two chat requests are already decoding (with drafts)

@@ -7,7 +7,7 @@
 smollm2 (SmolLM2-135M-Instruct from the built-in GGUF, fp32, CPU), greedy, EOS ignored,
 ``--output-len`` tokens per request. Two workloads, chat-templated:
 
-    copy   a source file of this repository (about 300 tokens) to repeat with one change:
+    copy   a function of this repository (130-420 tokens) to repeat with a comment added:
            most of the answer is in the prompt
     chat   open questions: nothing to copy
 
@@ -45,10 +45,12 @@ pool every repeat; accept/pos is the last repeat's.
 from __future__ import annotations
 
 import argparse
+import ast
 import glob
 import os
 import statistics
 import sys
+import textwrap
 import time
 from collections.abc import Callable
 
@@ -80,18 +82,40 @@ QUESTIONS = [
 ]
 
 
+COPY_INSTRUCTION = (
+    "Add a short comment above the `def` line of this Python function. Reply with the "
+    "complete function, otherwise unchanged:"
+)
+
+
 def copy_prompts(n: int) -> list[str]:
-    """Functions of this repository's scheduler, each to be repeated with one rename."""
-    snippets = []
+    """The copy workload: whole functions of this repository's ``scheduler/*.py`` (those of
+    300-1200 characters, dedented, in file order: 74 of them today, the first
+    ``admission.validate_request``), each given with ``COPY_INSTRUCTION``::
+
+        Add a short comment above the `def` line of this Python function. Reply with the
+        complete function, otherwise unchanged:
+
+        ```python
+        def validate_request(sched: Scheduler, request: Request) -> None:
+            ...
+        ```
+
+    An edit whose answer is the prompt's code plus one line. Whole functions, not fixed
+    slices, so the model sees code that ends where a function ends. The requests of a
+    batch take the functions in order (batch 1: the first one only)."""
+    functions = []
     for path in sorted(glob.glob(os.path.join(ROOT, "scheduler", "*.py"))):
-        text = open(path).read()
-        for start in (i + 1 for i, _ in enumerate(text) if text.startswith("\ndef ", i)):
-            snippets.append(text[start : start + 900])
+        source = open(path).read()
+        lines = source.splitlines(keepends=True)
+        nodes = [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.FunctionDef)]
+        for node in sorted(nodes, key=lambda n: n.lineno):
+            first = node.decorator_list[0].lineno if node.decorator_list else node.lineno
+            code = textwrap.dedent("".join(lines[first - 1 : node.end_lineno]))
+            if 300 <= len(code) <= 1200:
+                functions.append(code.rstrip("\n"))
     return [
-        "Rewrite this Python code, renaming the variable `req` to `request`:\n\n```python\n"
-        + snippets[i % len(snippets)]
-        + "\n```"
-        for i in range(n)
+        f"{COPY_INSTRUCTION}\n\n```python\n{functions[i % len(functions)]}\n```" for i in range(n)
     ]
 
 

@@ -1,5 +1,6 @@
 """CPU fast paths of the model runner: dense decode rows vs the paged reference kernels,
-the chunked argmax vs torch.argmax, and the engine with dense rows under a tight budget."""
+the chunked argmax vs torch.argmax, the LM head's few-row matmul vs F.linear, and the
+engine with dense rows under a tight budget."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from tandem.kernels import AttentionMetadata
 from tandem.wire.engine_protocol import SamplingParams
 from tandem.workers.config import EngineConfig
 from tandem.workers.engine.llm import LLM
+from tandem.workers.models.layers import SMALL_LOGITS_ROWS, lm_head_logits
 from tandem.workers.runner import model_runner
 from tandem.workers.runner.attention import SplitAttention, attention
 from tandem.workers.runner.dense_decode import DenseDecodeKV
@@ -34,6 +36,25 @@ def test_argmax_rows_equals_argmax_lowest_id_on_ties(vocab_size):
     logits[3] = 1.0  # all equal: id 0
     for rows in (logits, logits[1:4], logits[:, : vocab_size - 1]):
         assert torch.equal(argmax_rows(rows), rows.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, SMALL_LOGITS_ROWS, SMALL_LOGITS_ROWS + 1, 33])
+def test_lm_head_logits_equal_linear(rows):
+    """The few-row path (W @ x.T, a verification at batch 1) gives F.linear's logits up to
+    float32 rounding, contiguous, with the same argmax; other dtypes and layouts take
+    F.linear itself."""
+    g = torch.Generator().manual_seed(rows)
+    weight = torch.randn(4099, 64, generator=g)
+    hidden = torch.randn(rows, 64, generator=g)
+    ref = torch.nn.functional.linear(hidden, weight)
+    got = lm_head_logits(hidden, weight)
+    assert got.shape == ref.shape and got.is_contiguous()
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-4)
+    assert torch.equal(argmax_rows(got), argmax_rows(ref))
+    h16, w16 = hidden.bfloat16(), weight.bfloat16()
+    assert torch.equal(lm_head_logits(h16, w16), torch.nn.functional.linear(h16, w16))
+    wt = weight.t().contiguous().t()  # not contiguous: F.linear
+    assert torch.equal(lm_head_logits(hidden, wt), torch.nn.functional.linear(hidden, wt))
 
 
 class _Sequences:

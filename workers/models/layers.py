@@ -64,6 +64,34 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+# rows of a CPU fp32 LM-head matmul computed as ``W @ x.T`` (see ``lm_head_logits``)
+SMALL_LOGITS_ROWS = 8
+
+
+def lm_head_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``hidden @ weight.T`` for the LM head: ``[N, hidden] x [vocab, hidden] -> [N, vocab]``.
+
+    On CPU in float32, ``F.linear`` with 2 to ``SMALL_LOGITS_ROWS`` rows (a speculative
+    verification at batch 1: the last token and its drafts) runs MKL's general matmul,
+    which does not stream the weight (113 MiB for smollm2's 49k vocabulary) the way the
+    one-row matrix-vector product does (it packs it, as far as we can tell): 2 rows cost
+    2.2-2.7x one row. ``weight @ hidden.T`` takes another kernel, which streams it: 2-5
+    rows then cost about what one row does (one torch thread, this repository's CPU box; issue #26 in
+    docs/benchmarks.md). One row and larger batches keep ``F.linear``. The values are
+    the same matmul's up to float32 rounding order (greedy outputs are unchanged).
+    """
+    rows = hidden.shape[0]
+    if (
+        2 <= rows <= SMALL_LOGITS_ROWS
+        and hidden.device.type == "cpu"
+        and hidden.dtype == torch.float32
+        and weight.dtype == torch.float32
+        and weight.is_contiguous()
+    ):
+        return torch.mm(weight, hidden.t()).t().contiguous()
+    return F.linear(hidden, weight)
+
+
 class Embedding(nn.Module):
     """Token embedding table ``[vocab, hidden]``."""
 

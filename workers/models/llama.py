@@ -38,11 +38,10 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tandem.workers.compile.attention_op import attend, rope_write_kv
-from tandem.workers.models.layers import Embedding, Linear, RMSNorm, SiluMLP
+from tandem.workers.models.layers import Embedding, Linear, RMSNorm, SiluMLP, lm_head_logits
 from tandem.workers.models.rope import RotaryEmbedding
 from tandem.workers.runner.attention import StepMetadata
 
@@ -270,7 +269,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden] -> [N, vocab]`` float32 logits (matmul in the model dtype)."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(hidden, weight)
+        logits = lm_head_logits(hidden, weight)
         if self.logits_gather is not None:
             logits = self.logits_gather(logits)
         return logits.float()
