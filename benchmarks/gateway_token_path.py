@@ -75,10 +75,15 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=6)
     parser.add_argument("--profile", action="store_true", help="cProfile one run, top 25")
     args = parser.parse_args()
+    from tandem.cluster.gateway.torch_free import bar_torch
+
+    bar_torch()  # the gateway's process as ``tandem serve`` sets it up: no torch, heap frozen
     from tandem.cluster.gateway.app import create_app
+    from tandem.cluster.gateway.heap import freeze_startup_heap
     from tandem.cluster.gateway.null_backend import NullBackend
 
     app = create_app(NullBackend.tiny())
+    freeze_startup_heap()
     body = json.dumps(
         {"model": "tiny", "prompt": list(range(5, 37)), "max_tokens": NUM_TOKENS,
          "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}

@@ -134,8 +134,12 @@ def serve(
         app = bare_app(outputs_per_turn=outputs_per_turn)
     elif kind == "sink":
         app = sink_app()
-    else:
+    else:  # the gateway's process as ``tandem serve`` sets it up: no torch, heap frozen
+        from tandem.cluster.gateway.torch_free import bar_torch
+
+        bar_torch()
         from tandem.cluster.gateway.app import create_app
+        from tandem.cluster.gateway.heap import freeze_startup_heap
         from tandem.cluster.gateway.null_backend import NullBackend
         from tandem.cluster.observability.logging_setup import make_handler
         from tandem.cluster.observability.tracing.settings import ObservabilityConfig, make_tracer
@@ -146,6 +150,7 @@ def serve(
         tracer = make_tracer(ObservabilityConfig(otlp_traces_endpoint=otlp_endpoint))
         kwargs = {"outputs_per_turn": outputs_per_turn} if outputs_per_turn > 1 else {}
         app = create_app(NullBackend.tiny(**kwargs), tracer=tracer)
+        freeze_startup_heap()
     if ready_file is None:
         uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
         return

@@ -83,11 +83,12 @@ class NullBackend(Backend):
 
     @classmethod
     def tiny(cls, **kwargs: Any) -> NullBackend:
-        """A NullBackend with the built-in tiny model's tokenizer."""
-        from tandem.workers.checkpoints.tiny import ensure_tiny_model
+        """A NullBackend with the built-in tiny model's tokenizer (in a process that
+        barred torch, as ``tandem serve``'s does, the checkpoint is found in a child)."""
+        from tandem.workers.checkpoints.model_dir import resolve_model_dir
         from tandem.workers.text.tokenizer import load_tokenizer
 
-        return cls(load_tokenizer(ensure_tiny_model()), **kwargs)
+        return cls(load_tokenizer(resolve_model_dir("tiny")), **kwargs)
 
     def set_ready(self, ready: bool, reason: str = "") -> None:
         self._ready, self._not_ready_reason = ready, reason
