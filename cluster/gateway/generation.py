@@ -262,11 +262,7 @@ class Gateway:
         path = "local"  # "remote" once the first token came from a prefill engine
         itl = None  # the path's inter-token histogram, once the path is known
         perf_counter, make_step = time.perf_counter, output_step  # per token: locals
-        # One choice, no stop strings, echo or prompt logprobs: an output with tokens and
-        # nothing else (``output_step``'s common token) is its text, made right here.
-        plain = request.n == 1 and job.echo_text is None and not job.want_prompt_logprobs
-        plain = plain and not job.stop
-        update = detokenizers[0].update
+        plain, update = job.plain, detokenizers[0].update  # the common token's short path
         try:
             async for output in outputs:
                 now_s = perf_counter()
@@ -281,9 +277,8 @@ class Gateway:
                 ):
                     itl.observe(now_s - last_token_s)
                     last_token_s = now_s
-                    token_ids = output.new_token_ids
-                    job.num_output_tokens += len(token_ids)
-                    yield Step(update(token_ids))
+                    job.num_output_tokens += len(output.new_token_ids)
+                    yield Step(update(output.new_token_ids))
                     continue
                 if output.timings is not None:
                     record.add_timings(output.timings, now_s)
