@@ -7,6 +7,12 @@ write). What is left is our per-token Python (``Gateway.run``, ``_step``,
 the detokenizer, the SSE delta, the metrics) plus the null backend and the
 event loop. ``benchmarks/serve_gateway.py`` measures the whole server.
 
+The process is set up as ``tandem serve``'s gateway (torch barred, startup heap
+frozen, one INFO line per finished request, written to /dev/null). The same
+harness also drives ``serve_gateway.py``'s bare ASGI app (pre-encoded chunks, one
+loop turn per token), runs alternating: "gateway - bare" is what our code adds
+per token over an endpoint that does nothing but stream, HTTP and socket aside.
+
 Run: python benchmarks/gateway_token_path.py [--repeats 6] [--profile]
 """
 
@@ -75,15 +81,29 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=6)
     parser.add_argument("--profile", action="store_true", help="cProfile one run, top 25")
     args = parser.parse_args()
-    from tandem.cluster.gateway.app import create_app
-    from tandem.cluster.gateway.null_backend import NullBackend
+    from tandem.cluster.gateway.torch_free import bar_torch
 
+    bar_torch()  # the gateway's process as ``tandem serve`` sets it up: no torch, heap frozen
+    import logging
+
+    from benchmarks.serve_gateway import bare_app
+    from tandem.cluster.gateway.app import create_app
+    from tandem.cluster.gateway.heap import freeze_startup_heap
+    from tandem.cluster.gateway.null_backend import NullBackend
+    from tandem.cluster.observability.logging_setup import make_handler
+
+    root = logging.getLogger()  # as `tandem serve`: INFO, one line per request
+    root.addHandler(make_handler("text", open(os.devnull, "w")))  # noqa: SIM115
+    root.setLevel(logging.INFO)
     app = create_app(NullBackend.tiny())
+    freeze_startup_heap()
+    bare = bare_app()
     body = json.dumps(
         {"model": "tiny", "prompt": list(range(5, 37)), "max_tokens": NUM_TOKENS,
          "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
     ).encode()  # fmt: skip
     run_once(app, body, 1)  # warm-up: caches, imports
+    run_once(bare, body, 1)
     if args.profile:
         import cProfile
         import pstats
@@ -92,16 +112,25 @@ def main() -> int:
             run_once(app, body, ROUNDS)
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
         return 0
-    runs = [run_once(app, body, ROUNDS) for _ in range(args.repeats)]
-    print("gateway_token_path: the gateway's own CPU per token (ASGI in-process, no HTTP)")
-    print(f"machine: {machine()}")
+    runs: dict[str, list[float]] = {"bare": [], "gateway": []}
+    for _ in range(args.repeats):
+        runs["bare"].append(run_once(bare, body, ROUNDS))
+        runs["gateway"].append(run_once(app, body, ROUNDS))
+    print("gateway_token_path: CPU per token in-process (ASGI, no HTTP, no socket)")
+    print(f"machine: {machine()}, load average {os.getloadavg()[0]:.1f}")
     print(
         f"workload: {NUM_STREAMS} streams x {NUM_TOKENS} tokens x {ROUNDS} rounds, "
-        f"null backend, {args.repeats} runs"
+        f"null backend, {args.repeats} alternating runs"
     )
-    print("| median CPU us/token | min | max |")
-    print("|---:|---:|---:|")
-    print(f"| {statistics.median(runs):.2f} | {min(runs):.2f} | {max(runs):.2f} |")
+    print("| app | median CPU us/token | min | max |")
+    print("|---|---:|---:|---:|")
+    for name, values in runs.items():
+        print(
+            f"| {name} | {statistics.median(values):.2f} | {min(values):.2f} | {max(values):.2f} |"
+        )
+    extra = statistics.median(runs["gateway"]) - statistics.median(runs["bare"])
+    extra_min = min(runs["gateway"]) - min(runs["bare"])
+    print(f"| gateway - bare | {extra:.2f} | {extra_min:.2f} | |")
     return 0
 
 

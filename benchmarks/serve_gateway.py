@@ -15,7 +15,13 @@ GIL. Also reported: the server's CPU time per output token (from
 
 ``--api-server-count 1 2 4``: each server runs as N processes on one port
 (SO_REUSEPORT, as ``tandem serve --api-server-count N``), bare and gateway
-alike; CPU per token is summed over the N processes.
+alike; CPU per token is summed over the N processes. The client's own CPU per
+token (this process, during the gateway's runs) is printed beside it: on a
+box with few cores it shares them with the servers.
+
+The gateway processes are set up as ``tandem serve`` sets up its own: torch
+barred (``cluster/gateway/torch_free.py``) and the startup heap frozen
+(``cluster/gateway/heap.py``).
 
 ``--outputs-per-turn K``: the null backend hands each stream K outputs per
 event-loop turn, as engines do to a gateway that runs K steps behind them
@@ -134,8 +140,12 @@ def serve(
         app = bare_app(outputs_per_turn=outputs_per_turn)
     elif kind == "sink":
         app = sink_app()
-    else:
+    else:  # the gateway's process as ``tandem serve`` sets it up: no torch, heap frozen
+        from tandem.cluster.gateway.torch_free import bar_torch
+
+        bar_torch()
         from tandem.cluster.gateway.app import create_app
+        from tandem.cluster.gateway.heap import freeze_startup_heap
         from tandem.cluster.gateway.null_backend import NullBackend
         from tandem.cluster.observability.logging_setup import make_handler
         from tandem.cluster.observability.tracing.settings import ObservabilityConfig, make_tracer
@@ -146,6 +156,7 @@ def serve(
         tracer = make_tracer(ObservabilityConfig(otlp_traces_endpoint=otlp_endpoint))
         kwargs = {"outputs_per_turn": outputs_per_turn} if outputs_per_turn > 1 else {}
         app = create_app(NullBackend.tiny(**kwargs), tracer=tracer)
+        freeze_startup_heap()
     if ready_file is None:
         uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
         return
@@ -261,13 +272,16 @@ def measure(
     pids = pid if isinstance(pid, list) else [pid]
     asyncio.run(run_benchmark(warmup))
     cpu_before_s = sum(cpu_seconds(p) for p in pids)
+    client_before_s = time.process_time()
     summary = asyncio.run(run_benchmark(config))
+    client_s = time.process_time() - client_before_s  # the client: this process
     cpu_s = sum(cpu_seconds(p) for p in pids) - cpu_before_s
     if summary["num_failed"]:
         raise RuntimeError(f"{summary['num_failed']} requests failed: {summary['errors']}")
     return {
         "tok_s": summary["output_token_throughput"],
         "cpu_us_per_tok": cpu_s / summary["total_output_tokens"] * 1e6,
+        "client_cpu_us_per_tok": client_s / summary["total_output_tokens"] * 1e6,
         "ttft_p50_ms": summary["ttft_ms"]["p50"],
     }
 
@@ -399,7 +413,7 @@ def main_counts(args: argparse.Namespace) -> int:
     print(f"server stack: {server_stack()}")
     header = (
         "| gateways | streams | bare tok/s | gateway tok/s | ratio | gateway vs 1 gateway "
-        "| bare CPU us/tok | gateway CPU us/tok |"
+        "| bare CPU us/tok | gateway CPU us/tok | client CPU us/tok |"
     )
     print(header)
     print("|" + "|".join("-" * len(c) for c in header.split("|")[1:-1]) + "|")
@@ -411,7 +425,8 @@ def main_counts(args: argparse.Namespace) -> int:
             print(
                 f"| {count:>8} | {concurrency:>7} | {bare['tok_s']:>10.0f} | {gw['tok_s']:>13.0f} "
                 f"| {gw['tok_s'] / bare['tok_s']:>5.2f} | {gw['tok_s'] / one['tok_s']:>20.2f} "
-                f"| {bare['cpu_us_per_tok']:>15.1f} | {gw['cpu_us_per_tok']:>18.1f} |"
+                f"| {bare['cpu_us_per_tok']:>15.1f} | {gw['cpu_us_per_tok']:>18.1f} "
+                f"| {gw['client_cpu_us_per_tok']:>17.1f} |"
             )
     return 0
 

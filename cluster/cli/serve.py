@@ -176,6 +176,7 @@ async def _serve(config: ServeConfig) -> None:
 
     from tandem.cluster.cli.gateways import gateway_index, reuse_port_socket
     from tandem.cluster.gateway.app import create_app
+    from tandem.cluster.gateway.heap import freeze_startup_heap
     from tandem.cluster.observability.gateway_peers import SHARE_DIR_ENV
     from tandem.cluster.observability.tracing.settings import make_tracer
 
@@ -196,6 +197,7 @@ async def _serve(config: ServeConfig) -> None:
             share_dir=os.environ.get(SHARE_DIR_ENV) if index is not None else None,
         )
         host, port = config.server.host, config.server.port
+        freeze_startup_heap()  # the collector then walks only what serving allocates
         server = uvicorn.Server(
             uvicorn.Config(
                 app, host=host, port=port, log_level="warning", access_log=False, lifespan="off"

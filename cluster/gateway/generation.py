@@ -262,9 +262,24 @@ class Gateway:
         path = "local"  # "remote" once the first token came from a prefill engine
         itl = None  # the path's inter-token histogram, once the path is known
         perf_counter, make_step = time.perf_counter, output_step  # per token: locals
+        plain, update = job.plain, detokenizers[0].update  # the common token's short path
         try:
             async for output in outputs:
                 now_s = perf_counter()
+                if (
+                    plain
+                    and last_token_s
+                    and output.finish_reason is None
+                    and output.timings is None
+                    and output.new_logprobs is None
+                    and output.prompt_logprobs is None
+                    and output.new_token_ids
+                ):
+                    itl.observe(now_s - last_token_s)
+                    last_token_s = now_s
+                    job.num_output_tokens += len(output.new_token_ids)
+                    yield Step(update(output.new_token_ids))
+                    continue
                 if output.timings is not None:
                     record.add_timings(output.timings, now_s)
                 if output.new_token_ids:

@@ -50,6 +50,18 @@ class Job:
     def num_prompt_tokens(self) -> int:
         return len(self.engine_request.prompt_token_ids)
 
+    @property
+    def plain(self) -> bool:
+        """One choice, no stop strings, echo or prompt logprobs: then an output with tokens
+        and nothing else (no finish, timings or logprobs) adds its text alone, and
+        ``Gateway.run`` makes its step without ``output_step``."""
+        return (
+            self.engine_request.n == 1
+            and not self.stop
+            and self.echo_text is None
+            and not self.want_prompt_logprobs
+        )
+
 
 @dataclasses.dataclass(slots=True)
 class Step:

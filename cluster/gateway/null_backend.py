@@ -83,11 +83,12 @@ class NullBackend(Backend):
 
     @classmethod
     def tiny(cls, **kwargs: Any) -> NullBackend:
-        """A NullBackend with the built-in tiny model's tokenizer."""
-        from tandem.workers.checkpoints.tiny import ensure_tiny_model
+        """A NullBackend with the built-in tiny model's tokenizer (in a process that
+        barred torch, as ``tandem serve``'s does, the checkpoint is found in a child)."""
+        from tandem.workers.checkpoints.model_dir import resolve_model_dir
         from tandem.workers.text.tokenizer import load_tokenizer
 
-        return cls(load_tokenizer(ensure_tiny_model()), **kwargs)
+        return cls(load_tokenizer(resolve_model_dir("tiny")), **kwargs)
 
     def set_ready(self, ready: bool, reason: str = "") -> None:
         self._ready, self._not_ready_reason = ready, reason
@@ -125,8 +126,31 @@ class NullBackend(Backend):
         num_ready, per_turn = self._num_ready, self.outputs_per_turn
         together = per_turn > 1 or request.n > 1  # else none is ever ready behind another
         num_left = per_turn  # outputs of this loop turn, this one included
+        # One token per output, one choice, no logprobs, one output per turn: then every
+        # output but the last is a bare token id, made without the general path below
+        # (this backend runs in the gateway's process, so its CPU counts as the gateway's).
+        simple = (
+            not together
+            and self.num_tokens_per_output == 1
+            and params.logprobs is None
+            and params.prompt_logprobs is None
+        )
+        ncycle, min_tokens, interval_s = len(cycle), params.min_tokens, self.output_interval_s
+        aborting, sleep = self._aborting, asyncio.sleep
         try:
             while True:
+                if simple and self.fail_after_num_tokens is None and request_id not in aborting:
+                    token_id = cycle[num_done % ncycle]
+                    if num_done + 1 < budget and (
+                        token_id not in stop_ids or num_done + 1 < min_tokens
+                    ):
+                        num_done += 1
+                        self._num_generation_tokens += 1
+                        if first_token_s < 0:
+                            first_token_s = time.perf_counter() - received_s
+                        yield EngineOutput(request_id, [token_id])
+                        await sleep(interval_s)
+                        continue
                 if request_id in self._aborting:
                     for index in range(request.n):
                         yield EngineOutput(

@@ -144,3 +144,18 @@ def test_outputs_ready_together_are_one_write():
     assert len(single) == 11
     assert b"".join(batched).count(b"data: ") == b"".join(single).count(b"data: ") == 12
     assert batched[-1].endswith(b"data: [DONE]\n\n")
+
+
+@pytest.mark.parametrize("path", ["completions", "chat/completions"])
+def test_the_common_token_short_path_streams_what_the_general_path_does(urls, http, path):
+    """``Gateway.run`` makes a plain request's common token without ``output_step``; a stop
+    string the text never contains sends every token through ``output_step`` instead: the
+    events are the same, chunk for chunk."""
+    body = {"model": "tiny", "max_tokens": 12, "stream": True, "ignore_eos": True}
+    body |= {"messages": MESSAGES} if path.startswith("chat") else {"prompt": "hi"}
+    body["stream_options"] = {"include_usage": True}
+    short = sse_events(http, urls[1], path, body)
+    general = sse_events(http, urls[1], path, {**body, "stop": ["#"]})
+    assert "#" not in "".join(json.dumps(event) for event in short)
+    assert general == short
+    assert short[-1]["usage"]["completion_tokens"] == 12

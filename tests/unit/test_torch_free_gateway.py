@@ -112,3 +112,29 @@ def test_structured_output_validation_is_torch_free():
         "                  'llguidance': 'llguidance' in sys.modules}))\n"
     )
     assert out == {"bad": "guided_regex", "torch": None, "llguidance": True}
+
+
+def test_the_null_backend_gateway_starts_torch_free_and_freezes_its_heap():
+    """``benchmarks/serve_gateway.py``'s gateway process, set up as ``tandem serve``'s: the
+    null backend finds ``tiny`` in a child, and after ``freeze_startup_heap`` the collector
+    walks only what was allocated since (``cluster/gateway/heap.py``); the app still streams."""
+    out = run_barred(
+        "import asyncio, gc\n"
+        "from tandem.cluster.gateway.app import create_app\n"
+        "from tandem.cluster.gateway.heap import freeze_startup_heap\n"
+        "from tandem.cluster.gateway.null_backend import NullBackend\n"
+        "from tandem.wire.engine_protocol import EngineRequest, SamplingParams\n"
+        "backend = NullBackend.tiny()\n"
+        "app = create_app(backend)\n"
+        "frozen = freeze_startup_heap()\n"
+        "tracked = len(gc.get_objects())\n"
+        "async def main():\n"
+        "    request = EngineRequest('r', [5, 6], SamplingParams(max_tokens=3, ignore_eos=True))\n"
+        "    return [o.new_token_ids async for o in backend.generate(request)]\n"
+        "outs = asyncio.run(main())\n"
+        "print(json.dumps({'frozen': frozen, 'tracked': tracked, 'outs': outs,\n"
+        "                  'torch': sys.modules['torch']}))\n"
+    )
+    assert out["torch"] is None
+    assert out["frozen"] > 10 * out["tracked"]  # the startup heap is out of the collector's walk
+    assert len(out["outs"]) == 3
