@@ -37,6 +37,9 @@ draft KV). It prints those fills' time against the median step of the draft rows
 
 The speculative rows switch the engine's scheduler between configurations
 (``Scheduler.spec``); that is what ``--speculative-config`` sets at start.
+Batch 1 serves ``--serial`` prompts (default 8) one at a time and sums their decoding time:
+one prompt is one model's answer to one file (``--serial 0``: the first prompt alone).
+
 ``--repeats`` runs the rows of a batch and workload that many times, interleaved (the
 machine's other load drifts), and keeps each row's median tok/s; the ITL percentiles
 pool every repeat; accept/pos is the last repeat's.
@@ -128,7 +131,31 @@ def encode(tokenizer, text: str) -> list[int]:
     return apply_chat_template(tokenizer, [{"role": "user", "content": text}])
 
 
-def run_row(engine, prompts, output_len, run) -> tuple[float, float, list[float], list[list[int]]]:
+def run_row(engine, prompts, output_len, run, serial: int = 0):
+    """``(tok/s, tok/cpu-s, gaps, tokens)`` of the prompts served together, or with
+    ``serial`` of them served one at a time (batch 1): every prompt alone, the rates over
+    their decoding time summed."""
+    if not serial:
+        return _run_batch(engine, prompts, output_len, run)
+    num = seconds = cpu_seconds = 0.0
+    gaps: list[float] = []
+    tokens: list[list[int]] = []
+    for i, prompt in enumerate(prompts[:serial]):
+        rate, cpu_rate, row_gaps, out = _run_batch(engine, [prompt], output_len, f"{run}.{i}")
+        decoded = sum(len(t) for t in out) - len(out)  # after each first token
+        num, seconds, cpu_seconds = (
+            num + decoded,
+            seconds + decoded / rate,
+            (cpu_seconds + decoded / cpu_rate),
+        )
+        gaps += row_gaps
+        tokens += out
+    return num / seconds, num / cpu_seconds, gaps, tokens
+
+
+def _run_batch(
+    engine, prompts, output_len, run
+) -> tuple[float, float, list[float], list[list[int]]]:
     sp = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     ids = [f"{run}-{i}" for i in range(len(prompts))]
     for rid, p in zip(ids, prompts):
@@ -168,6 +195,13 @@ def main() -> None:
     ap.add_argument("--ks", default="2,4,8")
     ap.add_argument("--draft-ks", default="2,4", help="draft-model rows ('' for none)")
     ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument(
+        "--serial",
+        type=int,
+        default=8,
+        help="batch 1 serves this many prompts, one at a time (0: the first prompt only, "
+        "as before session 10): one prompt is one model's answer to one file",
+    )
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--torch-threads", type=int, default=2)
     ap.add_argument(
@@ -264,7 +298,9 @@ def main() -> None:
     run_id = 0
     for workload in args.workloads.split(","):
         for batch in (int(b) for b in args.batches.split(",")):
-            texts = copy_prompts(batch) if workload == "copy" else chat_prompts(batch)
+            serial = args.serial if batch == 1 else 0
+            n = max(batch, serial)
+            texts = copy_prompts(n) if workload == "copy" else chat_prompts(n)
             prompts = [encode(tokenizer, t) for t in texts]
             engine.scheduler.spec = None
             run_row(engine, prompts[:1], 2, f"warm{run_id}")
@@ -282,7 +318,7 @@ def main() -> None:
                     before = _counts(spec)
                     drafting.reset()
                     rate, cpu_rate, row_gaps, tokens[name] = run_row(
-                        engine, prompts, args.output_len, f"r{run_id}"
+                        engine, prompts, args.output_len, f"r{run_id}", serial
                     )
                     rates[name].append(rate)
                     cpu_rates[name].append(cpu_rate)
