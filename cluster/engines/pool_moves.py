@@ -23,6 +23,7 @@ Where one fails, moves stay off and ``/cluster/state`` says why
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 MOVE_ROLES = ("prefill", "decode")
@@ -30,10 +31,12 @@ MOVE_ROLES = ("prefill", "decode")
 _PER_POOL_BY_SERVE = frozenset({"role", "kv_borrows_tiers", "kv_pool_moves"})
 
 
-def moves_blocker(pools: Any, engines: dict[str, Any], enabled: bool = True) -> str | None:
+def moves_blocker(pools: Any, engine_of: Callable[[str], Any], enabled: bool = True) -> str | None:
     """Why the pools' engines may not move (None: they may). ``pools``: the
-    serve configuration's ``PoolsConfig``; ``engines``: the prefill and decode
-    pools' ``EngineConfig`` before ``kv_pool_moves`` is set."""
+    serve configuration's ``PoolsConfig``; ``engine_of(role)``: the prefill or
+    decode pool's ``EngineConfig`` before ``kv_pool_moves`` is set, asked only
+    once both pools run (a colocated service's settings, e.g. tiers under
+    tensor parallelism, may not make a valid prefill engine)."""
     if not enabled:
         return "pool moves are off (--no-pool-moves)"
     sizes = pools.sizes()
@@ -50,7 +53,7 @@ def moves_blocker(pools: Any, engines: dict[str, Any], enabled: bool = True) -> 
             f"the pools ask Ray for different resources (prefill {res_p}, decode {res_d}: "
             "--prefill-ray-resources / --decode-ray-resources)"
         )
-    flat_p, flat_d = (engines[r].flat() for r in MOVE_ROLES)
+    flat_p, flat_d = (engine_of(r).flat() for r in MOVE_ROLES)
     for key in flat_p:
         if key in _PER_POOL_BY_SERVE or flat_p[key] == flat_d.get(key):
             continue

@@ -42,3 +42,15 @@ def test_a_colocated_pool_never_moves():
     config = serve_config(model="tiny", colocated=2)
     assert "colocated" in config.pool_moves_off()
     assert not config.pool_engine("colocated").kv_transfer.pool_moves
+
+
+def test_a_colocated_tp_pool_with_tiers_builds_no_prefill_engine():
+    """Tiers under tensor parallelism are refused beside a NIXL connector, which a
+    prefill engine has: a colocated service with them must not build one to decide
+    about moves (the service then failed to start)."""
+    config = serve_config(
+        model="tiny", colocated=1, kv_offloading_size=0.01, tensor_parallel_size=2
+    )
+    assert "colocated" in config.pool_moves_off()
+    engine = config.pool_engine("colocated")
+    assert engine.kv_transfer.connector is None and not engine.kv_transfer.pool_moves

@@ -183,8 +183,7 @@ class ServeConfig:
             return (
                 "this gateway adopted its engines (--attach): the one that started them moves them"
             )
-        engines = {r: self._pool_engine(r) for r in MOVE_ROLES}
-        return moves_blocker(self.pools, engines, self.pools.pool_moves)
+        return moves_blocker(self.pools, self._pool_engine, self.pools.pool_moves)
 
     def _pool_engine(self, role: str, cluster_secret: bytes | None = None) -> EngineConfig:
         num_gpus, _ = self.pools.placement(role)
