@@ -260,11 +260,18 @@ def test_gateways_over_one_fleet_one_dies_and_comes_back(tmp_path, monkeypatch):
         # SIGKILL gateway 1 with long streams in flight on every gateway
         long = Workload(fleet.url, "greedy", num_streams=12, max_tokens=LONG_TOKENS)
         long.wait_tokens(4)
+        killed_at = time.monotonic()
         os.kill(pids[1], signal.SIGKILL)
         assert not any(long.finish())
         broken = [r for r in long.results if not r.done]
         completed = [r for r in long.results if r.done]
-        assert broken and completed, long.results  # 12 connections over n gateways
+        # 12 connections over n gateways; if none broke, say when each stream's tokens
+        # came against the kill (streams that ended before it, or none on gateway 1)
+        assert broken and completed, [
+            (r.index, len(r.tokens), round(r.token_times_s[0] - killed_at, 3),
+             round(r.token_times_s[-1] - killed_at, 3), r.done)
+            for r in long.results if r.token_times_s
+        ]  # fmt: skip
         for r in completed:
             assert verdict(r, long_ref.results[r.index], False) == "identical", r
         for r in broken:
