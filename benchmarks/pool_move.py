@@ -29,6 +29,7 @@ import httpx
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._machine import machine  # noqa: E402
+from benchmarks.scaling import gaps_ms  # noqa: E402
 from tandem.cluster.cli.serve import ServiceThread  # noqa: E402
 from tandem.cluster.cli.settings import serve_config  # noqa: E402
 from tests.chaos.harness import Workload, verdict  # noqa: E402
@@ -64,14 +65,6 @@ def move(svc, source_pool: str, dest_pool: str) -> tuple[float, dict]:
     body = r.json()
     assert body["moved"], body
     return time.monotonic() - start, body
-
-
-def gaps_ms(results) -> list[float]:
-    return [
-        (b - a) * 1000
-        for r in results
-        for a, b in zip(r.token_times_s, r.token_times_s[1:], strict=False)
-    ]
 
 
 def main() -> int:

@@ -27,6 +27,7 @@ import pytest
 
 from tests.chaos.harness import Workload, serve_config, verdict
 from tests.chaos.service import requests_on, reset_prefix_caches, settle, stats
+from tests.cluster.test_scaling import cluster_state, ids, metric
 
 pytestmark = pytest.mark.slow
 
@@ -68,25 +69,6 @@ def move(svc, source_pool: str, dest_pool: str, key: str = KEY, **extra) -> http
         headers={"Authorization": f"Bearer {key}"},
         timeout=300,
     )
-
-
-def ids(svc, role: str) -> set[str]:
-    return {eid for eid, e in svc.service.backend.engines.items() if e.state.role == role}
-
-
-def cluster_state(svc) -> dict:
-    return httpx.get(svc.base_url + "/cluster/state", timeout=30).json()
-
-
-def metric(svc, name: str, **labels: str) -> float:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = httpx.get(svc.base_url + "/metrics", timeout=30).text
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                return s.value
-    return 0.0
 
 
 def busiest(svc, pool: str) -> str:
