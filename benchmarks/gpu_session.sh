@@ -11,6 +11,13 @@
 #                                          #   tiers' and speculation's GPU tests, the host tier's
 #                                          #   copies against PCIe, a planner profile of the 1B
 #                                          #   shape, spec_decode's rows on the 1B shape
+#   bash benchmarks/gpu_session.sh wave3b  # <= 9.5 min: drafts verified inside CUDA graphs (#26:
+#                                          #   the spec tests, then spec_decode's 1B rows), a
+#                                          #   planner profile of the 1B shape (#28), the gateway
+#                                          #   benchmark with 1/2/4 gateways on this box's cores
+#                                          #   (#29; fastapi, starlette, uvicorn, pydantic and
+#                                          #   opentelemetry wheels in gpu/wheels), and tests/gpu's
+#                                          #   engine files with full_and_piecewise as the default
 #   bash benchmarks/gpu_session.sh all     # the first four, where no per-command limit applies
 #   GPU_DEADLINE_S=500 bash benchmarks/gpu_session.sh tests parts
 #                                          # several parts in one command under one deadline:
@@ -38,8 +45,8 @@ set -u -o pipefail
 
 parts=("${@:-tests}")
 for part in "${parts[@]}"; do
-    case "$part" in tests | engine | parts | extras | wave3 | all) ;; *)
-        echo "usage: $0 tests|engine|parts|extras|wave3|all [more parts]" >&2
+    case "$part" in tests | engine | parts | extras | wave3 | wave3b | all) ;; *)
+        echo "usage: $0 tests|engine|parts|extras|wave3|wave3b|all [more parts]" >&2
         exit 2
         ;;
     esac
@@ -165,6 +172,14 @@ run_wave3() {
     # #25: host tier store/load GB/s next to one pinned<->device copy_ (the PCIe ceiling)
     stage "kv_tiers.py cuda copy" 90 "$out/kv-tiers.txt" \
         python3 benchmarks/kv_tiers.py --device cuda --parts copy --disk-readers 4
+    profile_1b
+    # #26: the issue's rows on the 1B shape (random weights, smollm2's tokenizer in gpu/)
+    stage "spec_decode.py 1b" 240 "$out/spec-decode.txt" \
+        python3 benchmarks/spec_decode.py --model 1b --device cuda --torch-threads 4 \
+        --batches 1,8,32 --output-len 64 --repeats 2
+}
+
+profile_1b() {
     # #28: the planner's per-engine profile of the 1B shape (bf16) on this GPU
     stage "tandem profile 1b" 150 "$out/profile.log" bash -c '
         ckpt=$(python3 -c "import tempfile; from benchmarks.gpu_engine import make_1b_checkpoint as m; print(m(tempfile.mkdtemp(), 131072))") &&
@@ -172,10 +187,29 @@ run_wave3() {
             --max-num-seqs 256 --repeats 3 --out "$0/profile-1b.json" \
             --prefill-tokens 128,512,2048,8192 --decode-batch-sizes 1,16,64,256 \
             --decode-context-tokens 1024,8192,32768 && cat "$0/profile-1b.json"' "$out"
-    # #26: the issue's rows on the 1B shape (random weights, smollm2's tokenizer in gpu/)
-    stage "spec_decode.py 1b" 240 "$out/spec-decode.txt" \
+}
+
+run_wave3b() {
+    stage "spec tests (verify graphs)" 150 "$out/spec-tests.log" \
+        python3 -m pytest -p no:cacheprovider -v -ra --timeout 120 --durations=10 \
+        tests/gpu/test_cuda_spec_decode.py
+    stage "spec_decode.py 1b" 150 "$out/spec-decode.txt" \
         python3 benchmarks/spec_decode.py --model 1b --device cuda --torch-threads 4 \
-        --batches 1,8,32 --output-len 64 --repeats 2
+        --batches 1,8,32 --output-len 64 --repeats 2 --draft-ks 2 --cuda-graph-mode decode
+    profile_1b
+    stage "serve_gateway.py 1/2/4" 150 "$out/serve-gateway.txt" \
+        python3 benchmarks/serve_gateway.py --api-server-count 1 2 4 --concurrency 64 256 \
+        --repeats 2 --num-rounds 1
+    # the default graph mode full_and_piecewise (sizes.py), on this copy of the tree only
+    sed -i 's/^DEFAULT_CUDA_GRAPH_MODE = "decode"/DEFAULT_CUDA_GRAPH_MODE = "full_and_piecewise"/' \
+        workers/graphs/sizes.py
+    stage "tests/gpu full_and_piecewise" 200 "$out/gpu-tests-fp.log" \
+        python3 -m pytest -p no:cacheprovider -q -ra --timeout 120 --durations=10 \
+        tests/gpu/test_cuda_engine.py tests/gpu/test_cuda_piecewise.py \
+        tests/gpu/test_cuda_async_scheduling.py tests/gpu/test_cuda_graph_inputs.py \
+        tests/gpu/test_cuda_pd_half_gpu.py
+    sed -i 's/^DEFAULT_CUDA_GRAPH_MODE = "full_and_piecewise"/DEFAULT_CUDA_GRAPH_MODE = "decode"/' \
+        workers/graphs/sizes.py
 }
 
 export -f environment # timeout runs programs, not shell functions
@@ -187,6 +221,7 @@ for part in "${parts[@]}"; do
     parts) run_parts ;;
     extras) run_extras ;;
     wave3) run_wave3 ;;
+    wave3b) run_wave3b ;;
     all)
         run_tests
         run_engine

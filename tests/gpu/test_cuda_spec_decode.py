@@ -1,7 +1,7 @@
 """Speculative decoding on CUDA (issue #26): greedy fp32 tokens identical with and without
 drafts. On CUDA the plain engine's decode steps replay the decode graphs (one token per
-request), while a step that carries drafts verifies a multi-token query with the paged
-kernels outside them (workers/runner/spec_step.py): the two paths must agree token for token,
+request), while a step that carries drafts replays a verification graph (several query
+tokens per request, bucketed by tokens: workers/graphs/verify.py): the two must agree token for token,
 through chunked prefill, prefix hits, preemption and stops inside an accepted run, with the
 n-gram proposer driven by an oracle (long accepted runs, rejections at every position) and
 with the target drafting for itself (its own KV cache on the device)."""
@@ -40,6 +40,13 @@ def test_ngram_oracle_identical_on_cuda(async_scheduling):
     assert all(stats.accepted_per_pos)
     assert stats.num_accepted_tokens < stats.num_draft_tokens
     assert engine.scheduler.prefix_cache_hits > 0
+    _assert_verified_in_graphs(engine)
+
+
+def _assert_verified_in_graphs(engine):
+    graphs = engine.runner.graphs
+    assert graphs is not None and graphs.verify is not None
+    assert sum(graphs.verify.num_replays.values()) > 0, graphs.verify.num_replays
 
 
 def test_ngram_oracle_identical_under_preemption_on_cuda():
@@ -74,3 +81,4 @@ def test_self_draft_identical_on_cuda():
     stats = engine.scheduler.spec.stats
     assert stats.num_accepted_tokens / stats.num_draft_tokens > 0.95
     assert engine.runner.drafter.device.type == "cuda"
+    _assert_verified_in_graphs(engine)

@@ -30,7 +30,7 @@ from tandem.workers.checkpoints.hf_config import config_namespace, end_token_ids
 from tandem.workers.checkpoints.loader import load_model, resolve_model_path
 from tandem.workers.compile.model import compile_before_sizing
 from tandem.workers.config import EngineConfig
-from tandem.workers.graphs.build import StepGraphs, build_step_graphs
+from tandem.workers.graphs.build import StepGraphs, build_draft_graphs, build_step_graphs
 from tandem.workers.graphs.memory import StepMemory, profile_step_memory
 from tandem.workers.runner.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for
 from tandem.workers.runner.model_runner import DEFAULT_DENSE_DECODE_BYTES, ModelRunner
@@ -227,6 +227,9 @@ def build_runner(
             config.cache.block_size,
             config.graphs.prefill_attention,
             dense_bytes,
+        )
+        drafter.graphs = build_draft_graphs(
+            config, loaded.draft.model, cache.draft_kv_cache, cache.max_model_len
         )
     runner: Any = ModelRunner(
         loaded.model,

@@ -29,6 +29,7 @@ from tandem.workers.graphs.sizes import (
     uses_full_decode,
     uses_piecewise,
 )
+from tandem.workers.graphs.verify import VerifyGraphRunner
 
 logger = logging.getLogger(__name__)
 
@@ -60,9 +61,11 @@ def make_step_graphs(
     kv_cache: torch.Tensor,
     max_model_len: int,
     backend: GraphBackend,
+    full_only: bool = False,
 ) -> StepGraphs:
     """The runners ``config.graphs.cuda_graph_mode`` asks for, not yet captured, on ``backend``
-    (any device: the CPU tests pass ``EagerBackend``). ``config``: an ``EngineConfig``."""
+    (any device: the CPU tests pass ``EagerBackend``). ``config``: an ``EngineConfig``.
+    ``full_only``: the full graphs alone (decode and verification), no piecewise ones."""
     mode = "none" if config.graphs.enforce_eager else config.graphs.cuda_graph_mode
     graphs = StepGraphs()
     if uses_full_decode(mode):
@@ -70,7 +73,18 @@ def make_step_graphs(
         graphs.decode = DecodeGraphRunner(
             model, kv_cache, config.cache.block_size, max_model_len, sizes, backend
         )
-    if uses_piecewise(mode):
+        spec = config.speculative()
+        if spec is not None:  # drafted steps: verification graphs (verify.py)
+            graphs.decode.verify = VerifyGraphRunner(
+                model,
+                kv_cache,
+                config.cache.block_size,
+                max_model_len,
+                sizes,
+                spec.num_speculative_tokens + 1,
+                backend,
+            )
+    if uses_piecewise(mode) and not full_only:
         sizes = piecewise_sizes(
             config.scheduler.max_num_batched_tokens, config.graphs.piecewise_graph_sizes
         )
@@ -94,6 +108,7 @@ def capture_step_graphs(
     max_model_len: int,
     backend: GraphBackend,
     log: bool = True,
+    full_only: bool = False,
 ) -> StepGraphs:
     """``make_step_graphs`` and capture, measured as one: ``num_bytes`` is what the device
     lost over both (``timed_capture``), so the runners' static buffers count as the caching
@@ -103,7 +118,8 @@ def capture_step_graphs(
     made: list[StepGraphs] = []
 
     def make_and_capture() -> None:
-        made.append(make_step_graphs(config, model, kv_cache, max_model_len, backend).capture(log))
+        graphs = make_step_graphs(config, model, kv_cache, max_model_len, backend, full_only)
+        made.append(graphs.capture(log))
 
     _, num_bytes = timed_capture(kv_cache.device, make_and_capture)
     graphs = made[0]
@@ -145,3 +161,27 @@ def build_step_graphs(
             profiled_bytes / mib,
         )
     return graphs
+
+
+def build_draft_graphs(
+    config: Any, model: torch.nn.Module, kv_cache: torch.Tensor, max_model_len: int
+) -> DecodeGraphRunner | None:
+    """A draft model's full graphs over its own KV cache (``workers/spec/draft_model.py``): its
+    proposal forwards (one token per request) replay decode graphs, its first forward of a
+    step (the last token and the few positions it catches up, at most K + 1) a verification
+    graph. None where the target gets no full graphs. Their memory is logged; the KV budget
+    was sized before the draft existed and does not reserve it (docs/architecture.md)."""
+    mode = config.graphs.cuda_graph_mode
+    if not graphs_allowed(config, kv_cache.device) or not uses_full_decode(mode):
+        return None
+    backend = CudaGraphBackend(kv_cache.device)
+    graphs = capture_step_graphs(
+        config, model, kv_cache, max_model_len, backend, log=False, full_only=True
+    )
+    logger.info(
+        "draft model: CUDA graphs for its proposal forwards, %.1f MiB in %.2f s (outside the "
+        "KV budget)",
+        graphs.num_bytes / 2**20,
+        graphs.seconds,
+    )
+    return graphs.decode

@@ -141,6 +141,8 @@ class DecodeGraphRunner:
     inputs: StaticDecodeInputs = field(init=False)
     replays: dict[int, Callable[[], torch.Tensor]] = field(init=False, default_factory=dict)
     num_replays: dict[int, int] = field(init=False, default_factory=dict)
+    # a speculative engine's drafted steps (several query tokens per sequence): verify.py
+    verify: Any = None
 
     def __post_init__(self) -> None:
         self.sizes = sorted(self.sizes)
@@ -165,14 +167,20 @@ class DecodeGraphRunner:
                 self.inputs.fill([], [], [], [], size)
                 self.replays[size] = self.backend.capture(self._forward_fn(size))
                 self.num_replays[size] = 0
+            if self.verify is not None:
+                self.verify.capture()
 
         seconds, num_bytes = timed_capture(self.kv_cache.device, capture_all)
         report = CaptureReport(list(self.sizes), seconds, num_bytes)
         if log:
             logger.info(
-                "captured %d decode graphs (batch sizes %s) in %.2f s, %.1f MiB of device memory",
+                "captured %d decode graphs (batch sizes %s)%s in %.2f s, %.1f MiB of device memory",
                 len(report.sizes),
                 _compact(report.sizes),
+                ""
+                if self.verify is None
+                else f" and {len(self.verify.sizes)} verification graphs (tokens "
+                f"{_compact(self.verify.sizes)}, queries <= {self.verify.query_tokens})",
                 report.seconds,
                 report.num_bytes / 2**20,
             )
@@ -196,13 +204,20 @@ class DecodeGraphRunner:
         block_tables: list[list[int]],
         seq_lens: list[int],
         patch_ids: Callable[[torch.Tensor], None] | None = None,
+        query_lens: list[int] | None = None,
     ) -> torch.Tensor | None:
         """Hidden states ``[n, hidden]`` of a decode-only batch by replay, or None when the
         step must run eager (some sequence has more than one query token, or no bucket is
         big enough). The result is a view of the graph's output: read it before the next
         ``run``. ``patch_ids`` gets the device input ids ``[n]`` before the replay (the
-        overlapped loop writes the previous step's sampled tokens into them)."""
+        overlapped loop writes the previous step's sampled tokens into them). With
+        verification graphs (``verify``) and ``query_lens``, a step of several query tokens
+        per sequence (drafts) replays one of those instead (``verify.py``)."""
         n = len(seq_lens)
+        if n and len(input_ids) != n and self.verify is not None and query_lens is not None:
+            return self.verify.run(
+                input_ids, positions, block_tables, seq_lens, query_lens, patch_ids
+            )
         if n == 0 or len(input_ids) != n:
             return None
         size = self.bucket_for(n)

@@ -75,7 +75,12 @@ class StepForward:
         hidden = None
         if self.graphs is not None and dense_step is None:
             hidden = self.graphs.run(
-                flat.input_ids, flat.positions, flat.block_tables, flat.seq_lens, scatter
+                flat.input_ids,
+                flat.positions,
+                flat.block_tables,
+                flat.seq_lens,
+                scatter,
+                query_lens=flat.query_lens,
             )
         if hidden is None and self.piecewise is not None and dense_step is None:
             hidden = self.piecewise.run(

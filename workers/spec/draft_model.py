@@ -87,6 +87,9 @@ class DraftModel:
         if dense_decode_bytes > 0:
             num_heads = model.config.num_attention_heads
             self.dense = DenseDecodeKV(kv_cache, num_heads, dense_decode_bytes)
+        # CUDA: full graphs of the draft's forwards (workers/graphs/build.build_draft_graphs);
+        # a forward with a query longer than K + 1 (a long catch-up) runs eager
+        self.graphs: Any = None
         # figures: forwards run, tokens the draft computed again (catch-up), drafts made
         self.num_forwards = 0
         self.num_catch_up_tokens = 0
@@ -180,13 +183,17 @@ class DraftModel:
             tables.append(table)
             seq_lens.append(start + len(tokens))
             query_lens.append(len(tokens))
-        meta = step_metadata(
-            tables, seq_lens, query_lens, positions, dense_step, dev, self.block_size,
-            self.sdpa_prefills,
-        )  # fmt: skip
-        ids_t = host_to_device(torch.tensor(ids, dtype=torch.long), dev)
-        pos_t = host_to_device(torch.tensor(positions, dtype=torch.long), dev)
-        hidden = self.model(ids_t, pos_t, self.kv_cache, meta)
+        hidden = None
+        if self.graphs is not None and dense_step is None:
+            hidden = self.graphs.run(ids, positions, tables, seq_lens, query_lens=query_lens)
+        if hidden is None:
+            meta = step_metadata(
+                tables, seq_lens, query_lens, positions, dense_step, dev, self.block_size,
+                self.sdpa_prefills,
+            )  # fmt: skip
+            ids_t = host_to_device(torch.tensor(ids, dtype=torch.long), dev)
+            pos_t = host_to_device(torch.tensor(positions, dtype=torch.long), dev)
+            hidden = self.model(ids_t, pos_t, self.kv_cache, meta)
         self.num_forwards += 1
         if not num_logits:
             return None
