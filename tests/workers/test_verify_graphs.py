@@ -133,7 +133,7 @@ def _generate(engine: EngineCore, requests) -> list[list[int]]:
 
 def test_drafted_steps_replay_verification_graphs_with_the_plain_tokens(monkeypatch):
     monkeypatch.setenv("TANDEM_FORCE_TRITON", "1")
-    requests = [(p, greedy(20)) for p in prompts()[:3]]
+    requests = [(p, greedy(16)) for p in prompts()[:2]]
     plain = _generate(_engine(None, graphs=False), requests)
 
     engine = _engine(NGRAM, graphs=True)
@@ -152,7 +152,7 @@ def test_drafted_steps_replay_verification_graphs_with_the_plain_tokens(monkeypa
 
 def test_a_draft_models_forwards_replay_its_own_graphs(monkeypatch):
     monkeypatch.setenv("TANDEM_FORCE_TRITON", "1")
-    requests = [(p, greedy(10)) for p in prompts()[:2]]
+    requests = [(p, greedy(8)) for p in prompts()[1:2]]
     plain = _generate(_engine(None, graphs=False), requests)
     draft = {"method": "draft_model", "model": "tiny", "num_speculative_tokens": 3}
     engine = _engine(draft, graphs=True)
