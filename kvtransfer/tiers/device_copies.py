@@ -8,8 +8,9 @@ where the bytes are:
 
     store   device block --(device_checksums)--> its checksum, with the copy to the
             pinned host slot queued on the tier stream; one wait for both
-    load    every host block of the request's run copied in back to back (tier stream),
-            then one device_checksums over the blocks landed; one wait; the first block
+    load    every host block of the request's run copied in by one kernel that reads the
+            pinned slots (``gather.py``; tier stream), then one device_checksums over the
+            blocks landed; one wait; the first block
             whose sum differs from the stored one ends the load there (it and the rest
             are recomputed, as a bad xxh3 does on CPU)
 
@@ -30,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tandem.kvtransfer.tiers.disk import TierLoadError
+from tandem.kvtransfer.tiers.gather import gather_rows
 
 if TYPE_CHECKING:
     from tandem.kvtransfer.tiers.copies import TierCopier
@@ -99,17 +101,19 @@ def load_blocks(copier: TierCopier, job: LoadJob) -> list[int]:
     if len(cold) > 1:
         disk.prefetch(cold)
     pending: list[tuple[int, bytes, int]] = []  # (index in the job, key, stored checksum)
-    data = host.data if host is not None else None
+    batch: list[tuple[int, int]] = []  # host (slot, block id) not yet queued: one gather
     with torch.cuda.stream(copier.stream):
         for i, (key, block_id) in enumerate(zip(job.keys, job.block_ids, strict=True)):
             if job.cancelled or time.monotonic() > job.deadline:
                 counters["load_timeouts"] += 1
+                _gather(copier, batch)
                 return _settle(copier, job, pending, i)
             entry = where[i]
             if entry is not None and entry != "disk":
-                kv[block_id].copy_(data[entry[0]], non_blocking=True)
+                batch.append((entry[0], block_id))
                 pending.append((i, key, entry[1]))
                 continue
+            _gather(copier, batch)  # the host blocks before this one, in order
             try:
                 if entry is None:
                     raise TierLoadError("block left the tiers before its load")
@@ -125,11 +129,33 @@ def load_blocks(copier: TierCopier, job: LoadJob) -> list[int]:
             copier.stream.synchronize()  # file_row is reused
             counters["disk_loaded_bytes"] += row.numel()
             counters["disk_hits"] += 1
+        _gather(copier, batch)
     failed = _settle(copier, job, pending, len(job.keys))
     if not failed:
         with s.lock:
             s.load_seconds.observe(time.monotonic() - start)
     return failed
+
+
+def _gather(copier: TierCopier, batch: list[tuple[int, int]]) -> None:
+    """Queue the copies of ``batch``'s host slots into their device blocks on the current
+    (tier) stream: one kernel reading the pinned slots (``gather.py``), or one ``copy_``
+    per block where the device cannot read them."""
+    if not batch:
+        return
+    kv, data = copier.owner.kv, copier.owner.host.data
+    slots, block_ids = zip(*batch)
+    if len(batch) == 1 or not gather_rows(
+        data, kv, _index(slots, kv.device), _index(block_ids, kv.device)
+    ):
+        for slot, block_id in batch:
+            kv[block_id].copy_(data[slot], non_blocking=True)
+    batch.clear()
+
+
+def _index(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """An int64 index on ``device`` through pinned memory (no host wait)."""
+    return torch.tensor(values, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
 
 
 def _settle(copier: TierCopier, job: LoadJob, pending: list[Any], end: int) -> list[int]:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tandem.kvtransfer.tiers.gather import gather_enabled, gather_launches
+
 from tests.workers.test_kv_tiers import (
     SP,
     prompts_with_shared_prefixes,
@@ -47,6 +49,8 @@ def test_cuda_tiers_give_identical_tokens(async_scheduling, tmp_path):
         stats = tiers(llm).stats()
         assert stats["host_hits"] > 0 and stats["disk_hits"] > 0, stats
         assert stats.get("load_failures", 0) == 0
+        # host loads were gathered by one kernel reading the pinned slots (gather.py)
+        assert gather_enabled() and gather_launches() > 0
         for p, w in zip(prompts, want, strict=True):
             (r,) = llm.generate(prompt_token_ids=[p], sampling_params=SP)
             assert r.token_ids == w and r.num_cached_tokens == 64
