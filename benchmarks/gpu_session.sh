@@ -18,6 +18,10 @@
 #                                          #   (#29; fastapi, starlette, uvicorn, pydantic and
 #                                          #   opentelemetry wheels in gpu/wheels), and tests/gpu's
 #                                          #   engine files with full_and_piecewise as the default
+#   bash benchmarks/gpu_session.sh wave3c  # <= 5 min: host tier loads by one gather kernel (#25:
+#                                          #   the tier tests, kv_tiers.py's copies), each graph
+#                                          #   mode's device memory against its share, and the
+#                                          #   half-GPU P/D test in the default mode
 #   bash benchmarks/gpu_session.sh all     # the first four, where no per-command limit applies
 #   GPU_DEADLINE_S=500 bash benchmarks/gpu_session.sh tests parts
 #                                          # several parts in one command under one deadline:
@@ -45,8 +49,8 @@ set -u -o pipefail
 
 parts=("${@:-tests}")
 for part in "${parts[@]}"; do
-    case "$part" in tests | engine | parts | extras | wave3 | wave3b | all) ;; *)
-        echo "usage: $0 tests|engine|parts|extras|wave3|wave3b|all [more parts]" >&2
+    case "$part" in tests | engine | parts | extras | wave3 | wave3b | wave3c | all) ;; *)
+        echo "usage: $0 tests|engine|parts|extras|wave3|wave3b|wave3c|all [more parts]" >&2
         exit 2
         ;;
     esac
@@ -212,6 +216,17 @@ run_wave3b() {
         workers/graphs/sizes.py
 }
 
+run_wave3c() {
+    stage "tier tests (gather)" 150 "$out/tier-tests.log" \
+        python3 -m pytest -p no:cacheprovider -v -ra --timeout 120 --durations=10 \
+        tests/gpu/test_cuda_kv_tiers.py tests/kvtransfer/test_tier_gather.py
+    stage "kv_tiers.py cuda copy" 120 "$out/kv-tiers.txt" \
+        python3 benchmarks/kv_tiers.py --device cuda --parts copy --disk-readers 4 --blocks 2048
+    stage "gpu_graph_memory.py" 150 "$out/graph-memory.txt" python3 benchmarks/gpu_graph_memory.py
+    stage "half-GPU P/D, decode mode" 120 "$out/pd-half.log" \
+        python3 -m pytest -p no:cacheprovider -q -ra --timeout 110 tests/gpu/test_cuda_pd_half_gpu.py
+}
+
 export -f environment # timeout runs programs, not shell functions
 stage environment 30 "$out/env.txt" bash -c environment
 for part in "${parts[@]}"; do
@@ -222,6 +237,7 @@ for part in "${parts[@]}"; do
     extras) run_extras ;;
     wave3) run_wave3 ;;
     wave3b) run_wave3b ;;
+    wave3c) run_wave3c ;;
     all)
         run_tests
         run_engine
