@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from tandem.kvtransfer.tiers import device_copies
+from tandem.kvtransfer.tiers import device_copies, gather
 from tandem.kvtransfer.tiers.disk import (
     DiskFull,
     TierLoadError,
@@ -77,6 +77,8 @@ class TierCopier:
                 self.host_words = self.host_rows.view(np.uint64) if words else self.host_rows
         if cuda:
             self.stream = torch.cuda.Stream(device=device)
+            if self.owner.host is not None:  # the host loads' kernel, compiled now
+                gather.warm_up(self.owner.host.data, device, self.stream)
         elif self.owner.disk is not None and self.owner.config.disk_readers > 1:
             self.readers = concurrent.futures.ThreadPoolExecutor(
                 self.owner.config.disk_readers, thread_name_prefix="kv-tiers-read"

@@ -43,14 +43,14 @@ def gather_rows(
     pinned host memory when ``dst`` is on CUDA. Returns False (nothing queued) when the
     gather is off or its launch is refused; the caller then copies row by row."""
     global _enabled, _launches
+    if src.shape[1] != dst.shape[1] or src.shape[1] % 8:
+        raise ValueError("rows must have the same size, a multiple of 8 bytes")
     if not _enabled or src_rows.numel() == 0:
         return _enabled
     import triton
 
     from tandem.kvtransfer.tiers._gather_kernel import gather_rows_kernel
 
-    if src.shape[1] != dst.shape[1] or src.shape[1] % 8:
-        raise ValueError("rows must have the same size, a multiple of 8 bytes")
     words = src.shape[1] // 8
     grid = (src_rows.numel(), triton.cdiv(words, CHUNK_WORDS))
     try:
@@ -65,3 +65,13 @@ def gather_rows(
         return False
     _launches += 1
     return True
+
+
+def warm_up(src: torch.Tensor, device: torch.device, stream: torch.cuda.Stream) -> None:
+    """Compile the kernel (and find out whether the device reads ``src``'s pinned memory)
+    at start-up, on ``stream``, rather than in the first load: one row into a scratch row."""
+    scratch = torch.empty(1, src.shape[1], dtype=torch.uint8, device=device)
+    with torch.cuda.stream(stream):
+        index = torch.zeros(1, dtype=torch.int64, device=device)
+        gather_rows(src[:1], scratch, index, index)
+    stream.synchronize()

@@ -1,18 +1,27 @@
-"""The host tier's gather kernel (kvtransfer/tiers/gather.py) under the Triton interpreter:
-rows land byte-exact where the indices say, rows not named stay as they were, and rows
-whose size the kernel cannot copy are refused. On CUDA the source is the pinned host tier
-(tests/gpu/test_cuda_kv_tiers.py checks that loads went through it)."""
+"""The host tier's gather kernel (kvtransfer/tiers/gather.py): rows land byte-exact where
+the indices say, rows not named stay as they were, and rows whose size the kernel cannot
+copy are refused. On CPU under the Triton interpreter; with CUDA as the tier uses it, pinned
+host rows read by the device (tests/gpu/test_cuda_kv_tiers.py checks that loads went
+through it)."""
 
 from __future__ import annotations
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of the Triton kernel
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before the first import of the Triton kernel
 
 from tandem.kvtransfer.tiers import gather  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+
+
+@pytest.fixture(autouse=True)
+def gather_on(monkeypatch):
+    monkeypatch.setattr(gather, "_enabled", True)
 
 
 def test_gather_copies_named_rows_byte_exact():
@@ -21,13 +30,17 @@ def test_gather_copies_named_rows_byte_exact():
     src = torch.randint(0, 256, (6, row_bytes), dtype=torch.uint8, generator=g)
     dst = torch.randint(0, 256, (9, row_bytes), dtype=torch.uint8, generator=g)
     before = dst.clone()
-    src_rows, dst_rows = [4, 0, 5], [7, 2, 3]
+    src_rows, dst_rows = torch.tensor([4, 0, 5]), torch.tensor([7, 2, 3])
+    if CUDA:  # the tier's case: pinned host rows into device rows
+        src, dst = src.pin_memory(), dst.cuda()
+        src_rows, dst_rows = src_rows.cuda(), dst_rows.cuda()
     launches = gather.gather_launches()
-    assert gather.gather_rows(src, dst, torch.tensor(src_rows), torch.tensor(dst_rows))
+    assert gather.gather_rows(src, dst, src_rows, dst_rows)
     assert gather.gather_launches() == launches + 1
-    for s, d in zip(src_rows, dst_rows, strict=True):
+    dst = dst.cpu()
+    for s, d in zip(src_rows.tolist(), dst_rows.tolist(), strict=True):
         assert torch.equal(dst[d], src[s])
-    untouched = [r for r in range(9) if r not in dst_rows]
+    untouched = [r for r in range(9) if r not in dst_rows.tolist()]
     assert torch.equal(dst[untouched], before[untouched])
 
 
