@@ -8,14 +8,17 @@ gives the single-gateway reference. Through the shared port the kernel
 spreads connections over all N gateways (``/health`` names the one that
 answered); every stream is token-identical to the reference and the engines
 idle with 0 blocks and pass check_integrity(). One gateway is SIGKILLed with
-long streams in flight: the streams on the others complete identical, its
-own break, the engines drop it with its requests (0 blocks held), and the
-supervisor starts it again: the new one joins and serves, the others are
-undisturbed."""
+long streams in flight on every gateway (each stream on a keep-alive
+connection whose gateway ``/health`` named first): the streams on the others
+complete identical, its own break, the engines drop it with its requests
+(0 blocks held), and the supervisor starts it again: the new one joins and
+serves, the others are undisturbed."""
 
 from __future__ import annotations
 
+import contextlib
 import glob
+import json
 import os
 import re
 import shutil
@@ -30,12 +33,19 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tandem.cluster.engines.attach import find_engines, stop_engines
 from tests.chaos.gateway_proc import GatewayProcess, gateway_env
-from tests.chaos.harness import ENGINE, Workload, request_body, verdict
+from tests.chaos.harness import ENGINE, StreamResult, Workload, request_body, verdict
 from tests.chaos.service import settle_engines, stats
 
 pytestmark = pytest.mark.slow
 
-LONG_TOKENS = 900  # still running on the engines when the dead gateway is dropped (2 s)
+PER_GATEWAY = 4  # long streams pinned to each gateway when one is killed
+LONG_TOKENS = 900  # the survivors' long streams: identical to the single gateway's
+# The killed gateway's streams never complete, so they need no reference and can be far
+# longer: however fast the engines decode, they are still generating when it is killed
+# and when the engines drop it (2 s later) and abort them. Hence the fleet's engines take
+# 4096 positions (the tiny model's) and KV for all without preempting any.
+KILLED_TOKENS = 3900
+FLEET_ENGINE = {**ENGINE, "num_kv_blocks": 2048, "max_model_len": 4096}
 
 
 def gateways_seen(url: str, tries: int = 60) -> set[int]:
@@ -190,6 +200,95 @@ def metric_samples(url: str) -> dict[tuple, float]:
     }
 
 
+def client_port(response: httpx.Response) -> int:
+    """The local port of the connection that carried ``response``."""
+    return response.extensions["network_stream"].get_extra_info("client_addr")[1]
+
+
+def connect_to(url: str, gateway: int, deadline_s: float = 60.0) -> tuple[httpx.Client, int]:
+    """A client holding one keep-alive connection to ``gateway`` behind the
+    shared port: new connections (the kernel picks each one's gateway) until
+    ``/health`` over one names it. Returns the client and its connection's
+    local port. Uvicorn closes a connection idle for 5 s: use it at once."""
+    end = time.monotonic() + deadline_s
+    while True:
+        client = httpx.Client(timeout=180, limits=httpx.Limits(max_connections=1))
+        r = client.get(url + "/health")
+        if r.json()["gateway"] == gateway:
+            return client, client_port(r)
+        client.close()
+        assert time.monotonic() < end, f"no connection to gateway {gateway}"
+
+
+class PinnedStreams(Workload):
+    """Greedy streams as ``Workload``'s, stream ``i`` on gateway
+    ``gateways[i]`` (its thread connects until it has that gateway, then
+    streams over the same connection) with ``max_tokens[i]``. ``ports[i]``:
+    the local port of that connection and of the one that carried the stream
+    (the same unless the client had to open another)."""
+
+    def __init__(self, url: str, gateways: list[int], max_tokens: list[int]) -> None:
+        self.base_url = url
+        self.gateways = gateways
+        self.max_tokens = max_tokens
+        self.ports: list[tuple[int, int] | None] = [None] * len(gateways)
+        super().__init__(url, "greedy", num_streams=len(gateways))
+
+    def _run(self, result: StreamResult, body: dict) -> None:
+        body = {**body, "max_tokens": self.max_tokens[result.index]}
+        try:
+            client, port = connect_to(self.base_url, self.gateways[result.index])
+            with contextlib.closing(client), client.stream("POST", self.url, json=body) as r:
+                self.ports[result.index] = (port, client_port(r))
+                if r.status_code != 200:
+                    result.error = f"HTTP {r.status_code}: {r.read()[:200]!r}"
+                    return
+                for line in r.iter_lines():
+                    if line == "data: [DONE]":
+                        result.done = True
+                    elif line.startswith("data: "):
+                        chunk = json.loads(line[6:])
+                        if "error" in chunk:
+                            result.error = chunk["error"]["message"]
+                            continue
+                        if chunk.get("usage"):
+                            result.completion_tokens = chunk["usage"]["completion_tokens"]
+                        for choice in chunk.get("choices", []):
+                            tokens = (choice.get("logprobs") or {}).get("tokens") or []
+                            result.tokens.extend(tokens)
+                            result.token_times_s.extend([time.monotonic()] * len(tokens))
+                            if choice.get("finish_reason"):
+                                result.finish_reason = choice["finish_reason"]
+        except Exception as exc:  # noqa: BLE001 - reported by the test
+            result.exception = repr(exc)
+
+
+def wait_own_in_flight(url: str, least: dict[int, int], deadline_s: float = 60.0) -> None:
+    """Until each gateway ``g`` answers ``/cluster/state`` (over a connection
+    to it) with at least ``least[g]`` of its own requests not ended on the
+    decode engine (so it has not written their ends)."""
+    control = {g: connect_to(url, g) for g in least}
+    end = time.monotonic() + deadline_s
+    try:
+        while True:
+            own = {}
+            for g, (client, port) in control.items():
+                r = client.get(url + "/cluster/state")
+                if (r.json()["peer_load"]["gateway"], client_port(r)) != (g, port):
+                    client.close()  # it had closed the idle connection: connect again
+                    control[g] = connect_to(url, g)
+                    continue
+                rows = r.json()["engines"]
+                own[g] = sum(e["requests_in_flight_here"] for e in rows if e["role"] == "decode")
+            if all(own.get(g, -1) >= k for g, k in least.items()):
+                return
+            assert time.monotonic() < end, (own, least)
+            time.sleep(0.05)
+    finally:
+        for client, _ in control.values():
+            client.close()
+
+
 def identical(w: Workload, ref: Workload) -> int:
     return sum(verdict(r, x, False) == "identical" for r, x in zip(w.results, ref.results))
 
@@ -209,9 +308,9 @@ def test_gateways_over_one_fleet_one_dies_and_comes_back(tmp_path, monkeypatch):
         "--cluster-secret-file", str(secret), "--kv-lease-s", "10",
     ]  # fmt: skip
     engine = [
-        "--num-kv-blocks", str(ENGINE["num_kv_blocks"]),
-        "--max-num-seqs", str(ENGINE["max_num_seqs"]),
-        "--max-model-len", str(ENGINE["max_model_len"]),
+        "--num-kv-blocks", str(FLEET_ENGINE["num_kv_blocks"]),
+        "--max-num-seqs", str(FLEET_ENGINE["max_num_seqs"]),
+        "--max-model-len", str(FLEET_ENGINE["max_model_len"]),
         "--gateway-lost-after-s", "2",
     ]  # fmt: skip
     env = gateway_env()
@@ -238,7 +337,9 @@ def test_gateways_over_one_fleet_one_dies_and_comes_back(tmp_path, monkeypatch):
         assert all(len(ray.get(h.actor.ready.remote())["gateways"]) == n + 1 for h in handles)
 
         refs = {w: Workload(single.url, w) for w in ("greedy", "seeded")}
-        long_ref = Workload(single.url, "greedy", num_streams=12, max_tokens=LONG_TOKENS)
+        long_ref = Workload(
+            single.url, "greedy", num_streams=n * PER_GATEWAY, max_tokens=LONG_TOKENS
+        )
         for w in [*refs.values(), long_ref]:
             assert not any(w.finish())
 
@@ -257,27 +358,35 @@ def test_gateways_over_one_fleet_one_dies_and_comes_back(tmp_path, monkeypatch):
             line = f'tandem:request_success_total{{finished_reason="length",gateway="{g}"}} {k}.0'
             assert line in text, text
 
-        # SIGKILL gateway 1 with long streams in flight on every gateway
-        long = Workload(fleet.url, "greedy", num_streams=12, max_tokens=LONG_TOKENS)
+        # SIGKILL gateway 1 with long streams in flight on every gateway: stream i on
+        # gateway i % n (its connection's); gateway 1's far longer than the others
+        on = [i % n for i in range(n * PER_GATEWAY)]
+        long = PinnedStreams(fleet.url, on, [KILLED_TOKENS if g == 1 else LONG_TOKENS for g in on])
         long.wait_tokens(4)
+        assert all(len(r.tokens) >= 4 for r in long.results), long.results  # none ended
+        # the kill follows gateway 1's own word that none of its streams has ended
+        # (nor written its end) and the others' that they have streams running
+        wait_own_in_flight(fleet.url, {0: 1, 1: PER_GATEWAY, 2: 1})
         killed_at = time.monotonic()
         os.kill(pids[1], signal.SIGKILL)
         assert not any(long.finish())
-        broken = [r for r in long.results if not r.done]
-        completed = [r for r in long.results if r.done]
-        # 12 connections over n gateways; if none broke, say when each stream's tokens
-        # came against the kill (streams that ended before it, or none on gateway 1)
-        assert broken and completed, [
-            (r.index, len(r.tokens), round(r.token_times_s[0] - killed_at, 3),
-             round(r.token_times_s[-1] - killed_at, 3), r.done)
-            for r in long.results if r.token_times_s
+        timeline = [  # per stream: its gateway, tokens, first and last against the kill
+            (r.index, on[r.index], len(r.tokens), r.done,
+             *(round(r.token_times_s[k] - killed_at, 3) for k in (0, -1) if r.token_times_s))
+            for r in long.results
         ]  # fmt: skip
-        for r in completed:
-            assert verdict(r, long_ref.results[r.index], False) == "identical", r
-        for r in broken:
-            assert r.exception or r.error, r
+        assert all(p is not None and p[0] == p[1] for p in long.ports), (long.ports, timeline)
+        for r, g in zip(long.results, on, strict=True):
+            ref = long_ref.results[r.index]
+            if g == 1:  # broke, after a prefix of the undisturbed tokens
+                assert not r.done and (r.exception or r.error), (r, timeline)
+                k = min(len(r.tokens), LONG_TOKENS)
+                assert r.tokens[:k] == ref.tokens[:k], r
+            else:
+                assert verdict(r, ref, False) == "identical", (r, timeline)
         assert settle_engines(handles) == 0  # the dead gateway's requests were aborted
-        assert sum(stats(h).num_gateway_requests_aborted for h in handles) > 0
+        aborted = {h.engine_id: stats(h).num_gateway_requests_aborted for h in handles}
+        assert aborted == {"prefill-0": 0, "decode-0": PER_GATEWAY}, aborted
 
         # the supervisor starts it again: it joins and serves beside the others
         wait_log(fleet, r"gateway 1 serving", 2)
