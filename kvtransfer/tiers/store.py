@@ -322,6 +322,11 @@ class TierStore:
                 if self._stop:
                     return
                 job: Any = self._loads.popleft() if self._loads else self._stores.popleft()
+                if isinstance(job, StoreJob):  # with the stores queued behind it: a batch
+                    job = [job]
+                    cap = self.disk.max_blocks if self.disk is not None else 1
+                    while len(job) < cap and self._stores and isinstance(self._stores[0], StoreJob):
+                        job.append(self._stores.popleft())
                 self._busy += 1
             try:
                 if isinstance(job, LoadJob):
@@ -335,7 +340,7 @@ class TierStore:
                         self._unpin_locked(job.keys)
                         self._done.append((job.req_id, bad))
                 else:
-                    self.copier.store(job)
+                    self.copier.store_batch(job)
             except Exception:  # noqa: BLE001 - the thread must outlive any one job
                 logger.exception("KV tier job failed")
                 self.counters["failures"] += 1
