@@ -202,7 +202,7 @@ def disk_row(
     try:
         store_gbs = total / _store_all(store, keys, b"") / 1e9
         for _ in range(repeats):
-            for p in store.disk.root.rglob("*.kvb"):
+            for p in store.disk.root.rglob("*.kvs"):
                 _drop_cache(p)
             loads.append(total / _load_all(store, keys, num_blocks) / 1e9)
             # the same loads again, the files now in the page cache: the tier's own

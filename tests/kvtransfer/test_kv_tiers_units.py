@@ -350,8 +350,8 @@ def test_a_run_in_one_segment_loads_with_one_read_and_a_bad_block_ends_it(tmp_pa
         assert len(disk.segments) == 1 and store.stats()["disk_segments"] == 1
         reads: list[int] = []
         read_piece = disk.read_piece
-        disk.read_piece = lambda seg, first, outs: reads.append(len(outs)) or read_piece(
-            seg, first, outs
+        disk.read_piece = lambda seg, first, outs: (
+            reads.append(len(outs)) or read_piece(seg, first, outs)
         )
         kv.zero_()
         store.pin(keys)

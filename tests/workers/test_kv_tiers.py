@@ -46,14 +46,14 @@ def settle(llm: LLM) -> None:
     llm.engine.check_integrity()
 
 
-def flip_every_block(root, bb: int) -> int:
+def flip_every_block(root) -> int:
     """Flip a byte in every block of every segment file under ``root`` (the header
     pages left intact): the number of blocks flipped."""
-    stride = -(-bb // 4096) * 4096
     n = 0
     for f in sorted(root.rglob("*.kvs")):
         data = bytearray(f.read_bytes())
-        count, _, hlen = struct.unpack_from("<III", data, 8)  # segments.py's header
+        count, bb, hlen = struct.unpack_from("<III", data, 8)  # segments.py's header
+        stride = -(-bb // 4096) * 4096
         for slot in range(count):
             data[hlen + slot * stride + bb - 5] ^= 0xFF
         f.write_bytes(bytes(data))
@@ -231,7 +231,7 @@ def test_corrupted_blocks_are_misses_never_wrong_tokens(tmp_path):
         llm.generate(prompt_token_ids=prompts, sampling_params=SP)
         settle(llm)
         bb = block_bytes(llm)
-    flipped = flip_every_block(tmp_path / "kv", bb)
+    flipped = flip_every_block(tmp_path / "kv")
     files = sorted((tmp_path / "kv").rglob("*.kvs"))
     assert files
     pad = -bb % 4096  # the bytes after a block up to its page's end
