@@ -101,6 +101,16 @@ class TierLoadError(Exception):
     """A block could not be read back whole: missing, torn, or its checksum differs."""
 
 
+def _fail_full(fn: Callable[[], Any]) -> Any:
+    """``fn()``, its ENOSPC / EDQUOT raised as DiskFull."""
+    try:
+        return fn()
+    except OSError as exc:
+        if exc.errno in _FULL_ERRNOS:
+            raise DiskFull(exc.errno, str(exc)) from exc
+        raise
+
+
 class DiskTier:
     medium = "disk"
 
@@ -173,23 +183,8 @@ class DiskTier:
     def _reindex(self) -> None:
         """Index every segment from its header pages; a block past the end of a file
         cut short is left out, a file with no usable block or header is removed."""
-        found = []
-        for entry in os.scandir(self._dir):
-            path = entry.path
-            if path.endswith(".tmp"):
-                os.unlink(path)  # a write cut short by a crash
-                continue
-            if not path.endswith(seg_files.SUFFIX):
-                continue
-            try:
-                keys, checks, hlen = seg_files.read_header(path, self.block_bytes, self.fp_id)
-                st = entry.stat()
-            except (OSError, ValueError) as exc:
-                logger.warning("disk KV tier: dropping %s (%s)", path, exc)
-                Path(path).unlink(missing_ok=True)
-                continue
-            found.append((st.st_mtime_ns, entry.name, keys, checks, hlen, st.st_size))
-        for _, name, keys, checks, hlen, size in sorted(found):
+        found = seg_files.scan(self._dir, self.block_bytes, self.fp_id)
+        for _, name, keys, checks, hlen, size in found:
             seg = Segment(name, keys, checks, hlen, size)
             for slot, key in enumerate(keys):
                 whole = hlen + slot * self.stride + self.block_bytes <= size
@@ -307,26 +302,17 @@ class DiskTier:
     def writer(self, name: str, keys: list[bytes]) -> SegmentWriter:
         """Open a reserved segment for writing (room in its header for ``keys``);
         DiskFull when the file system is full, OSError otherwise."""
-        return self._fail_full(lambda: SegmentWriter(self.path_of(name), keys, self.block_bytes))
+        return _fail_full(lambda: SegmentWriter(self.path_of(name), keys, self.block_bytes))
 
     def path_of(self, name: str) -> str:
         return f"{self._dir}/{name}"
 
     def add(self, writer: SegmentWriter, key: bytes, payload: np.ndarray, check: int) -> bool:
-        self._fail_full(lambda: writer.add(key, payload, check))
+        _fail_full(lambda: writer.add(key, payload, check))
         return True
 
     def finish(self, writer: SegmentWriter) -> int:
-        return self._fail_full(lambda: writer.finish(self.fp_id))
-
-    @staticmethod
-    def _fail_full(fn: Callable[[], Any]) -> Any:
-        try:
-            return fn()
-        except OSError as exc:
-            if exc.errno in _FULL_ERRNOS:
-                raise DiskFull(exc.errno, str(exc)) from exc
-            raise
+        return _fail_full(lambda: writer.finish(self.fp_id))
 
     def prefetch(self, keys: list[bytes]) -> None:
         """Ask the kernel to start reading these blocks now, each run of them in one

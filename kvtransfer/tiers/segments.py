@@ -22,6 +22,7 @@ start reads only the header pages; blocks past the end of a file cut short are l
 
 from __future__ import annotations
 
+import logging
 import os
 import struct
 from dataclasses import dataclass, field
@@ -29,6 +30,8 @@ from typing import Any
 
 import numpy as np
 import xxhash
+
+logger = logging.getLogger(__name__)
 
 PAGE = 4096
 MAGIC = b"TKVS"
@@ -114,6 +117,32 @@ def read_header(path: str, block_bytes: int, fp_id: str) -> tuple[list[bytes], l
     if header_bytes(keys) > hlen:
         raise ValueError("bad header entries")
     return keys, checks, hlen
+
+
+def scan(directory: str, block_bytes: int, fp_id: str) -> list[tuple]:
+    """Every segment file of ``directory`` whose header is whole and ours, oldest
+    modification first: (mtime, name, keys, checks, header bytes, file size) each. A
+    ``.tmp`` (a write cut short by a crash) and a file with a bad header are removed."""
+    found = []
+    for entry in os.scandir(directory):
+        path = entry.path
+        if path.endswith(".tmp"):
+            os.unlink(path)
+            continue
+        if not path.endswith(SUFFIX):
+            continue
+        try:
+            keys, checks, hlen = read_header(path, block_bytes, fp_id)
+            st = entry.stat()
+        except (OSError, ValueError) as exc:
+            logger.warning("disk KV tier: removing %s (%s)", path, exc)
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+            continue
+        found.append((st.st_mtime_ns, entry.name, keys, checks, hlen, st.st_size))
+    return sorted(found)
 
 
 class SegmentWriter:

@@ -321,12 +321,7 @@ class TierStore:
                     self._wake.wait()
                 if self._stop:
                     return
-                job: Any = self._loads.popleft() if self._loads else self._stores.popleft()
-                if isinstance(job, StoreJob):  # with the stores queued behind it: a batch
-                    job = [job]
-                    cap = self.disk.max_blocks if self.disk is not None else 1
-                    while len(job) < cap and self._stores and isinstance(self._stores[0], StoreJob):
-                        job.append(self._stores.popleft())
+                job: Any = self._loads.popleft() if self._loads else _batch(self)
                 self._busy += 1
             try:
                 if isinstance(job, LoadJob):
@@ -369,6 +364,20 @@ class TierStore:
                 assert not self._done, "finished tier loads nobody collected"
                 if self.host is not None and not self.pending:
                     assert not self.host.reserved, "host tier slots reserved by no store"
+
+
+def _batch(store: TierStore) -> Any:
+    """Under the lock: the next job of the store queue; a store comes with the stores
+    queued behind it (one disk segment's worth), a TP rank's load alone."""
+    job = store._stores.popleft()
+    if not isinstance(job, StoreJob):
+        return job
+    batch = [job]
+    cap = store.disk.max_blocks if store.disk is not None else 1
+    queue = store._stores
+    while len(batch) < cap and queue and isinstance(queue[0], StoreJob):
+        batch.append(queue.popleft())
+    return batch
 
 
 def forget(store: TierStore, keys: list[bytes]) -> None:
