@@ -33,6 +33,7 @@ import xxhash
 
 from tandem.kvtransfer.tiers.config import TierConfig
 from tandem.kvtransfer.tiers.store import LoadJob, StoreJob, TierStore
+from tandem.workers.runner.kv_cache import page_aligned_zeros
 
 
 def _drop_cache(path: Path) -> None:
@@ -224,6 +225,8 @@ def copy_part(
     """Print both tables."""
     layers = block_bytes // (2 * 16 * 8 * 64 * 2)
     kv = torch.randn(num_blocks, layers, 2, 16, 8, 64).to(torch.bfloat16).to(device)
+    if device == "cpu":  # page-aligned, as the engine allocates it (workers/runner/kv_cache.py)
+        kv = page_aligned_zeros(list(kv.shape), kv.dtype).copy_(kv)
     keys = [i.to_bytes(4, "little") * 8 for i in range(num_blocks)]
     kib = block_bytes // 1024
     print(f"\n1. copies of {num_blocks} blocks of {kib} KiB on {device} (GB/s)")

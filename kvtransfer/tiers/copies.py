@@ -294,13 +294,15 @@ class TierCopier:
         start = time.monotonic()
         where, ahead = self.locate(job)
         cold = [job.keys[i] for i, entry in enumerate(where) if isinstance(entry, tuple)]
-        if len(cold) > 1 or ahead:  # not those the load before announced
+        # buffered reads only: the kernel's read-ahead would read what O_DIRECT reads
+        if (len(cold) > 1 or ahead) and not disk.reader.direct:
             fresh = [k for k in cold if k not in self.announced] + ahead
             if fresh:
                 disk.prefetch(fresh)
         self.announced = set(ahead)
         outs = [self.kv_rows[b] for b in job.block_ids]
-        pieces, piece_of = disk_loads.plan(where, s.config.disk_readers)
+        cap = disk.reader.max_blocks if disk is not None else 1
+        pieces, piece_of = disk_loads.plan(where, s.config.disk_readers, cap)
         if not job.cancelled:
             disk_loads.start(disk, pieces, outs, self.readers)
         hits = {"host": 0, "disk": 0}

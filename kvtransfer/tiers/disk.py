@@ -35,7 +35,6 @@ import itertools
 import json
 import logging
 import os
-import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -47,6 +46,7 @@ import xxhash
 
 from tandem.kvtransfer.tiers import segments as seg_files
 from tandem.kvtransfer.tiers.config import fingerprint_id
+from tandem.kvtransfer.tiers.segment_reads import SegmentReader
 from tandem.kvtransfer.tiers.segments import PAGE, Segment, SegmentWriter, stride
 
 logger = logging.getLogger(__name__)
@@ -142,7 +142,7 @@ class DiskTier:
         self.num_reindexed = 0
         # TierStore: (medium, key, stored) on every index change (KV events)
         self.on_change: Callable[[str, bytes, bool], None] | None = None
-        self._local = threading.local()  # read_piece(): each reader thread's pads
+        self.reader = SegmentReader(block_bytes, aligned_row, copy_bytes, checksum)
         self._open()
 
     # ---- start-up ------------------------------------------------------------------
@@ -348,24 +348,15 @@ class DiskTier:
         return [(s, f, c) for s, f, c in out]
 
     def read_piece(self, seg: Segment, first: int, outs: list[np.ndarray]) -> list[bool]:
-        """Read ``len(outs)`` consecutive blocks of ``seg`` from ``first`` with one
-        ``preadv`` straight into ``outs`` (uint8, block_bytes each: device blocks),
-        then check each: per block, whether its xxh3 matches (a False block holds
-        garbage: it is recomputed). TierLoadError when the read fails."""
-        gap = self.stride - self.block_bytes
-        pads: list[memoryview] = []
-        if gap:
-            pad = getattr(self._local, "pad", None)
-            if pad is None or len(pad) != gap:
-                pad = self._local.pad = memoryview(bytearray(gap))
-            pads = [pad] * (len(outs) - 1)
+        """Read ``len(outs)`` consecutive blocks of ``seg`` from ``first`` into ``outs``
+        (uint8, block_bytes each: device blocks) with one read (segment_reads.py: what
+        the page cache holds straight in, the rest with one O_DIRECT read), checking
+        each: per block, whether its xxh3 matches (a False block holds garbage: it is
+        recomputed). TierLoadError when the read fails."""
         try:
-            seg_files.read_run(
-                self.path(seg), seg.offset(first, self.block_bytes), outs, self.block_bytes, pads
-            )
+            return self.reader.read(self.path(seg), seg, first, outs)
         except (OSError, ValueError) as exc:
             raise TierLoadError(f"disk segment unreadable: {exc}") from exc
-        return [checksum(out) == seg.checks[first + i] for i, out in enumerate(outs)]
 
     def read(self, key: bytes, out: np.ndarray) -> None:
         """Read one block straight into ``out``; TierLoadError when it is gone or bad."""

@@ -36,12 +36,15 @@ class Piece:
     result: Any = None  # list[bool] (per block: checksum good), a Future, or an error
 
 
-def plan(where: list[Any], readers: int) -> tuple[list[Piece], dict[int, Piece]]:
+def plan(
+    where: list[Any], readers: int, max_blocks: int = MAX_PIECE
+) -> tuple[list[Piece], dict[int, Piece]]:
     """The load's disk blocks (``where``: per block, ``(segment, slot)`` for a disk
-    block) as pieces, and each disk block's piece by its index in the load."""
+    block) as pieces of at most ``max_blocks`` (one staged read,
+    segment_reads.py), and each disk block's piece by its index in the load."""
     total = sum(1 for w in where if isinstance(w, tuple))
     cap = MAX_PIECE if readers <= 1 else max(MIN_PIECE, -(-total // readers))
-    cap = min(cap, MAX_PIECE)
+    cap = min(cap, MAX_PIECE, max_blocks)
     pieces: list[Piece] = []
     of: dict[int, Piece] = {}
     for i, w in enumerate(where):

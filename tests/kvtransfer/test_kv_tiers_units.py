@@ -302,8 +302,10 @@ def test_a_format_2_directory_is_another_configuration(tmp_path):
 
 
 def test_a_load_announces_the_next_queued_loads_disk_files(tmp_path):
-    """Read-ahead (copies.py, ``locate``): a load announces its own disk files and those
-    of the load queued behind it; the next load then skips what was announced for it."""
+    """Read-ahead (copies.py, ``locate``) where blocks are read buffered (a file system
+    without O_DIRECT): a load announces its own disk blocks and those of the load
+    queued behind it; the next load then skips what was announced for it. With
+    O_DIRECT nothing is announced (the kernel's read-ahead would read them twice)."""
     store = TierStore(
         TierConfig(disk_dir=str(tmp_path), disk_bytes=1 << 20, engine_id="u", disk_readers=1)
     )
@@ -316,6 +318,10 @@ def test_a_load_announces_the_next_queued_loads_disk_files(tmp_path):
         assert store.flush(10)
         announced: list[list[bytes]] = []
         store.disk.prefetch = announced.append
+        assert store.disk.reader.direct  # /tmp takes O_DIRECT
+        assert store.copier.load_blocks(LoadJob("d", keys[:2], [4, 5], 1e18)) == []
+        assert announced == []
+        store.disk.reader.direct = False
         first = LoadJob("a", keys[:2], [4, 5], 1e18)
         second = LoadJob("b", keys[2:], [6, 7], 1e18)
         store.next_load = lambda: second  # queued behind the first
@@ -406,3 +412,58 @@ def test_runs_spread_over_segments_take_one_read_per_piece(tmp_path):
         store.check_integrity()
     finally:
         store.close()
+
+
+def _uncache(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("bb,aligned", [(BB, False), (4096, True), (4096, False)])
+def test_cold_blocks_come_by_o_direct_and_cached_ones_from_the_page_cache(tmp_path, bb, aligned):
+    """segment_reads.py: blocks the page cache holds are read straight in; the rest by
+    one O_DIRECT read (staged, or straight into page-aligned blocks of whole pages);
+    a file system without O_DIRECT reads buffered. Bytes and checks are the same."""
+    disk = DiskTier(str(tmp_path), "e0", 1 << 22, bb, _fp(), lambda k: False)
+    rng = np.random.default_rng(bb)
+    items = {bytes([i]) * 4: rng.integers(0, 255, bb, dtype=np.uint8) for i in range(6)}
+    name = _segment(disk, items)
+    seg, _ = disk.locate(next(iter(items)))
+    rows = aligned_row(6 * bb + 64)[0 if aligned else 64 :][: 6 * bb].reshape(6, bb)
+    want = list(items.values())
+    seen: list[str] = []
+    direct, cached = disk.reader._direct, disk.reader._cached
+    disk.reader._direct = lambda *a: seen.append("direct") or direct(*a)
+
+    def spy(*a):
+        n = cached(*a)
+        seen.append(f"cached {n}")
+        return n
+
+    disk.reader._cached = spy
+    for state in ("cold", "first cached", "warm", "buffered"):
+        rows[:] = 0
+        _uncache(disk.path_of(name))
+        if state == "first cached":
+            fd = os.open(disk.path_of(name), os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no read-ahead
+            os.pread(fd, bb, seg.offset(0, bb))  # only block 0's page
+            os.close(fd)
+        elif state == "warm":
+            open(disk.path_of(name), "rb").read()
+        elif state == "buffered":
+            disk.reader.direct = False
+        seen.clear()
+        assert disk.read_piece(seg, 0, list(rows)) == [True] * 6, state
+        assert all((r == w).all() for r, w in zip(rows, want, strict=True)), state
+        if state == "warm":
+            assert seen == ["cached 6"]
+        elif state == "first cached":
+            assert seen == ["cached 1", "direct"]
+        elif state == "cold":
+            assert seen == ["cached 0", "direct"]
+    assert not disk.reader.direct
