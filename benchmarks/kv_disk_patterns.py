@@ -70,7 +70,12 @@ class Layouts:
     def _bufs(self, num_bytes: int) -> list[mmap.mmap]:
         bufs = getattr(self.local, "bufs", None)
         if bufs is None or len(bufs[1]) < num_bytes:  # mmap: page-aligned
-            bufs = self.local.bufs = [mmap.mmap(-1, PAGE), mmap.mmap(-1, num_bytes)]
+            # private and on huge pages where the kernel allows, as the engine's CPU KV
+            # cache is (workers/runner/kv_cache.py): O_DIRECT pins each page it lands
+            # in, and the shared 4 KiB pages of mmap's default halved those reads
+            big = mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            big.madvise(mmap.MADV_HUGEPAGE)
+            bufs = self.local.bufs = [mmap.mmap(-1, PAGE), big]
         return bufs
 
     def _per_file(self, path: str, flags: int) -> None:
