@@ -184,18 +184,23 @@ class DiskTier:
         """Index every segment from its header pages; a block past the end of a file
         cut short is left out, a file with no usable block or header is removed."""
         found = seg_files.scan(self._dir, self.block_bytes, self.fp_id)
-        for _, name, keys, checks, hlen, size in found:
+        # newest first: a key in two segments was stored again after its older copy was
+        # dropped (a failed checksum), so the older copy is a hole
+        kept = []
+        for _, name, keys, checks, hlen, size in reversed(found):
             seg = Segment(name, keys, checks, hlen, size)
             for slot, key in enumerate(keys):
                 whole = hlen + slot * self.stride + self.block_bytes <= size
                 if whole and key not in self.index:
                     self.index[key] = (seg, slot)
                     seg.live.add(slot)
-            if not seg.live:
+            if seg.live:
+                kept.append(seg)
+            else:
                 self._unlink(seg)
-                continue
-            self.segments[name] = seg
-            self.used_bytes += size
+        for seg in reversed(kept):  # least recently used (oldest) first
+            self.segments[seg.name] = seg
+            self.used_bytes += seg.size
         self.num_reindexed = len(self.index)
         while self.used_bytes > self.capacity_bytes and self._evict_one():
             pass

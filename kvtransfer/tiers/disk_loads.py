@@ -1,12 +1,12 @@
 """A CPU load's disk blocks as pieces: each run of the load's blocks that sits
-consecutively in one segment file is read with one ``preadv`` straight into its device
-blocks (``DiskTier.read_piece``), by the tier thread or, with ``disk_readers`` > 1, by
-reader threads at once.
+consecutively in one segment file is one piece, read with one read
+(``DiskTier.read_piece``, segment_reads.py: cached blocks buffered, the rest with one
+O_DIRECT read), by the tier thread or, with ``disk_readers`` > 1, by reader threads at
+once.
 
 With reader threads a long run is cut into pieces of at least ``MIN_PIECE`` blocks so
-that every reader has one (the kernel then has several sequential streams in flight);
-with one reader a run is one piece up to ``MAX_PIECE`` blocks (two ``iovec`` a block at
-most, under the kernel's 1024).
+that every reader has one; a piece is at most ``MAX_PIECE`` blocks (two ``iovec`` a
+block at most, under the kernel's 1024) and at most what one staged read holds.
 """
 
 from __future__ import annotations

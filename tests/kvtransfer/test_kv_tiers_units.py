@@ -467,3 +467,24 @@ def test_cold_blocks_come_by_o_direct_and_cached_ones_from_the_page_cache(tmp_pa
         elif state == "cold":
             assert seen == ["cached 0", "direct"]
     assert not disk.reader.direct
+
+
+def test_file_block_reads_one_cold_block_of_a_segment_for_the_cuda_path(tmp_path):
+    """``TierCopier.file_block`` (what device_copies.py's CUDA loads call): one block of
+    a segment read into the copier's page-aligned row and checked; here on CPU, cold."""
+    store = TierStore(TierConfig(disk_dir=str(tmp_path), disk_bytes=1 << 22, engine_id="u"))
+    kv = torch.arange(4 * 1024, dtype=torch.float32).reshape(4, 1, 2, 16, 2, 16)  # 4 KiB
+    store.open(kv, (0, 1, 2, 3, 4, 5))
+    try:
+        want = kv.reshape(4, -1).view(torch.uint8).clone()
+        keys = [bytes([i]) * 8 for i in range(3)]
+        store.submit_stores([StoreJob(i, k) for i, k in enumerate(keys)])
+        assert store.flush(10)
+        (seg,) = store.disk.segments.values()
+        _uncache(store.disk.path(seg))
+        for i in (2, 0):
+            block = store.copier.file_block(keys[i])
+            assert torch.equal(block, want[i]) and block.data_ptr() % 4096 == 0
+        store.check_integrity()
+    finally:
+        store.close()

@@ -46,18 +46,19 @@ def settle(llm: LLM) -> None:
     llm.engine.check_integrity()
 
 
-def flip_every_block(root) -> int:
-    """Flip a byte in every block of every segment file under ``root`` (the header
-    pages left intact): the number of blocks flipped."""
+def flip_every_block(root, slots: set[int] | None = None) -> int:
+    """Flip a byte in every block (or in the blocks at ``slots``) of every segment file
+    under ``root``, the header pages left intact: the number of blocks flipped."""
     n = 0
     for f in sorted(root.rglob("*.kvs")):
         data = bytearray(f.read_bytes())
         count, bb, hlen = struct.unpack_from("<III", data, 8)  # segments.py's header
         stride = -(-bb // 4096) * 4096
         for slot in range(count):
-            data[hlen + slot * stride + bb - 5] ^= 0xFF
+            if slots is None or slot in slots:
+                data[hlen + slot * stride + bb - 5] ^= 0xFF
+                n += 1
         f.write_bytes(bytes(data))
-        n += count
     return n
 
 
@@ -254,6 +255,38 @@ def test_corrupted_blocks_are_misses_never_wrong_tokens(tmp_path):
         assert all(r.num_cached_tokens <= 48 for r in got)
         settle(llm)
         assert tiers(llm).stats()["load_failures"] > 0
+
+
+def test_a_corrupted_block_inside_a_segment_is_a_miss_while_its_neighbours_load(tmp_path):
+    """One prompt's 4 full blocks are one segment. With its second block flipped, a
+    fresh engine loads the first, recomputes from the second (same tokens) and stores
+    that block again in a new segment; the next fresh engine re-indexes both segments
+    (the newer copy wins over the hole) and loads all four: the blocks after the bad one
+    stayed indexed."""
+    prompt = prompts_with_shared_prefixes(1)
+    want = reference("tiny", prompt)
+    kw = dict(host_blocks=0, disk_blocks=64, num_kv_blocks=32)
+    with tiered("tiny", tmp_path, **kw) as llm:
+        llm.generate(prompt_token_ids=prompt, sampling_params=SP)
+        settle(llm)
+        assert len(tiers(llm).disk.segments) == 1
+    assert flip_every_block(tmp_path / "kv", slots={1}) == 1
+    with tiered("tiny", tmp_path, **kw) as llm:
+        assert tiers(llm).disk.num_reindexed == 4
+        (r,) = llm.generate(prompt_token_ids=prompt, sampling_params=SP)
+        assert r.token_ids == want[0] and r.num_cached_tokens == 16
+        settle(llm)
+        stats = tiers(llm).stats()
+        assert stats["load_failures"] == 1 and stats["disk_hits"] == 1, stats
+        assert stats["disk_stored_blocks"] == 1 and len(tiers(llm).disk.segments) == 2
+    with tiered("tiny", tmp_path, **kw) as llm:
+        disk = tiers(llm).disk
+        assert disk.num_reindexed == 4 and len(disk.segments) == 2
+        (r,) = llm.generate(prompt_token_ids=prompt, sampling_params=SP)
+        assert r.token_ids == want[0] and r.num_cached_tokens == 64
+        settle(llm)
+        stats = tiers(llm).stats()
+        assert stats["disk_hits"] == 4 and stats.get("load_failures", 0) == 0, stats
 
 
 def test_disk_full_stops_stores_and_service_goes_on(tmp_path, monkeypatch):
