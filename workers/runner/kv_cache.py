@@ -166,7 +166,7 @@ def allocate_kv_cache(
     logical = (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)
     order = STORAGE_ORDER[layout]
     shape = [logical[i] for i in order]
-    if device.type == "cpu":
+    if torch.device(device).type == "cpu":
         storage = page_aligned_zeros(shape, dtype)
     else:
         storage = torch.zeros(shape, dtype=dtype, device=device)
