@@ -15,9 +15,10 @@ Host (CPU): each round measures, back to back in the same seconds (the box's loa
   On a shared box the same ratio is also given in thread CPU time (the tier thread's
   against the copying thread's), which time spent waiting for a core does not count.
 Host (CUDA): the ceiling is PCIe, one pinned->device ``copy_`` of it all.
-Disk: each round loads the blocks from cold files (their pages dropped), again with the
-  files in the page cache (the tier's own cost), then reads one file of the same bytes
-  sequentially, cold (the ceiling).
+Disk: each round loads the blocks from cold segment files (their pages dropped), again
+  with the files read into the page cache (the tier's own cost), then reads one file of
+  the same bytes sequentially, cold (the ceiling). The KV cache is page-aligned, as the
+  engine allocates it on CPU, so cold blocks land by O_DIRECT straight in.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import xxhash
 
 from tandem.kvtransfer.tiers.config import TierConfig
 from tandem.kvtransfer.tiers.store import LoadJob, StoreJob, TierStore
+from tandem.workers.runner.kv_cache import page_aligned_zeros
 
 
 def _drop_cache(path: Path) -> None:
@@ -202,11 +204,14 @@ def disk_row(
     try:
         store_gbs = total / _store_all(store, keys, b"") / 1e9
         for _ in range(repeats):
-            for p in store.disk.root.rglob("*.kvb"):
+            for p in store.disk.root.rglob("*.kvs"):
                 _drop_cache(p)
             loads.append(total / _load_all(store, keys, num_blocks) / 1e9)
-            # the same loads again, the files now in the page cache: the tier's own
-            # cost (system calls, checksums, the copies) without the device's
+            # the same loads again, the files now in the page cache (read into it
+            # first: the cold loads read with O_DIRECT, past it): the tier's own cost
+            # (system calls, checksums, the copies) without the device's
+            for p in store.disk.root.rglob("*.kvs"):
+                p.read_bytes()
             warms.append(total / _load_all(store, keys, num_blocks) / 1e9)
             # the disk's ceiling right after the loads (the box's load drifts)
             ceilings.append(_seq_read_gbs(src, tmp))
@@ -224,6 +229,8 @@ def copy_part(
     """Print both tables."""
     layers = block_bytes // (2 * 16 * 8 * 64 * 2)
     kv = torch.randn(num_blocks, layers, 2, 16, 8, 64).to(torch.bfloat16).to(device)
+    if device == "cpu":  # page-aligned, as the engine allocates it (workers/runner/kv_cache.py)
+        kv = page_aligned_zeros(list(kv.shape), kv.dtype).copy_(kv)
     keys = [i.to_bytes(4, "little") * 8 for i in range(num_blocks)]
     kib = block_bytes // 1024
     print(f"\n1. copies of {num_blocks} blocks of {kib} KiB on {device} (GB/s)")

@@ -118,7 +118,7 @@ def tier_config(cfg: Any) -> TierConfig:
 def fingerprint(config: TierConfig, dtype: str, block_shape: tuple[int, ...]) -> dict[str, Any]:
     """What a disk tier's blocks depend on: another value makes them garbage."""
     return {
-        "format": 2,  # disk.py's block files (2: the block 4 KiB-aligned in its file)
+        "format": 3,  # disk.py's files (3: segments of blocks; 2: one file a block)
         "model": config.model,
         "dtype": dtype,
         "kv_layout": config.kv_layout,

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from tandem.kvtransfer.tiers import device_copies, gather
+from tandem.kvtransfer.tiers import device_copies, disk_loads, gather
 from tandem.kvtransfer.tiers.disk import (
     DiskFull,
     TierLoadError,
@@ -39,7 +39,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DISK_FULL_RETRY_S = 60.0
-DISK = "disk"  # locate(): the block is read from the disk tier
 
 
 class TierCopier:
@@ -118,28 +117,89 @@ class TierCopier:
         return self.host_rows[slot]
 
     def store(self, job: StoreJob) -> None:
+        self.store_batch([job])
+
+    def store_batch(self, jobs: list[StoreJob]) -> None:
+        """Copy a batch of device blocks into the host tier (each its slot) and onto
+        disk (together: one segment file, disk.py), in order."""
+        s = self.owner
+        host, disk = s.host, s.disk
+        assert s.kv is not None
+        slots: dict[int, int | None] = {}  # job index -> host slot (None: no host copy)
+        disk_keys: list[bytes] = []
+        with s.lock:
+            for i, job in enumerate(jobs):
+                if job.cancelled:  # evicted before its copy began
+                    s.counters["store_cancelled"] += 1
+                    s.forget(job)
+                    continue
+                slots[i] = host.reserve() if host is not None and job.key not in host else None
+                if disk is not None and job.key not in disk and job.key not in disk_keys:
+                    disk_keys.append(job.key)
+            name = None
+            if disk_keys and not self.disk_full():
+                name = disk.reserve(disk_keys)
+        writer = self._open_segment(name, disk_keys)
+        try:
+            for i, slot in slots.items():
+                writer = self._store_one(jobs[i], slot, writer)
+            if writer is not None and not writer.keys:  # every block cancelled
+                writer.abort()
+                writer = None
+            if writer is not None:
+                size = self._disk_io(lambda: disk.finish(writer))
+                if size is None:
+                    writer.abort()
+                    writer = None
+        except BaseException:
+            if writer is not None:
+                writer.abort()
+                writer = None
+            raise
+        finally:
+            with s.lock:
+                for i in slots:
+                    s.forget(jobs[i])
+                if name is not None:
+                    disk.commit(name, writer, size if writer is not None else 0)
+                    if writer is not None:
+                        s.counters["disk_stored_bytes"] += len(writer.keys) * disk.block_bytes
+                        s.counters["disk_stored_blocks"] += len(writer.keys)
+                        s.counters["disk_segments"] += 1
+
+    def _open_segment(self, name: str | None, keys: list[bytes]) -> Any:
+        if name is None:
+            return None
+        disk = self.owner.disk
+        return self._disk_io(lambda: disk.writer(name, keys))
+
+    def _disk_io(self, fn: Any) -> Any:
+        """Run one disk write step; None (and a warning, a counter) when it failed."""
+        s = self.owner
+        try:
+            return fn()
+        except DiskFull as exc:
+            self.disk_full_until = time.monotonic() + DISK_FULL_RETRY_S
+            s.counters["disk_full"] += 1
+            logger.warning(
+                "disk KV tier %s is full (%s): disk stores stop for %.0f s; service goes on",
+                s.disk.root,
+                exc,
+                DISK_FULL_RETRY_S,
+            )
+        except OSError as exc:
+            s.counters["disk_store_failures"] += 1
+            logger.warning("disk KV tier store failed: %s", exc)
+        return None
+
+    def _store_one(self, job: StoreJob, slot: int | None, writer: Any) -> Any:
+        """Copy one block to its host ``slot`` and into the segment ``writer`` (None:
+        no disk copy); the writer still in use (None after a failed write)."""
         s = self.owner
         host, disk, key, counters = s.host, s.disk, job.key, s.counters
-        assert s.kv is not None
-        with s.lock:
-            if job.cancelled:  # evicted before its copy began
-                counters["store_cancelled"] += 1
-                s.forget(job)
-                return
-            slot = None
-            if host is not None and key not in host and not job.cancelled:
-                slot = host.reserve()
-            want_disk = (
-                disk is not None
-                and key not in disk
-                and not self.disk_full()
-                and not job.cancelled
-                and disk.reserve(key)
-            )
+        want_disk = writer is not None and key in writer.capacity and key not in writer.keys
         if slot is None and not want_disk:
-            with s.lock:
-                s.forget(job)
-            return
+            return writer
         try:
             if self.stream is not None:  # CUDA: the host tier's check is the device's
                 row = host.data[slot] if slot is not None else self.staging
@@ -151,12 +211,9 @@ class TierCopier:
                 payload = self.copy_out(job.block_id, slot)
                 check = disk_check = checksum(payload)  # the bytes just copied: cached
         except BaseException:
-            with s.lock:  # give back what was reserved, then let the thread log it
-                if slot is not None:
+            if slot is not None:
+                with s.lock:  # give back what was reserved, then let the thread log it
                     host.release(slot)
-                if want_disk:
-                    disk.commit(key, False)
-                s.forget(job)
             raise
         with s.lock:
             cancelled = job.cancelled  # the block was reused: the copy may be torn
@@ -169,39 +226,11 @@ class TierCopier:
                     counters["host_stored_blocks"] += 1
             if cancelled:
                 counters["store_cancelled"] += 1
-                if want_disk:
-                    disk.commit(key, False)
-                s.forget(job)
-                return
-        if want_disk:
-            self.store_disk(key, payload, disk_check)
-        with s.lock:
-            s.forget(job)
-
-    def store_disk(self, key: bytes, payload: np.ndarray, check: int) -> None:
-        s = self.owner
-        disk, counters = s.disk, s.counters
-        ok = False
-        try:
-            disk.write(key, payload, check)
-            ok = True
-        except DiskFull as exc:
-            self.disk_full_until = time.monotonic() + DISK_FULL_RETRY_S
-            counters["disk_full"] += 1
-            logger.warning(
-                "disk KV tier %s is full (%s): disk stores stop for %.0f s; service goes on",
-                disk.root,
-                exc,
-                DISK_FULL_RETRY_S,
-            )
-        except OSError as exc:
-            counters["disk_store_failures"] += 1
-            logger.warning("disk KV tier store failed: %s", exc)
-        with s.lock:
-            disk.commit(key, ok)
-            if ok:
-                counters["disk_stored_bytes"] += payload.nbytes
-                counters["disk_stored_blocks"] += 1
+                return writer
+        if want_disk and self._disk_io(lambda: disk.add(writer, key, payload, disk_check)) is None:
+            writer.abort()
+            return None
+        return writer
 
     # ---- loads ---------------------------------------------------------------------------
 
@@ -226,11 +255,12 @@ class TierCopier:
         return checksum(self.kv_rows[block_id]) == entry.checksum
 
     def locate(self, job: LoadJob) -> tuple[list[Any], list[bytes]]:
-        """Per block of the job: its host entry, ``DISK``, or None (in no tier); and the
-        disk-only keys of the load queued next (read ahead: announced to the kernel
-        with this load's, so the device has work at the seam between two loads). One
-        lock for the job: its keys are pinned, so no tier evicts them, and only this
-        thread drops entries."""
+        """Per block of the job: its host entry, its disk place ``(segment, slot)``, or
+        None (in no tier); and the disk-only keys of the load queued next (read ahead:
+        announced to the kernel with this load's, so the device has work at the seam
+        between two loads). One lock for the job: its keys are pinned, so no tier
+        evicts them, and only this thread drops entries. The job's segments are touched
+        last block first, so the head of a prefix stays the most recently used."""
         s = self.owner
         host, disk = s.host, s.disk
         where: list[Any] = []
@@ -240,10 +270,12 @@ class TierCopier:
                 entry = host.index.get(key) if host is not None else None
                 if entry is not None:
                     host.touch(key)
-                elif disk is not None and key in disk:
-                    disk.touch(key)
-                    entry = DISK
+                elif disk is not None:
+                    entry = disk.locate(key)
                 where.append(entry)
+            for key, entry in zip(reversed(job.keys), reversed(where), strict=True):
+                if isinstance(entry, tuple):
+                    disk.touch(key)
             nxt = s.next_load()
             if nxt is not None and disk is not None:
                 ahead = [k for k in nxt.keys if k in disk and (host is None or k not in host)]
@@ -251,12 +283,10 @@ class TierCopier:
 
     def load_blocks(self, job: LoadJob) -> list[int]:
         """The job's blocks in order; the first one missing, late or bad ends the load
-        (it and the rest are recomputed). A load's cold disk files are announced to the
-        kernel at once (``posix_fadvise(WILLNEED)``: every read in flight together, the
-        device's queue deep). With reader threads (CPU, ``disk_readers`` > 1) they read
-        the disk blocks meanwhile, each file straight into its device block
-        (``DiskTier.read``, checksum verified); without, each file is read here in
-        turn, the same way. No read is
+        (it and the rest are recomputed). A load's disk blocks are read by pieces, one
+        ``preadv`` each run of them that sits consecutively in one segment
+        (disk_loads.py); its cold ranges are announced to the kernel at once
+        (``posix_fadvise(WILLNEED)``) with those of the load queued next. No read is
         left running when this returns: a late one could land in a recomputed block.
         CUDA: ``device_copies.load_blocks``."""
         if self.stream is not None:
@@ -265,19 +295,18 @@ class TierCopier:
         host, disk, counters = s.host, s.disk, s.counters
         start = time.monotonic()
         where, ahead = self.locate(job)
-        cold = [job.keys[i] for i, entry in enumerate(where) if entry is DISK]
-        if len(cold) > 1 or ahead:  # not those the load before announced
+        cold = [job.keys[i] for i, entry in enumerate(where) if isinstance(entry, tuple)]
+        # buffered reads only: the kernel's read-ahead would read what O_DIRECT reads
+        if (len(cold) > 1 or ahead) and not disk.reader.direct:
             fresh = [k for k in cold if k not in self.announced] + ahead
             if fresh:
                 disk.prefetch(fresh)
         self.announced = set(ahead)
-        reads: dict[int, concurrent.futures.Future] = {}
-        if self.readers is not None and cold and not job.cancelled:
-            reads = {
-                i: self.readers.submit(disk.read, job.keys[i], self.kv_rows[job.block_ids[i]])
-                for i, entry in enumerate(where)
-                if entry is DISK
-            }
+        outs = [self.kv_rows[b] for b in job.block_ids]
+        cap = disk.reader.max_blocks if disk is not None else 1
+        pieces, piece_of = disk_loads.plan(where, s.config.disk_readers, cap)
+        if not job.cancelled:
+            disk_loads.start(disk, pieces, outs, self.readers)
         hits = {"host": 0, "disk": 0}
         try:
             for i, (key, block_id) in enumerate(zip(job.keys, job.block_ids, strict=True)):
@@ -285,30 +314,25 @@ class TierCopier:
                     counters["load_timeouts"] += 1
                     return job.block_ids[i:]
                 entry = where[i]
+                on_disk = isinstance(entry, tuple)
                 try:
                     if entry is None:
                         raise TierLoadError("block left the tiers before its load")
-                    if entry is not DISK:
+                    if not on_disk:
                         if not self.load_host(block_id, entry):
                             raise TierLoadError("host block checksum mismatch")
-                    elif i in reads:
-                        reads[i].result()
-                    else:  # straight into the block
-                        disk.read(key, self.kv_rows[block_id])
+                    elif not disk_loads.block_ok(disk, piece_of[i], i, outs):
+                        raise TierLoadError("disk block checksum mismatch")
                 except TierLoadError as exc:
                     logger.warning("KV tier load of request %s: %s; recomputing", job.req_id, exc)
                     counters["load_failures"] += 1
-                    with s.lock:
-                        if entry is DISK:
-                            disk.drop(key)
-                        elif entry is not None:
-                            host.drop(key)
+                    if entry is not None:
+                        with s.lock:
+                            (disk if on_disk else host).drop(key)
                     return job.block_ids[i:]
-                hits["disk" if entry is DISK else "host"] += 1
+                hits["disk" if on_disk else "host"] += 1
         finally:
-            for future in reads.values():
-                future.cancel()
-            concurrent.futures.wait(list(reads.values()))
+            disk_loads.settle(pieces)
             block_bytes = s.kv.shape[1]
             for medium, n in hits.items():
                 if not n:

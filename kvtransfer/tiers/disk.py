@@ -1,40 +1,41 @@
-"""The disk tier: one file per KV block under the engine's directory, its own LRU.
+"""The disk tier: segment files under the engine's directory, LRU by segment.
 
     <--kv-offloading-disk-dir>/<engine id>/
-        fingerprint.json          model, dtype, layout, block shape, block size, hash algo
-        blocks/<2 hex>/<key hex>.kvb   header page + the block's bytes
+        fingerprint.json          model, dtype, layout, block shape, block size, hash
+                                  algo, format (3: segments)
+        segments/<name>.kvs       the blocks of one store batch (segments.py)
 
-    header page  magic "TKVB", version, key length, payload length, xxh3-64 checksum,
-                 key, zeros up to the next multiple of 4 KiB
-    block        the block's bytes, at that 4 KiB boundary (format 2; format 1 put
-                 them right after the key, 56 bytes in)
+A store batch (the blocks the tier thread takes off its queue together: a step's
+newly full blocks, each request's run in order) becomes one segment file; a load reads
+each run of its blocks that sits consecutively in one segment with one ``preadv``
+straight into the device blocks (``read_piece``), then checks every block's xxh3 on its
+own: a bad block is a miss (recomputed) while the blocks before it load.
 
-A load reads a file with one ``readv`` straight into the device block: its bytes start
-on a page of the file, so the kernel's copy out of the page cache runs from a page
-boundary into a block that starts on a cache line, at matching offsets within a cache
-line (the fast case of the CPU's string copy), and no staging copy follows. The block's
-checksum is then taken on the bytes just read, still in the core's cache. The layout is
-also the one ``O_DIRECT`` needs (the block at an aligned file offset).
+Eviction is by whole segment, least recently used first (a load touches the segments
+it reads): the blocks of one segment were computed together and are mostly wanted
+together, and freeing a file frees its bytes at once, so ``used_bytes`` is what the
+files take on disk and ``--kv-offloading-disk-size`` bounds it. A block dropped on its
+own (a failed checksum, ``reset``) leaves a hole: its bytes stay counted until the last
+block of its segment goes and the file is deleted. A segment with a pinned block (a
+load reading it) is not evicted.
 
-A file is written to ``.tmp`` and renamed, so a reader sees a whole file or none;
-a file torn by a crash, flipped on disk or renamed fails its checksum (or key)
-at load: a miss, recomputed. At start the directory is re-indexed (files of the
-right size, oldest modification first as least recently used); a fingerprint
-that differs from the engine's is a start-up error naming the flag, since its
-blocks would be another model's KV.
+At start the directory is re-indexed from the segments' header pages alone (oldest
+modification first as least recently used); a fingerprint that differs from the
+engine's (another model, layout, ..., or format 2's one file per block) is a start-up
+error naming the flag, since its blocks would be another model's KV.
 
-Not thread-safe by itself: ``TierStore`` changes the index under its lock and
-reads or writes a file outside it.
+Not thread-safe by itself: ``TierStore`` changes the index under its lock and reads or
+writes files outside it (a pinned key's segment stays put).
 """
 
 from __future__ import annotations
 
 import errno
+import itertools
 import json
 import logging
 import os
-import struct
-import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
@@ -43,31 +44,22 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from tandem.kvtransfer.tiers import segments as seg_files
+from tandem.kvtransfer.tiers.config import fingerprint_id
+from tandem.kvtransfer.tiers.segment_reads import SegmentReader
+from tandem.kvtransfer.tiers.segments import PAGE, Segment, SegmentWriter, stride
+
 logger = logging.getLogger(__name__)
 
 FLAG = "--kv-offloading-disk-dir"
-_HEADER = struct.Struct("<4sHHQQ")
-_MAGIC = b"TKVB"
-_VERSION = 2  # the fingerprint's "format" (config.py): another is a mismatch
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
-PAGE = 4096
+MAX_SEGMENT_BLOCKS = 64  # 16 MiB of 256 KiB blocks: one read per run, still fine-grained LRU
+_names = itertools.count()
 
 
-def header_bytes(key_len: int) -> int:
-    """A block file's header page(s): the header and key, padded to a page."""
-    return -(-(_HEADER.size + key_len) // PAGE) * PAGE
-
-
-def _rest(buffers: list[memoryview], n: int) -> list[memoryview]:
-    """What of ``buffers`` a read of ``n`` bytes left unfilled."""
-    out = []
-    for b in buffers:
-        if n >= len(b):
-            n -= len(b)
-        else:
-            out.append(b[n:])
-            n = 0
-    return out
+def header_bytes(num_keys: int, key_len: int = 32) -> int:
+    """A segment's header pages for ``num_keys`` keys of ``key_len`` bytes."""
+    return seg_files.header_bytes([bytes(key_len)] * num_keys)
 
 
 def checksum(data: Any) -> int:
@@ -109,6 +101,16 @@ class TierLoadError(Exception):
     """A block could not be read back whole: missing, torn, or its checksum differs."""
 
 
+def _fail_full(fn: Callable[[], Any]) -> Any:
+    """``fn()``, its ENOSPC / EDQUOT raised as DiskFull."""
+    try:
+        return fn()
+    except OSError as exc:
+        if exc.errno in _FULL_ERRNOS:
+            raise DiskFull(exc.errno, str(exc)) from exc
+        raise
+
+
 class DiskTier:
     medium = "disk"
 
@@ -122,27 +124,32 @@ class DiskTier:
         is_pinned: Callable[[bytes], bool],
     ) -> None:
         self.root = Path(directory) / engine_id
-        self._blocks = str(self.root / "blocks")
+        self._dir = str(self.root / "segments")
         self.block_bytes = block_bytes
-        self.file_bytes = 0  # set per key length on the first write / scan
+        self.stride = stride(block_bytes)
         self.capacity_bytes = capacity_bytes
         self.fingerprint = fingerprint
+        self.fp_id = fingerprint_id(fingerprint)
         self._is_pinned = is_pinned
-        self.index: OrderedDict[bytes, int] = OrderedDict()  # key -> file size
-        self.used_bytes = 0
-        self.writing: set[bytes] = set()
-        self.num_evictions = 0
+        # the most blocks a store batch puts in one segment: at most an eighth of the
+        # tier, so that evicting one segment never empties it
+        self.max_blocks = max(1, min(MAX_SEGMENT_BLOCKS, capacity_bytes // (8 * self.stride)))
+        self.index: dict[bytes, tuple[Segment, int]] = {}  # key -> (segment, slot)
+        self.segments: OrderedDict[str, Segment] = OrderedDict()  # least recent first
+        self.used_bytes = 0  # the segments' files, and the reservations being written
+        self.writing: dict[str, int] = {}  # segment name -> bytes reserved
+        self.num_evictions = 0  # blocks
         self.num_reindexed = 0
         # TierStore: (medium, key, stored) on every index change (KV events)
         self.on_change: Callable[[str, bytes, bool], None] | None = None
-        self._staging = threading.local()  # read(): each reader thread's own row
+        self.reader = SegmentReader(block_bytes, aligned_row, copy_bytes, checksum)
         self._open()
 
     # ---- start-up ------------------------------------------------------------------
 
     def _open(self) -> None:
         try:
-            (self.root / "blocks").mkdir(parents=True, exist_ok=True)
+            Path(self._dir).mkdir(parents=True, exist_ok=True)
             probe = self.root / ".probe"
             probe.write_bytes(b"ok")
             probe.unlink()
@@ -174,197 +181,219 @@ class DiskTier:
         self._reindex()
 
     def _reindex(self) -> None:
-        found = []
-        for path in (self.root / "blocks").glob("*/*"):
-            if path.suffix == ".tmp":
-                path.unlink(missing_ok=True)  # a write cut short by a crash
-                continue
-            if path.suffix != ".kvb":
-                continue
-            try:
-                key = bytes.fromhex(path.stem)
-                st = path.stat()
-            except (ValueError, OSError):
-                continue
-            if st.st_size != self.file_size(key):
-                path.unlink(missing_ok=True)
-                continue
-            found.append((st.st_mtime_ns, key, st.st_size))
-        for _, key, size in sorted(found):
-            self.index[key] = size
-            self.used_bytes += size
+        """Index every segment from its header pages; a block past the end of a file
+        cut short is left out, a file with no usable block or header is removed."""
+        found = seg_files.scan(self._dir, self.block_bytes, self.fp_id)
+        # newest first: a key in two segments was stored again after its older copy was
+        # dropped (a failed checksum), so the older copy is a hole
+        kept = []
+        for _, name, keys, checks, hlen, size in reversed(found):
+            seg = Segment(name, keys, checks, hlen, size)
+            for slot, key in enumerate(keys):
+                whole = hlen + slot * self.stride + self.block_bytes <= size
+                if whole and key not in self.index:
+                    self.index[key] = (seg, slot)
+                    seg.live.add(slot)
+            if seg.live:
+                kept.append(seg)
+            else:
+                self._unlink(seg)
+        for seg in reversed(kept):  # least recently used (oldest) first
+            self.segments[seg.name] = seg
+            self.used_bytes += seg.size
         self.num_reindexed = len(self.index)
         while self.used_bytes > self.capacity_bytes and self._evict_one():
             pass
         if self.index:
-            logger.info("disk KV tier %s: %d blocks re-indexed", self.root, len(self.index))
+            logger.info(
+                "disk KV tier %s: %d blocks in %d segments re-indexed",
+                self.root,
+                len(self.index),
+                len(self.segments),
+            )
 
     # ---- index (under TierStore's lock) ----------------------------------------------
 
     def __contains__(self, key: bytes) -> bool:
         return key in self.index
 
-    def path(self, key: bytes) -> Path:
-        return Path(self.file_name(key))
+    def path(self, seg: Segment) -> str:
+        return f"{self._dir}/{seg.name}"
 
-    def file_name(self, key: bytes) -> str:
-        """``path`` as a string, without pathlib (a load opens one a block: pathlib's
-        joins cost more than the open)."""
-        h = key.hex()
-        return f"{self._blocks}/{h[:2]}/{h}.kvb"
-
-    def file_size(self, key: bytes) -> int:
-        return header_bytes(len(key)) + self.block_bytes
+    def locate(self, key: bytes) -> tuple[Segment, int] | None:
+        """Where ``key``'s block sits: its segment and slot."""
+        return self.index.get(key)
 
     def touch(self, key: bytes) -> None:
-        self.index.move_to_end(key)
+        where = self.index.get(key)
+        if where is not None:
+            self.segments.move_to_end(where[0].name)
 
     def _evict_one(self) -> bool:
-        victim = next((k for k in self.index if not self._is_pinned(k)), None)
-        if victim is None:
+        """Remove the least recently used segment none of whose blocks is pinned."""
+        for seg in self.segments.values():
+            if not any(self._is_pinned(seg.keys[s]) for s in seg.live):
+                break
+        else:
             return False
-        self.used_bytes -= self.index.pop(victim)
-        self.path(victim).unlink(missing_ok=True)
-        self.num_evictions += 1
-        self._changed(victim, False)
+        self.num_evictions += len(seg.live)
+        for slot in sorted(seg.live):
+            del self.index[seg.keys[slot]]
+            self._changed(seg.keys[slot], False)
+        seg.live.clear()
+        self._free(seg)
         return True
+
+    def _free(self, seg: Segment) -> None:
+        del self.segments[seg.name]
+        self.used_bytes -= seg.size
+        self._unlink(seg)
+
+    def _unlink(self, seg: Segment) -> None:
+        try:
+            os.unlink(self.path(seg))
+        except FileNotFoundError:
+            pass
 
     def _changed(self, key: bytes, stored: bool) -> None:
         if self.on_change is not None:
             self.on_change(self.medium, key, stored)
 
-    def reserve(self, key: bytes) -> bool:
-        """Make room for one more file (evicting least recently used ones); False when
-        the pinned files fill the tier."""
-        size = self.file_size(key)
+    def reserve(self, keys: list[bytes]) -> str | None:
+        """Make room for a segment of ``keys`` (evicting least recently used segments):
+        the new segment's name, or None when pinned blocks fill the tier."""
+        size = seg_files.segment_bytes(keys, self.block_bytes)
         while self.used_bytes + size > self.capacity_bytes:
             if not self._evict_one():
-                return False
+                return None
+        name = f"{time.time_ns():016x}-{next(_names):06d}{seg_files.SUFFIX}"
         self.used_bytes += size
-        self.writing.add(key)
-        return True
+        self.writing[name] = size
+        return name
 
-    def commit(self, key: bytes, ok: bool) -> None:
-        self.writing.discard(key)
-        size = self.file_size(key)
-        if ok and key not in self.index:
-            self.index[key] = size
-            self._changed(key, True)
-        else:
-            self.used_bytes -= size
+    def commit(self, name: str, writer: SegmentWriter | None, size: int = 0) -> None:
+        """A reserved segment is written (``writer``: its keys and checksums, ``size``
+        its bytes on disk) or abandoned (None); its blocks join the index, save those
+        another segment already holds (holes)."""
+        self.used_bytes -= self.writing.pop(name)
+        if writer is None or not writer.keys:
+            if writer is not None:
+                self._unlink(Segment(name, [], [], 0, 0))
+            return
+        seg = Segment(name, writer.keys, writer.checks, writer.header, size)
+        for slot, key in enumerate(writer.keys):
+            if key not in self.index:
+                self.index[key] = (seg, slot)
+                seg.live.add(slot)
+                self._changed(key, True)
+        self.used_bytes += size
+        self.segments[name] = seg
+        if not seg.live:
+            self._free(seg)
 
     def drop(self, key: bytes) -> None:
-        size = self.index.pop(key, None)
-        if size is not None:
-            self.used_bytes -= size
-            self.path(key).unlink(missing_ok=True)
-            self._changed(key, False)
+        """Forget one block (its bytes stay counted until its segment empties)."""
+        where = self.index.pop(key, None)
+        if where is None:
+            return
+        seg, slot = where
+        seg.live.discard(slot)
+        self._changed(key, False)
+        if not seg.live:
+            self._free(seg)
 
     # ---- files (outside the lock) -------------------------------------------------------
 
-    def write(self, key: bytes, payload: np.ndarray, check: int) -> None:
-        """Write one block's file; DiskFull when the file system is full."""
-        path = self.path(key)
-        tmp = path.with_suffix(".tmp")
-        header = _HEADER.pack(_MAGIC, _VERSION, len(key), payload.nbytes, check) + key
-        header += bytes(header_bytes(len(key)) - len(header))
-        try:
-            path.parent.mkdir(exist_ok=True)
-            self._write_file(tmp, header, payload)
-            os.replace(tmp, path)
-        except OSError as exc:
-            tmp.unlink(missing_ok=True)
-            if exc.errno in _FULL_ERRNOS:
-                raise DiskFull(exc.errno, str(exc)) from exc
-            raise
+    def writer(self, name: str, keys: list[bytes]) -> SegmentWriter:
+        """Open a reserved segment for writing (room in its header for ``keys``);
+        DiskFull when the file system is full, OSError otherwise."""
+        return _fail_full(lambda: SegmentWriter(self.path_of(name), keys, self.block_bytes))
 
-    @staticmethod
-    def _write_file(path: Path, header: bytes, payload: np.ndarray) -> None:
-        with open(path, "wb") as f:
-            f.write(header)
-            f.write(memoryview(payload))
+    def path_of(self, name: str) -> str:
+        return f"{self._dir}/{name}"
 
-    def _head(self, hlen: int) -> tuple[memoryview, memoryview]:
-        """This thread's buffers for ``read``: a header page and one byte past a block."""
-        head = getattr(self._staging, "head", None)
-        if head is None or len(head[0]) != hlen:
-            head = self._staging.head = (memoryview(aligned_row(hlen)), memoryview(bytearray(1)))
-        return head
+    def add(self, writer: SegmentWriter, key: bytes, payload: np.ndarray, check: int) -> bool:
+        _fail_full(lambda: writer.add(key, payload, check))
+        return True
+
+    def finish(self, writer: SegmentWriter) -> int:
+        return _fail_full(lambda: writer.finish(self.fp_id))
 
     def prefetch(self, keys: list[bytes]) -> None:
-        """Ask the kernel to start reading these blocks' files now, all at once (a cold
-        load then overlaps its reads instead of waiting for each file in turn)."""
+        """Ask the kernel to start reading these blocks now, each run of them in one
+        segment as one range (a cold load then overlaps its reads)."""
+        for seg, first, count in self.pieces(keys):
+            self.advise(seg, first, count)
+
+    def advise(self, seg: Segment, first: int, count: int) -> None:
+        try:
+            fd = os.open(self.path(seg), os.O_RDONLY)
+        except OSError:
+            return
+        try:
+            at = seg.offset(first, self.block_bytes)
+            os.posix_fadvise(fd, at, count * self.stride, os.POSIX_FADV_WILLNEED)
+        finally:
+            os.close(fd)
+
+    def pieces(self, keys: list[bytes]) -> list[tuple[Segment, int, int]]:
+        """``keys`` (in order) as runs that sit consecutively in one segment: (segment,
+        first slot, count) each; keys no longer indexed are left out."""
+        out: list[list[Any]] = []
         for key in keys:
-            try:
-                fd = os.open(self.file_name(key), os.O_RDONLY)
-            except OSError:
+            where = self.index.get(key)
+            if where is None:
                 continue
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-            finally:
-                os.close(fd)
+            seg, slot = where
+            last = out[-1] if out else None
+            if last is not None and last[0] is seg and last[1] + last[2] == slot:
+                last[2] += 1
+            else:
+                out.append([seg, slot, 1])
+        return [(s, f, c) for s, f, c in out]
+
+    def read_piece(self, seg: Segment, first: int, outs: list[np.ndarray]) -> list[bool]:
+        """Read ``len(outs)`` consecutive blocks of ``seg`` from ``first`` into ``outs``
+        (uint8, block_bytes each: device blocks) with one read (segment_reads.py: what
+        the page cache holds straight in, the rest with one O_DIRECT read), checking
+        each: per block, whether its xxh3 matches (a False block holds garbage: it is
+        recomputed). TierLoadError when the read fails."""
+        try:
+            return self.reader.read(self.path(seg), seg, first, outs)
+        except (OSError, ValueError) as exc:
+            raise TierLoadError(f"disk segment unreadable: {exc}") from exc
 
     def read(self, key: bytes, out: np.ndarray) -> None:
-        """Read a block's file straight into ``out`` (uint8, block_bytes: the device
-        block itself; on failure its bytes are garbage, and the block is recomputed):
-        one ``readv`` into this thread's header page, ``out`` and a byte past it (a
-        longer file is torn), then the checks. TierLoadError when the file is missing,
-        of another key, torn or fails its checksum."""
-        hlen = header_bytes(len(key))
-        head, tail = self._head(hlen)
-        self._readv(key, [head, memoryview(out), tail], hlen + self.block_bytes)
-        self._check(key, head, out)
-
-    def row_bytes(self, key: bytes) -> int:
-        """The staging row ``read_file`` needs for ``key``'s file."""
-        return self.file_size(key) + 1
-
-    def read_file(self, key: bytes, row: Any) -> np.ndarray:
-        """Read a block's file whole into ``row`` (uint8, page-aligned, ``row_bytes``
-        long; CUDA: a pinned row, copied to the device from there), check it, and
-        return the block's bytes: a page-aligned view of ``row``. TierLoadError as
-        ``read``."""
-        hlen = header_bytes(len(key))
-        want = hlen + self.block_bytes
-        view = memoryview(row)[: want + 1]  # a byte past the block: a longer file is torn
-        self._readv(key, [view], want)
-        block = np.frombuffer(view[hlen:want], dtype=np.uint8)
-        self._check(key, view, block)
-        return block
-
-    def _readv(self, key: bytes, buffers: list[memoryview], want: int) -> None:
-        """Fill ``buffers`` from ``key``'s file: exactly ``want`` bytes, or TierLoadError.
-        One ``readv`` a file (plus one per short read): three system calls a block, no
-        Python file object."""
-        try:
-            fd = os.open(self.file_name(key), os.O_RDONLY)
-            try:
-                n = os.readv(fd, buffers)
-                while 0 < n < want:  # a short read: go on reading
-                    more = os.readv(fd, _rest(buffers, n))
-                    if not more:
-                        break
-                    n += more
-            finally:
-                os.close(fd)
-        except OSError as exc:
-            raise TierLoadError(f"disk block unreadable: {exc}") from exc
-        if n != want:
-            raise TierLoadError("disk block file has the wrong size")
-
-    def _check(self, key: bytes, head: memoryview, block: np.ndarray) -> None:
-        magic, version, key_len, length, check = _HEADER.unpack_from(head)
-        if (magic, version, length) != (_MAGIC, _VERSION, self.block_bytes):
-            raise TierLoadError("disk block file header is not ours")
-        if head[_HEADER.size : _HEADER.size + len(key)] != key or key_len != len(key):
-            raise TierLoadError("disk block file holds another block")
-        if checksum(block) != check:  # the bytes just read: in the core's cache
+        """Read one block straight into ``out``; TierLoadError when it is gone or bad."""
+        where = self.index.get(key)
+        if where is None:
+            raise TierLoadError("disk block left the index")
+        if not self.read_piece(where[0], where[1], [out])[0]:
             raise TierLoadError("disk block checksum mismatch")
 
+    def row_bytes(self, key: bytes) -> int:
+        """The staging row ``read_file`` needs."""
+        return self.stride
+
+    def read_file(self, key: bytes, row: Any) -> np.ndarray:
+        """Read a block into ``row`` (uint8, page-aligned, ``row_bytes`` long; CUDA: a
+        pinned row, copied to the device from there), check it, and return the block's
+        bytes: a page-aligned view of ``row``. TierLoadError as ``read``."""
+        block = np.asarray(row)[: self.block_bytes]
+        self.read(key, block)
+        return block
+
     def check_integrity(self) -> None:
-        total = sum(self.index.values())
-        pending = sum(self.file_size(k) for k in self.writing)
-        assert total + pending == self.used_bytes, (
-            f"disk tier accounting drift: {total}+{pending} != {self.used_bytes}"
+        files = sum(seg.size for seg in self.segments.values())
+        pending = sum(self.writing.values())
+        assert files + pending == self.used_bytes, (
+            f"disk tier accounting drift: {files}+{pending} != {self.used_bytes}"
         )
         assert self.used_bytes <= self.capacity_bytes, "disk tier over capacity"
+        live = 0
+        for seg in self.segments.values():
+            assert seg.live, f"empty segment {seg.name} kept"
+            for slot in seg.live:
+                assert self.index.get(seg.keys[slot]) == (seg, slot), "segment/index drift"
+            live += len(seg.live)
+        assert live == len(self.index), "indexed blocks outside every segment"

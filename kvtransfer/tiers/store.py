@@ -321,7 +321,7 @@ class TierStore:
                     self._wake.wait()
                 if self._stop:
                     return
-                job: Any = self._loads.popleft() if self._loads else self._stores.popleft()
+                job: Any = self._loads.popleft() if self._loads else _batch(self)
                 self._busy += 1
             try:
                 if isinstance(job, LoadJob):
@@ -335,7 +335,7 @@ class TierStore:
                         self._unpin_locked(job.keys)
                         self._done.append((job.req_id, bad))
                 else:
-                    self.copier.store(job)
+                    self.copier.store_batch(job)
             except Exception:  # noqa: BLE001 - the thread must outlive any one job
                 logger.exception("KV tier job failed")
                 self.counters["failures"] += 1
@@ -364,6 +364,20 @@ class TierStore:
                 assert not self._done, "finished tier loads nobody collected"
                 if self.host is not None and not self.pending:
                     assert not self.host.reserved, "host tier slots reserved by no store"
+
+
+def _batch(store: TierStore) -> Any:
+    """Under the lock: the next job of the store queue; a store comes with the stores
+    queued behind it (one disk segment's worth), a TP rank's load alone."""
+    job = store._stores.popleft()
+    if not isinstance(job, StoreJob):
+        return job
+    batch = [job]
+    cap = store.disk.max_blocks if store.disk is not None else 1
+    queue = store._stores
+    while len(batch) < cap and queue and isinstance(queue[0], StoreJob):
+        batch.append(queue.popleft())
+    return batch
 
 
 def forget(store: TierStore, keys: list[bytes]) -> None:

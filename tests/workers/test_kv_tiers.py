@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 
 import pytest
 
@@ -18,7 +19,7 @@ from tandem.workers.engine.llm import LLM
 
 SP = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 GIB = 1 << 30
-FILE_HEADER = header_bytes(32)  # a block file's header page (sha256 keys)
+FILE_HEADER = header_bytes(1)  # a segment's header page: budget one a block (sha256 keys)
 
 
 def prompts_with_shared_prefixes(n: int = 6, length: int = 70, vocab: int = 200) -> list[list[int]]:
@@ -43,6 +44,22 @@ def tiers(llm: LLM):
 def settle(llm: LLM) -> None:
     assert tiers(llm).flush(30), "tier stores did not drain"
     llm.engine.check_integrity()
+
+
+def flip_every_block(root, slots: set[int] | None = None) -> int:
+    """Flip a byte in every block (or in the blocks at ``slots``) of every segment file
+    under ``root``, the header pages left intact: the number of blocks flipped."""
+    n = 0
+    for f in sorted(root.rglob("*.kvs")):
+        data = bytearray(f.read_bytes())
+        count, bb, hlen = struct.unpack_from("<III", data, 8)  # segments.py's header
+        stride = -(-bb // 4096) * 4096
+        for slot in range(count):
+            if slots is None or slot in slots:
+                data[hlen + slot * stride + bb - 5] ^= 0xFF
+                n += 1
+        f.write_bytes(bytes(data))
+    return n
 
 
 def reference(model: str, prompts, **kw) -> list[list[int]]:
@@ -190,8 +207,12 @@ def test_disk_tier_survives_a_restart_and_checks_its_fingerprint(tmp_path):
             r.token_ids for r in llm.generate(prompt_token_ids=prompts, sampling_params=SP)
         ] == want
         settle(llm)
+        before = {k: (seg.name, slot) for k, (seg, slot) in tiers(llm).disk.index.items()}
+        used = tiers(llm).disk.used_bytes
     with tiered("tiny", tmp_path, **kw) as llm:  # a fresh engine: empty device cache
-        assert tiers(llm).disk.num_reindexed > 0
+        disk = tiers(llm).disk  # re-indexed from the segments' header pages
+        assert disk.num_reindexed == len(before) > 0 and disk.used_bytes == used
+        assert {k: (seg.name, slot) for k, (seg, slot) in disk.index.items()} == before
         got = llm.generate(prompt_token_ids=prompts, sampling_params=SP)
         assert [r.token_ids for r in got] == want
         assert all(r.num_cached_tokens == 64 for r in got)
@@ -210,20 +231,19 @@ def test_corrupted_blocks_are_misses_never_wrong_tokens(tmp_path):
     with tiered("tiny", tmp_path, **kw) as llm:
         llm.generate(prompt_token_ids=prompts, sampling_params=SP)
         settle(llm)
-    files = sorted((tmp_path / "kv").rglob("*.kvb"))
+        bb = block_bytes(llm)
+    flipped = flip_every_block(tmp_path / "kv")
+    files = sorted((tmp_path / "kv").rglob("*.kvs"))
     assert files
-    os.truncate(files[0], files[0].stat().st_size - 100)  # torn
-    for f in files[1:]:  # a flipped byte each
-        data = bytearray(f.read_bytes())
-        data[-5] ^= 0xFF
-        f.write_bytes(bytes(data))
+    pad = -bb % 4096  # the bytes after a block up to its page's end
+    os.truncate(files[0], files[0].stat().st_size - pad - 100)  # torn: its last block cut
     with tiered("tiny", tmp_path, **kw) as llm:
         got = llm.generate(prompt_token_ids=prompts, sampling_params=SP)
         assert [r.token_ids for r in got] == want
         settle(llm)
         stats = tiers(llm).stats()
-        # the torn file was dropped at re-index; flipped ones fail their checksum
-        assert tiers(llm).disk.num_reindexed == len(files) - 1
+        # the cut block was left out at re-index; flipped ones fail their checksum
+        assert tiers(llm).disk.num_reindexed == flipped - 1
         assert stats["load_failures"] > 0 and stats.get("disk_hits", 0) == 0, stats
     # host tier: corrupt every stored slot; loads fail their checksum and recompute
     with tiered("tiny", tmp_path, host_blocks=64, num_kv_blocks=8) as llm:
@@ -237,18 +257,51 @@ def test_corrupted_blocks_are_misses_never_wrong_tokens(tmp_path):
         assert tiers(llm).stats()["load_failures"] > 0
 
 
-def test_disk_full_stops_stores_and_service_goes_on(tmp_path):
+def test_a_corrupted_block_inside_a_segment_is_a_miss_while_its_neighbours_load(tmp_path):
+    """One prompt's 4 full blocks are one segment. With its second block flipped, a
+    fresh engine loads the first, recomputes from the second (same tokens) and stores
+    that block again in a new segment; the next fresh engine re-indexes both segments
+    (the newer copy wins over the hole) and loads all four: the blocks after the bad one
+    stayed indexed."""
+    prompt = prompts_with_shared_prefixes(1)
+    want = reference("tiny", prompt)
+    kw = dict(host_blocks=0, disk_blocks=64, num_kv_blocks=32)
+    with tiered("tiny", tmp_path, **kw) as llm:
+        llm.generate(prompt_token_ids=prompt, sampling_params=SP)
+        settle(llm)
+        assert len(tiers(llm).disk.segments) == 1
+    assert flip_every_block(tmp_path / "kv", slots={1}) == 1
+    with tiered("tiny", tmp_path, **kw) as llm:
+        assert tiers(llm).disk.num_reindexed == 4
+        (r,) = llm.generate(prompt_token_ids=prompt, sampling_params=SP)
+        assert r.token_ids == want[0] and r.num_cached_tokens == 16
+        settle(llm)
+        stats = tiers(llm).stats()
+        assert stats["load_failures"] == 1 and stats["disk_hits"] == 1, stats
+        assert stats["disk_stored_blocks"] == 1 and len(tiers(llm).disk.segments) == 2
+    with tiered("tiny", tmp_path, **kw) as llm:
+        disk = tiers(llm).disk
+        assert disk.num_reindexed == 4 and len(disk.segments) == 2
+        (r,) = llm.generate(prompt_token_ids=prompt, sampling_params=SP)
+        assert r.token_ids == want[0] and r.num_cached_tokens == 64
+        settle(llm)
+        stats = tiers(llm).stats()
+        assert stats["disk_hits"] == 4 and stats.get("load_failures", 0) == 0, stats
+
+
+def test_disk_full_stops_stores_and_service_goes_on(tmp_path, monkeypatch):
     import errno
+
+    from tandem.kvtransfer.tiers.segments import SegmentWriter
 
     prompts = prompts_with_shared_prefixes(4)
     want = reference("tiny", prompts)
     with tiered("tiny", tmp_path, host_blocks=4, disk_blocks=64, num_kv_blocks=32) as llm:
-        disk = tiers(llm).disk
 
-        def full(path, header, payload):
-            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        def full(writer, key, payload, check):  # a block's write into its segment
+            raise OSError(errno.ENOSPC, "No space left on device", writer.tmp)
 
-        disk._write_file = full
+        monkeypatch.setattr(SegmentWriter, "add", full)
         for _ in range(2):
             got = llm.generate(prompt_token_ids=prompts, sampling_params=SP)
             assert [r.token_ids for r in got] == want
@@ -256,7 +309,8 @@ def test_disk_full_stops_stores_and_service_goes_on(tmp_path):
         stats = tiers(llm).stats()
         assert stats["disk_full"] == 1 and stats["disk_blocks"] == 0  # one warning, then off
         assert stats["host_stored_blocks"] > 0
-        assert not list((tmp_path / "kv").rglob("*.tmp"))
+        assert not list((tmp_path / "kv").rglob("*.tmp"))  # the segment begun is removed
+        assert stats["disk_used_bytes"] == 0
 
 
 def test_unwritable_disk_dir_is_a_start_up_error(tmp_path):
@@ -377,7 +431,7 @@ def test_reset_prefix_cache_empties_every_tier(tmp_path):
         assert llm.engine.reset_prefix_cache()
         assert len(store.host.index) == 0 and len(store.disk.index) == 0
         assert store.disk.used_bytes == 0
-        assert not list((tmp_path / "kv").rglob("*.kvb"))  # the files are gone
+        assert not list((tmp_path / "kv").rglob("*.kvs"))  # the files are gone
         (cold,) = llm.generate(prompt_token_ids=[prompt], sampling_params=SP)
         assert cold.num_cached_tokens == 0 and cold.token_ids == first.token_ids
         settle(llm)

@@ -17,12 +17,13 @@ from tandem.workers.config import EngineConfig
 from tandem.workers.engine.llm import LLM
 from tandem.workers.parallel.messages import CMD_KV_STATS, REPLY_KV_STATS
 from tests.workers.hf_checkpoints import make_config
+from tests.workers.test_kv_tiers import flip_every_block
 
 pytestmark = pytest.mark.slow
 
 SP = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 GIB = 1 << 30
-FILE_HEADER = header_bytes(32)  # a block file's header page (sha256 keys)
+FILE_HEADER = header_bytes(1)  # a segment's header page: budget one a block (sha256 keys)
 BLOCK = 8
 
 
@@ -183,12 +184,9 @@ def test_corrupt_disk_blocks_of_one_rank_are_recomputed_on_both(checkpoint, want
     with engine(checkpoint, 2, **kw) as llm:
         assert tokens(llm, prompts[:1]) == want[:1]
         settle(llm)
-    files = sorted((tmp_path / "kv" / "engine-0.tp2-rank1").rglob("*.kvb"))
-    assert len(files) == 5  # prompt 0 and its output: 42 tokens, 5 full blocks
-    for f in files:  # a flipped byte in each of rank 1's blocks; rank 0's are intact
-        data = bytearray(f.read_bytes())
-        data[-5] ^= 0xFF
-        f.write_bytes(bytes(data))
+    # a flipped byte in each of rank 1's blocks; rank 0's are intact. Prompt 0 and its
+    # output: 42 tokens, 5 full blocks
+    assert flip_every_block(tmp_path / "kv" / "engine-0.tp2-rank1") == 5
     with engine(checkpoint, 2, **kw) as llm:  # an empty device cache: the disk is all
         (r,) = llm.generate(prompt_token_ids=prompts[:1], sampling_params=SP)
         assert r.token_ids == want[0] and r.num_cached_tokens == 0
