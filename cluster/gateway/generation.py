@@ -234,9 +234,8 @@ class Gateway:
     async def run(self, job: Job) -> AsyncIterator[Step | str]:
         """The request's steps; the last has ``finish_reason`` or ``error``.
 
-        A ``str`` step is the common token's (``Job.plain``, an output with
-        tokens and nothing else): choice 0's new text, as ``Step(text)`` would
-        carry it, without building the ``Step`` (one per streamed token).
+        A ``str`` step is the common token's (``Job.plain``): choice 0's new
+        text, ``Step(text)`` without building one per streamed token.
 
         Raises ``BackendUnavailable`` before the first step. If the consumer
         stops early (stop string, disconnect, cancellation) the request is

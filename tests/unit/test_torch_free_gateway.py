@@ -140,4 +140,5 @@ def test_the_null_backend_gateway_starts_torch_free_and_freezes_its_heap():
     assert out["torch"] is None
     assert out["frozen"] > 10 * out["tracked"]  # the startup heap is out of the collector's walk
     assert len(out["outs"]) == 3
-    assert out["enabled"] and out["threshold"] == [out["young"], 10, 10]  # the older ones as CPython's
+    # the collector still runs; its older generations keep CPython's thresholds
+    assert out["enabled"] and out["threshold"] == [out["young"], 10, 10]
