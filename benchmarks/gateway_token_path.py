@@ -1,7 +1,7 @@
 """The gateway's own CPU per streamed token, without HTTP or sockets.
 
 Drives the gateway's ASGI app (``create_app(NullBackend)``) in-process: 64
-concurrent streaming completions of 128 tokens each, one token per SSE
+(``--streams``) concurrent streaming completions of 128 tokens each, one token per SSE
 event, with a ``send`` that only counts the body events (no h11, no socket
 write). What is left is our per-token Python (``Gateway.run``, ``_step``,
 the detokenizer, the SSE delta, the metrics) plus the null backend and the
@@ -13,7 +13,7 @@ harness also drives ``serve_gateway.py``'s bare ASGI app (pre-encoded chunks, on
 loop turn per token), runs alternating: "gateway - bare" is what our code adds
 per token over an endpoint that does nothing but stream, HTTP and socket aside.
 
-Run: python benchmarks/gateway_token_path.py [--repeats 6] [--profile]
+Run: python benchmarks/gateway_token_path.py [--repeats 6] [--profile] [--streams 64]
 """
 
 from __future__ import annotations
@@ -63,24 +63,28 @@ async def stream(app, body: bytes, counts: list[int]) -> None:
     await app(scope(body), receive, send)
 
 
-def run_once(app, body: bytes, rounds: int) -> float:
-    """CPU microseconds per token over ``rounds`` x NUM_STREAMS streams."""
+def run_once(app, body: bytes, rounds: int, num_streams: int = NUM_STREAMS) -> float:
+    """CPU microseconds per token over ``rounds`` x ``num_streams`` streams."""
     counts = [0]
 
     async def main() -> None:
         for _ in range(rounds):
-            await asyncio.gather(*(stream(app, body, counts) for _ in range(NUM_STREAMS)))
+            await asyncio.gather(*(stream(app, body, counts) for _ in range(num_streams)))
 
     start = time.process_time()
     asyncio.run(main())
-    return (time.process_time() - start) / (rounds * NUM_STREAMS * NUM_TOKENS) * 1e6
+    return (time.process_time() - start) / (rounds * num_streams * NUM_TOKENS) * 1e6
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=6)
     parser.add_argument("--profile", action="store_true", help="cProfile one run, top 25")
+    parser.add_argument(
+        "--streams", type=int, default=NUM_STREAMS, help="concurrent streams (rounds scale down)"
+    )
     args = parser.parse_args()
+    rounds = max(1, ROUNDS * NUM_STREAMS // args.streams)  # the same tokens per run
     from tandem.cluster.gateway.torch_free import bar_torch
 
     bar_torch()  # the gateway's process as ``tandem serve`` sets it up: no torch, heap frozen
@@ -109,17 +113,17 @@ def main() -> int:
         import pstats
 
         with cProfile.Profile() as prof:
-            run_once(app, body, ROUNDS)
+            run_once(app, body, rounds, args.streams)
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
         return 0
     runs: dict[str, list[float]] = {"bare": [], "gateway": []}
     for _ in range(args.repeats):
-        runs["bare"].append(run_once(bare, body, ROUNDS))
-        runs["gateway"].append(run_once(app, body, ROUNDS))
+        runs["bare"].append(run_once(bare, body, rounds, args.streams))
+        runs["gateway"].append(run_once(app, body, rounds, args.streams))
     print("gateway_token_path: CPU per token in-process (ASGI, no HTTP, no socket)")
     print(f"machine: {machine()}, load average {os.getloadavg()[0]:.1f}")
     print(
-        f"workload: {NUM_STREAMS} streams x {NUM_TOKENS} tokens x {ROUNDS} rounds, "
+        f"workload: {args.streams} streams x {NUM_TOKENS} tokens x {rounds} rounds, "
         f"null backend, {args.repeats} alternating runs"
     )
     print("| app | median CPU us/token | min | max |")

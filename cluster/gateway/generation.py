@@ -231,8 +231,11 @@ class Gateway:
 
     # ---- generation ----
 
-    async def run(self, job: Job) -> AsyncIterator[Step]:
+    async def run(self, job: Job) -> AsyncIterator[Step | str]:
         """The request's steps; the last has ``finish_reason`` or ``error``.
+
+        A ``str`` step is the common token's (``Job.plain``): choice 0's new
+        text, ``Step(text)`` without building one per streamed token.
 
         Raises ``BackendUnavailable`` before the first step. If the consumer
         stops early (stop string, disconnect, cancellation) the request is
@@ -278,7 +281,7 @@ class Gateway:
                     itl.observe(now_s - last_token_s)
                     last_token_s = now_s
                     job.num_output_tokens += len(output.new_token_ids)
-                    yield Step(update(output.new_token_ids))
+                    yield update(output.new_token_ids)  # the text alone: no Step to build
                     continue
                 if output.timings is not None:
                     record.add_timings(output.timings, now_s)

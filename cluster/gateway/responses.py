@@ -123,7 +123,7 @@ class GenerationResponse(Response):
                 await _send_json(send, 500, body)
 
     async def _stream(
-        self, send: Send, body_send: Send, step: Step, steps: AsyncIterator[Step]
+        self, send: Send, body_send: Send, step: Step | str, steps: AsyncIterator[Step | str]
     ) -> None:
         """SSE: the start through ``send`` (the middleware chain), every body event
         through ``body_send`` (the server's; see ``SERVER_SEND``).
@@ -138,7 +138,18 @@ class GenerationResponse(Response):
         num_ready = self.gateway.backend.num_ready
         await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
         pending = b"".join(c for f in formatters for c in f.stream_start())
+        text_delta = formatters[0].stream_delta
         while True:
+            if step.__class__ is str:  # the common token: choice 0's text (Gateway.run)
+                if step:
+                    pending += text_delta(step, None, None)
+                if pending and not num_ready(request_id):
+                    await body_send(
+                        {"type": "http.response.body", "body": pending, "more_body": True}
+                    )
+                    pending = b""
+                step = await anext(steps)
+                continue
             if step.error is not None:
                 body = protocol.error_body(step.error, "server_error", code="engine_error")
                 tail = formatting.sse(body) + formatting.SSE_DONE
@@ -162,12 +173,18 @@ class GenerationResponse(Response):
             tail = job.formatter.stream_usage(usage) + tail
         await _send_body(body_send, pending + tail, more_body=False)
 
-    async def _collect(self, send: Send, step: Step, steps: AsyncIterator[Step]) -> None:
+    async def _collect(
+        self, send: Send, step: Step | str, steps: AsyncIterator[Step | str]
+    ) -> None:
         job = self.job
         texts: list[list[str]] = [[] for _ in job.formatters]  # per choice
         logprobs: list[list[Logprobs]] = [[] for _ in job.formatters]
         finish_reasons: list[str | None] = [None for _ in job.formatters]
         while True:
+            if step.__class__ is str:  # the common token: choice 0's text (Gateway.run)
+                texts[0].append(step)
+                step = await anext(steps)
+                continue
             if step.error is not None:
                 body = protocol.error_body(step.error, "server_error", code="engine_error")
                 await _send_json(send, 500, body)

@@ -117,11 +117,12 @@ def test_structured_output_validation_is_torch_free():
 def test_the_null_backend_gateway_starts_torch_free_and_freezes_its_heap():
     """``benchmarks/serve_gateway.py``'s gateway process, set up as ``tandem serve``'s: the
     null backend finds ``tiny`` in a child, and after ``freeze_startup_heap`` the collector
-    walks only what was allocated since (``cluster/gateway/heap.py``); the app still streams."""
+    walks only what was allocated since and its young generation waits for ``YOUNG_THRESHOLD``
+    net allocations (``cluster/gateway/heap.py``); the collector still runs; the app still streams."""
     out = run_barred(
         "import asyncio, gc\n"
         "from tandem.cluster.gateway.app import create_app\n"
-        "from tandem.cluster.gateway.heap import freeze_startup_heap\n"
+        "from tandem.cluster.gateway.heap import YOUNG_THRESHOLD, freeze_startup_heap\n"
         "from tandem.cluster.gateway.null_backend import NullBackend\n"
         "from tandem.wire.engine_protocol import EngineRequest, SamplingParams\n"
         "backend = NullBackend.tiny()\n"
@@ -133,8 +134,11 @@ def test_the_null_backend_gateway_starts_torch_free_and_freezes_its_heap():
         "    return [o.new_token_ids async for o in backend.generate(request)]\n"
         "outs = asyncio.run(main())\n"
         "print(json.dumps({'frozen': frozen, 'tracked': tracked, 'outs': outs,\n"
-        "                  'torch': sys.modules['torch']}))\n"
+        "                  'torch': sys.modules['torch'], 'threshold': gc.get_threshold(),\n"
+        "                  'young': YOUNG_THRESHOLD, 'enabled': gc.isenabled()}))\n"
     )
     assert out["torch"] is None
     assert out["frozen"] > 10 * out["tracked"]  # the startup heap is out of the collector's walk
     assert len(out["outs"]) == 3
+    # the collector still runs; its older generations keep CPython's thresholds
+    assert out["enabled"] and out["threshold"] == [out["young"], 10, 10]
