@@ -70,6 +70,7 @@ import datetime
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -78,7 +79,22 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._cpu_account import CpuAccount, cpu_line, cpu_table  # noqa: E402
-from benchmarks._sim_tables import TARGET, rel, side_by_side, table  # noqa: E402
+from benchmarks._sim_figures import (  # noqa: E402
+    PROBE_OUTPUT,
+    PROBE_PROMPT,
+    host_figures,
+    median_figures,
+    probe_spread,
+    service_figures,
+)
+from benchmarks._sim_tables import (  # noqa: E402
+    TARGET,
+    median_run,
+    rel,
+    rounds_table,
+    side_by_side,
+    spread_table,
+)
 
 CONFIGS = ((1, 1), (1, 2), (2, 1))
 # the served engines and the profiled one share these (step costs and scheduler limits)
@@ -95,7 +111,6 @@ OUTPUT_TOKENS = (16, 128)
 # printable ASCII only: every token is a character of its own (see the docstring)
 ASCII = range(32, 127)
 TINY_VOCAB = 262
-PROBE_PROMPT, PROBE_OUTPUT = 256, 32
 # on a box other sessions load, the inputs are what moves most from run to run: more
 # lone requests in the probe, and the fastest of more timed runs per profile point
 PROBE_REQUESTS, PROFILE_REPEATS = 16, 5
@@ -132,66 +147,6 @@ def write_probe(path: str, num_requests: int, gap_s: float) -> None:
             row = {"timestamp": i * gap_s * 1000.0, "input_length": PROBE_PROMPT,
                    "output_length": PROBE_OUTPUT, "hash_ids": []}  # fmt: skip
             f.write(json.dumps(row) + "\n")
-
-
-def service_figures(profile: dict, probe: dict) -> dict:
-    """``profile`` (JSON) with its ``service`` section from the probe's medians:
-    each lone request's ITL is one decode step of batch 1 plus the loop's
-    overhead; its TTFT is the path's latency plus one prefill step (with that
-    overhead). Not fitted to the trace: the probe is its own run."""
-    from tandem.cluster.planner.profile import Profile
-
-    p = Profile.from_json(profile)
-    context = PROBE_PROMPT + PROBE_OUTPUT // 2
-    overhead = max(0.0, probe["itl_ms"]["p50"] / 1000 - p.decode_s(1, context))
-    latency = max(0.0, probe["ttft_ms"]["p50"] / 1000 - p.prefill_s(PROBE_PROMPT) - overhead)
-    return {**profile, "service": {"request_latency_s": latency, "step_overhead_s": overhead}}
-
-
-def host_figures(profile: dict, probe: dict, background_cores: float | None) -> dict:
-    """``profile`` (JSON) with a ``host`` section and its ``service`` figures
-    taken apart from the contention the probe ran under.
-
-    - ``cores`` and ``engine_threads``: what ``tandem profile --shared-cores``
-      wrote (this box's cores, ``os.sched_getaffinity``; the profiled engine's
-      torch threads).
-    - ``cpu_per_token_s``: the serving path's CPU per streamed token, from the
-      probe: the gateway's process (this one: ``time.process_time``) and the
-      client's streaming loop, over the probe's output tokens, less what the
-      gateway's process burns idle (measured for ``IDLE_WINDOW_S`` before the
-      probe). It includes the per-request work (HTTP, tokenizing) spread over
-      the probe's 32 tokens.
-    - ``background_cores``: what the rest of the box (other sessions' jobs,
-      Ray's daemons) kept busy during the run being predicted: /proc/stat's
-      busy time less this service's processes (benchmarks/_cpu_account.py).
-      None: no background term (for the probe either).
-    - the ``service`` figures: the probe's lone requests ran at ``r`` = cores /
-      (engine threads + the probe's background) of their solo speed when that
-      is below 1, so the solo overhead is ITL p50 x r less the decode step,
-      and the path's latency is TTFT p50 less the (stretched) prefill step.
-    """
-    from tandem.cluster.planner.profile import Profile
-
-    # tandem profile --shared-cores wrote the cores and the engine's threads
-    base = profile.get("host") or {"cores": len(os.sched_getaffinity(0)),
-                                   "engine_threads": ENGINE["torch_threads"]}  # fmt: skip
-    cores, threads = float(base["cores"]), float(base["engine_threads"])
-    cpu = probe["cpu"]
-    client_s = probe.get("client_cpu_s", cpu["client"] * cpu["wall_s"])
-    idle = probe.get("idle_cpu", {}).get("gateway", 0.0)
-    path_cpu_s = max(0.0, cpu["gateway"] - idle) * cpu["wall_s"] + client_s
-    per_token = path_cpu_s / max(1, probe["total_output_tokens"])
-    others = 0.0 if background_cores is None else cpu["others"]
-    rate = min(1.0, cores / (threads + others))
-    p = Profile.from_json(profile)
-    context = PROBE_PROMPT + PROBE_OUTPUT // 2
-    overhead = max(0.0, probe["itl_ms"]["p50"] / 1000 * rate - p.decode_s(1, context))
-    step = (p.prefill_s(PROBE_PROMPT) + overhead) / rate
-    latency = max(0.0, probe["ttft_ms"]["p50"] / 1000 - step)
-    host = {"cores": cores, "engine_threads": threads, "cpu_per_token_s": per_token,
-            "background_cores": background_cores or 0.0}  # fmt: skip
-    service = {"request_latency_s": latency, "step_overhead_s": overhead}
-    return {**profile, "service": service, "host": host}
 
 
 def _cli(*args: str, timeout_s: float = 600) -> str:
@@ -328,14 +283,60 @@ def serve_and_replay(
     return summary, probed
 
 
+def _configs(text: str) -> list[tuple[int, int]]:
+    configs = []
+    for name in text.split(","):
+        pre, _, dec = name.strip().upper().rstrip("D").partition("P")
+        configs.append((int(pre), int(dec)))
+    return configs
+
+
+def measure_rounds(
+    configs: list[tuple[int, int]], rounds: int, trace: str, warmup: str, probe: str
+) -> tuple[dict[str, list[dict]], list[dict], dict[str, list[float]]]:
+    """``rounds`` rounds, each serving every configuration in turn (so a busy
+    minute of the shared box lands on one round of each, not on one
+    configuration); the first configuration of every round also runs the
+    probe. Per configuration its runs and the load average after each; the
+    probes."""
+    import ray
+
+    reals: dict[str, list[dict]] = {f"{p}P{d}D": [] for p, d in configs}
+    loads: dict[str, list[float]] = {n: [] for n in reals}
+    probes: list[dict] = []
+    ray.init(include_dashboard=False, log_to_driver=False)
+    try:
+        for r in range(rounds):
+            for k, (pre, dec) in enumerate(configs):
+                name = f"{pre}P{dec}D"
+                t0 = time.monotonic()
+                real, got = serve_and_replay(pre, dec, trace, warmup, probe if k == 0 else None)
+                if got is not None:
+                    probes.append(got)
+                assert real["num_failed"] == 0, real["errors"]
+                reals[name].append(real)
+                loads[name].append(os.getloadavg()[0])
+                print(
+                    f"round {r + 1} {name}: {time.monotonic() - t0:.0f} s, "
+                    f"{real['num_completed']} requests, TTFT p50 {real['ttft_ms']['p50']:.2f} ms, "
+                    f"ITL p50 {real['itl_ms']['p50']:.2f} ms, load {loads[name][-1]:.1f}; "
+                    "cores busy " + cpu_line(real["cpu"]),
+                    flush=True,
+                )
+    finally:
+        ray.shutdown()
+    return reals, probes, loads
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rate", type=float, default=2.0, help="arrivals per second of the trace")
-    p.add_argument("--num-requests", type=int, default=60)
+    p.add_argument("--num-requests", type=int, default=40, help="requests per round's trace")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of every configuration")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", help="a profile measured earlier (default: measure one now)")
     p.add_argument("--configs", default="1P1D,1P2D,2P1D")
-    p.add_argument("--save", help="keep the measured figures (profile, probe, runs) in this JSON")
+    p.add_argument("--save", help="keep the measured figures (profile, probes, runs) in this JSON")
     p.add_argument("--measured", help="predict from a JSON --save kept instead of serving")
     p.add_argument("--replay", help=argparse.SUPPRESS)  # the client process
     p.add_argument("--trace", help=argparse.SUPPRESS)
@@ -343,27 +344,25 @@ def main() -> int:
     if args.replay:
         print(json.dumps(asyncio.run(replay(args.replay, args.trace, args.seed))))
         return 0
-    configs = []
-    for name in args.configs.split(","):
-        pre, _, dec = name.upper().rstrip("D").partition("P")
-        configs.append((int(pre), int(dec)))
-
-    import ray
+    if args.rounds < 1:
+        p.error("--rounds must be >= 1")
+    configs = _configs(args.configs)
 
     from benchmarks._machine import machine
 
     started = time.monotonic()
-    loads = [os.getloadavg()[0]]
+    load0 = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         trace = os.path.join(tmp, "trace.jsonl")
         warmup = os.path.join(tmp, "warmup.jsonl")
         write_trace(trace, args.num_requests, args.rate, args.seed)
         write_trace(warmup, 6, 4.0, args.seed + 1000)
         profile = args.profile
+        kept = None
         if args.measured:
-            profile = os.path.join(tmp, "profile.json")
             with open(args.measured) as f:
                 kept = json.load(f)
+            profile = os.path.join(tmp, "profile.json")
             with open(profile, "w") as f:
                 json.dump(kept["profile"], f)
         elif profile is None:
@@ -372,102 +371,106 @@ def main() -> int:
             measure_profile(profile)
             print(f"profile measured in {time.monotonic() - t0:.0f} s", flush=True)
         with open(profile) as f:
-            measured_at = json.load(f).get("measured_at", "?")
+            engine_only = json.load(f)
+        measured_at = engine_only.get("measured_at", "?")
         probe = os.path.join(tmp, "probe.jsonl")
         write_probe(probe, PROBE_REQUESTS, 0.4)
-        reals = {}
-        probed = None
-        if args.measured:  # predict again from a run --save kept: no service started
-            reals, probed, loads = kept["real"], kept["probe"], kept["loads"]
+        if kept is not None:  # predict again from a run --save kept: no service started
+            reals, probes, loads = kept["real"], kept["probes"], kept["loads"]
+            load0 = kept.get("load0", load0)
         else:
-            ray.init(include_dashboard=False, log_to_driver=False)
-        try:
-            for pre, dec in [] if args.measured else configs:
-                name = f"{pre}P{dec}D"
-                t0 = time.monotonic()
-                want_probe = probed is None and (pre, dec) == (1, 1)
-                real, got = serve_and_replay(pre, dec, trace, warmup, probe if want_probe else None)
-                probed = probed or got
-                loads.append(os.getloadavg()[0])
-                assert real["num_failed"] == 0, real["errors"]
-                print(
-                    f"{name}: served and replayed in {time.monotonic() - t0:.0f} s, "
-                    f"{real['num_completed']} requests, load {loads[-1]:.1f}",
-                    flush=True,
-                )
-                reals[name] = real
-                print(f"{name}: cores busy " + cpu_line(real["cpu"]), flush=True)
-        finally:
-            if not args.measured:
-                ray.shutdown()
-        with open(profile) as f:
-            engine_only = json.load(f)
+            reals, probes, loads = measure_rounds(configs, args.rounds, trace, warmup, probe)
         if args.save:
             with open(args.save, "w") as f:
-                kept = {"profile": engine_only, "probe": probed, "real": reals, "loads": loads}
-                json.dump(kept, f, indent=1)
-        # per variant, per configuration: the profile to simulate with
-        variants = {"engine": {n: profile for n in reals}}
-        if probed is not None:
-            served = os.path.join(tmp, "profile-served.json")
-            with_service = service_figures(engine_only, probed)
-            svc_fig = with_service["service"]
-            with open(served, "w") as f:
-                json.dump(with_service, f)
-            variants["engine + service"] = {n: served for n in reals}
-        if probed is not None and "cpu" in probed:
-            for v, bg in (("+ shared cores", False), ("+ shared cores + background", True)):
-                variants[v] = {}
-                for n, real in reals.items():
-                    path = os.path.join(tmp, f"profile-{n}-{bg}.json")
-                    fig = host_figures(engine_only, probed, real["cpu"]["others"] if bg else None)
-                    with open(path, "w") as f:
-                        json.dump(fig, f)
-                    variants[v][n] = path
-            print(
-                "host figures: "
-                + json.dumps(fig["host"])
-                + ", service "
-                + json.dumps(fig["service"])
-            )
-        rows = {v: [] for v in variants}
-        sims = {}
-        for pre, dec in configs:
-            name = f"{pre}P{dec}D"
-            for v, paths in variants.items():
-                sims[v, name] = simulate(paths[name], trace, pre, dec)
-                rows[v].append((name, sims[v, name], reals[name]))
+                json.dump({"profile": engine_only, "probes": probes, "real": reals,
+                           "loads": loads, "load0": load0}, f, indent=1)  # fmt: skip
+        names = list(reals)
+        variants = predict_ways(tmp, profile, engine_only, probes, reals)
+        sims = {(v, n): simulate(paths[n], trace, *_configs(n)[0])
+                for v, paths in variants.items() for n in names}  # fmt: skip
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    rounds = len(next(iter(reals.values())))
+    all_loads = [x for n in names for x in loads[n]]
     print(
-        f"\nmachine: {machine()}; {now}; load average "
-        + " ".join(f"{x:.1f}" for x in loads)
-        + f"; profile measured {measured_at}; trace: {args.num_requests} requests, Poisson "
-        f"{args.rate} req/s, prompts {INPUT_TOKENS[0]}-{INPUT_TOKENS[1]}, answers "
-        f"{OUTPUT_TOKENS[0]}-{OUTPUT_TOKENS[1]} tokens, seed {args.seed}; "
+        f"\nmachine: {machine()}; {now}; load average {load0:.1f} before, "
+        f"{min(all_loads):.1f}-{max(all_loads):.1f} after each run; profile measured "
+        f"{measured_at}; trace: {args.num_requests} requests, Poisson {args.rate} req/s, prompts "
+        f"{INPUT_TOKENS[0]}-{INPUT_TOKENS[1]}, answers {OUTPUT_TOKENS[0]}-{OUTPUT_TOKENS[1]} "
+        f"tokens, seed {args.seed}; {rounds} interleaved rounds of {', '.join(names)}; "
         f"{time.monotonic() - started:.0f} s in all"
     )
-    if probed is not None:
+    if probes:
+        t, i = probe_spread(probes, "ttft_ms"), probe_spread(probes, "itl_ms")
+        svc = median_figures(engine_only, probes, service_figures)["service"]
         print(
-            f"service figures from {PROBE_PROMPT}-token lone requests on 1P1D: TTFT p50 "
-            f"{probed['ttft_ms']['p50']:.2f} ms, ITL p50 {probed['itl_ms']['p50']:.2f} ms -> "
-            f"request_latency_s {svc_fig['request_latency_s'] * 1000:.2f} ms, "
-            f"step_overhead_s {svc_fig['step_overhead_s'] * 1000:.3f} ms"
+            f"probes ({len(probes)}, {PROBE_PROMPT}-token lone requests on {names[0]}): TTFT p50 "
+            f"{t[0]:.2f} ms ({t[1]:.2f}-{t[2]:.2f}), ITL p50 {i[0]:.2f} ms ({i[1]:.2f}-{i[2]:.2f})"
+            f" -> median request_latency_s {svc['request_latency_s'] * 1000:.2f} ms, "
+            f"step_overhead_s {svc['step_overhead_s'] * 1000:.3f} ms"
         )
-    for v, vrows in rows.items():
+    print("\nmeasured p50s per round (ms):")
+    print(rounds_table(reals, loads))
+    medians = {n: median_run(reals[n]) for n in names}
+    rows = {v: [(n, sims[v, n], medians[n]) for n in names] for v in variants}
+    for v in variants:
         print(f"\nprofile: {v}")
-        print(table(vrows))
+        print(spread_table([(n, sims[v, n], reals[n]) for n in names]))
         worst = max(
             abs(rel(sim[k]["p50"], real[k]["p50"]))
-            for _, sim, real in vrows
+            for _, sim, real in rows[v]
             for k in ("ttft_ms", "itl_ms")
         )
-        print(f"worst p50 error ({v}): {worst:.1%} (target {TARGET:.0%})")
-    print("\np50 errors side by side (measured ms, then each way's error):")
+        verdict = "holds" if worst <= TARGET else "does not hold"
+        print(f"worst error of a median p50 ({v}): {worst:.1%}: {TARGET:.0%} {verdict}")
+    print("\nmedian p50 errors side by side (measured median ms, then each way's error):")
     print(side_by_side(rows))
-    if all("cpu" in r for r in reals.values()):
-        print("\ncores busy while each trace ran (benchmarks/_cpu_account.py):")
-        print(cpu_table(reals, {n: sims["engine + service", n] for n in reals}))
+    if all("cpu" in r for runs in reals.values() for r in runs):
+        print(
+            "\ncores busy while each trace ran, median of the rounds (benchmarks/_cpu_account.py):"
+        )
+        print(cpu_table(median_cpu(reals), {n: sims["engine + service", n] for n in names}))
     return 0
+
+
+def median_cpu(reals: dict[str, list[dict]]) -> dict[str, dict]:
+    """Per configuration, each CPU figure's median over its rounds (as one run)."""
+    out = {}
+    for n, runs in reals.items():
+        keys = runs[0]["cpu"]
+        out[n] = {"cpu": {k: statistics.median(r["cpu"][k] for r in runs) for k in keys}}
+    return out
+
+
+def predict_ways(
+    tmp: str, profile: str, engine_only: dict, probes: list[dict], reals: dict[str, list[dict]]
+) -> dict[str, dict[str, str]]:
+    """Per way, per configuration: the profile file to simulate with (docstring)."""
+
+    def write(name: str, obj: dict) -> str:
+        path = os.path.join(tmp, name)
+        with open(path, "w") as f:
+            json.dump(obj, f)
+        return path
+
+    variants = {"engine": {n: profile for n in reals}}
+    if not probes:
+        return variants
+    served = write("profile-served.json", median_figures(engine_only, probes, service_figures))
+    variants["engine + service"] = {n: served for n in reals}
+    if not all("cpu" in pr for pr in probes):
+        return variants
+    shared = median_figures(engine_only, probes, lambda pf, pr: host_figures(pf, pr, None))
+    host_path = write("profile-host.json", shared)
+    variants["+ shared cores"] = {n: host_path for n in reals}
+    print(
+        "host figures: " + json.dumps(shared["host"]) + ", service " + json.dumps(shared["service"])
+    )
+    variants["+ shared cores + background"] = {}
+    for n, runs in reals.items():
+        bg = statistics.median(r["cpu"]["others"] for r in runs)
+        fig = median_figures(engine_only, probes, lambda pf, pr, bg=bg: host_figures(pf, pr, bg))
+        variants["+ shared cores + background"][n] = write(f"profile-{n}-bg.json", fig)
+    return variants
 
 
 if __name__ == "__main__":

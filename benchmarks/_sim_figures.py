@@ -1,0 +1,101 @@
+"""benchmarks/simulator.py's measured inputs: the profile's ``service`` and
+``host`` sections from probes of lone requests on a served 1P1D.
+
+Every round of the benchmark probes once; the figures the simulator is given
+are the median of each figure over the rounds' probes (``median_figures``),
+so one probe that met a busy minute of the shared box moves nothing much.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from collections.abc import Callable
+
+PROBE_PROMPT, PROBE_OUTPUT = 256, 32
+ENGINE_THREADS = 1  # the served and the profiled engines' torch threads
+
+
+def service_figures(profile: dict, probe: dict) -> dict:
+    """``profile`` (JSON) with its ``service`` section from the probe's medians:
+    each lone request's ITL is one decode step of batch 1 plus the loop's
+    overhead; its TTFT is the path's latency plus one prefill step (with that
+    overhead). Not fitted to the trace: the probe is its own run."""
+    from tandem.cluster.planner.profile import Profile
+
+    p = Profile.from_json(profile)
+    context = PROBE_PROMPT + PROBE_OUTPUT // 2
+    overhead = max(0.0, probe["itl_ms"]["p50"] / 1000 - p.decode_s(1, context))
+    latency = max(0.0, probe["ttft_ms"]["p50"] / 1000 - p.prefill_s(PROBE_PROMPT) - overhead)
+    return {**profile, "service": {"request_latency_s": latency, "step_overhead_s": overhead}}
+
+
+def host_figures(profile: dict, probe: dict, background_cores: float | None) -> dict:
+    """``profile`` (JSON) with a ``host`` section and its ``service`` figures
+    taken apart from the contention the probe ran under.
+
+    - ``cores`` and ``engine_threads``: what ``tandem profile --shared-cores``
+      wrote (this box's cores, ``os.sched_getaffinity``; the profiled engine's
+      torch threads).
+    - ``cpu_per_token_s``: the serving path's CPU per streamed token, from the
+      probe: the gateway's process (this one: ``time.process_time``) and the
+      client's streaming loop, over the probe's output tokens, less what the
+      gateway's process burns idle (measured for ``IDLE_WINDOW_S`` before the
+      probe). It includes the per-request work (HTTP, tokenizing) spread over
+      the probe's 32 tokens.
+    - ``background_cores``: what the rest of the box (other sessions' jobs,
+      Ray's daemons) kept busy during the run being predicted: /proc/stat's
+      busy time less this service's processes (benchmarks/_cpu_account.py).
+      None: no background term (for the probe either).
+    - the ``service`` figures: the probe's lone requests ran at ``r`` = cores /
+      (engine threads + the probe's background) of their solo speed when that
+      is below 1, so the solo overhead is ITL p50 x r less the decode step,
+      and the path's latency is TTFT p50 less the (stretched) prefill step.
+    """
+    from tandem.cluster.planner.profile import Profile
+
+    # tandem profile --shared-cores wrote the cores and the engine's threads
+    base = profile.get("host") or {"cores": len(os.sched_getaffinity(0)),
+                                   "engine_threads": ENGINE_THREADS}  # fmt: skip
+    cores, threads = float(base["cores"]), float(base["engine_threads"])
+    cpu = probe["cpu"]
+    client_s = probe.get("client_cpu_s", cpu["client"] * cpu["wall_s"])
+    idle = probe.get("idle_cpu", {}).get("gateway", 0.0)
+    path_cpu_s = max(0.0, cpu["gateway"] - idle) * cpu["wall_s"] + client_s
+    per_token = path_cpu_s / max(1, probe["total_output_tokens"])
+    others = 0.0 if background_cores is None else cpu["others"]
+    rate = min(1.0, cores / (threads + others))
+    p = Profile.from_json(profile)
+    context = PROBE_PROMPT + PROBE_OUTPUT // 2
+    overhead = max(0.0, probe["itl_ms"]["p50"] / 1000 * rate - p.decode_s(1, context))
+    step = (p.prefill_s(PROBE_PROMPT) + overhead) / rate
+    latency = max(0.0, probe["ttft_ms"]["p50"] / 1000 - step)
+    host = {"cores": cores, "engine_threads": threads, "cpu_per_token_s": per_token,
+            "background_cores": background_cores or 0.0}  # fmt: skip
+    service = {"request_latency_s": latency, "step_overhead_s": overhead}
+    return {**profile, "service": service, "host": host}
+
+
+def median_figures(
+    profile: dict,
+    probes: list[dict],
+    figures: Callable[[dict, dict], dict],
+) -> dict:
+    """``profile`` (JSON) with the sections ``figures(profile, probe)`` adds,
+    each number the median over ``probes`` (one per round)."""
+    if not probes:
+        raise ValueError("median_figures needs at least one probe")
+    each = [figures(profile, p) for p in probes]
+    out = dict(each[0])
+    for section in ("service", "host"):
+        if section in each[0]:
+            out[section] = {
+                k: statistics.median(f[section][k] for f in each) for k in each[0][section]
+            }
+    return out
+
+
+def probe_spread(probes: list[dict], key: str) -> tuple[float, float, float]:
+    """Median, min and max over the probes of ``key``'s p50 (``ttft_ms``, ``itl_ms``)."""
+    xs = [p[key]["p50"] for p in probes]
+    return statistics.median(xs), min(xs), max(xs)
