@@ -1,0 +1,68 @@
+"""benchmarks/simulator.py's arithmetic: the inputs from several probes (the
+median of each figure) and the rounds against one prediction (median,
+min-max, each round's error). No service: known numbers only."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks._sim_figures import host_figures, median_figures, probe_spread, service_figures
+from benchmarks._sim_tables import median_run, rel, rounds_table, spread_table
+from tests.unit.test_simulator import profile
+
+
+def _probe(ttft_ms: float, itl_ms: float, gateway: float = 0.1, others: float = 0.0) -> dict:
+    return {
+        "ttft_ms": {"p50": ttft_ms},
+        "itl_ms": {"p50": itl_ms},
+        "total_output_tokens": 512,
+        "client_cpu_s": 0.2,
+        "cpu": {"wall_s": 8.0, "gateway": gateway, "client": 0.025, "others": others},
+        "idle_cpu": {"gateway": 0.02},
+    }
+
+
+def _run(ttft: float, itl: float) -> dict:
+    return {"ttft_ms": {"p50": ttft, "p99": 3 * ttft}, "itl_ms": {"p50": itl, "p99": 4 * itl}}
+
+
+def test_service_figures_are_each_the_median_over_the_probes():
+    p = profile().to_json()
+    probes = [_probe(40.0, 9.0), _probe(30.0, 12.0), _probe(35.0, 6.0)]
+    got = median_figures(p, probes, service_figures)["service"]
+    each = [service_figures(p, pr)["service"] for pr in probes]
+    # the median of every figure on its own: the overhead from the 9 ms probe, the
+    # latency from the 35 ms one (12 ms ITL leaves the 30 ms probe the least latency)
+    assert got["step_overhead_s"] == pytest.approx(each[0]["step_overhead_s"])
+    assert got["request_latency_s"] == pytest.approx(
+        sorted(e["request_latency_s"] for e in each)[1]
+    )
+    assert median_figures(p, probes[:1], service_figures) == service_figures(p, probes[0])
+    assert probe_spread(probes, "itl_ms") == (9.0, 6.0, 12.0)
+    with pytest.raises(ValueError, match="at least one probe"):
+        median_figures(p, [], service_figures)
+
+
+def test_host_figures_take_the_median_cpu_per_token_and_keep_the_cores():
+    p = {**profile().to_json(), "host": {"cores": 2, "engine_threads": 1}}
+    probes = [_probe(30.0, 6.0, gateway=g) for g in (0.10, 0.30, 0.05)]
+    got = median_figures(p, probes, lambda pf, pr: host_figures(pf, pr, None))["host"]
+    # (gateway - idle) x wall + the client's CPU, over the probe's tokens
+    assert got["cpu_per_token_s"] == pytest.approx(((0.10 - 0.02) * 8.0 + 0.2) / 512)
+    assert (got["cores"], got["engine_threads"], got["background_cores"]) == (2.0, 1.0, 0.0)
+
+
+def test_rounds_are_compared_by_their_median_with_the_spread_and_each_rounds_error():
+    runs = [_run(20.0, 2.0), _run(25.0, 2.4), _run(18.0, 1.8)]
+    med = median_run(runs)
+    assert med == {"ttft_ms": {"p50": 20.0, "p99": 60.0}, "itl_ms": {"p50": 2.0, "p99": 8.0}}
+    sim = _run(22.0, 2.1)
+    text = spread_table([("1P1D", sim, runs)])
+    ttft = next(line for line in text.splitlines() if "TTFT p50" in line)
+    assert "| 22.00 | 20.00 | 18.00-25.00 | +10.0% |" in ttft
+    assert ttft.endswith(f"| {rel(22, 20):+.0%} {rel(22, 25):+.0%} {rel(22, 18):+.0%} |")
+    assert "**over**" not in ttft
+    far = spread_table([("1P1D", _run(30.0, 2.0), runs)])
+    assert "+50.0% **over**" in far
+    table = rounds_table({"1P1D": runs}, {"1P1D": [1.0, 2.5, 0.5]})
+    assert table.splitlines()[3] == "| 2 | 25.00 / 2.40 (2.5) |"
