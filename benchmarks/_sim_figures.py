@@ -8,6 +8,7 @@ so one probe that met a busy minute of the shared box moves nothing much.
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 from collections.abc import Callable
@@ -99,3 +100,62 @@ def probe_spread(probes: list[dict], key: str) -> tuple[float, float, float]:
     """Median, min and max over the probes of ``key``'s p50 (``ttft_ms``, ``itl_ms``)."""
     xs = [p[key]["p50"] for p in probes]
     return statistics.median(xs), min(xs), max(xs)
+
+
+def median_profile(profiles: list[dict]) -> dict:
+    """One profile (JSON) from several measured in the same run (one a round):
+    every prefill and decode point the median of the runs' values (each of
+    them already the fastest of its repeats), the rest the first one's."""
+    if not profiles:
+        raise ValueError("median_profile needs at least one profile")
+    first = profiles[0]
+    for p in profiles[1:]:
+        for axis in (("prefill", "batch_tokens"), ("decode", "batch_sizes"),
+                     ("decode", "context_tokens")):  # fmt: skip
+            if p[axis[0]][axis[1]] != first[axis[0]][axis[1]]:
+                raise ValueError(f"profiles differ in {'.'.join(axis)}")
+    out = {**first}
+    out["prefill"] = {
+        **first["prefill"],
+        "time_s": [
+            statistics.median(xs) for xs in zip(*(p["prefill"]["time_s"] for p in profiles))
+        ],
+    }
+    rows = zip(*(p["decode"]["time_s"] for p in profiles))
+    out["decode"] = {
+        **first["decode"],
+        "time_s": [[statistics.median(xs) for xs in zip(*row)] for row in rows],
+    }
+    return out
+
+
+def predict_ways(
+    tmp: str, profile: str, engine_only: dict, probes: list[dict], reals: dict[str, list[dict]]
+) -> dict[str, dict[str, str]]:
+    """Per way, per configuration: the profile file to simulate with (docstring)."""
+
+    def write(name: str, obj: dict) -> str:
+        path = os.path.join(tmp, name)
+        with open(path, "w") as f:
+            json.dump(obj, f)
+        return path
+
+    variants = {"engine": {n: profile for n in reals}}
+    if not probes:
+        return variants
+    served = write("profile-served.json", median_figures(engine_only, probes, service_figures))
+    variants["engine + service"] = {n: served for n in reals}
+    if not all("cpu" in pr for pr in probes):
+        return variants
+    shared = median_figures(engine_only, probes, lambda pf, pr: host_figures(pf, pr, None))
+    host_path = write("profile-host.json", shared)
+    variants["+ shared cores"] = {n: host_path for n in reals}
+    print(
+        "host figures: " + json.dumps(shared["host"]) + ", service " + json.dumps(shared["service"])
+    )
+    variants["+ shared cores + background"] = {}
+    for n, runs in reals.items():
+        bg = statistics.median(r["cpu"]["others"] for r in runs)
+        fig = median_figures(engine_only, probes, lambda pf, pr, bg=bg: host_figures(pf, pr, bg))
+        variants["+ shared cores + background"][n] = write(f"profile-{n}-bg.json", fig)
+    return variants

@@ -1,8 +1,17 @@
 """The simulator against real runs: predicted vs measured TTFT and ITL.
 
+0. Rounds: one measurement of a configuration is one sample of a shared
+   box (session 9: the same decode load's ITL p50 moved 1.89-2.25 ms
+   between configurations of one run). So the run is ``--rounds`` rounds
+   (default 3), each serving every configuration in turn (interleaved: a
+   busy minute lands on one round of each, not on one configuration), with
+   a shorter trace than a single pass would use (default 40 requests, ~20 s).
+   A configuration's measured figure is the median of its rounds' p50s,
+   shown with their min-max and each round's own error.
 1. Profile: ``tandem profile`` times this box's engine (the ``tiny`` model,
    one torch thread, the engine limits below; the fastest of 5 runs per
-   point) in its own process, unless
+   point) in its own process at the start of every round; each point is the
+   median of the rounds' values (the same box state as the runs), unless
    ``--profile FILE`` gives one measured earlier.
 2. Trace: one fixed synthetic Mooncake JSONL (no shared prefixes): Poisson
    arrivals at ``--rate``, prompts of 64-512 tokens, answers of 16-128
@@ -28,7 +37,8 @@
      probe on the 1P1D service before its trace: 16 lone requests of 256 prompt
      and 32 output tokens, 0.4 s apart; ITL p50 minus one batch-1 decode step
      is the step overhead, TTFT p50 minus one prefill step (and the overhead)
-     the request latency.
+     the request latency. A probe runs every round (on its first
+     configuration); each figure is the median of the rounds' figures.
    - ``+ shared cores``: its ``host`` section (cluster/planner/contention.py):
      the engines share this box's cores (``tandem profile --shared-cores``
      with ``os.sched_getaffinity``; the engine's torch threads), and the
@@ -45,9 +55,12 @@
    ``--save FILE`` keeps a run's measurements, ``--measured FILE`` predicts
    from them again without serving.
 
-Printed: TTFT and ITL p50 / p99 per configuration, predicted, measured and
-the relative error ``(predicted - measured) / measured``, per way; then the
-cores each party kept busy during each trace (benchmarks/_cpu_account.py)
+Printed: the measured p50s round by round; TTFT and ITL p50 / p99 per
+configuration, predicted, measured (median, min-max over the rounds) and the
+relative error ``(predicted - measured) / measured`` of the median and of
+each round, per way; then the
+cores each party kept busy during each trace (benchmarks/_cpu_account.py,
+median of the rounds)
 and the engines' CPU seconds against the simulator's (the profile's steps x
 threads: a check of the engine-thread input). Target (issue 28): within 15%
 on TTFT p50 and ITL p50.
@@ -59,7 +72,7 @@ validated is mostly the model (queueing, batching, the handoff, the
 scheduler's limits); ``--rate`` higher makes the engines overlap and tests
 the shared-cores term harder.
 
-Run:  python benchmarks/simulator.py [--rate 2] [--num-requests 60] [--profile FILE]
+Run:  python benchmarks/simulator.py [--rounds 3] [--rate 2] [--num-requests 40] [--profile FILE]
 """
 
 from __future__ import annotations
@@ -70,7 +83,6 @@ import datetime
 import json
 import os
 import random
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -78,12 +90,13 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._cpu_account import CpuAccount, cpu_line, cpu_table  # noqa: E402
+from benchmarks._cpu_account import CpuAccount, cpu_line, cpu_table, median_cpu  # noqa: E402
 from benchmarks._sim_figures import (  # noqa: E402
     PROBE_OUTPUT,
     PROBE_PROMPT,
-    host_figures,
     median_figures,
+    median_profile,
+    predict_ways,
     probe_spread,
     service_figures,
 )
@@ -292,21 +305,35 @@ def _configs(text: str) -> list[tuple[int, int]]:
 
 
 def measure_rounds(
-    configs: list[tuple[int, int]], rounds: int, trace: str, warmup: str, probe: str
-) -> tuple[dict[str, list[dict]], list[dict], dict[str, list[float]]]:
+    configs: list[tuple[int, int]],
+    rounds: int,
+    trace: str,
+    warmup: str,
+    probe: str,
+    profile_dir: str | None = None,
+) -> tuple[dict[str, list[dict]], list[dict], dict[str, list[float]], list[dict]]:
     """``rounds`` rounds, each serving every configuration in turn (so a busy
     minute of the shared box lands on one round of each, not on one
     configuration); the first configuration of every round also runs the
-    probe. Per configuration its runs and the load average after each; the
-    probes."""
+    probe, and with ``profile_dir`` every round begins with ``tandem
+    profile``. Per configuration its runs and the load average after each;
+    the probes; the profiles."""
     import ray
 
     reals: dict[str, list[dict]] = {f"{p}P{d}D": [] for p, d in configs}
     loads: dict[str, list[float]] = {n: [] for n in reals}
     probes: list[dict] = []
+    profiles: list[dict] = []
     ray.init(include_dashboard=False, log_to_driver=False)
     try:
         for r in range(rounds):
+            if profile_dir is not None:
+                t0 = time.monotonic()
+                path = os.path.join(profile_dir, f"profile-round-{r + 1}.json")
+                measure_profile(path)
+                with open(path) as f:
+                    profiles.append(json.load(f))
+                print(f"round {r + 1} profile: {time.monotonic() - t0:.0f} s", flush=True)
             for k, (pre, dec) in enumerate(configs):
                 name = f"{pre}P{dec}D"
                 t0 = time.monotonic()
@@ -325,7 +352,7 @@ def measure_rounds(
                 )
     finally:
         ray.shutdown()
-    return reals, probes, loads
+    return reals, probes, loads, profiles
 
 
 def main() -> int:
@@ -355,35 +382,46 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         trace = os.path.join(tmp, "trace.jsonl")
         warmup = os.path.join(tmp, "warmup.jsonl")
-        write_trace(trace, args.num_requests, args.rate, args.seed)
-        write_trace(warmup, 6, 4.0, args.seed + 1000)
         profile = args.profile
         kept = None
         if args.measured:
             with open(args.measured) as f:
                 kept = json.load(f)
+            # the trace the kept run replayed
+            args.num_requests, args.rate, args.seed = kept.get(
+                "trace", [args.num_requests, args.rate, args.seed]
+            )
             profile = os.path.join(tmp, "profile.json")
             with open(profile, "w") as f:
                 json.dump(kept["profile"], f)
-        elif profile is None:
-            profile = os.path.join(tmp, "profile.json")
-            t0 = time.monotonic()
-            measure_profile(profile)
-            print(f"profile measured in {time.monotonic() - t0:.0f} s", flush=True)
+        write_trace(trace, args.num_requests, args.rate, args.seed)
+        write_trace(warmup, 6, 4.0, args.seed + 1000)
+        probe = os.path.join(tmp, "probe.jsonl")
+        write_probe(probe, PROBE_REQUESTS, 0.4)
+        profiles = []
+        if kept is not None:  # predict again from a run --save kept: no service started
+            reals, probes, loads = kept["real"], kept["probes"], kept["loads"]
+            load0, profiles = kept.get("load0", load0), kept.get("profiles", [])
+        else:
+            # no --profile: one is measured at the start of every round, and each
+            # point is the median of the rounds' (the box's state over the run)
+            profile_dir = tmp if profile is None else None
+            reals, probes, loads, profiles = measure_rounds(
+                configs, args.rounds, trace, warmup, probe, profile_dir
+            )
+            if profile is None:
+                profile = os.path.join(tmp, "profile.json")
+                with open(profile, "w") as f:
+                    json.dump(median_profile(profiles), f)
         with open(profile) as f:
             engine_only = json.load(f)
         measured_at = engine_only.get("measured_at", "?")
-        probe = os.path.join(tmp, "probe.jsonl")
-        write_probe(probe, PROBE_REQUESTS, 0.4)
-        if kept is not None:  # predict again from a run --save kept: no service started
-            reals, probes, loads = kept["real"], kept["probes"], kept["loads"]
-            load0 = kept.get("load0", load0)
-        else:
-            reals, probes, loads = measure_rounds(configs, args.rounds, trace, warmup, probe)
         if args.save:
             with open(args.save, "w") as f:
                 json.dump({"profile": engine_only, "probes": probes, "real": reals,
-                           "loads": loads, "load0": load0}, f, indent=1)  # fmt: skip
+                           "loads": loads, "load0": load0, "profiles": profiles,
+                           "trace": [args.num_requests, args.rate, args.seed]},
+                          f, indent=1)  # fmt: skip
         names = list(reals)
         variants = predict_ways(tmp, profile, engine_only, probes, reals)
         sims = {(v, n): simulate(paths[n], trace, *_configs(n)[0])
@@ -430,47 +468,6 @@ def main() -> int:
         )
         print(cpu_table(median_cpu(reals), {n: sims["engine + service", n] for n in names}))
     return 0
-
-
-def median_cpu(reals: dict[str, list[dict]]) -> dict[str, dict]:
-    """Per configuration, each CPU figure's median over its rounds (as one run)."""
-    out = {}
-    for n, runs in reals.items():
-        keys = runs[0]["cpu"]
-        out[n] = {"cpu": {k: statistics.median(r["cpu"][k] for r in runs) for k in keys}}
-    return out
-
-
-def predict_ways(
-    tmp: str, profile: str, engine_only: dict, probes: list[dict], reals: dict[str, list[dict]]
-) -> dict[str, dict[str, str]]:
-    """Per way, per configuration: the profile file to simulate with (docstring)."""
-
-    def write(name: str, obj: dict) -> str:
-        path = os.path.join(tmp, name)
-        with open(path, "w") as f:
-            json.dump(obj, f)
-        return path
-
-    variants = {"engine": {n: profile for n in reals}}
-    if not probes:
-        return variants
-    served = write("profile-served.json", median_figures(engine_only, probes, service_figures))
-    variants["engine + service"] = {n: served for n in reals}
-    if not all("cpu" in pr for pr in probes):
-        return variants
-    shared = median_figures(engine_only, probes, lambda pf, pr: host_figures(pf, pr, None))
-    host_path = write("profile-host.json", shared)
-    variants["+ shared cores"] = {n: host_path for n in reals}
-    print(
-        "host figures: " + json.dumps(shared["host"]) + ", service " + json.dumps(shared["service"])
-    )
-    variants["+ shared cores + background"] = {}
-    for n, runs in reals.items():
-        bg = statistics.median(r["cpu"]["others"] for r in runs)
-        fig = median_figures(engine_only, probes, lambda pf, pr, bg=bg: host_figures(pf, pr, bg))
-        variants["+ shared cores + background"][n] = write(f"profile-{n}-bg.json", fig)
-    return variants
 
 
 if __name__ == "__main__":

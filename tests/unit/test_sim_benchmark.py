@@ -4,10 +4,19 @@ min-max, each round's error). No service: known numbers only."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from benchmarks._sim_figures import host_figures, median_figures, probe_spread, service_figures
+from benchmarks._sim_figures import (
+    host_figures,
+    median_figures,
+    median_profile,
+    probe_spread,
+    service_figures,
+)
 from benchmarks._sim_tables import median_run, rel, rounds_table, spread_table
+from tandem.cluster.planner.profile import Profile
 from tests.unit.test_simulator import profile
 
 
@@ -66,3 +75,23 @@ def test_rounds_are_compared_by_their_median_with_the_spread_and_each_rounds_err
     assert "+50.0% **over**" in far
     table = rounds_table({"1P1D": runs}, {"1P1D": [1.0, 2.5, 0.5]})
     assert table.splitlines()[3] == "| 2 | 25.00 / 2.40 (2.5) |"
+
+
+def test_a_profile_per_round_gives_each_point_its_median():
+    base = profile().to_json()
+    runs = []
+    for k in (1.0, 3.0, 2.0):
+        p = json.loads(json.dumps(base))
+        p["prefill"]["time_s"] = [t * k for t in p["prefill"]["time_s"]]
+        p["decode"]["time_s"] = [[t * (4.0 - k) for t in row] for row in p["decode"]["time_s"]]
+        runs.append(p)
+    got = median_profile(runs)
+    assert got["prefill"]["time_s"] == pytest.approx([t * 2.0 for t in base["prefill"]["time_s"]])
+    for row, want in zip(got["decode"]["time_s"], base["decode"]["time_s"], strict=True):
+        assert row == pytest.approx([t * 2.0 for t in want])
+    assert got["scheduler"] == base["scheduler"] and got["transfer"] == base["transfer"]
+    Profile.from_json(got)  # still a profile the simulator loads
+    other = json.loads(json.dumps(base))
+    other["decode"]["context_tokens"] = [16, 4096]
+    with pytest.raises(ValueError, match="decode.context_tokens"):
+        median_profile([base, other])
