@@ -5,7 +5,7 @@
    between configurations of one run). So the run is ``--rounds`` rounds
    (default 3), each serving every configuration in turn (interleaved: a
    busy minute lands on one round of each, not on one configuration), with
-   a shorter trace than a single pass would use (default 40 requests, ~20 s).
+   a shorter trace than a single pass would use (default 32 requests, ~16 s).
    A configuration's measured figure is the median of its rounds' p50s,
    shown with their min-max and each round's own error.
 1. Profile: ``tandem profile`` times this box's engine (the ``tiny`` model,
@@ -72,7 +72,7 @@ validated is mostly the model (queueing, batching, the handoff, the
 scheduler's limits); ``--rate`` higher makes the engines overlap and tests
 the shared-cores term harder.
 
-Run:  python benchmarks/simulator.py [--rounds 3] [--rate 2] [--num-requests 40] [--profile FILE]
+Run:  python benchmarks/simulator.py [--rounds 3] [--rate 2] [--num-requests 32] [--profile FILE]
 """
 
 from __future__ import annotations
@@ -358,7 +358,7 @@ def measure_rounds(
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rate", type=float, default=2.0, help="arrivals per second of the trace")
-    p.add_argument("--num-requests", type=int, default=40, help="requests per round's trace")
+    p.add_argument("--num-requests", type=int, default=32, help="requests per round's trace")
     p.add_argument("--rounds", type=int, default=3, help="rounds of every configuration")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", help="a profile measured earlier (default: measure one now)")
