@@ -4,7 +4,9 @@
    box (session 9: the same decode load's ITL p50 moved 1.89-2.25 ms
    between configurations of one run). So the run is ``--rounds`` rounds
    (default 3), each serving every configuration in turn (interleaved: a
-   busy minute lands on one round of each, not on one configuration), with
+   busy minute lands on one round of each, not on one configuration; the
+   order turns by one place a round, so each configuration runs first, second
+   and third once in three rounds), with
    a shorter trace than a single pass would use (default 32 requests, ~16 s).
    A configuration's measured figure is the median of its rounds' p50s,
    shown with their min-max and each round's own error.
@@ -304,6 +306,15 @@ def _configs(text: str) -> list[tuple[int, int]]:
     return configs
 
 
+def rotated(configs: list, r: int) -> list:
+    """Round ``r``'s order: the list turned by ``r`` places, so that over as many
+    rounds as configurations each runs once in every position (first after
+    the profile, last before the next round's): an effect of the order (the
+    box warming or calming over a round) lands on every configuration alike."""
+    k = r % len(configs)
+    return configs[k:] + configs[:k]
+
+
 def measure_rounds(
     configs: list[tuple[int, int]],
     rounds: int,
@@ -314,8 +325,8 @@ def measure_rounds(
 ) -> tuple[dict[str, list[dict]], list[dict], dict[str, list[float]], list[dict]]:
     """``rounds`` rounds, each serving every configuration in turn (so a busy
     minute of the shared box lands on one round of each, not on one
-    configuration); the first configuration of every round also runs the
-    probe, and with ``profile_dir`` every round begins with ``tandem
+    configuration), in an order turned by one place a round (``rotated``);
+    the first configuration of ``configs`` also runs the probe, and with ``profile_dir`` every round begins with ``tandem
     profile``. Per configuration its runs and the load average after each;
     the probes; the profiles."""
     import ray
@@ -334,10 +345,11 @@ def measure_rounds(
                 with open(path) as f:
                     profiles.append(json.load(f))
                 print(f"round {r + 1} profile: {time.monotonic() - t0:.0f} s", flush=True)
-            for k, (pre, dec) in enumerate(configs):
+            for pre, dec in rotated(configs, r):
                 name = f"{pre}P{dec}D"
                 t0 = time.monotonic()
-                real, got = serve_and_replay(pre, dec, trace, warmup, probe if k == 0 else None)
+                probing = probe if (pre, dec) == configs[0] else None
+                real, got = serve_and_replay(pre, dec, trace, warmup, probing)
                 if got is not None:
                     probes.append(got)
                 assert real["num_failed"] == 0, real["errors"]

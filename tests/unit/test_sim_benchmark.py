@@ -16,6 +16,7 @@ from benchmarks._sim_figures import (
     service_figures,
 )
 from benchmarks._sim_tables import median_run, rel, rounds_table, spread_table
+from benchmarks.simulator import rotated
 from tandem.cluster.planner.profile import Profile
 from tests.unit.test_simulator import profile
 
@@ -95,3 +96,12 @@ def test_a_profile_per_round_gives_each_point_its_median():
     other["decode"]["context_tokens"] = [16, 4096]
     with pytest.raises(ValueError, match="decode.context_tokens"):
         median_profile([base, other])
+
+
+def test_each_configuration_runs_once_in_every_position_over_three_rounds():
+    configs = [(1, 1), (1, 2), (2, 1)]
+    orders = [rotated(configs, r) for r in range(3)]
+    assert orders[0] == configs
+    for pos in range(3):
+        assert sorted(o[pos] for o in orders) == sorted(configs)
+    assert rotated(configs, 3) == configs and rotated([(1, 1)], 5) == [(1, 1)]
