@@ -17,17 +17,36 @@ PROBE_PROMPT, PROBE_OUTPUT = 256, 32
 ENGINE_THREADS = 1  # the served and the profiled engines' torch threads
 
 
+def probe_prefill(profile: dict, probe: dict) -> tuple[float, int]:
+    """The TTFT p50 (s) the path's latency is taken from, and the prompt tokens
+    its prefill computed. With ``probe["cached"]`` (the same lone requests
+    again: every prompt's full blocks are in the prefill engine's cache, so
+    only the last block's tokens are computed) the TTFT is mostly the path's,
+    and the few ms of prefill it still holds are what a core's wait can
+    stretch; without it (runs kept before session 11) the whole 256-token
+    prefill is in it, and every ms that prefill waited for a core on a busy
+    box would land in the latency the simulator adds to every request."""
+    cached = probe.get("cached")
+    if cached is None:
+        return probe["ttft_ms"]["p50"] / 1000, PROBE_PROMPT
+    block = int(profile.get("scheduler", {}).get("block_size", 16))
+    computed = PROBE_PROMPT - (PROBE_PROMPT - 1) // block * block
+    return cached["ttft_ms"]["p50"] / 1000, computed
+
+
 def service_figures(profile: dict, probe: dict) -> dict:
     """``profile`` (JSON) with its ``service`` section from the probe's medians:
     each lone request's ITL is one decode step of batch 1 plus the loop's
-    overhead; its TTFT is the path's latency plus one prefill step (with that
-    overhead). Not fitted to the trace: the probe is its own run."""
+    overhead; its TTFT (the cached pass's, ``probe_prefill``) is the path's
+    latency plus one prefill step (with that overhead). Not fitted to the
+    trace: the probe is its own run."""
     from tandem.cluster.planner.profile import Profile
 
     p = Profile.from_json(profile)
     context = PROBE_PROMPT + PROBE_OUTPUT // 2
     overhead = max(0.0, probe["itl_ms"]["p50"] / 1000 - p.decode_s(1, context))
-    latency = max(0.0, probe["ttft_ms"]["p50"] / 1000 - p.prefill_s(PROBE_PROMPT) - overhead)
+    ttft_s, computed = probe_prefill(profile, probe)
+    latency = max(0.0, ttft_s - p.prefill_s(computed) - overhead)
     return {**profile, "service": {"request_latency_s": latency, "step_overhead_s": overhead}}
 
 
@@ -51,7 +70,8 @@ def host_figures(profile: dict, probe: dict, background_cores: float | None) -> 
     - the ``service`` figures: the probe's lone requests ran at ``r`` = cores /
       (engine threads + the probe's background) of their solo speed when that
       is below 1, so the solo overhead is ITL p50 x r less the decode step,
-      and the path's latency is TTFT p50 less the (stretched) prefill step.
+      and the path's latency is TTFT p50 (``probe_prefill``) less the
+      (stretched) prefill step.
     """
     from tandem.cluster.planner.profile import Profile
 
@@ -69,8 +89,9 @@ def host_figures(profile: dict, probe: dict, background_cores: float | None) -> 
     p = Profile.from_json(profile)
     context = PROBE_PROMPT + PROBE_OUTPUT // 2
     overhead = max(0.0, probe["itl_ms"]["p50"] / 1000 * rate - p.decode_s(1, context))
-    step = (p.prefill_s(PROBE_PROMPT) + overhead) / rate
-    latency = max(0.0, probe["ttft_ms"]["p50"] / 1000 - step)
+    ttft_s, computed = probe_prefill(profile, probe)
+    step = (p.prefill_s(computed) + overhead) / rate
+    latency = max(0.0, ttft_s - step)
     host = {"cores": cores, "engine_threads": threads, "cpu_per_token_s": per_token,
             "background_cores": background_cores or 0.0}  # fmt: skip
     service = {"request_latency_s": latency, "step_overhead_s": overhead}

@@ -37,10 +37,14 @@
      per request and the engine loop's overhead per step, which ``tandem
      profile`` cannot see: it times ``EngineCore.step`` in process), from a
      probe on the 1P1D service before its trace: 16 lone requests of 256 prompt
-     and 32 output tokens, 0.4 s apart; ITL p50 minus one batch-1 decode step
-     is the step overhead, TTFT p50 minus one prefill step (and the overhead)
-     the request latency. A probe runs every round (on its first
-     configuration); each figure is the median of the rounds' figures.
+     and 32 output tokens, 0.4 s apart, then the same 16 again (their prompts'
+     blocks now cached on the prefill engine: one block left to compute);
+     ITL p50 minus one batch-1 decode step is the step overhead, the cached
+     pass's TTFT p50 minus that block's prefill step (and the overhead) the
+     request latency (a whole 256-token prefill in it would put every ms it
+     waited for a core on a busy box into the latency of every request). A
+     probe runs every round (on its first configuration); each figure is the
+     median of the rounds' figures.
    - ``+ shared cores``: its ``host`` section (cluster/planner/contention.py):
      the engines share this box's cores (``tandem profile --shared-cores``
      with ``os.sched_getaffinity``; the engine's torch threads), and the
@@ -291,6 +295,9 @@ def serve_and_replay(
             probed = _replay_in_process(svc.base_url, probe, 2)
             probed["cpu"] = acct.stop()
             probed["idle_cpu"] = idle
+            # the same prompts again: their blocks are cached on the prefill engine,
+            # so a TTFT is the serving path and one block's prefill (_sim_figures.py)
+            probed["cached"] = _replay_in_process(svc.base_url, probe, 2)
         acct = CpuAccount(pids)
         summary = _replay_in_process(svc.base_url, trace, 0)
         summary["cpu"] = acct.stop()
@@ -452,9 +459,13 @@ def main() -> int:
     if probes:
         t, i = probe_spread(probes, "ttft_ms"), probe_spread(probes, "itl_ms")
         svc = median_figures(engine_only, probes, service_figures)["service"]
+        hits = [pr["cached"] for pr in probes if "cached" in pr]
+        c = probe_spread(hits, "ttft_ms") if hits else None
         print(
             f"probes ({len(probes)}, {PROBE_PROMPT}-token lone requests on {names[0]}): TTFT p50 "
-            f"{t[0]:.2f} ms ({t[1]:.2f}-{t[2]:.2f}), ITL p50 {i[0]:.2f} ms ({i[1]:.2f}-{i[2]:.2f})"
+            f"{t[0]:.2f} ms ({t[1]:.2f}-{t[2]:.2f}), "
+            + (f"cached {c[0]:.2f} ms ({c[1]:.2f}-{c[2]:.2f}), " if c else "")
+            + f"ITL p50 {i[0]:.2f} ms ({i[1]:.2f}-{i[2]:.2f})"
             f" -> median request_latency_s {svc['request_latency_s'] * 1000:.2f} ms, "
             f"step_overhead_s {svc['step_overhead_s'] * 1000:.3f} ms"
         )

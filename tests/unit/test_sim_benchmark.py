@@ -12,6 +12,7 @@ from benchmarks._sim_figures import (
     host_figures,
     median_figures,
     median_profile,
+    probe_prefill,
     probe_spread,
     service_figures,
 )
@@ -105,3 +106,22 @@ def test_each_configuration_runs_once_in_every_position_over_three_rounds():
     for pos in range(3):
         assert sorted(o[pos] for o in orders) == sorted(configs)
     assert rotated(configs, 3) == configs and rotated([(1, 1)], 5) == [(1, 1)]
+
+
+def test_the_path_latency_comes_from_the_cached_pass_whose_prefill_is_one_block():
+    p = profile()
+    slow = _probe(90.0, 9.0)  # the uncached pass's TTFT holds a 256-token prefill's waits
+    slow["cached"] = {"ttft_ms": {"p50": 25.0}}
+    overhead = 0.009 - p.decode_s(1, 256 + 16)
+    # 256 prompt tokens, 16-token blocks: 15 blocks cached, the last 16 tokens computed
+    assert probe_prefill(p.to_json(), slow) == (0.025, 16)
+    got = service_figures(p.to_json(), slow)["service"]
+    assert got["step_overhead_s"] == pytest.approx(overhead)
+    assert got["request_latency_s"] == pytest.approx(0.025 - p.prefill_s(16) - overhead)
+    fast = {**slow, "ttft_ms": {"p50": 40.0}}  # the uncached TTFT no longer matters
+    assert service_figures(p.to_json(), fast)["service"] == got
+    host = host_figures({**p.to_json(), "host": {"cores": 2, "engine_threads": 1}}, slow, None)
+    assert host["service"]["request_latency_s"] == pytest.approx(got["request_latency_s"])
+    # a run kept before the cached pass: the whole prefill, as before
+    del slow["cached"]
+    assert probe_prefill(p.to_json(), slow) == (0.090, 256)
