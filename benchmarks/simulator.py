@@ -38,8 +38,10 @@
      profile`` cannot see: it times ``EngineCore.step`` in process), from a
      probe on the 1P1D service before its trace: 16 lone requests of 256 prompt
      and 32 output tokens, 0.4 s apart, then the same 16 again (their prompts'
-     blocks now cached on the prefill engine: one block left to compute);
-     ITL p50 minus one batch-1 decode step is the step overhead, the cached
+     blocks now cached on the prefill engine: one block left to compute),
+     then 16 more two at a time; the pairs' ITL p50 minus one batch-2 decode
+     step is the step overhead (a lone stream's ITL carries more than the
+     trace's steps do), the cached
      pass's TTFT p50 minus that block's prefill step (and the overhead) the
      request latency (a whole 256-token prefill in it would put every ms it
      waited for a core on a busy box into the latency of every request). A
@@ -98,13 +100,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._cpu_account import CpuAccount, cpu_line, cpu_table, median_cpu  # noqa: E402
 from benchmarks._sim_figures import (  # noqa: E402
-    PROBE_OUTPUT,
     PROBE_PROMPT,
     median_figures,
     median_profile,
     predict_ways,
     probe_spread,
     service_figures,
+    write_probe,
 )
 from benchmarks._sim_tables import (  # noqa: E402
     TARGET,
@@ -157,15 +159,6 @@ def write_trace(
             }
             f.write(json.dumps(row) + "\n")
             t += rng.expovariate(rate)
-
-
-def write_probe(path: str, num_requests: int, gap_s: float) -> None:
-    """Lone requests ``gap_s`` apart (none overlaps another): the serving path's figures."""
-    with open(path, "w") as f:
-        for i in range(num_requests):
-            row = {"timestamp": i * gap_s * 1000.0, "input_length": PROBE_PROMPT,
-                   "output_length": PROBE_OUTPUT, "hash_ids": []}  # fmt: skip
-            f.write(json.dumps(row) + "\n")
 
 
 def _cli(*args: str, timeout_s: float = 600) -> str:
@@ -298,6 +291,9 @@ def serve_and_replay(
             # the same prompts again: their blocks are cached on the prefill engine,
             # so a TTFT is the serving path and one block's prefill (_sim_figures.py)
             probed["cached"] = _replay_in_process(svc.base_url, probe, 2)
+            # two streams at a time: the loop's overhead per step as the trace's
+            # decode steps carry it (a lone stream's ITL holds more, _sim_figures.py)
+            probed["paired"] = _replay_in_process(svc.base_url, probe + ".pairs", 3)
         acct = CpuAccount(pids)
         summary = _replay_in_process(svc.base_url, trace, 0)
         summary["cpu"] = acct.stop()
@@ -417,6 +413,7 @@ def main() -> int:
         write_trace(warmup, 6, 4.0, args.seed + 1000)
         probe = os.path.join(tmp, "probe.jsonl")
         write_probe(probe, PROBE_REQUESTS, 0.4)
+        write_probe(probe + ".pairs", PROBE_REQUESTS, 0.4, together=2)
         profiles = []
         if kept is not None:  # predict again from a run --save kept: no service started
             reals, probes, loads = kept["real"], kept["probes"], kept["loads"]

@@ -12,6 +12,7 @@ from benchmarks._sim_figures import (
     host_figures,
     median_figures,
     median_profile,
+    probe_decode,
     probe_prefill,
     probe_spread,
     service_figures,
@@ -125,3 +126,17 @@ def test_the_path_latency_comes_from_the_cached_pass_whose_prefill_is_one_block(
     # a run kept before the cached pass: the whole prefill, as before
     del slow["cached"]
     assert probe_prefill(p.to_json(), slow) == (0.090, 256)
+
+
+def test_the_step_overhead_comes_from_the_paired_pass_as_a_batch_of_two():
+    p = profile()
+    probe = _probe(20.0, 9.0)  # a lone stream's ITL
+    probe["paired"] = {"itl_ms": {"p50": 7.0}}
+    context = 256 + 16
+    assert probe_decode(p, probe) == (0.007, p.decode_s(2, 2 * context))
+    got = service_figures(p.to_json(), probe)["service"]
+    assert got["step_overhead_s"] == pytest.approx(0.007 - p.decode_s(2, 2 * context))
+    host = host_figures({**p.to_json(), "host": {"cores": 2, "engine_threads": 1}}, probe, None)
+    assert host["service"]["step_overhead_s"] == pytest.approx(got["step_overhead_s"])
+    del probe["paired"]  # a run kept before the paired pass: the lone requests' ITL
+    assert probe_decode(p, probe) == (0.009, p.decode_s(1, context))
