@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import resource
+import statistics
 import time
 
 _TICK = os.sysconf("SC_CLK_TCK")
@@ -91,3 +92,12 @@ def cpu_table(reals: dict, sims: dict) -> str:
             f"| {sims[n].get('engine_cpu_s', 0.0):.1f} |"
         )
     return "\n".join(lines)
+
+
+def median_cpu(reals: dict[str, list[dict]]) -> dict[str, dict]:
+    """Per configuration, each CPU figure's median over its rounds (as one run)."""
+    out = {}
+    for n, runs in reals.items():
+        keys = runs[0]["cpu"]
+        out[n] = {"cpu": {k: statistics.median(r["cpu"][k] for r in runs) for k in keys}}
+    return out

@@ -1,8 +1,19 @@
 """The simulator against real runs: predicted vs measured TTFT and ITL.
 
+0. Rounds: one measurement of a configuration is one sample of a shared
+   box (session 9: the same decode load's ITL p50 moved 1.89-2.25 ms
+   between configurations of one run). So the run is ``--rounds`` rounds
+   (default 3), each serving every configuration in turn (interleaved: a
+   busy minute lands on one round of each, not on one configuration; the
+   order turns by one place a round, so each configuration runs first, second
+   and third once in three rounds), with
+   a shorter trace than a single pass would use (default 32 requests, ~16 s).
+   A configuration's measured figure is the median of its rounds' p50s,
+   shown with their min-max and each round's own error.
 1. Profile: ``tandem profile`` times this box's engine (the ``tiny`` model,
    one torch thread, the engine limits below; the fastest of 5 runs per
-   point) in its own process, unless
+   point) in its own process at the start of every round; each point is the
+   median of the rounds' values (the same box state as the runs), unless
    ``--profile FILE`` gives one measured earlier.
 2. Trace: one fixed synthetic Mooncake JSONL (no shared prefixes): Poisson
    arrivals at ``--rate``, prompts of 64-512 tokens, answers of 16-128
@@ -26,9 +37,16 @@
      per request and the engine loop's overhead per step, which ``tandem
      profile`` cannot see: it times ``EngineCore.step`` in process), from a
      probe on the 1P1D service before its trace: 16 lone requests of 256 prompt
-     and 32 output tokens, 0.4 s apart; ITL p50 minus one batch-1 decode step
-     is the step overhead, TTFT p50 minus one prefill step (and the overhead)
-     the request latency.
+     and 32 output tokens, 0.4 s apart, then the same 16 again (their prompts'
+     blocks now cached on the prefill engine: one block left to compute),
+     then 16 more two at a time; the pairs' ITL p50 minus one batch-2 decode
+     step is the step overhead (a lone stream's ITL carries more than the
+     trace's steps do), the cached
+     pass's TTFT p50 minus that block's prefill step (and the overhead) the
+     request latency (a whole 256-token prefill in it would put every ms it
+     waited for a core on a busy box into the latency of every request). A
+     probe runs every round (on its first configuration); each figure is the
+     median of the rounds' figures.
    - ``+ shared cores``: its ``host`` section (cluster/planner/contention.py):
      the engines share this box's cores (``tandem profile --shared-cores``
      with ``os.sched_getaffinity``; the engine's torch threads), and the
@@ -45,9 +63,12 @@
    ``--save FILE`` keeps a run's measurements, ``--measured FILE`` predicts
    from them again without serving.
 
-Printed: TTFT and ITL p50 / p99 per configuration, predicted, measured and
-the relative error ``(predicted - measured) / measured``, per way; then the
-cores each party kept busy during each trace (benchmarks/_cpu_account.py)
+Printed: the measured p50s round by round; TTFT and ITL p50 / p99 per
+configuration, predicted, measured (median, min-max over the rounds) and the
+relative error ``(predicted - measured) / measured`` of the median and of
+each round, per way; then the
+cores each party kept busy during each trace (benchmarks/_cpu_account.py,
+median of the rounds)
 and the engines' CPU seconds against the simulator's (the profile's steps x
 threads: a check of the engine-thread input). Target (issue 28): within 15%
 on TTFT p50 and ITL p50.
@@ -59,7 +80,7 @@ validated is mostly the model (queueing, batching, the handoff, the
 scheduler's limits); ``--rate`` higher makes the engines overlap and tests
 the shared-cores term harder.
 
-Run:  python benchmarks/simulator.py [--rate 2] [--num-requests 60] [--profile FILE]
+Run:  python benchmarks/simulator.py [--rounds 3] [--rate 2] [--num-requests 32] [--profile FILE]
 """
 
 from __future__ import annotations
@@ -77,8 +98,24 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._cpu_account import CpuAccount, cpu_line, cpu_table  # noqa: E402
-from benchmarks._sim_tables import TARGET, rel, side_by_side, table  # noqa: E402
+from benchmarks._cpu_account import CpuAccount, cpu_line, cpu_table, median_cpu  # noqa: E402
+from benchmarks._sim_figures import (  # noqa: E402
+    PROBE_PROMPT,
+    median_figures,
+    median_profile,
+    predict_ways,
+    probe_spread,
+    service_figures,
+    write_probe,
+)
+from benchmarks._sim_tables import (  # noqa: E402
+    TARGET,
+    median_run,
+    rel,
+    rounds_table,
+    side_by_side,
+    spread_table,
+)
 
 CONFIGS = ((1, 1), (1, 2), (2, 1))
 # the served engines and the profiled one share these (step costs and scheduler limits)
@@ -95,7 +132,6 @@ OUTPUT_TOKENS = (16, 128)
 # printable ASCII only: every token is a character of its own (see the docstring)
 ASCII = range(32, 127)
 TINY_VOCAB = 262
-PROBE_PROMPT, PROBE_OUTPUT = 256, 32
 # on a box other sessions load, the inputs are what moves most from run to run: more
 # lone requests in the probe, and the fastest of more timed runs per profile point
 PROBE_REQUESTS, PROFILE_REPEATS = 16, 5
@@ -123,75 +159,6 @@ def write_trace(
             }
             f.write(json.dumps(row) + "\n")
             t += rng.expovariate(rate)
-
-
-def write_probe(path: str, num_requests: int, gap_s: float) -> None:
-    """Lone requests ``gap_s`` apart (none overlaps another): the serving path's figures."""
-    with open(path, "w") as f:
-        for i in range(num_requests):
-            row = {"timestamp": i * gap_s * 1000.0, "input_length": PROBE_PROMPT,
-                   "output_length": PROBE_OUTPUT, "hash_ids": []}  # fmt: skip
-            f.write(json.dumps(row) + "\n")
-
-
-def service_figures(profile: dict, probe: dict) -> dict:
-    """``profile`` (JSON) with its ``service`` section from the probe's medians:
-    each lone request's ITL is one decode step of batch 1 plus the loop's
-    overhead; its TTFT is the path's latency plus one prefill step (with that
-    overhead). Not fitted to the trace: the probe is its own run."""
-    from tandem.cluster.planner.profile import Profile
-
-    p = Profile.from_json(profile)
-    context = PROBE_PROMPT + PROBE_OUTPUT // 2
-    overhead = max(0.0, probe["itl_ms"]["p50"] / 1000 - p.decode_s(1, context))
-    latency = max(0.0, probe["ttft_ms"]["p50"] / 1000 - p.prefill_s(PROBE_PROMPT) - overhead)
-    return {**profile, "service": {"request_latency_s": latency, "step_overhead_s": overhead}}
-
-
-def host_figures(profile: dict, probe: dict, background_cores: float | None) -> dict:
-    """``profile`` (JSON) with a ``host`` section and its ``service`` figures
-    taken apart from the contention the probe ran under.
-
-    - ``cores`` and ``engine_threads``: what ``tandem profile --shared-cores``
-      wrote (this box's cores, ``os.sched_getaffinity``; the profiled engine's
-      torch threads).
-    - ``cpu_per_token_s``: the serving path's CPU per streamed token, from the
-      probe: the gateway's process (this one: ``time.process_time``) and the
-      client's streaming loop, over the probe's output tokens, less what the
-      gateway's process burns idle (measured for ``IDLE_WINDOW_S`` before the
-      probe). It includes the per-request work (HTTP, tokenizing) spread over
-      the probe's 32 tokens.
-    - ``background_cores``: what the rest of the box (other sessions' jobs,
-      Ray's daemons) kept busy during the run being predicted: /proc/stat's
-      busy time less this service's processes (benchmarks/_cpu_account.py).
-      None: no background term (for the probe either).
-    - the ``service`` figures: the probe's lone requests ran at ``r`` = cores /
-      (engine threads + the probe's background) of their solo speed when that
-      is below 1, so the solo overhead is ITL p50 x r less the decode step,
-      and the path's latency is TTFT p50 less the (stretched) prefill step.
-    """
-    from tandem.cluster.planner.profile import Profile
-
-    # tandem profile --shared-cores wrote the cores and the engine's threads
-    base = profile.get("host") or {"cores": len(os.sched_getaffinity(0)),
-                                   "engine_threads": ENGINE["torch_threads"]}  # fmt: skip
-    cores, threads = float(base["cores"]), float(base["engine_threads"])
-    cpu = probe["cpu"]
-    client_s = probe.get("client_cpu_s", cpu["client"] * cpu["wall_s"])
-    idle = probe.get("idle_cpu", {}).get("gateway", 0.0)
-    path_cpu_s = max(0.0, cpu["gateway"] - idle) * cpu["wall_s"] + client_s
-    per_token = path_cpu_s / max(1, probe["total_output_tokens"])
-    others = 0.0 if background_cores is None else cpu["others"]
-    rate = min(1.0, cores / (threads + others))
-    p = Profile.from_json(profile)
-    context = PROBE_PROMPT + PROBE_OUTPUT // 2
-    overhead = max(0.0, probe["itl_ms"]["p50"] / 1000 * rate - p.decode_s(1, context))
-    step = (p.prefill_s(PROBE_PROMPT) + overhead) / rate
-    latency = max(0.0, probe["ttft_ms"]["p50"] / 1000 - step)
-    host = {"cores": cores, "engine_threads": threads, "cpu_per_token_s": per_token,
-            "background_cores": background_cores or 0.0}  # fmt: skip
-    service = {"request_latency_s": latency, "step_overhead_s": overhead}
-    return {**profile, "service": service, "host": host}
 
 
 def _cli(*args: str, timeout_s: float = 600) -> str:
@@ -321,6 +288,12 @@ def serve_and_replay(
             probed = _replay_in_process(svc.base_url, probe, 2)
             probed["cpu"] = acct.stop()
             probed["idle_cpu"] = idle
+            # the same prompts again: their blocks are cached on the prefill engine,
+            # so a TTFT is the serving path and one block's prefill (_sim_figures.py)
+            probed["cached"] = _replay_in_process(svc.base_url, probe, 2)
+            # two streams at a time: the loop's overhead per step as the trace's
+            # decode steps carry it (a lone stream's ITL holds more, _sim_figures.py)
+            probed["paired"] = _replay_in_process(svc.base_url, probe + ".pairs", 3)
         acct = CpuAccount(pids)
         summary = _replay_in_process(svc.base_url, trace, 0)
         summary["cpu"] = acct.stop()
@@ -328,14 +301,84 @@ def serve_and_replay(
     return summary, probed
 
 
+def _configs(text: str) -> list[tuple[int, int]]:
+    configs = []
+    for name in text.split(","):
+        pre, _, dec = name.strip().upper().rstrip("D").partition("P")
+        configs.append((int(pre), int(dec)))
+    return configs
+
+
+def rotated(configs: list, r: int) -> list:
+    """Round ``r``'s order: the list turned by ``r`` places, so that over as many
+    rounds as configurations each runs once in every position (first after
+    the profile, last before the next round's): an effect of the order (the
+    box warming or calming over a round) lands on every configuration alike."""
+    k = r % len(configs)
+    return configs[k:] + configs[:k]
+
+
+def measure_rounds(
+    configs: list[tuple[int, int]],
+    rounds: int,
+    trace: str,
+    warmup: str,
+    probe: str,
+    profile_dir: str | None = None,
+) -> tuple[dict[str, list[dict]], list[dict], dict[str, list[float]], list[dict]]:
+    """``rounds`` rounds, each serving every configuration in turn (so a busy
+    minute of the shared box lands on one round of each, not on one
+    configuration), in an order turned by one place a round (``rotated``);
+    the first configuration of ``configs`` also runs the probe, and with ``profile_dir`` every round begins with ``tandem
+    profile``. Per configuration its runs and the load average after each;
+    the probes; the profiles."""
+    import ray
+
+    reals: dict[str, list[dict]] = {f"{p}P{d}D": [] for p, d in configs}
+    loads: dict[str, list[float]] = {n: [] for n in reals}
+    probes: list[dict] = []
+    profiles: list[dict] = []
+    ray.init(include_dashboard=False, log_to_driver=False)
+    try:
+        for r in range(rounds):
+            if profile_dir is not None:
+                t0 = time.monotonic()
+                path = os.path.join(profile_dir, f"profile-round-{r + 1}.json")
+                measure_profile(path)
+                with open(path) as f:
+                    profiles.append(json.load(f))
+                print(f"round {r + 1} profile: {time.monotonic() - t0:.0f} s", flush=True)
+            for pre, dec in rotated(configs, r):
+                name = f"{pre}P{dec}D"
+                t0 = time.monotonic()
+                probing = probe if (pre, dec) == configs[0] else None
+                real, got = serve_and_replay(pre, dec, trace, warmup, probing)
+                if got is not None:
+                    probes.append(got)
+                assert real["num_failed"] == 0, real["errors"]
+                reals[name].append(real)
+                loads[name].append(os.getloadavg()[0])
+                print(
+                    f"round {r + 1} {name}: {time.monotonic() - t0:.0f} s, "
+                    f"{real['num_completed']} requests, TTFT p50 {real['ttft_ms']['p50']:.2f} ms, "
+                    f"ITL p50 {real['itl_ms']['p50']:.2f} ms, load {loads[name][-1]:.1f}; "
+                    "cores busy " + cpu_line(real["cpu"]),
+                    flush=True,
+                )
+    finally:
+        ray.shutdown()
+    return reals, probes, loads, profiles
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rate", type=float, default=2.0, help="arrivals per second of the trace")
-    p.add_argument("--num-requests", type=int, default=60)
+    p.add_argument("--num-requests", type=int, default=32, help="requests per round's trace")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of every configuration")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", help="a profile measured earlier (default: measure one now)")
     p.add_argument("--configs", default="1P1D,1P2D,2P1D")
-    p.add_argument("--save", help="keep the measured figures (profile, probe, runs) in this JSON")
+    p.add_argument("--save", help="keep the measured figures (profile, probes, runs) in this JSON")
     p.add_argument("--measured", help="predict from a JSON --save kept instead of serving")
     p.add_argument("--replay", help=argparse.SUPPRESS)  # the client process
     p.add_argument("--trace", help=argparse.SUPPRESS)
@@ -343,130 +386,107 @@ def main() -> int:
     if args.replay:
         print(json.dumps(asyncio.run(replay(args.replay, args.trace, args.seed))))
         return 0
-    configs = []
-    for name in args.configs.split(","):
-        pre, _, dec = name.upper().rstrip("D").partition("P")
-        configs.append((int(pre), int(dec)))
-
-    import ray
+    if args.rounds < 1:
+        p.error("--rounds must be >= 1")
+    configs = _configs(args.configs)
 
     from benchmarks._machine import machine
 
     started = time.monotonic()
-    loads = [os.getloadavg()[0]]
+    load0 = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         trace = os.path.join(tmp, "trace.jsonl")
         warmup = os.path.join(tmp, "warmup.jsonl")
-        write_trace(trace, args.num_requests, args.rate, args.seed)
-        write_trace(warmup, 6, 4.0, args.seed + 1000)
         profile = args.profile
+        kept = None
         if args.measured:
-            profile = os.path.join(tmp, "profile.json")
             with open(args.measured) as f:
                 kept = json.load(f)
+            # the trace the kept run replayed
+            args.num_requests, args.rate, args.seed = kept.get(
+                "trace", [args.num_requests, args.rate, args.seed]
+            )
+            profile = os.path.join(tmp, "profile.json")
             with open(profile, "w") as f:
                 json.dump(kept["profile"], f)
-        elif profile is None:
-            profile = os.path.join(tmp, "profile.json")
-            t0 = time.monotonic()
-            measure_profile(profile)
-            print(f"profile measured in {time.monotonic() - t0:.0f} s", flush=True)
-        with open(profile) as f:
-            measured_at = json.load(f).get("measured_at", "?")
+        write_trace(trace, args.num_requests, args.rate, args.seed)
+        write_trace(warmup, 6, 4.0, args.seed + 1000)
         probe = os.path.join(tmp, "probe.jsonl")
         write_probe(probe, PROBE_REQUESTS, 0.4)
-        reals = {}
-        probed = None
-        if args.measured:  # predict again from a run --save kept: no service started
-            reals, probed, loads = kept["real"], kept["probe"], kept["loads"]
+        write_probe(probe + ".pairs", PROBE_REQUESTS, 0.4, together=2)
+        profiles = []
+        if kept is not None:  # predict again from a run --save kept: no service started
+            reals, probes, loads = kept["real"], kept["probes"], kept["loads"]
+            load0, profiles = kept.get("load0", load0), kept.get("profiles", [])
         else:
-            ray.init(include_dashboard=False, log_to_driver=False)
-        try:
-            for pre, dec in [] if args.measured else configs:
-                name = f"{pre}P{dec}D"
-                t0 = time.monotonic()
-                want_probe = probed is None and (pre, dec) == (1, 1)
-                real, got = serve_and_replay(pre, dec, trace, warmup, probe if want_probe else None)
-                probed = probed or got
-                loads.append(os.getloadavg()[0])
-                assert real["num_failed"] == 0, real["errors"]
-                print(
-                    f"{name}: served and replayed in {time.monotonic() - t0:.0f} s, "
-                    f"{real['num_completed']} requests, load {loads[-1]:.1f}",
-                    flush=True,
-                )
-                reals[name] = real
-                print(f"{name}: cores busy " + cpu_line(real["cpu"]), flush=True)
-        finally:
-            if not args.measured:
-                ray.shutdown()
+            # no --profile: one is measured at the start of every round, and each
+            # point is the median of the rounds' (the box's state over the run)
+            profile_dir = tmp if profile is None else None
+            reals, probes, loads, profiles = measure_rounds(
+                configs, args.rounds, trace, warmup, probe, profile_dir
+            )
+            if profile is None:
+                profile = os.path.join(tmp, "profile.json")
+                with open(profile, "w") as f:
+                    json.dump(median_profile(profiles), f)
         with open(profile) as f:
             engine_only = json.load(f)
+        measured_at = engine_only.get("measured_at", "?")
         if args.save:
             with open(args.save, "w") as f:
-                kept = {"profile": engine_only, "probe": probed, "real": reals, "loads": loads}
-                json.dump(kept, f, indent=1)
-        # per variant, per configuration: the profile to simulate with
-        variants = {"engine": {n: profile for n in reals}}
-        if probed is not None:
-            served = os.path.join(tmp, "profile-served.json")
-            with_service = service_figures(engine_only, probed)
-            svc_fig = with_service["service"]
-            with open(served, "w") as f:
-                json.dump(with_service, f)
-            variants["engine + service"] = {n: served for n in reals}
-        if probed is not None and "cpu" in probed:
-            for v, bg in (("+ shared cores", False), ("+ shared cores + background", True)):
-                variants[v] = {}
-                for n, real in reals.items():
-                    path = os.path.join(tmp, f"profile-{n}-{bg}.json")
-                    fig = host_figures(engine_only, probed, real["cpu"]["others"] if bg else None)
-                    with open(path, "w") as f:
-                        json.dump(fig, f)
-                    variants[v][n] = path
-            print(
-                "host figures: "
-                + json.dumps(fig["host"])
-                + ", service "
-                + json.dumps(fig["service"])
-            )
-        rows = {v: [] for v in variants}
-        sims = {}
-        for pre, dec in configs:
-            name = f"{pre}P{dec}D"
-            for v, paths in variants.items():
-                sims[v, name] = simulate(paths[name], trace, pre, dec)
-                rows[v].append((name, sims[v, name], reals[name]))
+                json.dump({"profile": engine_only, "probes": probes, "real": reals,
+                           "loads": loads, "load0": load0, "profiles": profiles,
+                           "trace": [args.num_requests, args.rate, args.seed]},
+                          f, indent=1)  # fmt: skip
+        names = list(reals)
+        variants = predict_ways(tmp, profile, engine_only, probes, reals)
+        sims = {(v, n): simulate(paths[n], trace, *_configs(n)[0])
+                for v, paths in variants.items() for n in names}  # fmt: skip
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    rounds = len(next(iter(reals.values())))
+    all_loads = [x for n in names for x in loads[n]]
     print(
-        f"\nmachine: {machine()}; {now}; load average "
-        + " ".join(f"{x:.1f}" for x in loads)
-        + f"; profile measured {measured_at}; trace: {args.num_requests} requests, Poisson "
-        f"{args.rate} req/s, prompts {INPUT_TOKENS[0]}-{INPUT_TOKENS[1]}, answers "
-        f"{OUTPUT_TOKENS[0]}-{OUTPUT_TOKENS[1]} tokens, seed {args.seed}; "
+        f"\nmachine: {machine()}; {now}; load average {load0:.1f} before, "
+        f"{min(all_loads):.1f}-{max(all_loads):.1f} after each run; profile measured "
+        f"{measured_at}; trace: {args.num_requests} requests, Poisson {args.rate} req/s, prompts "
+        f"{INPUT_TOKENS[0]}-{INPUT_TOKENS[1]}, answers {OUTPUT_TOKENS[0]}-{OUTPUT_TOKENS[1]} "
+        f"tokens, seed {args.seed}; {rounds} interleaved rounds of {', '.join(names)}; "
         f"{time.monotonic() - started:.0f} s in all"
     )
-    if probed is not None:
+    if probes:
+        t, i = probe_spread(probes, "ttft_ms"), probe_spread(probes, "itl_ms")
+        svc = median_figures(engine_only, probes, service_figures)["service"]
+        hits = [pr["cached"] for pr in probes if "cached" in pr]
+        c = probe_spread(hits, "ttft_ms") if hits else None
         print(
-            f"service figures from {PROBE_PROMPT}-token lone requests on 1P1D: TTFT p50 "
-            f"{probed['ttft_ms']['p50']:.2f} ms, ITL p50 {probed['itl_ms']['p50']:.2f} ms -> "
-            f"request_latency_s {svc_fig['request_latency_s'] * 1000:.2f} ms, "
-            f"step_overhead_s {svc_fig['step_overhead_s'] * 1000:.3f} ms"
+            f"probes ({len(probes)}, {PROBE_PROMPT}-token lone requests on {names[0]}): TTFT p50 "
+            f"{t[0]:.2f} ms ({t[1]:.2f}-{t[2]:.2f}), "
+            + (f"cached {c[0]:.2f} ms ({c[1]:.2f}-{c[2]:.2f}), " if c else "")
+            + f"ITL p50 {i[0]:.2f} ms ({i[1]:.2f}-{i[2]:.2f})"
+            f" -> median request_latency_s {svc['request_latency_s'] * 1000:.2f} ms, "
+            f"step_overhead_s {svc['step_overhead_s'] * 1000:.3f} ms"
         )
-    for v, vrows in rows.items():
+    print("\nmeasured p50s per round (ms):")
+    print(rounds_table(reals, loads))
+    medians = {n: median_run(reals[n]) for n in names}
+    rows = {v: [(n, sims[v, n], medians[n]) for n in names] for v in variants}
+    for v in variants:
         print(f"\nprofile: {v}")
-        print(table(vrows))
+        print(spread_table([(n, sims[v, n], reals[n]) for n in names]))
         worst = max(
             abs(rel(sim[k]["p50"], real[k]["p50"]))
-            for _, sim, real in vrows
+            for _, sim, real in rows[v]
             for k in ("ttft_ms", "itl_ms")
         )
-        print(f"worst p50 error ({v}): {worst:.1%} (target {TARGET:.0%})")
-    print("\np50 errors side by side (measured ms, then each way's error):")
+        verdict = "holds" if worst <= TARGET else "does not hold"
+        print(f"worst error of a median p50 ({v}): {worst:.1%}: {TARGET:.0%} {verdict}")
+    print("\nmedian p50 errors side by side (measured median ms, then each way's error):")
     print(side_by_side(rows))
-    if all("cpu" in r for r in reals.values()):
-        print("\ncores busy while each trace ran (benchmarks/_cpu_account.py):")
-        print(cpu_table(reals, {n: sims["engine + service", n] for n in reals}))
+    if all("cpu" in r for runs in reals.values() for r in runs):
+        print(
+            "\ncores busy while each trace ran, median of the rounds (benchmarks/_cpu_account.py):"
+        )
+        print(cpu_table(median_cpu(reals), {n: sims["engine + service", n] for n in names}))
     return 0
 
 

@@ -1,0 +1,206 @@
+"""benchmarks/simulator.py's measured inputs: the profile's ``service`` and
+``host`` sections from probes of lone requests on a served 1P1D.
+
+Every round of the benchmark probes once; the figures the simulator is given
+are the median of each figure over the rounds' probes (``median_figures``),
+so one probe that met a busy minute of the shared box moves nothing much.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from collections.abc import Callable
+
+PROBE_PROMPT, PROBE_OUTPUT = 256, 32
+ENGINE_THREADS = 1  # the served and the profiled engines' torch threads
+
+
+def write_probe(path: str, num_requests: int, gap_s: float, together: int = 1) -> None:
+    """Requests ``gap_s`` apart, ``together`` at a time (1: lone, none overlaps
+    another): the serving path's figures."""
+    with open(path, "w") as f:
+        for i in range(num_requests):
+            row = {"timestamp": i // together * gap_s * 1000.0, "input_length": PROBE_PROMPT,
+                   "output_length": PROBE_OUTPUT, "hash_ids": []}  # fmt: skip
+            f.write(json.dumps(row) + "\n")
+
+
+def probe_prefill(profile: dict, probe: dict) -> tuple[float, int]:
+    """The TTFT p50 (s) the path's latency is taken from, and the prompt tokens
+    its prefill computed. With ``probe["cached"]`` (the same lone requests
+    again: every prompt's full blocks are in the prefill engine's cache, so
+    only the last block's tokens are computed) the TTFT is mostly the path's,
+    and the few ms of prefill it still holds are what a core's wait can
+    stretch; without it (runs kept before session 11) the whole 256-token
+    prefill is in it, and every ms that prefill waited for a core on a busy
+    box would land in the latency the simulator adds to every request."""
+    cached = probe.get("cached")
+    if cached is None:
+        return probe["ttft_ms"]["p50"] / 1000, PROBE_PROMPT
+    block = int(profile.get("scheduler", {}).get("block_size", 16))
+    computed = PROBE_PROMPT - (PROBE_PROMPT - 1) // block * block
+    return cached["ttft_ms"]["p50"] / 1000, computed
+
+
+def probe_decode(p: object, probe: dict) -> tuple[float, float]:
+    """The ITL p50 (s) the step overhead is taken from, and the profile's decode
+    step under it. With ``probe["paired"]`` (the probe's requests two at a
+    time) it is a batch-2 step's: on a quiet box a lone stream's ITL was 30%
+    above the trace's streams' on the same service (session 11,
+    docs/benchmarks.md), so an overhead from lone requests is more than the
+    trace's steps carry. Without it (runs kept before), the lone requests'."""
+    context = PROBE_PROMPT + PROBE_OUTPUT // 2
+    paired = probe.get("paired")
+    if paired is None:
+        return probe["itl_ms"]["p50"] / 1000, p.decode_s(1, context)
+    return paired["itl_ms"]["p50"] / 1000, p.decode_s(2, 2 * context)
+
+
+def service_figures(profile: dict, probe: dict) -> dict:
+    """``profile`` (JSON) with its ``service`` section from the probe's medians:
+    each ITL is one decode step (batch 2 with the paired pass, ``probe_decode``)
+    plus the loop's overhead; a lone request's TTFT (the cached pass's, ``probe_prefill``) is the path's
+    latency plus one prefill step (with that overhead). Not fitted to the
+    trace: the probe is its own run."""
+    from tandem.cluster.planner.profile import Profile
+
+    p = Profile.from_json(profile)
+    itl_s, step_s = probe_decode(p, probe)
+    overhead = max(0.0, itl_s - step_s)
+    ttft_s, computed = probe_prefill(profile, probe)
+    latency = max(0.0, ttft_s - p.prefill_s(computed) - overhead)
+    return {**profile, "service": {"request_latency_s": latency, "step_overhead_s": overhead}}
+
+
+def host_figures(profile: dict, probe: dict, background_cores: float | None) -> dict:
+    """``profile`` (JSON) with a ``host`` section and its ``service`` figures
+    taken apart from the contention the probe ran under.
+
+    - ``cores`` and ``engine_threads``: what ``tandem profile --shared-cores``
+      wrote (this box's cores, ``os.sched_getaffinity``; the profiled engine's
+      torch threads).
+    - ``cpu_per_token_s``: the serving path's CPU per streamed token, from the
+      probe: the gateway's process (this one: ``time.process_time``) and the
+      client's streaming loop, over the probe's output tokens, less what the
+      gateway's process burns idle (measured for ``IDLE_WINDOW_S`` before the
+      probe). It includes the per-request work (HTTP, tokenizing) spread over
+      the probe's 32 tokens.
+    - ``background_cores``: what the rest of the box (other sessions' jobs,
+      Ray's daemons) kept busy during the run being predicted: /proc/stat's
+      busy time less this service's processes (benchmarks/_cpu_account.py).
+      None: no background term (for the probe either).
+    - the ``service`` figures: the probe's lone requests ran at ``r`` = cores /
+      (engine threads + the probe's background) of their solo speed when that
+      is below 1, so the solo overhead is ITL p50 x r less the decode step,
+      and the path's latency is TTFT p50 (``probe_prefill``) less the
+      (stretched) prefill step.
+    """
+    from tandem.cluster.planner.profile import Profile
+
+    # tandem profile --shared-cores wrote the cores and the engine's threads
+    base = profile.get("host") or {"cores": len(os.sched_getaffinity(0)),
+                                   "engine_threads": ENGINE_THREADS}  # fmt: skip
+    cores, threads = float(base["cores"]), float(base["engine_threads"])
+    cpu = probe["cpu"]
+    client_s = probe.get("client_cpu_s", cpu["client"] * cpu["wall_s"])
+    idle = probe.get("idle_cpu", {}).get("gateway", 0.0)
+    path_cpu_s = max(0.0, cpu["gateway"] - idle) * cpu["wall_s"] + client_s
+    per_token = path_cpu_s / max(1, probe["total_output_tokens"])
+    others = 0.0 if background_cores is None else cpu["others"]
+    rate = min(1.0, cores / (threads + others))
+    p = Profile.from_json(profile)
+    itl_s, step_s = probe_decode(p, probe)
+    overhead = max(0.0, itl_s * rate - step_s)
+    ttft_s, computed = probe_prefill(profile, probe)
+    step = (p.prefill_s(computed) + overhead) / rate
+    latency = max(0.0, ttft_s - step)
+    host = {"cores": cores, "engine_threads": threads, "cpu_per_token_s": per_token,
+            "background_cores": background_cores or 0.0}  # fmt: skip
+    service = {"request_latency_s": latency, "step_overhead_s": overhead}
+    return {**profile, "service": service, "host": host}
+
+
+def median_figures(
+    profile: dict,
+    probes: list[dict],
+    figures: Callable[[dict, dict], dict],
+) -> dict:
+    """``profile`` (JSON) with the sections ``figures(profile, probe)`` adds,
+    each number the median over ``probes`` (one per round)."""
+    if not probes:
+        raise ValueError("median_figures needs at least one probe")
+    each = [figures(profile, p) for p in probes]
+    out = dict(each[0])
+    for section in ("service", "host"):
+        if section in each[0]:
+            out[section] = {
+                k: statistics.median(f[section][k] for f in each) for k in each[0][section]
+            }
+    return out
+
+
+def probe_spread(probes: list[dict], key: str) -> tuple[float, float, float]:
+    """Median, min and max over the probes of ``key``'s p50 (``ttft_ms``, ``itl_ms``)."""
+    xs = [p[key]["p50"] for p in probes]
+    return statistics.median(xs), min(xs), max(xs)
+
+
+def median_profile(profiles: list[dict]) -> dict:
+    """One profile (JSON) from several measured in the same run (one a round):
+    every prefill and decode point the median of the runs' values (each of
+    them already the fastest of its repeats), the rest the first one's."""
+    if not profiles:
+        raise ValueError("median_profile needs at least one profile")
+    first = profiles[0]
+    for p in profiles[1:]:
+        for axis in (("prefill", "batch_tokens"), ("decode", "batch_sizes"),
+                     ("decode", "context_tokens")):  # fmt: skip
+            if p[axis[0]][axis[1]] != first[axis[0]][axis[1]]:
+                raise ValueError(f"profiles differ in {'.'.join(axis)}")
+    out = {**first}
+    out["prefill"] = {
+        **first["prefill"],
+        "time_s": [
+            statistics.median(xs) for xs in zip(*(p["prefill"]["time_s"] for p in profiles))
+        ],
+    }
+    rows = zip(*(p["decode"]["time_s"] for p in profiles))
+    out["decode"] = {
+        **first["decode"],
+        "time_s": [[statistics.median(xs) for xs in zip(*row)] for row in rows],
+    }
+    return out
+
+
+def predict_ways(
+    tmp: str, profile: str, engine_only: dict, probes: list[dict], reals: dict[str, list[dict]]
+) -> dict[str, dict[str, str]]:
+    """Per way, per configuration: the profile file to simulate with (docstring)."""
+
+    def write(name: str, obj: dict) -> str:
+        path = os.path.join(tmp, name)
+        with open(path, "w") as f:
+            json.dump(obj, f)
+        return path
+
+    variants = {"engine": {n: profile for n in reals}}
+    if not probes:
+        return variants
+    served = write("profile-served.json", median_figures(engine_only, probes, service_figures))
+    variants["engine + service"] = {n: served for n in reals}
+    if not all("cpu" in pr for pr in probes):
+        return variants
+    shared = median_figures(engine_only, probes, lambda pf, pr: host_figures(pf, pr, None))
+    host_path = write("profile-host.json", shared)
+    variants["+ shared cores"] = {n: host_path for n in reals}
+    print(
+        "host figures: " + json.dumps(shared["host"]) + ", service " + json.dumps(shared["service"])
+    )
+    variants["+ shared cores + background"] = {}
+    for n, runs in reals.items():
+        bg = statistics.median(r["cpu"]["others"] for r in runs)
+        fig = median_figures(engine_only, probes, lambda pf, pr, bg=bg: host_figures(pf, pr, bg))
+        variants["+ shared cores + background"][n] = write(f"profile-{n}-bg.json", fig)
+    return variants

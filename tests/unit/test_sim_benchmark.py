@@ -1,0 +1,142 @@
+"""benchmarks/simulator.py's arithmetic: the inputs from several probes (the
+median of each figure) and the rounds against one prediction (median,
+min-max, each round's error). No service: known numbers only."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks._sim_figures import (
+    host_figures,
+    median_figures,
+    median_profile,
+    probe_decode,
+    probe_prefill,
+    probe_spread,
+    service_figures,
+)
+from benchmarks._sim_tables import median_run, rel, rounds_table, spread_table
+from benchmarks.simulator import rotated
+from tandem.cluster.planner.profile import Profile
+from tests.unit.test_simulator import profile
+
+
+def _probe(ttft_ms: float, itl_ms: float, gateway: float = 0.1, others: float = 0.0) -> dict:
+    return {
+        "ttft_ms": {"p50": ttft_ms},
+        "itl_ms": {"p50": itl_ms},
+        "total_output_tokens": 512,
+        "client_cpu_s": 0.2,
+        "cpu": {"wall_s": 8.0, "gateway": gateway, "client": 0.025, "others": others},
+        "idle_cpu": {"gateway": 0.02},
+    }
+
+
+def _run(ttft: float, itl: float) -> dict:
+    return {"ttft_ms": {"p50": ttft, "p99": 3 * ttft}, "itl_ms": {"p50": itl, "p99": 4 * itl}}
+
+
+def test_service_figures_are_each_the_median_over_the_probes():
+    p = profile().to_json()
+    probes = [_probe(40.0, 9.0), _probe(30.0, 12.0), _probe(35.0, 6.0)]
+    got = median_figures(p, probes, service_figures)["service"]
+    each = [service_figures(p, pr)["service"] for pr in probes]
+    # the median of every figure on its own: the overhead from the 9 ms probe, the
+    # latency from the 35 ms one (12 ms ITL leaves the 30 ms probe the least latency)
+    assert got["step_overhead_s"] == pytest.approx(each[0]["step_overhead_s"])
+    assert got["request_latency_s"] == pytest.approx(
+        sorted(e["request_latency_s"] for e in each)[1]
+    )
+    assert median_figures(p, probes[:1], service_figures) == service_figures(p, probes[0])
+    assert probe_spread(probes, "itl_ms") == (9.0, 6.0, 12.0)
+    with pytest.raises(ValueError, match="at least one probe"):
+        median_figures(p, [], service_figures)
+
+
+def test_host_figures_take_the_median_cpu_per_token_and_keep_the_cores():
+    p = {**profile().to_json(), "host": {"cores": 2, "engine_threads": 1}}
+    probes = [_probe(30.0, 6.0, gateway=g) for g in (0.10, 0.30, 0.05)]
+    got = median_figures(p, probes, lambda pf, pr: host_figures(pf, pr, None))["host"]
+    # (gateway - idle) x wall + the client's CPU, over the probe's tokens
+    assert got["cpu_per_token_s"] == pytest.approx(((0.10 - 0.02) * 8.0 + 0.2) / 512)
+    assert (got["cores"], got["engine_threads"], got["background_cores"]) == (2.0, 1.0, 0.0)
+
+
+def test_rounds_are_compared_by_their_median_with_the_spread_and_each_rounds_error():
+    runs = [_run(20.0, 2.0), _run(25.0, 2.4), _run(18.0, 1.8)]
+    med = median_run(runs)
+    assert med == {"ttft_ms": {"p50": 20.0, "p99": 60.0}, "itl_ms": {"p50": 2.0, "p99": 8.0}}
+    sim = _run(22.0, 2.1)
+    text = spread_table([("1P1D", sim, runs)])
+    ttft = next(line for line in text.splitlines() if "TTFT p50" in line)
+    assert "| 22.00 | 20.00 | 18.00-25.00 | +10.0% |" in ttft
+    assert ttft.endswith(f"| {rel(22, 20):+.0%} {rel(22, 25):+.0%} {rel(22, 18):+.0%} |")
+    assert "**over**" not in ttft
+    far = spread_table([("1P1D", _run(30.0, 2.0), runs)])
+    assert "+50.0% **over**" in far
+    table = rounds_table({"1P1D": runs}, {"1P1D": [1.0, 2.5, 0.5]})
+    assert table.splitlines()[3] == "| 2 | 25.00 / 2.40 (2.5) |"
+
+
+def test_a_profile_per_round_gives_each_point_its_median():
+    base = profile().to_json()
+    runs = []
+    for k in (1.0, 3.0, 2.0):
+        p = json.loads(json.dumps(base))
+        p["prefill"]["time_s"] = [t * k for t in p["prefill"]["time_s"]]
+        p["decode"]["time_s"] = [[t * (4.0 - k) for t in row] for row in p["decode"]["time_s"]]
+        runs.append(p)
+    got = median_profile(runs)
+    assert got["prefill"]["time_s"] == pytest.approx([t * 2.0 for t in base["prefill"]["time_s"]])
+    for row, want in zip(got["decode"]["time_s"], base["decode"]["time_s"], strict=True):
+        assert row == pytest.approx([t * 2.0 for t in want])
+    assert got["scheduler"] == base["scheduler"] and got["transfer"] == base["transfer"]
+    Profile.from_json(got)  # still a profile the simulator loads
+    other = json.loads(json.dumps(base))
+    other["decode"]["context_tokens"] = [16, 4096]
+    with pytest.raises(ValueError, match="decode.context_tokens"):
+        median_profile([base, other])
+
+
+def test_each_configuration_runs_once_in_every_position_over_three_rounds():
+    configs = [(1, 1), (1, 2), (2, 1)]
+    orders = [rotated(configs, r) for r in range(3)]
+    assert orders[0] == configs
+    for pos in range(3):
+        assert sorted(o[pos] for o in orders) == sorted(configs)
+    assert rotated(configs, 3) == configs and rotated([(1, 1)], 5) == [(1, 1)]
+
+
+def test_the_path_latency_comes_from_the_cached_pass_whose_prefill_is_one_block():
+    p = profile()
+    slow = _probe(90.0, 9.0)  # the uncached pass's TTFT holds a 256-token prefill's waits
+    slow["cached"] = {"ttft_ms": {"p50": 25.0}}
+    overhead = 0.009 - p.decode_s(1, 256 + 16)
+    # 256 prompt tokens, 16-token blocks: 15 blocks cached, the last 16 tokens computed
+    assert probe_prefill(p.to_json(), slow) == (0.025, 16)
+    got = service_figures(p.to_json(), slow)["service"]
+    assert got["step_overhead_s"] == pytest.approx(overhead)
+    assert got["request_latency_s"] == pytest.approx(0.025 - p.prefill_s(16) - overhead)
+    fast = {**slow, "ttft_ms": {"p50": 40.0}}  # the uncached TTFT no longer matters
+    assert service_figures(p.to_json(), fast)["service"] == got
+    host = host_figures({**p.to_json(), "host": {"cores": 2, "engine_threads": 1}}, slow, None)
+    assert host["service"]["request_latency_s"] == pytest.approx(got["request_latency_s"])
+    # a run kept before the cached pass: the whole prefill, as before
+    del slow["cached"]
+    assert probe_prefill(p.to_json(), slow) == (0.090, 256)
+
+
+def test_the_step_overhead_comes_from_the_paired_pass_as_a_batch_of_two():
+    p = profile()
+    probe = _probe(20.0, 9.0)  # a lone stream's ITL
+    probe["paired"] = {"itl_ms": {"p50": 7.0}}
+    context = 256 + 16
+    assert probe_decode(p, probe) == (0.007, p.decode_s(2, 2 * context))
+    got = service_figures(p.to_json(), probe)["service"]
+    assert got["step_overhead_s"] == pytest.approx(0.007 - p.decode_s(2, 2 * context))
+    host = host_figures({**p.to_json(), "host": {"cores": 2, "engine_threads": 1}}, probe, None)
+    assert host["service"]["step_overhead_s"] == pytest.approx(got["step_overhead_s"])
+    del probe["paired"]  # a run kept before the paired pass: the lone requests' ITL
+    assert probe_decode(p, probe) == (0.009, p.decode_s(1, context))
