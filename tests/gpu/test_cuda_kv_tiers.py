@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from tandem.kvtransfer.tiers.gather import gather_enabled, gather_launches
-
 from tests.workers.test_kv_tiers import (
     SP,
     prompts_with_shared_prefixes,
