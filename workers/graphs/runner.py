@@ -188,14 +188,7 @@ class DecodeGraphRunner:
 
     def _forward_fn(self, size: int) -> Callable[[], torch.Tensor]:
         meta = self.inputs.metadata(size)
-        ids = self.inputs.device_view("input_ids", size)
-        positions = self.inputs.device_view("positions", size)
-        model, kv_cache = self.model, self.kv_cache
-
-        def forward() -> torch.Tensor:
-            return model(ids, positions, kv_cache, meta)
-
-        return forward
+        return static_forward(self.model, self.kv_cache, self.inputs, meta, size)
 
     def run(
         self,
@@ -228,6 +221,25 @@ class DecodeGraphRunner:
             patch_ids(self.inputs.device_view("input_ids", n))
         self.num_replays[size] += 1
         return self.replays[size]()[:n]
+
+
+def static_forward(
+    model: torch.nn.Module,
+    kv_cache: torch.Tensor,
+    inputs: StaticDecodeInputs,
+    meta: Any,
+    num_tokens: int,
+) -> Callable[[], torch.Tensor]:
+    """The forward a full graph captures: ``model`` over the first ``num_tokens`` rows of
+    ``inputs``' static ids and positions, with ``meta`` (a bucket's metadata over the same
+    buffers)."""
+    ids = inputs.device_view("input_ids", num_tokens)
+    positions = inputs.device_view("positions", num_tokens)
+
+    def forward() -> torch.Tensor:
+        return model(ids, positions, kv_cache, meta)
+
+    return forward
 
 
 def graphs_allowed(config: Any, device: torch.device) -> bool:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tandem.workers.graphs.runner import static_forward
 from tandem.workers.graphs.sizes import bucket_for
 from tandem.workers.graphs.static_inputs import StaticDecodeInputs
 
@@ -79,14 +80,7 @@ class VerifyGraphRunner:
 
     def _forward_fn(self, seqs: int, tokens: int) -> Callable[[], torch.Tensor]:
         meta = self.inputs.query_metadata(seqs, tokens, self.query_tokens)
-        ids = self.inputs.device_view("input_ids", tokens)
-        positions = self.inputs.device_view("positions", tokens)
-        model, kv_cache = self.model, self.kv_cache
-
-        def forward() -> torch.Tensor:
-            return model(ids, positions, kv_cache, meta)
-
-        return forward
+        return static_forward(self.model, self.kv_cache, self.inputs, meta, tokens)
 
     def run(
         self,
