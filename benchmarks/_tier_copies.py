@@ -23,7 +23,6 @@ Disk: each round loads the blocks from cold segment files (their pages dropped),
 
 from __future__ import annotations
 
-import os
 import statistics
 import threading
 import time
@@ -32,18 +31,10 @@ from pathlib import Path
 import torch
 import xxhash
 
+from benchmarks.kv_disk_patterns import drop_page_cache
 from tandem.kvtransfer.tiers.config import TierConfig
 from tandem.kvtransfer.tiers.store import LoadJob, StoreJob, TierStore
 from tandem.workers.runner.kv_cache import page_aligned_zeros
-
-
-def _drop_cache(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def _load_all(store: TierStore, keys: list[bytes], num_blocks: int) -> float:
@@ -81,7 +72,7 @@ def _seq_read_gbs(src: torch.Tensor, tmp: str) -> float:
     big = Path(tmp) / "seq.bin"
     with open(big, "wb") as f:
         f.write(memoryview(src.numpy()))
-    _drop_cache(big)
+    drop_page_cache(big)
     buf = bytearray(1 << 20)
     t = time.perf_counter()
     with open(big, "rb", buffering=0) as f:
@@ -205,7 +196,7 @@ def disk_row(
         store_gbs = total / _store_all(store, keys, b"") / 1e9
         for _ in range(repeats):
             for p in store.disk.root.rglob("*.kvs"):
-                _drop_cache(p)
+                drop_page_cache(p)
             loads.append(total / _load_all(store, keys, num_blocks) / 1e9)
             # the same loads again, the files now in the page cache (read into it
             # first: the cold loads read with O_DIRECT, past it): the tier's own cost

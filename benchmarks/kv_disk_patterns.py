@@ -38,7 +38,8 @@ from benchmarks._machine import machine  # noqa: E402
 PAGE = 4096
 
 
-def _drop(path: str) -> None:
+def drop_page_cache(path: str | Path) -> None:
+    """Write ``path`` back and drop its pages from the page cache: the next read is cold."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -98,7 +99,7 @@ class Layouts:
     def pattern(self, name: str, threads: int, run: int = 0) -> float:
         """GB/s of the blocks' bytes, cold."""
         for p in [*self.files, self.one]:
-            _drop(p)
+            drop_page_cache(p)
         start = time.perf_counter()
         if name == "willneed":
             for p in self.files:
@@ -129,7 +130,7 @@ class Layouts:
         with open(big, "wb") as f:
             for _ in range(self.n):
                 f.write(self.payload)
-        _drop(big)
+        drop_page_cache(big)
         buf = bytearray(1 << 20)
         start = time.perf_counter()
         with open(big, "rb", buffering=0) as f:

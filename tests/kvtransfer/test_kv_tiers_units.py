@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from benchmarks.kv_disk_patterns import drop_page_cache
 from tandem.kvtransfer.tiers.config import TierConfig, disk_name, fingerprint
 from tandem.kvtransfer.tiers.disk import (
     DiskTier,
@@ -414,15 +415,6 @@ def test_runs_spread_over_segments_take_one_read_per_piece(tmp_path):
         store.close()
 
 
-def _uncache(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 @pytest.mark.parametrize("bb,aligned", [(BB, False), (4096, True), (4096, False)])
 def test_cold_blocks_come_by_o_direct_and_cached_ones_from_the_page_cache(tmp_path, bb, aligned):
     """segment_reads.py: blocks the page cache holds are read straight in; the rest by
@@ -447,7 +439,7 @@ def test_cold_blocks_come_by_o_direct_and_cached_ones_from_the_page_cache(tmp_pa
     disk.reader._cached = spy
     for state in ("cold", "first cached", "warm", "buffered"):
         rows[:] = 0
-        _uncache(disk.path_of(name))
+        drop_page_cache(disk.path_of(name))
         if state == "first cached":
             fd = os.open(disk.path_of(name), os.O_RDONLY)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no read-ahead
@@ -481,7 +473,7 @@ def test_file_block_reads_one_cold_block_of_a_segment_for_the_cuda_path(tmp_path
         store.submit_stores([StoreJob(i, k) for i, k in enumerate(keys)])
         assert store.flush(10)
         (seg,) = store.disk.segments.values()
-        _uncache(store.disk.path(seg))
+        drop_page_cache(store.disk.path(seg))
         for i in (2, 0):
             block = store.copier.file_block(keys[i])
             assert torch.equal(block, want[i]) and block.data_ptr() % 4096 == 0

@@ -178,17 +178,7 @@ class StaticDecodeInputs:
         ids[:n], ids[n:batch] = input_ids, 0
         pos[:n], pos[n:batch] = positions, 0
         lens[:n], lens[n:batch] = seq_lens, 1
-        table[:] = 0
-        if n:
-            flat = np.fromiter(
-                itertools.chain.from_iterable(block_tables),
-                dtype=np.int32,
-                count=int(row_lens.sum()),
-            )
-            table[:n][np.arange(used)[None, :] < row_lens[:, None]] = flat
-            positions_np = pos[:n].astype(np.int64)
-            blocks = table[np.arange(n), positions_np // self.block_size].astype(np.int64)
-            slots[:n] = blocks * self.block_size + positions_np % self.block_size
+        self._write_table_and_slots(block_tables, row_lens, table, np.arange(n))
         slots[n:batch] = -1
         self._send(batch, used)
 
@@ -227,20 +217,33 @@ class StaticDecodeInputs:
         starts[0] = 0
         np.cumsum(np.asarray(query_lens, dtype=np.int32), out=starts[1 : n + 1])
         starts[n + 1 : seqs + 1] = total
-        table[:] = 0
-        if n:
-            flat = np.fromiter(
-                itertools.chain.from_iterable(block_tables),
-                dtype=np.int32,
-                count=int(row_lens.sum()),
-            )
-            table[:n][np.arange(used)[None, :] < row_lens[:, None]] = flat
-            seq_of_token = np.repeat(np.arange(n), query_lens)
-            positions_np = pos[:total].astype(np.int64)
-            blocks = table[seq_of_token, positions_np // self.block_size].astype(np.int64)
-            slots[:total] = blocks * self.block_size + positions_np % self.block_size
+        seq_of_token = np.repeat(np.arange(n), query_lens)
+        self._write_table_and_slots(block_tables, row_lens, table, seq_of_token)
         slots[total:tokens] = -1
         self._send(seqs, used)
+
+    def _write_table_and_slots(
+        self,
+        block_tables: list[list[int]],
+        row_lens: np.ndarray,
+        table: np.ndarray,
+        seq_of_token: np.ndarray,
+    ) -> None:
+        """The host table corner (rows zeroed past each row's blocks) and the slot of each
+        of the ``len(seq_of_token)`` real tokens, from the positions already written."""
+        table[:] = 0
+        n, num_tokens = len(row_lens), len(seq_of_token)
+        if not n:
+            return
+        used = table.shape[1]
+        flat = np.fromiter(
+            itertools.chain.from_iterable(block_tables), dtype=np.int32, count=int(row_lens.sum())
+        )
+        table[:n][np.arange(used)[None, :] < row_lens[:, None]] = flat
+        positions = self._host_view("positions")[:num_tokens].astype(np.int64)
+        blocks = table[seq_of_token, positions // self.block_size].astype(np.int64)
+        slots = self._host_view("slot_mapping")
+        slots[:num_tokens] = blocks * self.block_size + positions % self.block_size
 
     def _row_lens(self, block_tables: list[list[int]]) -> np.ndarray:
         row_lens = np.fromiter(map(len, block_tables), dtype=np.int64, count=len(block_tables))
