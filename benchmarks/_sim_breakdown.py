@@ -156,3 +156,29 @@ def breakdown_table(rows: list[tuple[str, dict[str, float], dict[str, float]]]) 
             cells.append("-" if got is None else f"{got:.2f} ({got - real:+.2f})")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def print_breakdown(
+    engine_only: dict, reals: dict, probes: list[dict], sims: dict, names: list, ways: list
+) -> None:
+    """The TTFT's parts, measured (median over the rounds of each run's
+    medians) beside the simulator's (the most complete way), and the probes'."""
+    from tandem.cluster.planner.profile import Profile
+
+    prof = Profile.from_json(engine_only)
+    way = ways[min(2, len(ways) - 1)]  # + shared cores when the probes gave it
+    rows = []
+    for n in names:
+        runs = [run_parts(r["stamps"], r["rows"], prof) for r in reals[n] if "rows" in r]
+        rows.append((n, median_parts(runs), sims[way, n].get("ttft_parts_ms", {})))
+    for label, key in (("lone", None), ("cached", "cached")):
+        runs = []
+        for pr in probes:
+            run = pr if key is None else pr.get(key) or {}
+            if "rows" in run:
+                runs.append(run_parts(run["stamps"], run["rows"], prof))
+        if runs:
+            rows.append((f"probe, {label}", median_parts(runs), {}))
+    if any(m for _, m, _ in rows):
+        print(f"\nTTFT parts, ms (medians; docs in benchmarks/_sim_breakdown.py; sim: {way}):")
+        print(breakdown_table(rows))

@@ -99,12 +99,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._cpu_account import CpuAccount, cpu_line, cpu_table, median_cpu  # noqa: E402
-from benchmarks._sim_breakdown import (  # noqa: E402
-    RecordCollector,
-    breakdown_table,
-    median_parts,
-    run_parts,
-)
+from benchmarks._sim_breakdown import RecordCollector, print_breakdown  # noqa: E402
 from benchmarks._sim_figures import (  # noqa: E402
     PROBE_PROMPT,
     median_figures,
@@ -384,32 +379,6 @@ def measure_rounds(
     finally:
         ray.shutdown()
     return reals, probes, loads, profiles
-
-
-def print_breakdown(
-    engine_only: dict, reals: dict, probes: list[dict], sims: dict, names: list, ways: list
-) -> None:
-    """The TTFT's parts, measured (median over the rounds of each run's
-    medians) beside the simulator's (the most complete way), and the probes'."""
-    from tandem.cluster.planner.profile import Profile
-
-    prof = Profile.from_json(engine_only)
-    way = ways[min(2, len(ways) - 1)]  # + shared cores when the probes gave it
-    rows = []
-    for n in names:
-        runs = [run_parts(r["stamps"], r["rows"], prof) for r in reals[n] if "rows" in r]
-        rows.append((n, median_parts(runs), sims[way, n].get("ttft_parts_ms", {})))
-    for label, key in (("lone", None), ("cached", "cached")):
-        runs = []
-        for pr in probes:
-            run = pr if key is None else pr.get(key) or {}
-            if "rows" in run:
-                runs.append(run_parts(run["stamps"], run["rows"], prof))
-        if runs:
-            rows.append((f"probe, {label}", median_parts(runs), {}))
-    if any(m for _, m, _ in rows):
-        print(f"\nTTFT parts, ms (medians; docs in benchmarks/_sim_breakdown.py; sim: {way}):")
-        print(breakdown_table(rows))
 
 
 def main() -> int:
