@@ -41,12 +41,12 @@
      blocks now cached on the prefill engine: one block left to compute),
      then 16 more two at a time; the pairs' ITL p50 minus one batch-2 decode
      step is the step overhead (a lone stream's ITL carries more than the
-     trace's steps do), the cached
-     pass's TTFT p50 minus that block's prefill step (and the overhead) the
-     request latency (a whole 256-token prefill in it would put every ms it
-     waited for a core on a busy box into the latency of every request). A
-     probe runs every round (on its first configuration); each figure is the
-     median of the rounds' figures.
+     trace's steps do). Each request's TTFT is taken apart
+     (benchmarks/_sim_breakdown.py): the request latency is the cached pass's
+     path around the prefill engine's queue and step, the prefill overhead
+     what the lone requests' prefill step (P's own timing) took beyond the
+     profile's and the step overhead. A probe runs every round (on its first
+     configuration); each figure is the median of the rounds' figures.
    - ``+ shared cores``: its ``host`` section (cluster/planner/contention.py):
      the engines share this box's cores (``tandem profile --shared-cores``
      with ``os.sched_getaffinity``; the engine's torch threads), and the
@@ -63,12 +63,12 @@
    ``--save FILE`` keeps a run's measurements, ``--measured FILE`` predicts
    from them again without serving.
 
-Printed: the measured p50s round by round; TTFT and ITL p50 / p99 per
+Printed: the probes' figures; the measured p50s round by round; TTFT and ITL p50 / p99 per
 configuration, predicted, measured (median, min-max over the rounds) and the
 relative error ``(predicted - measured) / measured`` of the median and of
 each round, per way; then the
 cores each party kept busy during each trace (benchmarks/_cpu_account.py,
-median of the rounds)
+median of the rounds), the TTFT's parts measured and simulated,
 and the engines' CPU seconds against the simulator's (the profile's steps x
 threads: a check of the engine-thread input). Target (issue 28): within 15%
 on TTFT p50 and ITL p50.
