@@ -71,6 +71,7 @@ class RecordCollector:
             "arrival_s": record.arrival_s,
             "dispatch_s": record.dispatch_s,
             "first_token_s": record.first_token_s,
+            "end_s": record.end_s,  # the last output: the stream decodes until then
             "prompt_tokens": record.num_prompt_tokens,
             "scheduled_s": t.scheduled_s,
             "p_first_token_s": t.first_token_s,
