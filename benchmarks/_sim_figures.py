@@ -58,20 +58,52 @@ def probe_decode(p: object, probe: dict) -> tuple[float, float]:
     return paired["itl_ms"]["p50"] / 1000, p.decode_s(2, 2 * context)
 
 
+def probe_parts(probe: dict) -> tuple[float, float] | None:
+    """From the probe's TTFT breakdown (benchmarks/_sim_breakdown.py; runs kept
+    before session 12 have none: None): the serving path's latency (s), the
+    median over the cached pass's requests (the lone pass's without one) of
+    every part but the prefill engine's queue and step, and the lone
+    requests' prefill step (s), P's own timing of the step that computed a
+    whole 256-token prompt."""
+    from benchmarks._sim_breakdown import SIM_PARTS, run_parts
+
+    if "rows" not in probe:
+        return None
+    lone = run_parts(probe["stamps"], probe["rows"])
+    cached = probe.get("cached") or {}
+    path = run_parts(cached["stamps"], cached["rows"]) if "rows" in cached else lone
+    if not lone["n"] or not path["n"]:
+        return None
+    return sum(path[k] for k in SIM_PARTS["path"]) / 1000, lone["p_step"] / 1000
+
+
 def service_figures(profile: dict, probe: dict) -> dict:
     """``profile`` (JSON) with its ``service`` section from the probe's medians:
     each ITL is one decode step (batch 2 with the paired pass, ``probe_decode``)
-    plus the loop's overhead; a lone request's TTFT (the cached pass's, ``probe_prefill``) is the path's
-    latency plus one prefill step (with that overhead). Not fitted to the
-    trace: the probe is its own run."""
+    plus the loop's overhead. With the probe's TTFT breakdown (``probe_parts``)
+    the path's latency is what the timestamps measure around the prefill
+    engine's queue and step, and ``prefill_overhead_s`` what the lone
+    requests' served prefill step took beyond the profile's step and that
+    overhead (session 12: 6-8 ms on this box, the engine coming to each
+    prompt from idle). Without one (runs kept before) a lone request's TTFT
+    (the cached pass's, ``probe_prefill``) is the path's latency plus one
+    prefill step (with that overhead). Not fitted to the trace: the probe is
+    its own run."""
     from tandem.cluster.planner.profile import Profile
 
     p = Profile.from_json(profile)
     itl_s, step_s = probe_decode(p, probe)
     overhead = max(0.0, itl_s - step_s)
-    ttft_s, computed = probe_prefill(profile, probe)
-    latency = max(0.0, ttft_s - p.prefill_s(computed) - overhead)
-    return {**profile, "service": {"request_latency_s": latency, "step_overhead_s": overhead}}
+    parts = probe_parts(probe)
+    if parts is not None:
+        latency, served_step_s = parts
+        extra = max(0.0, served_step_s - p.prefill_s(PROBE_PROMPT) - overhead)
+    else:
+        ttft_s, computed = probe_prefill(profile, probe)
+        latency, extra = max(0.0, ttft_s - p.prefill_s(computed) - overhead), 0.0
+    service = {"request_latency_s": latency, "step_overhead_s": overhead,
+               "prefill_overhead_s": extra}  # fmt: skip
+    return {**profile, "service": service}
 
 
 def host_figures(profile: dict, probe: dict, background_cores: float | None) -> dict:
@@ -113,12 +145,18 @@ def host_figures(profile: dict, probe: dict, background_cores: float | None) -> 
     p = Profile.from_json(profile)
     itl_s, step_s = probe_decode(p, probe)
     overhead = max(0.0, itl_s * rate - step_s)
-    ttft_s, computed = probe_prefill(profile, probe)
-    step = (p.prefill_s(computed) + overhead) / rate
-    latency = max(0.0, ttft_s - step)
+    parts = probe_parts(probe)
+    if parts is not None:  # the path as measured; the served step's solo excess
+        latency, served_step_s = parts
+        extra = max(0.0, served_step_s * rate - p.prefill_s(PROBE_PROMPT) - overhead)
+    else:
+        ttft_s, computed = probe_prefill(profile, probe)
+        step = (p.prefill_s(computed) + overhead) / rate
+        latency, extra = max(0.0, ttft_s - step), 0.0
     host = {"cores": cores, "engine_threads": threads, "cpu_per_token_s": per_token,
             "background_cores": background_cores or 0.0}  # fmt: skip
-    service = {"request_latency_s": latency, "step_overhead_s": overhead}
+    service = {"request_latency_s": latency, "step_overhead_s": overhead,
+               "prefill_overhead_s": extra}  # fmt: skip
     return {**profile, "service": service, "host": host}
 
 

@@ -41,12 +41,12 @@
      blocks now cached on the prefill engine: one block left to compute),
      then 16 more two at a time; the pairs' ITL p50 minus one batch-2 decode
      step is the step overhead (a lone stream's ITL carries more than the
-     trace's steps do), the cached
-     pass's TTFT p50 minus that block's prefill step (and the overhead) the
-     request latency (a whole 256-token prefill in it would put every ms it
-     waited for a core on a busy box into the latency of every request). A
-     probe runs every round (on its first configuration); each figure is the
-     median of the rounds' figures.
+     trace's steps do). Each request's TTFT is taken apart
+     (benchmarks/_sim_breakdown.py): the request latency is the cached pass's
+     path around the prefill engine's queue and step, the prefill overhead
+     what the lone requests' prefill step (P's own timing) took beyond the
+     profile's and the step overhead. A probe runs every round (on its first
+     configuration); each figure is the median of the rounds' figures.
    - ``+ shared cores``: its ``host`` section (cluster/planner/contention.py):
      the engines share this box's cores (``tandem profile --shared-cores``
      with ``os.sched_getaffinity``; the engine's torch threads), and the
@@ -63,12 +63,12 @@
    ``--save FILE`` keeps a run's measurements, ``--measured FILE`` predicts
    from them again without serving.
 
-Printed: the measured p50s round by round; TTFT and ITL p50 / p99 per
+Printed: the probes' figures; the measured p50s round by round; TTFT and ITL p50 / p99 per
 configuration, predicted, measured (median, min-max over the rounds) and the
 relative error ``(predicted - measured) / measured`` of the median and of
 each round, per way; then the
 cores each party kept busy during each trace (benchmarks/_cpu_account.py,
-median of the rounds)
+median of the rounds), the TTFT's parts measured and simulated,
 and the engines' CPU seconds against the simulator's (the profile's steps x
 threads: a check of the engine-thread input). Target (issue 28): within 15%
 on TTFT p50 and ITL p50.
@@ -99,6 +99,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._cpu_account import CpuAccount, cpu_line, cpu_table, median_cpu  # noqa: E402
+from benchmarks._sim_breakdown import RecordCollector, print_breakdown  # noqa: E402
 from benchmarks._sim_figures import (  # noqa: E402
     PROBE_PROMPT,
     median_figures,
@@ -206,6 +207,7 @@ async def replay(url: str, trace: str, seed: int) -> dict:
     ) as session:
         model, vocab_size = await bench._server_info(session, config)
         prompts, outs, offsets = trace_workload(trace, vocab_size, seed, 1.0, 512)
+        sent = [0.0] * len(prompts)  # each request's send time (perf_counter: the box's clock)
 
         async def one(i: int) -> bench.RequestResult:
             result = bench.RequestResult(prompt_len=len(prompts[i]))
@@ -214,7 +216,7 @@ async def replay(url: str, trace: str, seed: int) -> dict:
                 "temperature": 0.0, "stream": True, "ignore_eos": True,
                 "stream_options": {"include_usage": True}, "logit_bias": bias,
             }  # fmt: skip
-            start_s = time.perf_counter()
+            start_s = sent[i] = time.perf_counter()
             try:
                 await asyncio.wait_for(
                     bench._stream(session, f"{url}/v1/completions", payload, start_s, result),
@@ -237,7 +239,10 @@ async def replay(url: str, trace: str, seed: int) -> dict:
         results = await asyncio.gather(*tasks)
         duration_s = time.perf_counter() - start_s
         cpu_s = time.process_time() - cpu0
-    return {**bench.summarize(list(results), duration_s, config), "client_cpu_s": cpu_s}
+    # per request: what _sim_breakdown.py joins with the gateway's records
+    stamps = [[r.request_id, sent[i], r.ttft_s] for i, r in enumerate(results) if r.ok]
+    summary = bench.summarize(list(results), duration_s, config)
+    return {**summary, "client_cpu_s": cpu_s, "stamps": stamps}
 
 
 def _replay_in_process(url: str, trace: str, seed: int) -> dict:
@@ -272,11 +277,13 @@ def serve_and_replay(
         ray_namespace=f"bench-simulator-{os.getpid()}-{prefill}p{decode}d",
         **ENGINE,
     )
-    with ServiceThread(config) as svc:
+    collector = RecordCollector()  # the gateway's record of each request (the breakdown)
+    with ServiceThread(config, tracer=collector) as svc:
         pids = [e.local_pid for e in svc.service.backend.engines.values() if e.local_pid]
         assert len(pids) == prefill + decode, pids
         # every engine's first steps (allocation, first kernels) are not its speed
         _replay_in_process(svc.base_url, warmup, 1)
+        collector.take()
         probed = None
         if probe:
             # the gateway's process while nothing is served (Ray's driver threads,
@@ -290,13 +297,17 @@ def serve_and_replay(
             probed["idle_cpu"] = idle
             # the same prompts again: their blocks are cached on the prefill engine,
             # so a TTFT is the serving path and one block's prefill (_sim_figures.py)
+            probed["rows"] = collector.take()
             probed["cached"] = _replay_in_process(svc.base_url, probe, 2)
+            probed["cached"]["rows"] = collector.take()
             # two streams at a time: the loop's overhead per step as the trace's
             # decode steps carry it (a lone stream's ITL holds more, _sim_figures.py)
             probed["paired"] = _replay_in_process(svc.base_url, probe + ".pairs", 3)
+            collector.take()
         acct = CpuAccount(pids)
         summary = _replay_in_process(svc.base_url, trace, 0)
         summary["cpu"] = acct.stop()
+        summary["rows"] = collector.take()
         svc.run(svc.service.backend.call_all("check_integrity"))
     return summary, probed
 
@@ -464,7 +475,8 @@ def main() -> int:
             + (f"cached {c[0]:.2f} ms ({c[1]:.2f}-{c[2]:.2f}), " if c else "")
             + f"ITL p50 {i[0]:.2f} ms ({i[1]:.2f}-{i[2]:.2f})"
             f" -> median request_latency_s {svc['request_latency_s'] * 1000:.2f} ms, "
-            f"step_overhead_s {svc['step_overhead_s'] * 1000:.3f} ms"
+            f"step_overhead_s {svc['step_overhead_s'] * 1000:.3f} ms, "
+            f"prefill_overhead_s {svc.get('prefill_overhead_s', 0.0) * 1000:.2f} ms"
         )
     print("\nmeasured p50s per round (ms):")
     print(rounds_table(reals, loads))
@@ -482,6 +494,7 @@ def main() -> int:
         print(f"worst error of a median p50 ({v}): {worst:.1%}: {TARGET:.0%} {verdict}")
     print("\nmedian p50 errors side by side (measured median ms, then each way's error):")
     print(side_by_side(rows))
+    print_breakdown(engine_only, reals, probes, sims, names, list(variants))
     if all("cpu" in r for runs in reals.values() for r in runs):
         print(
             "\ncores busy while each trace ran, median of the rounds (benchmarks/_cpu_account.py):"

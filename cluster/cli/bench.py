@@ -87,6 +87,7 @@ class RequestResult:
     latency_s: float = 0.0
     itls_s: list[float] = field(default_factory=list)
     error: str = ""
+    request_id: str = ""  # the stream's ``id`` (the gateway's request id)
 
 
 def sample_lengths(rng: random.Random, mean: int, range_ratio: float, num: int) -> list[int]:
@@ -191,6 +192,7 @@ async def _stream(
                 if chunk["choices"] and chunk["choices"][0]["text"]:
                     if result.ttft_s == 0.0:
                         result.ttft_s = now_s - start_s
+                        result.request_id = chunk.get("id", "")
                     else:
                         result.itls_s.append(now_s - last_s)
                     last_s = now_s

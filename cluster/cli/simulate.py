@@ -121,7 +121,7 @@ def _profiles_by_tp(paths: list[str] | None) -> dict[int, Any]:
 def simulate_one(
     profile, workload, prefill: int, decode: int, args, decode_profile=None
 ) -> dict[str, Any]:
-    from tandem.cluster.planner.metrics import summarize
+    from tandem.cluster.planner.metrics import summarize, ttft_parts
     from tandem.cluster.planner.simulator import Simulator
 
     dprof = decode_profile or profile
@@ -129,6 +129,7 @@ def simulate_one(
     records = sim.run(workload)
     s = summarize(records, args.ttft_slo_ms, args.itl_slo_ms)
     s["engine_cpu_s"] = sim.engine_cpu_s  # the engines' solo work (threads x steps)
+    s["ttft_parts_ms"] = ttft_parts(records)  # medians of path, queue and step
     devices = prefill * profile.tp_size + decode * dprof.tp_size
     s.update(
         prefill=prefill,

@@ -72,3 +72,22 @@ def _meets(r: Any, ttft_slo_ms: float | None, itl_slo_ms: float | None) -> bool:
         if tpot * 1000.0 > itl_slo_ms:
             return False
     return True
+
+
+def ttft_parts(records: list[Any]) -> dict[str, float]:
+    """Where the median request's time to first token went, in ms (medians of
+    each part over the completed requests): ``path`` the serving path's
+    latency before an engine has it (the profile's ``request_latency_s``),
+    ``queue`` from then until the step that first computes its prompt starts,
+    ``step`` from that step's start to its first token (the prefill step and
+    the loop's overhead, stretched by the cores' other work; several steps for
+    a prompt split in chunks). benchmarks/simulator.py prints them beside a
+    real run's."""
+    done = [r for r in records if not r.error and r.token_times and r.first_step_s is not None]
+    parts = {
+        "path": [r.entry_s - r.arrival_s for r in done],
+        "queue": [r.first_step_s - r.entry_s for r in done],
+        "step": [r.token_times[0] - r.first_step_s for r in done],
+        "ttft": [r.token_times[0] - r.arrival_s for r in done],
+    }
+    return {k: stats_ms(v)["p50"] for k, v in parts.items()}

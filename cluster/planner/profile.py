@@ -15,7 +15,8 @@ JSON, ``format: "tandem-profile/1"``::
       "transfer": {"bytes_per_s": 1.0e9, "latency_s": 0.002, "kv_bytes_per_token": 4096},
       "scheduler": {"block_size": 16, "num_kv_blocks": 2048, "max_num_batched_tokens": 2048,
                     "max_num_seqs": 64, "max_model_len": 2048},
-      "service": {"request_latency_s": 0.008, "step_overhead_s": 0.0003},  # optional, 0 when absent
+      "service": {"request_latency_s": 0.008, "step_overhead_s": 0.0003,
+                  "prefill_overhead_s": 0.002},   # optional, each 0 when absent
       "host": {"cores": 2, "engine_threads": 1, "cpu_per_token_s": 0.0003,
                "background_cores": 0.0}                                      # optional
     }
@@ -35,7 +36,10 @@ plan`` given one profile per size searches the size of each pool.
 step: ``request_latency_s`` once per request (the gateway and the hops to the
 engine and back before the first token reaches the client) and
 ``step_overhead_s`` per engine step (the engine loop's work around the step:
-outputs sent, inputs read). ``tandem profile`` times the engine alone and
+outputs sent, inputs read), and ``prefill_overhead_s`` more per step that
+computes prompt tokens (a served prefill step beyond the profiled one: the
+engine comes to a prompt from idle, with cold caches, where ``tandem profile``
+times prompts back to back). ``tandem profile`` times the engine alone and
 leaves them 0; benchmarks/simulator.py measures them with lone requests
 through a served 1P1D. ``host`` (optional, contention.py) says that the
 engines share a host's cores and how: when set, the simulator stretches the
@@ -54,6 +58,7 @@ from tandem.cluster.planner.contention import HostShare
 
 FORMAT = "tandem-profile/1"
 META_KEYS = ("model", "device", "measured_at", "tensor_parallel_size")
+SERVICE_FIELDS = ("request_latency_s", "step_overhead_s", "prefill_overhead_s")
 
 
 def interp(xs: list[float], ys: list[float], x: float) -> float:
@@ -90,6 +95,7 @@ class Profile:
     meta: dict[str, Any] = field(default_factory=dict)
     request_latency_s: float = 0.0
     step_overhead_s: float = 0.0
+    prefill_overhead_s: float = 0.0
     host: HostShare | None = None  # engines sharing a host's cores (None: a device each)
 
     def __post_init__(self) -> None:
@@ -106,7 +112,7 @@ class Profile:
         tp = self.meta.get("tensor_parallel_size", 1)
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError("profile: tensor_parallel_size must be an integer >= 1")
-        for name in ("request_latency_s", "step_overhead_s"):
+        for name in SERVICE_FIELDS:
             v = getattr(self, name)
             if not _num(v) or v < 0:
                 raise ValueError(f"profile: service.{name} must be a number >= 0")
@@ -131,6 +137,10 @@ class Profile:
     def step_s(self, engine_step_s: float) -> float:
         """A step's time in the served loop: the engine's step and the loop's overhead."""
         return engine_step_s + self.step_overhead_s
+
+    def served_prefill_s(self, batch_tokens: int) -> float:
+        """A step computing ``batch_tokens`` prompt tokens in the served loop."""
+        return self.step_s(self.prefill_s(batch_tokens)) + self.prefill_overhead_s
 
     def decode_s(self, batch_size: float, context_tokens: float) -> float:
         bs, cs = self.decode_batch_sizes, self.decode_context_tokens
@@ -170,13 +180,8 @@ class Profile:
             "transfer": asdict(self.transfer),
             "scheduler": self.scheduler,
             **(
-                {
-                    "service": {
-                        "request_latency_s": self.request_latency_s,
-                        "step_overhead_s": self.step_overhead_s,
-                    }
-                }
-                if self.request_latency_s or self.step_overhead_s
+                {"service": {k: getattr(self, k) for k in SERVICE_FIELDS}}
+                if any(getattr(self, k) for k in SERVICE_FIELDS)
                 else {}
             ),
             **({"host": self.host.to_json()} if self.host is not None else {}),
@@ -199,8 +204,7 @@ class Profile:
                 transfer=TransferCost(tr["bytes_per_s"], tr["latency_s"], tr["kv_bytes_per_token"]),
                 scheduler=dict(obj.get("scheduler") or {}),
                 meta={k: obj[k] for k in META_KEYS if k in obj},
-                request_latency_s=svc.get("request_latency_s", 0.0),
-                step_overhead_s=svc.get("step_overhead_s", 0.0),
+                **{k: svc.get(k, 0.0) for k in SERVICE_FIELDS},
                 host=HostShare.from_json(obj["host"]) if obj.get("host") is not None else None,
             )
         except (KeyError, TypeError) as exc:

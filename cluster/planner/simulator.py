@@ -5,7 +5,11 @@ Each engine loops like ``EngineCore.step``: ``schedule()``, then
 ``update_from_output()`` with a fake ``ModelRunnerOutput``. A step's length
 comes from the profile (profile.py): a step in which every scheduled request
 computes one token is a decode step, ``decode_s(batch size, context tokens
-the batch attends to)``; any other step costs ``prefill_s(scheduled tokens)``.
+the batch attends to)``; any other step costs ``prefill_s(scheduled tokens)``
+(with the profile's ``service`` figures, a served step: ``step_overhead_s``
+more, and ``prefill_overhead_s`` more on a step that computes prompt tokens).
+Each record keeps when its request reached an engine and when the step that
+first computed its prompt started (``metrics.ttft_parts``).
 The runner's sampled token is a constant (``ignore_eos``: a request stops at
 its trace length). Disaggregation is modelled as Tandem runs it
 (cluster/disagg/orchestration.py): the prefill engine computes the prompt
@@ -59,6 +63,11 @@ class _Record:
     output_len: int
     token_times: list[float] = field(default_factory=list)
     error: str = ""
+    # where its first token's time went (metrics.ttft_parts): when it reached an
+    # engine (arrival + the serving path's latency) and when the step that first
+    # computed its prompt started
+    entry_s: float = 0.0
+    first_step_s: float | None = None
 
 
 class _SimConnector:
@@ -188,6 +197,7 @@ class Simulator:
         self.share = CpuShare(host.cores, host.background_cores) if host is not None else None
         self.path_until: float | None = None  # the serving path's per-token backlog ends
         self.engine_cpu_s = 0.0  # the engines' solo work (threads x step), for the stats
+        self._records: list[_Record] = []
 
     def transfer_done(self, at_s: float, engine: int, rid: str, recving: bool) -> None:
         self._seq += 1
@@ -197,7 +207,8 @@ class Simulator:
         order = sorted(range(len(requests)), key=lambda i: (requests[i].arrival_s, i))
         # a request reaches an engine the serving path's latency after the client sent it
         entry = [r.arrival_s + self.profile.request_latency_s for r in requests]
-        records = [_Record(r.arrival_s, r.output_len) for r in requests]
+        records = [_Record(r.arrival_s, r.output_len, entry_s=e) for r, e in zip(requests, entry)]
+        self._records = records
         live: dict[str, int] = {}
         next_arrival = 0
         inf = float("inf")
@@ -295,6 +306,13 @@ class Simulator:
             return  # waiting for blocks or a handoff: an event wakes it
         cost = self.step_cost(e.sched, so, e.profile)
         e.step, e.busy_until, e.step_start_s = so, t + cost, t
+        for new in so.scheduled_new_reqs:  # the step computing a prompt first
+            params = e.sched.requests[new.req_id].kv_transfer_params or {}
+            if "sim_prefill_engine" in params:
+                continue  # a decode engine's admission of a handed-off prompt
+            i = int(new.req_id[1:].partition(".")[0])
+            if i < len(self._records) and self._records[i].first_step_s is None:
+                self._records[i].first_step_s = t
         e.num_steps += 1
         e.last_step_s, e.last_step_tokens = cost, so.total_num_scheduled_tokens
         self.engine_cpu_s += cost * e.threads
@@ -319,7 +337,7 @@ class Simulator:
         if all(n == 1 for n in counts.values()):
             context = sum(sched.requests[rid].num_computed_tokens for rid in counts)
             return profile.step_s(profile.decode_s(len(counts), context))
-        return profile.step_s(profile.prefill_s(so.total_num_scheduled_tokens))
+        return profile.served_prefill_s(so.total_num_scheduled_tokens)
 
     def _finish_step(self, e: _Engine, t: float, records: list[_Record], live: dict) -> None:
         so, e.step, e.busy_until = e.step, None, None

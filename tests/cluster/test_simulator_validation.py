@@ -20,6 +20,7 @@ import json
 
 import pytest
 
+from benchmarks._sim_breakdown import request_parts
 from benchmarks.simulator import measure_profile, serve_and_replay, simulate, write_trace
 from tests import shared_ray
 
@@ -39,12 +40,20 @@ def test_simulated_engine_work_is_within_a_loose_factor_of_a_real_1p1d_run(tmp_p
     finally:
         shared_ray.release()
     assert real["num_failed"] == 0 and real["num_completed"] == NUM_REQUESTS, real["errors"]
+    # the TTFT breakdown: every request's client stamps meet the gateway's record of it
+    # and P's timings, and its parts are in the order the request went (one clock)
+    assert len(real["stamps"]) == NUM_REQUESTS
+    for stamp in real["stamps"]:
+        parts = request_parts(stamp, real["rows"][stamp[0]])
+        assert parts is not None and min(parts.values()) >= 0, parts
+        assert sum(parts.values()) - parts["ttft"] == pytest.approx(parts["ttft"], rel=1e-6)
     profile = str(tmp_path / "profile.json")
     measure_profile(profile)
     with open(profile) as f:
         assert json.load(f)["host"]["engine_threads"] == 1  # the served engines' threads
     sim = simulate(profile, trace, 1, 1)
     assert sim["num_completed"] == NUM_REQUESTS
+    assert set(sim["ttft_parts_ms"]) == {"path", "queue", "step", "ttft"}
     with open(trace) as f:  # both ran every answer to its trace length (ignore_eos)
         tokens = sum(json.loads(line)["output_length"] for line in f)
     assert real["total_output_tokens"] == tokens

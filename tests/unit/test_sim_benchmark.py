@@ -8,11 +8,13 @@ import json
 
 import pytest
 
+from benchmarks._sim_breakdown import breakdown_table, median_parts, request_parts, run_parts
 from benchmarks._sim_figures import (
     host_figures,
     median_figures,
     median_profile,
     probe_decode,
+    probe_parts,
     probe_prefill,
     probe_spread,
     service_figures,
@@ -140,3 +142,87 @@ def test_the_step_overhead_comes_from_the_paired_pass_as_a_batch_of_two():
     assert host["service"]["step_overhead_s"] == pytest.approx(got["step_overhead_s"])
     del probe["paired"]  # a run kept before the paired pass: the lone requests' ITL
     assert probe_decode(p, probe) == (0.009, p.decode_s(1, context))
+
+
+def _row(sent_s: float, path: str = "remote", step_s: float = 0.012) -> dict:
+    """The gateway's record of a 256-token request the client sent at
+    ``sent_s`` (s): 1 ms to the route, 0.5 ms to dispatch, P received it 0.8
+    ms later, queued 2 ms, computed ``step_s``, its output reached the gateway
+    0.7 ms after; the rest of the client's TTFT is the SSE write and its read."""
+    arrival = sent_s + 0.001
+    return {
+        "path": path,
+        "arrival_s": arrival,
+        "dispatch_s": arrival + 0.0005,
+        "first_token_s": arrival + 0.0005 + 0.0008 + 0.002 + step_s + 0.0007,
+        "prompt_tokens": 256,
+        "scheduled_s": 0.002,
+        "p_first_token_s": 0.002 + step_s,
+        "finished_s": 0.002 + step_s,
+    }
+
+
+def test_a_served_ttft_is_taken_apart_from_the_client_gateway_and_engine_stamps():
+    rows = {"a": _row(10.0), "b": _row(11.0), "local": _row(12.0, path="local")}
+    stamps = [["a", 10.0, 0.020], ["b", 11.0, 0.020], ["local", 12.0, 0.02], ["gone", 13.0, 0.02]]
+    parts = request_parts(stamps[0], rows["a"])
+    assert parts == pytest.approx(
+        {
+            "http_in": 1.0,
+            "gateway": 0.5,
+            "hops": 1.5,
+            "p_queue": 2.0,
+            "p_step": 12.0,
+            "p_out": 0.0,
+            "sse_out": 3.0,
+            "ttft": 20.0,
+        }  # fmt: skip
+    )
+    assert sum(v for k, v in parts.items() if k != "ttft") == pytest.approx(parts["ttft"])
+    assert request_parts(stamps[2], rows["local"]) is None  # no prefill engine: no P parts
+    p = profile()
+    got = run_parts(stamps, rows, p)  # the local and the unmatched request are left out
+    assert got["n"] == 2 and got["p_step"] == pytest.approx(12.0)
+    assert got["profile_step"] == pytest.approx(p.prefill_s(256) * 1000)
+    assert run_parts([], rows) == {"n": 0}
+    assert median_parts([got, {**got, "p_step": 20.0}, {**got, "p_step": 14.0}, {"n": 0}])[
+        "p_step"
+    ] == pytest.approx(14.0)
+    sim = {"path": 6.5, "queue": 1.0, "step": 13.0, "ttft": 20.5}
+    table = breakdown_table([("1P1D", got, sim), ("probe", got, {}), ("none", {}, sim)])
+    lines = table.splitlines()
+    assert len(lines) == 4  # the configuration without measured parts is left out
+    # each simulated part against the measured parts it stands for: path = 1 + 0.5 + 1.5 + 3
+    assert lines[2].endswith("| 6.50 (+0.50) | 1.00 (-1.00) | 13.00 (+1.00) | 20.50 (+0.50) |")
+    assert lines[3].endswith("| - | - | - | - |")
+
+
+def test_with_the_breakdown_the_path_is_measured_and_the_served_prefill_step_is_an_input():
+    p = profile()
+    probe = _probe(30.0, 9.0)
+    probe["paired"] = {"itl_ms": {"p50": 7.0}}
+    overhead = 0.007 - p.decode_s(2, 2 * (256 + 16))
+    served_s = p.prefill_s(256) + overhead + 0.006  # the lone requests' step on P
+    # the cached pass: a 4 ms path (1 + 0.5 + 1.5 + 1) around a 12 ms step
+    probe["stamps"] = [[f"l{i}", float(i), 0.006 + served_s] for i in range(3)]
+    probe["rows"] = {f"l{i}": _row(float(i), step_s=served_s) for i in range(3)}
+    probe["cached"] = {
+        "ttft_ms": {"p50": 18.0},
+        "stamps": [[f"c{i}", float(i), 0.018] for i in range(3)],
+        "rows": {f"c{i}": _row(float(i)) for i in range(3)},
+    }
+    assert probe_parts(probe) == pytest.approx((0.004, served_s))
+    got = service_figures(p.to_json(), probe)["service"]
+    assert got["request_latency_s"] == pytest.approx(0.004)
+    assert got["step_overhead_s"] == pytest.approx(overhead)
+    assert got["prefill_overhead_s"] == pytest.approx(0.006)
+    served = Profile.from_json(service_figures(p.to_json(), probe))
+    assert served.served_prefill_s(256) == pytest.approx(served_s)  # the probe's step again
+    host = host_figures({**p.to_json(), "host": {"cores": 2, "engine_threads": 1}}, probe, None)
+    assert host["service"] == pytest.approx(got)
+    fast = {**probe, "rows": {k: _row(float(i), step_s=0.001) for i, k in enumerate(probe["rows"])}}
+    assert service_figures(p.to_json(), fast)["service"]["prefill_overhead_s"] == 0.0
+    del probe["rows"]  # a run kept before session 12: the cached TTFT's arithmetic, no extra
+    old = service_figures(p.to_json(), probe)["service"]
+    assert old["prefill_overhead_s"] == 0.0
+    assert old["request_latency_s"] == pytest.approx(0.018 - p.prefill_s(16) - overhead)

@@ -9,7 +9,7 @@ import pytest
 
 from tandem.cluster.cli.main import main
 from tandem.cluster.cli.trace_replay import SynthConfig, synthesize
-from tandem.cluster.planner.metrics import summarize
+from tandem.cluster.planner.metrics import summarize, ttft_parts
 from tandem.cluster.planner.profile import Profile, TransferCost, interp, load_profile, save_profile
 from tandem.cluster.planner.simulator import SimRequest, Simulator
 
@@ -363,10 +363,39 @@ def test_service_figures_add_the_path_latency_once_and_the_loop_overhead_per_ste
     assert load_profile(str(f)).to_json()["service"] == {
         "request_latency_s": 0.004,
         "step_overhead_s": 0.0005,
+        "prefill_overhead_s": 0.0,
     }
     obj = p.to_json()
     obj["service"]["step_overhead_s"] = -1
     f.write_text(json.dumps(obj))
     with pytest.raises(ValueError, match=r"service\.step_overhead_s"):
         load_profile(str(f))
+    obj["service"] = {"prefill_overhead_s": "2 ms"}
+    f.write_text(json.dumps(obj))
+    with pytest.raises(ValueError, match=r"service\.prefill_overhead_s"):
+        load_profile(str(f))
     assert "service" not in profile().to_json()  # engine-only profiles stay as they were
+
+
+def test_prefill_overhead_lengthens_prompt_steps_only_and_the_ttft_parts_add_up():
+    p = profile()
+    p.request_latency_s, p.step_overhead_s, p.prefill_overhead_s = 0.004, 0.0005, 0.003
+    reqs = [SimRequest(1.0, list(range(300)), 3), SimRequest(1.001, list(range(1000, 1200)), 2)]
+    sim = Simulator(p, 1, 1)
+    first, second = sim.run(reqs)
+    step = p.prefill_s(300) + 0.0005 + 0.003  # Profile.served_prefill_s
+    assert step == pytest.approx(p.served_prefill_s(300))
+    assert first.token_times[0] - first.arrival_s == pytest.approx(0.004 + step)
+    gaps = [b - a for a, b in zip(first.token_times, first.token_times[1:])]
+    assert gaps == pytest.approx(  # decode steps carry the loop's overhead, not the prefill's
+        [p.handoff_s(300) + p.decode_s(1, 301) + 0.0005, p.decode_s(1, 302) + 0.0005]
+    )
+    # the second prompt arrives while the first computes: it waits for that step
+    assert second.entry_s == pytest.approx(1.005)
+    assert second.first_step_s == pytest.approx(1.004 + step)
+    assert second.token_times[0] - second.first_step_s == pytest.approx(p.served_prefill_s(200))
+    parts = ttft_parts([first, second])
+    assert parts["path"] == pytest.approx(4.0)
+    assert parts["queue"] == pytest.approx((step - 0.001) * 1000 / 2)
+    assert parts["step"] == pytest.approx((step + p.served_prefill_s(200)) * 1000 / 2)
+    assert parts["ttft"] == pytest.approx(parts["path"] + parts["queue"] + parts["step"])
