@@ -1,9 +1,10 @@
 """The ASGI response of a generation request: SSE stream or one JSON body.
 
 ``GenerationResponse`` runs a prepared ``Job`` (``generation.py``) beside a
-watcher of the ASGI receive channel: when the client disconnects
+watcher of the ASGI receive channel, pulling the backend's outputs through
+the job's ``RequestRun`` (``request_run.py``): when the client disconnects
 (``http.disconnect``) or the job's deadline passes, the work is cancelled and
-``Gateway.run``'s cleanup aborts the request on the backend; past the
+the run's ``close`` aborts the request on the backend; past the
 deadline the client gets 504 (or, mid-stream, an error event). Bodies and
 chunks come from the job's formatters (``formatting.py``); the ``_send_*``
 helpers write the raw ASGI messages.
@@ -13,8 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
-from contextlib import aclosing
+import time
 from typing import TYPE_CHECKING, Any
 
 from starlette.responses import Response
@@ -23,11 +23,12 @@ from starlette.types import Receive, Scope, Send
 from tandem.cluster.gateway import formatting, protocol
 from tandem.cluster.gateway.backend import BackendUnavailable
 from tandem.cluster.gateway.edge import sampling as edge_sampling
-from tandem.wire.engine_protocol import Logprobs
+from tandem.wire.engine_protocol import EngineOutput, Logprobs
 
 if TYPE_CHECKING:
     from tandem.cluster.gateway.generation import Gateway
     from tandem.cluster.gateway.job import Job, Step
+    from tandem.cluster.gateway.request_run import RequestRun
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +82,7 @@ class GenerationResponse(Response):
             async with asyncio.timeout_at(self.job.deadline_s):
                 await self._respond_in_time(send, body_send)
         except TimeoutError:
-            # The work was cancelled, so run()'s cleanup aborted the request.
+            # The work was cancelled, so the run's close() aborted the request.
             job = self.job
             logger.warning("request %s passed its deadline", job.request_id)
             timeout_s = self.gateway.limits.request_timeout_s
@@ -100,18 +101,29 @@ class GenerationResponse(Response):
     async def _respond_in_time(self, send: Send, body_send: Send) -> None:
         job = self.job
         try:
-            async with aclosing(self.gateway.run(job)) as steps:
+            unavailable = None
+            run = self.gateway.start(job)
+            try:
                 try:
-                    first = await anext(steps)
-                except BackendUnavailable as exc:
-                    body = protocol.error_body(str(exc), "service_unavailable", code="unavailable")
-                    await _send_json(send, 503, body)
-                    return
-                if job.stream:
-                    self._headers_sent = True
-                    await self._stream(send, body_send, first, steps)
+                    first = await anext(run.outputs)
+                except StopAsyncIteration:
+                    first = None  # no output at all: _stream / _collect answer an error
+                except BackendUnavailable as exc:  # only ever before the first output
+                    run.outcome = "unavailable"
+                    unavailable = exc
                 else:
-                    await self._collect(send, first, steps)
+                    if job.stream:
+                        self._headers_sent = True
+                        await self._stream(send, body_send, run, first)
+                    else:
+                        await self._collect(send, run, first)
+            finally:
+                await run.close()  # the abort (unless finished), metrics, the request's record
+            if unavailable is not None:
+                body = protocol.error_body(
+                    str(unavailable), "service_unavailable", code="unavailable"
+                )
+                await _send_json(send, 503, body)
         except (asyncio.CancelledError, OSError):
             raise
         except Exception:
@@ -123,10 +135,15 @@ class GenerationResponse(Response):
                 await _send_json(send, 500, body)
 
     async def _stream(
-        self, send: Send, body_send: Send, step: Step | str, steps: AsyncIterator[Step | str]
+        self, send: Send, body_send: Send, run: RequestRun, output: EngineOutput | None
     ) -> None:
         """SSE: the start through ``send`` (the middleware chain), every body event
         through ``body_send`` (the server's; see ``SERVER_SEND``).
+
+        Pulls the backend's outputs itself (``run.outputs``, no generator in
+        between) and takes the common token on its short path here: the
+        inter-token observation, the count, the detokenizer's short path and
+        the text chunk's fixed frame. Every other output is ``run.step``'s.
 
         Events of outputs that were ready together (``Backend.num_ready``) go
         out as one write: a gateway running behind its engines pays one write
@@ -139,32 +156,63 @@ class GenerationResponse(Response):
         await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
         pending = b"".join(c for f in formatters for c in f.stream_start())
         text_delta = formatters[0].stream_delta
+        next_output = run.outputs.__anext__
+        plain, update, perf_counter = run.plain, run.update, time.perf_counter
         while True:
-            if step.__class__ is str:  # the common token: choice 0's text (Gateway.run)
-                if step:
-                    pending += text_delta(step, None, None)
+            if output is None:  # the backend's iterator ended without a final output
+                step: Step | None = run.no_final_output()
+            elif (
+                plain
+                and output.finish_reason is None
+                and output.timings is None
+                and output.new_logprobs is None
+                and output.prompt_logprobs is None
+                and output.new_token_ids
+                and run.last_token_s
+            ):  # the common token (RequestRun.is_plain_token)
+                now_s = perf_counter()
+                run.itl.observe(now_s - run.last_token_s)  # type: ignore[union-attr]
+                run.last_token_s = now_s
+                token_ids = output.new_token_ids
+                job.num_output_tokens += len(token_ids)
+                text = update(token_ids)
+                if text:
+                    pending += text_delta(text, None, None)
                 if pending and not num_ready(request_id):
                     await body_send(
                         {"type": "http.response.body", "body": pending, "more_body": True}
                     )
                     pending = b""
-                step = await anext(steps)
+                try:
+                    output = await next_output()
+                except StopAsyncIteration:
+                    output = None
                 continue
-            if step.error is not None:
-                body = protocol.error_body(step.error, "server_error", code="engine_error")
-                tail = formatting.sse(body) + formatting.SSE_DONE
-                await _send_body(body_send, pending + tail, more_body=False)
-                return
-            if step.text or step.logprobs or step.finish_reason is not None:
-                pending += formatters[step.index].stream_delta(
-                    step.text, step.logprobs, step.finish_reason
-                )
-            if step.last:
-                break
-            if pending and not num_ready(request_id):
-                await body_send({"type": "http.response.body", "body": pending, "more_body": True})
-                pending = b""
-            step = await anext(steps)
+            else:
+                step = run.step(output)
+                if run.has_choices_to_abort:
+                    await run.abort_choices()
+            if step is not None:
+                if step.error is not None:
+                    body = protocol.error_body(step.error, "server_error", code="engine_error")
+                    tail = formatting.sse(body) + formatting.SSE_DONE
+                    await _send_body(body_send, pending + tail, more_body=False)
+                    return
+                if step.text or step.logprobs or step.finish_reason is not None:
+                    pending += formatters[step.index].stream_delta(
+                        step.text, step.logprobs, step.finish_reason
+                    )
+                if step.last:
+                    break
+                if pending and not num_ready(request_id):
+                    await body_send(
+                        {"type": "http.response.body", "body": pending, "more_body": True}
+                    )
+                    pending = b""
+            try:
+                output = await next_output()
+            except StopAsyncIteration:
+                output = None
         tail = formatting.SSE_DONE
         if job.include_usage:
             usage = formatting.usage(
@@ -173,28 +221,32 @@ class GenerationResponse(Response):
             tail = job.formatter.stream_usage(usage) + tail
         await _send_body(body_send, pending + tail, more_body=False)
 
-    async def _collect(
-        self, send: Send, step: Step | str, steps: AsyncIterator[Step | str]
-    ) -> None:
+    async def _collect(self, send: Send, run: RequestRun, output: EngineOutput | None) -> None:
         job = self.job
         texts: list[list[str]] = [[] for _ in job.formatters]  # per choice
         logprobs: list[list[Logprobs]] = [[] for _ in job.formatters]
         finish_reasons: list[str | None] = [None for _ in job.formatters]
+        next_output = run.outputs.__anext__
         while True:
-            if step.__class__ is str:  # the common token: choice 0's text (Gateway.run)
-                texts[0].append(step)
-                step = await anext(steps)
-                continue
-            if step.error is not None:
-                body = protocol.error_body(step.error, "server_error", code="engine_error")
-                await _send_json(send, 500, body)
-                return
-            texts[step.index].append(step.text)
-            logprobs[step.index].extend(step.logprobs or ())
-            finish_reasons[step.index] = step.finish_reason
-            if step.last:
-                break
-            step = await anext(steps)
+            step = run.no_final_output() if output is None else run.take(output)
+            if step.__class__ is str:  # the common token: choice 0's text
+                texts[0].append(step)  # type: ignore[arg-type]
+            elif step is not None:
+                if run.has_choices_to_abort:
+                    await run.abort_choices()
+                if step.error is not None:
+                    body = protocol.error_body(step.error, "server_error", code="engine_error")
+                    await _send_json(send, 500, body)
+                    return
+                texts[step.index].append(step.text)
+                logprobs[step.index].extend(step.logprobs or ())
+                finish_reasons[step.index] = step.finish_reason
+                if step.last:
+                    break
+            try:
+                output = await next_output()
+            except StopAsyncIteration:
+                output = None
         usage = formatting.usage(
             job.num_prompt_tokens, job.num_output_tokens, job.num_cached_tokens
         )
