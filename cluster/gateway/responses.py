@@ -143,7 +143,8 @@ class GenerationResponse(Response):
         Pulls the backend's outputs itself (``run.outputs``, no generator in
         between) and takes the common token on its short path here: the
         inter-token observation, the count, the detokenizer's short path and
-        the text chunk's fixed frame. Every other output is ``run.step``'s.
+        the text chunk's fixed frame (``text_frame``). Every other output is
+        ``run.step``'s.
 
         Events of outputs that were ready together (``Backend.num_ready``) go
         out as one write: a gateway running behind its engines pays one write
@@ -156,6 +157,9 @@ class GenerationResponse(Response):
         await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
         pending = b"".join(c for f in formatters for c in f.stream_start())
         text_delta = formatters[0].stream_delta
+        frame = formatters[0].text_frame  # the text chunk's fixed bytes, if it has them
+        prefix, suffix = frame if frame is not None else (b"", b"")
+        encode = formatting.encode_json
         next_output = run.outputs.__anext__
         plain, update, perf_counter = run.plain, run.update, time.perf_counter
         while True:
@@ -177,7 +181,10 @@ class GenerationResponse(Response):
                 job.num_output_tokens += len(token_ids)
                 text = update(token_ids)
                 if text:
-                    pending += text_delta(text, None, None)
+                    if frame is not None:
+                        pending += prefix + encode(text) + suffix
+                    else:
+                        pending += text_delta(text, None, None)
                 if pending and not num_ready(request_id):
                     await body_send(
                         {"type": "http.response.body", "body": pending, "more_body": True}
