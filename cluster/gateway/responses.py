@@ -104,14 +104,15 @@ class GenerationResponse(Response):
             unavailable = None
             run = self.gateway.start(job)
             try:
+                first = None  # no output at all: _stream / _collect answer an error
                 try:
                     first = await anext(run.outputs)
                 except StopAsyncIteration:
-                    first = None  # no output at all: _stream / _collect answer an error
+                    pass
                 except BackendUnavailable as exc:  # only ever before the first output
                     run.outcome = "unavailable"
                     unavailable = exc
-                else:
+                if unavailable is None:
                     if job.stream:
                         self._headers_sent = True
                         await self._stream(send, body_send, run, first)
