@@ -88,7 +88,7 @@ class RequestRun:
         """Whether ``output`` is the common token: a plain request past its first
         token, an output with tokens and nothing else. The caller then takes it
         itself: ``itl.observe``, ``last_token_s``, the count and ``update``
-        (``take`` shows how; ``GenerationResponse._stream`` inlines it)."""
+        (``take`` shows how; ``GenerationResponse._respond`` inlines it)."""
         return (
             self.plain
             and self.last_token_s != 0.0
