@@ -102,9 +102,9 @@ class GenerationResponse(Response):
         job = self.job
         try:
             async with asyncio.timeout_at(job.deadline_s):
-                run = self.gateway.start(job)
-                unavailable = failed = None
+                run = unavailable = failed = None
                 try:
+                    run = self.gateway.start(job)
                     output, unavailable = await _first_output(run)
                     if unavailable is None and not job.stream:
                         await self._collect(send, run, output)
@@ -189,7 +189,8 @@ class GenerationResponse(Response):
                 except Exception as exc:  # answered once the run is closed
                     failed = exc
                 finally:
-                    await run.close()  # the abort (unless finished), metrics, the record
+                    if run is not None:  # the abort (unless finished), metrics, the record
+                        await run.close()
                 if unavailable is not None:
                     body = protocol.error_body(
                         str(unavailable), "service_unavailable", code="unavailable"

@@ -577,6 +577,26 @@ def test_backend_ending_without_a_final_output(tokenizer, http, num_outputs):
     assert list(backend.aborted_request_ids) == []
 
 
+class _FailsToStart(NullBackend):
+    def generate(self, request):
+        raise RuntimeError("the backend broke")
+
+
+def test_backend_that_raises_at_dispatch_answers_500_in_the_envelope(tokenizer, http):
+    """An unexpected exception opening the request (not ``BackendUnavailable``) is a 500 in
+    the OpenAI envelope, streamed or not, and the gateway keeps serving."""
+    backend = _FailsToStart(tokenizer)
+    with running(backend) as url:
+        for stream in (True, False):
+            body = {"prompt": "x", "max_tokens": 4, "stream": stream}
+            response = http.post(f"{url}/v1/completions", json=body)
+            assert response.status_code == 500
+            assert response.json()["error"]["type"] == "server_error"
+        assert http.get(f"{url}/health").status_code == 200
+        metrics = http.get(f"{url}/metrics").text
+        assert "tandem:num_requests_in_flight 0.0" in metrics
+
+
 # ---- metrics ---------------------------------------------------------------------
 
 
