@@ -123,6 +123,9 @@ class GenerationResponse(Response):
                         encode = formatting.encode_json
                         next_output = run.outputs.__anext__
                         plain, update, perf_counter = run.plain, run.update, time.perf_counter
+                        # the run's inter-token clock, kept here between its steps (one object
+                        # less touched per token)
+                        last_s, itl = run.last_token_s, run.itl
                         while True:
                             if output is None:  # the backend ended without a final output
                                 step: Step | None = run.no_final_output()
@@ -133,11 +136,11 @@ class GenerationResponse(Response):
                                 and output.new_logprobs is None
                                 and output.prompt_logprobs is None
                                 and output.new_token_ids
-                                and run.last_token_s
+                                and last_s
                             ):  # the common token (RequestRun.is_plain_token)
                                 now_s = perf_counter()
-                                run.itl.observe(now_s - run.last_token_s)  # type: ignore[union-attr]
-                                run.last_token_s = now_s
+                                itl.observe(now_s - last_s)  # type: ignore[union-attr]
+                                last_s = now_s
                                 token_ids = output.new_token_ids
                                 job.num_output_tokens += len(token_ids)
                                 text = update(token_ids)
@@ -161,7 +164,9 @@ class GenerationResponse(Response):
                                     output = None
                                 continue
                             else:
+                                run.last_token_s = last_s
                                 step = run.step(output)
+                                last_s, itl = run.last_token_s, run.itl
                                 if run.has_choices_to_abort:
                                     await run.abort_choices()
                             if step is not None:
