@@ -52,6 +52,10 @@ class _ChoiceBodies:
     formatter of another choice of the same response (n > 1)."""
 
     _args: tuple[Any, ...]  # the constructor's arguments, index aside
+    # The common text chunk (text only, not the last): ``prefix + encode_json(text) +
+    # suffix`` is ``stream_delta(text, None, None)``, built by the SSE writer itself.
+    # None: every text must go through ``stream_delta`` (tool calls parse it).
+    text_frame: tuple[bytes, bytes] | None = None
     prompt_logprobs_in_choice = False  # vLLM: in each choice (completions) or at the top (chat)
     _head: dict[str, Any]  # id, object, created, model of the whole response
 
@@ -119,6 +123,7 @@ class CompletionFormatter(_ChoiceBodies):
             b"data: " + encode_json(head)[:-1] + b',"choices":[{"index":%d,"text":' % index
         )
         self._delta_suffix = b',"logprobs":null,"finish_reason":null}]}\n\n'
+        self.text_frame = (self._delta_prefix, self._delta_suffix)
         self._head = head
 
     def stream_start(self) -> list[bytes]:
@@ -200,6 +205,7 @@ class ChatFormatter(_ChoiceBodies):
             + b',"choices":[{"index":%d,"delta":{"content":' % index
         )
         self._delta_suffix = b'},"logprobs":null,"finish_reason":null}]}\n\n'
+        self.text_frame = (self._delta_prefix, self._delta_suffix)
 
     def stream_start(self) -> list[bytes]:
         choice = {

@@ -2,13 +2,14 @@
 
     prepare_completion / prepare_chat   validate (protocol, edge), tokenize,
                                         build the EngineRequest and formatters
-    run                                 backend.generate() -> detokenize +
+    start -> RequestRun                 backend.generate() -> detokenize +
                                         stop strings (``job.output_step``) ->
-                                        one ``Step`` per output;
+                                        text or a ``Step`` per output;
                                         metrics and the request's record
+                                        (``request_run.py``)
 
 ``Gateway`` knows no routes and writes no bytes: a prepared job is answered
-by ``responses.GenerationResponse``, which drives ``Gateway.run``. A matched
+by ``responses.GenerationResponse``, which drives the job's ``RequestRun``. A matched
 stop string, or a consumer that stops early (disconnect, deadline), aborts
 the request on the backend.
 """
@@ -19,20 +20,20 @@ import asyncio
 import functools
 import time
 import uuid
-from collections.abc import AsyncIterator
 
 import msgspec
 from starlette.responses import Response
 
 from tandem.cluster.gateway import formatting, protocol
 from tandem.cluster.gateway.api.config import ApiConfig, ServedModels
-from tandem.cluster.gateway.backend import Backend, BackendUnavailable
+from tandem.cluster.gateway.backend import Backend
 from tandem.cluster.gateway.edge import sampling as edge_sampling
 from tandem.cluster.gateway.edge import structured as edge_structured
 from tandem.cluster.gateway.edge.limits import GatewayLimits, RequestSlots
 from tandem.cluster.gateway.edge.tokenizer_pool import TokenizerPool, chat_text_len
-from tandem.cluster.gateway.job import Job, Step, output_step
+from tandem.cluster.gateway.job import Job
 from tandem.cluster.gateway.protocol import ChatCompletionRequest, CompletionRequest, ProtocolError
+from tandem.cluster.gateway.request_run import RequestRun
 from tandem.cluster.gateway.responses import GenerationResponse
 from tandem.cluster.gateway.tools.formatting import ToolChatFormatter
 from tandem.cluster.gateway.tools.request import plan_tools
@@ -41,8 +42,7 @@ from tandem.cluster.observability.metrics import GatewayMetrics
 from tandem.cluster.observability.tracing.observer import RequestObserver, Tracer
 from tandem.cluster.observability.tracing.phase_metrics import RequestPhaseMetrics
 from tandem.cluster.observability.tracing.record import TRACEPARENT, RequestRecord
-from tandem.wire.engine_protocol import EngineRequest, FinishReason, SamplingParams
-from tandem.workers.text.detokenizer import IncrementalDetokenizer
+from tandem.wire.engine_protocol import EngineRequest, SamplingParams
 
 
 class Gateway:
@@ -231,116 +231,8 @@ class Gateway:
 
     # ---- generation ----
 
-    async def run(self, job: Job) -> AsyncIterator[Step | str]:
-        """The request's steps; the last has ``finish_reason`` or ``error``.
-
-        A ``str`` step is the common token's (``Job.plain``): choice 0's new
-        text, ``Step(text)`` without building one per streamed token.
-
-        Raises ``BackendUnavailable`` before the first step. If the consumer
-        stops early (stop string, disconnect, cancellation) the request is
-        aborted on the backend.
-        """
-        metrics = self.metrics
-        request = job.engine_request
-        detokenizers = [  # one per choice
-            IncrementalDetokenizer(
-                self.tokenizer,
-                request.prompt_token_ids,
-                skip_special_tokens=job.skip_special_tokens,
-                stop=job.stop,
-                include_stop_str_in_output=job.include_stop_str_in_output,
-            )
-            for _ in range(request.n)
-        ]
-        open_choices = set(range(request.n))
-        stop_string_matched = False
-        outputs = self.backend.generate(request)
-        record = job.record
-        record.dispatch_s = time.perf_counter()
-        self.observer.metrics.gateway.observe(record.dispatch_s - job.arrival_s)
-        metrics.num_requests_in_flight += 1
-        outcome = "abort"  # until a final output says otherwise
-        last_token_s = 0.0
-        path = "local"  # "remote" once the first token came from a prefill engine
-        itl = None  # the path's inter-token histogram, once the path is known
-        perf_counter, make_step = time.perf_counter, output_step  # per token: locals
-        plain, update = job.plain, detokenizers[0].update  # the common token's short path
-        try:
-            async for output in outputs:
-                now_s = perf_counter()
-                if (
-                    plain
-                    and last_token_s
-                    and output.finish_reason is None
-                    and output.timings is None
-                    and output.new_logprobs is None
-                    and output.prompt_logprobs is None
-                    and output.new_token_ids
-                ):
-                    itl.observe(now_s - last_token_s)
-                    last_token_s = now_s
-                    job.num_output_tokens += len(output.new_token_ids)
-                    yield update(output.new_token_ids)  # the text alone: no Step to build
-                    continue
-                if output.timings is not None:
-                    record.add_timings(output.timings, now_s)
-                if output.new_token_ids:
-                    if last_token_s:
-                        itl.observe(now_s - last_token_s)
-                    else:
-                        # P's first token carries the KV handoff (Backend.generate)
-                        path = "remote" if output.kv_transfer_params else "local"
-                        metrics.time_to_first_token.observe(now_s - job.arrival_s, path)
-                        itl = metrics.inter_token_latency.by_path[path]
-                        record.first_token_s = now_s
-                        # The first output's prefix hit is the request's: under P/D
-                        # it is P's (tokens not computed); D's local hits only save
-                        # reading blocks from P, not computing them.
-                        job.num_cached_tokens = output.num_cached_tokens
-                    last_token_s = now_s
-                if output.finish_reason is FinishReason.ERROR:
-                    outcome = "error"
-                    metrics.request_failed(request.request_id, output.error or "")
-                    yield Step(error=output.error or "The engine failed the request.")
-                    return
-                if output.index not in open_choices:
-                    continue  # a choice that a stop string ended
-                step = make_step(job, detokenizers[output.index], output)
-                step.index = output.index
-                if step.finish_reason is not None:
-                    open_choices.discard(output.index)
-                    step.last = not open_choices
-                    if output.finish_reason is None:  # a stop string: the engine goes on
-                        stop_string_matched = True
-                        if not step.last:
-                            await self.backend.abort_choice(request.request_id, output.index)
-                    if step.last:
-                        # A stop-string match still needs an abort; else the backend is done.
-                        outcome = "stop-string" if stop_string_matched else step.finish_reason
-                yield step
-                if step.last:
-                    return
-            outcome = "error"
-            yield Step(error="The backend ended the request without a final output.")
-        except BackendUnavailable:
-            outcome = "unavailable"
-            raise
-        finally:
-            await outputs.aclose()
-            metrics.num_requests_in_flight -= 1
-            if outcome in ("abort", "stop-string"):
-                await self.backend.abort(request.request_id)
-            if outcome == "unavailable":
-                metrics.rejected(503)
-            else:
-                metrics.num_prompt_tokens += job.num_prompt_tokens
-                metrics.num_generation_tokens += job.num_output_tokens
-                reason = "stop" if outcome == "stop-string" else outcome
-                metrics.finished(reason)
-                metrics.e2e_request_latency.observe(time.perf_counter() - job.arrival_s, path)
-            record.end_s = time.perf_counter()
-            record.path, record.outcome = path, outcome
-            record.num_output_tokens = job.num_output_tokens
-            record.router_fields = self.backend.route_log_fields(request.request_id)
-            self.observer.finished(record)
+    def start(self, job: Job) -> RequestRun:
+        """Open ``job``'s request on the backend; the caller pulls ``run.outputs``
+        and must ``close()`` the run (``request_run.py``). The backend raises
+        ``BackendUnavailable`` at the first pull, before any output."""
+        return RequestRun(self, job)

@@ -1,9 +1,10 @@
 """The ASGI response of a generation request: SSE stream or one JSON body.
 
 ``GenerationResponse`` runs a prepared ``Job`` (``generation.py``) beside a
-watcher of the ASGI receive channel: when the client disconnects
+watcher of the ASGI receive channel, pulling the backend's outputs through
+the job's ``RequestRun`` (``request_run.py``): when the client disconnects
 (``http.disconnect``) or the job's deadline passes, the work is cancelled and
-``Gateway.run``'s cleanup aborts the request on the backend; past the
+the run's ``close`` aborts the request on the backend; past the
 deadline the client gets 504 (or, mid-stream, an error event). Bodies and
 chunks come from the job's formatters (``formatting.py``); the ``_send_*``
 helpers write the raw ASGI messages.
@@ -13,8 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
-from contextlib import aclosing
+import time
 from typing import TYPE_CHECKING, Any
 
 from starlette.responses import Response
@@ -23,11 +23,12 @@ from starlette.types import Receive, Scope, Send
 from tandem.cluster.gateway import formatting, protocol
 from tandem.cluster.gateway.backend import BackendUnavailable
 from tandem.cluster.gateway.edge import sampling as edge_sampling
-from tandem.wire.engine_protocol import Logprobs
+from tandem.wire.engine_protocol import EngineOutput, Logprobs
 
 if TYPE_CHECKING:
     from tandem.cluster.gateway.generation import Gateway
     from tandem.cluster.gateway.job import Job, Step
+    from tandem.cluster.gateway.request_run import RequestRun
 
 logger = logging.getLogger(__name__)
 
@@ -77,124 +78,185 @@ class GenerationResponse(Response):
             self.gateway.slots.release()
 
     async def _respond(self, send: Send, body_send: Send) -> None:
-        try:
-            async with asyncio.timeout_at(self.job.deadline_s):
-                await self._respond_in_time(send, body_send)
-        except TimeoutError:
-            # The work was cancelled, so run()'s cleanup aborted the request.
-            job = self.job
-            logger.warning("request %s passed its deadline", job.request_id)
-            timeout_s = self.gateway.limits.request_timeout_s
-            body = protocol.error_body(
-                f"The request did not finish within {timeout_s} s.",
-                "timeout_error",
-                code="request_timeout",
-            )
-            # A client that is not reading gets no more time than this.
-            async with asyncio.timeout(_LAST_WORDS_TIMEOUT_S):
-                if self._headers_sent:
-                    await _send_body(body_send, formatting.sse(body) + formatting.SSE_DONE, False)
-                else:
-                    await _send_json(send, 504, body)
+        """The work task's coroutine: the job's run within its deadline; a
+        non-streamed response is ``_collect``'s, a stream's loop runs here.
 
-    async def _respond_in_time(self, send: Send, body_send: Send) -> None:
-        job = self.job
-        try:
-            async with aclosing(self.gateway.run(job)) as steps:
-                try:
-                    first = await anext(steps)
-                except BackendUnavailable as exc:
-                    body = protocol.error_body(str(exc), "service_unavailable", code="unavailable")
-                    await _send_json(send, 503, body)
-                    return
-                if job.stream:
-                    self._headers_sent = True
-                    await self._stream(send, body_send, first, steps)
-                else:
-                    await self._collect(send, first, steps)
-        except (asyncio.CancelledError, OSError):
-            raise
-        except Exception:
-            logger.exception("request %s failed", job.request_id)
-            body = protocol.error_body("Internal server error.", "server_error")
-            if self._headers_sent:
-                await _send_body(send, formatting.sse(body) + formatting.SSE_DONE, more_body=False)
-            else:
-                await _send_json(send, 500, body)
-
-    async def _stream(
-        self, send: Send, body_send: Send, step: Step | str, steps: AsyncIterator[Step | str]
-    ) -> None:
-        """SSE: the start through ``send`` (the middleware chain), every body event
-        through ``body_send`` (the server's; see ``SERVER_SEND``).
+        The stream loop is inlined in this frame: every token resumes the task's
+        coroutine chain, and at 256 streams each frame of it is a few cache
+        lines per stream that no longer stay cached between the stream's turns
+        (docs/benchmarks.md, issue #29); the chain is this frame, then the
+        backend's generator. SSE: the start through ``send`` (the middleware
+        chain), every body event through ``body_send`` (the server's; see
+        ``SERVER_SEND``). The loop pulls the backend's outputs itself
+        (``run.outputs``, no generator in between) and takes the common token
+        on its short path: the inter-token observation, the count, the
+        detokenizer's short path and the text chunk's fixed frame
+        (``text_frame``). Every other output is ``run.step``'s.
 
         Events of outputs that were ready together (``Backend.num_ready``) go
         out as one write: a gateway running behind its engines pays one write
         per stream per batch, not per token. The bytes are the same; the first
         token's write carries the stream's opening events, the last one's the
-        usage chunk and ``[DONE]``."""
+        usage chunk and ``[DONE]``; an error step ends the stream with an
+        error event and ``[DONE]``."""
         job = self.job
-        formatters, request_id = job.formatters, job.request_id
-        num_ready = self.gateway.backend.num_ready
-        await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
-        pending = b"".join(c for f in formatters for c in f.stream_start())
-        text_delta = formatters[0].stream_delta
-        while True:
-            if step.__class__ is str:  # the common token: choice 0's text (Gateway.run)
-                if step:
-                    pending += text_delta(step, None, None)
-                if pending and not num_ready(request_id):
-                    await body_send(
-                        {"type": "http.response.body", "body": pending, "more_body": True}
+        try:
+            async with asyncio.timeout_at(job.deadline_s):
+                run = unavailable = failed = None
+                try:
+                    run = self.gateway.start(job)
+                    output, unavailable = await _first_output(run)
+                    if unavailable is None and not job.stream:
+                        await self._collect(send, run, output)
+                    elif unavailable is None:
+                        # ---- the stream (see the docstring) ----
+                        formatters, request_id = job.formatters, job.request_id
+                        num_ready = self.gateway.backend.num_ready
+                        self._headers_sent = True
+                        await send(
+                            {"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS}
+                        )
+                        pending = b"".join(c for f in formatters for c in f.stream_start())
+                        text_delta = formatters[0].stream_delta
+                        frame = formatters[0].text_frame  # the text chunk's fixed bytes, if any
+                        prefix, suffix = frame if frame is not None else (b"", b"")
+                        encode = formatting.encode_json
+                        next_output = run.outputs.__anext__
+                        plain, update, perf_counter = run.plain, run.update, time.perf_counter
+                        # the run's inter-token clock, kept here between its steps (one object
+                        # less touched per token)
+                        last_s, itl = run.last_token_s, run.itl
+                        while True:
+                            if output is None:  # the backend ended without a final output
+                                step: Step | None = run.no_final_output()
+                            elif (
+                                plain
+                                and output.finish_reason is None
+                                and output.timings is None
+                                and output.new_logprobs is None
+                                and output.prompt_logprobs is None
+                                and output.new_token_ids
+                                and last_s
+                            ):  # the common token (RequestRun.is_plain_token)
+                                now_s = perf_counter()
+                                itl.observe(now_s - last_s)  # type: ignore[union-attr]
+                                last_s = now_s
+                                token_ids = output.new_token_ids
+                                job.num_output_tokens += len(token_ids)
+                                text = update(token_ids)
+                                if text:
+                                    if frame is not None:
+                                        pending += prefix + encode(text) + suffix
+                                    else:
+                                        pending += text_delta(text, None, None)
+                                if pending and not num_ready(request_id):
+                                    await body_send(
+                                        {
+                                            "type": "http.response.body",
+                                            "body": pending,
+                                            "more_body": True,
+                                        }
+                                    )
+                                    pending = b""
+                                try:
+                                    output = await next_output()
+                                except StopAsyncIteration:
+                                    output = None
+                                continue
+                            else:
+                                run.last_token_s = last_s
+                                step = run.step(output)
+                                last_s, itl = run.last_token_s, run.itl
+                                if run.has_choices_to_abort:
+                                    await run.abort_choices()
+                            if step is not None:
+                                if step.error is not None:
+                                    await _send_body(
+                                        body_send, pending + _error_event(step.error), False
+                                    )
+                                    break
+                                if step.text or step.logprobs or step.finish_reason is not None:
+                                    pending += formatters[step.index].stream_delta(
+                                        step.text, step.logprobs, step.finish_reason
+                                    )
+                                if step.last:
+                                    await _send_body(body_send, pending + _tail(job), False)
+                                    break
+                                if pending and not num_ready(request_id):
+                                    await _send_body(body_send, pending)
+                                    pending = b""
+                            try:
+                                output = await next_output()
+                            except StopAsyncIteration:
+                                output = None
+                except (asyncio.CancelledError, OSError):
+                    raise
+                except Exception as exc:  # answered once the run is closed
+                    failed = exc
+                finally:
+                    if run is not None:  # the abort (unless finished), metrics, the record
+                        await run.close()
+                if unavailable is not None:
+                    body = protocol.error_body(
+                        str(unavailable), "service_unavailable", code="unavailable"
                     )
-                    pending = b""
-                step = await anext(steps)
-                continue
-            if step.error is not None:
-                body = protocol.error_body(step.error, "server_error", code="engine_error")
-                tail = formatting.sse(body) + formatting.SSE_DONE
-                await _send_body(body_send, pending + tail, more_body=False)
-                return
-            if step.text or step.logprobs or step.finish_reason is not None:
-                pending += formatters[step.index].stream_delta(
-                    step.text, step.logprobs, step.finish_reason
-                )
-            if step.last:
-                break
-            if pending and not num_ready(request_id):
-                await body_send({"type": "http.response.body", "body": pending, "more_body": True})
-                pending = b""
-            step = await anext(steps)
-        tail = formatting.SSE_DONE
-        if job.include_usage:
-            usage = formatting.usage(
-                job.num_prompt_tokens, job.num_output_tokens, job.num_cached_tokens
-            )
-            tail = job.formatter.stream_usage(usage) + tail
-        await _send_body(body_send, pending + tail, more_body=False)
+                    await _send_json(send, 503, body)
+                elif failed is not None:
+                    await self._failed(send, failed)
+        except TimeoutError:
+            await self._deadline_passed(send, body_send)
 
-    async def _collect(
-        self, send: Send, step: Step | str, steps: AsyncIterator[Step | str]
-    ) -> None:
+    async def _deadline_passed(self, send: Send, body_send: Send) -> None:
+        # The work was cancelled, so the run's close() aborted the request.
+        job = self.job
+        logger.warning("request %s passed its deadline", job.request_id)
+        timeout_s = self.gateway.limits.request_timeout_s
+        body = protocol.error_body(
+            f"The request did not finish within {timeout_s} s.",
+            "timeout_error",
+            code="request_timeout",
+        )
+        # A client that is not reading gets no more time than this.
+        async with asyncio.timeout(_LAST_WORDS_TIMEOUT_S):
+            if self._headers_sent:
+                await _send_body(body_send, formatting.sse(body) + formatting.SSE_DONE, False)
+            else:
+                await _send_json(send, 504, body)
+
+    async def _failed(self, send: Send, exc: Exception) -> None:
+        logger.error("request %s failed", self.job.request_id, exc_info=exc)
+        body = protocol.error_body("Internal server error.", "server_error")
+        if self._headers_sent:
+            await _send_body(send, formatting.sse(body) + formatting.SSE_DONE, more_body=False)
+        else:
+            await _send_json(send, 500, body)
+
+    async def _collect(self, send: Send, run: RequestRun, output: EngineOutput | None) -> None:
         job = self.job
         texts: list[list[str]] = [[] for _ in job.formatters]  # per choice
         logprobs: list[list[Logprobs]] = [[] for _ in job.formatters]
         finish_reasons: list[str | None] = [None for _ in job.formatters]
+        next_output = run.outputs.__anext__
         while True:
-            if step.__class__ is str:  # the common token: choice 0's text (Gateway.run)
-                texts[0].append(step)
-                step = await anext(steps)
-                continue
-            if step.error is not None:
-                body = protocol.error_body(step.error, "server_error", code="engine_error")
-                await _send_json(send, 500, body)
-                return
-            texts[step.index].append(step.text)
-            logprobs[step.index].extend(step.logprobs or ())
-            finish_reasons[step.index] = step.finish_reason
-            if step.last:
-                break
-            step = await anext(steps)
+            step = run.no_final_output() if output is None else run.take(output)
+            if step.__class__ is str:  # the common token: choice 0's text
+                texts[0].append(step)  # type: ignore[arg-type]
+            elif step is not None:
+                if run.has_choices_to_abort:
+                    await run.abort_choices()
+                if step.error is not None:
+                    body = protocol.error_body(step.error, "server_error", code="engine_error")
+                    await _send_json(send, 500, body)
+                    return
+                texts[step.index].append(step.text)
+                logprobs[step.index].extend(step.logprobs or ())
+                finish_reasons[step.index] = step.finish_reason
+                if step.last:
+                    break
+            try:
+                output = await next_output()
+            except StopAsyncIteration:
+                output = None
         usage = formatting.usage(
             job.num_prompt_tokens, job.num_output_tokens, job.num_cached_tokens
         )
@@ -208,6 +270,31 @@ class GenerationResponse(Response):
         ]
         body = job.formatter.response_choices(choices, usage, prompt_logprobs)
         await _send_bytes(send, 200, body)
+
+
+async def _first_output(run: RequestRun) -> tuple[EngineOutput | None, Exception | None]:
+    """The run's first output (None: the backend's iterator ended at once) or the
+    ``BackendUnavailable`` it raised before any (the client gets 503)."""
+    try:
+        return await anext(run.outputs), None
+    except StopAsyncIteration:
+        return None, None
+    except BackendUnavailable as exc:  # only ever before the first output
+        run.outcome = "unavailable"
+        return None, exc
+
+
+def _error_event(message: str) -> bytes:
+    body = protocol.error_body(message, "server_error", code="engine_error")
+    return formatting.sse(body) + formatting.SSE_DONE
+
+
+def _tail(job: Job) -> bytes:
+    """A stream's last events: the usage chunk if asked for, then ``[DONE]``."""
+    if not job.include_usage:
+        return formatting.SSE_DONE
+    usage = formatting.usage(job.num_prompt_tokens, job.num_output_tokens, job.num_cached_tokens)
+    return job.formatter.stream_usage(usage) + formatting.SSE_DONE
 
 
 async def _wait_for_disconnect(receive: Receive) -> None:

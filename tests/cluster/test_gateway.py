@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from tandem.cluster.gateway.app import create_app, serve_in_thread
 from tandem.cluster.gateway.null_backend import NullBackend
+from tandem.wire.engine_protocol import EngineOutput
 from tandem.workers.checkpoints.tiny import build_tokenizer
 from tandem.workers.text.tokenizer import apply_chat_template, encode_prompt
 
@@ -538,6 +539,62 @@ def test_backend_error_mid_stream_and_not(tokenizer, http):
         metrics = http.get(f"{url}/metrics").text
         assert 'tandem:request_success_total{finished_reason="error"} 2.0' in metrics
     assert list(backend.aborted_request_ids) == []  # errors are final: nothing to abort
+
+
+class _EndsEarly(NullBackend):
+    """Its iterator ends after ``num_outputs`` token outputs, without a final one."""
+
+    num_outputs = 0
+
+    async def generate(self, request):
+        for _ in range(self.num_outputs):
+            yield EngineOutput(request.request_id, [self.output_token_ids[0]])
+
+
+@pytest.mark.parametrize("num_outputs", [0, 2])
+def test_backend_ending_without_a_final_output(tokenizer, http, num_outputs):
+    """A backend iterator that ends before a final output (none at all, or tokens only)
+    answers an engine error, streamed (its text so far, the error event, [DONE]) and not
+    (500); the request is counted as an error and nothing is left in flight."""
+    backend = _EndsEarly(tokenizer)
+    backend.num_outputs = num_outputs
+    message = "The backend ended the request without a final output."
+    with running(backend) as url:
+        body = {"prompt": "x", "max_tokens": 10, "stream": True}
+        with http.stream("POST", f"{url}/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            events = [e for e in response.iter_lines() if e]
+        assert events[-1] == "data: [DONE]"
+        assert json.loads(events[-2].removeprefix("data: "))["error"]["message"] == message
+        texts = [json.loads(e.removeprefix("data: "))["choices"][0]["text"] for e in events[:-2]]
+        assert texts == ["T"] * num_outputs
+        response = http.post(f"{url}/v1/completions", json={"prompt": "x"})
+        assert response.status_code == 500
+        assert response.json()["error"]["message"] == message
+        metrics = http.get(f"{url}/metrics").text
+        assert 'tandem:request_success_total{finished_reason="error"} 2.0' in metrics
+        assert "tandem:num_requests_in_flight 0.0" in metrics
+    assert list(backend.aborted_request_ids) == []
+
+
+class _FailsToStart(NullBackend):
+    def generate(self, request):
+        raise RuntimeError("the backend broke")
+
+
+def test_backend_that_raises_at_dispatch_answers_500_in_the_envelope(tokenizer, http):
+    """An unexpected exception opening the request (not ``BackendUnavailable``) is a 500 in
+    the OpenAI envelope, streamed or not, and the gateway keeps serving."""
+    backend = _FailsToStart(tokenizer)
+    with running(backend) as url:
+        for stream in (True, False):
+            body = {"prompt": "x", "max_tokens": 4, "stream": stream}
+            response = http.post(f"{url}/v1/completions", json=body)
+            assert response.status_code == 500
+            assert response.json()["error"]["type"] == "server_error"
+        assert http.get(f"{url}/health").status_code == 200
+        metrics = http.get(f"{url}/metrics").text
+        assert "tandem:num_requests_in_flight 0.0" in metrics
 
 
 # ---- metrics ---------------------------------------------------------------------

@@ -159,3 +159,23 @@ def test_the_common_token_short_path_streams_what_the_general_path_does(urls, ht
     assert "#" not in "".join(json.dumps(event) for event in short)
     assert general == short
     assert short[-1]["usage"]["completion_tokens"] == 12
+
+
+@pytest.mark.parametrize("index", [0, 2])
+def test_the_text_frame_is_the_common_chunk(index):
+    """``GenerationResponse._stream`` builds the common chunk from ``text_frame``: the same
+    bytes as ``stream_delta(text, None, None)``; a tool-call formatter has none (its parser
+    must see every text), unless tool_choice is "none"."""
+    from tandem.cluster.gateway.formatting import ChatFormatter, CompletionFormatter, encode_json
+    from tandem.cluster.gateway.tools.formatting import ToolChatFormatter
+    from tandem.cluster.gateway.tools.request import ToolPlan
+
+    args = ("cmpl-1", "tiny", 7, None, str)
+    for formatter in (CompletionFormatter(*args, index=index), ChatFormatter(*args, index=index)):
+        prefix, suffix = formatter.text_frame
+        for text in ("", " fox", 'a "quoted"\n\u00e9 \U0001f600'):
+            assert prefix + encode_json(text) + suffix == formatter.stream_delta(text, None, None)
+    auto = ToolPlan("auto", {"f": {}}, parser="hermes")
+    assert ToolChatFormatter(*args, plan=auto, index=index).text_frame is None
+    plain = ToolChatFormatter(*args, plan=ToolPlan("none", {"f": {}}), index=index)
+    assert plain.text_frame == ChatFormatter(*args, index=index).text_frame
