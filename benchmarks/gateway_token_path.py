@@ -3,7 +3,7 @@
 Drives the gateway's ASGI app (``create_app(NullBackend)``) in-process: 64
 (``--streams``) concurrent streaming completions of 128 tokens each, one token per SSE
 event, with a ``send`` that only counts the body events (no h11, no socket
-write). What is left is our per-token Python (``Gateway.run``, ``_step``,
+write). What is left is our per-token Python (``RequestRun.take``, the response's stream loop,
 the detokenizer, the SSE delta, the metrics) plus the null backend and the
 event loop. ``benchmarks/serve_gateway.py`` measures the whole server.
 

@@ -32,7 +32,7 @@ def usage(
     num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int = 0
 ) -> dict[str, Any]:
     """OpenAI's usage object; ``cached_tokens``: prompt tokens served from the
-    prefix cache instead of computed (see ``generation.Gateway.run`` for P/D)."""
+    prefix cache instead of computed (see ``request_run.RequestRun`` for P/D)."""
     return {
         "prompt_tokens": num_prompt_tokens,
         "completion_tokens": num_output_tokens,

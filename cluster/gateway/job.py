@@ -54,7 +54,7 @@ class Job:
     def plain(self) -> bool:
         """One choice, no stop strings, echo or prompt logprobs: then an output with tokens
         and nothing else (no finish, timings or logprobs) adds its text alone, and
-        ``Gateway.run`` makes its step without ``output_step``."""
+        ``RequestRun.take`` makes its step without ``output_step``."""
         return (
             self.engine_request.n == 1
             and not self.stop

@@ -148,7 +148,7 @@ def test_outputs_ready_together_are_one_write():
 
 @pytest.mark.parametrize("path", ["completions", "chat/completions"])
 def test_the_common_token_short_path_streams_what_the_general_path_does(urls, http, path):
-    """``Gateway.run`` makes a plain request's common token without ``output_step``; a stop
+    """``RequestRun.take`` makes a plain request's common token without ``output_step``; a stop
     string the text never contains sends every token through ``output_step`` instead: the
     events are the same, chunk for chunk."""
     body = {"model": "tiny", "max_tokens": 12, "stream": True, "ignore_eos": True}
