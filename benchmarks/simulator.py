@@ -109,6 +109,7 @@ from benchmarks._sim_figures import (  # noqa: E402
     service_figures,
     write_probe,
 )
+from benchmarks._sim_rounds import predict_by_round, print_by_round  # noqa: E402
 from benchmarks._sim_tables import (  # noqa: E402
     TARGET,
     median_run,
@@ -453,6 +454,8 @@ def main() -> int:
         variants = predict_ways(tmp, profile, engine_only, probes, reals)
         sims = {(v, n): simulate(paths[n], trace, *_configs(n)[0])
                 for v, paths in variants.items() for n in names}  # fmt: skip
+        by_round = predict_by_round(tmp, engine_only, profiles, probes, reals,
+                                    lambda path, n: simulate(path, trace, *_configs(n)[0]))  # fmt: skip
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     rounds = len(next(iter(reals.values())))
     all_loads = [x for n in names for x in loads[n]]
@@ -492,6 +495,7 @@ def main() -> int:
         )
         verdict = "holds" if worst <= TARGET else "does not hold"
         print(f"worst error of a median p50 ({v}): {worst:.1%}: {TARGET:.0%} {verdict}")
+    print_by_round(by_round)
     print("\nmedian p50 errors side by side (measured median ms, then each way's error):")
     print(side_by_side(rows))
     print_breakdown(engine_only, reals, probes, sims, names, list(variants))

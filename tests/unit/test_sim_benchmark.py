@@ -19,6 +19,7 @@ from benchmarks._sim_figures import (
     probe_spread,
     service_figures,
 )
+from benchmarks._sim_rounds import predict_by_round, round_errors
 from benchmarks._sim_tables import median_run, rel, rounds_table, spread_table
 from benchmarks.simulator import rotated
 from tandem.cluster.planner.profile import Profile
@@ -226,3 +227,35 @@ def test_with_the_breakdown_the_path_is_measured_and_the_served_prefill_step_is_
     old = service_figures(p.to_json(), probe)["service"]
     assert old["prefill_overhead_s"] == 0.0
     assert old["request_latency_s"] == pytest.approx(0.018 - p.prefill_s(16) - overhead)
+
+
+def test_each_round_is_predicted_from_its_own_profile_and_probe(tmp_path):
+    """Round r's prediction comes from round r's profile and probe (the file the
+    fake simulator gets), and its error from round r's measurement; the figure
+    is the median of the rounds' errors."""
+    base = {**profile().to_json(), "host": {"cores": 2, "engine_threads": 1}}
+    profiles = []
+    for k in (1.0, 2.0, 3.0):  # a marker per round: the prefill table scaled by k
+        p = json.loads(json.dumps(base))
+        p["prefill"]["time_s"] = [t * k for t in p["prefill"]["time_s"]]
+        profiles.append(p)
+    probes = [_probe(30.0, 6.0) for _ in profiles]
+    reals = {"1P1D": [_run(20.0, 2.0), _run(40.0, 2.0), _run(30.0, 3.0)]}
+    seen = []
+
+    def fake_simulate(path: str, name: str) -> dict:
+        with open(path) as f:
+            k = json.load(f)["prefill"]["time_s"][0] / base["prefill"]["time_s"][0]
+        seen.append((round(k), name))
+        return _run(20.0 * k, 2.0)  # round k: TTFT 20k, ITL 2
+
+    text, worst = predict_by_round(str(tmp_path), base, profiles, probes, reals, fake_simulate)
+    assert seen == [(1, "1P1D"), (2, "1P1D"), (3, "1P1D")]
+    errors = round_errors(reals, {(r, "1P1D"): _run(20.0 * (r + 1), 2.0) for r in range(3)})
+    assert errors["1P1D", "ttft_ms"] == pytest.approx([0.0, 0.0, 1.0])
+    assert errors["1P1D", "itl_ms"] == pytest.approx([0.0, 0.0, rel(2.0, 3.0)])
+    ttft = next(line for line in text.splitlines() if "TTFT" in line)
+    assert ttft == "| 1P1D | TTFT p50 | +0% +0% +100% | +0.0% |"
+    assert worst == pytest.approx(0.0)  # ITL's median error is 0 too
+    # a run with fewer probes than rounds (given --profile, or kept before) has no such table
+    assert predict_by_round(str(tmp_path), base, [], probes[:2], reals, fake_simulate) is None

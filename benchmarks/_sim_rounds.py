@@ -1,0 +1,99 @@
+"""benchmarks/simulator.py, round by round: each round's configurations
+predicted from that round's own profile and probe.
+
+The other ways predict once, from the median of the rounds' profiles and
+probes, and compare that one prediction with each round's measurement. On
+this VM a whole round can run 25% slower than the next (session 12's quiet
+run: every configuration's ITL in round 1 above rounds 2 and 3), and then
+the error of a round is the box's minute, not the model. Here the inputs of
+a prediction were measured minutes before the runs it is compared with, on
+the same box state; nothing is taken from the runs themselves. The figure is
+the median over the rounds of each round's error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from collections.abc import Callable
+
+from benchmarks._sim_figures import host_figures
+from benchmarks._sim_tables import METRICS, TARGET, rel
+
+
+def round_profiles(
+    tmp: str, engine_only: dict, profiles: list[dict], probes: list[dict]
+) -> list[str]:
+    """Per round, the profile file of the + shared cores way from that round's
+    engine profile (the run's profile when rounds had none of their own) and
+    its probe."""
+    paths = []
+    for r, probe in enumerate(probes):
+        base = profiles[r] if r < len(profiles) else engine_only
+        path = os.path.join(tmp, f"profile-round-{r + 1}-own.json")
+        with open(path, "w") as f:
+            json.dump(host_figures(base, probe, None), f)
+        paths.append(path)
+    return paths
+
+
+def round_errors(
+    reals: dict[str, list[dict]], sims: dict[tuple[int, str], dict]
+) -> dict[tuple[str, str], list[float]]:
+    """(configuration, metric) -> each round's p50 error of its own prediction
+    (``sims[round, configuration]``) against its own measurement."""
+    out: dict[tuple[str, str], list[float]] = {}
+    for name, runs in reals.items():
+        for key, _ in METRICS:
+            out[name, key] = [
+                rel(sims[r, name][key]["p50"], run[key]["p50"]) for r, run in enumerate(runs)
+            ]
+    return out
+
+
+def rounds_own_table(errors: dict[tuple[str, str], list[float]]) -> tuple[str, float]:
+    """The table of per-round errors and their median, and the worst |median|."""
+    lines = [
+        "| config | metric | error per round | median error |",
+        "|---|---|---|---:|",
+    ]
+    worst = 0.0
+    labels = dict(METRICS)
+    for (name, key), errs in errors.items():
+        med = statistics.median(errs)
+        worst = max(worst, abs(med))
+        mark = " **over**" if abs(med) > TARGET else ""
+        each = " ".join(f"{e:+.0%}" for e in errs)
+        lines.append(f"| {name} | {labels[key]} p50 | {each} | {med:+.1%}{mark} |")
+    return "\n".join(lines), worst
+
+
+def predict_by_round(
+    tmp: str,
+    engine_only: dict,
+    profiles: list[dict],
+    probes: list[dict],
+    reals: dict[str, list[dict]],
+    simulate: Callable[[str, str], dict],
+) -> tuple[str, float] | None:
+    """``simulate(profile_path, configuration)`` -> summary. None when the run
+    has not one probe (with its CPU accounting) per round. A run given
+    ``--profile`` uses that engine profile in every round, with each round's
+    probe."""
+    rounds = len(next(iter(reals.values())))
+    if len(probes) != rounds or not all("cpu" in pr for pr in probes):
+        return None
+    paths = round_profiles(tmp, engine_only, profiles, probes)
+    sims = {(r, n): simulate(paths[r], n) for r in range(rounds) for n in reals}
+    return rounds_own_table(round_errors(reals, sims))
+
+
+def print_by_round(by_round: tuple[str, float] | None) -> None:
+    if by_round is None:
+        return
+    text, worst = by_round
+    verdict = "holds" if worst <= TARGET else "does not hold"
+    print("\nround by round (each round's own profile and probe, + shared cores; _sim_rounds.py):")
+    print(text)
+    print(f"worst median of the rounds' p50 errors: {worst:.1%}: {TARGET:.0%} {verdict}")
