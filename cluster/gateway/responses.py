@@ -219,7 +219,7 @@ class GenerationResponse(Response):
         # A client that is not reading gets no more time than this.
         async with asyncio.timeout(_LAST_WORDS_TIMEOUT_S):
             if self._headers_sent:
-                await _send_body(body_send, formatting.sse(body) + formatting.SSE_DONE, False)
+                await _send_body(body_send, _last_events(body), False)
             else:
                 await _send_json(send, 504, body)
 
@@ -227,7 +227,7 @@ class GenerationResponse(Response):
         logger.error("request %s failed", self.job.request_id, exc_info=exc)
         body = protocol.error_body("Internal server error.", "server_error")
         if self._headers_sent:
-            await _send_body(send, formatting.sse(body) + formatting.SSE_DONE, more_body=False)
+            await _send_body(send, _last_events(body), more_body=False)
         else:
             await _send_json(send, 500, body)
 
@@ -284,9 +284,13 @@ async def _first_output(run: RequestRun) -> tuple[EngineOutput | None, Exception
         return None, exc
 
 
-def _error_event(message: str) -> bytes:
-    body = protocol.error_body(message, "server_error", code="engine_error")
+def _last_events(body: dict[str, Any]) -> bytes:
+    """An error ``body`` as a stream's last events: its event, then ``[DONE]``."""
     return formatting.sse(body) + formatting.SSE_DONE
+
+
+def _error_event(message: str) -> bytes:
+    return _last_events(protocol.error_body(message, "server_error", code="engine_error"))
 
 
 def _tail(job: Job) -> bytes:
