@@ -22,6 +22,10 @@
 #                                          #   the tier tests, kv_tiers.py's copies), each graph
 #                                          #   mode's device memory against its share, and the
 #                                          #   half-GPU P/D test in the default mode
+#   bash benchmarks/gpu_session.sh wave3d  # <= 6 min: two engines on one GPU in decode and
+#                                          #   full_and_piecewise, where the memory goes
+#                                          #   (gpu_pd_memory.py), and the gateway benchmark with
+#                                          #   1/2/4 gateways on this box's cores (#29)
 #   bash benchmarks/gpu_session.sh all     # the first four, where no per-command limit applies
 #   GPU_DEADLINE_S=500 bash benchmarks/gpu_session.sh tests parts
 #                                          # several parts in one command under one deadline:
@@ -49,8 +53,8 @@ set -u -o pipefail
 
 parts=("${@:-tests}")
 for part in "${parts[@]}"; do
-    case "$part" in tests | engine | parts | extras | wave3 | wave3b | wave3c | all) ;; *)
-        echo "usage: $0 tests|engine|parts|extras|wave3|wave3b|wave3c|all [more parts]" >&2
+    case "$part" in tests | engine | parts | extras | wave3 | wave3b | wave3c | wave3d | all) ;; *)
+        echo "usage: $0 tests|engine|parts|extras|wave3|wave3b|wave3c|wave3d|all [more parts]" >&2
         exit 2
         ;;
     esac
@@ -227,6 +231,13 @@ run_wave3c() {
         python3 -m pytest -p no:cacheprovider -q -ra --timeout 110 tests/gpu/test_cuda_pd_half_gpu.py
 }
 
+run_wave3d() {
+    stage "gpu_pd_memory.py" 240 "$out/pd-memory.txt" python3 benchmarks/gpu_pd_memory.py
+    stage "serve_gateway.py 1/2/4" 150 "$out/serve-gateway.txt" \
+        python3 benchmarks/serve_gateway.py --api-server-count 1 2 4 --concurrency 64 256 \
+        --repeats 2 --num-rounds 1
+}
+
 export -f environment # timeout runs programs, not shell functions
 stage environment 30 "$out/env.txt" bash -c environment
 for part in "${parts[@]}"; do
@@ -238,6 +249,7 @@ for part in "${parts[@]}"; do
     wave3) run_wave3 ;;
     wave3b) run_wave3b ;;
     wave3c) run_wave3c ;;
+    wave3d) run_wave3d ;;
     all)
         run_tests
         run_engine
