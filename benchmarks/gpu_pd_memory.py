@@ -12,7 +12,11 @@ and when; each engine then reports its torch reservation, its KV cache, its grap
 and real), the device memory it holds outside torch, and its start-up transport probe (which
 starts two more CUDA processes as soon as the KV cache is registered, while the graphs are
 still being captured). ``--stagger-s``: start the decode engine that long after the prefill
-engine (0: together, as the test does).
+engine (0: together, as the test does; several values: one run each). Where NVML is there
+(nvidia-ml-py), also: the device memory the CUDA context and torch's CUDA state took (NVML's
+device-wide used memory before and after, clean when the engines start apart), and this
+engine's own used memory as NVML lists it by process id (n/a where NVML does not list the
+process, e.g. in a container with its own process ids).
 
 The half-GPU test failed in ``full_and_piecewise`` (its probe hit ``out of memory``) and
 passes in ``decode``; one engine alone stays inside its share in every mode
@@ -26,6 +30,7 @@ import argparse
 import logging
 import multiprocessing as mp
 import os
+import subprocess
 import sys
 import tempfile
 import threading
@@ -50,6 +55,34 @@ def _configs(path: str, mode: str) -> dict:
     return {"P": specs["prefill"].config, "D": specs["decode"].config}
 
 
+def _nvml_used() -> int | None:
+    """Device-wide used bytes from NVML (no CUDA context needed); None without NVML."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).used
+    except Exception:  # noqa: BLE001 - a diagnostic: no NVML, no figure
+        return None
+
+
+def _nvml_processes() -> list[tuple[int, int]] | None:
+    """(pid, used bytes) of every compute process NVML lists on device 0."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        return [(p.pid, p.usedGpuMemory or 0)
+                for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)]  # fmt: skip
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _nvml_process(pid: int) -> int | None:
+    return next((used for p, used in _nvml_processes() or [] if p == pid), None)
+
+
 def _engine(role: str, config, delay_s: float, results, done) -> None:
     start = time.monotonic()
     logging.basicConfig(
@@ -59,9 +92,12 @@ def _engine(role: str, config, delay_s: float, results, done) -> None:
     )
     logging.getLogger("nixl").setLevel(logging.WARNING)
     time.sleep(delay_s)
+    used_start = _nvml_used()  # before this process has a CUDA context
     import torch
 
     torch.set_num_threads(1)
+    torch.zeros(1, device="cuda")  # the CUDA context and torch's CUDA state
+    used_context = _nvml_used()
     from tandem.workers.engine.core import EngineCore
 
     free_before = torch.cuda.mem_get_info()[0]
@@ -88,10 +124,22 @@ def _engine(role: str, config, delay_s: float, results, done) -> None:
             "graphs_real": engine.graphs.num_bytes,
             "lost": free_before - free_up,
             "probe": None if report is None else f"{report.transport} {report.warning}".strip(),
+            "context": None if used_start is None else used_context - used_start,
+            "nvml_self": _nvml_process(os.getpid()),
+            "nvml_all": _nvml_processes(),
+            "pid": os.getpid(),
         }
     )
     done.wait(120)
     engine.shutdown()
+
+
+def _mib(n: int | None) -> str:
+    return "n/a" if n is None else f"{n / MIB:.0f}"
+
+
+def _gib(n: int | None) -> str:
+    return "n/a" if n is None else f"{n / GIB:.2f}"
 
 
 def run_mode(path: str, mode: str, stagger_s: float) -> None:
@@ -129,6 +177,11 @@ def run_mode(path: str, mode: str, stagger_s: float) -> None:
             if not all(p.is_alive() for p in procs) and results.empty():
                 break
     free_both = torch.cuda.mem_get_info()[0]
+    smi = subprocess.run(
+        ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader"],
+        capture_output=True,
+        text=True,
+    ).stdout.split("\n")
     sampling.set()
     done.set()
     for p in procs:
@@ -140,8 +193,8 @@ def run_mode(path: str, mode: str, stagger_s: float) -> None:
           f"{free_both / GIB:.2f} GiB")  # fmt: skip
     print("| engine | up s | share GiB | torch reserved GiB | KV GiB | activations MiB | "
           "graphs profiled MiB | graphs real MiB | device lost GiB | outside torch GiB | "
-          "probe |")  # fmt: skip
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+          "context MiB | NVML this pid GiB | probe |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in sorted(got, key=lambda r: r["role"]):
         if "error" in r:
             print(f"| {r['role']} | failed: {r['error'][:300]} |")
@@ -150,7 +203,13 @@ def run_mode(path: str, mode: str, stagger_s: float) -> None:
               f"{r['reserved'] / GIB:.2f} | {r['kv'] / GIB:.2f} | {r['activation'] / MIB:.0f} | "
               f"{r['graphs_profiled'] / MIB:.0f} | {r['graphs_real'] / MIB:.0f} | "
               f"{r['lost'] / GIB:.2f} | {(r['lost'] - r['reserved']) / GIB:.2f} | "
-              f"{r['probe']} |")  # fmt: skip
+              f"{_mib(r['context'])} | {_gib(r['nvml_self'])} | {r['probe']} |")  # fmt: skip
+    for r in got:
+        if "nvml_all" in r:
+            print(f"{r['role']}: pid {r.get('pid')}, NVML processes (pid, GiB): "
+                  f"{[(p, round(b / GIB, 2)) for p, b in r['nvml_all'] or []]}")  # fmt: skip
+    print(f"parent pid {os.getpid()}; nvidia-smi compute apps with both up: "
+          f"{[line for line in smi if line.strip()]}")  # fmt: skip
     if len(got) < 2:
         print(f"only {len(got)} of 2 engines reported (exit codes {[p.exitcode for p in procs]})")
 
@@ -158,7 +217,7 @@ def run_mode(path: str, mode: str, stagger_s: float) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--modes", default="decode,full_and_piecewise")
-    ap.add_argument("--stagger-s", type=float, default=0.0)
+    ap.add_argument("--stagger-s", type=float, nargs="+", default=[0.0])
     args = ap.parse_args()
     from benchmarks.gpu_engine import no_gpu_message
 
@@ -168,8 +227,9 @@ def main() -> None:
     from tests.workers.hf_checkpoints import make_checkpoint
 
     path = make_checkpoint("llama", os.path.join(tempfile.mkdtemp(), "ckpt"), **SHAPE)
-    for mode in args.modes.split(","):
-        run_mode(path, mode, args.stagger_s)
+    for stagger_s in args.stagger_s:
+        for mode in args.modes.split(","):
+            run_mode(path, mode, stagger_s)
 
 
 if __name__ == "__main__":
