@@ -26,6 +26,11 @@
 #                                          #   full_and_piecewise, where the memory goes
 #                                          #   (gpu_pd_memory.py), and the gateway benchmark with
 #                                          #   1/2/4 gateways on this box's cores (#29)
+#   bash benchmarks/gpu_session.sh wave3e  # <= 5 min: the half-GPU P/D test with each engine's
+#                                          #   memory outside torch in its share (NVML), in the
+#                                          #   decode mode and with full_and_piecewise as the
+#                                          #   default, gpu_pd_memory.py in full_and_piecewise,
+#                                          #   and the engine, NIXL and tier GPU tests
 #   bash benchmarks/gpu_session.sh all     # the first four, where no per-command limit applies
 #   GPU_DEADLINE_S=500 bash benchmarks/gpu_session.sh tests parts
 #                                          # several parts in one command under one deadline:
@@ -53,8 +58,8 @@ set -u -o pipefail
 
 parts=("${@:-tests}")
 for part in "${parts[@]}"; do
-    case "$part" in tests | engine | parts | extras | wave3 | wave3b | wave3c | wave3d | all) ;; *)
-        echo "usage: $0 tests|engine|parts|extras|wave3|wave3b|wave3c|wave3d|all [more parts]" >&2
+    case "$part" in tests | engine | parts | extras | wave3 | wave3b | wave3c | wave3d | wave3e | all) ;; *)
+        echo "usage: $0 tests|engine|parts|extras|wave3|wave3b|wave3c|wave3d|wave3e|all [more parts]" >&2
         exit 2
         ;;
     esac
@@ -238,6 +243,24 @@ run_wave3d() {
         --repeats 2 --num-rounds 1
 }
 
+run_wave3e() {
+    stage "half-GPU P/D, decode" 120 "$out/pd-half.log" \
+        python3 -m pytest -p no:cacheprovider -q -ra --timeout 110 tests/gpu/test_cuda_pd_half_gpu.py
+    stage "gpu_pd_memory.py fp" 120 "$out/pd-memory.txt" \
+        python3 benchmarks/gpu_pd_memory.py --modes full_and_piecewise
+    # the default graph mode full_and_piecewise (sizes.py), on this copy of the tree only
+    sed -i 's/^DEFAULT_CUDA_GRAPH_MODE = "decode"/DEFAULT_CUDA_GRAPH_MODE = "full_and_piecewise"/' \
+        workers/graphs/sizes.py
+    stage "half-GPU P/D, fp default" 120 "$out/pd-half-fp.log" \
+        python3 -m pytest -p no:cacheprovider -q -ra --timeout 110 tests/gpu/test_cuda_pd_half_gpu.py
+    sed -i 's/^DEFAULT_CUDA_GRAPH_MODE = "full_and_piecewise"/DEFAULT_CUDA_GRAPH_MODE = "decode"/' \
+        workers/graphs/sizes.py
+    # the engine, NIXL and tier files: start-up now creates the connector before sizing
+    stage "engine, NIXL, tiers tests" 150 "$out/gpu-tests.log" \
+        python3 -m pytest -p no:cacheprovider -q -ra --timeout 100 tests/gpu/test_cuda_engine.py \
+        tests/gpu/test_cuda_nixl.py tests/gpu/test_cuda_kv_tiers.py
+}
+
 export -f environment # timeout runs programs, not shell functions
 stage environment 30 "$out/env.txt" bash -c environment
 for part in "${parts[@]}"; do
@@ -250,6 +273,7 @@ for part in "${parts[@]}"; do
     wave3b) run_wave3b ;;
     wave3c) run_wave3c ;;
     wave3d) run_wave3d ;;
+    wave3e) run_wave3e ;;
     all)
         run_tests
         run_engine

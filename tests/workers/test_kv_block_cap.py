@@ -29,6 +29,7 @@ def _blocks(block_bytes: int, num_kv_blocks: int | None = None) -> int:
         device=CUDA,
         mem_get_info=lambda dev: (TOTAL - WEIGHTS, TOTAL),
         memory_reserved=lambda dev: WEIGHTS,
+        outside_torch=lambda dev: 0,
     )
 
 

@@ -50,6 +50,7 @@ def test_two_engines_with_graphs_each_stay_inside_their_share():
             device=CUDA,
             mem_get_info=lambda dev: (total - sum(held.values()), total),
             memory_reserved=lambda dev, name=name: held[name],
+            outside_torch=lambda dev: 0,  # the fake device: nothing outside torch
             step_bytes=steps[name].num_bytes,
         )
         held[name] += n * block + steps[name].num_bytes  # KV, then its steps and graphs
@@ -76,6 +77,7 @@ def test_step_bytes_that_do_not_fit_name_the_flag():
             device=CUDA,
             mem_get_info=lambda dev: (70 * GIB, 80 * GIB),
             memory_reserved=lambda dev: 7 * GIB,
+            outside_torch=lambda dev: 0,
             step_bytes=GIB,  # 8 GiB share - 7 - 1: no block left
         )
 

@@ -32,6 +32,7 @@ from tandem.workers.engine.startup import (
     size_kv_cache,
 )
 from tandem.workers.runner.async_step import OverlappedLoop
+from tandem.workers.runner.device_memory import log_share_held
 from tandem.workers.structured.manager import structured_manager
 
 logger = logging.getLogger(__name__)
@@ -53,13 +54,15 @@ class EngineCore:
         self.dtype = loaded.dtype
         self.eos_token_id = loaded.eos_token_id
         self.extra_eos_ids = loaded.extra_eos_ids
+        # the connector first: its NIXL agent's device memory (UCX's, outside torch) is then
+        # the process's when the KV cache is sized from the share (workers/runner/device_memory.py)
+        self.connector_scheduler, self.connector_worker = make_connector(config, self.hf_config)
         cache = size_kv_cache(config, loaded)
         self.max_model_len = cache.max_model_len
         self.compile_report = cache.compile_report
         self.step_memory = cache.step_memory
         self.kv_cache = cache.kv_cache
         self.sched_config = scheduler_config(config, cache.num_blocks, cache.max_model_len)
-        self.connector_scheduler, self.connector_worker = make_connector(config, self.hf_config)
         # overlapped loop (workers/runner/async_step.py); TP ranks step in lockstep: synchronous.
         # Speculative decoding runs the synchronous loop too (workers/runner/spec_step.py).
         self.speculating = config.scheduler.speculative_config is not None
@@ -100,6 +103,7 @@ class EngineCore:
             config, loaded, cache, self.connector_worker, overlap
         )
         self.overlap = OverlappedLoop(self.scheduler, self.runner) if overlap else None
+        log_share_held(loaded.device, config.cache.gpu_memory_utilization)
         self.num_steps = 0
         self.last_step_s = 0.0
         self.last_step_num_tokens = 0

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from tandem.kvtransfer.compat import BLOCKS_FIRST, KV_LAYOUTS, STORAGE_ORDER
+from tandem.workers.runner.device_memory import outside_torch_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +62,8 @@ def gpu_kv_budget_bytes(
 
     The engine owns ``gpu_memory_utilization`` of the device's memory, and
     what it already holds there (``own_bytes``: its torch allocator's
-    reservation, i.e. weights) comes out of that share, not what other
+    reservation, i.e. weights, and what the process holds outside torch, its
+    CUDA context and libraries) comes out of that share, not what other
     processes hold: two engines of 0.45 on one GPU each get 0.45 of it,
     whichever starts second. So does what it will hold besides the cache
     (``step_bytes``: the activation peak and the CUDA graphs, measured by
@@ -99,34 +101,40 @@ def num_blocks_for(
     mem_get_info: Callable[[torch.device], tuple[int, int]] | None = None,
     memory_reserved: Callable[[torch.device], int] | None = None,
     step_bytes: int = 0,
+    outside_torch: Callable[[torch.device], int] | None = None,
 ) -> int:
     """Explicit count wins; otherwise memory bytes (CPU: ``kv_cache_memory``,
     default 1 GiB; CUDA: ``gpu_kv_budget_bytes``, after the weights are
     loaded, less ``step_bytes`` for activations and graphs), at most
-    ``MAX_AUTO_KV_BLOCKS`` blocks. ``mem_get_info``
-    / ``memory_reserved`` default to torch.cuda's (tests pass fakes)."""
+    ``MAX_AUTO_KV_BLOCKS`` blocks. On CUDA the engine's own bytes are torch's
+    reservation plus what the process holds outside it (its CUDA context, the
+    libraries' modules: ``workers.runner.device_memory``, NVML). ``mem_get_info``
+    / ``memory_reserved`` / ``outside_torch`` default to torch.cuda's and NVML's
+    (tests pass fakes)."""
     if num_kv_blocks is not None:
         return num_kv_blocks
     if kv_cache_memory is not None:
         budget = kv_cache_memory
     elif device.type == "cuda":
         free, total = (mem_get_info or torch.cuda.mem_get_info)(device)
-        own = (memory_reserved or torch.cuda.memory_reserved)(device)
+        weights = (memory_reserved or torch.cuda.memory_reserved)(device)
+        context = (outside_torch or outside_torch_bytes)(device)
         budget = gpu_kv_budget_bytes(
             total_bytes=total,
             free_bytes=free,
-            own_bytes=own,
+            own_bytes=weights + context,
             gpu_memory_utilization=gpu_memory_utilization,
             step_bytes=step_bytes,
         )
         gib = 2**30
         logger.info(
-            "KV cache budget %.2f GiB = %.2f x %.2f GiB - weights %.2f GiB - "
-            "activations and CUDA graphs %.2f GiB",
+            "KV cache budget %.2f GiB = %.2f x %.2f GiB - weights %.2f GiB - outside torch "
+            "(CUDA context, libraries) %.2f GiB - activations and CUDA graphs %.2f GiB",
             budget / gib,
             gpu_memory_utilization,
             total / gib,
-            own / gib,
+            weights / gib,
+            context / gib,
             step_bytes / gib,
         )
     else:
