@@ -31,6 +31,9 @@
 #                                          #   decode mode and with full_and_piecewise as the
 #                                          #   default, gpu_pd_memory.py in full_and_piecewise,
 #                                          #   and the engine, NIXL and tier GPU tests
+#   bash benchmarks/gpu_session.sh fpdefault  # <= 9 min: every file of tests/gpu with
+#                                          #   full_and_piecewise as the default graph mode (on
+#                                          #   the device's copy only): what switching it waits on
 #   bash benchmarks/gpu_session.sh all     # the first four, where no per-command limit applies
 #   GPU_DEADLINE_S=500 bash benchmarks/gpu_session.sh tests parts
 #                                          # several parts in one command under one deadline:
@@ -58,8 +61,8 @@ set -u -o pipefail
 
 parts=("${@:-tests}")
 for part in "${parts[@]}"; do
-    case "$part" in tests | engine | parts | extras | wave3 | wave3b | wave3c | wave3d | wave3e | all) ;; *)
-        echo "usage: $0 tests|engine|parts|extras|wave3|wave3b|wave3c|wave3d|wave3e|all [more parts]" >&2
+    case "$part" in tests | engine | parts | extras | wave3 | wave3b | wave3c | wave3d | wave3e | fpdefault | all) ;; *)
+        echo "usage: $0 tests|engine|parts|extras|wave3|wave3b|wave3c|wave3d|wave3e|fpdefault|all [more parts]" >&2
         exit 2
         ;;
     esac
@@ -261,6 +264,16 @@ run_wave3e() {
         tests/gpu/test_cuda_nixl.py tests/gpu/test_cuda_kv_tiers.py
 }
 
+run_fpdefault() {
+    sed -i 's/^DEFAULT_CUDA_GRAPH_MODE = "decode"/DEFAULT_CUDA_GRAPH_MODE = "full_and_piecewise"/' \
+        workers/graphs/sizes.py
+    stage "tests/gpu, fp default" 500 "$out/gpu-tests-fp.log" \
+        python3 -m pytest -p no:cacheprovider -q -ra --timeout 150 --durations=15 \
+        --junitxml="$out/gpu-tests-fp.xml" tests/gpu
+    sed -i 's/^DEFAULT_CUDA_GRAPH_MODE = "full_and_piecewise"/DEFAULT_CUDA_GRAPH_MODE = "decode"/' \
+        workers/graphs/sizes.py
+}
+
 export -f environment # timeout runs programs, not shell functions
 stage environment 30 "$out/env.txt" bash -c environment
 for part in "${parts[@]}"; do
@@ -274,6 +287,7 @@ for part in "${parts[@]}"; do
     wave3c) run_wave3c ;;
     wave3d) run_wave3d ;;
     wave3e) run_wave3e ;;
+    fpdefault) run_fpdefault ;;
     all)
         run_tests
         run_engine
