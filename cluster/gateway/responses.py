@@ -66,15 +66,29 @@ class GenerationResponse(Response):
         self._headers_sent = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # One task per request besides the server's: the work. The server's task (this
+        # one) is the watcher: it waits on ``receive`` until the client leaves, and the
+        # work's end interrupts that wait by cancelling it (``_end_watch``), which this
+        # frame takes back (``uncancel``). A second task, ``asyncio.wait`` and a gather
+        # per request cost more than that (docs/benchmarks.md, issue #29).
+        watcher = asyncio.current_task()
         work = asyncio.create_task(self._respond(send, scope.get(SERVER_SEND, send)))
-        watcher = asyncio.create_task(_wait_for_disconnect(receive))
+        ended = _WatchEnd(watcher)
+        work.add_done_callback(ended)
         try:
-            await asyncio.wait((work, watcher), return_when=asyncio.FIRST_COMPLETED)
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            ended.watching = False  # the client left: the work is cancelled below
+        except asyncio.CancelledError:
+            if not ended.fired or watcher.uncancel() > 0:  # type: ignore[union-attr]
+                raise  # not (only) the work's end: the server is stopping
         finally:
-            watcher.cancel()
+            ended.watching = False
             if not work.done():
                 work.cancel()  # client gone (or server shutting down)
-            await asyncio.gather(work, watcher, return_exceptions=True)
+                await asyncio.gather(work, return_exceptions=True)
+            elif not work.cancelled():
+                work.exception()  # retrieved (``_respond`` raises only when cancelled)
             self.gateway.slots.release()
 
     async def _respond(self, send: Send, body_send: Send) -> None:
@@ -301,9 +315,21 @@ def _tail(job: Job) -> bytes:
     return job.formatter.stream_usage(usage) + formatting.SSE_DONE
 
 
-async def _wait_for_disconnect(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
+class _WatchEnd:
+    """The work task's done callback: it ends the watcher's wait on ``receive``
+    (cancels it) unless the watcher already stopped watching."""
+
+    __slots__ = ("fired", "task", "watching")
+
+    def __init__(self, task: asyncio.Task | None) -> None:
+        self.task = task
+        self.watching = True
+        self.fired = False
+
+    def __call__(self, _work: asyncio.Task) -> None:
+        if self.watching:
+            self.fired = True
+            self.task.cancel()  # type: ignore[union-attr]
 
 
 async def _send_body(send: Send, body: bytes, more_body: bool = True) -> None:
