@@ -138,8 +138,10 @@ def create_app(
     expected_authorization = f"Bearer {api_key}".encode()
 
     def check_api_key(request: Request) -> None:
+        if api_key is None:
+            return
         given = request.headers.get("authorization", "").encode()
-        if api_key is not None and not hmac.compare_digest(given, expected_authorization):
+        if not hmac.compare_digest(given, expected_authorization):
             raise ProtocolError(
                 "Invalid or missing API key.",
                 status_code=401,
