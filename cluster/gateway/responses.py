@@ -117,6 +117,7 @@ class GenerationResponse(Response):
         try:
             async with asyncio.timeout_at(job.deadline_s):
                 run = unavailable = failed = None
+                counted = 0  # the short path's tokens not yet added to the job's count
                 try:
                     run = self.gateway.start(job)
                     output, unavailable = await _first_output(run)
@@ -137,8 +138,9 @@ class GenerationResponse(Response):
                         encode = formatting.encode_json
                         next_output = run.outputs.__anext__
                         plain, update, perf_counter = run.plain, run.update, time.perf_counter
-                        # the run's inter-token clock, kept here between its steps (one object
-                        # less touched per token)
+                        # the run's inter-token clock, kept here between its steps, and the
+                        # token count (``counted``) until the next general step: the run and
+                        # the job are not touched per token
                         last_s, itl = run.last_token_s, run.itl
                         while True:
                             if output is None:  # the backend ended without a final output
@@ -156,7 +158,7 @@ class GenerationResponse(Response):
                                 itl.observe(now_s - last_s)  # type: ignore[union-attr]
                                 last_s = now_s
                                 token_ids = output.new_token_ids
-                                job.num_output_tokens += len(token_ids)
+                                counted += len(token_ids)
                                 text = update(token_ids)
                                 if text:
                                     if frame is not None:
@@ -178,6 +180,8 @@ class GenerationResponse(Response):
                                     output = None
                                 continue
                             else:
+                                job.num_output_tokens += counted
+                                counted = 0
                                 run.last_token_s = last_s
                                 step = run.step(output)
                                 last_s, itl = run.last_token_s, run.itl
@@ -208,6 +212,7 @@ class GenerationResponse(Response):
                 except Exception as exc:  # answered once the run is closed
                     failed = exc
                 finally:
+                    job.num_output_tokens += counted
                     if run is not None:  # the abort (unless finished), metrics, the record
                         await run.close()
                 if unavailable is not None:
