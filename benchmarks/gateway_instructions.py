@@ -109,6 +109,9 @@ def main() -> int:
     parser.add_argument("--baseline-tree", help="another checkout's root, counted beside this one")
     parser.add_argument("--ll-kib", type=int, default=1024, help="simulated last-level cache")
     parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument(
+        "--no-bare", action="store_true", help="count the gateways only (bare's counts are fixed)"
+    )
     args = parser.parse_args()
     if args.child:
         child(args.child[0], int(args.child[1]), int(args.child[2]), int(args.child[3]))
@@ -119,6 +122,12 @@ def main() -> int:
     apps = [("bare", ROOT, "bare"), ("gateway (this tree)", ROOT, "gateway")]
     if args.baseline_tree:
         apps.insert(1, ("gateway (baseline)", os.path.abspath(args.baseline_tree), "gateway"))
+    if args.no_bare:
+        apps = apps[1:]
+    for tree in {tree for _, tree, _ in apps}:  # made once here, not by parallel jobs at once
+        subprocess.check_output(
+            [sys.executable, os.path.join(ROOT, "benchmarks", "checkout.py"), tree], text=True
+        )
     jobs = {}
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
         for streams in args.streams:
