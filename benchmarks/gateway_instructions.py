@@ -69,13 +69,17 @@ def child(kind: str, rounds: int, streams: int, num_tokens: int) -> None:
         harness.run_once(app, body, rounds, streams, num_tokens)
 
 
-def counts(
-    tree: str, kind: str, rounds: int, streams: int, num_tokens: int, ll_kib: int
-) -> dict[str, int]:
-    """cachegrind's totals for one child run."""
-    path = subprocess.check_output(
+def checkout_path(tree: str) -> str:
+    """What to put on ``PYTHONPATH`` to import ``tree``'s ``tandem``."""
+    return subprocess.check_output(
         [sys.executable, os.path.join(ROOT, "benchmarks", "checkout.py"), tree], text=True
     ).strip()
+
+
+def counts(
+    path: str, kind: str, rounds: int, streams: int, num_tokens: int, ll_kib: int
+) -> dict[str, int]:
+    """cachegrind's totals for one child run with ``path`` first on ``PYTHONPATH``."""
     env = {**os.environ, "PYTHONPATH": path, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
     argv = [
         "valgrind", "--tool=cachegrind", "--cache-sim=yes", "--cachegrind-out-file=/dev/null",
@@ -124,10 +128,8 @@ def main() -> int:
         apps.insert(1, ("gateway (baseline)", os.path.abspath(args.baseline_tree), "gateway"))
     if args.no_bare:
         apps = apps[1:]
-    for tree in {tree for _, tree, _ in apps}:  # made once here, not by parallel jobs at once
-        subprocess.check_output(
-            [sys.executable, os.path.join(ROOT, "benchmarks", "checkout.py"), tree], text=True
-        )
+    # each tree's path made once here: parallel jobs making it at once collide
+    paths = {tree: checkout_path(tree) for tree in {tree for _, tree, _ in apps}}
     jobs = {}
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
         for streams in args.streams:
@@ -136,7 +138,7 @@ def main() -> int:
                 for name, tree, kind in apps:
                     for r in (0, rounds):
                         jobs[name, streams, length, r] = pool.submit(
-                            counts, tree, kind, r, streams, length, args.ll_kib
+                            counts, paths[tree], kind, r, streams, length, args.ll_kib
                         )
         results = {key: job.result() for key, job in jobs.items()}
     print("gateway_instructions: per streamed token in-process, cachegrind (simulated caches)")
