@@ -51,9 +51,9 @@ SERVER_SEND = "tandem.server_send"
 class GenerationResponse(Response):
     """Runs a ``Job`` and writes its response, stream or not.
 
-    The work runs as a task beside a watcher of ``receive``; whichever ends
-    first wins. A disconnect cancels the work, whose cleanup aborts the
-    request on the backend. Past the job's deadline the work is cancelled
+    The work runs as a task while the server's own task watches ``receive``;
+    whichever ends first wins. A disconnect cancels the work, whose cleanup
+    aborts the request on the backend. Past the job's deadline the work is cancelled
     the same way and the client gets 504 (or, mid-stream, an error event).
     The request's slot (``RequestSlots``) is released when this ends.
     """
