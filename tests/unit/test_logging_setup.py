@@ -1,10 +1,13 @@
-"""The text log format's lines: the same bytes as ``logging.Formatter``'s."""
+"""The text log format's lines: the same bytes as ``logging.Formatter``'s; the
+finished-request line's phase fields."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from tandem.cluster.observability.logging_setup import _TEXT_FORMAT, RequestIdFilter, TextFormatter
+from tandem.cluster.observability.tracing.record import Phases
 
 
 def _record(created: float, fields: dict | None) -> logging.LogRecord:
@@ -29,3 +32,11 @@ def test_text_formatter_writes_what_logging_formatter_writes():
     datefmt = TextFormatter(_TEXT_FORMAT)
     record = _record(1764250000.5, None)
     assert datefmt.formatTime(record, "%H") == stock.formatTime(record, "%H")
+
+
+def test_phase_log_fields_name_every_phase():
+    phases = Phases(0.1234567, None, None, 0.5, 1.0, 2.0000004)
+    fields = phases.as_log_fields()
+    assert list(fields) == [f.name for f in dataclasses.fields(Phases)]
+    assert fields["queue_s"] == 0.123457 and fields["prefill_s"] is None
+    assert fields["total_s"] == 2.0
