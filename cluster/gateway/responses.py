@@ -68,7 +68,7 @@ class GenerationResponse(Response):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         # One task per request besides the server's: the work. The server's task (this
         # one) is the watcher: it waits on ``receive`` until the client leaves, and the
-        # work's end interrupts that wait by cancelling it (``_end_watch``), which this
+        # work's end interrupts that wait by cancelling it (``_WatchEnd``), which this
         # frame takes back (``uncancel``). A second task, ``asyncio.wait`` and a gather
         # per request cost more than that (docs/benchmarks.md, issue #29).
         watcher = asyncio.current_task()
