@@ -13,7 +13,7 @@ harness also drives ``serve_gateway.py``'s bare ASGI app (pre-encoded chunks, on
 loop turn per token), runs alternating: "gateway - bare" is what our code adds
 per token over an endpoint that does nothing but stream, HTTP and socket aside.
 
-Run: python benchmarks/gateway_token_path.py [--repeats 6] [--profile] [--streams 64]
+Run: python benchmarks/gateway_token_path.py [--repeats 6] [--profile] [--streams 64] [--tokens 128]
 """
 
 from __future__ import annotations
@@ -63,8 +63,19 @@ async def stream(app, body: bytes, counts: list[int]) -> None:
     await app(scope(body), receive, send)
 
 
-def run_once(app, body: bytes, rounds: int, num_streams: int = NUM_STREAMS) -> float:
-    """CPU microseconds per token over ``rounds`` x ``num_streams`` streams."""
+def request_body(num_tokens: int = NUM_TOKENS) -> bytes:
+    """The streamed completion every stream sends: ``num_tokens`` tokens, usage at the end."""
+    return json.dumps(
+        {"model": "tiny", "prompt": list(range(5, 37)), "max_tokens": num_tokens,
+         "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+    ).encode()  # fmt: skip
+
+
+def run_once(
+    app, body: bytes, rounds: int, num_streams: int = NUM_STREAMS, num_tokens: int = NUM_TOKENS
+) -> float:
+    """CPU microseconds per token over ``rounds`` x ``num_streams`` streams of
+    ``num_tokens`` tokens (the request ``body`` must ask for as many)."""
     counts = [0]
 
     async def main() -> None:
@@ -73,18 +84,24 @@ def run_once(app, body: bytes, rounds: int, num_streams: int = NUM_STREAMS) -> f
 
     start = time.process_time()
     asyncio.run(main())
-    return (time.process_time() - start) / (rounds * num_streams * NUM_TOKENS) * 1e6
+    return (time.process_time() - start) / (rounds * num_streams * num_tokens) * 1e6
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=6)
-    parser.add_argument("--profile", action="store_true", help="cProfile one run, top 25")
+    parser.add_argument("--profile", action="store_true", help="cProfile one run, top --top")
+    parser.add_argument("--sort", default="tottime", help="--profile's order (pstats' keys)")
+    parser.add_argument("--top", type=int, default=25, help="--profile's rows")
     parser.add_argument(
         "--streams", type=int, default=NUM_STREAMS, help="concurrent streams (rounds scale down)"
     )
+    parser.add_argument(
+        "--tokens", type=int, default=NUM_TOKENS, help="output tokens per request (rounds scale up)"
+    )
     args = parser.parse_args()
-    rounds = max(1, ROUNDS * NUM_STREAMS // args.streams)  # the same tokens per run
+    # the same tokens per run
+    rounds = max(1, ROUNDS * NUM_STREAMS * NUM_TOKENS // (args.streams * args.tokens))
     from tandem.cluster.gateway.torch_free import bar_torch
 
     bar_torch()  # the gateway's process as ``tandem serve`` sets it up: no torch, heap frozen
@@ -102,10 +119,7 @@ def main() -> int:
     app = create_app(NullBackend.tiny())
     freeze_startup_heap()
     bare = bare_app()
-    body = json.dumps(
-        {"model": "tiny", "prompt": list(range(5, 37)), "max_tokens": NUM_TOKENS,
-         "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
-    ).encode()  # fmt: skip
+    body = request_body(args.tokens)
     run_once(app, body, 1)  # warm-up: caches, imports
     run_once(bare, body, 1)
     if args.profile:
@@ -113,17 +127,17 @@ def main() -> int:
         import pstats
 
         with cProfile.Profile() as prof:
-            run_once(app, body, rounds, args.streams)
-        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+            run_once(app, body, rounds, args.streams, args.tokens)
+        pstats.Stats(prof).sort_stats(args.sort).print_stats(args.top)
         return 0
     runs: dict[str, list[float]] = {"bare": [], "gateway": []}
     for _ in range(args.repeats):
-        runs["bare"].append(run_once(bare, body, rounds, args.streams))
-        runs["gateway"].append(run_once(app, body, rounds, args.streams))
+        runs["bare"].append(run_once(bare, body, rounds, args.streams, args.tokens))
+        runs["gateway"].append(run_once(app, body, rounds, args.streams, args.tokens))
     print("gateway_token_path: CPU per token in-process (ASGI, no HTTP, no socket)")
     print(f"machine: {machine()}, load average {os.getloadavg()[0]:.1f}")
     print(
-        f"workload: {args.streams} streams x {NUM_TOKENS} tokens x {rounds} rounds, "
+        f"workload: {args.streams} streams x {args.tokens} tokens x {rounds} rounds, "
         f"null backend, {args.repeats} alternating runs"
     )
     print("| app | median CPU us/token | min | max |")

@@ -24,7 +24,8 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from types import MappingProxyType
 from typing import Any
 
 import uvicorn
@@ -65,8 +66,26 @@ _NO_OTEL: dict[str, Any] = (
 
 
 class _GatewayApp(FastAPI):
+    """FastAPI with the generation routes dispatched ahead of Starlette's stack.
+
+    ``POST /v1/completions`` and ``/v1/chat/completions`` go straight to their
+    handlers (``generation_routes``, set by ``create_app``), which apply the same
+    exception handlers the middleware would: Starlette's router and its four
+    middleware layers (server errors, telemetry, exceptions, FastAPI's exit stack)
+    cost 15-20 us per request and do nothing for these routes (docs/benchmarks.md,
+    issue #29). Every other route, and these under a ``root_path``, take the
+    usual way. The routes are registered in the app as well (``app.routes``)."""
+
+    generation_routes: Mapping[str, Callable[[Scope, Receive, Send], Any]] = MappingProxyType({})
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         scope[SERVER_SEND] = send
+        if scope["type"] == "http" and scope["method"] == "POST" and not scope.get("root_path"):
+            handler = self.generation_routes.get(scope["path"])
+            if handler is not None:
+                scope["app"] = self
+                await handler(scope, receive, send)
+                return
         await super().__call__(scope, receive, send)
 
 
@@ -119,8 +138,10 @@ def create_app(
     expected_authorization = f"Bearer {api_key}".encode()
 
     def check_api_key(request: Request) -> None:
+        if api_key is None:
+            return
         given = request.headers.get("authorization", "").encode()
-        if api_key is not None and not hmac.compare_digest(given, expected_authorization):
+        if not hmac.compare_digest(given, expected_authorization):
             raise ProtocolError(
                 "Invalid or missing API key.",
                 status_code=401,
@@ -170,11 +191,45 @@ def create_app(
 
         return route
 
+    def direct(route: Callable) -> Callable[[Scope, Receive, Send], Any]:
+        """``route`` as an ASGI app with the handlers the middleware stack would apply:
+        a ``ProtocolError`` answers in its envelope; anything else is logged and
+        answered 500 (unless the response started) and raised on to the server, as
+        Starlette's ``ServerErrorMiddleware`` does."""
+
+        async def handle(scope: Scope, receive: Receive, send: Send) -> None:
+            request = Request(scope, receive, send)
+            started = False
+
+            async def start_send(message: dict[str, Any]) -> None:  # the body bypasses it
+                nonlocal started
+                if message["type"] == "http.response.start":
+                    started = True
+                await send(message)
+
+            try:
+                try:
+                    response = await route(request)
+                except ProtocolError as exc:
+                    response = await _protocol_error(request, exc)
+                await response(scope, receive, start_send)
+            except Exception as exc:
+                response = await _internal_error(request, exc)
+                if not started:
+                    await response(scope, receive, send)
+                raise
+
+        return handle
+
     completions = generation_route(CompletionRequest, gateway.prepare_completion)
     chat_completions = generation_route(ChatCompletionRequest, gateway.prepare_chat)
 
     app.add_route("/v1/completions", completions, methods=["POST"])
     app.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    app.generation_routes = {
+        "/v1/completions": direct(completions),
+        "/v1/chat/completions": direct(chat_completions),
+    }
 
     add_tokenize_routes(app, gateway, check_api_key)
 

@@ -51,9 +51,9 @@ SERVER_SEND = "tandem.server_send"
 class GenerationResponse(Response):
     """Runs a ``Job`` and writes its response, stream or not.
 
-    The work runs as a task beside a watcher of ``receive``; whichever ends
-    first wins. A disconnect cancels the work, whose cleanup aborts the
-    request on the backend. Past the job's deadline the work is cancelled
+    The work runs as a task while the server's own task watches ``receive``;
+    whichever ends first wins. A disconnect cancels the work, whose cleanup
+    aborts the request on the backend. Past the job's deadline the work is cancelled
     the same way and the client gets 504 (or, mid-stream, an error event).
     The request's slot (``RequestSlots``) is released when this ends.
     """
@@ -66,15 +66,29 @@ class GenerationResponse(Response):
         self._headers_sent = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # One task per request besides the server's: the work. The server's task (this
+        # one) is the watcher: it waits on ``receive`` until the client leaves, and the
+        # work's end interrupts that wait by cancelling it (``_WatchEnd``), which this
+        # frame takes back (``uncancel``). A second task, ``asyncio.wait`` and a gather
+        # per request cost more than that (docs/benchmarks.md, issue #29).
+        watcher = asyncio.current_task()
         work = asyncio.create_task(self._respond(send, scope.get(SERVER_SEND, send)))
-        watcher = asyncio.create_task(_wait_for_disconnect(receive))
+        ended = _WatchEnd(watcher)
+        work.add_done_callback(ended)
         try:
-            await asyncio.wait((work, watcher), return_when=asyncio.FIRST_COMPLETED)
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            ended.watching = False  # the client left: the work is cancelled below
+        except asyncio.CancelledError:
+            if not ended.fired or watcher.uncancel() > 0:  # type: ignore[union-attr]
+                raise  # not (only) the work's end: the server is stopping
         finally:
-            watcher.cancel()
+            ended.watching = False
             if not work.done():
                 work.cancel()  # client gone (or server shutting down)
-            await asyncio.gather(work, watcher, return_exceptions=True)
+                await asyncio.gather(work, return_exceptions=True)
+            elif not work.cancelled():
+                work.exception()  # retrieved (``_respond`` raises only when cancelled)
             self.gateway.slots.release()
 
     async def _respond(self, send: Send, body_send: Send) -> None:
@@ -103,6 +117,7 @@ class GenerationResponse(Response):
         try:
             async with asyncio.timeout_at(job.deadline_s):
                 run = unavailable = failed = None
+                counted = 0  # the short path's tokens not yet added to the job's count
                 try:
                     run = self.gateway.start(job)
                     output, unavailable = await _first_output(run)
@@ -123,8 +138,9 @@ class GenerationResponse(Response):
                         encode = formatting.encode_json
                         next_output = run.outputs.__anext__
                         plain, update, perf_counter = run.plain, run.update, time.perf_counter
-                        # the run's inter-token clock, kept here between its steps (one object
-                        # less touched per token)
+                        # the run's inter-token clock, kept here between its steps, and the
+                        # token count (``counted``) until the next general step: the run and
+                        # the job are not touched per token
                         last_s, itl = run.last_token_s, run.itl
                         while True:
                             if output is None:  # the backend ended without a final output
@@ -142,7 +158,7 @@ class GenerationResponse(Response):
                                 itl.observe(now_s - last_s)  # type: ignore[union-attr]
                                 last_s = now_s
                                 token_ids = output.new_token_ids
-                                job.num_output_tokens += len(token_ids)
+                                counted += len(token_ids)
                                 text = update(token_ids)
                                 if text:
                                     if frame is not None:
@@ -164,6 +180,8 @@ class GenerationResponse(Response):
                                     output = None
                                 continue
                             else:
+                                job.num_output_tokens += counted
+                                counted = 0
                                 run.last_token_s = last_s
                                 step = run.step(output)
                                 last_s, itl = run.last_token_s, run.itl
@@ -194,6 +212,7 @@ class GenerationResponse(Response):
                 except Exception as exc:  # answered once the run is closed
                     failed = exc
                 finally:
+                    job.num_output_tokens += counted
                     if run is not None:  # the abort (unless finished), metrics, the record
                         await run.close()
                 if unavailable is not None:
@@ -301,9 +320,21 @@ def _tail(job: Job) -> bytes:
     return job.formatter.stream_usage(usage) + formatting.SSE_DONE
 
 
-async def _wait_for_disconnect(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
+class _WatchEnd:
+    """The work task's done callback: it ends the watcher's wait on ``receive``
+    (cancels it) unless the watcher already stopped watching."""
+
+    __slots__ = ("fired", "task", "watching")
+
+    def __init__(self, task: asyncio.Task | None) -> None:
+        self.task = task
+        self.watching = True
+        self.fired = False
+
+    def __call__(self, _work: asyncio.Task) -> None:
+        if self.watching:
+            self.fired = True
+            self.task.cancel()  # type: ignore[union-attr]
 
 
 async def _send_body(send: Send, body: bytes, more_body: bool = True) -> None:

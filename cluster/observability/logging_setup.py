@@ -42,8 +42,10 @@ class RequestIdFilter(logging.Filter):
         rid = record.request_id
         record.request_tag = f" [{rid}]" if rid else ""
         fields = getattr(record, "fields", None)
+        # a list, not a generator: join makes one anyway (the finished-request line's fields
+        # are formatted once per request on the event loop)
         record.field_text = (
-            "".join(f" {k}={_text_value(v)}" for k, v in fields.items()) if fields else ""
+            "".join([f" {k}={_text_value(v)}" for k, v in fields.items()]) if fields else ""
         )
         return True
 
@@ -54,6 +56,25 @@ def _text_value(value: object) -> str:
     if isinstance(value, float):
         return f"{value:.6f}".rstrip("0").rstrip(".") if value else "0"
     return str(value)
+
+
+class TextFormatter(logging.Formatter):
+    """``logging.Formatter`` whose timestamp text is made once per second: the same
+    text, without a ``localtime`` and ``strftime`` per line (one line per request)."""
+
+    def __init__(self, fmt: str) -> None:
+        super().__init__(fmt)
+        self._second: int | None = None
+        self._second_text = ""
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:  # noqa: N802
+        if datefmt is not None:
+            return super().formatTime(record, datefmt)
+        second = int(record.created)
+        if second != self._second:
+            self._second_text = time.strftime(self.default_time_format, self.converter(second))
+            self._second = second
+        return self.default_msec_format % (self._second_text, record.msecs)
 
 
 class JsonFormatter(logging.Formatter):
@@ -89,7 +110,7 @@ def make_handler(log_format: str, stream=None) -> logging.Handler:
     if log_format == "json":
         handler.setFormatter(JsonFormatter())
     else:
-        handler.setFormatter(logging.Formatter(_TEXT_FORMAT))
+        handler.setFormatter(TextFormatter(_TEXT_FORMAT))
     return handler
 
 

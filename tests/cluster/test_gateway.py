@@ -597,6 +597,46 @@ def test_backend_that_raises_at_dispatch_answers_500_in_the_envelope(tokenizer, 
         assert "tandem:num_requests_in_flight 0.0" in metrics
 
 
+class _FailsToPrepare(NullBackend):
+    """``max_model_len`` raises once ``broken``: an unexpected error while the route
+    prepares the request, before any response."""
+
+    broken = False
+
+    @property
+    def max_model_len(self) -> int:
+        if self.broken:
+            raise RuntimeError("preparing broke")
+        return self._max_model_len
+
+    @max_model_len.setter
+    def max_model_len(self, value: int) -> None:
+        self._max_model_len = value
+
+
+def test_unexpected_error_preparing_answers_500_in_the_envelope(tokenizer, http):
+    """The generation routes run ahead of Starlette's middleware (``_GatewayApp``) with the
+    same handlers: an unexpected exception in the route is a 500 in the OpenAI envelope,
+    its slot is released and the gateway keeps serving."""
+    backend = _FailsToPrepare(tokenizer)
+    with running(backend) as url:
+        backend.broken = True
+        for path, body in (
+            ("completions", {"prompt": "x", "max_tokens": 4, "stream": True}),
+            ("chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+        ):
+            # a connection of its own: the error goes on to the server (as Starlette's
+            # ServerErrorMiddleware does), which closes the connection after the 500
+            response = httpx.post(f"{url}/v1/{path}", json=body, timeout=DEADLINE_S)
+            assert response.status_code == 500
+            assert response.json()["error"]["type"] == "server_error"
+        backend.broken = False
+        response = http.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        assert response.status_code == 200
+        metrics = http.get(f"{url}/metrics").text
+        assert "tandem:num_requests_in_flight 0.0" in metrics
+
+
 # ---- metrics ---------------------------------------------------------------------
 
 

@@ -98,20 +98,34 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
     """The request body, refusing (413) as soon as it is known to exceed
     ``max_bytes``: from ``Content-Length`` before reading anything, else
     while the chunks arrive (chunked transfer encoding). Nothing is parsed."""
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        if not declared.isdigit():
-            raise ProtocolError("Invalid Content-Length header.")
-        if int(declared) > max_bytes:
-            raise body_too_large(max_bytes)
+    # The ASGI messages read directly, as ``Request.stream`` reads them (a client gone
+    # mid-body is Starlette's ``ClientDisconnect``), without its async generator and
+    # header map per request; the server lower-cases header names (ASGI).
+    for name, value in request.scope["headers"]:
+        if name == b"content-length":
+            if not value.isdigit():
+                raise ProtocolError("Invalid Content-Length header.")
+            if int(value) > max_bytes:
+                raise body_too_large(max_bytes)
+            break
+    receive = request.receive
     chunks: list[bytes] = []
     num_bytes = 0
-    async for chunk in request.stream():
-        num_bytes += len(chunk)
-        if num_bytes > max_bytes:
-            raise body_too_large(max_bytes)
-        chunks.append(chunk)
-    return b"".join(chunks)
+    while True:
+        message = await receive()
+        if message["type"] == "http.request":
+            chunk = message.get("body", b"")
+            num_bytes += len(chunk)
+            if num_bytes > max_bytes:
+                raise body_too_large(max_bytes)
+            if chunk:
+                chunks.append(chunk)
+            if not message.get("more_body", False):
+                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        elif message["type"] == "http.disconnect":
+            from starlette.requests import ClientDisconnect
+
+            raise ClientDisconnect()
 
 
 class RequestSlots:

@@ -36,11 +36,25 @@ class RequestObserver:
                 **phases.as_log_fields(),
                 **record.router_fields,
             }
-            request_logger.info(
-                "request finished", extra={"request_id": record.request_id, "fields": fields}
+            # the record made and handled directly, as ``Logger.info`` would after
+            # ``isEnabledFor`` without its caller lookup (one line per request, on the loop)
+            line = request_logger.makeRecord(
+                request_logger.name,
+                logging.INFO,
+                __file__,
+                _FINISHED_LINE,
+                "request finished",
+                (),
+                None,
+                "finished",
+                {"request_id": record.request_id, "fields": fields},
             )
+            request_logger.handle(line)
         if self.tracer is not None:
             try:
                 self.tracer.export(record)
             except Exception:  # noqa: BLE001 - a trace is never worth a request
                 request_logger.exception("could not build the trace of %s", record.request_id)
+
+
+_FINISHED_LINE = RequestObserver.finished.__code__.co_firstlineno  # the line's "lineno"

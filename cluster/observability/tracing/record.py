@@ -57,12 +57,20 @@ class Phases:
     total_s: float
 
     def as_log_fields(self) -> dict[str, float | None]:
-        # a flat read of the fields (dataclasses.asdict deep-copies: 6x the cost, per request)
-        values = (getattr(self, name) for name in _PHASE_FIELDS)
-        return {k: None if v is None else round(v, 6) for k, v in zip(_PHASE_FIELDS, values)}
+        # each field read by name, once per request (dataclasses.asdict deep-copies: 6x
+        # the cost; a comprehension over the field names, a generator and a zip, 2x)
+        return {
+            "queue_s": _round(self.queue_s),
+            "prefill_s": _round(self.prefill_s),
+            "transfer_s": _round(self.transfer_s),
+            "first_token_s": _round(self.first_token_s),
+            "decode_s": _round(self.decode_s),
+            "total_s": round(self.total_s, 6),
+        }
 
 
-_PHASE_FIELDS = tuple(f.name for f in dataclasses.fields(Phases))
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 6)
 
 
 @dataclasses.dataclass(slots=True)
