@@ -110,6 +110,7 @@ from benchmarks._sim_figures import (  # noqa: E402
     write_probe,
 )
 from benchmarks._sim_rounds import predict_by_round, print_by_round  # noqa: E402
+from benchmarks._sim_sweep import ms_curve, print_sweep, sweep_batches, write_sweep  # noqa: E402
 from benchmarks._sim_tables import (  # noqa: E402
     TARGET,
     median_run,
@@ -194,8 +195,9 @@ def simulate(profile: str, trace: str, prefill: int, decode: int) -> dict:
 # ---- the client (runs in its own process: --replay) ---------------------------------
 
 
-async def replay(url: str, trace: str, seed: int) -> dict:
-    """``tandem bench --trace``'s run with ASCII-only answers; its summary dict."""
+async def replay(url: str, trace: str, seed: int, per_request: bool = False) -> dict:
+    """``tandem bench --trace``'s run with ASCII-only answers; its summary dict
+    (with ``per_request``, each request's id and ITLs in ms, in trace order)."""
     import aiohttp
 
     from tandem.cluster.cli import bench
@@ -243,13 +245,15 @@ async def replay(url: str, trace: str, seed: int) -> dict:
     # per request: what _sim_breakdown.py joins with the gateway's records
     stamps = [[r.request_id, sent[i], r.ttft_s] for i, r in enumerate(results) if r.ok]
     summary = bench.summarize(list(results), duration_s, config)
+    if per_request:
+        summary["per_request"] = [[r.request_id, [x * 1000 for x in r.itls_s]] for r in results]
     return {**summary, "client_cpu_s": cpu_s, "stamps": stamps}
 
 
-def _replay_in_process(url: str, trace: str, seed: int) -> dict:
+def _replay_in_process(url: str, trace: str, seed: int, per_request: bool = False) -> dict:
     out = subprocess.run(
         [sys.executable, os.path.abspath(__file__), "--replay", url, "--trace", trace,
-         "--seed", str(seed)],
+         "--seed", str(seed), *(["--per-request"] if per_request else [])],
         capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     if out.returncode != 0:
@@ -261,11 +265,17 @@ def _replay_in_process(url: str, trace: str, seed: int) -> dict:
 
 
 def serve_and_replay(
-    prefill: int, decode: int, trace: str, warmup: str, probe: str | None = None
+    prefill: int,
+    decode: int,
+    trace: str,
+    warmup: str,
+    probe: str | None = None,
+    sweep: tuple[str, list] | None = None,
 ) -> tuple[dict, dict | None]:
     """One fresh service of ``prefill`` + ``decode`` tiny engines (Ray already
-    initialised): the warm-up trace, the ``probe`` trace if given, then
-    ``trace``; the client's summaries of the trace and the probe."""
+    initialised): the warm-up trace, the ``probe`` trace if given (and the
+    decode ``sweep``'s trace and layout, _sim_sweep.py), then ``trace``; the
+    client's summaries of the trace and the probe."""
     from tandem.cluster.cli.serve import ServiceThread
     from tandem.cluster.cli.settings import serve_config
 
@@ -301,10 +311,16 @@ def serve_and_replay(
             probed["rows"] = collector.take()
             probed["cached"] = _replay_in_process(svc.base_url, probe, 2)
             probed["cached"]["rows"] = collector.take()
-            # two streams at a time: the loop's overhead per step as the trace's
-            # decode steps carry it (a lone stream's ITL holds more, _sim_figures.py)
-            probed["paired"] = _replay_in_process(svc.base_url, probe + ".pairs", 3)
-            collector.take()
+            if sweep is not None:
+                # k streams at a time for each k, and a prompt beside them: the
+                # loop's overhead by batch, a prompt step beside decoding (_sim_sweep.py)
+                got = _replay_in_process(svc.base_url, sweep[0], 3, per_request=True)
+                probed["sweep"] = {**got, "layout": sweep[1], "rows": collector.take()}
+            else:
+                # two streams at a time: the loop's overhead per step as the trace's
+                # decode steps carry it (a lone stream's ITL holds more, _sim_figures.py)
+                probed["paired"] = _replay_in_process(svc.base_url, probe + ".pairs", 3)
+                collector.take()
         acct = CpuAccount(pids)
         summary = _replay_in_process(svc.base_url, trace, 0)
         summary["cpu"] = acct.stop()
@@ -337,6 +353,7 @@ def measure_rounds(
     warmup: str,
     probe: str,
     profile_dir: str | None = None,
+    sweep: tuple[str, list] | None = None,
 ) -> tuple[dict[str, list[dict]], list[dict], dict[str, list[float]], list[dict]]:
     """``rounds`` rounds, each serving every configuration in turn (so a busy
     minute of the shared box lands on one round of each, not on one
@@ -363,8 +380,10 @@ def measure_rounds(
             for pre, dec in rotated(configs, r):
                 name = f"{pre}P{dec}D"
                 t0 = time.monotonic()
-                probing = probe if (pre, dec) == configs[0] else None
-                real, got = serve_and_replay(pre, dec, trace, warmup, probing)
+                first = (pre, dec) == configs[0]
+                real, got = serve_and_replay(
+                    pre, dec, trace, warmup, probe if first else None, sweep if first else None
+                )
                 if got is not None:
                     probes.append(got)
                 assert real["num_failed"] == 0, real["errors"]
@@ -394,9 +413,11 @@ def main() -> int:
     p.add_argument("--measured", help="predict from a JSON --save kept instead of serving")
     p.add_argument("--replay", help=argparse.SUPPRESS)  # the client process
     p.add_argument("--trace", help=argparse.SUPPRESS)
+    p.add_argument("--per-request", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.replay:
-        print(json.dumps(asyncio.run(replay(args.replay, args.trace, args.seed))))
+        got = replay(args.replay, args.trace, args.seed, args.per_request)
+        print(json.dumps(asyncio.run(got)))
         return 0
     if args.rounds < 1:
         p.error("--rounds must be >= 1")
@@ -426,6 +447,9 @@ def main() -> int:
         probe = os.path.join(tmp, "probe.jsonl")
         write_probe(probe, PROBE_REQUESTS, 0.4)
         write_probe(probe + ".pairs", PROBE_REQUESTS, 0.4, together=2)
+        mean_output = sum(OUTPUT_TOKENS) / 2
+        batches = sweep_batches(args.rate, mean_output, ENGINE["max_num_seqs"])
+        sweep = (probe + ".sweep", write_sweep(probe + ".sweep", batches))
         profiles = []
         if kept is not None:  # predict again from a run --save kept: no service started
             reals, probes, loads = kept["real"], kept["probes"], kept["loads"]
@@ -435,7 +459,7 @@ def main() -> int:
             # point is the median of the rounds' (the box's state over the run)
             profile_dir = tmp if profile is None else None
             reals, probes, loads, profiles = measure_rounds(
-                configs, args.rounds, trace, warmup, probe, profile_dir
+                configs, args.rounds, trace, warmup, probe, profile_dir, sweep
             )
             if profile is None:
                 profile = os.path.join(tmp, "profile.json")
@@ -478,9 +502,11 @@ def main() -> int:
             + (f"cached {c[0]:.2f} ms ({c[1]:.2f}-{c[2]:.2f}), " if c else "")
             + f"ITL p50 {i[0]:.2f} ms ({i[1]:.2f}-{i[2]:.2f})"
             f" -> median request_latency_s {svc['request_latency_s'] * 1000:.2f} ms, "
-            f"step_overhead_s {svc['step_overhead_s'] * 1000:.3f} ms, "
-            f"prefill_overhead_s {svc.get('prefill_overhead_s', 0.0) * 1000:.2f} ms"
+            f"step_overhead_s {ms_curve(svc['step_overhead_s'])}, "
+            f"prefill_overhead_s {svc.get('prefill_overhead_s', 0.0) * 1000:.2f} ms, "
+            f"prefill_beside_decode_s {ms_curve(svc.get('prefill_beside_decode_s', 0.0))}"
         )
+        print_sweep(engine_only, probes)
     print("\nmeasured p50s per round (ms):")
     print(rounds_table(reals, loads))
     medians = {n: median_run(reals[n]) for n in names}
