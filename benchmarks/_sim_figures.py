@@ -179,17 +179,19 @@ def median_figures(
     out = dict(each[0])
     for section in ("service", "host"):
         if section in each[0]:
-            out[section] = {k: _median_of([f[section][k] for f in each]) for k in each[0][section]}
+            keys = dict.fromkeys(k for f in each for k in f[section])  # a sweep's curves too
+            out[section] = {
+                k: _median_of([f[section][k] for f in each if k in f[section]]) for k in keys
+            }
     return out
 
 
 def _median_of(values: list) -> float | list:
     """The median of numbers, or of curves (``[[count, s], ...]``) count by count."""
-    if all(isinstance(v, list) for v in values):
-        return median_curve(values)
-    if any(isinstance(v, list) for v in values):  # probes with and without a sweep
-        values = [v if not isinstance(v, list) else dict(v).get(1, v[0][1]) for v in values]
-    return statistics.median(values)
+    if not any(isinstance(v, list) for v in values):
+        return statistics.median(values)
+    # probes with and without a sweep: one number is a flat curve, its point at batch 1
+    return median_curve([v if isinstance(v, list) else [[1, v]] for v in values])
 
 
 def probe_spread(probes: list[dict], key: str) -> tuple[float, float, float]:
