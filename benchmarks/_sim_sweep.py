@@ -17,8 +17,8 @@ computed and its streams decode), one lone prompt of the same length and
 ``BESIDE_OUTPUT`` tokens: the prefill engine's own timing of its step
 (``RequestTimings``), against the lone probe's step, is what a prompt step
 takes beyond a lone one's with decode work beside it. The number of streams
-it met is counted, not assumed: the other requests between their first token
-and their last output (the gateway's clock) at the middle of its step.
+it met is counted, not assumed: the streams between their second token and
+their last output (``decode_spans``) at the middle of its step.
 
 The batches come from the engine and the trace's shape, not from measuring
 the trace: the trace's mean decode concurrency is about rate x mean answer x
@@ -34,9 +34,9 @@ import math
 import statistics
 
 PROBE_PROMPT = 256  # every probe prompt's tokens
-SWEEP_OUTPUT = 64
+SWEEP_OUTPUT = 96
 SWEEP_GROUPS = 4
-SWEEP_GAP_S = 0.6
+SWEEP_GAP_S = 0.7
 BESIDE_OUTPUT = 2  # P computes the prompt; D one more token (a short stream)
 ITL_GUESS_S = 0.003  # a tiny engine's served ITL on a CPU box, for the sweep's range only
 STREAM, BESIDE = "stream", "beside"
@@ -58,8 +58,10 @@ def sweep_batches(rate: float, mean_output: float, max_num_seqs: int) -> list[in
 
 def beside_delay_s(k: int) -> float:
     """When the beside prompt follows its group: the group's prompts computed
-    (about 15 ms a 256-token prompt served here) and its streams decoding."""
-    return 0.02 + 0.015 * k
+    (12-25 ms a 256-token prompt served here), their KV handed off (a
+    prompt step that overlaps the handoff is not one beside decoding) and a
+    few tokens decoded."""
+    return 0.05 + 0.02 * k
 
 
 def write_sweep(path: str, batches: list[int]) -> list[list]:
@@ -105,15 +107,30 @@ def decode_overheads(profile, sweep: dict, rate: float = 1.0) -> list[list[float
     ]
 
 
+def decode_spans(sweep: dict) -> list[tuple[float, float]]:
+    """Each stream's decoding on the box's one clock: from its second token's
+    arrival at the client (the decode engine has its KV and steps it; the
+    simulator counts a stream from then) to the gateway's last output. Without
+    the client's stamps, from its first token."""
+    rows = sweep["rows"]
+    sent = {rid: (s, ttft) for rid, s, ttft in sweep.get("stamps", [])}
+    spans = []
+    for (rid, itls), (_, role) in zip(sweep["per_request"], sweep["layout"]):
+        row = rows.get(rid)
+        if role != STREAM or row is None or row["end_s"] < 0:
+            continue
+        start = row["first_token_s"]
+        if rid in sent and itls:
+            start = sent[rid][0] + sent[rid][1] + itls[0] / 1000
+        spans.append((start, row["end_s"]))
+    return spans
+
+
 def beside_steps(sweep: dict) -> list[tuple[int, float]]:
     """Each beside prompt's ``(streams decoding at its step's middle, P's step s)``."""
     ids = [rid for rid, _ in sweep["per_request"]]
     rows = sweep["rows"]
-    streams = [
-        rows[rid]
-        for rid, (_, role) in zip(ids, sweep["layout"])
-        if role == STREAM and rid in rows and rows[rid]["end_s"] >= 0
-    ]
+    spans = decode_spans(sweep)
     out = []
     for rid, (_, role) in zip(ids, sweep["layout"]):
         row = rows.get(rid)
@@ -122,7 +139,7 @@ def beside_steps(sweep: dict) -> list[tuple[int, float]]:
         # P's offsets on the gateway's clock: anchored at the receipt of its output
         mid = row["first_token_s"] - row["finished_s"]
         mid += (row["scheduled_s"] + row["p_first_token_s"]) / 2
-        n = sum(1 for s in streams if s["first_token_s"] <= mid <= s["end_s"])
+        n = sum(1 for start, end in spans if start <= mid <= end)
         out.append((n, row["p_first_token_s"] - row["scheduled_s"]))
     return out
 

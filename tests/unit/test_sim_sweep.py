@@ -92,6 +92,10 @@ def test_a_beside_prompt_is_set_against_the_streams_decoding_at_its_step():
     # the lone probe's step 70 ms: +5 ms beside one stream, +11 beside two; none: left out
     assert flat(beside_extras(sweep, 0.070)) == pytest.approx([0, 0.0, 1, 0.005, 2, 0.011])
     assert flat(beside_extras(sweep, 0.090)) == pytest.approx([0, 0.0, 1, 0.0, 2, 0.0])
+    # with the client's stamps a stream decodes from its second token: s3's came
+    # after b2's step (its handoff was still running), so b2 met one stream
+    sweep["stamps"] = [["s2", 1.0, 0.01], ["s3", 1.0, 0.2]]
+    assert flat(beside_steps(sweep)) == pytest.approx([1, 0.075, 1, 0.081, 0, 0.070])
 
 
 def test_a_probe_with_a_sweep_gives_the_profile_curves_and_their_medians():
