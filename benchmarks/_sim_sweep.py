@@ -8,7 +8,7 @@ step overhead taken from a lone or paired stream was too big for the trace's
 steps. So the probe characterises the served engine the way an ITL-against-
 concurrency sweep does: for each batch ``k`` of ``sweep_batches`` it starts
 ``SWEEP_GROUPS`` groups of ``k`` streams at once (prompts of ``PROBE_PROMPT``
-tokens, ``SWEEP_OUTPUT`` answer tokens), ``SWEEP_GAP_S`` apart, and records the
+tokens, ``SWEEP_OUTPUT`` answer tokens), ``sweep_gap_s(k)`` apart, and records the
 served ITL p50 of those streams; the overhead at ``k`` is that ITL less the
 profile's in-process decode step for ``k`` streams at the probe's context.
 
@@ -36,7 +36,7 @@ import statistics
 PROBE_PROMPT = 256  # every probe prompt's tokens
 SWEEP_OUTPUT = 96
 SWEEP_GROUPS = 4
-SWEEP_GAP_S = 0.7
+MIN_BESIDE = 2  # prompts that met the same count of streams, for a point of the curve
 BESIDE_OUTPUT = 2  # P computes the prompt; D one more token (a short stream)
 ITL_GUESS_S = 0.003  # a tiny engine's served ITL on a CPU box, for the sweep's range only
 STREAM, BESIDE = "stream", "beside"
@@ -64,6 +64,13 @@ def beside_delay_s(k: int) -> float:
     return 0.05 + 0.02 * k
 
 
+def sweep_gap_s(k: int) -> float:
+    """Between two groups of ``k``: the group's prompts, its ``SWEEP_OUTPUT``
+    tokens at a busy box's ITL (6 ms at 8 streams), and a margin, so that a
+    group does not decode beside the one before it."""
+    return 0.4 + 0.08 * k
+
+
 def write_sweep(path: str, batches: list[int]) -> list[list]:
     """The sweep's trace (Mooncake JSONL); returns its layout, one ``[k, role]``
     per row (``role`` ``stream`` or ``beside``), which the figures read back."""
@@ -76,7 +83,7 @@ def write_sweep(path: str, batches: list[int]) -> list[list]:
                 layout.append([k, STREAM])
             rows.append((t + beside_delay_s(k), BESIDE_OUTPUT))
             layout.append([k, BESIDE])
-            t += SWEEP_GAP_S
+            t += sweep_gap_s(k)
     order = sorted(range(len(rows)), key=lambda i: rows[i][0])
     with open(path, "w") as f:
         for i in order:
@@ -148,7 +155,8 @@ def beside_extras(sweep: dict, lone_step_s: float, rate: float = 1.0) -> list[li
     """``[[streams, extra_s], ...]`` from 0 (0 s: the lone figure is
     ``prefill_overhead_s``): per count of decoding streams met, the median
     beside step (at ``rate`` of its solo speed) less the lone probe's, at
-    least 0. Prompts that met no stream are left out."""
+    least 0. Prompts that met no stream are left out, and a count fewer than
+    ``MIN_BESIDE`` prompts met (one prompt's step on a shared box is noise)."""
     by_n: dict[int, list[float]] = {}
     for n, step_s in beside_steps(sweep):
         if n > 0:
@@ -156,6 +164,7 @@ def beside_extras(sweep: dict, lone_step_s: float, rate: float = 1.0) -> list[li
     return [[0, 0.0]] + [
         [n, max(0.0, (statistics.median(xs) - lone_step_s) * rate)]
         for n, xs in sorted(by_n.items())
+        if len(xs) >= MIN_BESIDE
     ]
 
 

@@ -59,17 +59,19 @@ def test_the_sweep_trace_starts_each_group_together_with_a_prompt_beside(tmp_pat
 
 
 def _sweep() -> dict:
-    """Batch 1: a stream of 7 ms gaps; batch 2: two of 6 ms; a beside prompt in
-    each group, the first meeting the lone stream (a 75 ms step), the second
-    meeting both streams of its group (81 ms), a third meeting none (70 ms)."""
-    layout = [[1, STREAM], [1, BESIDE], [2, STREAM], [2, STREAM], [2, BESIDE], [2, BESIDE]]
-    per_request = [["s1", [7.0, 7.0, 7.2]], ["b1", [1.0]], ["s2", [6.0, 6.1]],
-                   ["s3", [5.9, 6.0]], ["b2", [1.0]], ["b3", [1.0]]]  # fmt: skip
+    """Batch 1: a stream of 7 ms gaps; batch 2: two of 6 ms; beside prompts, two
+    meeting the lone stream (74 and 76 ms steps), two meeting both streams of
+    their group (80 and 82 ms), one meeting none (70 ms)."""
+    layout = [[1, STREAM], [1, BESIDE], [1, BESIDE], [2, STREAM], [2, STREAM],
+              [2, BESIDE], [2, BESIDE], [2, BESIDE]]  # fmt: skip
+    per_request = [["s1", [7.0, 7.0, 7.2]], ["b1", [1.0]], ["b1'", [1.0]], ["s2", [6.0, 6.1]],
+                   ["s3", [5.9, 6.0]], ["b2", [1.0]], ["b2'", [1.0]], ["b3", [1.0]]]  # fmt: skip
     rows = {}
     for rid, t0 in (("s1", 0.0), ("s2", 1.0), ("s3", 1.0)):
         rows[rid] = {**_row(t0), "end_s": t0 + 0.5}
     # a beside prompt's step, on the gateway's clock: first_token_s - finished_s + offsets
-    for rid, t0, step in (("b1", 0.05, 0.075), ("b2", 1.05, 0.081), ("b3", 2.0, 0.070)):
+    for rid, t0, step in (("b1", 0.05, 0.074), ("b1'", 0.05, 0.076), ("b2", 1.05, 0.080),
+                          ("b2'", 1.05, 0.082), ("b3", 2.0, 0.070)):  # fmt: skip
         rows[rid] = {**_row(t0, step_s=step), "end_s": t0 + 0.1}
     return {"layout": layout, "per_request": per_request, "rows": rows}
 
@@ -88,14 +90,20 @@ def test_the_overhead_is_each_batchs_served_itl_less_the_profiles_step():
 
 def test_a_beside_prompt_is_set_against_the_streams_decoding_at_its_step():
     sweep = _sweep()
-    assert flat(beside_steps(sweep)) == pytest.approx([1, 0.075, 2, 0.081, 0, 0.070])
+    steps = [1, 0.074, 1, 0.076, 2, 0.080, 2, 0.082, 0, 0.070]
+    assert flat(beside_steps(sweep)) == pytest.approx(steps)
     # the lone probe's step 70 ms: +5 ms beside one stream, +11 beside two; none: left out
     assert flat(beside_extras(sweep, 0.070)) == pytest.approx([0, 0.0, 1, 0.005, 2, 0.011])
     assert flat(beside_extras(sweep, 0.090)) == pytest.approx([0, 0.0, 1, 0.0, 2, 0.0])
     # with the client's stamps a stream decodes from its second token: s3's came
-    # after b2's step (its handoff was still running), so b2 met one stream
+    # after b2's steps (its handoff was still running), so they met one stream
     sweep["stamps"] = [["s2", 1.0, 0.01], ["s3", 1.0, 0.2]]
-    assert flat(beside_steps(sweep)) == pytest.approx([1, 0.075, 1, 0.081, 0, 0.070])
+    steps[4] = steps[6] = 1
+    assert flat(beside_steps(sweep)) == pytest.approx(steps)
+    assert flat(beside_extras(sweep, 0.070)) == pytest.approx([0, 0.0, 1, 0.008])
+    # a count only one prompt met is no point of the curve (one step on a shared box)
+    del sweep["stamps"], sweep["rows"]["b2'"]
+    assert flat(beside_extras(sweep, 0.070)) == pytest.approx([0, 0.0, 1, 0.005])
 
 
 def test_a_probe_with_a_sweep_gives_the_profile_curves_and_their_medians():
