@@ -35,7 +35,7 @@ import statistics
 
 PROBE_PROMPT = 256  # every probe prompt's tokens
 SWEEP_OUTPUT = 96
-SWEEP_GROUPS = 4
+SWEEP_GROUPS = 6
 MIN_BESIDE = 2  # prompts that met the same count of streams, for a point of the curve
 BESIDE_OUTPUT = 2  # P computes the prompt; D one more token (a short stream)
 ITL_GUESS_S = 0.003  # a tiny engine's served ITL on a CPU box, for the sweep's range only
