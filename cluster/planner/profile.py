@@ -130,8 +130,9 @@ class Profile:
                 raise ValueError(f"profile: service.{name} must be a number >= 0")
         for name, low in SERVICE_CURVES.items():
             v = getattr(self, name)
-            if not (name == "prefill_beside_decode_s" and v == []):
-                points = parse_curve(name, v, low)
+            beside = name == "prefill_beside_decode_s"  # a list only (0 at none: absent)
+            if not (beside and v == []):
+                points = parse_curve(name, v, low, number=not beside)
                 setattr(self, name, v if _num(v) else [list(p) for p in points])
         t = self.transfer
         if not _num(t.bytes_per_s) or t.bytes_per_s <= 0:

@@ -22,16 +22,17 @@ from typing import Any
 Curve = list[tuple[float, float]]
 
 
-def parse_curve(name: str, value: Any, x_min: float) -> Curve:
-    """``value`` as sorted points; a number is one point at ``x_min`` (a flat
-    curve). ``ValueError`` naming ``service.<name>`` on anything else."""
-    if _num(value):
+def parse_curve(name: str, value: Any, x_min: float, number: bool = True) -> Curve:
+    """``value`` as sorted points; a number (where ``number`` allows one) is
+    one point at ``x_min`` (a flat curve). ``ValueError`` naming
+    ``service.<name>`` on anything else."""
+    if _num(value) and number:
         if value < 0:
             raise ValueError(f"profile: service.{name} must be >= 0")
         return [(x_min, float(value))]
     err = (
-        f"profile: service.{name} must be a number >= 0 or a non-empty list of "
-        f"[count >= {x_min:g}, seconds >= 0] pairs with increasing counts"
+        f"profile: service.{name} must be {'a number >= 0 or ' if number else ''}a non-empty "
+        f"list of [count >= {x_min:g}, seconds >= 0] pairs with increasing counts"
     )
     if not isinstance(value, list) or not value:
         raise ValueError(err)

@@ -62,9 +62,10 @@ def test_old_and_new_service_shapes_load_and_round_trip(tmp_path):
     assert q.served_prefill_s(300, decoding=9) == pytest.approx(q.served_prefill_s(300) + 0.004)
     save_profile(q, str(f))
     assert load_profile(str(f)).to_json()["service"] == new["service"]
-    new["service"]["prefill_beside_decode_s"] = [[0, 0.0], [2, "x"]]
-    with pytest.raises(ValueError, match=r"service\.prefill_beside_decode_s"):
-        Profile.from_json(new)
+    for bad in ([[0, 0.0], [2, "x"]], 0.004):  # a number would add to a lone prompt too
+        new["service"]["prefill_beside_decode_s"] = bad
+        with pytest.raises(ValueError, match=r"service\.prefill_beside_decode_s"):
+            Profile.from_json(new)
 
 
 def test_decode_steps_take_the_overhead_at_their_batch():
