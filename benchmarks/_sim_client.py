@@ -8,7 +8,8 @@ returns the summary with each request's client stamps (id, send time, TTFT;
 what _sim_breakdown.py joins with the gateway's records) and, asked for, each
 request's ITLs in trace order (the decode sweep, _sim_sweep.py).
 
-Run (what ``replay_in_process`` does):  python benchmarks/_sim_client.py URL TRACE SEED [--per-request]
+Run (what ``replay_in_process`` does):
+    python benchmarks/_sim_client.py URL TRACE SEED [--per-request]
 """
 
 from __future__ import annotations

@@ -290,9 +290,10 @@ def measure_rounds(
     """``rounds`` rounds, each serving every configuration in turn (so a busy
     minute of the shared box lands on one round of each, not on one
     configuration), in an order turned by one place a round (``rotated``);
-    the first configuration of ``configs`` also runs the probe, and with ``profile_dir`` every round begins with ``tandem
-    profile``. Per configuration its runs and the load average after each;
-    the probes; the profiles."""
+    the first configuration of ``configs`` also runs the probe (with the
+    decode ``sweep`` when given), and with ``profile_dir`` every round begins
+    with ``tandem profile``. Per configuration its runs and the load average
+    after each; the probes; the profiles."""
     import ray
 
     reals: dict[str, list[dict]] = {f"{p}P{d}D": [] for p, d in configs}

@@ -49,10 +49,11 @@ back to back), and ``prefill_beside_decode_s`` more by the decode streams
 running on the decode engines when it starts (``[[streams, seconds], ...]``,
 0 at none: a long prompt step on a shared box yields to the short decode
 steps beside it). ``tandem profile`` times the engine alone and leaves them
-0; benchmarks/simulator.py measures them through a served 1P1D. ``host`` (optional, contention.py) says that the
-engines share a host's cores and how: when set, the simulator stretches the
-steps of engines that compute at the same time beyond the cores (processor
-sharing); absent (a GPU deployment, one engine per device), it does not.
+0; benchmarks/simulator.py measures them through a served 1P1D. ``host``
+(optional, contention.py) says that the engines share a host's cores and
+how: when set, the simulator stretches the steps of engines that compute at
+the same time beyond the cores (processor sharing); absent (a GPU
+deployment, one engine per device), it does not.
 """
 
 from __future__ import annotations
