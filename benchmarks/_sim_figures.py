@@ -13,7 +13,9 @@ import os
 import statistics
 from collections.abc import Callable
 
-PROBE_PROMPT, PROBE_OUTPUT = 256, 32
+from benchmarks._sim_sweep import PROBE_PROMPT, beside_extras, decode_overheads, median_curve
+
+PROBE_OUTPUT = 32
 ENGINE_THREADS = 1  # the served and the profiled engines' torch threads
 
 
@@ -91,19 +93,35 @@ def service_figures(profile: dict, probe: dict) -> dict:
     its own run."""
     from tandem.cluster.planner.profile import Profile
 
-    p = Profile.from_json(profile)
-    itl_s, step_s = probe_decode(p, probe)
-    overhead = max(0.0, itl_s - step_s)
+    return {**profile, "service": _service(Profile.from_json(profile), profile, probe, 1.0)}
+
+
+def _service(p, profile: dict, probe: dict, rate: float) -> dict:
+    """The ``service`` section from one probe, its times taken at ``rate`` of
+    their solo speed (1: no contention term). With the probe's decode sweep
+    (``probe["sweep"]``, _sim_sweep.py) the step overhead is a curve by batch
+    and the prompt step gains its extra beside decoding streams; without one
+    (runs kept before session 13) one overhead from the paired or lone pass."""
+    sweep = probe.get("sweep")
+    if sweep is not None:
+        curve = decode_overheads(p, sweep, rate)
+        overhead_s: float | list = curve
+        lone = dict(curve).get(1, curve[0][1])  # what the lone prompt step carries
+    else:
+        itl_s, step_s = probe_decode(p, probe)
+        overhead_s = lone = max(0.0, itl_s * rate - step_s)
     parts = probe_parts(probe)
-    if parts is not None:
+    service: dict = {"step_overhead_s": overhead_s}
+    if parts is not None:  # the path as measured; the served step's solo excess
         latency, served_step_s = parts
-        extra = max(0.0, served_step_s - p.prefill_s(PROBE_PROMPT) - overhead)
+        extra = max(0.0, served_step_s * rate - p.prefill_s(PROBE_PROMPT) - lone)
+        if sweep is not None:
+            service["prefill_beside_decode_s"] = beside_extras(sweep, served_step_s, rate)
     else:
         ttft_s, computed = probe_prefill(profile, probe)
-        latency, extra = max(0.0, ttft_s - p.prefill_s(computed) - overhead), 0.0
-    service = {"request_latency_s": latency, "step_overhead_s": overhead,
-               "prefill_overhead_s": extra}  # fmt: skip
-    return {**profile, "service": service}
+        step = (p.prefill_s(computed) + lone) / rate
+        latency, extra = max(0.0, ttft_s - step), 0.0
+    return {"request_latency_s": latency, **service, "prefill_overhead_s": extra}
 
 
 def host_figures(profile: dict, probe: dict, background_cores: float | None) -> dict:
@@ -142,21 +160,9 @@ def host_figures(profile: dict, probe: dict, background_cores: float | None) -> 
     per_token = path_cpu_s / max(1, probe["total_output_tokens"])
     others = 0.0 if background_cores is None else cpu["others"]
     rate = min(1.0, cores / (threads + others))
-    p = Profile.from_json(profile)
-    itl_s, step_s = probe_decode(p, probe)
-    overhead = max(0.0, itl_s * rate - step_s)
-    parts = probe_parts(probe)
-    if parts is not None:  # the path as measured; the served step's solo excess
-        latency, served_step_s = parts
-        extra = max(0.0, served_step_s * rate - p.prefill_s(PROBE_PROMPT) - overhead)
-    else:
-        ttft_s, computed = probe_prefill(profile, probe)
-        step = (p.prefill_s(computed) + overhead) / rate
-        latency, extra = max(0.0, ttft_s - step), 0.0
+    service = _service(Profile.from_json(profile), profile, probe, rate)
     host = {"cores": cores, "engine_threads": threads, "cpu_per_token_s": per_token,
             "background_cores": background_cores or 0.0}  # fmt: skip
-    service = {"request_latency_s": latency, "step_overhead_s": overhead,
-               "prefill_overhead_s": extra}  # fmt: skip
     return {**profile, "service": service, "host": host}
 
 
@@ -173,10 +179,19 @@ def median_figures(
     out = dict(each[0])
     for section in ("service", "host"):
         if section in each[0]:
+            keys = dict.fromkeys(k for f in each for k in f[section])  # a sweep's curves too
             out[section] = {
-                k: statistics.median(f[section][k] for f in each) for k in each[0][section]
+                k: _median_of([f[section][k] for f in each if k in f[section]]) for k in keys
             }
     return out
+
+
+def _median_of(values: list) -> float | list:
+    """The median of numbers, or of curves (``[[count, s], ...]``) count by count."""
+    if not any(isinstance(v, list) for v in values):
+        return statistics.median(values)
+    # probes with and without a sweep: one number is a flat curve, its point at batch 1
+    return median_curve([v if isinstance(v, list) else [[1, v]] for v in values])
 
 
 def probe_spread(probes: list[dict], key: str) -> tuple[float, float, float]:

@@ -39,14 +39,18 @@
      probe on the 1P1D service before its trace: 16 lone requests of 256 prompt
      and 32 output tokens, 0.4 s apart, then the same 16 again (their prompts'
      blocks now cached on the prefill engine: one block left to compute),
-     then 16 more two at a time; the pairs' ITL p50 minus one batch-2 decode
-     step is the step overhead (a lone stream's ITL carries more than the
-     trace's steps do). Each request's TTFT is taken apart
-     (benchmarks/_sim_breakdown.py): the request latency is the cached pass's
-     path around the prefill engine's queue and step, the prefill overhead
-     what the lone requests' prefill step (P's own timing) took beyond the
-     profile's and the step overhead. A probe runs every round (on its first
-     configuration); each figure is the median of the rounds' figures.
+     then a served decode sweep (benchmarks/_sim_sweep.py): groups of k
+     streams started together for k = 1, 2, 4, 8 (from the trace's rate and
+     answer lengths, capped by max_num_seqs), each batch's ITL p50 less the
+     profile's decode step for k streams being the step overhead at k, and
+     beside each group a lone prompt, whose prefill step (P's own timing)
+     against the lone requests' is the extra by the streams it met. Each
+     request's TTFT is taken apart (benchmarks/_sim_breakdown.py): the request
+     latency is the cached pass's path around the prefill engine's queue and
+     step, the prefill overhead what the lone requests' prefill step took
+     beyond the profile's and the batch-1 step overhead. A probe runs every
+     round (on its first configuration); each figure is the median of the
+     rounds' figures (a curve's, point by point).
    - ``+ shared cores``: its ``host`` section (cluster/planner/contention.py):
      the engines share this box's cores (``tandem profile --shared-cores``
      with ``os.sched_getaffinity``; the engine's torch threads), and the
@@ -86,7 +90,6 @@ Run:  python benchmarks/simulator.py [--rounds 3] [--rate 2] [--num-requests 32]
 from __future__ import annotations
 
 import argparse
-import asyncio
 import datetime
 import json
 import os
@@ -100,6 +103,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._cpu_account import CpuAccount, cpu_line, cpu_table, median_cpu  # noqa: E402
 from benchmarks._sim_breakdown import RecordCollector, print_breakdown  # noqa: E402
+from benchmarks._sim_client import replay_in_process  # noqa: E402
 from benchmarks._sim_figures import (  # noqa: E402
     PROBE_PROMPT,
     median_figures,
@@ -110,6 +114,7 @@ from benchmarks._sim_figures import (  # noqa: E402
     write_probe,
 )
 from benchmarks._sim_rounds import predict_by_round, print_by_round  # noqa: E402
+from benchmarks._sim_sweep import ms_curve, print_sweep, sweep_batches, write_sweep  # noqa: E402
 from benchmarks._sim_tables import (  # noqa: E402
     TARGET,
     median_run,
@@ -131,9 +136,6 @@ ENGINE = {
 }
 INPUT_TOKENS = (64, 512)
 OUTPUT_TOKENS = (16, 128)
-# printable ASCII only: every token is a character of its own (see the docstring)
-ASCII = range(32, 127)
-TINY_VOCAB = 262
 # on a box other sessions load, the inputs are what moves most from run to run: more
 # lone requests in the probe, and the fastest of more timed runs per profile point
 PROBE_REQUESTS, PROFILE_REPEATS = 16, 5
@@ -191,81 +193,21 @@ def simulate(profile: str, trace: str, prefill: int, decode: int) -> dict:
     return json.loads(out)
 
 
-# ---- the client (runs in its own process: --replay) ---------------------------------
-
-
-async def replay(url: str, trace: str, seed: int) -> dict:
-    """``tandem bench --trace``'s run with ASCII-only answers; its summary dict."""
-    import aiohttp
-
-    from tandem.cluster.cli import bench
-    from tandem.cluster.cli.trace_replay import trace_workload
-
-    config = bench.BenchConfig(url=url, trace=trace, seed=seed, request_timeout_s=300.0)
-    bias = {str(t): -100 for t in range(TINY_VOCAB) if t not in ASCII}
-    async with aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None)
-    ) as session:
-        model, vocab_size = await bench._server_info(session, config)
-        prompts, outs, offsets = trace_workload(trace, vocab_size, seed, 1.0, 512)
-        sent = [0.0] * len(prompts)  # each request's send time (perf_counter: the box's clock)
-
-        async def one(i: int) -> bench.RequestResult:
-            result = bench.RequestResult(prompt_len=len(prompts[i]))
-            payload = {
-                "model": model, "prompt": prompts[i], "max_tokens": outs[i],
-                "temperature": 0.0, "stream": True, "ignore_eos": True,
-                "stream_options": {"include_usage": True}, "logit_bias": bias,
-            }  # fmt: skip
-            start_s = sent[i] = time.perf_counter()
-            try:
-                await asyncio.wait_for(
-                    bench._stream(session, f"{url}/v1/completions", payload, start_s, result),
-                    config.request_timeout_s,
-                )
-            except asyncio.TimeoutError:
-                result.error = "timeout"
-            result.latency_s = time.perf_counter() - start_s
-            result.ok = not result.error and result.num_output_tokens > 0
-            return result
-
-        cpu0 = time.process_time()  # the client's CPU streaming (not its start-up)
-        start_s = time.perf_counter()
-        tasks = []
-        for i in range(len(prompts)):
-            delay_s = start_s + offsets[i] - time.perf_counter()
-            if delay_s > 0:
-                await asyncio.sleep(delay_s)
-            tasks.append(asyncio.create_task(one(i)))
-        results = await asyncio.gather(*tasks)
-        duration_s = time.perf_counter() - start_s
-        cpu_s = time.process_time() - cpu0
-    # per request: what _sim_breakdown.py joins with the gateway's records
-    stamps = [[r.request_id, sent[i], r.ttft_s] for i, r in enumerate(results) if r.ok]
-    summary = bench.summarize(list(results), duration_s, config)
-    return {**summary, "client_cpu_s": cpu_s, "stamps": stamps}
-
-
-def _replay_in_process(url: str, trace: str, seed: int) -> dict:
-    out = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), "--replay", url, "--trace", trace,
-         "--seed", str(seed)],
-        capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
-    if out.returncode != 0:
-        raise RuntimeError(f"replay failed: {out.stderr[-2000:]}")
-    return json.loads(out.stdout)
-
-
 # ---- the served run --------------------------------------------------------------
 
 
 def serve_and_replay(
-    prefill: int, decode: int, trace: str, warmup: str, probe: str | None = None
+    prefill: int,
+    decode: int,
+    trace: str,
+    warmup: str,
+    probe: str | None = None,
+    sweep: tuple[str, list] | None = None,
 ) -> tuple[dict, dict | None]:
     """One fresh service of ``prefill`` + ``decode`` tiny engines (Ray already
-    initialised): the warm-up trace, the ``probe`` trace if given, then
-    ``trace``; the client's summaries of the trace and the probe."""
+    initialised): the warm-up trace, the ``probe`` trace if given (and the
+    decode ``sweep``'s trace and layout, _sim_sweep.py), then ``trace``; the
+    client's summaries of the trace and the probe."""
     from tandem.cluster.cli.serve import ServiceThread
     from tandem.cluster.cli.settings import serve_config
 
@@ -283,7 +225,7 @@ def serve_and_replay(
         pids = [e.local_pid for e in svc.service.backend.engines.values() if e.local_pid]
         assert len(pids) == prefill + decode, pids
         # every engine's first steps (allocation, first kernels) are not its speed
-        _replay_in_process(svc.base_url, warmup, 1)
+        replay_in_process(svc.base_url, warmup, 1)
         collector.take()
         probed = None
         if probe:
@@ -293,20 +235,26 @@ def serve_and_replay(
             time.sleep(IDLE_WINDOW_S)
             idle = acct.stop()
             acct = CpuAccount(pids)
-            probed = _replay_in_process(svc.base_url, probe, 2)
+            probed = replay_in_process(svc.base_url, probe, 2)
             probed["cpu"] = acct.stop()
             probed["idle_cpu"] = idle
             # the same prompts again: their blocks are cached on the prefill engine,
             # so a TTFT is the serving path and one block's prefill (_sim_figures.py)
             probed["rows"] = collector.take()
-            probed["cached"] = _replay_in_process(svc.base_url, probe, 2)
+            probed["cached"] = replay_in_process(svc.base_url, probe, 2)
             probed["cached"]["rows"] = collector.take()
-            # two streams at a time: the loop's overhead per step as the trace's
-            # decode steps carry it (a lone stream's ITL holds more, _sim_figures.py)
-            probed["paired"] = _replay_in_process(svc.base_url, probe + ".pairs", 3)
-            collector.take()
+            if sweep is not None:
+                # k streams at a time for each k, and a prompt beside them: the
+                # loop's overhead by batch, a prompt step beside decoding (_sim_sweep.py)
+                got = replay_in_process(svc.base_url, sweep[0], 3, per_request=True)
+                probed["sweep"] = {**got, "layout": sweep[1], "rows": collector.take()}
+            else:
+                # two streams at a time: the loop's overhead per step as the trace's
+                # decode steps carry it (a lone stream's ITL holds more, _sim_figures.py)
+                probed["paired"] = replay_in_process(svc.base_url, probe + ".pairs", 3)
+                collector.take()
         acct = CpuAccount(pids)
-        summary = _replay_in_process(svc.base_url, trace, 0)
+        summary = replay_in_process(svc.base_url, trace, 0)
         summary["cpu"] = acct.stop()
         summary["rows"] = collector.take()
         svc.run(svc.service.backend.call_all("check_integrity"))
@@ -337,13 +285,15 @@ def measure_rounds(
     warmup: str,
     probe: str,
     profile_dir: str | None = None,
+    sweep: tuple[str, list] | None = None,
 ) -> tuple[dict[str, list[dict]], list[dict], dict[str, list[float]], list[dict]]:
     """``rounds`` rounds, each serving every configuration in turn (so a busy
     minute of the shared box lands on one round of each, not on one
     configuration), in an order turned by one place a round (``rotated``);
-    the first configuration of ``configs`` also runs the probe, and with ``profile_dir`` every round begins with ``tandem
-    profile``. Per configuration its runs and the load average after each;
-    the probes; the profiles."""
+    the first configuration of ``configs`` also runs the probe (with the
+    decode ``sweep`` when given), and with ``profile_dir`` every round begins
+    with ``tandem profile``. Per configuration its runs and the load average
+    after each; the probes; the profiles."""
     import ray
 
     reals: dict[str, list[dict]] = {f"{p}P{d}D": [] for p, d in configs}
@@ -363,8 +313,10 @@ def measure_rounds(
             for pre, dec in rotated(configs, r):
                 name = f"{pre}P{dec}D"
                 t0 = time.monotonic()
-                probing = probe if (pre, dec) == configs[0] else None
-                real, got = serve_and_replay(pre, dec, trace, warmup, probing)
+                first = (pre, dec) == configs[0]
+                real, got = serve_and_replay(
+                    pre, dec, trace, warmup, probe if first else None, sweep if first else None
+                )
                 if got is not None:
                     probes.append(got)
                 assert real["num_failed"] == 0, real["errors"]
@@ -392,12 +344,7 @@ def main() -> int:
     p.add_argument("--configs", default="1P1D,1P2D,2P1D")
     p.add_argument("--save", help="keep the measured figures (profile, probes, runs) in this JSON")
     p.add_argument("--measured", help="predict from a JSON --save kept instead of serving")
-    p.add_argument("--replay", help=argparse.SUPPRESS)  # the client process
-    p.add_argument("--trace", help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.replay:
-        print(json.dumps(asyncio.run(replay(args.replay, args.trace, args.seed))))
-        return 0
     if args.rounds < 1:
         p.error("--rounds must be >= 1")
     configs = _configs(args.configs)
@@ -426,6 +373,9 @@ def main() -> int:
         probe = os.path.join(tmp, "probe.jsonl")
         write_probe(probe, PROBE_REQUESTS, 0.4)
         write_probe(probe + ".pairs", PROBE_REQUESTS, 0.4, together=2)
+        mean_output = sum(OUTPUT_TOKENS) / 2
+        batches = sweep_batches(args.rate, mean_output, ENGINE["max_num_seqs"])
+        sweep = (probe + ".sweep", write_sweep(probe + ".sweep", batches))
         profiles = []
         if kept is not None:  # predict again from a run --save kept: no service started
             reals, probes, loads = kept["real"], kept["probes"], kept["loads"]
@@ -435,7 +385,7 @@ def main() -> int:
             # point is the median of the rounds' (the box's state over the run)
             profile_dir = tmp if profile is None else None
             reals, probes, loads, profiles = measure_rounds(
-                configs, args.rounds, trace, warmup, probe, profile_dir
+                configs, args.rounds, trace, warmup, probe, profile_dir, sweep
             )
             if profile is None:
                 profile = os.path.join(tmp, "profile.json")
@@ -478,9 +428,11 @@ def main() -> int:
             + (f"cached {c[0]:.2f} ms ({c[1]:.2f}-{c[2]:.2f}), " if c else "")
             + f"ITL p50 {i[0]:.2f} ms ({i[1]:.2f}-{i[2]:.2f})"
             f" -> median request_latency_s {svc['request_latency_s'] * 1000:.2f} ms, "
-            f"step_overhead_s {svc['step_overhead_s'] * 1000:.3f} ms, "
-            f"prefill_overhead_s {svc.get('prefill_overhead_s', 0.0) * 1000:.2f} ms"
+            f"step_overhead_s {ms_curve(svc['step_overhead_s'])}, "
+            f"prefill_overhead_s {svc.get('prefill_overhead_s', 0.0) * 1000:.2f} ms, "
+            f"prefill_beside_decode_s {ms_curve(svc.get('prefill_beside_decode_s', 0.0))}"
         )
+        print_sweep(engine_only, probes)
     print("\nmeasured p50s per round (ms):")
     print(rounds_table(reals, loads))
     medians = {n: median_run(reals[n]) for n in names}

@@ -15,8 +15,10 @@ JSON, ``format: "tandem-profile/1"``::
       "transfer": {"bytes_per_s": 1.0e9, "latency_s": 0.002, "kv_bytes_per_token": 4096},
       "scheduler": {"block_size": 16, "num_kv_blocks": 2048, "max_num_batched_tokens": 2048,
                     "max_num_seqs": 64, "max_model_len": 2048},
-      "service": {"request_latency_s": 0.008, "step_overhead_s": 0.0003,
-                  "prefill_overhead_s": 0.002},   # optional, each 0 when absent
+      "service": {"request_latency_s": 0.008,
+                  "step_overhead_s": [[1, 0.0009], [4, 0.0005], [8, 0.0004]],  # or one number
+                  "prefill_overhead_s": 0.002,
+                  "prefill_beside_decode_s": [[0, 0.0], [1, 0.004]]},  # optional, 0 when absent
       "host": {"cores": 2, "engine_threads": 1, "cpu_per_token_s": 0.0003,
                "background_cores": 0.0}                                      # optional
     }
@@ -36,15 +38,22 @@ plan`` given one profile per size searches the size of each pool.
 step: ``request_latency_s`` once per request (the gateway and the hops to the
 engine and back before the first token reaches the client) and
 ``step_overhead_s`` per engine step (the engine loop's work around the step:
-outputs sent, inputs read), and ``prefill_overhead_s`` more per step that
-computes prompt tokens (a served prefill step beyond the profiled one: the
-engine comes to a prompt from idle, with cold caches, where ``tandem profile``
-times prompts back to back). ``tandem profile`` times the engine alone and
-leaves them 0; benchmarks/simulator.py measures them with lone requests
-through a served 1P1D. ``host`` (optional, contention.py) says that the
-engines share a host's cores and how: when set, the simulator stretches the
-steps of engines that compute at the same time beyond the cores (processor
-sharing); absent (a GPU deployment, one engine per device), it does not.
+outputs sent, inputs read; on a CPU box also a lightly loaded engine's slower
+steps), by the step's batch: ``[[batch, seconds], ...]`` pairs from a sweep of
+served decode batches (service_curve.py: linear between, flat outside), or
+one number for every batch (profiles written before the sweep). A step that
+computes prompt tokens takes the batch-1 overhead and ``prefill_overhead_s``
+more (a lone served prefill step beyond the profiled one: the engine comes to
+a prompt from idle, with cold caches, where ``tandem profile`` times prompts
+back to back), and ``prefill_beside_decode_s`` more by the decode streams
+running on the decode engines when it starts (``[[streams, seconds], ...]``,
+0 at none: a long prompt step on a shared box yields to the short decode
+steps beside it). ``tandem profile`` times the engine alone and leaves them
+0; benchmarks/simulator.py measures them through a served 1P1D. ``host``
+(optional, contention.py) says that the engines share a host's cores and
+how: when set, the simulator stretches the steps of engines that compute at
+the same time beyond the cores (processor sharing); absent (a GPU
+deployment, one engine per device), it does not.
 """
 
 from __future__ import annotations
@@ -55,10 +64,13 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from tandem.cluster.planner.contention import HostShare
+from tandem.cluster.planner.service_curve import curve_at, curve_json, parse_curve
 
 FORMAT = "tandem-profile/1"
 META_KEYS = ("model", "device", "measured_at", "tensor_parallel_size")
 SERVICE_FIELDS = ("request_latency_s", "step_overhead_s", "prefill_overhead_s")
+# service figures that may be [[count, seconds], ...] curves, and the least count of each
+SERVICE_CURVES = {"step_overhead_s": 1, "prefill_beside_decode_s": 0}
 
 
 def interp(xs: list[float], ys: list[float], x: float) -> float:
@@ -94,8 +106,9 @@ class Profile:
     # model, device, measured_at, tensor_parallel_size
     meta: dict[str, Any] = field(default_factory=dict)
     request_latency_s: float = 0.0
-    step_overhead_s: float = 0.0
+    step_overhead_s: float | list[list[float]] = 0.0  # one number, or by batch (a curve)
     prefill_overhead_s: float = 0.0
+    prefill_beside_decode_s: list[list[float]] = field(default_factory=list)  # by streams
     host: HostShare | None = None  # engines sharing a host's cores (None: a device each)
 
     def __post_init__(self) -> None:
@@ -112,10 +125,16 @@ class Profile:
         tp = self.meta.get("tensor_parallel_size", 1)
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError("profile: tensor_parallel_size must be an integer >= 1")
-        for name in SERVICE_FIELDS:
+        for name in ("request_latency_s", "prefill_overhead_s"):
             v = getattr(self, name)
             if not _num(v) or v < 0:
                 raise ValueError(f"profile: service.{name} must be a number >= 0")
+        for name, low in SERVICE_CURVES.items():
+            v = getattr(self, name)
+            beside = name == "prefill_beside_decode_s"  # a list only (0 at none: absent)
+            if not (beside and v == []):
+                points = parse_curve(name, v, low, number=not beside)
+                setattr(self, name, v if _num(v) else [list(p) for p in points])
         t = self.transfer
         if not _num(t.bytes_per_s) or t.bytes_per_s <= 0:
             raise ValueError("transfer.bytes_per_s must be a number > 0")
@@ -134,13 +153,20 @@ class Profile:
     def prefill_s(self, batch_tokens: int) -> float:
         return interp(self.prefill_tokens, self.prefill_time_s, batch_tokens)
 
-    def step_s(self, engine_step_s: float) -> float:
-        """A step's time in the served loop: the engine's step and the loop's overhead."""
-        return engine_step_s + self.step_overhead_s
+    def step_overhead(self, batch: float = 1) -> float:
+        """The served loop's overhead on a step of ``batch`` requests."""
+        v = self.step_overhead_s
+        return v if _num(v) else curve_at(v, batch)
 
-    def served_prefill_s(self, batch_tokens: int) -> float:
-        """A step computing ``batch_tokens`` prompt tokens in the served loop."""
-        return self.step_s(self.prefill_s(batch_tokens)) + self.prefill_overhead_s
+    def step_s(self, engine_step_s: float, batch: float = 1) -> float:
+        """A step's time in the served loop: the engine's step and the loop's overhead."""
+        return engine_step_s + self.step_overhead(batch)
+
+    def served_prefill_s(self, batch_tokens: int, decoding: int = 0) -> float:
+        """A step computing ``batch_tokens`` prompt tokens in the served loop, with
+        ``decoding`` streams running on the decode engines beside it."""
+        beside = curve_at(self.prefill_beside_decode_s, decoding)
+        return self.step_s(self.prefill_s(batch_tokens)) + self.prefill_overhead_s + beside
 
     def decode_s(self, batch_size: float, context_tokens: float) -> float:
         bs, cs = self.decode_batch_sizes, self.decode_context_tokens
@@ -179,13 +205,19 @@ class Profile:
             },
             "transfer": asdict(self.transfer),
             "scheduler": self.scheduler,
-            **(
-                {"service": {k: getattr(self, k) for k in SERVICE_FIELDS}}
-                if any(getattr(self, k) for k in SERVICE_FIELDS)
-                else {}
-            ),
+            **({"service": self._service_json()} if self._has_service() else {}),
             **({"host": self.host.to_json()} if self.host is not None else {}),
         }
+
+    def _has_service(self) -> bool:
+        return any(getattr(self, k) for k in (*SERVICE_FIELDS, "prefill_beside_decode_s"))
+
+    def _service_json(self) -> dict[str, Any]:
+        out = {k: getattr(self, k) for k in SERVICE_FIELDS}
+        out["step_overhead_s"] = curve_json(self.step_overhead_s)
+        if self.prefill_beside_decode_s:
+            out["prefill_beside_decode_s"] = curve_json(self.prefill_beside_decode_s)
+        return out
 
     @classmethod
     def from_json(cls, obj: Any) -> Profile:
@@ -205,6 +237,7 @@ class Profile:
                 scheduler=dict(obj.get("scheduler") or {}),
                 meta={k: obj[k] for k in META_KEYS if k in obj},
                 **{k: svc.get(k, 0.0) for k in SERVICE_FIELDS},
+                prefill_beside_decode_s=svc.get("prefill_beside_decode_s", []),
                 host=HostShare.from_json(obj["host"]) if obj.get("host") is not None else None,
             )
         except (KeyError, TypeError) as exc:

@@ -6,8 +6,10 @@ Each engine loops like ``EngineCore.step``: ``schedule()``, then
 comes from the profile (profile.py): a step in which every scheduled request
 computes one token is a decode step, ``decode_s(batch size, context tokens
 the batch attends to)``; any other step costs ``prefill_s(scheduled tokens)``
-(with the profile's ``service`` figures, a served step: ``step_overhead_s``
-more, and ``prefill_overhead_s`` more on a step that computes prompt tokens).
+(with the profile's ``service`` figures, a served step: the loop's
+``step_overhead_s`` at the step's batch more, and on a step that computes
+prompt tokens ``prefill_overhead_s`` and ``prefill_beside_decode_s`` at the
+number of streams the decode engines run when it starts).
 Each record keeps when its request reached an engine and when the step that
 first computed its prompt started (``metrics.ttft_parts``).
 The runner's sampled token is a constant (``ignore_eos``: a request stops at
@@ -336,8 +338,14 @@ class Simulator:
         counts = so.num_scheduled_tokens
         if all(n == 1 for n in counts.values()):
             context = sum(sched.requests[rid].num_computed_tokens for rid in counts)
-            return profile.step_s(profile.decode_s(len(counts), context))
-        return profile.served_prefill_s(so.total_num_scheduled_tokens)
+            return profile.step_s(profile.decode_s(len(counts), context), len(counts))
+        if not profile.prefill_beside_decode_s:
+            return profile.served_prefill_s(so.total_num_scheduled_tokens)
+        return profile.served_prefill_s(so.total_num_scheduled_tokens, self.decoding_streams())
+
+    def decoding_streams(self) -> int:
+        """Streams the decode engines are running now (what a prompt step meets)."""
+        return sum(len(e.sched.running) for e in self.decode)
 
     def _finish_step(self, e: _Engine, t: float, records: list[_Record], live: dict) -> None:
         so, e.step, e.busy_until = e.step, None, None
