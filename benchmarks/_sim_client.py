@@ -64,15 +64,7 @@ async def replay(url: str, trace: str, seed: int, per_request: bool = False) -> 
             return result
 
         cpu0 = time.process_time()  # the client's CPU streaming (not its start-up)
-        start_s = time.perf_counter()
-        tasks = []
-        for i in range(len(prompts)):
-            delay_s = start_s + offsets[i] - time.perf_counter()
-            if delay_s > 0:
-                await asyncio.sleep(delay_s)
-            tasks.append(asyncio.create_task(one(i)))
-        results = await asyncio.gather(*tasks)
-        duration_s = time.perf_counter() - start_s
+        results, duration_s = await bench.send_at(offsets, one)
         cpu_s = time.process_time() - cpu0
     # per request: what _sim_breakdown.py joins with the gateway's records
     stamps = [[r.request_id, sent[i], r.ttft_s] for i, r in enumerate(results) if r.ok]

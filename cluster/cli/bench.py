@@ -24,6 +24,7 @@ import platform
 import random
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -199,6 +200,22 @@ async def _stream(
     result.error = "stream ended without [DONE]"
 
 
+async def send_at(
+    offsets_s: list[float], send: Callable[[int], Awaitable[RequestResult]]
+) -> tuple[list[RequestResult], float]:
+    """Open loop: start ``send(i)`` ``offsets_s[i]`` seconds from now, whether or not
+    earlier requests finished; their results in order and the seconds until the last."""
+    start_s = time.perf_counter()
+    tasks = []
+    for i, offset_s in enumerate(offsets_s):
+        delay_s = start_s + offset_s - time.perf_counter()
+        if delay_s > 0:
+            await asyncio.sleep(delay_s)
+        tasks.append(asyncio.create_task(send(i)))
+    results = await asyncio.gather(*tasks)
+    return list(results), time.perf_counter() - start_s
+
+
 async def run_benchmark(config: BenchConfig) -> dict[str, Any]:
     """Run the workload against ``config.url``; return the summary dict."""
     config.validate()
@@ -225,15 +242,7 @@ async def run_benchmark(config: BenchConfig) -> dict[str, Any]:
             async with limit:
                 return await _one_request(session, config, model, prompts[i], output_lens[i])
 
-        start_s = time.perf_counter()
-        tasks = []
-        for i in range(len(prompts)):
-            delay_s = start_s + offsets_s[i] - time.perf_counter()
-            if delay_s > 0:
-                await asyncio.sleep(delay_s)
-            tasks.append(asyncio.create_task(limited(i)))
-        results = await asyncio.gather(*tasks)
-        duration_s = time.perf_counter() - start_s
+        results, duration_s = await send_at(offsets_s, limited)
     summary = summarize(results, duration_s, config)
     summary["model"] = model
     summary["concurrency"] = concurrency
