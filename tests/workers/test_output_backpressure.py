@@ -116,17 +116,38 @@ def wait_blocked(service: EngineService, timeout_s: float = 120.0) -> None:
         time.sleep(0.05)
 
 
+def generated(service: EngineService) -> int:
+    return in_loop(service, lambda: service.engine.scheduler.num_generation_tokens)
+
+
+def wait_stopped(service: EngineService, timeout_s: float = 120.0) -> None:
+    """Until the engine holds outputs back and has not stepped for five samples running.
+    A first refusal can be passing: ZMQ's pipe (one message) is full until its I/O thread
+    moves the message into the kernel's socket buffer, and the engine steps again once the
+    backlog drains. Only when those buffers are full too does it stay stopped (on a loaded
+    box the passing refusals come early: CI once saw 35 more steps after the first)."""
+    deadline = time.monotonic() + timeout_s
+    last, still = -1, 0
+    while still < 5:
+        assert time.monotonic() < deadline, "the engine never stopped stepping"
+        blocked = in_loop(service, service.stats).output_backlog_messages > 0
+        now = generated(service)
+        still = still + 1 if blocked and now == last else 0
+        last = now
+        time.sleep(0.1)
+
+
 def test_slow_gateway_slows_the_engine_and_loses_nothing(served):
     service, gw = served
     send_all(gw)
     wait_blocked(service)
-    generated = lambda: service.engine.scheduler.num_generation_tokens  # noqa: E731
-    before = in_loop(service, generated)
+    wait_stopped(service)
+    before = generated(service)
     samples = []
     for _ in range(10):
         time.sleep(0.1)
         samples.append(in_loop(service, service.stats).output_backlog_messages)
-    assert in_loop(service, generated) == before  # no stepping while the gateway is behind
+    assert generated(service) == before  # no stepping while the gateway is behind
     assert max(samples) <= BACKLOG + 1  # bounded memory
     assert before < NUM_REQUESTS * MAX_TOKENS
     gw.read_until_finished(timeout_s=300)
