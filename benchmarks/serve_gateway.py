@@ -23,6 +23,12 @@ The gateway processes are set up as ``tandem serve`` sets up its own: torch
 barred (``cluster/gateway/torch_free.py``) and the startup heap frozen
 (``cluster/gateway/heap.py``).
 
+``--client raw``: the client is ``benchmarks/_sse_client.py`` instead of the
+bench's aiohttp client: a plain epoll loop that counts the SSE events in the
+bytes it reads and checks each stream's count against its usage chunk. It
+spends a fraction of aiohttp's CPU per token, so on a box with few cores the
+servers keep more of them; both clients send the same workload.
+
 ``--outputs-per-turn K``: the null backend hands each stream K outputs per
 event-loop turn, as engines do to a gateway that runs K steps behind them
 (the gateway then writes them as one; ``Backend.num_ready``); the bare
@@ -30,6 +36,7 @@ endpoint yields to the loop every K events and writes each on its own.
 
 Run: python benchmarks/serve_gateway.py [--output-len 128] [--concurrency 64 256] [--tracing]
                                         [--api-server-count 1 2 4] [--outputs-per-turn 4]
+                                        [--client aiohttp|raw]
 """
 
 from __future__ import annotations
@@ -50,6 +57,7 @@ from benchmarks._machine import machine  # noqa: E402
 
 INPUT_LEN = 32
 OUTPUTS_PER_TURN = [1]  # --outputs-per-turn, passed on to the server processes
+CLIENT = ["aiohttp"]  # --client
 SEED = 0
 START_TIMEOUT_S = 120.0
 
@@ -270,10 +278,23 @@ def measure(
         seed=SEED + 1,
     )
     pids = pid if isinstance(pid, list) else [pid]
-    asyncio.run(run_benchmark(warmup))
+    if CLIENT[0] == "raw":
+        from benchmarks._sse_client import run_raw_benchmark
+
+        with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as response:
+            [card, *_] = json.loads(response.read())["data"]
+
+        def run(bench: BenchConfig) -> dict:
+            return run_raw_benchmark(bench, card["vocab_size"], card["id"])
+    else:
+
+        def run(bench: BenchConfig) -> dict:
+            return asyncio.run(run_benchmark(bench))
+
+    run(warmup)
     cpu_before_s = sum(cpu_seconds(p) for p in pids)
     client_before_s = time.process_time()
-    summary = asyncio.run(run_benchmark(config))
+    summary = run(config)
     client_s = time.process_time() - client_before_s  # the client: this process
     cpu_s = sum(cpu_seconds(p) for p in pids) - cpu_before_s
     if summary["num_failed"]:
@@ -316,6 +337,13 @@ def main() -> int:
         action="store_true",
         help="also run the gateway with tracing on (100%% sampled, OTLP/HTTP to a local sink)",
     )
+    parser.add_argument(
+        "--client",
+        choices=["aiohttp", "raw"],
+        default="aiohttp",
+        help="aiohttp: cluster.cli.bench, every event decoded; raw: benchmarks/_sse_client.py, "
+        "events counted in the bytes (less of the client's CPU on the servers' cores)",
+    )
     parser.add_argument("--concurrency", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--num-rounds", type=int, default=4, help="requests = rounds x concurrency")
@@ -325,6 +353,7 @@ def main() -> int:
         serve(args.serve, args.port, args.otlp_endpoint, args.ready_file, args.outputs_per_turn)
         return 0
     OUTPUTS_PER_TURN[0] = args.outputs_per_turn
+    CLIENT[0] = args.client
     if args.api_server_count:
         return main_counts(args)
 
@@ -357,7 +386,7 @@ def main() -> int:
         f"workload: input {INPUT_LEN} / output {args.output_len} tokens, 1 token per SSE event, "
         f"{args.outputs_per_turn} output(s) per stream per loop turn, "
         f"{args.num_rounds} x concurrency requests, median of {args.repeats} alternating runs, "
-        f"uvicorn h11 + asyncio, client aiohttp in another process"
+        f"uvicorn h11 + asyncio, client {args.client} in another process"
     )
     header = (
         "| streams | bare tok/s | gateway tok/s | ratio | bare CPU us/tok "
@@ -407,7 +436,7 @@ def main_counts(args: argparse.Namespace) -> int:
         f"workload: input {INPUT_LEN} / output {args.output_len} tokens, 1 token per SSE event, "
         f"{args.outputs_per_turn} output(s) per stream per loop turn, "
         f"{args.num_rounds} x concurrency requests, median of {args.repeats} alternating runs, "
-        "N processes on one port (SO_REUSEPORT), client aiohttp in one other process; "
+        f"N processes on one port (SO_REUSEPORT), client {args.client} in one other process; "
         "CPU summed over the N processes"
     )
     print(f"server stack: {server_stack()}")
