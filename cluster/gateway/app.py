@@ -74,13 +74,20 @@ class _GatewayApp(FastAPI):
     middleware layers (server errors, telemetry, exceptions, FastAPI's exit stack)
     cost 15-20 us per request and do nothing for these routes (docs/benchmarks.md,
     issue #29). Every other route, and these under a ``root_path``, take the
-    usual way. The routes are registered in the app as well (``app.routes``)."""
+    usual way. The routes are registered in the app as well (``app.routes``).
+    Once the app has middleware of its own (``add_middleware``, however late), every
+    route takes the usual way, so that the middleware sees the generation routes too."""
 
     generation_routes: Mapping[str, Callable[[Scope, Receive, Send], Any]] = MappingProxyType({})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         scope[SERVER_SEND] = send
-        if scope["type"] == "http" and scope["method"] == "POST" and not scope.get("root_path"):
+        if (
+            scope["type"] == "http"
+            and scope["method"] == "POST"
+            and not scope.get("root_path")
+            and not self.user_middleware
+        ):
             handler = self.generation_routes.get(scope["path"])
             if handler is not None:
                 scope["app"] = self

@@ -637,6 +637,40 @@ def test_unexpected_error_preparing_answers_500_in_the_envelope(tokenizer, http)
         assert "tandem:num_requests_in_flight 0.0" in metrics
 
 
+def test_middleware_added_later_sees_the_generation_routes(tokenizer, http):
+    """The direct path of the generation routes gives way once the app has middleware of
+    its own: middleware added after ``create_app`` runs for ``/v1/completions`` and
+    ``/v1/chat/completions`` as for any other route, and the answers are the same."""
+    from starlette.middleware.base import BaseHTTPMiddleware
+
+    app = create_app(NullBackend(tokenizer, max_model_len=MAX_MODEL_LEN))
+    seen: list[str] = []
+
+    async def mark(request, call_next):
+        seen.append(request.url.path)
+        response = await call_next(request)
+        response.headers["x-marked"] = "1"
+        return response
+
+    app.add_middleware(BaseHTTPMiddleware, dispatch=mark)
+    with serve_in_thread(app) as url:
+        for path, body in (
+            ("completions", {"prompt": "x", "max_tokens": 3, "stream": True}),
+            ("chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+        ):
+            response = http.post(f"{url}/v1/{path}", json={"model": "tiny", **body})
+            assert response.status_code == 200
+            assert response.headers["x-marked"] == "1"
+        assert seen == ["/v1/completions", "/v1/chat/completions"]
+        assert (
+            "data: [DONE]"
+            in http.post(
+                f"{url}/v1/completions",
+                json={"model": "tiny", "prompt": "x", "max_tokens": 3, "stream": True},
+            ).text
+        )
+
+
 # ---- metrics ---------------------------------------------------------------------
 
 
