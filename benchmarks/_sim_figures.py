@@ -13,6 +13,7 @@ import os
 import statistics
 from collections.abc import Callable
 
+from benchmarks._sim_idle import beside_idle_s, idle_extras, lone_idle_s, median_points
 from benchmarks._sim_sweep import PROBE_PROMPT, beside_extras, decode_overheads, median_curve
 
 PROBE_OUTPUT = 32
@@ -114,14 +115,31 @@ def _service(p, profile: dict, probe: dict, rate: float) -> dict:
     service: dict = {"step_overhead_s": overhead_s}
     if parts is not None:  # the path as measured; the served step's solo excess
         latency, served_step_s = parts
-        extra = max(0.0, served_step_s * rate - p.prefill_s(PROBE_PROMPT) - lone)
+        # with the idle-gap probe (_sim_idle.py): the lone prompts' step carries the
+        # extra at their own idle time, so the overhead is taken at no idle time
+        idle = idle_extras(probe["idle"], rate) if "idle" in probe else []
+        at_lone = _idle_at(idle, lone_idle_s(probe))
+        extra = max(0.0, served_step_s * rate - p.prefill_s(PROBE_PROMPT) - lone - at_lone)
+        if idle:
+            service["prefill_after_idle_s"] = idle
         if sweep is not None:
-            service["prefill_beside_decode_s"] = beside_extras(sweep, served_step_s, rate)
+            # the beside prompts follow their group's prompts closely: their own
+            # idle extra is not the lone prompts', nor part of the beside term
+            at_beside = _idle_at(idle, beside_idle_s(sweep)) if idle else at_lone
+            base_s = served_step_s - (at_lone - at_beside) / rate
+            service["prefill_beside_decode_s"] = beside_extras(sweep, base_s, rate)
     else:
         ttft_s, computed = probe_prefill(profile, probe)
         step = (p.prefill_s(computed) + lone) / rate
         latency, extra = max(0.0, ttft_s - step), 0.0
     return {"request_latency_s": latency, **service, "prefill_overhead_s": extra}
+
+
+def _idle_at(curve: list, idle_s: float | None) -> float:
+    """The idle curve at ``idle_s`` (0 without either)."""
+    from tandem.cluster.planner.service_curve import curve_at
+
+    return curve_at(curve, idle_s) if curve and idle_s is not None else 0.0
 
 
 def host_figures(profile: dict, probe: dict, background_cores: float | None) -> dict:
@@ -181,7 +199,10 @@ def median_figures(
         if section in each[0]:
             keys = dict.fromkeys(k for f in each for k in f[section])  # a sweep's curves too
             out[section] = {
-                k: _median_of([f[section][k] for f in each if k in f[section]]) for k in keys
+                k: (median_points if k == "prefill_after_idle_s" else _median_of)(
+                    [f[section][k] for f in each if k in f[section]]
+                )
+                for k in keys
             }
     return out
 

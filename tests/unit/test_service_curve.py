@@ -149,6 +149,4 @@ def test_a_prompt_step_takes_the_idle_extra_from_its_engines_own_idle_time():
     assert [r.token_times for r in again] == [r.token_times for r in (a, b, c)]
     p.prefill_after_idle_s = []
     plain = Simulator(p, 1, 1).run(reqs)
-    assert plain[2].token_times[0] - plain[2].first_step_s == pytest.approx(
-        p.served_prefill_s(100)
-    )
+    assert plain[2].token_times[0] - plain[2].first_step_s == pytest.approx(p.served_prefill_s(100))
