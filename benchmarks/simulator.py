@@ -239,11 +239,11 @@ def serve_and_replay(
             # timers): not per token
             acct = CpuAccount(pids)
             time.sleep(IDLE_WINDOW_S)
-            idle = acct.stop()
+            idle_cpu = acct.stop()
             acct = CpuAccount(pids)
             probed = replay_in_process(svc.base_url, probe, 2)
             probed["cpu"] = acct.stop()
-            probed["idle_cpu"] = idle
+            probed["idle_cpu"] = idle_cpu
             # the same prompts again: their blocks are cached on the prefill engine,
             # so a TTFT is the serving path and one block's prefill (_sim_figures.py)
             probed["rows"] = collector.take()
