@@ -13,7 +13,7 @@ import os
 import statistics
 from collections.abc import Callable
 
-from benchmarks._sim_idle import beside_idle_s, idle_extras, lone_idle_s, median_points
+from benchmarks._sim_idle import base_step_s, beside_idle_s, idle_extras, median_points
 from benchmarks._sim_sweep import PROBE_PROMPT, beside_extras, decode_overheads, median_curve
 
 PROBE_OUTPUT = 32
@@ -115,19 +115,23 @@ def _service(p, profile: dict, probe: dict, rate: float) -> dict:
     service: dict = {"step_overhead_s": overhead_s}
     if parts is not None:  # the path as measured; the served step's solo excess
         latency, served_step_s = parts
-        # with the idle-gap probe (_sim_idle.py): the lone prompts' step carries the
-        # extra at their own idle time, so the overhead is taken at no idle time
+        # with the idle-gap probe (_sim_idle.py): each lone prompt's step carries the
+        # extra at its own idle time, so the overhead is taken at no idle time, from
+        # the lone and the idle probe's prompts together (base_step_s)
         idle = idle_extras(probe["idle"], rate) if "idle" in probe else []
-        at_lone = _idle_at(idle, lone_idle_s(probe))
-        extra = max(0.0, served_step_s * rate - p.prefill_s(PROBE_PROMPT) - lone - at_lone)
+        base = base_step_s(probe, idle, rate) if idle else None
+        if base is None:
+            base, idle = served_step_s * rate, []
+        extra = max(0.0, base - p.prefill_s(PROBE_PROMPT) - lone)
         if idle:
             service["prefill_after_idle_s"] = idle
         if sweep is not None:
-            # the beside prompts follow their group's prompts closely: their own
-            # idle extra is not the lone prompts', nor part of the beside term
-            at_beside = _idle_at(idle, beside_idle_s(sweep)) if idle else at_lone
-            base_s = served_step_s - (at_lone - at_beside) / rate
-            service["prefill_beside_decode_s"] = beside_extras(sweep, base_s, rate)
+            # the beside prompts follow their group's prompts closely: the base
+            # they are set against carries the extra at their own idle time
+            at_beside = _idle_at(idle, beside_idle_s(sweep))
+            service["prefill_beside_decode_s"] = beside_extras(
+                sweep, (base + at_beside) / rate, rate
+            )
     else:
         ttft_s, computed = probe_prefill(profile, probe)
         step = (p.prefill_s(computed) + lone) / rate

@@ -21,8 +21,10 @@ idle time and the median step (at ``rate`` of their solo speed) give one
 point; the curve's values are each point's step less the shortest pause's
 (``idle_extras``): what the profile's ``service.prefill_after_idle_s`` holds.
 The lone probe's prompts (0.4 s apart) carry that extra at their own idle
-time, so ``prefill_overhead_s`` is taken at no idle: the lone step less the
-curve at the lone prompts' idle time (``_sim_figures._service``).
+time, so ``prefill_overhead_s`` is taken at no idle time: each lone and idle
+prompt's step less the curve at its own idle time, the median of them all
+(``base_step_s``, ``_sim_figures._service``); the beside prompts' base is
+that step plus the curve at their idle time.
 
 The decode engine's side (its first step after the handoff, after its own
 idle time) is printed, not modelled (``d_first_steps``).
@@ -269,3 +271,21 @@ def median_points(curves: list[list[list[float]]]) -> list[list[float]]:
     out = [[statistics.median(c[i][0] for c in same), statistics.median(c[i][1] for c in same)]
            for i in range(n)]  # fmt: skip
     return [pt for i, pt in enumerate(out) if i == 0 or pt[0] > out[i - 1][0]]
+
+
+def base_step_s(probe: dict, curve: list, rate: float = 1.0) -> float | None:
+    """A served 256-token prompt step at no idle time (solo seconds), pooled:
+    the median over the lone pass's prompts and the idle probe's of each
+    one's step (at ``rate`` of solo speed) less the curve at its own idle
+    time. Twice the prompts of the lone pass alone, spread over more of the
+    probe's minute (one probe's lone steps moved with the box's minute)."""
+    from tandem.cluster.planner.service_curve import curve_at
+
+    xs = []
+    for run in (probe, probe.get("idle") or {}):
+        if "rows" not in run:
+            continue
+        for _, start, end, idle in p_steps(run["rows"]).values():
+            if idle == idle:
+                xs.append((end - start) * rate - curve_at(curve, idle))
+    return statistics.median(xs) if xs else None

@@ -12,6 +12,8 @@ from benchmarks._sim_figures import median_figures, service_figures
 from benchmarks._sim_idle import (
     IDLE_GAPS_S,
     LEAD,
+    base_step_s,
+    beside_idle_s,
     idle_extras,
     idle_order,
     idle_points,
@@ -21,7 +23,7 @@ from benchmarks._sim_idle import (
     trace_idle_rows,
     write_idle,
 )
-from benchmarks._sim_sweep import PROBE_PROMPT
+from benchmarks._sim_sweep import PROBE_PROMPT, beside_extras
 from tandem.cluster.planner.profile import Profile
 from tandem.cluster.planner.service_curve import curve_at
 from tests.unit.test_sim_benchmark import _probe, _row
@@ -94,11 +96,21 @@ def test_the_lone_prompts_carry_the_idle_extra_so_the_overhead_is_taken_at_no_id
     assert lone_idle == pytest.approx(1.0 - lone_step)
     at_lone = curve_at(curve, lone_idle)
     assert 0 < at_lone < 0.011
-    assert svc["prefill_overhead_s"] == pytest.approx(plain["prefill_overhead_s"] - at_lone)
+    # no idle: each lone and idle prompt's step less the curve at its idle time, the
+    # median: lone 70 - at_lone twice (the first has no step before it), idle 70, 69, 72, 73
+    base = (0.069 + 0.070) / 2
+    assert base_step_s(probe, curve) == pytest.approx(base)
+    assert svc["prefill_overhead_s"] == pytest.approx(
+        plain["prefill_overhead_s"] - (lone_step - base)
+    )
     served = Profile.from_json(service_figures(p.to_json(), probe))
-    # the lone probe's step again at its own idle time; back to back less
-    assert served.served_prefill_s(256, idle_s=lone_idle) == pytest.approx(lone_step)
-    assert served.served_prefill_s(256, idle_s=0.0) == pytest.approx(lone_step - at_lone)
+    assert served.served_prefill_s(256, idle_s=0.0) == pytest.approx(base)
+    assert served.served_prefill_s(256, idle_s=lone_idle) == pytest.approx(base + at_lone)
+    # the beside prompts are set against that base at their own idle time
+    at_beside = curve_at(curve, beside_idle_s(probe["sweep"]))
+    assert flat(svc["prefill_beside_decode_s"]) == pytest.approx(
+        flat(beside_extras(probe["sweep"], base + at_beside))
+    )
     # the rounds' curves: point by point, the medians of idle times and extras
     other = json.loads(json.dumps(probe))
     other["idle"]["rows"]["i4"] = _row(2.362, step_s=0.094)  # 1 s: 16 ms over in this round
