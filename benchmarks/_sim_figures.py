@@ -276,9 +276,15 @@ def predict_ways(
     print(
         "host figures: " + json.dumps(shared["host"]) + ", service " + json.dumps(shared["service"])
     )
+    if any("idle" in pr for pr in probes):  # the same without the idle term: session 13's
+        plain = [{k: v for k, v in pr.items() if k != "idle"} for pr in probes]
+        fig = median_figures(engine_only, plain, lambda pf, pr: host_figures(pf, pr, None))
+        no_idle = write("profile-host-no-idle.json", fig)
     variants["+ shared cores + background"] = {}
     for n, runs in reals.items():
         bg = statistics.median(r["cpu"]["others"] for r in runs)
         fig = median_figures(engine_only, probes, lambda pf, pr, bg=bg: host_figures(pf, pr, bg))
         variants["+ shared cores + background"][n] = write(f"profile-{n}-bg.json", fig)
+    if any("idle" in pr for pr in probes):
+        variants["+ shared cores, no idle term"] = {n: no_idle for n in reals}
     return variants

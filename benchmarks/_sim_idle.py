@@ -18,7 +18,10 @@ before the step: from P's ``RequestTimings`` every prompt step's start and
 end on the gateway's clock (``p_steps``), the idle time being a step's start
 less the end of that engine's step before it. Per nominal pause the median
 idle time and the median step (at ``rate`` of their solo speed) give one
-point; the curve's values are each point's step less the shortest pause's
+point. Five prompts a pause are few on a shared box (one slow minute moves a
+median), so the steps are made non-decreasing in the idle time (pool adjacent
+violators, ``monotone``: a longer idle is taken as never faster) before the
+curve's values are taken, each point's step less the shortest pause's
 (``idle_extras``): what the profile's ``service.prefill_after_idle_s`` holds.
 The lone probe's prompts (0.4 s apart) carry that extra at their own idle
 time, so ``prefill_overhead_s`` is taken at no idle time: each lone and idle
@@ -37,8 +40,9 @@ import statistics
 
 from benchmarks._sim_sweep import PROBE_PROMPT
 
-IDLE_GAPS_S = (0.02, 0.1, 0.3, 1.0, 2.0)
-IDLE_REPEATS = 4
+# up to the idle a prefill engine of 2P1D sees at the trace's 2 req/s (1 s on average)
+IDLE_GAPS_S = (0.02, 0.15, 0.5, 1.5)
+IDLE_REPEATS = 5
 IDLE_OUTPUT = 2
 STEP_GUESS_S = 0.025
 LEAD = "lead"  # the first prompt: its idle time is the pass before's
@@ -129,14 +133,27 @@ def idle_extras(idle: dict, rate: float = 1.0) -> list[list[float]]:
     points = idle_points(idle)
     if len(points) < 2:
         return []
-    base = points[0][2]
+    steps = monotone([s for _, _, s, _ in points])
     out: list[list[float]] = []
-    for _, idle_s, step_s, _ in points:
+    for (_, idle_s, _, _), step_s in zip(points, steps):
         if out and idle_s <= out[-1][0]:
             continue  # the curve's counts must increase
-        out.append([idle_s, max(0.0, (step_s - base) * rate)])
+        out.append([idle_s, max(0.0, (step_s - steps[0]) * rate)])
     out[0][1] = 0.0
     return out
+
+
+def monotone(ys: list[float]) -> list[float]:
+    """The non-decreasing sequence nearest ``ys`` in squares (pool adjacent
+    violators: a run that falls is replaced by its mean)."""
+    blocks: list[list[float]] = []  # [sum, count]
+    for y in ys:
+        blocks.append([y, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, n = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += n
+    return [total / n for total, n in blocks for _ in range(int(n))]
 
 
 def d_first_steps(idle: dict) -> list[tuple[float, float, float, int]]:
@@ -233,7 +250,7 @@ def print_idle(profile_json: dict, reals: dict, probes: list[dict]) -> None:
         ps = {g: (i, s, n) for g, i, s, n in idle_points(idle)}
         ds = {g: (i, s) for g, i, s, _ in d_first_steps(idle)}
         cells = []
-        for g in IDLE_GAPS_S:
+        for g in sorted({g for g in idle["layout"] if g != LEAD}):
             p = ps.get(g)
             d = ds.get(g)
             txt = f"{g:g}: P {p[0] * 1000:.0f}, {p[1] * 1000:.2f} ({p[2]})" if p else f"{g:g}: -"

@@ -46,7 +46,7 @@
      beside each group a lone prompt, whose prefill step (P's own timing)
      against the lone requests' is the extra by the streams it met, then
      the idle-gap probe (benchmarks/_sim_idle.py): lone prompts after pauses
-     of 0.02-2 s, interleaved, whose prefill step against the engine's own
+     of 0.02-1.5 s, interleaved, whose prefill step against the engine's own
      idle time before it is the extra a step takes after idling. Each
      request's TTFT is taken apart (benchmarks/_sim_breakdown.py): the request
      latency is the cached pass's path around the prefill engine's queue and

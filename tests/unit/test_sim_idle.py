@@ -19,6 +19,7 @@ from benchmarks._sim_idle import (
     idle_points,
     lone_idle_s,
     median_points,
+    monotone,
     p_steps,
     trace_idle_rows,
     write_idle,
@@ -57,6 +58,12 @@ def _idle() -> dict:
     ids = ["i0", "i1", "i2", "i3", "i4"]
     rows = {rid: _row(t, step_s=s) for rid, t, s in zip(ids, sent, steps)}
     return {"layout": layout, "per_request": [[rid, [1.0]] for rid in ids], "rows": rows}
+
+
+def test_the_steps_by_idle_time_are_made_non_decreasing():
+    assert monotone([1.0, 3.0, 2.0, 4.0]) == pytest.approx([1.0, 2.5, 2.5, 4.0])
+    assert monotone([5.0, 1.0, 0.0]) == pytest.approx([2.0, 2.0, 2.0])
+    assert monotone([1.0, 2.0]) == [1.0, 2.0] and monotone([]) == []
 
 
 def test_a_prompt_step_is_set_against_its_engines_own_idle_time():
