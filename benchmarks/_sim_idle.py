@@ -187,11 +187,18 @@ def d_first_steps(idle: dict) -> list[tuple[float, float, float, int]]:
     ]
 
 
-def trace_idle_rows(profile, rows: dict) -> list[tuple[float, float]]:
+def trace_idle_rows(profile, rows: dict, alone: bool = False) -> list[tuple[float, float]]:
     """The trace's own prompt steps: ``(idle s before, step less the profile's
-    step for that prompt, s)``, engine by engine."""
+    step for that prompt, s)``, engine by engine. ``alone``: only the steps
+    that met no decoding stream (another request between its first token and
+    its last output at the step's middle), which the beside term covers: a
+    prompt that follows another closely also meets its stream."""
+    spans = [(r["first_token_s"], r["end_s"]) for r in rows.values() if r.get("end_s", -1) >= 0]
     out = []
     for rid, (_, start, end, idle) in p_steps(rows).items():
+        mid = (start + end) / 2
+        if alone and any(a <= mid <= b for a, b in spans):
+            continue
         if idle == idle:
             out.append((idle, end - start - profile.prefill_s(rows[rid]["prompt_tokens"])))
     return out
@@ -219,9 +226,12 @@ def idle_table(profile, reals: dict, probes: list[dict]) -> str:
         lines.append(f"| {label} | " + " | ".join(text) + " |")
 
     for name, runs in reals.items():
-        pairs = [x for r in runs if "rows" in r for x in trace_idle_rows(profile, r["rows"])]
-        if pairs:
-            row(f"trace {name}", pairs)
+        for alone in (False, True):
+            pairs = [
+                x for r in runs if "rows" in r for x in trace_idle_rows(profile, r["rows"], alone)
+            ]
+            if pairs:
+                row(f"trace {name}" + (", no stream decoding" if alone else ""), pairs)
     probe_pairs = []
     base = profile.prefill_s(PROBE_PROMPT)
     for pr in probes:

@@ -135,3 +135,6 @@ def test_the_traces_prompt_steps_are_grouped_by_their_engines_idle_time():
     [(idle, extra)] = trace_idle_rows(p, rows)
     assert idle == pytest.approx(2.0 - 0.05)
     assert extra == pytest.approx(0.08 - p.prefill_s(256))
+    # b's step met a's stream (a decodes until 2.1 s): left out of the steps alone
+    rows["a"]["end_s"], rows["b"]["end_s"] = 2.1, 2.2
+    assert len(trace_idle_rows(p, rows)) == 1 and trace_idle_rows(p, rows, alone=True) == []
