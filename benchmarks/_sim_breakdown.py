@@ -76,7 +76,17 @@ class RecordCollector:
             "scheduled_s": t.scheduled_s,
             "p_first_token_s": t.first_token_s,
             "finished_s": t.finished_s,
+            "p_engine": t.engine_id,  # whose idle time a step follows (_sim_idle.py)
         }
+        d = record.decode_leg
+        if d is not None:  # D's first step after the handoff (_sim_idle.py)
+            dt = d.timings
+            self._rows[record.request_id].update(
+                d_received_s=d.received_s,
+                d_finished_s=dt.finished_s,
+                d_kv_load_end_s=dt.kv_load_end_s,
+                d_first_token_s=dt.first_token_s,
+            )
 
     def take(self) -> dict[str, dict[str, Any]]:
         """The requests finished since the last call, by request id."""

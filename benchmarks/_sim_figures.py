@@ -13,6 +13,7 @@ import os
 import statistics
 from collections.abc import Callable
 
+from benchmarks._sim_idle import base_step_s, beside_idle_s, idle_extras, median_points
 from benchmarks._sim_sweep import PROBE_PROMPT, beside_extras, decode_overheads, median_curve
 
 PROBE_OUTPUT = 32
@@ -114,14 +115,35 @@ def _service(p, profile: dict, probe: dict, rate: float) -> dict:
     service: dict = {"step_overhead_s": overhead_s}
     if parts is not None:  # the path as measured; the served step's solo excess
         latency, served_step_s = parts
-        extra = max(0.0, served_step_s * rate - p.prefill_s(PROBE_PROMPT) - lone)
+        # with the idle-gap probe (_sim_idle.py): each lone prompt's step carries the
+        # extra at its own idle time, so the overhead is taken at no idle time, from
+        # the lone and the idle probe's prompts together (base_step_s)
+        idle = idle_extras(probe["idle"], rate) if "idle" in probe else []
+        base = base_step_s(probe, idle, rate) if idle else None
+        if base is None:
+            base, idle = served_step_s * rate, []
+        extra = max(0.0, base - p.prefill_s(PROBE_PROMPT) - lone)
+        if idle:
+            service["prefill_after_idle_s"] = idle
         if sweep is not None:
-            service["prefill_beside_decode_s"] = beside_extras(sweep, served_step_s, rate)
+            # the beside prompts follow their group's prompts closely: the base
+            # they are set against carries the extra at their own idle time
+            at_beside = _idle_at(idle, beside_idle_s(sweep))
+            service["prefill_beside_decode_s"] = beside_extras(
+                sweep, (base + at_beside) / rate, rate
+            )
     else:
         ttft_s, computed = probe_prefill(profile, probe)
         step = (p.prefill_s(computed) + lone) / rate
         latency, extra = max(0.0, ttft_s - step), 0.0
     return {"request_latency_s": latency, **service, "prefill_overhead_s": extra}
+
+
+def _idle_at(curve: list, idle_s: float | None) -> float:
+    """The idle curve at ``idle_s`` (0 without either)."""
+    from tandem.cluster.planner.service_curve import curve_at
+
+    return curve_at(curve, idle_s) if curve and idle_s is not None else 0.0
 
 
 def host_figures(profile: dict, probe: dict, background_cores: float | None) -> dict:
@@ -181,7 +203,10 @@ def median_figures(
         if section in each[0]:
             keys = dict.fromkeys(k for f in each for k in f[section])  # a sweep's curves too
             out[section] = {
-                k: _median_of([f[section][k] for f in each if k in f[section]]) for k in keys
+                k: (median_points if k == "prefill_after_idle_s" else _median_of)(
+                    [f[section][k] for f in each if k in f[section]]
+                )
+                for k in keys
             }
     return out
 
@@ -251,9 +276,15 @@ def predict_ways(
     print(
         "host figures: " + json.dumps(shared["host"]) + ", service " + json.dumps(shared["service"])
     )
+    if any("idle" in pr for pr in probes):  # the same without the idle term: session 13's
+        plain = [{k: v for k, v in pr.items() if k != "idle"} for pr in probes]
+        fig = median_figures(engine_only, plain, lambda pf, pr: host_figures(pf, pr, None))
+        no_idle = write("profile-host-no-idle.json", fig)
     variants["+ shared cores + background"] = {}
     for n, runs in reals.items():
         bg = statistics.median(r["cpu"]["others"] for r in runs)
         fig = median_figures(engine_only, probes, lambda pf, pr, bg=bg: host_figures(pf, pr, bg))
         variants["+ shared cores + background"][n] = write(f"profile-{n}-bg.json", fig)
+    if any("idle" in pr for pr in probes):
+        variants["+ shared cores, no idle term"] = {n: no_idle for n in reals}
     return variants

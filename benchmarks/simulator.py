@@ -44,7 +44,10 @@
      answer lengths, capped by max_num_seqs), each batch's ITL p50 less the
      profile's decode step for k streams being the step overhead at k, and
      beside each group a lone prompt, whose prefill step (P's own timing)
-     against the lone requests' is the extra by the streams it met. Each
+     against the lone requests' is the extra by the streams it met, then
+     the idle-gap probe (benchmarks/_sim_idle.py): lone prompts after pauses
+     of 0.02-1.5 s, interleaved, whose prefill step against the engine's own
+     idle time before it is the extra a step takes after idling. Each
      request's TTFT is taken apart (benchmarks/_sim_breakdown.py): the request
      latency is the cached pass's path around the prefill engine's queue and
      step, the prefill overhead what the lone requests' prefill step took
@@ -113,6 +116,7 @@ from benchmarks._sim_figures import (  # noqa: E402
     service_figures,
     write_probe,
 )
+from benchmarks._sim_idle import print_idle, write_idle  # noqa: E402
 from benchmarks._sim_rounds import predict_by_round, print_by_round  # noqa: E402
 from benchmarks._sim_sweep import ms_curve, print_sweep, sweep_batches, write_sweep  # noqa: E402
 from benchmarks._sim_tables import (  # noqa: E402
@@ -203,10 +207,12 @@ def serve_and_replay(
     warmup: str,
     probe: str | None = None,
     sweep: tuple[str, list] | None = None,
+    idle: tuple[str, list] | None = None,
 ) -> tuple[dict, dict | None]:
     """One fresh service of ``prefill`` + ``decode`` tiny engines (Ray already
     initialised): the warm-up trace, the ``probe`` trace if given (and the
-    decode ``sweep``'s trace and layout, _sim_sweep.py), then ``trace``; the
+    decode ``sweep``'s trace and layout, _sim_sweep.py, and the ``idle``
+    probe's, _sim_idle.py), then ``trace``; the
     client's summaries of the trace and the probe."""
     from tandem.cluster.cli.serve import ServiceThread
     from tandem.cluster.cli.settings import serve_config
@@ -233,11 +239,11 @@ def serve_and_replay(
             # timers): not per token
             acct = CpuAccount(pids)
             time.sleep(IDLE_WINDOW_S)
-            idle = acct.stop()
+            idle_cpu = acct.stop()
             acct = CpuAccount(pids)
             probed = replay_in_process(svc.base_url, probe, 2)
             probed["cpu"] = acct.stop()
-            probed["idle_cpu"] = idle
+            probed["idle_cpu"] = idle_cpu
             # the same prompts again: their blocks are cached on the prefill engine,
             # so a TTFT is the serving path and one block's prefill (_sim_figures.py)
             probed["rows"] = collector.take()
@@ -253,6 +259,10 @@ def serve_and_replay(
                 # decode steps carry it (a lone stream's ITL holds more, _sim_figures.py)
                 probed["paired"] = replay_in_process(svc.base_url, probe + ".pairs", 3)
                 collector.take()
+            if idle is not None:
+                # lone prompts after pauses: a prompt step after its engine idled
+                got = replay_in_process(svc.base_url, idle[0], 4, per_request=True)
+                probed["idle"] = {**got, "layout": idle[1], "rows": collector.take()}
         acct = CpuAccount(pids)
         summary = replay_in_process(svc.base_url, trace, 0)
         summary["cpu"] = acct.stop()
@@ -286,6 +296,7 @@ def measure_rounds(
     probe: str,
     profile_dir: str | None = None,
     sweep: tuple[str, list] | None = None,
+    idle: tuple[str, list] | None = None,
 ) -> tuple[dict[str, list[dict]], list[dict], dict[str, list[float]], list[dict]]:
     """``rounds`` rounds, each serving every configuration in turn (so a busy
     minute of the shared box lands on one round of each, not on one
@@ -315,8 +326,9 @@ def measure_rounds(
                 t0 = time.monotonic()
                 first = (pre, dec) == configs[0]
                 real, got = serve_and_replay(
-                    pre, dec, trace, warmup, probe if first else None, sweep if first else None
-                )
+                    pre, dec, trace, warmup, probe if first else None, sweep if first else None,
+                    idle if first else None,
+                )  # fmt: skip
                 if got is not None:
                     probes.append(got)
                 assert real["num_failed"] == 0, real["errors"]
@@ -376,6 +388,7 @@ def main() -> int:
         mean_output = sum(OUTPUT_TOKENS) / 2
         batches = sweep_batches(args.rate, mean_output, ENGINE["max_num_seqs"])
         sweep = (probe + ".sweep", write_sweep(probe + ".sweep", batches))
+        idle = (probe + ".idle", write_idle(probe + ".idle"))
         profiles = []
         if kept is not None:  # predict again from a run --save kept: no service started
             reals, probes, loads = kept["real"], kept["probes"], kept["loads"]
@@ -385,7 +398,7 @@ def main() -> int:
             # point is the median of the rounds' (the box's state over the run)
             profile_dir = tmp if profile is None else None
             reals, probes, loads, profiles = measure_rounds(
-                configs, args.rounds, trace, warmup, probe, profile_dir, sweep
+                configs, args.rounds, trace, warmup, probe, profile_dir, sweep, idle
             )
             if profile is None:
                 profile = os.path.join(tmp, "profile.json")
@@ -430,9 +443,11 @@ def main() -> int:
             f" -> median request_latency_s {svc['request_latency_s'] * 1000:.2f} ms, "
             f"step_overhead_s {ms_curve(svc['step_overhead_s'])}, "
             f"prefill_overhead_s {svc.get('prefill_overhead_s', 0.0) * 1000:.2f} ms, "
-            f"prefill_beside_decode_s {ms_curve(svc.get('prefill_beside_decode_s', 0.0))}"
+            f"prefill_beside_decode_s {ms_curve(svc.get('prefill_beside_decode_s', 0.0))}, "
+            f"prefill_after_idle_s {ms_curve(svc.get('prefill_after_idle_s', 0.0))}"
         )
         print_sweep(engine_only, probes)
+        print_idle(engine_only, reals, probes)
     print("\nmeasured p50s per round (ms):")
     print(rounds_table(reals, loads))
     medians = {n: median_run(reals[n]) for n in names}

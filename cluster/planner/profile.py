@@ -18,7 +18,8 @@ JSON, ``format: "tandem-profile/1"``::
       "service": {"request_latency_s": 0.008,
                   "step_overhead_s": [[1, 0.0009], [4, 0.0005], [8, 0.0004]],  # or one number
                   "prefill_overhead_s": 0.002,
-                  "prefill_beside_decode_s": [[0, 0.0], [1, 0.004]]},  # optional, 0 when absent
+                  "prefill_beside_decode_s": [[0, 0.0], [1, 0.004]],  # optional, 0 when absent
+                  "prefill_after_idle_s": [[0.02, 0.0], [1.0, 0.003]]},  # optional, 0 when absent
       "host": {"cores": 2, "engine_threads": 1, "cpu_per_token_s": 0.0003,
                "background_cores": 0.0}                                      # optional
     }
@@ -48,8 +49,11 @@ a prompt from idle, with cold caches, where ``tandem profile`` times prompts
 back to back), and ``prefill_beside_decode_s`` more by the decode streams
 running on the decode engines when it starts (``[[streams, seconds], ...]``,
 0 at none: a long prompt step on a shared box yields to the short decode
-steps beside it). ``tandem profile`` times the engine alone and leaves them
-0; benchmarks/simulator.py measures them through a served 1P1D. ``host``
+steps beside it), and ``prefill_after_idle_s`` more by the time the engine
+sat idle before that step (``[[idle seconds, seconds], ...]``: on a CPU box a
+step that follows an idle wait runs slower than one that follows a step;
+``prefill_overhead_s`` is then the figure at no idle time). ``tandem profile``
+times the engine alone and leaves them 0; benchmarks/simulator.py measures them through a served 1P1D. ``host``
 (optional, contention.py) says that the engines share a host's cores and
 how: when set, the simulator stretches the steps of engines that compute at
 the same time beyond the cores (processor sharing); absent (a GPU
@@ -70,7 +74,9 @@ FORMAT = "tandem-profile/1"
 META_KEYS = ("model", "device", "measured_at", "tensor_parallel_size")
 SERVICE_FIELDS = ("request_latency_s", "step_overhead_s", "prefill_overhead_s")
 # service figures that may be [[count, seconds], ...] curves, and the least count of each
-SERVICE_CURVES = {"step_overhead_s": 1, "prefill_beside_decode_s": 0}
+SERVICE_CURVES = {"step_overhead_s": 1, "prefill_beside_decode_s": 0, "prefill_after_idle_s": 0}
+# the curves that are lists only, absent (``[]``) meaning 0 everywhere
+LIST_CURVES = ("prefill_beside_decode_s", "prefill_after_idle_s")
 
 
 def interp(xs: list[float], ys: list[float], x: float) -> float:
@@ -109,6 +115,7 @@ class Profile:
     step_overhead_s: float | list[list[float]] = 0.0  # one number, or by batch (a curve)
     prefill_overhead_s: float = 0.0
     prefill_beside_decode_s: list[list[float]] = field(default_factory=list)  # by streams
+    prefill_after_idle_s: list[list[float]] = field(default_factory=list)  # by idle seconds
     host: HostShare | None = None  # engines sharing a host's cores (None: a device each)
 
     def __post_init__(self) -> None:
@@ -131,9 +138,9 @@ class Profile:
                 raise ValueError(f"profile: service.{name} must be a number >= 0")
         for name, low in SERVICE_CURVES.items():
             v = getattr(self, name)
-            beside = name == "prefill_beside_decode_s"  # a list only (0 at none: absent)
-            if not (beside and v == []):
-                points = parse_curve(name, v, low, number=not beside)
+            listed = name in LIST_CURVES  # a list only (0 everywhere: absent)
+            if not (listed and v == []):
+                points = parse_curve(name, v, low, number=not listed)
                 setattr(self, name, v if _num(v) else [list(p) for p in points])
         t = self.transfer
         if not _num(t.bytes_per_s) or t.bytes_per_s <= 0:
@@ -162,11 +169,13 @@ class Profile:
         """A step's time in the served loop: the engine's step and the loop's overhead."""
         return engine_step_s + self.step_overhead(batch)
 
-    def served_prefill_s(self, batch_tokens: int, decoding: int = 0) -> float:
+    def served_prefill_s(self, batch_tokens: int, decoding: int = 0, idle_s: float = 0.0) -> float:
         """A step computing ``batch_tokens`` prompt tokens in the served loop, with
-        ``decoding`` streams running on the decode engines beside it."""
+        ``decoding`` streams running on the decode engines beside it, after its
+        engine sat ``idle_s`` seconds idle (``inf``: never stepped before)."""
         beside = curve_at(self.prefill_beside_decode_s, decoding)
-        return self.step_s(self.prefill_s(batch_tokens)) + self.prefill_overhead_s + beside
+        idle = curve_at(self.prefill_after_idle_s, idle_s) if self.prefill_after_idle_s else 0.0
+        return self.step_s(self.prefill_s(batch_tokens)) + self.prefill_overhead_s + beside + idle
 
     def decode_s(self, batch_size: float, context_tokens: float) -> float:
         bs, cs = self.decode_batch_sizes, self.decode_context_tokens
@@ -210,13 +219,14 @@ class Profile:
         }
 
     def _has_service(self) -> bool:
-        return any(getattr(self, k) for k in (*SERVICE_FIELDS, "prefill_beside_decode_s"))
+        return any(getattr(self, k) for k in (*SERVICE_FIELDS, *LIST_CURVES))
 
     def _service_json(self) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in SERVICE_FIELDS}
         out["step_overhead_s"] = curve_json(self.step_overhead_s)
-        if self.prefill_beside_decode_s:
-            out["prefill_beside_decode_s"] = curve_json(self.prefill_beside_decode_s)
+        for k in LIST_CURVES:
+            if getattr(self, k):
+                out[k] = curve_json(getattr(self, k))
         return out
 
     @classmethod
@@ -237,7 +247,7 @@ class Profile:
                 scheduler=dict(obj.get("scheduler") or {}),
                 meta={k: obj[k] for k in META_KEYS if k in obj},
                 **{k: svc.get(k, 0.0) for k in SERVICE_FIELDS},
-                prefill_beside_decode_s=svc.get("prefill_beside_decode_s", []),
+                **{k: svc.get(k, []) for k in LIST_CURVES},
                 host=HostShare.from_json(obj["host"]) if obj.get("host") is not None else None,
             )
         except (KeyError, TypeError) as exc:

@@ -1,6 +1,6 @@
 """A served figure that depends on one count: ``[[x, y], ...]`` pairs.
 
-The profile's ``service`` section (profile.py) keeps two of them:
+The profile's ``service`` section (profile.py) keeps three of them:
 
 - ``step_overhead_s``: what the served loop adds to a decode step of ``x``
   requests (a probe's served ITL with ``x`` streams less the profile's
@@ -8,6 +8,8 @@ The profile's ``service`` section (profile.py) keeps two of them:
   sweep) is the same overhead at every batch.
 - ``prefill_beside_decode_s``: what a served prompt step takes beyond a lone
   one's while ``x`` decode streams run on the box's decode engines.
+- ``prefill_after_idle_s``: what a served prompt step takes beyond one that
+  follows its engine's previous step at once, after ``x`` seconds idle.
 
 Between two points the figure is linear; below the first and past the last
 point it stays at that point's value (a sweep says nothing about a batch it

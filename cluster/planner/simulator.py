@@ -8,8 +8,10 @@ computes one token is a decode step, ``decode_s(batch size, context tokens
 the batch attends to)``; any other step costs ``prefill_s(scheduled tokens)``
 (with the profile's ``service`` figures, a served step: the loop's
 ``step_overhead_s`` at the step's batch more, and on a step that computes
-prompt tokens ``prefill_overhead_s`` and ``prefill_beside_decode_s`` at the
-number of streams the decode engines run when it starts).
+prompt tokens ``prefill_overhead_s``, ``prefill_beside_decode_s`` at the
+number of streams the decode engines run when it starts, and
+``prefill_after_idle_s`` at the time its engine sat idle since its previous
+step ended; an engine that never stepped has been idle without end).
 Each record keeps when its request reached an engine and when the step that
 first computed its prompt started (``metrics.ttft_parts``).
 The runner's sampled token is a constant (``ignore_eos``: a request stops at
@@ -132,6 +134,7 @@ class _Engine:
         )
         self.busy_until: float | None = None
         self.step_start_s = 0.0
+        self.idle_since: float | None = None  # its last step's end (None: never stepped)
         host = self.profile.host or sim.profile.host
         self.threads = host.engine_threads if host is not None else 1.0
         self.step: SchedulerOutput | None = None
@@ -306,7 +309,8 @@ class Simulator:
         so = e.sched.schedule()
         if so.total_num_scheduled_tokens == 0:
             return  # waiting for blocks or a handoff: an event wakes it
-        cost = self.step_cost(e.sched, so, e.profile)
+        idle_s = t - e.idle_since if e.idle_since is not None else float("inf")
+        cost = self.step_cost(e.sched, so, e.profile, idle_s)
         e.step, e.busy_until, e.step_start_s = so, t + cost, t
         for new in so.scheduled_new_reqs:  # the step computing a prompt first
             params = e.sched.requests[new.req_id].kv_transfer_params or {}
@@ -332,23 +336,27 @@ class Simulator:
         self.path_until = share.finish_s("path") if "path" in share.jobs() else None
 
     def step_cost(
-        self, sched: Scheduler, so: SchedulerOutput, profile: Profile | None = None
+        self,
+        sched: Scheduler,
+        so: SchedulerOutput,
+        profile: Profile | None = None,
+        idle_s: float = 0.0,
     ) -> float:
+        """A step's cost; ``idle_s``: how long its engine sat idle before it."""
         profile = profile or self.profile
         counts = so.num_scheduled_tokens
         if all(n == 1 for n in counts.values()):
             context = sum(sched.requests[rid].num_computed_tokens for rid in counts)
             return profile.step_s(profile.decode_s(len(counts), context), len(counts))
-        if not profile.prefill_beside_decode_s:
-            return profile.served_prefill_s(so.total_num_scheduled_tokens)
-        return profile.served_prefill_s(so.total_num_scheduled_tokens, self.decoding_streams())
+        decoding = self.decoding_streams() if profile.prefill_beside_decode_s else 0
+        return profile.served_prefill_s(so.total_num_scheduled_tokens, decoding, idle_s)
 
     def decoding_streams(self) -> int:
         """Streams the decode engines are running now (what a prompt step meets)."""
         return sum(len(e.sched.running) for e in self.decode)
 
     def _finish_step(self, e: _Engine, t: float, records: list[_Record], live: dict) -> None:
-        so, e.step, e.busy_until = e.step, None, None
+        so, e.step, e.busy_until, e.idle_since = e.step, None, None, t
         if self.share is not None:
             self.share.remove(("engine", e.index))
             e.last_step_s = t - e.step_start_s  # its length, stretched by the others

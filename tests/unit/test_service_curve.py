@@ -99,3 +99,54 @@ def test_a_prompt_step_beside_decoding_streams_takes_the_extra_for_their_count()
     assert second.token_times[0] - second.first_step_s == pytest.approx(
         p.served_prefill_s(200) + 0.005
     )
+
+
+def test_the_idle_curve_loads_round_trips_and_old_profiles_have_none(tmp_path):
+    old = profile().to_json()
+    old["service"] = {"request_latency_s": 0.004, "step_overhead_s": 0.0005,
+                      "prefill_overhead_s": 0.002}  # fmt: skip
+    p = Profile.from_json(old)
+    assert p.prefill_after_idle_s == []  # absent: 0 at every idle time
+    assert p.served_prefill_s(300, idle_s=5.0) == p.served_prefill_s(300)
+    assert "prefill_after_idle_s" not in p.to_json()["service"]
+    new = profile().to_json()
+    new["service"] = {**old["service"], "prefill_after_idle_s": [[0.02, 0.0], [1.0, 0.004]]}
+    f = tmp_path / "p.json"
+    f.write_text(json.dumps(new))
+    q = load_profile(str(f))
+    base = q.served_prefill_s(300)
+    assert q.served_prefill_s(300, idle_s=0.0) == pytest.approx(base)  # back to back
+    assert q.served_prefill_s(300, idle_s=0.51) == pytest.approx(base + 0.002)  # linear
+    assert q.served_prefill_s(300, idle_s=float("inf")) == pytest.approx(base + 0.004)
+    save_profile(q, str(f))
+    assert load_profile(str(f)).to_json()["service"] == new["service"]
+    for bad in ([[0.5, 0.001], [0.1, 0.002]], [[-1, 0.0]], 0.003):
+        new["service"]["prefill_after_idle_s"] = bad
+        with pytest.raises(ValueError, match=r"service\.prefill_after_idle_s"):
+            Profile.from_json(new)
+
+
+def test_a_prompt_step_takes_the_idle_extra_from_its_engines_own_idle_time():
+    """The first prompt meets an engine that never stepped (idle without end:
+    the curve's last value); the second arrives during the first's step (no
+    idle: its step follows at once); the third after a pause, measured from
+    the end of the prefill engine's last step; the same inputs give the same
+    records."""
+    p = profile()
+    p.prefill_after_idle_s = [[0.0, 0.0], [1.0, 0.01], [2.0, 0.02]]
+    reqs = [SimRequest(1.0, list(range(300)), 2), SimRequest(1.01, list(range(1000, 1200)), 2),
+            SimRequest(2.5, list(range(2000, 2100)), 2)]  # fmt: skip
+    a, b, c = Simulator(p, 1, 1).run(reqs)
+    assert a.token_times[0] - a.first_step_s == pytest.approx(p.served_prefill_s(300) + 0.02)
+    assert b.first_step_s == pytest.approx(a.token_times[0])  # P's next step, no idle
+    assert b.token_times[0] - b.first_step_s == pytest.approx(p.served_prefill_s(200))
+    idle = c.first_step_s - b.token_times[0]  # since P's last step (b's) ended
+    assert 1.0 < idle < 2.0
+    assert c.token_times[0] - c.first_step_s == pytest.approx(
+        p.served_prefill_s(100) + 0.01 + 0.01 * (idle - 1.0)
+    )
+    again = Simulator(p, 1, 1).run(reqs)
+    assert [r.token_times for r in again] == [r.token_times for r in (a, b, c)]
+    p.prefill_after_idle_s = []
+    plain = Simulator(p, 1, 1).run(reqs)
+    assert plain[2].token_times[0] - plain[2].first_step_s == pytest.approx(p.served_prefill_s(100))
