@@ -65,6 +65,7 @@ class RequestRun:
                 skip_special_tokens=job.skip_special_tokens,
                 stop=job.stop,
                 include_stop_str_in_output=job.include_stop_str_in_output,
+                keep_text=False,  # the response is built from the deltas
             )
             for _ in range(request.n)
         ]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from bisect import bisect_left
 from typing import TYPE_CHECKING, Any
 
 from starlette.responses import Response
@@ -142,6 +143,11 @@ class GenerationResponse(Response):
                         # token count (``counted``) until the next general step: the run and
                         # the job are not touched per token
                         last_s, itl = run.last_token_s, run.itl
+                        # the histogram's observe, inlined (``itl`` is known from the
+                        # first token on, before any short-path token)
+                        itl_counts = itl_bounds = None
+                        if itl is not None:
+                            itl_counts, itl_bounds = itl.counts, itl.bounds
                         while True:
                             if output is None:  # the backend ended without a final output
                                 step: Step | None = run.no_final_output()
@@ -151,13 +157,14 @@ class GenerationResponse(Response):
                                 and output.timings is None
                                 and output.new_logprobs is None
                                 and output.prompt_logprobs is None
-                                and output.new_token_ids
+                                and (token_ids := output.new_token_ids)
                                 and last_s
                             ):  # the common token (RequestRun.is_plain_token)
                                 now_s = perf_counter()
-                                itl.observe(now_s - last_s)  # type: ignore[union-attr]
+                                gap_s = now_s - last_s
+                                itl_counts[bisect_left(itl_bounds, gap_s)] += 1  # type: ignore
+                                itl.sum += gap_s  # type: ignore[union-attr]
                                 last_s = now_s
-                                token_ids = output.new_token_ids
                                 counted += len(token_ids)
                                 text = update(token_ids)
                                 if text:
@@ -185,6 +192,8 @@ class GenerationResponse(Response):
                                 run.last_token_s = last_s
                                 step = run.step(output)
                                 last_s, itl = run.last_token_s, run.itl
+                                if itl is not None:
+                                    itl_counts, itl_bounds = itl.counts, itl.bounds
                                 if run.has_choices_to_abort:
                                     await run.abort_choices()
                             if step is not None:
