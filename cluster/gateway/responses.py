@@ -104,9 +104,11 @@ class GenerationResponse(Response):
         chain), every body event through ``body_send`` (the server's; see
         ``SERVER_SEND``). The loop pulls the backend's outputs itself
         (``run.outputs``, no generator in between) and takes the common token
-        on its short path: the inter-token observation, the count, the
-        detokenizer's short path and the text chunk's fixed frame
-        (``text_frame``). Every other output is ``run.step``'s.
+        on its short path: the inter-token observation (the histogram's
+        ``observe`` inlined), the count, the detokenizer's short path and the
+        text chunk as its fixed prefix plus the text's shared tail (``text_frame``,
+        ``text_tails``: one concatenation, no encoding for a text seen before).
+        Every other output is ``run.step``'s.
 
         Events of outputs that were ready together (``Backend.num_ready``) go
         out as one write: a gateway running behind its engines pays one write
@@ -135,8 +137,11 @@ class GenerationResponse(Response):
                         pending = b"".join(c for f in formatters for c in f.stream_start())
                         text_delta = formatters[0].stream_delta
                         frame = formatters[0].text_frame  # the text chunk's fixed bytes, if any
-                        prefix, suffix = frame if frame is not None else (b"", b"")
-                        encode = formatting.encode_json
+                        prefix = frame[0] if frame is not None else b""
+                        tails = formatters[0].text_tails  # what follows ``prefix``, by text
+                        tail_of = make_tail = None
+                        if frame is not None and tails is not None:
+                            tail_of, make_tail = tails.table.get, tails.make
                         next_output = run.outputs.__anext__
                         plain, update, perf_counter = run.plain, run.update, time.perf_counter
                         # the run's inter-token clock, kept here between its steps, and the
@@ -168,8 +173,11 @@ class GenerationResponse(Response):
                                 counted += len(token_ids)
                                 text = update(token_ids)
                                 if text:
-                                    if frame is not None:
-                                        pending += prefix + encode(text) + suffix
+                                    if tail_of is not None:
+                                        tail = tail_of(text)
+                                        if tail is None:
+                                            tail = make_tail(text)  # type: ignore[misc]
+                                        pending += prefix + tail
                                     else:
                                         pending += text_delta(text, None, None)
                                 if pending and not num_ready(request_id):

@@ -59,21 +59,22 @@ class IncrementalDetokenizer:
     streaming caller that never reads it; nothing grows per token).
     """
 
+    # The short path's fields first: one or two cache lines per token.
     __slots__ = (
-        "_decode",
+        "_short",
+        "_known_text",
+        "_last_id",
+        "_pieces",
         "_token_text",
+        "_text_cache",
+        "_plain",
+        "_decode",
         "_stops",
         "_include_stop",
         "_ids",
         "_read_offset",
         "_prefix_text",
         "_pending",
-        "_pieces",
-        "_text_cache",
-        "_known_text",
-        "_plain",
-        "_short",
-        "_last_id",
         "stop_matched",
         "finished",
     )
