@@ -192,7 +192,7 @@ class GenerationResponse(Response):
                                     )
                                     pending = b""
                                 try:
-                                    output = await outputs.__anext__()
+                                    output = await anext(outputs)
                                 except StopAsyncIteration:
                                     output = None
                                 continue
@@ -223,7 +223,7 @@ class GenerationResponse(Response):
                                     await _send_body(body_send, pending)
                                     pending = b""
                             try:
-                                output = await outputs.__anext__()
+                                output = await anext(outputs)
                             except StopAsyncIteration:
                                 output = None
                 except (asyncio.CancelledError, OSError):
