@@ -28,6 +28,40 @@ def sse(payload: Any) -> bytes:
 SSE_DONE = b"data: [DONE]\n\n"
 
 
+class TextTails:
+    """``text -> encode_json(text) + suffix``: the common text chunk's end (``text_frame``'s
+    suffix after the text's JSON), one table per chunk kind shared by every response.
+
+    The SSE writer builds a text chunk as ``prefix + tail``: one concatenation, no
+    encoding, for a text seen before (most streamed tokens are a vocabulary entry's
+    text, the same ``str`` each time). The table is emptied when it reaches
+    ``_MAX_TEXT_TAILS`` entries, so it holds what recent streams used, never grows
+    without bound.
+    """
+
+    __slots__ = ("suffix", "table")
+
+    def __init__(self, suffix: bytes) -> None:
+        self.suffix = suffix
+        self.table: dict[str, bytes] = {}
+
+    def make(self, text: str) -> bytes:
+        """The tail of ``text``, encoded and kept (``table.get`` first)."""
+        tail = encode_json(text) + self.suffix
+        table = self.table
+        if len(table) >= _MAX_TEXT_TAILS:
+            table.clear()
+        table[text] = tail
+        return tail
+
+
+_MAX_TEXT_TAILS = 1 << 15
+_COMPLETION_SUFFIX = b',"logprobs":null,"finish_reason":null}]}\n\n'
+_CHAT_SUFFIX = b'},"logprobs":null,"finish_reason":null}]}\n\n'
+_COMPLETION_TAILS = TextTails(_COMPLETION_SUFFIX)
+_CHAT_TAILS = TextTails(_CHAT_SUFFIX)
+
+
 def usage(
     num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int = 0
 ) -> dict[str, Any]:
@@ -56,6 +90,8 @@ class _ChoiceBodies:
     # suffix`` is ``stream_delta(text, None, None)``, built by the SSE writer itself.
     # None: every text must go through ``stream_delta`` (tool calls parse it).
     text_frame: tuple[bytes, bytes] | None = None
+    # ``text_frame``'s suffix after the text's JSON, shared (None with no ``text_frame``)
+    text_tails: TextTails | None = None
     prompt_logprobs_in_choice = False  # vLLM: in each choice (completions) or at the top (chat)
     _head: dict[str, Any]  # id, object, created, model of the whole response
 
@@ -122,8 +158,9 @@ class CompletionFormatter(_ChoiceBodies):
         self._delta_prefix = (
             b"data: " + encode_json(head)[:-1] + b',"choices":[{"index":%d,"text":' % index
         )
-        self._delta_suffix = b',"logprobs":null,"finish_reason":null}]}\n\n'
+        self._delta_suffix = _COMPLETION_SUFFIX
         self.text_frame = (self._delta_prefix, self._delta_suffix)
+        self.text_tails = _COMPLETION_TAILS
         self._head = head
 
     def stream_start(self) -> list[bytes]:
@@ -204,8 +241,9 @@ class ChatFormatter(_ChoiceBodies):
             + encode_json(self._chunk_head)[:-1]
             + b',"choices":[{"index":%d,"delta":{"content":' % index
         )
-        self._delta_suffix = b'},"logprobs":null,"finish_reason":null}]}\n\n'
+        self._delta_suffix = _CHAT_SUFFIX
         self.text_frame = (self._delta_prefix, self._delta_suffix)
+        self.text_tails = _CHAT_TAILS
 
     def stream_start(self) -> list[bytes]:
         choice = {

@@ -51,6 +51,7 @@ class RequestRun:
         "path",
         "itl",
         "plain",
+        "detokenizer",
         "update",
     )
 
@@ -65,6 +66,7 @@ class RequestRun:
                 skip_special_tokens=job.skip_special_tokens,
                 stop=job.stop,
                 include_stop_str_in_output=job.include_stop_str_in_output,
+                keep_text=False,  # the response is built from the deltas
             )
             for _ in range(request.n)
         ]
@@ -82,7 +84,8 @@ class RequestRun:
         self.path = "local"  # "remote" once the first token came from a prefill engine
         self.itl: LoopHistogram | None = None  # the path's inter-token histogram, once known
         self.plain = job.plain
-        self.update = self._detokenizers[0].update  # the common token's detokenizer
+        self.detokenizer = self._detokenizers[0]  # the common token's (choice 0's)
+        self.update = self.detokenizer.update
 
     def is_plain_token(self, output: EngineOutput) -> bool:
         """Whether ``output`` is the common token: a plain request past its first

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from bisect import bisect_left
 from typing import TYPE_CHECKING, Any
 
 from starlette.responses import Response
@@ -103,9 +104,11 @@ class GenerationResponse(Response):
         chain), every body event through ``body_send`` (the server's; see
         ``SERVER_SEND``). The loop pulls the backend's outputs itself
         (``run.outputs``, no generator in between) and takes the common token
-        on its short path: the inter-token observation, the count, the
-        detokenizer's short path and the text chunk's fixed frame
-        (``text_frame``). Every other output is ``run.step``'s.
+        on its short path: the inter-token observation (the histogram's
+        ``observe`` inlined), the count, the detokenizer's short path and the
+        text chunk as its fixed prefix plus the text's shared tail (``text_frame``,
+        ``text_tails``: one concatenation, no encoding for a text seen before).
+        Every other output is ``run.step``'s.
 
         Events of outputs that were ready together (``Backend.num_ready``) go
         out as one write: a gateway running behind its engines pays one write
@@ -134,14 +137,24 @@ class GenerationResponse(Response):
                         pending = b"".join(c for f in formatters for c in f.stream_start())
                         text_delta = formatters[0].stream_delta
                         frame = formatters[0].text_frame  # the text chunk's fixed bytes, if any
-                        prefix, suffix = frame if frame is not None else (b"", b"")
-                        encode = formatting.encode_json
-                        next_output = run.outputs.__anext__
-                        plain, update, perf_counter = run.plain, run.update, time.perf_counter
+                        prefix = frame[0] if frame is not None else b""
+                        tails = formatters[0].text_tails  # what follows ``prefix``, by text
+                        tail_of = make_tail = None
+                        if frame is not None and tails is not None:
+                            tail_of, make_tail = tails.table.get, tails.make
+                        # the backend's iterator and the detokenizer themselves, not bound
+                        # methods of them: one object fewer per stream touched per token
+                        outputs, detokenizer = run.outputs, run.detokenizer
+                        plain, perf_counter = run.plain, time.perf_counter
                         # the run's inter-token clock, kept here between its steps, and the
                         # token count (``counted``) until the next general step: the run and
                         # the job are not touched per token
                         last_s, itl = run.last_token_s, run.itl
+                        # the histogram's observe, inlined (``itl`` is known from the
+                        # first token on, before any short-path token)
+                        itl_counts = itl_bounds = None
+                        if itl is not None:
+                            itl_counts, itl_bounds = itl.counts, itl.bounds
                         while True:
                             if output is None:  # the backend ended without a final output
                                 step: Step | None = run.no_final_output()
@@ -151,18 +164,22 @@ class GenerationResponse(Response):
                                 and output.timings is None
                                 and output.new_logprobs is None
                                 and output.prompt_logprobs is None
-                                and output.new_token_ids
+                                and (token_ids := output.new_token_ids)
                                 and last_s
                             ):  # the common token (RequestRun.is_plain_token)
                                 now_s = perf_counter()
-                                itl.observe(now_s - last_s)  # type: ignore[union-attr]
+                                gap_s = now_s - last_s
+                                itl_counts[bisect_left(itl_bounds, gap_s)] += 1  # type: ignore
+                                itl.sum += gap_s  # type: ignore[union-attr]
                                 last_s = now_s
-                                token_ids = output.new_token_ids
                                 counted += len(token_ids)
-                                text = update(token_ids)
+                                text = detokenizer.update(token_ids)
                                 if text:
-                                    if frame is not None:
-                                        pending += prefix + encode(text) + suffix
+                                    if tail_of is not None:
+                                        tail = tail_of(text)
+                                        if tail is None:
+                                            tail = make_tail(text)  # type: ignore[misc]
+                                        pending += prefix + tail
                                     else:
                                         pending += text_delta(text, None, None)
                                 if pending and not num_ready(request_id):
@@ -175,7 +192,7 @@ class GenerationResponse(Response):
                                     )
                                     pending = b""
                                 try:
-                                    output = await next_output()
+                                    output = await anext(outputs)
                                 except StopAsyncIteration:
                                     output = None
                                 continue
@@ -185,6 +202,8 @@ class GenerationResponse(Response):
                                 run.last_token_s = last_s
                                 step = run.step(output)
                                 last_s, itl = run.last_token_s, run.itl
+                                if itl is not None:
+                                    itl_counts, itl_bounds = itl.counts, itl.bounds
                                 if run.has_choices_to_abort:
                                     await run.abort_choices()
                             if step is not None:
@@ -204,7 +223,7 @@ class GenerationResponse(Response):
                                     await _send_body(body_send, pending)
                                     pending = b""
                             try:
-                                output = await next_output()
+                                output = await anext(outputs)
                             except StopAsyncIteration:
                                 output = None
                 except (asyncio.CancelledError, OSError):

@@ -179,3 +179,28 @@ def test_the_text_frame_is_the_common_chunk(index):
     assert ToolChatFormatter(*args, plan=auto, index=index).text_frame is None
     plain = ToolChatFormatter(*args, plan=ToolPlan("none", {"f": {}}), index=index)
     assert plain.text_frame == ChatFormatter(*args, index=index).text_frame
+
+
+def test_text_tails_end_the_common_chunk(monkeypatch):
+    """The SSE writer builds the common chunk as ``prefix + tail`` from the shared
+    ``text_tails`` table: the same bytes as ``stream_delta``, for a text met the first
+    time and again, and after the table was emptied at its bound."""
+    from tandem.cluster.gateway import formatting
+    from tandem.cluster.gateway.formatting import ChatFormatter, CompletionFormatter
+    from tandem.cluster.gateway.tools.formatting import ToolChatFormatter
+    from tandem.cluster.gateway.tools.request import ToolPlan
+
+    monkeypatch.setattr(formatting, "_MAX_TEXT_TAILS", 3)
+    args = ("cmpl-1", "tiny", 7, None, str)
+    texts = ["", " fox", 'a "quoted"\n\u00e9 \U0001f600', " fox", "x", "y", "z", " fox"]
+    for formatter in (CompletionFormatter(*args, index=1), ChatFormatter(*args)):
+        tails = formatter.text_tails
+        prefix = formatter.text_frame[0]
+        for text in texts:
+            tail = tails.table.get(text)
+            if tail is None:
+                tail = tails.make(text)
+            assert prefix + tail == formatter.stream_delta(text, None, None)
+            assert len(tails.table) <= 3
+    auto = ToolPlan("auto", {"f": {}}, parser="hermes")
+    assert ToolChatFormatter(*args, plan=auto).text_tails is None

@@ -145,6 +145,32 @@ def test_random_texts_stream_to_the_decoded_text(name, request):
                 assert detok.text == _decode(tokenizer, output_ids, skip)
 
 
+def test_without_kept_text_the_deltas_are_the_same(byte_bpe):
+    """``keep_text=False`` (the gateway's: it streams the deltas) changes no delta, one
+    token at a time as the gateway feeds them, after any prompt cut (one that ends
+    inside a character too: the prompt's context is decoded when the first token
+    needs it), with special tokens between; ``text`` is then not available."""
+    rng = random.Random(2)
+    eos = byte_bpe.eos_token_id
+    for _ in range(150):
+        ids = byte_bpe.encode(_random_text(rng, rng.randint(2, 14)), add_special_tokens=False)
+        cut = rng.randint(0, len(ids))
+        prompt_ids, output_ids = ids[:cut], ids[cut:]
+        if rng.random() < 0.3:
+            output_ids.insert(rng.randint(0, len(output_ids)), eos)
+        for skip in (True, False):
+            kept = IncrementalDetokenizer(byte_bpe, prompt_ids, skip_special_tokens=skip)
+            lean = IncrementalDetokenizer(
+                byte_bpe, prompt_ids, skip_special_tokens=skip, keep_text=False
+            )
+            deltas = [kept.update([i]) for i in output_ids] + [kept.finish()]
+            assert [lean.update([i]) for i in output_ids] + [lean.finish()] == deltas
+            full = _decode(byte_bpe, prompt_ids + output_ids, skip)
+            assert "".join(deltas) == kept.text == full[len(_decode(byte_bpe, prompt_ids, skip)) :]
+    with pytest.raises(AttributeError, match="keep_text"):
+        _ = lean.text
+
+
 def test_arbitrary_token_ids_concatenate_to_decode(byte_bpe):
     """Random ids form invalid UTF-8 too: deltas still add up to decode(all).
 

@@ -49,7 +49,35 @@ _MAX_HELD_TOKENS = 16
 
 
 class IncrementalDetokenizer:
-    """Turns a request's output token ids into text deltas."""
+    """Turns a request's output token ids into text deltas.
+
+    The common token (one whole-text token after a decided window, no stop
+    strings) takes ``update``'s short path: a read of the shared whole-token
+    cache and one field set, no list, no decode. Its window (``[token]``, the
+    token's text as the prefix) is only written out when the general path
+    needs it (``_materialize``). ``keep_text=False``: ``text`` is not kept (a
+    streaming caller that never reads it; nothing grows per token).
+    """
+
+    # The short path's fields first: one or two cache lines per token.
+    __slots__ = (
+        "_short",
+        "_known_text",
+        "_last_id",
+        "_pieces",
+        "_token_text",
+        "_text_cache",
+        "_plain",
+        "_decode",
+        "_stops",
+        "_include_stop",
+        "_ids",
+        "_read_offset",
+        "_prefix_text",
+        "_pending",
+        "stop_matched",
+        "finished",
+    )
 
     def __init__(
         self,
@@ -59,59 +87,81 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         stop: list[str] | None = None,
         include_stop_str_in_output: bool = False,
+        keep_text: bool = True,
     ) -> None:
         self._decode = _make_decode(tokenizer, skip_special_tokens)
-        self._token_text = _whole_token_text(tokenizer)
+        self._token_text = token_text = _whole_token_text(tokenizer)
         self._stops = [s for s in (stop or []) if s]
         self._include_stop = include_stop_str_in_output
-        self._ids = list(prompt_token_ids[-_NUM_PROMPT_CONTEXT_TOKENS:])
-        self._read_offset = len(self._ids)
-        self._prefix_text = self._decode(self._ids)
+        self._ids = ids = list(prompt_token_ids[-_NUM_PROMPT_CONTEXT_TOKENS:])
+        self._read_offset = len(ids)
         self._pending = ""  # decoded text held back as a possible stop-string start
-        self._pieces: list[str] = []  # emitted deltas
+        # emitted deltas (None: not kept, ``keep_text=False``)
+        self._pieces: list[str] | None = [] if keep_text else None
         self._text_cache: str | None = ""
         self.stop_matched: str | None = None
         self.finished = False
-        # The common token's short path (``update``): a whole-text token after a
-        # decided window, no stop strings to watch. False once finished.
-        self._plain = self._token_text is not None and not self._stops
-        self._known_text: dict[int, str | None] = getattr(self._token_text, "cache", {})
-        self._window_clean = self._window_is_clean()
+        self._known_text: dict[int, str | None] = getattr(token_text, "cache", {})
+        # The window after short-path tokens is ``[_last_id]`` (-1: ``_ids`` is current).
+        self._last_id = -1
+        # ``_prefix_text`` is the decoded window; None: not decoded yet. A window that
+        # ends in a whole-text token ends on a character boundary (the token's bytes
+        # are complete UTF-8 and begin a character), which is all the short path needs
+        # to know of it: a request whose tokens all take it never decodes its prompt.
+        self._prefix_text: str | None = None
+        plain = token_text is not None and not self._stops
+        if not (plain and ids and token_text(ids[-1]) is not None):
+            self._prefix_text = self._decode(ids)
+        # The short path is open (``_short``): a whole-text token after a decided window,
+        # no stop strings to watch (``_plain``). Both False once finished.
+        self._plain = plain
+        self._short = plain and self._window_is_clean()
 
     @property
     def text(self) -> str:
         """All text emitted so far (the concatenated deltas)."""
+        if self._pieces is None:
+            raise AttributeError("this detokenizer does not keep its text (keep_text=False)")
         if self._text_cache is None:
             self._text_cache = "".join(self._pieces)
         return self._text_cache
 
     def update(self, new_token_ids: list[int]) -> str:
         """Add output tokens; return the newly decided text (maybe "")."""
-        if self._window_clean and self._plain and len(new_token_ids) == 1:
+        if self._short and len(new_token_ids) == 1:
             # one whole-text token, nothing held, no stops: the text is the delta
             token_id = new_token_ids[0]
             text = self._known_text.get(token_id)  # a dict read; unknown ids below
             if text is None:
-                text = self._token_text(token_id)
+                text = self._token_text(token_id)  # type: ignore[misc]
             if text is not None:
-                self._ids = [token_id]
-                self._read_offset = 1
-                self._prefix_text = text
-                if text:
+                self._last_id = token_id  # the window restarts at it (``_materialize``)
+                if self._pieces is not None:
                     self._pieces.append(text)
                     self._text_cache = None
                 return text
+        self._materialize()
         if self.finished or self.stop_matched is not None:
             return ""
         try:
             return self._update(new_token_ids)
         finally:
-            self._window_clean = self._window_is_clean()
+            self._short = self._plain and self._window_is_clean()
+
+    def _materialize(self) -> None:
+        """Write out the window the short path left implicit."""
+        if self._last_id >= 0:
+            token_id, self._last_id = self._last_id, -1
+            self._ids = [token_id]
+            self._read_offset = 1
+            self._prefix_text = self._token_text(token_id)  # type: ignore[misc]
+        elif self._prefix_text is None:
+            self._prefix_text = self._decode(self._ids)
 
     def _window_is_clean(self) -> bool:
         """Nothing held back and the window ends on a character boundary."""
-        return self._read_offset == len(self._ids) and not self._prefix_text.endswith(
-            _REPLACEMENT_CHAR
+        return self._read_offset == len(self._ids) and (
+            self._prefix_text is None or not self._prefix_text.endswith(_REPLACEMENT_CHAR)
         )
 
     def _update(self, new_token_ids: list[int]) -> str:
@@ -140,7 +190,8 @@ class IncrementalDetokenizer:
 
     def finish(self) -> str:
         """Flush held text at the end of the request (no more tokens come)."""
-        self._plain = False
+        self._plain = self._short = False
+        self._materialize()
         if self.finished or self.stop_matched is not None:
             self.finished = True
             return ""
@@ -181,7 +232,7 @@ class IncrementalDetokenizer:
         return self._append(pending[: len(pending) - held])
 
     def _append(self, delta: str) -> str:
-        if delta:
+        if delta and self._pieces is not None:
             self._pieces.append(delta)
             self._text_cache = None
         return delta

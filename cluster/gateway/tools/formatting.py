@@ -20,6 +20,7 @@ class ToolChatFormatter(ChatFormatter):
         self._parser = parser_for(plan)
         if self._parser is not None:
             self.text_frame = None  # every text goes through the parser (stream_delta)
+            self.text_tails = None
 
     def for_choice(self, index: int) -> ToolChatFormatter:
         return ToolChatFormatter(*self._args, plan=self.plan, index=index)
