@@ -5,7 +5,8 @@ shared with other jobs, load moves between a "before" run and an "after" run.
 This starts three servers at once (bare uvicorn SSE, the gateway of this
 checkout, the gateway of ``--baseline-tree``, each its own process, each
 started by its own tree's ``serve_gateway.py --serve``) and measures them in
-turn, ``--repeats`` times, with the same aiohttp client: the server's CPU per
+turn, ``--repeats`` times, the order turning by one place each time, with the
+same client (``--client``, as serve_gateway.py's): the server's CPU per
 output token (utime + stime from /proc), whose minimum over the runs is the
 figure least disturbed by other load, and tokens/s. The baseline tree is any
 checkout (``git archive REV | tar -x -C DIR``); its gateway process is set up
@@ -13,6 +14,7 @@ as that tree's benchmark set it up.
 
 Run: python benchmarks/serve_gateway_ab.py --baseline-tree DIR [--concurrency 64 256]
                                            [--num-rounds 3] [--repeats 7]
+                                           [--client aiohttp|raw]
 """
 
 from __future__ import annotations
@@ -65,7 +67,9 @@ def main() -> int:
     parser.add_argument("--num-rounds", type=int, default=3, help="requests = rounds x streams")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--client", choices=["aiohttp", "raw"], default="aiohttp")
     args = parser.parse_args()
+    serve_gateway.CLIENT[0] = args.client
     servers = {}
     try:
         servers["bare"] = start(HERE, "bare")
@@ -74,8 +78,14 @@ def main() -> int:
         rows = []
         for concurrency in args.concurrency:
             runs: dict[str, list[dict]] = {name: [] for name in servers}
-            for _ in range(args.repeats):
-                for name, (proc, url) in servers.items():
+            names = list(servers)
+            for repeat in range(args.repeats):
+                # the order turns by one place a repeat: the server measured right after
+                # another ran with less CPU per token (a warmer box), so each takes every
+                # place in the round alike
+                k = repeat % len(names)
+                for name in names[k:] + names[:k]:
+                    proc, url = servers[name]
                     run = serve_gateway.measure(
                         url, proc.pid, concurrency, args.output_len, args.num_rounds
                     )
@@ -89,7 +99,7 @@ def main() -> int:
     print(
         f"workload: input {serve_gateway.INPUT_LEN} / output {args.output_len} tokens, "
         f"{args.num_rounds} x streams requests per run, {args.repeats} runs per server, "
-        f"baseline tree {args.baseline_tree}"
+        f"baseline tree {args.baseline_tree}, client {args.client}, the order turning each run"
     )
     print(
         "| streams | server | CPU us/tok min | CPU us/tok median | bare / server (min) "
