@@ -27,8 +27,8 @@ from benchmarks._sim_idle import (
 from benchmarks._sim_sweep import PROBE_PROMPT, beside_extras
 from tandem.cluster.planner.profile import Profile
 from tandem.cluster.planner.service_curve import curve_at
-from tests.unit.test_sim_benchmark import _probe, _row
-from tests.unit.test_sim_sweep import _sweep, flat
+from tests.unit.test_sim_benchmark import _row
+from tests.unit.test_sim_sweep import flat, probe_with_sweep
 from tests.unit.test_simulator import profile
 
 
@@ -87,12 +87,7 @@ def test_a_prompt_step_is_set_against_its_engines_own_idle_time():
 
 
 def test_the_lone_prompts_carry_the_idle_extra_so_the_overhead_is_taken_at_no_idle():
-    p = profile()
-    probe = _probe(30.0, 9.0)
-    probe["sweep"] = _sweep()
-    lone_step = 0.070
-    probe["stamps"] = [[f"l{i}", float(i), 0.006 + lone_step] for i in range(3)]
-    probe["rows"] = {f"l{i}": _row(float(i), step_s=lone_step) for i in range(3)}
+    p, probe, lone_step = probe_with_sweep()
     plain = service_figures(p.to_json(), probe)["service"]
     assert "prefill_after_idle_s" not in plain
     probe["idle"] = _idle()

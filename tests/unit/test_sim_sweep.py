@@ -76,6 +76,16 @@ def _sweep() -> dict:
     return {"layout": layout, "per_request": per_request, "rows": rows}
 
 
+def probe_with_sweep(lone_step: float = 0.070) -> tuple[Profile, dict, float]:
+    """The test profile and a probe with a sweep and three lone prompts whose prefill
+    steps took ``lone_step``."""
+    probe = _probe(30.0, 9.0)
+    probe["sweep"] = _sweep()
+    probe["stamps"] = [[f"l{i}", float(i), 0.006 + lone_step] for i in range(3)]
+    probe["rows"] = {f"l{i}": _row(float(i), step_s=lone_step) for i in range(3)}
+    return profile(), probe, lone_step
+
+
 def test_the_overhead_is_each_batchs_served_itl_less_the_profiles_step():
     p = profile()
     sweep = _sweep()
@@ -107,12 +117,7 @@ def test_a_beside_prompt_is_set_against_the_streams_decoding_at_its_step():
 
 
 def test_a_probe_with_a_sweep_gives_the_profile_curves_and_their_medians():
-    p = profile()
-    probe = _probe(30.0, 9.0)
-    probe["sweep"] = _sweep()
-    lone_step = 0.070
-    probe["stamps"] = [[f"l{i}", float(i), 0.006 + lone_step] for i in range(3)]
-    probe["rows"] = {f"l{i}": _row(float(i), step_s=lone_step) for i in range(3)}
+    p, probe, lone_step = probe_with_sweep()
     svc = service_figures(p.to_json(), probe)["service"]
     over = decode_overheads(p, probe["sweep"])
     assert flat(svc["step_overhead_s"]) == pytest.approx(flat(over))
