@@ -27,7 +27,7 @@ import statistics
 import time
 from urllib.parse import urlsplit
 
-from tandem.cluster.cli.bench import BenchConfig, build_workload
+from tandem.cluster.cli.bench import BenchConfig, build_workload, stream_payload
 
 _EVENT = b"data: "
 _END = b"data: [DONE]\n\n\r\n0\r\n\r\n"  # the last event, then the terminating chunk
@@ -137,18 +137,7 @@ def run_raw_benchmark(config: BenchConfig, vocab_size: int, model: str) -> dict:
     address = (url.hostname or "127.0.0.1", url.port or 80)
     prompts, output_lens, _ = build_workload(config, vocab_size)
     requests = [
-        _raw_request(
-            address,
-            {
-                "model": model,
-                "prompt": prompt,
-                "max_tokens": n,
-                "temperature": 0.0,
-                "stream": True,
-                "stream_options": {"include_usage": True},
-                "ignore_eos": True,
-            },
-        )
+        _raw_request(address, stream_payload(model, prompt, n, True))
         for prompt, n in zip(prompts, output_lens, strict=True)
     ]
     count = min(config.concurrency or 8, len(requests))

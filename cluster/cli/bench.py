@@ -124,6 +124,20 @@ async def _server_info(session: aiohttp.ClientSession, config: BenchConfig) -> t
     return config.model or card["id"], int(vocab_size)
 
 
+def stream_payload(model: str, prompt: list[int], max_tokens: int, ignore_eos: bool) -> dict:
+    """A benchmark request's body: a greedy streamed completion whose last chunk
+    carries the usage (the exact output token count)."""
+    return {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": ignore_eos,
+    }
+
+
 async def _one_request(
     session: aiohttp.ClientSession,
     config: BenchConfig,
@@ -132,15 +146,7 @@ async def _one_request(
     max_tokens: int,
 ) -> RequestResult:
     result = RequestResult(prompt_len=len(prompt))
-    payload: dict[str, Any] = {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        "ignore_eos": config.ignore_eos,
-    }
+    payload = stream_payload(model, prompt, max_tokens, config.ignore_eos)
     start_s = time.perf_counter()
     try:
         await asyncio.wait_for(
