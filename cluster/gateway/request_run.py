@@ -52,7 +52,6 @@ class RequestRun:
         "itl",
         "plain",
         "detokenizer",
-        "update",
     )
 
     def __init__(self, gateway: Gateway, job: Job) -> None:
@@ -85,12 +84,11 @@ class RequestRun:
         self.itl: LoopHistogram | None = None  # the path's inter-token histogram, once known
         self.plain = job.plain
         self.detokenizer = self._detokenizers[0]  # the common token's (choice 0's)
-        self.update = self.detokenizer.update
 
     def is_plain_token(self, output: EngineOutput) -> bool:
         """Whether ``output`` is the common token: a plain request past its first
         token, an output with tokens and nothing else. The caller then takes it
-        itself: ``itl.observe``, ``last_token_s``, the count and ``update``
+        itself: ``itl.observe``, ``last_token_s``, the count and ``detokenizer.update``
         (``take`` shows how; ``GenerationResponse._respond`` inlines it)."""
         return (
             self.plain
@@ -110,7 +108,7 @@ class RequestRun:
             self.itl.observe(now_s - self.last_token_s)  # type: ignore[union-attr]
             self.last_token_s = now_s
             self.job.num_output_tokens += len(output.new_token_ids)
-            return self.update(output.new_token_ids)
+            return self.detokenizer.update(output.new_token_ids)
         return self.step(output)
 
     def step(self, output: EngineOutput) -> Step | None:
