@@ -8,8 +8,10 @@ at 2.25x one. This client does per read what the servers' measurement needs
 and nothing more: it counts the SSE events in the bytes (``bytes.count``, in C),
 takes the first event's time for TTFT and reads the usage chunk's
 ``completion_tokens`` at the end. Each of ``concurrency`` connections runs its
-share of the requests one after another on one keep-alive connection, as
-aiohttp's pool does under the bench's semaphore.
+next request from one shared queue when its last one ends, on one keep-alive
+connection, as aiohttp's pool does under the bench's semaphore. (A fixed share
+per connection would leave the gateway process that SO_REUSEPORT gave fewer
+connections idle at the end while the other works.)
 
 The workload (prompts, lengths, seed) is ``cluster.cli.bench.build_workload``'s,
 so both clients send the same requests. A request fails unless its response is
@@ -36,27 +38,41 @@ _READ = 1 << 15  # under malloc's mmap threshold: a larger buffer costs an mmap 
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens":\s*(\d+)')
 
 
-class _Stream:
-    """One keep-alive connection running its requests one after another."""
+class _Queue:
+    """The workload's requests in order; each connection takes the next as it frees."""
 
-    def __init__(self, sock: socket.socket, requests: list[bytes], max_tokens: list[int]):
-        self.sock = sock
+    def __init__(self, requests: list[bytes], max_tokens: list[int]):
         self.requests, self.max_tokens = requests, max_tokens
         self.next = 0
+
+    def take(self) -> tuple[bytes, int] | None:
+        if self.next == len(self.requests):
+            return None
+        self.next += 1
+        return self.requests[self.next - 1], self.max_tokens[self.next - 1]
+
+
+class _Stream:
+    """One keep-alive connection running requests one after another, each taken from
+    the shared queue when the last one ends (a semaphore over a pool, as aiohttp's)."""
+
+    def __init__(self, sock: socket.socket, queue: _Queue):
+        self.sock, self.queue = sock, queue
         self.results: list[tuple[float, int]] = []
 
     def send_next(self) -> bool:
         """Send the next request; False when none is left."""
-        if self.next == len(self.requests):
+        taken = self.queue.take()
+        if taken is None:
             return False
+        request, self.expect = taken
         self.head = b""  # the status line and headers, until seen whole
         self.in_body = False
         self.events = 0
         self.first_s = 0.0
         self.tail = b""  # the last bytes read (the end of the stream, its usage)
         self.start_s = time.perf_counter()
-        self.sock.sendall(self.requests[self.next])  # a few hundred bytes: never blocks
-        self.next += 1
+        self.sock.sendall(request)  # a few hundred bytes: never blocks
         return True
 
     def feed(self, data: bytes, now_s: float) -> bool:
@@ -84,7 +100,7 @@ class _Stream:
         match = _COMPLETION_TOKENS.search(self.tail)
         if match is None:
             raise RuntimeError("no usage in the stream")
-        tokens, expect = int(match.group(1)), self.max_tokens[self.next - 1]
+        tokens, expect = int(match.group(1)), self.expect
         if tokens != expect or self.events != tokens + 2:
             raise RuntimeError(f"{self.events} events for {tokens} tokens ({expect} asked)")
         self.results.append((self.first_s - self.start_s, tokens))
@@ -142,11 +158,12 @@ def run_raw_benchmark(config: BenchConfig, vocab_size: int, model: str) -> dict:
     ]
     count = min(config.concurrency or 8, len(requests))
     start_s = time.perf_counter()
+    queue = _Queue(requests, output_lens)
     streams = []
-    for i in range(count):
+    for _ in range(count):
         sock = socket.create_connection(address)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        streams.append(_Stream(sock, requests[i::count], output_lens[i::count]))
+        streams.append(_Stream(sock, queue))
     _run(streams, config.request_timeout_s)
     duration_s = time.perf_counter() - start_s
     results = [result for stream in streams for result in stream.results]

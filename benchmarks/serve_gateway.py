@@ -410,32 +410,41 @@ def main() -> int:
 
 
 def main_counts(args: argparse.Namespace) -> int:
-    """bare and gateway, each as N processes on one port, for each N."""
+    """bare and gateway, each as N processes on one port, for each N.
+
+    Every server set is up at once (an idle uvicorn process sleeps), and each
+    repeat runs them all in an order that turns by one each repeat, so that a
+    change in the machine's speed over the minutes of a run falls on every set
+    alike. The ratios are taken within each repeat and their median printed."""
     from tandem.cluster.cli.serve import server_stack
 
     runs: dict[tuple[str, int, int], list[dict]] = {}
-    for count in args.api_server_count:
-        servers = {}
-        try:
+    servers: dict[tuple[str, int], tuple[list[subprocess.Popen], str]] = {}
+    try:
+        for count in args.api_server_count:
             for kind in ("bare", "gateway"):
-                servers[kind] = start_servers(kind, count)
-            for concurrency in args.concurrency:
-                for _ in range(args.repeats):
-                    for kind, (procs, url) in servers.items():
-                        pids = [p.pid for p in procs]
-                        run = measure(url, pids, concurrency, args.output_len, args.num_rounds)
-                        runs.setdefault((kind, count, concurrency), []).append(run)
-        finally:
-            for procs, _ in servers.values():
-                for p in procs:
-                    stop_server(p)
+                servers[kind, count] = start_servers(kind, count)
+        order = list(servers)
+        for concurrency in args.concurrency:
+            for repeat in range(args.repeats):
+                turn = repeat % len(order)
+                for kind, count in order[turn:] + order[:turn]:
+                    procs, url = servers[kind, count]
+                    pids = [p.pid for p in procs]
+                    run = measure(url, pids, concurrency, args.output_len, args.num_rounds)
+                    runs.setdefault((kind, count, concurrency), []).append(run)
+    finally:
+        for procs, _ in servers.values():
+            for p in procs:
+                stop_server(p)
     results = {key: median_run(key_runs) for key, key_runs in runs.items()}
     print("serve_gateway: N gateway processes (NullBackend) vs N bare uvicorn SSE processes")
     print(f"machine: {machine()}")
     print(
         f"workload: input {INPUT_LEN} / output {args.output_len} tokens, 1 token per SSE event, "
         f"{args.outputs_per_turn} output(s) per stream per loop turn, "
-        f"{args.num_rounds} x concurrency requests, median of {args.repeats} alternating runs, "
+        f"{args.num_rounds} x concurrency requests, {args.repeats} repeats of every server set in "
+        "a turning order (tok/s and CPU: the median run; ratios: the median of each repeat's), "
         f"N processes on one port (SO_REUSEPORT), client {args.client} in one other process; "
         "CPU summed over the N processes"
     )
@@ -450,14 +459,25 @@ def main_counts(args: argparse.Namespace) -> int:
     for count in args.api_server_count:
         for concurrency in args.concurrency:
             bare, gw = results["bare", count, concurrency], results["gateway", count, concurrency]
-            one = results["gateway", first, concurrency]
+            to_bare = paired_ratio(
+                runs["gateway", count, concurrency], runs["bare", count, concurrency]
+            )
+            to_one = paired_ratio(
+                runs["gateway", count, concurrency], runs["gateway", first, concurrency]
+            )
             print(
                 f"| {count:>8} | {concurrency:>7} | {bare['tok_s']:>10.0f} | {gw['tok_s']:>13.0f} "
-                f"| {gw['tok_s'] / bare['tok_s']:>5.2f} | {gw['tok_s'] / one['tok_s']:>20.2f} "
+                f"| {to_bare:>5.2f} | {to_one:>20.2f} "
                 f"| {bare['cpu_us_per_tok']:>15.1f} | {gw['cpu_us_per_tok']:>18.1f} "
                 f"| {gw['client_cpu_us_per_tok']:>17.1f} |"
             )
     return 0
+
+
+def paired_ratio(runs: list[dict], baseline: list[dict]) -> float:
+    """The median over repeats of one repeat's tok/s against the baseline's in that repeat."""
+    ratios = sorted(a["tok_s"] / b["tok_s"] for a, b in zip(runs, baseline, strict=True))
+    return ratios[len(ratios) // 2]
 
 
 def start_sink() -> tuple[subprocess.Popen, str]:

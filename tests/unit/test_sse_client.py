@@ -34,7 +34,9 @@ def _response(tokens: int, events: int | None = None) -> bytes:
 def _feed(response: bytes, cuts: list[int], max_tokens: int) -> _sse_client._Stream:
     a, b = socket.socketpair()
     try:
-        stream = _sse_client._Stream(a, [b"GET / HTTP/1.1\r\n\r\n"], [max_tokens])
+        stream = _sse_client._Stream(
+            a, _sse_client._Queue([b"GET / HTTP/1.1\r\n\r\n"], [max_tokens])
+        )
         assert stream.send_next()
         pieces = [response[i:j] for i, j in zip([0, *cuts], [*cuts, len(response)], strict=True)]
         done = [stream.feed(piece, float(n + 1)) for n, piece in enumerate(pieces)]
@@ -67,7 +69,7 @@ def test_a_short_or_miscounted_stream_is_an_error():
         _feed(_response(5), [], 6)
     a, b = socket.socketpair()
     try:
-        stream = _sse_client._Stream(a, [b"x"], [1])
+        stream = _sse_client._Stream(a, _sse_client._Queue([b"x"], [1]))
         stream.send_next()
         with pytest.raises(RuntimeError, match="HTTP/1.1 400"):
             stream.feed(b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\n\r\n", 0.0)
@@ -97,3 +99,30 @@ def test_the_lean_client_counts_what_the_full_client_decodes():
         serve_gateway.stop_server(proc)
     assert full["num_failed"] == 0
     assert lean["total_output_tokens"] == full["total_output_tokens"] > 12 * 8
+
+
+def test_a_connection_that_frees_takes_the_next_request():
+    """The queue is shared: a connection whose request ends first takes the next one, so a
+    connection held by a slower server process does not keep its own share waiting."""
+    queue = _sse_client._Queue([b"r0", b"r1", b"r2"], [5, 5, 5])
+    pairs = [socket.socketpair() for _ in range(2)]
+    try:
+        fast, slow = (_sse_client._Stream(a, queue) for a, _ in pairs)
+        assert fast.send_next() and slow.send_next()
+        assert fast.feed(_response(5), 1.0)
+        assert fast.send_next()  # the third request, while the slow one still runs
+        assert slow.feed(_response(5), 2.0)
+        assert not slow.send_next() and queue.next == 3
+        assert [b.recv(64) for _, b in pairs] == [b"r0r2", b"r1"]
+    finally:
+        for a, b in pairs:
+            a.close()
+            b.close()
+
+
+def test_ratios_pair_the_runs_of_one_repeat():
+    """Each repeat's ratio is taken within the repeat (2, 4, 2: median 2); the ratio of
+    each side's median (100 / 30) would mix runs from different minutes."""
+    gateway = [{"tok_s": 200.0}, {"tok_s": 100.0}, {"tok_s": 60.0}]
+    one = [{"tok_s": 100.0}, {"tok_s": 25.0}, {"tok_s": 30.0}]
+    assert serve_gateway.paired_ratio(gateway, one) == 2.0
