@@ -248,6 +248,7 @@ def serve_and_replay(
         if probe:
             # the gateway's process while nothing is served (Ray's driver threads,
             # timers): not per token
+            t0 = time.monotonic()
             acct = CpuAccount(pids)
             time.sleep(IDLE_WINDOW_S)
             idle_cpu = acct.stop()
@@ -274,6 +275,7 @@ def serve_and_replay(
                 # lone prompts after pauses: a prompt step after its engine idled
                 got = replay_in_process(svc.base_url, idle[0], 4, per_request=True)
                 probed["idle"] = {**got, "layout": idle[1], "rows": collector.take()}
+            probed["probe_s"] = time.monotonic() - t0  # what the probe adds to a run
         acct = CpuAccount(pids)
         summary = replay_in_process(svc.base_url, trace, 0)
         summary["cpu"] = acct.stop()
@@ -344,13 +346,15 @@ def measure_rounds(
                     pre, dec, trace, warmup, probe if on else None, sweep if on else None,
                     idle if on else None,
                 )  # fmt: skip
+                probe_s = ""
                 if got is not None:
                     probes[name].append(got)
+                    probe_s = f" (probe {got['probe_s']:.0f} s)"
                 assert real["num_failed"] == 0, real["errors"]
                 reals[name].append(real)
                 loads[name].append(os.getloadavg()[0])
                 print(
-                    f"round {r + 1} {name}: {time.monotonic() - t0:.0f} s, "
+                    f"round {r + 1} {name}: {time.monotonic() - t0:.0f} s{probe_s}, "
                     f"{real['num_completed']} requests, TTFT p50 {real['ttft_ms']['p50']:.2f} ms, "
                     f"ITL p50 {real['itl_ms']['p50']:.2f} ms, load {loads[name][-1]:.1f}; "
                     "cores busy " + cpu_line(real["cpu"]),
