@@ -86,6 +86,7 @@ class RecordCollector:
                 d_finished_s=dt.finished_s,
                 d_kv_load_end_s=dt.kv_load_end_s,
                 d_first_token_s=dt.first_token_s,
+                d_engine=dt.engine_id,  # which decode engine (--probe-each: the routing)
             )
 
     def take(self) -> dict[str, dict[str, Any]]:

@@ -1,9 +1,11 @@
 """benchmarks/simulator.py's measured inputs: the profile's ``service`` and
-``host`` sections from probes of lone requests on a served 1P1D.
+``host`` sections from probes of lone requests on a served 1P1D (with
+``--probe-each``, on each configuration's own service: _sim_own.py).
 
-Every round of the benchmark probes once; the figures the simulator is given
-are the median of each figure over the rounds' probes (``median_figures``),
-so one probe that met a busy minute of the shared box moves nothing much.
+Every round of the benchmark probes once (per configuration with
+``--probe-each``); the figures the simulator is given are the median of each
+figure over the rounds' probes (``median_figures``), so one probe that met a
+busy minute of the shared box moves nothing much.
 """
 
 from __future__ import annotations
@@ -253,9 +255,21 @@ def median_profile(profiles: list[dict]) -> dict:
 
 
 def predict_ways(
-    tmp: str, profile: str, engine_only: dict, probes: list[dict], reals: dict[str, list[dict]]
+    tmp: str,
+    profile: str,
+    engine_only: dict,
+    probes: list[dict] | dict[str, list[dict]],
+    reals: dict[str, list[dict]],
+    own: bool = False,
 ) -> dict[str, dict[str, str]]:
-    """Per way, per configuration: the profile file to simulate with (docstring)."""
+    """Per way, per configuration: the profile file to simulate with (docstring).
+    ``probes`` a list: the same probes for every configuration (the first
+    configuration's); a dict: each configuration's own (``--probe-each``,
+    _sim_own.py). With ``own`` the ways are named ``..., own probe`` and the
+    engine-only way (no probe) is left out."""
+    from benchmarks._sim_own import per_config
+
+    tag, suffix = ("-own", ", own probe") if own else ("", "")
 
     def write(name: str, obj: dict) -> str:
         path = os.path.join(tmp, name)
@@ -263,28 +277,39 @@ def predict_ways(
             json.dump(obj, f)
         return path
 
-    variants = {"engine": {n: profile for n in reals}}
-    if not probes:
+    probes_of = per_config(probes, reals)
+    variants = {} if own else {"engine": {n: profile for n in reals}}
+    if not all(probes_of.values()):
         return variants
-    served = write("profile-served.json", median_figures(engine_only, probes, service_figures))
-    variants["engine + service"] = {n: served for n in reals}
-    if not all("cpu" in pr for pr in probes):
+    variants["engine + service" + suffix] = {
+        n: write(f"profile-{n}-served{tag}.json",
+                 median_figures(engine_only, probes_of[n], service_figures))
+        for n in reals
+    }  # fmt: skip
+    if not all("cpu" in pr for prs in probes_of.values() for pr in prs):
         return variants
-    shared = median_figures(engine_only, probes, lambda pf, pr: host_figures(pf, pr, None))
-    host_path = write("profile-host.json", shared)
-    variants["+ shared cores"] = {n: host_path for n in reals}
-    print(
-        "host figures: " + json.dumps(shared["host"]) + ", service " + json.dumps(shared["service"])
-    )
-    if any("idle" in pr for pr in probes):  # the same without the idle term: session 13's
-        plain = [{k: v for k, v in pr.items() if k != "idle"} for pr in probes]
-        fig = median_figures(engine_only, plain, lambda pf, pr: host_figures(pf, pr, None))
-        no_idle = write("profile-host-no-idle.json", fig)
-    variants["+ shared cores + background"] = {}
+    shared_way, no_idle_way = "+ shared cores" + suffix, {}
+    variants[shared_way] = {}
+    for n in reals:
+        shared = median_figures(
+            engine_only, probes_of[n], lambda pf, pr: host_figures(pf, pr, None)
+        )
+        variants[shared_way][n] = write(f"profile-{n}-host{tag}.json", shared)
+        if own or n == next(iter(reals)):  # one line when every configuration has the same
+            print(f"host figures{suffix} ({n}): " + json.dumps(shared["host"])
+                  + ", service " + json.dumps(shared["service"]))  # fmt: skip
+        if any("idle" in pr for pr in probes_of[n]):  # without the idle term: session 13's
+            plain = [{k: v for k, v in pr.items() if k != "idle"} for pr in probes_of[n]]
+            fig = median_figures(engine_only, plain, lambda pf, pr: host_figures(pf, pr, None))
+            no_idle_way[n] = write(f"profile-{n}-host-no-idle{tag}.json", fig)
+    bg_way = "+ shared cores + background" + suffix
+    variants[bg_way] = {}
     for n, runs in reals.items():
         bg = statistics.median(r["cpu"]["others"] for r in runs)
-        fig = median_figures(engine_only, probes, lambda pf, pr, bg=bg: host_figures(pf, pr, bg))
-        variants["+ shared cores + background"][n] = write(f"profile-{n}-bg.json", fig)
-    if any("idle" in pr for pr in probes):
-        variants["+ shared cores, no idle term"] = {n: no_idle for n in reals}
+        fig = median_figures(
+            engine_only, probes_of[n], lambda pf, pr, bg=bg: host_figures(pf, pr, bg)
+        )
+        variants[bg_way][n] = write(f"profile-{n}-bg{tag}.json", fig)
+    if len(no_idle_way) == len(reals):
+        variants["+ shared cores, no idle term" + suffix] = no_idle_way
     return variants

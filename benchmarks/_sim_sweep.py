@@ -219,9 +219,11 @@ def sweep_table(profile, probes: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def print_sweep(engine_only: dict, probes: list[dict]) -> None:
+def print_sweep(engine_only: dict, probes: list[dict], where: str = "") -> None:
     from tandem.cluster.planner.profile import Profile
 
     if any("sweep" in pr for pr in probes):
-        print("\nserved decode sweep (benchmarks/_sim_sweep.py; medians over the rounds' probes):")
+        on = f" on {where}" if where else ""
+        print(f"\nserved decode sweep{on} (benchmarks/_sim_sweep.py; medians over the rounds' "
+              "probes):")  # fmt: skip
         print(sweep_table(Profile.from_json(engine_only), probes))

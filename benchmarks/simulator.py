@@ -53,7 +53,8 @@
      step, the prefill overhead what the lone requests' prefill step took
      beyond the profile's and the batch-1 step overhead. A probe runs every
      round (on its first configuration); each figure is the median of the
-     rounds' figures (a curve's, point by point).
+     rounds' figures (a curve's, point by point), and every configuration
+     is predicted from them.
    - ``+ shared cores``: its ``host`` section (cluster/planner/contention.py):
      the engines share this box's cores (``tandem profile --shared-cores``
      with ``os.sched_getaffinity``; the engine's torch threads), and the
@@ -64,6 +65,13 @@
    - ``+ shared cores + background``: also the rest of the box's demand
      (other sessions' jobs, Ray's daemons) while that configuration's trace
      ran, from /proc/stat less this service's processes, as steady threads.
+
+   With ``--probe-each`` (benchmarks/_sim_own.py) every configuration runs
+   the same probe on its own service just before its trace, every round, and
+   the three probe ways are printed again as ``..., own probe``: each
+   configuration from the median of its own probes' figures (and, round by
+   round, from that round's probe of the same configuration), beside the ways
+   above from the first configuration's probes of the same run.
 
    The probe is its own run, not the trace, and the CPU figures are
    accounting, not latencies: nothing is fitted to the figures predicted.
@@ -88,6 +96,7 @@ scheduler's limits); ``--rate`` higher makes the engines overlap and tests
 the shared-cores term harder.
 
 Run:  python benchmarks/simulator.py [--rounds 3] [--rate 2] [--num-requests 32] [--profile FILE]
+      [--probe-each] [--save FILE | --measured FILE]
 """
 
 from __future__ import annotations
@@ -117,9 +126,11 @@ from benchmarks._sim_figures import (  # noqa: E402
     write_probe,
 )
 from benchmarks._sim_idle import print_idle, write_idle  # noqa: E402
+from benchmarks._sim_own import probe_sets, routing_line, saved_probes  # noqa: E402
 from benchmarks._sim_rounds import predict_by_round, print_by_round  # noqa: E402
 from benchmarks._sim_sweep import ms_curve, print_sweep, sweep_batches, write_sweep  # noqa: E402
 from benchmarks._sim_tables import (  # noqa: E402
+    METRICS,
     TARGET,
     median_run,
     rel,
@@ -237,6 +248,7 @@ def serve_and_replay(
         if probe:
             # the gateway's process while nothing is served (Ray's driver threads,
             # timers): not per token
+            t0 = time.monotonic()
             acct = CpuAccount(pids)
             time.sleep(IDLE_WINDOW_S)
             idle_cpu = acct.stop()
@@ -263,6 +275,7 @@ def serve_and_replay(
                 # lone prompts after pauses: a prompt step after its engine idled
                 got = replay_in_process(svc.base_url, idle[0], 4, per_request=True)
                 probed["idle"] = {**got, "layout": idle[1], "rows": collector.take()}
+            probed["probe_s"] = time.monotonic() - t0  # what the probe adds to a run
         acct = CpuAccount(pids)
         summary = replay_in_process(svc.base_url, trace, 0)
         summary["cpu"] = acct.stop()
@@ -297,19 +310,23 @@ def measure_rounds(
     profile_dir: str | None = None,
     sweep: tuple[str, list] | None = None,
     idle: tuple[str, list] | None = None,
-) -> tuple[dict[str, list[dict]], list[dict], dict[str, list[float]], list[dict]]:
+    probe_each: bool = False,
+) -> tuple[dict[str, list[dict]], dict[str, list[dict]], dict[str, list[float]], list[dict]]:
     """``rounds`` rounds, each serving every configuration in turn (so a busy
     minute of the shared box lands on one round of each, not on one
     configuration), in an order turned by one place a round (``rotated``);
     the first configuration of ``configs`` also runs the probe (with the
-    decode ``sweep`` when given), and with ``profile_dir`` every round begins
-    with ``tandem profile``. Per configuration its runs and the load average
-    after each; the probes; the profiles."""
+    decode ``sweep`` and the ``idle`` probe when given) before its trace,
+    with ``probe_each`` every configuration does (_sim_own.py), and with
+    ``profile_dir`` every round begins with ``tandem profile``. Per
+    configuration its runs and the load average after each; per
+    configuration its probes, one a round (an empty list: none); the
+    profiles."""
     import ray
 
     reals: dict[str, list[dict]] = {f"{p}P{d}D": [] for p, d in configs}
     loads: dict[str, list[float]] = {n: [] for n in reals}
-    probes: list[dict] = []
+    probes: dict[str, list[dict]] = {n: [] for n in reals}
     profiles: list[dict] = []
     ray.init(include_dashboard=False, log_to_driver=False)
     try:
@@ -324,18 +341,20 @@ def measure_rounds(
             for pre, dec in rotated(configs, r):
                 name = f"{pre}P{dec}D"
                 t0 = time.monotonic()
-                first = (pre, dec) == configs[0]
+                on = probe_each or (pre, dec) == configs[0]
                 real, got = serve_and_replay(
-                    pre, dec, trace, warmup, probe if first else None, sweep if first else None,
-                    idle if first else None,
+                    pre, dec, trace, warmup, probe if on else None, sweep if on else None,
+                    idle if on else None,
                 )  # fmt: skip
+                probe_s = ""
                 if got is not None:
-                    probes.append(got)
+                    probes[name].append(got)
+                    probe_s = f" (probe {got['probe_s']:.0f} s)"
                 assert real["num_failed"] == 0, real["errors"]
                 reals[name].append(real)
                 loads[name].append(os.getloadavg()[0])
                 print(
-                    f"round {r + 1} {name}: {time.monotonic() - t0:.0f} s, "
+                    f"round {r + 1} {name}: {time.monotonic() - t0:.0f} s{probe_s}, "
                     f"{real['num_completed']} requests, TTFT p50 {real['ttft_ms']['p50']:.2f} ms, "
                     f"ITL p50 {real['itl_ms']['p50']:.2f} ms, load {loads[name][-1]:.1f}; "
                     "cores busy " + cpu_line(real["cpu"]),
@@ -344,6 +363,26 @@ def measure_rounds(
     finally:
         ray.shutdown()
     return reals, probes, loads, profiles
+
+
+def probe_line(engine_only: dict, probes: list[dict], where: str) -> str:
+    """The probes' own p50s (median, min-max over the rounds) and the service
+    figures from them (the median over the probes of each)."""
+    t, i = probe_spread(probes, "ttft_ms"), probe_spread(probes, "itl_ms")
+    svc = median_figures(engine_only, probes, service_figures)["service"]
+    hits = [pr["cached"] for pr in probes if "cached" in pr]
+    c = probe_spread(hits, "ttft_ms") if hits else None
+    return (
+        f"probes ({len(probes)}, {PROBE_PROMPT}-token lone requests on {where}): TTFT p50 "
+        f"{t[0]:.2f} ms ({t[1]:.2f}-{t[2]:.2f}), "
+        + (f"cached {c[0]:.2f} ms ({c[1]:.2f}-{c[2]:.2f}), " if c else "")
+        + f"ITL p50 {i[0]:.2f} ms ({i[1]:.2f}-{i[2]:.2f})"
+        f" -> median request_latency_s {svc['request_latency_s'] * 1000:.2f} ms, "
+        f"step_overhead_s {ms_curve(svc['step_overhead_s'])}, "
+        f"prefill_overhead_s {svc.get('prefill_overhead_s', 0.0) * 1000:.2f} ms, "
+        f"prefill_beside_decode_s {ms_curve(svc.get('prefill_beside_decode_s', 0.0))}, "
+        f"prefill_after_idle_s {ms_curve(svc.get('prefill_after_idle_s', 0.0))}"
+    )
 
 
 def main() -> int:
@@ -356,6 +395,12 @@ def main() -> int:
     p.add_argument("--configs", default="1P1D,1P2D,2P1D")
     p.add_argument("--save", help="keep the measured figures (profile, probes, runs) in this JSON")
     p.add_argument("--measured", help="predict from a JSON --save kept instead of serving")
+    p.add_argument(
+        "--probe-each",
+        action="store_true",
+        help="run the probe on every configuration before its trace, every round, and "
+        "predict each from its own probes (beside the first configuration's for all)",
+    )
     args = p.parse_args()
     if args.rounds < 1:
         p.error("--rounds must be >= 1")
@@ -391,15 +436,19 @@ def main() -> int:
         idle = (probe + ".idle", write_idle(probe + ".idle"))
         profiles = []
         if kept is not None:  # predict again from a run --save kept: no service started
-            reals, probes, loads = kept["real"], kept["probes"], kept["loads"]
+            reals, loads = kept["real"], kept["loads"]
+            probes, own = probe_sets(kept)  # own: None for a run kept without --probe-each
             load0, profiles = kept.get("load0", load0), kept.get("profiles", [])
         else:
             # no --profile: one is measured at the start of every round, and each
             # point is the median of the rounds' (the box's state over the run)
             profile_dir = tmp if profile is None else None
-            reals, probes, loads, profiles = measure_rounds(
-                configs, args.rounds, trace, warmup, probe, profile_dir, sweep, idle
-            )
+            reals, probes_by, loads, profiles = measure_rounds(
+                configs, args.rounds, trace, warmup, probe, profile_dir, sweep, idle,
+                args.probe_each,
+            )  # fmt: skip
+            probes = probes_by[next(iter(reals))]
+            own = probes_by if args.probe_each else None
             if profile is None:
                 profile = os.path.join(tmp, "profile.json")
                 with open(profile, "w") as f:
@@ -409,16 +458,26 @@ def main() -> int:
         measured_at = engine_only.get("measured_at", "?")
         if args.save:
             with open(args.save, "w") as f:
-                json.dump({"profile": engine_only, "probes": probes, "real": reals,
+                json.dump({"profile": engine_only, **saved_probes(probes, own), "real": reals,
                            "loads": loads, "load0": load0, "profiles": profiles,
                            "trace": [args.num_requests, args.rate, args.seed]},
                           f, indent=1)  # fmt: skip
         names = list(reals)
         variants = predict_ways(tmp, profile, engine_only, probes, reals)
+        if own is not None:  # each configuration from its own probes, beside the above
+            variants.update(predict_ways(tmp, profile, engine_only, own, reals, own=True))
         sims = {(v, n): simulate(paths[n], trace, *_configs(n)[0])
                 for v, paths in variants.items() for n in names}  # fmt: skip
-        by_round = predict_by_round(tmp, engine_only, profiles, probes, reals,
-                                    lambda path, n: simulate(path, trace, *_configs(n)[0]))  # fmt: skip
+
+        def sim_by_name(path: str, n: str) -> dict:
+            return simulate(path, trace, *_configs(n)[0])
+
+        by_round = predict_by_round(tmp, engine_only, profiles, probes, reals, sim_by_name)
+        by_round_own = None
+        if own is not None:
+            by_round_own = predict_by_round(
+                tmp, engine_only, profiles, own, reals, sim_by_name, tag="-each"
+            )
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     rounds = len(next(iter(reals.values())))
     all_loads = [x for n in names for x in loads[n]]
@@ -431,22 +490,14 @@ def main() -> int:
         f"{time.monotonic() - started:.0f} s in all"
     )
     if probes:
-        t, i = probe_spread(probes, "ttft_ms"), probe_spread(probes, "itl_ms")
-        svc = median_figures(engine_only, probes, service_figures)["service"]
-        hits = [pr["cached"] for pr in probes if "cached" in pr]
-        c = probe_spread(hits, "ttft_ms") if hits else None
-        print(
-            f"probes ({len(probes)}, {PROBE_PROMPT}-token lone requests on {names[0]}): TTFT p50 "
-            f"{t[0]:.2f} ms ({t[1]:.2f}-{t[2]:.2f}), "
-            + (f"cached {c[0]:.2f} ms ({c[1]:.2f}-{c[2]:.2f}), " if c else "")
-            + f"ITL p50 {i[0]:.2f} ms ({i[1]:.2f}-{i[2]:.2f})"
-            f" -> median request_latency_s {svc['request_latency_s'] * 1000:.2f} ms, "
-            f"step_overhead_s {ms_curve(svc['step_overhead_s'])}, "
-            f"prefill_overhead_s {svc.get('prefill_overhead_s', 0.0) * 1000:.2f} ms, "
-            f"prefill_beside_decode_s {ms_curve(svc.get('prefill_beside_decode_s', 0.0))}, "
-            f"prefill_after_idle_s {ms_curve(svc.get('prefill_after_idle_s', 0.0))}"
-        )
-        print_sweep(engine_only, probes)
+        print(probe_line(engine_only, probes, names[0]))
+        for n in names[1:] if own is not None else []:
+            print(probe_line(engine_only, own[n], n))
+        for n in names if own is not None else names[:1]:
+            print(f"  engines {n}'s probes met: " + routing_line(own[n] if own else probes))
+        print_sweep(engine_only, probes, names[0])
+        for n in names[1:] if own is not None else []:
+            print_sweep(engine_only, own[n], n)
         print_idle(engine_only, reals, probes)
     print("\nmeasured p50s per round (ms):")
     print(rounds_table(reals, loads))
@@ -462,9 +513,15 @@ def main() -> int:
         )
         verdict = "holds" if worst <= TARGET else "does not hold"
         print(f"worst error of a median p50 ({v}): {worst:.1%}: {TARGET:.0%} {verdict}")
-    print_by_round(by_round)
+    print_by_round(by_round, f"{names[0]}'s probe")
+    print_by_round(by_round_own, "own configuration's probe")
     print("\nmedian p50 errors side by side (measured median ms, then each way's error):")
     print(side_by_side(rows))
+    worsts = []
+    for v in variants:
+        errs = [rel(sim[k]["p50"], real[k]["p50"]) for _, sim, real in rows[v] for k, _ in METRICS]
+        worsts.append(f"{v} {max(abs(e) for e in errs):.1%}")
+    print("worst median p50 error per way: " + "; ".join(worsts))
     print_breakdown(engine_only, reals, probes, sims, names, list(variants))
     if all("cpu" in r for runs in reals.values() for r in runs):
         print(
