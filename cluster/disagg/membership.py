@@ -142,7 +142,13 @@ class Membership:
         try:
             info = await self.call(e, "ready")
             if self.gateway_session not in info.get("gateways", (self.gateway_session,)):
-                info = await self._join(e, info)
+                if info.get("serving", True):
+                    info = await self._join(e, info)
+                else:
+                    # its loop has ended (a failing or stopping engine closes every
+                    # gateway's socket): no drop of this gateway, and nothing to
+                    # join; its death (requests migrate) or restart decides
+                    info = None
         except TimeoutError:
             pass  # paused, starved or busy: the heartbeat decides
         except Exception as exc:  # noqa: BLE001 - the actor died or is restarting

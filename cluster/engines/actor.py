@@ -125,6 +125,7 @@ class EngineActor:
             "model": self.config.model.name,
             "gateway_session": self.gateway_session,
             "gateways": list(self.service.gateway_sessions),  # a snapshot, any thread
+            "serving": self.service.serving,  # False once its loop has ended
             "secret_fingerprint": secret_fingerprint(self.config.runtime.cluster_secret),
         }
 

@@ -277,6 +277,11 @@ class EngineService:
         return self.sessions.sessions()
 
     @property
+    def serving(self) -> bool:
+        """Its loop runs (it lists the gateways it serves); any thread."""
+        return self._loop_running
+
+    @property
     def gateway_sessions(self) -> tuple[int, ...]:
         """``gateways()`` from any thread (a snapshot the loop replaces)."""
         return self.sessions.snapshot
