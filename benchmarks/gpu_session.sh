@@ -34,6 +34,9 @@
 #   bash benchmarks/gpu_session.sh fpdefault  # <= 9 min: every file of tests/gpu with
 #                                          #   full_and_piecewise as the default graph mode (on
 #                                          #   the device's copy only): what switching it waits on
+#   bash benchmarks/gpu_session.sh gateway  # <= 3 min: serve_gateway.py with 1/2/4 gateways on
+#                                          #   this box's cores, the lean client and paired
+#                                          #   ratios (#29, session 15's harness)
 #   bash benchmarks/gpu_session.sh all     # the first four, where no per-command limit applies
 #   GPU_DEADLINE_S=500 bash benchmarks/gpu_session.sh tests parts
 #                                          # several parts in one command under one deadline:
@@ -61,8 +64,8 @@ set -u -o pipefail
 
 parts=("${@:-tests}")
 for part in "${parts[@]}"; do
-    case "$part" in tests | engine | parts | extras | wave3 | wave3b | wave3c | wave3d | wave3e | fpdefault | all) ;; *)
-        echo "usage: $0 tests|engine|parts|extras|wave3|wave3b|wave3c|wave3d|wave3e|fpdefault|all [more parts]" >&2
+    case "$part" in tests | engine | parts | extras | wave3 | wave3b | wave3c | wave3d | wave3e | fpdefault | gateway | all) ;; *)
+        echo "usage: $0 tests|engine|parts|extras|wave3|wave3b|wave3c|wave3d|wave3e|fpdefault|gateway|all [more parts]" >&2
         exit 2
         ;;
     esac
@@ -274,6 +277,14 @@ run_fpdefault() {
         workers/graphs/sizes.py
 }
 
+run_gateway() {
+    # #29 on this box's cores: every server set up at once, the repeats in a turning order,
+    # ratios as medians of each repeat's own (paired_ratio); the lean client (no aiohttp here)
+    stage "serve_gateway.py 1/2/4 raw" 170 "$out/serve-gateway.txt" \
+        python3 benchmarks/serve_gateway.py --client raw --api-server-count 1 2 4 \
+        --concurrency 64 256 --repeats 3 --num-rounds 2
+}
+
 export -f environment # timeout runs programs, not shell functions
 stage environment 30 "$out/env.txt" bash -c environment
 for part in "${parts[@]}"; do
@@ -288,6 +299,7 @@ for part in "${parts[@]}"; do
     wave3d) run_wave3d ;;
     wave3e) run_wave3e ;;
     fpdefault) run_fpdefault ;;
+    gateway) run_gateway ;;
     all)
         run_tests
         run_engine
