@@ -28,12 +28,8 @@
 #                                          #   1/2/4 gateways on this box's cores (#29)
 #   bash benchmarks/gpu_session.sh wave3e  # <= 5 min: the half-GPU P/D test with each engine's
 #                                          #   memory outside torch in its share (NVML), in the
-#                                          #   decode mode and with full_and_piecewise as the
-#                                          #   default, gpu_pd_memory.py in full_and_piecewise,
+#                                          #   default mode, gpu_pd_memory.py in full_and_piecewise,
 #                                          #   and the engine, NIXL and tier GPU tests
-#   bash benchmarks/gpu_session.sh fpdefault  # <= 9 min: every file of tests/gpu with
-#                                          #   full_and_piecewise as the default graph mode (on
-#                                          #   the device's copy only): what switching it waits on
 #   bash benchmarks/gpu_session.sh gateway  # <= 3 min: serve_gateway.py with 1/2/4 gateways on
 #                                          #   this box's cores, the lean client and paired
 #                                          #   ratios (#29, session 15's harness)
@@ -64,8 +60,8 @@ set -u -o pipefail
 
 parts=("${@:-tests}")
 for part in "${parts[@]}"; do
-    case "$part" in tests | engine | parts | extras | wave3 | wave3b | wave3c | wave3d | wave3e | fpdefault | gateway | all) ;; *)
-        echo "usage: $0 tests|engine|parts|extras|wave3|wave3b|wave3c|wave3d|wave3e|fpdefault|gateway|all [more parts]" >&2
+    case "$part" in tests | engine | parts | extras | wave3 | wave3b | wave3c | wave3d | wave3e | gateway | all) ;; *)
+        echo "usage: $0 tests|engine|parts|extras|wave3|wave3b|wave3c|wave3d|wave3e|gateway|all [more parts]" >&2
         exit 2
         ;;
     esac
@@ -219,16 +215,12 @@ run_wave3b() {
     stage "serve_gateway.py 1/2/4" 150 "$out/serve-gateway.txt" \
         python3 benchmarks/serve_gateway.py --api-server-count 1 2 4 --concurrency 64 256 \
         --repeats 2 --num-rounds 1
-    # the default graph mode full_and_piecewise (sizes.py), on this copy of the tree only
-    sed -i 's/^DEFAULT_CUDA_GRAPH_MODE = "decode"/DEFAULT_CUDA_GRAPH_MODE = "full_and_piecewise"/' \
-        workers/graphs/sizes.py
-    stage "tests/gpu full_and_piecewise" 200 "$out/gpu-tests-fp.log" \
+    # the engine files in the default graph mode (full_and_piecewise since 2026-11-28)
+    stage "tests/gpu engine files" 200 "$out/gpu-tests-fp.log" \
         python3 -m pytest -p no:cacheprovider -q -ra --timeout 120 --durations=10 \
         tests/gpu/test_cuda_engine.py tests/gpu/test_cuda_piecewise.py \
         tests/gpu/test_cuda_async_scheduling.py tests/gpu/test_cuda_graph_inputs.py \
         tests/gpu/test_cuda_pd_half_gpu.py
-    sed -i 's/^DEFAULT_CUDA_GRAPH_MODE = "full_and_piecewise"/DEFAULT_CUDA_GRAPH_MODE = "decode"/' \
-        workers/graphs/sizes.py
 }
 
 run_wave3c() {
@@ -250,31 +242,14 @@ run_wave3d() {
 }
 
 run_wave3e() {
-    stage "half-GPU P/D, decode" 120 "$out/pd-half.log" \
+    stage "half-GPU P/D, default" 120 "$out/pd-half.log" \
         python3 -m pytest -p no:cacheprovider -q -ra --timeout 110 tests/gpu/test_cuda_pd_half_gpu.py
     stage "gpu_pd_memory.py fp" 120 "$out/pd-memory.txt" \
         python3 benchmarks/gpu_pd_memory.py --modes full_and_piecewise
-    # the default graph mode full_and_piecewise (sizes.py), on this copy of the tree only
-    sed -i 's/^DEFAULT_CUDA_GRAPH_MODE = "decode"/DEFAULT_CUDA_GRAPH_MODE = "full_and_piecewise"/' \
-        workers/graphs/sizes.py
-    stage "half-GPU P/D, fp default" 120 "$out/pd-half-fp.log" \
-        python3 -m pytest -p no:cacheprovider -q -ra --timeout 110 tests/gpu/test_cuda_pd_half_gpu.py
-    sed -i 's/^DEFAULT_CUDA_GRAPH_MODE = "full_and_piecewise"/DEFAULT_CUDA_GRAPH_MODE = "decode"/' \
-        workers/graphs/sizes.py
     # the engine, NIXL and tier files: start-up now creates the connector before sizing
     stage "engine, NIXL, tiers tests" 150 "$out/gpu-tests.log" \
         python3 -m pytest -p no:cacheprovider -q -ra --timeout 100 tests/gpu/test_cuda_engine.py \
         tests/gpu/test_cuda_nixl.py tests/gpu/test_cuda_kv_tiers.py
-}
-
-run_fpdefault() {
-    sed -i 's/^DEFAULT_CUDA_GRAPH_MODE = "decode"/DEFAULT_CUDA_GRAPH_MODE = "full_and_piecewise"/' \
-        workers/graphs/sizes.py
-    stage "tests/gpu, fp default" 500 "$out/gpu-tests-fp.log" \
-        python3 -m pytest -p no:cacheprovider -q -ra --timeout 150 --durations=15 \
-        --junitxml="$out/gpu-tests-fp.xml" tests/gpu
-    sed -i 's/^DEFAULT_CUDA_GRAPH_MODE = "full_and_piecewise"/DEFAULT_CUDA_GRAPH_MODE = "decode"/' \
-        workers/graphs/sizes.py
 }
 
 run_gateway() {
@@ -298,7 +273,6 @@ for part in "${parts[@]}"; do
     wave3c) run_wave3c ;;
     wave3d) run_wave3d ;;
     wave3e) run_wave3e ;;
-    fpdefault) run_fpdefault ;;
     gateway) run_gateway ;;
     all)
         run_tests
