@@ -3,10 +3,12 @@
 0. Rounds: one measurement of a configuration is one sample of a shared
    box (session 9: the same decode load's ITL p50 moved 1.89-2.25 ms
    between configurations of one run). So the run is ``--rounds`` rounds
-   (default 3), each serving every configuration in turn (interleaved: a
-   busy minute lands on one round of each, not on one configuration; the
-   order turns by one place a round, so each configuration runs first, second
-   and third once in three rounds), with
+   (default 5; 3 before session 16, whose runs held 15% on five rounds where
+   some of their own three-round windows did not: docs/benchmarks.md), each
+   serving every configuration in turn (interleaved: a busy minute lands on
+   one round of each, not on one configuration; the order turns by one place
+   a round, so each configuration runs first, second and third once in three
+   rounds), with
    a shorter trace than a single pass would use (default 32 requests, ~16 s).
    A configuration's measured figure is the median of its rounds' p50s,
    shown with their min-max and each round's own error.
@@ -389,7 +391,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rate", type=float, default=2.0, help="arrivals per second of the trace")
     p.add_argument("--num-requests", type=int, default=32, help="requests per round's trace")
-    p.add_argument("--rounds", type=int, default=3, help="rounds of every configuration")
+    p.add_argument("--rounds", type=int, default=5, help="rounds of every configuration")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", help="a profile measured earlier (default: measure one now)")
     p.add_argument("--configs", default="1P1D,1P2D,2P1D")
