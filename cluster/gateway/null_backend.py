@@ -84,7 +84,7 @@ class NullBackend(Backend):
     @classmethod
     def tiny(cls, **kwargs: Any) -> NullBackend:
         """A NullBackend with the built-in tiny model's tokenizer (in a process that
-        barred torch, as ``tandem serve``'s does, the checkpoint is found in a child)."""
+        barred torch, as ``tandem serve``'s does, a checkpoint not yet built is built in a child)."""
         from tandem.workers.checkpoints.model_dir import resolve_model_dir
         from tandem.workers.text.tokenizer import load_tokenizer
 

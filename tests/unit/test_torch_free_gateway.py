@@ -1,7 +1,8 @@
 """The gateway process bars torch (``cluster/gateway/torch_free.py``): with torch barred, the
 serve command's modules import, the app builds over a backend, the model's tokenizer loads and
-encodes a chat, and a model directory is resolved in a child interpreter
-(``workers/checkpoints/model_dir.py``) with the in-process call's answers and errors. Each case
+encodes a chat, and a model directory is resolved with the in-process call's answers and
+errors: in a child interpreter where that needs torch (``workers/checkpoints/model_dir.py``),
+in the process itself for the built tiny checkpoint and an existing directory. Each case
 runs in a fresh interpreter (this test process has torch loaded)."""
 
 from __future__ import annotations
@@ -55,13 +56,42 @@ def test_the_gateway_builds_and_tokenizes_with_torch_barred():
     )
 
 
-def test_a_model_directory_resolves_in_a_child_when_torch_is_barred(tmp_path):
-    tiny = ensure_tiny_model()
+def test_a_model_that_needs_torch_resolves_in_a_child_when_torch_is_barred():
+    """A built-in GGUF name goes through the converter (torch): the child answers with the
+    converted directory, as the call in this process does."""
+    from tandem.workers.checkpoints.loader import resolve_model_path
+
+    converted = resolve_model_path("smollm2")  # converted here first if it is not yet
     out = run_barred(
+        "import subprocess\n"
         "from tandem.workers.checkpoints.model_dir import resolve_model_dir\n"
-        "print(json.dumps({'path': resolve_model_dir('tiny'), 'torch': sys.modules['torch']}))\n"
+        "children = []\n"
+        "run = subprocess.run\n"
+        "subprocess.run = lambda argv, **kw: children.append(argv[-1]) or run(argv, **kw)\n"
+        "print(json.dumps({'path': resolve_model_dir('smollm2'), 'torch': sys.modules['torch'],\n"
+        "                  'children': children}))\n"
     )
-    assert out == {"path": tiny, "torch": None}
+    assert out == {"path": converted, "torch": None, "children": ["smollm2"]}
+
+
+def test_a_built_tiny_and_a_model_directory_resolve_without_a_child(tmp_path):
+    """What needs no torch (``model_dir.ready_model_dir``) is answered in the gateway's own
+    process: the built tiny checkpoint and a directory with a config.json, as
+    ``resolve_model_path`` answers them; the child interpreter (2-3 s of CPU) is not started."""
+    from tandem.workers.checkpoints.loader import resolve_model_path
+
+    tiny = ensure_tiny_model()
+    (tmp_path / "config.json").write_text("{}")
+    relative = os.path.relpath(tmp_path, ROOT)
+    out = run_barred(
+        "import subprocess\n"
+        "from tandem.workers.checkpoints.model_dir import resolve_model_dir\n"
+        "subprocess.run = None  # no child\n"
+        f"paths = [resolve_model_dir(m) for m in ('tiny', {str(tmp_path)!r}, {relative!r})]\n"
+        "print(json.dumps({'paths': paths, 'torch': sys.modules['torch']}))\n"
+    )
+    assert out == {"paths": [tiny, str(tmp_path), str(tmp_path)], "torch": None}
+    assert resolve_model_path(str(tmp_path)) == str(tmp_path)
 
 
 @pytest.mark.parametrize(
@@ -116,7 +146,7 @@ def test_structured_output_validation_is_torch_free():
 
 def test_the_null_backend_gateway_starts_torch_free_and_freezes_its_heap():
     """``benchmarks/serve_gateway.py``'s gateway process, set up as ``tandem serve``'s: the
-    null backend finds ``tiny`` in a child, and after ``freeze_startup_heap`` the collector
+    null backend finds ``tiny`` (built: without a child), and after ``freeze_startup_heap`` the collector
     walks only what was allocated since and its young generation waits for ``YOUNG_THRESHOLD``
     net allocations (``cluster/gateway/heap.py``); the collector still runs; the app still streams."""
     out = run_barred(

@@ -70,7 +70,7 @@ def ensure_converted(gguf_path: str, cache_dir: str | None = None) -> str:
     ``ValueError`` naming the file and the cause) for one we cannot load;
     then nothing is left in the cache.
     """
-    from tandem.workers.checkpoints.tiny import default_cache_dir
+    from tandem.workers.checkpoints.cache_dir import default_cache_dir
 
     source = os.path.abspath(os.path.expanduser(gguf_path))
     if not os.path.isfile(source):

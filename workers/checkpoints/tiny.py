@@ -11,7 +11,7 @@ parameter-name order, independent of transformers' init code. The
 tokenizer is byte-level: token id ``b`` is byte ``b`` (0-255), then
 ``<s>`` 256, ``</s>`` 257, ``<pad>`` 258, ``<|system|>`` 259, ``<|user|>``
 260, ``<|assistant|>`` 261; any UTF-8 text round-trips.
-Bump ``TINY_VERSION`` whenever the contents change.
+Bump ``TINY_VERSION`` (``cache_dir.py``) whenever the contents change.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-TINY_VERSION = "tiny-v1"
+from tandem.workers.checkpoints.cache_dir import TINY_VERSION, built_tiny_dir, default_cache_dir
+
 SEED = 1234
 WEIGHT_STD = 0.25  # large enough that greedy decoding does not stick on one token
 SPECIAL_TOKENS = ["<s>", "</s>", "<pad>", "<|system|>", "<|user|>", "<|assistant|>"]
@@ -52,19 +53,13 @@ TINY_CONFIG: dict[str, Any] = {
 }
 
 
-def default_cache_dir() -> str:
-    """``$TANDEM_CACHE_DIR`` or ``~/.cache/tandem``."""
-    return os.environ.get("TANDEM_CACHE_DIR") or os.path.join(
-        os.path.expanduser("~"), ".cache", "tandem"
-    )
-
-
 def ensure_tiny_model(cache_dir: str | None = None) -> str:
     """Path of the tiny checkpoint under ``cache_dir`` (default above), built if absent."""
+    built = built_tiny_dir(cache_dir)
+    if built is not None:
+        return built
     root = Path(cache_dir or default_cache_dir())
     final = root / TINY_VERSION
-    if (final / "config.json").is_file():
-        return str(final)
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{TINY_VERSION}-", dir=root))
     try:
