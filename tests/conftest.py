@@ -61,15 +61,18 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Files with ``slow`` tests first, each file's tests in their order: ``make test``'s
-    two workers take whole files in this order (``--dist loadfile``), so the long service
-    files start early and the short ones fill in at the end, instead of one worker
-    finishing a long file alone while the other has nothing left.
+    """Files with ``slow`` tests first, then ``long`` files, each file's tests in their
+    order: ``make test``'s two workers take whole files in this order (``--dist loadfile``),
+    so the long files start early and the short ones fill in at the end, instead of one
+    worker finishing a long file alone while the other has nothing left (the last file
+    collected, tests/workers/test_verify_graphs.py, runs 70 s).
 
     ``gpu``-marked tests skip when (and only when) torch sees no CUDA device; the reason
     shows in the summary (``-ra``). On a GPU machine they run, and a failure fails."""
     slow_files = {item.path for item in items if item.get_closest_marker("slow") is not None}
-    items.sort(key=lambda item: item.path not in slow_files)  # stable: the order kept within
+    long_files = {item.path for item in items if item.get_closest_marker("long") is not None}
+    # stable: the order kept within each group
+    items.sort(key=lambda item: (item.path not in slow_files, item.path not in long_files))
     gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
     if not gpu_items:
         return

@@ -23,6 +23,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+pytestmark = pytest.mark.long  # tens of seconds: started early (tests/conftest.py)
+
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "tandem"
 CRD_GZ = Path(__file__).parent / "kuberay" / "ray.io_rayclusters.yaml.gz"

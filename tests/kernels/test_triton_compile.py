@@ -25,6 +25,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.long  # tens of seconds: started early (tests/conftest.py)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 OTHER_SHAPES = [
     "tiny-llama",

@@ -16,6 +16,8 @@ import pytest
 
 from tandem.workers.checkpoints.tiny import ensure_tiny_model
 
+pytestmark = pytest.mark.long  # tens of seconds: started early (tests/conftest.py)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

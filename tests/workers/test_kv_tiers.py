@@ -17,6 +17,8 @@ from tandem.wire.engine_protocol import EngineRequest, SamplingParams
 from tandem.workers.config import EngineConfig
 from tandem.workers.engine.llm import LLM
 
+pytestmark = pytest.mark.long  # tens of seconds: started early (tests/conftest.py)
+
 SP = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 GIB = 1 << 30
 FILE_HEADER = header_bytes(1)  # a segment's header page: budget one a block (sha256 keys)

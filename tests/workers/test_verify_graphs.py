@@ -32,6 +32,8 @@ from tests.workers.test_spec_decode import (  # noqa: E402
     prompts,
 )
 
+pytestmark = pytest.mark.long  # tens of seconds: started early (tests/conftest.py)
+
 
 def test_token_buckets_are_the_decode_buckets_and_those_times_q():
     assert verify_sizes([1, 2, 4, 8], 5) == [1, 2, 4, 5, 8, 10, 20, 40]
