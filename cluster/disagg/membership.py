@@ -68,6 +68,7 @@ class Membership:
         self.num_engine_restarts = 0
         self.num_orphans_aborted = 0  # requests aborted on an engine that came back
         self.num_joins = 0  # engines this gateway joined (started by another)
+        self.num_join_timeouts = 0  # joins that did not answer within call_timeout_s
         self.death_confirm_window_s = 1.0
         self.confirming: set[asyncio.Task] = set()  # fast death verdicts in progress
         self.node_id: str | None = None  # this process's Ray node
@@ -212,6 +213,15 @@ class Membership:
         try:
             info = await asyncio.wait_for(_await_ref(ref), self.call_timeout_s)
         except asyncio.TimeoutError:
+            # no verdict (the next probe asks again), but said: a gateway that never joins
+            # would otherwise wait out its whole ready timeout without a line
+            self.num_join_timeouts += 1
+            logger.warning(
+                "engine %s: joining it took over %s s (%d times); the next probe tries again",
+                eid,
+                self.call_timeout_s,
+                self.num_join_timeouts,
+            )
             raise TimeoutError(f"join took over {self.call_timeout_s} s") from None
         self.num_joins += 1
         logger.info("joined engine %s (it serves %d gateways)", eid, len(info["gateways"]))

@@ -77,3 +77,41 @@ def test_an_engine_whose_loop_ended_is_not_a_drop_its_requests_wait_for_its_verd
     assert plane.failed == []  # not ended with an error: death or restart decides
     assert "join" not in [name for name, _ in actor.calls]  # nothing to join
     assert e.requests == {"cmpl-1"} and not e.answered
+
+
+class _Silent(_Method):
+    """An actor method that never answers (a join stuck in the engine)."""
+
+    def remote(self, *args):
+        self.calls.append((self.name, args))
+        return asyncio.get_running_loop().create_future()
+
+
+def test_a_join_that_never_answers_is_said_each_probe_and_asked_again(caplog):
+    actor = _Actor(serving=True)
+    actor.join = _Silent(actor.calls, "join", None)
+    e = Engine(
+        EngineHandle("decode-0", "decode", actor),
+        EngineState("decode-0", "decode", epoch=EPOCH, ready=True),
+        EngineHealth(dead_after_s=30.0),
+    )
+    e.health.reset(EPOCH)
+    m = Membership(
+        {"decode-0": e}, _Plane(), None, ErrorLog(), FrameCounters(),
+        health_interval_s=0.5, call_timeout_s=0.05, gateway_session=SESSION,
+    )  # fmt: skip
+
+    async def two_probes():
+        await m.check(e)
+        await m.check(e)
+
+    with caplog.at_level("WARNING", logger="tandem.cluster.disagg.membership"):
+        asyncio.run(two_probes())
+    assert [name for name, _ in actor.calls if name != "stats"] == ["ready", "join"] * 2
+    assert m.num_join_timeouts == 2 and m.num_joins == 0
+    said = [r.getMessage() for r in caplog.records if "joining it took over" in r.getMessage()]
+    assert said == [
+        "engine decode-0: joining it took over 0.05 s (1 times); the next probe tries again",
+        "engine decode-0: joining it took over 0.05 s (2 times); the next probe tries again",
+    ]
+    assert not e.health.actor_dead  # no verdict
