@@ -1,13 +1,13 @@
 """Where a command's CPU goes, by kind of process: the test suite's, by default.
 
-Runs the command and samples /proc every ``--interval-s`` while it runs: each
-process's CPU time (utime + stime) at its last sample, keyed by pid and start
-time, its kind from its command line (``kind_of``). At the end it prints CPU
-seconds per kind, how many processes, and the box's busy CPU seconds over the
-run (/proc/stat) beside the command's wall time. Processes that live less than
-one interval are missed (their CPU is in the busy figure only), and one that
-was running before the command counts whole: read the kinds, not the last
-second.
+Samples /proc once, runs the command and samples every ``--interval-s`` while it
+runs: each process's CPU time (utime + stime) at its last sample, less what it
+had at the first sample if it was running before the command, keyed by pid and
+start time, its kind from its command line (``kind_of``). At the end it prints
+CPU seconds per kind, how many processes spent any, and the box's busy CPU
+seconds over the run (/proc/stat) beside the command's wall time. Processes
+that live less than one interval are missed (their CPU is in the busy figure
+only): read the kinds, not the last second.
 
 Run: python benchmarks/suite_cpu.py [--interval-s 0.5] [-- COMMAND ...]
      (default command: .venv/bin/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder)
@@ -25,6 +25,7 @@ from collections import Counter
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks._cpu_account import box_busy_s  # noqa: E402
 from benchmarks._machine import machine  # noqa: E402
 
 DEFAULT_COMMAND = [
@@ -60,15 +61,10 @@ def kind_of(cmdline: str) -> str:
     return "other"
 
 
-def _busy_ticks() -> int:
-    with open("/proc/stat") as f:
-        fields = f.readline().split()[1:]
-    user, nice, system, _idle, _iowait, irq, softirq = (int(x) for x in fields[:7])
-    return user + nice + system + irq + softirq
-
-
-def sample(seen: dict[tuple[int, str], list], ticks_per_s: int) -> None:
-    """One pass over /proc: every process's command line (first sight) and CPU seconds."""
+def sample(seen: dict[tuple[int, str], list], ticks_per_s: int, before: bool = False) -> None:
+    """One pass over /proc: every process's command line and CPU seconds, and at first
+    sight its CPU seconds until then if ``before`` (the pass before the command), else 0:
+    ``[cmdline, cpu_s, base_s]``."""
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
@@ -81,7 +77,7 @@ def sample(seen: dict[tuple[int, str], list], ticks_per_s: int) -> None:
             if key not in seen:
                 with open(f"/proc/{name}/cmdline", "rb") as f:
                     cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
-                seen[key] = [cmdline, cpu_s]
+                seen[key] = [cmdline, cpu_s, cpu_s if before else 0.0]
             else:
                 seen[key][1] = cpu_s
         except (OSError, ValueError, IndexError):
@@ -90,11 +86,11 @@ def sample(seen: dict[tuple[int, str], list], ticks_per_s: int) -> None:
 
 def by_kind(seen: dict[tuple[int, str], list]) -> tuple[Counter, Counter]:
     cpu, count = Counter(), Counter()
-    for cmdline, cpu_s in seen.values():
-        if not cmdline.strip():
-            continue  # kernel threads: in the box's busy figure only
+    for cmdline, cpu_s, base_s in seen.values():
+        if not cmdline.strip() or cpu_s <= base_s:
+            continue  # kernel threads (in the box's busy figure only), or idle meanwhile
         kind = kind_of(cmdline)
-        cpu[kind] += cpu_s
+        cpu[kind] += cpu_s - base_s
         count[kind] += 1
     return cpu, count
 
@@ -107,12 +103,13 @@ def main() -> int:
     command = args.command or DEFAULT_COMMAND
     ticks_per_s = os.sysconf("SC_CLK_TCK")
     seen: dict[tuple[int, str], list] = {}
-    busy0, start = _busy_ticks(), time.monotonic()
+    sample(seen, ticks_per_s, before=True)
+    busy0, start = box_busy_s(), time.monotonic()
     proc = subprocess.Popen(command)
     while proc.poll() is None:
         sample(seen, ticks_per_s)
         time.sleep(args.interval_s)
-    wall_s, busy_s = time.monotonic() - start, (_busy_ticks() - busy0) / ticks_per_s
+    wall_s, busy_s = time.monotonic() - start, box_busy_s() - busy0
     cpu, count = by_kind(seen)
     total = sum(cpu.values())
     print(f"suite_cpu: {' '.join(command)} (exit {proc.returncode})")

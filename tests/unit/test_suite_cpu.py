@@ -37,8 +37,9 @@ def test_kinds(cmdline, kind):
 
 def test_the_sampler_sees_this_process_and_keeps_its_last_cpu_time():
     seen: dict = {}
-    sample(seen, os.sysconf("SC_CLK_TCK"))
+    sample(seen, os.sysconf("SC_CLK_TCK"), before=True)
     mine = [v for (pid, _), v in seen.items() if pid == os.getpid()]
+    assert mine[0][2] == mine[0][1]  # seen before the command: its CPU so far is the base
     with open("/proc/self/cmdline", "rb") as f:
         assert len(mine) == 1 and mine[0][0] == f.read().replace(b"\0", b" ").decode()
     first = mine[0][1]
@@ -47,5 +48,12 @@ def test_the_sampler_sees_this_process_and_keeps_its_last_cpu_time():
         pass
     sample(seen, os.sysconf("SC_CLK_TCK"))
     assert [v for (pid, _), v in seen.items() if pid == os.getpid()][0][1] >= first
-    cpu, count = by_kind({(1, "0"): ["/x/python -m pytest -q ", 2.0], (2, "0"): ["", 5.0]})
-    assert cpu == {"pytest": 2.0} and count == {"pytest": 1}  # kernel threads left out
+    cpu, count = by_kind(
+        {
+            (1, "0"): ["/x/python -m pytest -q ", 2.0, 0.0],  # started during the command
+            (2, "0"): ["", 5.0, 0.0],  # a kernel thread: left out
+            (3, "0"): ["/x/python -m pytest -x ", 7.0, 6.5],  # running before: its delta
+            (4, "0"): ["/usr/bin/daemon ", 9.0, 9.0],  # idle meanwhile: left out
+        }
+    )
+    assert cpu == {"pytest": 2.5} and count == {"pytest": 2}
