@@ -151,7 +151,10 @@ class Membership:
                     # join; its death (requests migrate) or restart decides
                     info = None
         except TimeoutError:
-            pass  # paused, starved or busy: the heartbeat decides
+            # paused, starved or busy: the heartbeat decides. A join that timed out
+            # leaves no answer either: ``ready``'s said this gateway is not served
+            # there, so its input socket is not connected (nor it registered) yet
+            info = None
         except Exception as exc:  # noqa: BLE001 - the actor died or is restarting
             if getattr(exc, "actor_init_failed", False) and not e.state.epoch:
                 # never came up: a config or model error, not a crash to wait out

@@ -115,3 +115,27 @@ def test_a_join_that_never_answers_is_said_each_probe_and_asked_again(caplog):
         "engine decode-0: joining it took over 0.05 s (2 times); the next probe tries again",
     ]
     assert not e.health.actor_dead  # no verdict
+
+
+def test_a_new_engine_whose_join_times_out_is_not_connected_to_this_gateway():
+    """``ready`` answered but the join did not: the engine does not serve this gateway,
+    so the probe connects nothing and it is not counted as answered (nor registered)."""
+    actor = _Actor(serving=True)
+    actor.ready.answer = {**actor.ready.answer, "input_addr": "tcp://127.0.0.1:2"}
+    actor.join = _Silent(actor.calls, "join", None)
+    e = Engine(
+        EngineHandle("decode-0", "decode", actor),
+        EngineState("decode-0", "decode"),  # not up yet for this gateway: epoch 0
+        EngineHealth(dead_after_s=30.0),
+    )
+    connected = []
+    plane = _Plane()
+    plane.connect = lambda engine, addr, epoch: connected.append((addr, epoch))
+    m = Membership(
+        {"decode-0": e}, plane, None, ErrorLog(), FrameCounters(),
+        health_interval_s=0.5, call_timeout_s=0.05, gateway_session=SESSION,
+    )  # fmt: skip
+    asyncio.run(m.check(e))
+    assert m.num_join_timeouts == 1
+    assert connected == [] and e.state.epoch == 0
+    assert not e.answered and not e.state.ready
