@@ -13,7 +13,16 @@ harness also drives ``serve_gateway.py``'s bare ASGI app (pre-encoded chunks, on
 loop turn per token), runs alternating: "gateway - bare" is what our code adds
 per token over an endpoint that does nothing but stream, HTTP and socket aside.
 
+``--backend engine``: the gateway over the production backend (``RayBackend``: the ZMQ
+data plane, one queue per stream, the orchestrator's try and migration ledger) and one
+colocated engine played by ``benchmarks/_synthetic_engine.py`` in its own process (one
+``EngineOutputs`` per step with a token for each running request, paced by
+``--engine-step-ms``; its control calls are answered in this process, no Ray). The
+figure is this process's CPU per token (its ZMQ I/O thread included), the engine's
+not: what the null backend's figure misses of a real gateway's per-token path.
+
 Run: python benchmarks/gateway_token_path.py [--repeats 6] [--profile] [--streams 64] [--tokens 128]
+     [--backend null|engine] [--engine-step-ms 2] [--rounds N]
 """
 
 from __future__ import annotations
@@ -71,20 +80,88 @@ def request_body(num_tokens: int = NUM_TOKENS) -> bytes:
     ).encode()  # fmt: skip
 
 
-def run_once(
+async def run_once(
     app, body: bytes, rounds: int, num_streams: int = NUM_STREAMS, num_tokens: int = NUM_TOKENS
 ) -> float:
     """CPU microseconds per token over ``rounds`` x ``num_streams`` streams of
     ``num_tokens`` tokens (the request ``body`` must ask for as many)."""
     counts = [0]
-
-    async def main() -> None:
-        for _ in range(rounds):
-            await asyncio.gather(*(stream(app, body, counts) for _ in range(num_streams)))
-
     start = time.process_time()
-    asyncio.run(main())
+    for _ in range(rounds):
+        await asyncio.gather(*(stream(app, body, counts) for _ in range(num_streams)))
     return (time.process_time() - start) / (rounds * num_streams * num_tokens) * 1e6
+
+
+class _LocalMethod:
+    """An actor method answered in this process (``.remote()`` gives an awaitable)."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+
+    def remote(self, *args):
+        async def call():
+            return self.fn(*args)
+
+        return call()
+
+
+class _SyntheticEngine:
+    """The synthetic engine's process and the control calls the backend makes of it."""
+
+    def __init__(self, output_addr: str, step_ms: float) -> None:
+        import subprocess
+
+        import msgspec
+
+        from tandem.cluster.engines.actor import free_port
+        from tandem.scheduler.engine_stats import EngineStats
+
+        engine_id = "colocated-0"
+        input_addr = f"tcp://127.0.0.1:{free_port()}"
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_synthetic_engine.py")
+        self.proc = subprocess.Popen(
+            [sys.executable, script, "--input", input_addr, "--output", output_addr,
+             "--engine-id", engine_id, "--step-ms", str(step_ms)]
+        )  # fmt: skip
+        info = {
+            "engine_id": engine_id, "role": "colocated", "epoch": 1, "input_addr": input_addr,
+            "max_model_len": 4096, "max_num_seqs": 1024, "block_size": 16,
+            "prefix_caching_hash_algo": "sha256", "num_kv_blocks": 1 << 16,
+        }  # fmt: skip
+        stats = msgspec.msgpack.encode(EngineStats(engine_id, "colocated", 1))
+        self.ready = _LocalMethod(lambda: info)
+        self.stats = _LocalMethod(lambda: stats)
+        self.set_prefill_endpoints = _LocalMethod(lambda endpoints: True)
+        self.leave = _LocalMethod(lambda session: 0)
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait(10)
+
+
+async def engine_backend(tokenizer, step_ms: float):
+    """A started ``RayBackend`` over one synthetic engine, and the engine."""
+    from tandem.cluster.disagg.ray_backend import RayBackend
+    from tandem.cluster.engines.actor import free_port
+    from tandem.cluster.engines.pools import EngineHandle
+    from tandem.cluster.routing.policy import RoutingConfig
+
+    output_addr = f"tcp://127.0.0.1:{free_port()}"
+    engine = _SyntheticEngine(output_addr, step_ms)
+    backend = RayBackend(
+        [EngineHandle("colocated-0", "colocated", engine)],
+        tokenizer=tokenizer,
+        model_name="tiny",
+        output_addr=output_addr,
+        engine_dead_after_s=120.0,
+        routing=RoutingConfig(router="least-load"),
+    )
+    try:
+        await backend.start(ready_timeout_s=60)
+    except BaseException:
+        engine.stop()
+        raise
+    return backend, engine
 
 
 def main() -> int:
@@ -99,15 +176,30 @@ def main() -> int:
     parser.add_argument(
         "--tokens", type=int, default=NUM_TOKENS, help="output tokens per request (rounds scale up)"
     )
+    parser.add_argument(
+        "--backend", choices=["null", "engine"], default="null",
+        help="the gateway's backend: the null one, or RayBackend over a synthetic engine",
+    )  # fmt: skip
+    parser.add_argument(
+        "--engine-step-ms", type=float, default=2.0, help="--backend engine: the step's pacing"
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=0, help="rounds per run (default: the same tokens per run)"
+    )
     args = parser.parse_args()
+    return asyncio.run(amain(args))
+
+
+async def amain(args: argparse.Namespace) -> int:
     # the same tokens per run
-    rounds = max(1, ROUNDS * NUM_STREAMS * NUM_TOKENS // (args.streams * args.tokens))
+    rounds = args.rounds or max(
+        1, ROUNDS * NUM_STREAMS * NUM_TOKENS // (args.streams * args.tokens)
+    )
     from tandem.cluster.gateway.torch_free import bar_torch
 
     bar_torch()  # the gateway's process as ``tandem serve`` sets it up: no torch, heap frozen
     import logging
 
-    from benchmarks.serve_gateway import bare_app
     from tandem.cluster.gateway.app import create_app
     from tandem.cluster.gateway.heap import freeze_startup_heap
     from tandem.cluster.gateway.null_backend import NullBackend
@@ -116,29 +208,49 @@ def main() -> int:
     root = logging.getLogger()  # as `tandem serve`: INFO, one line per request
     root.addHandler(make_handler("text", open(os.devnull, "w")))  # noqa: SIM115
     root.setLevel(logging.INFO)
-    app = create_app(NullBackend.tiny())
-    freeze_startup_heap()
+    backend = NullBackend.tiny()
+    engine = None
+    if args.backend == "engine":
+        backend, engine = await engine_backend(backend.tokenizer, args.engine_step_ms)
+    try:
+        app = create_app(backend)
+        freeze_startup_heap()
+        return await measure(app, args, rounds)
+    finally:
+        if engine is not None:
+            await backend.close()
+            engine.stop()
+
+
+async def measure(app, args: argparse.Namespace, rounds: int) -> int:
+    from benchmarks.serve_gateway import bare_app
+
     bare = bare_app()
     body = request_body(args.tokens)
-    run_once(app, body, 1)  # warm-up: caches, imports
-    run_once(bare, body, 1)
+    await run_once(app, body, 1)  # warm-up: caches, imports
+    await run_once(bare, body, 1)
     if args.profile:
         import cProfile
         import pstats
 
         with cProfile.Profile() as prof:
-            run_once(app, body, rounds, args.streams, args.tokens)
+            await run_once(app, body, rounds, args.streams, args.tokens)
         pstats.Stats(prof).sort_stats(args.sort).print_stats(args.top)
         return 0
     runs: dict[str, list[float]] = {"bare": [], "gateway": []}
     for _ in range(args.repeats):
-        runs["bare"].append(run_once(bare, body, rounds, args.streams, args.tokens))
-        runs["gateway"].append(run_once(app, body, rounds, args.streams, args.tokens))
+        runs["bare"].append(await run_once(bare, body, rounds, args.streams, args.tokens))
+        runs["gateway"].append(await run_once(app, body, rounds, args.streams, args.tokens))
     print("gateway_token_path: CPU per token in-process (ASGI, no HTTP, no socket)")
     print(f"machine: {machine()}, load average {os.getloadavg()[0]:.1f}")
+    backend = (
+        "null backend"
+        if args.backend == "null"
+        else f"RayBackend over a synthetic engine ({args.engine_step_ms:g} ms steps)"
+    )
     print(
         f"workload: {args.streams} streams x {args.tokens} tokens x {rounds} rounds, "
-        f"null backend, {args.repeats} alternating runs"
+        f"{backend}, {args.repeats} alternating runs"
     )
     print("| app | median CPU us/token | min | max |")
     print("|---|---:|---:|---:|")

@@ -34,12 +34,16 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from tandem.cluster.disagg.engine import Engine
 from tandem.cluster.routing.router import Router
 from tandem.wire.engine_protocol import EngineOutput, EngineRequest
+
+if TYPE_CHECKING:
+    from tandem.cluster.disagg.data_plane import OutputStream
 
 logger = logging.getLogger(__name__)
 
@@ -156,7 +160,7 @@ class Migrator:
         (a late output of the old run could not be told from the new one's)."""
         return {eid for eid, epoch in ledger.lost if self.engines[eid].state.epoch == epoch}
 
-    async def prepare(self, lost: EngineLost, q: asyncio.Queue, ledger: StreamLedger) -> str | None:
+    async def prepare(self, lost: EngineLost, q: OutputStream, ledger: StreamLedger) -> str | None:
         """Decide whether the stream moves on; wait (bounded) for an engine to
         take it. Returns None to resubmit, else the error text to end with."""
         ledger.lost.add((lost.engine_id, lost.epoch))

@@ -26,13 +26,12 @@ client's stream goes on token-identical.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator
 
 import zmq
 
-from tandem.cluster.disagg.data_plane import DataPlane, EngineFailed
+from tandem.cluster.disagg.data_plane import DataPlane, EngineFailed, OutputStream
 from tandem.cluster.disagg.engine import Engine, Traffic
 from tandem.cluster.disagg.migration import EngineLost, Migrator, StreamLedger
 from tandem.cluster.disagg.tier_lending import TierLending
@@ -98,7 +97,7 @@ class Orchestrator:
             self.plane.close_stream(rid)
 
     async def _attempt(
-        self, request: EngineRequest, q: asyncio.Queue, ledger: StreamLedger, hashes: PromptHashes
+        self, request: EngineRequest, q: OutputStream, ledger: StreamLedger, hashes: PromptHashes
     ) -> AsyncIterator[EngineOutput]:
         """One try at ``request``: (P then) D, or a colocated engine. Raises
         ``EngineLost`` out of the generating engine's stream (migration)."""
@@ -170,7 +169,7 @@ class Orchestrator:
         return choice
 
     async def _remote_prefill(
-        self, request: EngineRequest, q: asyncio.Queue, hashes: PromptHashes
+        self, request: EngineRequest, q: OutputStream, hashes: PromptHashes
     ) -> EngineOutput | None:
         """Run the prompt on a prefill engine; retry once on another. Returns
         P's output (first token + kv_transfer_params), or None to prefill on
@@ -210,7 +209,7 @@ class Orchestrator:
         self,
         choice: Choice,
         request: EngineRequest,
-        q: asyncio.Queue,
+        q: OutputStream,
         observe: bool = False,
         num_choices: int = 1,
     ) -> AsyncIterator[EngineOutput]:

@@ -1,0 +1,30 @@
+"""``benchmarks/gateway_token_path.py --backend engine`` runs: the gateway over the
+production backend (``RayBackend``'s data plane and orchestrator, no Ray) streams every
+token of a synthetic engine process (``benchmarks/_synthetic_engine.py``) and prints its
+table; the engine process is stopped after. A run that lost outputs would never finish
+its streams: the subprocess's deadline fails it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_the_engine_backend_run_streams_every_token_and_prints_its_table():
+    cmd = [
+        sys.executable, os.path.join(ROOT, "benchmarks", "gateway_token_path.py"),
+        "--backend", "engine", "--engine-step-ms", "0", "--repeats", "1",
+        "--streams", "8", "--tokens", "64", "--rounds", "2",
+    ]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "RayBackend over a synthetic engine (0 ms steps)" in done.stdout
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| gateway |")]
+    assert len(rows) == 1 and float(rows[0].split("|")[2]) > 0
+    leftover = subprocess.run(
+        ["pgrep", "-f", "_synthetic_engine.py"], capture_output=True, text=True
+    ).stdout.split()
+    assert not leftover, f"synthetic engine processes left: {leftover}"
