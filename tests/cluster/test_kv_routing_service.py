@@ -14,9 +14,10 @@ import pytest
 from tandem.cluster.cli.serve import ServiceThread
 from tandem.cluster.cli.settings import serve_config
 from tandem.cluster.observability.logging_setup import make_handler
+from tests import shared_ray
 from tests.cluster.service_helpers import client, wait_idle
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.shared_ray]
 
 ENGINE = {"num_kv_blocks": 128, "max_num_seqs": 16, "max_model_len": 1024}
 PREFIXES = [
@@ -26,9 +27,7 @@ PREFIXES = [
 
 @pytest.fixture(scope="module")
 def svc():
-    import ray
-
-    ray.init(include_dashboard=False, num_cpus=3, log_to_driver=False)
+    shared_ray.start()
     config = serve_config(
         model="tiny", ray_dashboard=False, max_restarts=2, prefill=1, decode=2, **ENGINE
     )
@@ -36,7 +35,7 @@ def svc():
         with ServiceThread(config) as s:
             yield s
     finally:
-        ray.shutdown()
+        shared_ray.release()
 
 
 def _complete(svc, prompt):

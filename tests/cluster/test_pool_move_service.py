@@ -25,11 +25,12 @@ import time
 import httpx
 import pytest
 
+from tests import shared_ray
 from tests.chaos.harness import Workload, serve_config, verdict
 from tests.chaos.service import requests_on, reset_prefix_caches, settle, stats
 from tests.cluster.test_scaling import cluster_state, ids, metric
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.shared_ray]
 
 KEY = "pool-move-test-admin-key"
 NUM_STREAMS = 8
@@ -38,11 +39,9 @@ MAX_TOKENS = 96
 
 @pytest.fixture(scope="module")
 def svc_refs():
-    import ray
-
     from tandem.cluster.cli.serve import ServiceThread
 
-    ray.init(include_dashboard=False, num_cpus=2, log_to_driver=False)
+    shared_ray.start()
     config = serve_config(
         f"pool-move-{os.getpid()}",
         admin_api_key=KEY,
@@ -59,7 +58,7 @@ def svc_refs():
                 assert r.done and r.error is None and r.finish_reason == "length", r
             yield svc, refs.results
     finally:
-        ray.shutdown()
+        shared_ray.release()
 
 
 def move(svc, source_pool: str, dest_pool: str, key: str = KEY, **extra) -> httpx.Response:
