@@ -5,9 +5,12 @@ it binds its input PULL (``EngineRequest`` / ``EngineAbort`` from the gateway) a
 connects a PUSH to the gateway's output address, and every step sends one
 ``EngineOutputs`` holding one output per running request (one token each; the last one
 ``LENGTH`` with the request's timings), plus a heartbeat about every second. It computes
-nothing: ``--step-ms`` paces the steps (0: as fast as it can). It runs until killed. Its CPU is its own
-process's, so the gateway's figures stay the gateway's (``benchmarks/gateway_token_path.py
---backend engine``).
+nothing: ``--step-ms`` paces the steps (0: as fast as it can); it runs until killed. Its
+CPU is its own process's, so the gateway's figures stay the gateway's
+(``benchmarks/gateway_token_path.py --backend engine``).
+
+``SyntheticEngine`` starts one and stands in for its actor (``LocalMethod``: an actor method
+answered in-process, as ``RayBackend`` awaits it).
 
 Run: python benchmarks/_synthetic_engine.py --input tcp://127.0.0.1:P --output tcp://... [--step-ms 2]
 """
@@ -22,6 +25,54 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 TOKEN_IDS = [84, 104, 101, 32, 113, 117, 105, 99, 107]  # what the tokens are does not matter
+
+
+class LocalMethod:
+    """An actor method answered in this process (``.remote()`` gives an awaitable)."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+
+    def remote(self, *args):
+        async def call():
+            return self.fn(*args)
+
+        return call()
+
+
+class SyntheticEngine:
+    """This engine in its own process, and the control calls ``RayBackend`` makes of an
+    engine's actor, answered here (its ``EngineHandle``'s actor)."""
+
+    def __init__(self, output_addr: str, step_ms: float) -> None:
+        import subprocess
+
+        import msgspec
+
+        from tandem.cluster.engines.actor import free_port
+        from tandem.scheduler.engine_stats import EngineStats
+
+        engine_id = "colocated-0"
+        input_addr = f"tcp://127.0.0.1:{free_port()}"
+        script = os.path.abspath(__file__)
+        self.proc = subprocess.Popen(
+            [sys.executable, script, "--input", input_addr, "--output", output_addr,
+             "--engine-id", engine_id, "--step-ms", str(step_ms)]
+        )  # fmt: skip
+        info = {
+            "engine_id": engine_id, "role": "colocated", "epoch": 1, "input_addr": input_addr,
+            "max_model_len": 4096, "max_num_seqs": 1024, "block_size": 16,
+            "prefix_caching_hash_algo": "sha256", "num_kv_blocks": 1 << 16,
+        }  # fmt: skip
+        stats = msgspec.msgpack.encode(EngineStats(engine_id, "colocated", 1))
+        self.ready = LocalMethod(lambda: info)
+        self.stats = LocalMethod(lambda: stats)
+        self.set_prefill_endpoints = LocalMethod(lambda endpoints: True)
+        self.leave = LocalMethod(lambda session: 0)
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait(10)
 
 
 def serve(input_addr: str, output_addr: str, engine_id: str, epoch: int, step_s: float) -> None:

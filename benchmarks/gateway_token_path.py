@@ -92,62 +92,16 @@ async def run_once(
     return (time.process_time() - start) / (rounds * num_streams * num_tokens) * 1e6
 
 
-class _LocalMethod:
-    """An actor method answered in this process (``.remote()`` gives an awaitable)."""
-
-    def __init__(self, fn) -> None:
-        self.fn = fn
-
-    def remote(self, *args):
-        async def call():
-            return self.fn(*args)
-
-        return call()
-
-
-class _SyntheticEngine:
-    """The synthetic engine's process and the control calls the backend makes of it."""
-
-    def __init__(self, output_addr: str, step_ms: float) -> None:
-        import subprocess
-
-        import msgspec
-
-        from tandem.cluster.engines.actor import free_port
-        from tandem.scheduler.engine_stats import EngineStats
-
-        engine_id = "colocated-0"
-        input_addr = f"tcp://127.0.0.1:{free_port()}"
-        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_synthetic_engine.py")
-        self.proc = subprocess.Popen(
-            [sys.executable, script, "--input", input_addr, "--output", output_addr,
-             "--engine-id", engine_id, "--step-ms", str(step_ms)]
-        )  # fmt: skip
-        info = {
-            "engine_id": engine_id, "role": "colocated", "epoch": 1, "input_addr": input_addr,
-            "max_model_len": 4096, "max_num_seqs": 1024, "block_size": 16,
-            "prefix_caching_hash_algo": "sha256", "num_kv_blocks": 1 << 16,
-        }  # fmt: skip
-        stats = msgspec.msgpack.encode(EngineStats(engine_id, "colocated", 1))
-        self.ready = _LocalMethod(lambda: info)
-        self.stats = _LocalMethod(lambda: stats)
-        self.set_prefill_endpoints = _LocalMethod(lambda endpoints: True)
-        self.leave = _LocalMethod(lambda session: 0)
-
-    def stop(self) -> None:
-        self.proc.kill()
-        self.proc.wait(10)
-
-
 async def engine_backend(tokenizer, step_ms: float):
     """A started ``RayBackend`` over one synthetic engine, and the engine."""
+    from benchmarks._synthetic_engine import SyntheticEngine
     from tandem.cluster.disagg.ray_backend import RayBackend
     from tandem.cluster.engines.actor import free_port
     from tandem.cluster.engines.pools import EngineHandle
     from tandem.cluster.routing.policy import RoutingConfig
 
     output_addr = f"tcp://127.0.0.1:{free_port()}"
-    engine = _SyntheticEngine(output_addr, step_ms)
+    engine = SyntheticEngine(output_addr, step_ms)
     backend = RayBackend(
         [EngineHandle("colocated-0", "colocated", engine)],
         tokenizer=tokenizer,

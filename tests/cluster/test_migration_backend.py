@@ -16,6 +16,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from benchmarks._synthetic_engine import LocalMethod
 from tandem.cluster.disagg.migration import MigrationPolicy
 from tandem.cluster.disagg.ray_backend import RayBackend
 from tandem.cluster.engines.actor import free_port
@@ -36,17 +37,6 @@ from tandem.wire.frames import decode
 PROMPT = [1, 5, 9, 14]
 ENGINE_IDS = ("colocated-0", "colocated-1")
 BLOCK_SIZE = 16
-
-
-class _Method:
-    def __init__(self, fn) -> None:
-        self.fn = fn
-
-    def remote(self, *args):
-        async def call():
-            return self.fn(*args)
-
-        return call()
 
 
 class FakeEngine:
@@ -81,11 +71,11 @@ class FakeEngine:
         }
         if role == "prefill":
             info["kv_address"] = ["127.0.0.1", 1]
-        self.ready = _Method(self._answer(lambda: info))
-        self.stats = _Method(
+        self.ready = LocalMethod(self._answer(lambda: info))
+        self.stats = LocalMethod(
             self._answer(lambda: msgspec.msgpack.encode(EngineStats(engine_id, role, 1)))
         )
-        self.set_prefill_endpoints = _Method(self._answer(lambda endpoints: True))
+        self.set_prefill_endpoints = LocalMethod(self._answer(lambda endpoints: True))
 
     def _answer(self, fn):
         def call(*args):
