@@ -170,3 +170,18 @@ def test_trace_replay_sends_every_row_at_its_time(server, tmp_path):
     assert summary["duration_s"] >= 0.4  # the last row is sent at 0.8 s x 0.5
     assert summary["trace"] == str(path)
     assert "prefix hit rate" in bench.format_table(summary)
+
+
+def test_building_the_cli_parser_imports_no_aiohttp():
+    """Every ``tandem`` command builds the parser, ``bench``'s arguments included; aiohttp
+    (0.3 s to import) is imported only by a bench run."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from tandem.cluster.cli.main import build_parser; build_parser(); "
+        "print('aiohttp' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "False"
