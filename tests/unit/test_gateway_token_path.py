@@ -7,6 +7,7 @@ its streams: the subprocess's deadline fails it."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 
@@ -19,12 +20,21 @@ def test_the_engine_backend_run_streams_every_token_and_prints_its_table():
         "--backend", "engine", "--engine-step-ms", "0", "--repeats", "1",
         "--streams", "8", "--tokens", "64", "--rounds", "2",
     ]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "RayBackend over a synthetic engine (0 ms steps)" in done.stdout
-    rows = [line for line in done.stdout.splitlines() if line.startswith("| gateway |")]
+    proc = subprocess.Popen(  # its own process group: its engine's too
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        stdout, stderr = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "RayBackend over a synthetic engine (0 ms steps)" in stdout
+    rows = [line for line in stdout.splitlines() if line.startswith("| gateway |")]
     assert len(rows) == 1 and float(rows[0].split("|")[2]) > 0
     leftover = subprocess.run(
-        ["pgrep", "-f", "_synthetic_engine.py"], capture_output=True, text=True
+        ["pgrep", "-g", str(proc.pid)], capture_output=True, text=True
     ).stdout.split()
-    assert not leftover, f"synthetic engine processes left: {leftover}"
+    assert not leftover, f"processes of the run left: {leftover}"
