@@ -128,7 +128,7 @@ def serve(input_addr: str, output_addr: str, engine_id: str, epoch: int, step_s:
                 continue
             del running[rid]
             took_s = time.monotonic() - state[2]
-            timings = RequestTimings(engine_id, 0, "colocated", finished_s=took_s)
+            timings = RequestTimings(engine_id, epoch, "colocated", finished_s=took_s)
             outputs.append(
                 EngineOutput(rid, [token], finish_reason=FinishReason.LENGTH, timings=timings)
             )
