@@ -23,6 +23,7 @@ Run: python benchmarks/gateway_instructions.py [--streams 64 256] [--output-toke
 from __future__ import annotations
 
 import argparse
+import asyncio
 import concurrent.futures
 import os
 import re
@@ -64,9 +65,21 @@ def child(kind: str, rounds: int, streams: int, num_tokens: int) -> None:
     app = create_app(NullBackend.tiny()) if kind == "gateway" else bare_app()
     freeze_startup_heap()
     body = harness.request_body(num_tokens)
-    harness.run_once(app, body, 1, streams, num_tokens)  # warm-up
-    if rounds:
-        harness.run_once(app, body, rounds, streams, num_tokens)
+
+    events = [0]
+
+    async def drive() -> None:  # the harness's runs, on one loop as gateway_token_path runs them
+        await harness.run_once(app, body, 1, streams, num_tokens, events)  # warm-up
+        if rounds:
+            await harness.run_once(app, body, rounds, streams, num_tokens, events)
+
+    asyncio.run(drive())
+    # every stream streamed (a token per body event, the first and last may carry more): a run
+    # that streamed nothing would count nothing and say so
+    expected = (1 + rounds) * streams * (num_tokens - 1)
+    if events[0] < expected:
+        raise RuntimeError(f"{kind}: {events[0]} body events, expected at least {expected}")
+    print(f"gateway_instructions child: {kind} sent {events[0]} body events")
 
 
 def checkout_path(tree: str) -> str:

@@ -81,11 +81,17 @@ def request_body(num_tokens: int = NUM_TOKENS) -> bytes:
 
 
 async def run_once(
-    app, body: bytes, rounds: int, num_streams: int = NUM_STREAMS, num_tokens: int = NUM_TOKENS
+    app,
+    body: bytes,
+    rounds: int,
+    num_streams: int = NUM_STREAMS,
+    num_tokens: int = NUM_TOKENS,
+    counts: list[int] | None = None,
 ) -> float:
     """CPU microseconds per token over ``rounds`` x ``num_streams`` streams of
-    ``num_tokens`` tokens (the request ``body`` must ask for as many)."""
-    counts = [0]
+    ``num_tokens`` tokens (the request ``body`` must ask for as many). ``counts[0]``, when
+    given, grows by the body events the app sent."""
+    counts = [0] if counts is None else counts
     start = time.process_time()
     for _ in range(rounds):
         await asyncio.gather(*(stream(app, body, counts) for _ in range(num_streams)))

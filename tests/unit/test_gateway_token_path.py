@@ -38,3 +38,19 @@ def test_the_engine_backend_run_streams_every_token_and_prints_its_table():
         ["pgrep", "-g", str(proc.pid)], capture_output=True, text=True
     ).stdout.split()
     assert not leftover, f"processes of the run left: {leftover}"
+
+
+def test_the_cachegrind_child_streams_every_token_of_each_app():
+    """``benchmarks/gateway_instructions.py``'s child (what runs under cachegrind; here
+    without it) drives each app through this harness and counts its body events: a child
+    that streamed nothing (session 18's: the harness's coroutines never awaited) would count
+    nothing, and its cachegrind totals would be start-up only."""
+    for kind, at_least in (("gateway", 2 * 4 * 8), ("bare", 2 * 4 * 8)):
+        done = subprocess.run(
+            [sys.executable, os.path.join(ROOT, "benchmarks", "gateway_instructions.py"),
+             "--child", kind, "1", "4", "8"],
+            capture_output=True, text=True, cwd=ROOT, timeout=120,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        sent = int(done.stdout.split(f"{kind} sent ")[1].split()[0])
+        assert sent >= at_least, done.stdout
