@@ -93,17 +93,17 @@ def stop_cluster(temp_dir: str, grace_s: float = 15.0) -> None:
     assert not cluster_pids(temp_dir), "Ray processes of the test's cluster outlived SIGKILL"
 
 
-def test_ray_job_submit_serves_completions():
-    tmp = tempfile.mkdtemp(prefix="tandem-ray-")
-    gcs, dash, api = free_port(), free_port(), free_port()
-    # the job's `python` is looked up on PATH: the one running these tests
-    env = dict(os.environ, RAY_AUTH_MODE="disabled", PATH=BIN + os.pathsep + os.environ["PATH"])
-    env.pop("RAY_ADDRESS", None)
-    started = False
-    job_id = None
-    dash_url = f"http://127.0.0.1:{dash}"
-    try:
-        run(
+# what ``ray start`` prints when its raylet or GCS did not answer in time: on a loaded
+# two-core machine (the suite's other worker starting engines) it happens now and then
+_STARTUP_TIMED_OUT = ("timed out during startup", "Deadline Exceeded")
+
+
+def start_head(tmp: str, gcs: int, dash: int, env: dict, attempts: int = 2) -> None:
+    """``ray start --head`` with this test's ports and temp dir; once more, after stopping
+    what the first try left, when the first timed out during startup (any other failure
+    fails at once)."""
+    for attempt in range(attempts):
+        proc = run(
             "start",
             "--head",
             "--node-ip-address=127.0.0.1",
@@ -121,8 +121,26 @@ def test_ray_job_submit_serves_completions():
             f"--runtime-env-agent-port={free_port()}",
             f"--metrics-export-port={free_port()}",
             env=env,
+            check=False,
         )
-        started = True
+        if proc.returncode == 0:
+            return
+        timed_out = any(text in proc.stderr for text in _STARTUP_TIMED_OUT)
+        if not timed_out or attempt == attempts - 1:
+            expect_ok(("start", "--head"), proc)
+        stop_cluster(tmp)  # what the try started, before the next
+
+
+def test_ray_job_submit_serves_completions():
+    tmp = tempfile.mkdtemp(prefix="tandem-ray-")
+    gcs, dash, api = free_port(), free_port(), free_port()
+    # the job's `python` is looked up on PATH: the one running these tests
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", PATH=BIN + os.pathsep + os.environ["PATH"])
+    env.pop("RAY_ADDRESS", None)
+    job_id = None
+    dash_url = f"http://127.0.0.1:{dash}"
+    try:
+        start_head(tmp, gcs, dash, env)
         out = submit_when_agent_ready(
             "job",
             "submit",
@@ -169,6 +187,5 @@ def test_ray_job_submit_serves_completions():
     finally:
         if job_id:
             run("job", "stop", f"--address={dash_url}", job_id, env=env, check=False)
-        if started:
-            stop_cluster(tmp)
+        stop_cluster(tmp)  # also what a failed start left
         shutil.rmtree(tmp, ignore_errors=True)
