@@ -6,7 +6,9 @@
     nothing computed, transfers or
     held blocks to poll              -> 1, 2, 4, 8 ms ... (doubling while
                                         nothing happens)
-    nothing at all                   -> 20 ms  (control calls still served)
+    nothing at all                   -> 100 ms (heartbeats, a lost gateway's
+                                        check; control calls and shutdown wake
+                                        the loop at once: EngineService._wake)
 
 Any input or output resets the wait to its shortest. Waiting for remote KV
 (or for a decode engine to pull held blocks) used to poll every step
@@ -20,7 +22,7 @@ READ inside the step that posts it, so there it adds nothing).
 from __future__ import annotations
 
 MAX_PENDING_WAIT_MS = 8
-IDLE_WAIT_MS = 20
+IDLE_WAIT_MS = 100
 
 
 class LoopWait:

@@ -15,6 +15,7 @@ gateway that is gone with its requests (``gateway_outputs.py``).
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -49,6 +50,12 @@ class EngineService:
         self._loop_running = False
         self.started = threading.Event()  # the loop runs with its first gateway registered
         self._control: queue.Queue[tuple[Callable[[], Any], Future]] = queue.Queue()
+        # The loop's wake-up while it waits on its input: a pipe whose read end it polls
+        # beside the input socket, written by ``call_in_loop`` and ``shutdown`` (any thread),
+        # so an idle loop need not wake on a short timer to find their work. Open while
+        # ``serve_zmq`` runs; the lock keeps a write off a closed (or reused) descriptor.
+        self._wake_lock = threading.Lock()
+        self._wake_fds: tuple[int, int] | None = None
         self.malformed_frames = FrameCounters()
         self._auth: Any = None  # wire.auth.PlaneAuth while serve_zmq runs
         self.sessions = GatewaySessions(engine)  # the gateways served, their requests
@@ -129,6 +136,12 @@ class EngineService:
             outs.add(gateway_session, output_addr, default=True)
         poller = zmq.Poller()
         poller.register(inp, zmq.POLLIN)
+        wake_r, wake_w = os.pipe()
+        os.set_blocking(wake_r, False)
+        os.set_blocking(wake_w, False)
+        with self._wake_lock:
+            self._wake_fds = (wake_r, wake_w)
+        poller.register(wake_r, zmq.POLLIN)
         wait = LoopWait()
         enc = self._enc
         self._loop_running = True
@@ -156,6 +169,8 @@ class EngineService:
                 else:
                     timeout_ms = wait.next_ms(engine.has_work(), engine.last_step_num_tokens > 0)
                 events = dict(poller.poll(timeout_ms))
+                if wake_r in events:
+                    _drain(wake_r)
                 self._run_control()
                 errors: list[EngineOutput] = []
                 while inp in events:
@@ -188,6 +203,10 @@ class EngineService:
                     engine.release_idle_memory()
         finally:
             self._loop_running = False
+            with self._wake_lock:
+                self._wake_fds = None
+                os.close(wake_r)
+                os.close(wake_w)
             self._run_control()
             if self.profiler.running:
                 self.profiler.stop()
@@ -201,6 +220,7 @@ class EngineService:
         """Stop the loop (it releases the engine's step resources as it
         ends) and the engine's side services; from any thread."""
         self._shutdown.set()
+        self._wake()
         self.engine.stop_side_services()
         if not self._loop_running:
             self.engine.release_step_resources()
@@ -214,7 +234,18 @@ class EngineService:
             return fn()
         fut: Future = Future()
         self._control.put((fn, fut))
+        self._wake()
         return fut.result(timeout_s)
+
+    def _wake(self) -> None:
+        """Wake the loop from its wait on the input (from any thread; a no-op when no
+        loop runs). A full pipe already holds a wake-up, so that write is dropped."""
+        with self._wake_lock:
+            if self._wake_fds is not None:
+                try:
+                    os.write(self._wake_fds[1], b"\x01")
+                except BlockingIOError:
+                    pass
 
     def _run_control(self) -> None:
         while True:
@@ -298,3 +329,12 @@ class EngineService:
     def switch_gateway(self, output_addr: str, session: int = 0) -> int:
         """Loop thread only: ``GatewaySessions.switch``."""
         return self.sessions.switch(output_addr, session)
+
+
+def _drain(fd: int) -> None:
+    """Read every wake-up byte waiting in the (non-blocking) pipe."""
+    try:
+        while os.read(fd, 4096):
+            pass
+    except BlockingIOError:
+        pass
