@@ -9,17 +9,26 @@ seconds over the run (/proc/stat) beside the command's wall time. Processes
 that live less than one interval are missed (their CPU is in the busy figure
 only): read the kinds, not the last second.
 
-Run: python benchmarks/suite_cpu.py [--interval-s 0.5] [-- COMMAND ...]
+``--by-file``: the CPU by test file instead. The command's pytest processes load the plugin
+``benchmarks/_suite_files.py`` (added to the command line), which writes down when each test
+process starts each file; every process's CPU between two samples goes to the file its
+nearest pytest ancestor was running then (its ancestor found at first sight, so a child
+that outlives its parent keeps it). A process with no pytest ancestor (a daemon such as
+``ray start``'s, or the box's own) is "not under a test".
+
+Run: python benchmarks/suite_cpu.py [--interval-s 0.5] [--by-file [--top 40]] [-- COMMAND ...]
      (default command: .venv/bin/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder)
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 
@@ -61,10 +70,22 @@ def kind_of(cmdline: str) -> str:
     return "other"
 
 
-def sample(seen: dict[tuple[int, str], list], ticks_per_s: int, before: bool = False) -> None:
+PYTEST = re.compile(KINDS[0][1] + "|" + KINDS[1][1])  # a pytest process (worker or not)
+
+
+def sample(
+    seen: dict[tuple[int, str], list],
+    ticks_per_s: int,
+    before: bool = False,
+    deltas: dict[int, float] | None = None,
+) -> None:
     """One pass over /proc: every process's command line and CPU seconds, and at first
     sight its CPU seconds until then if ``before`` (the pass before the command), else 0:
-    ``[cmdline, cpu_s, base_s]``."""
+    ``[cmdline, cpu_s, base_s, owner]``. ``owner`` is the pid of its nearest pytest
+    ancestor (itself if it is one; None if it has none), found at first sight; with
+    ``deltas``, the CPU each owner's processes spent since the last pass is added to it."""
+    ppids: dict[int, int] = {}
+    new: set[tuple[int, str]] = set()
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
@@ -73,20 +94,43 @@ def sample(seen: dict[tuple[int, str], list], ticks_per_s: int, before: bool = F
                 stat = f.read()
             fields = stat[stat.rindex(")") + 2 :].split()
             cpu_s = (int(fields[11]) + int(fields[12])) / ticks_per_s
-            key = (int(name), fields[19])  # pid and start time: pids are reused
+            pid = int(name)
+            key = (pid, fields[19])  # pid and start time: pids are reused
+            ppids[pid] = int(fields[1])
             if key not in seen:
                 with open(f"/proc/{name}/cmdline", "rb") as f:
                     cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
-                seen[key] = [cmdline, cpu_s, cpu_s if before else 0.0]
+                seen[key] = [cmdline, cpu_s, cpu_s if before else 0.0, None]
+                new.add(key)
+                previous_s = seen[key][2]
             else:
+                previous_s = seen[key][1]
                 seen[key][1] = cpu_s
+            if deltas is not None and cpu_s > previous_s:
+                owner = seen[key][3] if key not in new else -pid  # resolved below
+                deltas[owner] = deltas.get(owner, 0.0) + cpu_s - previous_s
         except (OSError, ValueError, IndexError):
             continue  # gone meanwhile, or a kernel thread without a command line
+    if not new:
+        return
+    command_of = {pid: cmdline for (pid, _), (cmdline, *_) in seen.items() if pid in ppids}
+    for key in new:
+        pid = key[0]
+        for _ in range(64):  # up the parents to the nearest pytest process
+            if PYTEST.search(command_of.get(pid, "")):
+                seen[key][3] = pid
+                break
+            pid = ppids.get(pid, 0)
+            if pid <= 1:
+                break
+        if deltas is not None and -key[0] in deltas:
+            owner = seen[key][3]
+            deltas[owner] = deltas.get(owner, 0.0) + deltas.pop(-key[0])
 
 
 def by_kind(seen: dict[tuple[int, str], list]) -> tuple[Counter, Counter]:
     cpu, count = Counter(), Counter()
-    for cmdline, cpu_s, base_s in seen.values():
+    for cmdline, cpu_s, base_s, _owner in seen.values():
         if not cmdline.strip() or cpu_s <= base_s:
             continue  # kernel threads (in the box's busy figure only), or idle meanwhile
         kind = kind_of(cmdline)
@@ -95,19 +139,63 @@ def by_kind(seen: dict[tuple[int, str], list]) -> tuple[Counter, Counter]:
     return cpu, count
 
 
+def by_file(samples: list[tuple[float, dict]], timeline_path: str) -> tuple[Counter, Counter]:
+    """CPU seconds per test file (and the files' wall seconds in their processes) from the
+    passes' per-owner CPU and the plugin's timeline."""
+    starts: dict[int, list[tuple[float, str]]] = {}
+    with open(timeline_path) as f:
+        for line in f:
+            pid, t, file = line.split(maxsplit=2)
+            starts.setdefault(int(pid), []).append((float(t), file.strip()))
+    times = {pid: [t for t, _ in rows] for pid, rows in starts.items()}
+    cpu, wall = Counter(), Counter()
+    for rows in starts.values():
+        for (t0, file), (t1, _) in zip(rows, [*rows[1:], (samples[-1][0], "")], strict=True):
+            wall[file] += max(0.0, t1 - t0)
+    for t, deltas in samples:
+        for owner, cpu_s in deltas.items():
+            if owner is None:
+                cpu[NOT_UNDER_A_TEST] += cpu_s
+            elif owner not in starts:
+                cpu["(pytest, outside any test file)"] += cpu_s
+            else:
+                i = bisect.bisect_right(times[owner], t) - 1
+                cpu[starts[owner][i][1] if i >= 0 else "(pytest, before its first test)"] += cpu_s
+    return cpu, wall
+
+
+NOT_UNDER_A_TEST = "(not under a test)"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--interval-s", type=float, default=0.5)
+    parser.add_argument("--by-file", action="store_true", help="CPU by test file")
+    parser.add_argument("--top", type=int, default=40, help="--by-file: the files listed")
     parser.add_argument("command", nargs="*", help="the command (after --)")
     args = parser.parse_args()
     command = args.command or DEFAULT_COMMAND
+    env = None
+    if args.by_file:
+        if "pytest" not in command:
+            parser.error("--by-file needs a pytest command (python -m pytest ...)")
+        at = command.index("pytest") + 1
+        command = [*command[:at], "-p", "benchmarks._suite_files", *command[at:]]
+        timeline = tempfile.NamedTemporaryFile(prefix="suite-files-", delete=False)
+        timeline.close()
+        repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        python_path = os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p)
+        env = {**os.environ, "TANDEM_SUITE_FILES": timeline.name, "PYTHONPATH": python_path}
     ticks_per_s = os.sysconf("SC_CLK_TCK")
     seen: dict[tuple[int, str], list] = {}
+    samples: list[tuple[float, dict]] = []
     sample(seen, ticks_per_s, before=True)
     busy0, start = box_busy_s(), time.monotonic()
-    proc = subprocess.Popen(command)
+    proc = subprocess.Popen(command, env=env)
     while proc.poll() is None:
-        sample(seen, ticks_per_s)
+        deltas: dict = {}
+        sample(seen, ticks_per_s, deltas=deltas if args.by_file else None)
+        samples.append((time.monotonic(), deltas))
         time.sleep(args.interval_s)
     wall_s, busy_s = time.monotonic() - start, box_busy_s() - busy0
     cpu, count = by_kind(seen)
@@ -115,6 +203,18 @@ def main() -> int:
     print(f"suite_cpu: {' '.join(command)} (exit {proc.returncode})")
     print(f"machine: {machine()}")
     print(f"wall {wall_s:.0f} s, box busy {busy_s:.0f} CPU-s, sampled processes {total:.0f} CPU-s")
+    if args.by_file:
+        files, walls = by_file(samples, timeline.name)
+        os.unlink(timeline.name)
+        print("| test file | CPU s | share | wall s in its process |")
+        print("|---|---:|---:|---:|")
+        for file, cpu_s in files.most_common(args.top):
+            share = cpu_s / total if total else 0.0
+            print(f"| {file} | {cpu_s:.0f} | {share:.1%} | {walls.get(file, 0.0):.0f} |")
+        rest = files.most_common()[args.top :]
+        if rest:
+            print(f"| ({len(rest)} more files) | {sum(c for _, c in rest):.0f} | | |")
+        return proc.returncode
     print("| kind | CPU s | share | processes | CPU s each |")
     print("|---|---:|---:|---:|---:|")
     for kind, cpu_s in cpu.most_common():

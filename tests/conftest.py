@@ -2,7 +2,9 @@ import gc
 import logging
 import os
 import re
+import shutil
 import sys
+import tempfile
 
 import pytest
 
@@ -33,6 +35,18 @@ def pytest_configure(config):
         base = os.environ.get("RAY_TMPDIR", "/tmp")
         os.environ["RAY_TMPDIR"] = os.path.join(base, f"ray-{worker}")
         os.makedirs(os.environ["RAY_TMPDIR"], exist_ok=True)
+
+
+@pytest.fixture
+def ipc_dir():
+    """A short directory for a test's ZMQ ``ipc://`` endpoints (a Unix socket's path holds
+    107 bytes at most), removed after the test: libzmq leaves a bound endpoint's socket file
+    behind when the socket closes."""
+    path = tempfile.mkdtemp(prefix="tandem-ipc-")
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 # what marks a module that may start Ray (or a service, a gateway process) on its own

@@ -4,10 +4,13 @@ sampler over this process's own /proc entry."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import time
 
 import pytest
 
-from benchmarks.suite_cpu import by_kind, kind_of, sample
+from benchmarks.suite_cpu import NOT_UNDER_A_TEST, by_file, by_kind, kind_of, sample
 
 
 @pytest.mark.parametrize(
@@ -50,10 +53,59 @@ def test_the_sampler_sees_this_process_and_keeps_its_last_cpu_time():
     assert [v for (pid, _), v in seen.items() if pid == os.getpid()][0][1] >= first
     cpu, count = by_kind(
         {
-            (1, "0"): ["/x/python -m pytest -q ", 2.0, 0.0],  # started during the command
-            (2, "0"): ["", 5.0, 0.0],  # a kernel thread: left out
-            (3, "0"): ["/x/python -m pytest -x ", 7.0, 6.5],  # running before: its delta
-            (4, "0"): ["/usr/bin/daemon ", 9.0, 9.0],  # idle meanwhile: left out
+            (1, "0"): ["/x/python -m pytest -q ", 2.0, 0.0, 1],  # started during the command
+            (2, "0"): ["", 5.0, 0.0, None],  # a kernel thread: left out
+            (3, "0"): ["/x/python -m pytest -x ", 7.0, 6.5, 3],  # running before: its delta
+            (4, "0"): ["/usr/bin/daemon ", 9.0, 9.0, None],  # idle meanwhile: left out
         }
     )
     assert cpu == {"pytest": 2.5} and count == {"pytest": 2}
+
+
+def test_a_child_s_cpu_goes_to_its_nearest_pytest_ancestor():
+    """``--by-file``'s sampler: this test runs in a pytest process, so a child it starts is
+    owned by it, and the CPU the child spends between two passes is added to this pid."""
+    seen: dict = {}
+    ticks = os.sysconf("SC_CLK_TCK")
+    sample(seen, ticks, before=True)
+    busy = "import time\nend = time.process_time() + 0.3\nwhile time.process_time() < end: pass"
+    child = subprocess.Popen([sys.executable, "-c", busy + "\ntime.sleep(30)"])
+    try:
+        deadline = time.monotonic() + 30
+        owned = 0.0
+        while owned < 0.25:  # its 0.3 CPU-s, in one pass or several
+            assert time.monotonic() < deadline, seen
+            deltas: dict = {}
+            sample(seen, ticks, deltas=deltas)
+            owned += deltas.get(os.getpid(), 0.0)
+            time.sleep(0.1)
+        rows = [v for (pid, _), v in seen.items() if pid == child.pid]
+        assert len(rows) == 1 and rows[0][3] == os.getpid()
+    finally:
+        child.kill()
+        child.wait(10)
+
+
+def test_by_file_gives_each_pass_to_the_file_its_owner_was_running(tmp_path):
+    timeline = tmp_path / "timeline"
+    timeline.write_text(
+        "100 10.0 tests/a.py\n"  # worker 100: a.py from t=10, then b.py from t=20
+        "200 12.0 tests/c.py\n"
+        "100 20.0 tests/b.py\n"
+    )
+    samples = [
+        (5.0, {100: 1.0}),  # before its first file: collection
+        (11.0, {100: 2.0, None: 0.5}),  # a daemon nobody owns
+        (15.0, {100: 3.0, 200: 4.0, 300: 0.25}),  # 300: a pytest process without files
+        (25.0, {100: 5.0, 200: 6.0}),
+    ]
+    cpu, wall = by_file(samples, str(timeline))
+    assert cpu == {
+        "(pytest, before its first test)": 1.0,
+        "tests/a.py": 5.0,
+        "tests/b.py": 5.0,
+        "tests/c.py": 10.0,
+        NOT_UNDER_A_TEST: 0.5,
+        "(pytest, outside any test file)": 0.25,
+    }
+    assert wall == {"tests/a.py": 10.0, "tests/b.py": 5.0, "tests/c.py": 13.0}

@@ -6,7 +6,6 @@ heartbeats and the outputs of the requests it sends."""
 
 from __future__ import annotations
 
-import os
 import time
 
 import msgspec
@@ -40,13 +39,13 @@ def wait_stuck(service, timeout_s: float = 120.0) -> None:
         assert time.monotonic() < deadline, "the engine kept stepping: outputs still drain"
 
 
-def test_switch_gateway_aborts_the_old_requests_and_serves_the_new_gateway(served):
+def test_switch_gateway_aborts_the_old_requests_and_serves_the_new_gateway(served, ipc_dir):
     service, old = served
     send_all(old)
     wait_stuck(service)  # the old gateway reads nothing: outputs are held back
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
-    addr = f"ipc:///tmp/tandem-switch-{os.getpid()}"
+    addr = f"ipc://{ipc_dir}/switched"
     pull.bind(addr)
     try:
         assert in_loop(service, lambda: service.switch_gateway(addr)) == NUM_REQUESTS

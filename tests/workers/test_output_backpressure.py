@@ -6,7 +6,6 @@ every stream cut with an error and the engine frees everything."""
 
 from __future__ import annotations
 
-import itertools
 import os
 import threading
 import time
@@ -21,7 +20,6 @@ from tandem.workers.config import EngineConfig
 from tandem.workers.engine.core import EngineCore
 from tandem.workers.engine.service import EngineService
 
-_IDS = itertools.count()
 pytestmark = pytest.mark.slow  # an engine loop on real sockets, ~20 s
 
 NUM_REQUESTS = 16
@@ -75,7 +73,7 @@ class Gateway:
 
 
 @pytest.fixture
-def served(tiny_model_dir, request):
+def served(tiny_model_dir, ipc_dir, request):
     stall_s = getattr(request, "param", 600.0)
     config = EngineConfig.from_flat(
         model=tiny_model_dir,
@@ -86,7 +84,7 @@ def served(tiny_model_dir, request):
         output_stall_timeout_s=stall_s,
     )
     service = EngineService(EngineCore(config))
-    gw = Gateway(f"/tmp/tandem-bp-{os.getpid()}-{next(_IDS)}")
+    gw = Gateway(os.path.join(ipc_dir, "outputs"))
     thread = threading.Thread(target=service.serve_zmq, args=(gw.in_addr, gw.out_addr), daemon=True)
     thread.start()
     gw.push.connect(gw.in_addr)

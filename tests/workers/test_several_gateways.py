@@ -8,8 +8,6 @@ gateway, and a gateway joining later is served without disturbing them."""
 
 from __future__ import annotations
 
-import itertools
-import os
 import threading
 import time
 
@@ -30,7 +28,6 @@ from tandem.workers.engine.core import EngineCore
 from tandem.workers.engine.service import EngineService
 
 pytestmark = pytest.mark.slow  # an engine loop on real sockets
-_IDS = itertools.count()
 SP = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 LONG = SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True)
 
@@ -38,10 +35,10 @@ LONG = SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True)
 class Gw:
     """One gateway's output PULL and its own PUSH to the engine's input."""
 
-    def __init__(self, ctx: zmq.Context, session: int, in_addr: str) -> None:
+    def __init__(self, ctx: zmq.Context, session: int, in_addr: str, ipc_dir: str) -> None:
         self.session = session
         self.pull = ctx.socket(zmq.PULL)
-        self.out_addr = f"ipc:///tmp/tandem-gws-{os.getpid()}-{next(_IDS)}"
+        self.out_addr = f"ipc://{ipc_dir}/gw-{session}"
         self.pull.bind(self.out_addr)
         self.push = ctx.socket(zmq.PUSH)
         self.push.setsockopt(zmq.LINGER, 0)
@@ -74,14 +71,14 @@ class Gw:
 
 
 @pytest.fixture
-def engine(tiny_model_dir):
+def engine(tiny_model_dir, ipc_dir):
     config = EngineConfig.from_flat(
         model=tiny_model_dir, num_kv_blocks=256, max_model_len=2048, gateway_lost_after_s=1.0
     )
     service = EngineService(EngineCore(config))
     in_addr = f"tcp://127.0.0.1:{free_port()}"
     ctx = zmq.Context()
-    first = Gw(ctx, 11, in_addr)
+    first = Gw(ctx, 11, in_addr, ipc_dir)
     thread = threading.Thread(
         target=service.serve_zmq,
         args=(in_addr, first.out_addr),
@@ -109,9 +106,9 @@ def prompts(n: int) -> list[list[int]]:
     return [[3 + i, 9, 4 + 2 * i, 7] for i in range(n)]
 
 
-def test_outputs_go_to_their_own_gateway_and_a_dead_gateway_loses_only_its_streams(engine):
+def test_outputs_go_to_their_own_gateway_and_a_dead_gateway_loses_only_its_streams(engine, ipc_dir):
     service, ctx, in_addr, a = engine
-    b = Gw(ctx, 22, in_addr)
+    b = Gw(ctx, 22, in_addr, ipc_dir)
     assert in_loop(service, lambda: service.join_gateway(b.out_addr, b.session))
     assert not in_loop(service, lambda: service.join_gateway(b.out_addr, b.session))  # idempotent
     assert service.gateway_sessions == (11, 22)
@@ -157,12 +154,12 @@ def test_outputs_go_to_their_own_gateway_and_a_dead_gateway_loses_only_its_strea
     assert in_loop(service, service.check_integrity)
 
     # a new gateway joins and is served; a request naming no joined gateway is dropped
-    c = Gw(ctx, 33, in_addr)
+    c = Gw(ctx, 33, in_addr, ipc_dir)
     in_loop(service, lambda: service.join_gateway(c.out_addr, c.session))
     c.send("z-0", prompts(1)[0])
     c.read(lambda: c.finals.get("z-0") == FinishReason.LENGTH)
     assert c.tokens["z-0"] == ref["0"]
-    stray = Gw(ctx, 44, in_addr)
+    stray = Gw(ctx, 44, in_addr, ipc_dir)
     stray.send("nobody", prompts(1)[0])
     deadline = time.monotonic() + 30
     while service.sessions.num_unroutable == 0:
