@@ -32,6 +32,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 
 import msgspec
 import zmq
@@ -281,9 +282,15 @@ def fetch_handshake(
     on timeout, a malformed reply (counted in ``malformed``) or a refusal.
     With ``auth`` the socket is a CURVE client: a peer that is not a cluster
     member never answers (timeout). Safe to call from any thread (the socket
-    is private to the call)."""
+    is private to the call).
+
+    ``timeout_s`` bounds the send too: a peer that refuses the CURVE handshake
+    before the request is queued ends the connection for good (a protocol error:
+    no reconnect), and a REQ socket with no connection waits forever to send."""
+    deadline_s = time.monotonic() + timeout_s
     sock = context.socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDTIMEO, max(1, int(timeout_s * 1000)))
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES * HARD_LIMIT_FACTOR)
     if ":" in host:
         sock.setsockopt(zmq.IPV6, 1)
@@ -291,9 +298,16 @@ def fetch_handshake(
         auth.client(sock)
     try:
         sock.connect(_endpoint(host, port))
-        sock.send(msgspec.msgpack.encode(HandshakeRequest(CONNECTOR_VERSION, requester_engine_id)))
-        if not sock.poll(int(timeout_s * 1000), zmq.POLLIN):
-            raise HandshakeError(f"no handshake reply from {host}:{port} within {timeout_s} s")
+        no_reply = f"no handshake reply from {host}:{port} within {timeout_s} s"
+        try:
+            sock.send(
+                msgspec.msgpack.encode(HandshakeRequest(CONNECTOR_VERSION, requester_engine_id))
+            )
+        except zmq.Again:
+            raise HandshakeError(f"{no_reply} (no connection took the request)") from None
+        left_ms = max(0, int((deadline_s - time.monotonic()) * 1000))
+        if not sock.poll(left_ms, zmq.POLLIN):
+            raise HandshakeError(no_reply)
         frames = sock.recv_multipart(copy=False)
     finally:
         sock.close()

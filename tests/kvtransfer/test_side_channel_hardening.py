@@ -77,6 +77,61 @@ def test_malformed_messages_are_counted_and_the_server_keeps_serving(served):
         dealer.close()
 
 
+class _RefusedBeforeTheRequest(zmq.Socket):
+    """A socket whose ``connect`` returns once the peer has refused its handshake as a
+    protocol error (a client without CURVE, after a few retries): libzmq then ends that
+    connection for good, and the request is sent after it, as on a thread that runs late."""
+
+    def connect(self, addr):
+        if not addr.startswith("tcp://"):  # the monitor's own inproc socket
+            return super().connect(addr)
+        monitor = self.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+        try:
+            result = super().connect(addr)
+            assert monitor.poll(20_000), "the peer never refused the handshake"
+            # until the socket has taken in that the connection is gone (reading EVENTS
+            # makes it process its pending commands): it can no longer send
+            deadline = time.monotonic() + 20
+            while self.getsockopt(zmq.EVENTS) & zmq.POLLOUT:
+                assert time.monotonic() < deadline, "the ended connection still takes messages"
+                time.sleep(0.01)
+            return result
+        finally:
+            self.disable_monitor()
+            monitor.close(0)
+
+
+class _RefusedFirstContext(zmq.Context):
+    _socket_class = _RefusedBeforeTheRequest
+
+
+def test_a_handshake_refused_before_the_request_is_sent_times_out():
+    """Found under load (three test processes on two cores): the REQ socket, left without
+    a connection, waited forever to send the request."""
+    srv = SideChannelServer("p0", 4, "127.0.0.1", 0, secret=SECRET)
+    srv.set_info(INFO)
+    ctx = _RefusedFirstContext()
+    outcome: list = []
+
+    def fetch():
+        try:
+            fetch_handshake(ctx, "127.0.0.1", srv.port, "d-evil", 0.5, auth=PlaneAuth(ctx, None))
+        except HandshakeError as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=fetch, daemon=True)
+    try:
+        thread.start()
+        thread.join(30)
+        assert not thread.is_alive(), "fetch_handshake blocked in its send"
+        assert len(outcome) == 1 and "no handshake reply" in str(outcome[0]), outcome
+        assert srv.auth.failures().get("kv_side_channel", 0) >= 1
+    finally:
+        srv.close()
+        if not thread.is_alive():
+            ctx.destroy(linger=0)
+
+
 def test_a_peer_without_the_secret_never_gets_the_handshake():
     srv = SideChannelServer("p0", 4, "127.0.0.1", 0, secret=SECRET)
     srv.set_info(INFO)
