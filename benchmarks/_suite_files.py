@@ -9,10 +9,8 @@ import time
 
 import pytest
 
-_last = {"file": None}
-
-
 AFTER = "(pytest, after its last test)"
+_last = {"file": None}  # the file this process last wrote down
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -71,13 +71,14 @@ def kind_of(cmdline: str) -> str:
 
 
 PYTEST = re.compile(KINDS[0][1] + "|" + KINDS[1][1])  # a pytest process (worker or not)
+SAMPLER = re.compile(r"(?:^|[\s/])suite_cpu\.py\b")  # this file, run as a script
 
 
 def sample(
     seen: dict[tuple[int, str], list],
     ticks_per_s: int,
     before: bool = False,
-    deltas: dict[int, float] | None = None,
+    deltas: dict[int | None, float] | None = None,
 ) -> None:
     """One pass over /proc: every process's command line and CPU seconds, and at first
     sight its CPU seconds until then if ``before`` (the pass before the command), else 0:
@@ -85,7 +86,8 @@ def sample(
     ancestor (itself if it is one; None if it has none), found at first sight; with
     ``deltas``, the CPU each owner's processes spent since the last pass is added to it."""
     ppids: dict[int, int] = {}
-    new: set[tuple[int, str]] = set()
+    spent: dict[tuple[int, str], float] = {}  # this pass's CPU, by process
+    new: list[tuple[int, str]] = []
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
@@ -94,38 +96,39 @@ def sample(
                 stat = f.read()
             fields = stat[stat.rindex(")") + 2 :].split()
             cpu_s = (int(fields[11]) + int(fields[12])) / ticks_per_s
-            pid = int(name)
-            key = (pid, fields[19])  # pid and start time: pids are reused
-            ppids[pid] = int(fields[1])
+            key = (int(name), fields[19])  # pid and start time: pids are reused
+            ppids[key[0]] = int(fields[1])
             if key not in seen:
                 with open(f"/proc/{name}/cmdline", "rb") as f:
                     cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
                 seen[key] = [cmdline, cpu_s, cpu_s if before else 0.0, None]
-                new.add(key)
-                previous_s = seen[key][2]
-            else:
-                previous_s = seen[key][1]
-                seen[key][1] = cpu_s
-            if deltas is not None and cpu_s > previous_s:
-                owner = seen[key][3] if key not in new else -pid  # resolved below
-                deltas[owner] = deltas.get(owner, 0.0) + cpu_s - previous_s
+                new.append(key)
+            spent[key] = cpu_s - seen[key][1] if key not in new else cpu_s - seen[key][2]
+            seen[key][1] = cpu_s
         except (OSError, ValueError, IndexError):
             continue  # gone meanwhile, or a kernel thread without a command line
-    if not new:
-        return
-    command_of = {pid: cmdline for (pid, _), (cmdline, *_) in seen.items() if pid in ppids}
-    for key in new:
-        pid = key[0]
-        for _ in range(64):  # up the parents to the nearest pytest process
-            if PYTEST.search(command_of.get(pid, "")):
-                seen[key][3] = pid
-                break
-            pid = ppids.get(pid, 0)
-            if pid <= 1:
-                break
-        if deltas is not None and -key[0] in deltas:
-            owner = seen[key][3]
-            deltas[owner] = deltas.get(owner, 0.0) + deltas.pop(-key[0])
+    if new:
+        command_of = {pid: row[0] for (pid, _), row in seen.items() if pid in ppids}
+        for key in new:
+            seen[key][3] = _pytest_ancestor(key[0], ppids, command_of)
+    if deltas is not None:
+        for key, cpu_s in spent.items():
+            if cpu_s > 0:
+                owner = seen[key][3]
+                deltas[owner] = deltas.get(owner, 0.0) + cpu_s
+
+
+def _pytest_ancestor(pid: int, ppids: dict[int, int], command_of: dict[int, str]) -> int | None:
+    """``pid`` or its nearest ancestor that is a pytest process (not a sampler of this file,
+    whose command line names pytest after ``--``), or None."""
+    for _ in range(64):
+        command = command_of.get(pid, "")
+        if PYTEST.search(command) and not SAMPLER.search(command):
+            return pid
+        pid = ppids.get(pid, 0)
+        if pid <= 1:
+            return None
+    return None
 
 
 def by_kind(seen: dict[tuple[int, str], list]) -> tuple[Counter, Counter]:
@@ -137,6 +140,9 @@ def by_kind(seen: dict[tuple[int, str], list]) -> tuple[Counter, Counter]:
         cpu[kind] += cpu_s - base_s
         count[kind] += 1
     return cpu, count
+
+
+NOT_UNDER_A_TEST = "(not under a test)"
 
 
 def by_file(samples: list[tuple[float, dict]], timeline_path: str) -> tuple[Counter, Counter]:
@@ -162,9 +168,6 @@ def by_file(samples: list[tuple[float, dict]], timeline_path: str) -> tuple[Coun
                 i = bisect.bisect_right(times[owner], t) - 1
                 cpu[starts[owner][i][1] if i >= 0 else "(pytest, before its first test)"] += cpu_s
     return cpu, wall
-
-
-NOT_UNDER_A_TEST = "(not under a test)"
 
 
 def main() -> int:
