@@ -101,10 +101,12 @@ def sample(
             if key not in seen:
                 with open(f"/proc/{name}/cmdline", "rb") as f:
                     cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
-                seen[key] = [cmdline, cpu_s, cpu_s if before else 0.0, None]
+                base_s = cpu_s if before else 0.0
+                seen[key] = [cmdline, base_s, base_s, None]  # cpu_s set just below
                 new.append(key)
-            spent[key] = cpu_s - seen[key][1] if key not in new else cpu_s - seen[key][2]
-            seen[key][1] = cpu_s
+            row = seen[key]
+            spent[key] = cpu_s - row[1]
+            row[1] = cpu_s
         except (OSError, ValueError, IndexError):
             continue  # gone meanwhile, or a kernel thread without a command line
     if new:
